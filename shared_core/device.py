@@ -1,0 +1,88 @@
+"""Device and dtype selection, and a clock that is honest on accelerators."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
+           "float16": "float16", "fp16": "float16"}
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """Return the requested device, validated, or the best available one (cuda > mps > cpu)."""
+    import torch
+
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        if getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            return torch.device("mps")
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        msg = f"device={device!r} is not a torch device (use 'cpu', 'cuda', 'cuda:1' or 'mps')"
+        raise ValueError(msg) from e
+    if resolved.type == "cuda":
+        count = torch.cuda.device_count()
+        index = resolved.index or 0
+        if index >= count:
+            msg = f"device={device!r} requested but {count} CUDA device(s) are available"
+            raise ValueError(msg)
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        msg = f"device={device!r} requested but MPS is not available"
+        raise ValueError(msg)
+    elif resolved.type not in ("cpu", "cuda", "mps"):
+        msg = f"device={device!r}: only cpu, cuda and mps are supported"
+        raise ValueError(msg)
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    """bf16 on CUDA, fp32 elsewhere, unless the caller asks for something specific."""
+    import torch
+
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        resolved = dtype
+    elif isinstance(dtype, str) and dtype.lower() in _DTYPES:
+        resolved = getattr(torch, _DTYPES[dtype.lower()])
+    else:
+        msg = f"dtype={dtype!r} is not supported (use float32, bfloat16 or float16)"
+        raise ValueError(msg)
+    if resolved not in (torch.float32, torch.bfloat16, torch.float16):
+        msg = f"dtype={dtype!r} is not a floating dtype this project runs models in"
+        raise ValueError(msg)
+    return resolved
+
+
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for queued kernels so that a wall-clock reading covers them (no-op on CPU)."""
+    import torch
+
+    if device is None:
+        return
+    kind = torch.device(device).type
+    if kind == "cuda":
+        torch.cuda.synchronize(device)
+    elif kind == "mps":
+        torch.mps.synchronize()
+
+
+@contextmanager
+def timed(device: torch.device | str | None, out: list[float]) -> Iterator[None]:
+    """Append the synchronised wall time of the block, in seconds, to ``out``."""
+    synchronize(device)
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        synchronize(device)
+        out.append(time.perf_counter() - start)

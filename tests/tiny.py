@@ -1,0 +1,75 @@
+"""Tiny random-weight models built in-process (no hub, no files): the offline unit-test kit."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from shared_core.models import LM, wrap_lm
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Retrieval augmented generation copies spans from retrieved documents.",
+    "Speculative decoding drafts tokens and the target model verifies them in one pass.",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "A suffix automaton finds every occurrence of the longest matching suffix.",
+    "Question: who wrote the report? Answer: the committee wrote the report.",
+    "user: hello there\nassistant: hi, how can I help you today?",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+] * 4
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+@functools.lru_cache(maxsize=1)
+def tiny_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level BPE with ~300 tokens, trained on CORPUS."""
+    tok = Tokenizer(models.BPE(unk_token=None))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=320, special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                   pad_token="<pad>")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def tiny_llama(num_layers: int = 2, seed: int = 0, hidden: int = 64,
+               max_positions: int = 512) -> LlamaForCausalLM:
+    """A random Llama sharing tiny_tokenizer's vocabulary; larger init scale = peaky outputs."""
+    tok = tiny_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=max_positions, bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, initializer_range=0.2,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config).to(torch.float32)
+    model.generation_config.pad_token_id = tok.pad_token_id
+    return model.eval()
+
+
+def tiny_lm(num_layers: int = 2, seed: int = 0, **kwargs: int) -> LM:
+    return wrap_lm(tiny_llama(num_layers, seed, **kwargs), tiny_tokenizer(),
+                   name=f"tiny-llama-{num_layers}l-s{seed}")
+
+
+def data_dir() -> Path | None:
+    """``$SPECRAG_DATA_DIR`` or ``../shared/data`` beside the repository, if present."""
+    env = os.environ.get("SPECRAG_DATA_DIR")
+    path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
+    return path if path.is_dir() else None
