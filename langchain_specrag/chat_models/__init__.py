@@ -1,0 +1,1 @@
+"""Adapters (see the package __init__ for the public names)."""

@@ -1,0 +1,1 @@
+"""Benchmark runner: python -m shared_core.bench <engine> (see common.py)."""

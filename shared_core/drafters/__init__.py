@@ -1,0 +1,1 @@
+"""Drafters: one module per draft source."""

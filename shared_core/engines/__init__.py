@@ -1,0 +1,1 @@
+"""Engines: one module per paper (see DESIGN §1)."""
