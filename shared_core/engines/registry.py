@@ -1,0 +1,41 @@
+"""Token-level engines by name, with one calling convention (what the chat/LLM adapters use).
+
+Every registered function has the signature::
+
+    fn(lm, prompt, *, max_new_tokens, documents=None, stop=None, temperature=0.0, top_k=0,
+       top_p=1.0, seed=None, **engine_options) -> TokenStream
+
+``documents`` are texts the engine may draft from (ReSpec) or treat as the long context
+(RAPID); engines that do not use them ignore them. Modules are imported on first use.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared_core.engines.baseline import Prompt, TokenStream
+    from shared_core.models import LM
+
+TOKEN_ENGINES: dict[str, str] = {
+    "autoregressive": "shared_core.engines.baseline:stream_autoregressive_engine",
+    "respec": "shared_core.engines.respec:stream_respec",
+    "rapid": "shared_core.engines.rapid:stream_rapid",
+}
+
+
+def engine_function(name: str) -> Callable[..., TokenStream]:
+    if name not in TOKEN_ENGINES:
+        msg = f"engine={name!r} is not one of {sorted(TOKEN_ENGINES)}"
+        raise ValueError(msg)
+    module, attr = TOKEN_ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def stream_engine(name: str, lm: LM, prompt: Prompt, *, max_new_tokens: int,
+                  documents: Sequence[str] | None = None, **options: Any) -> TokenStream:
+    """Start a generation with the named engine; iterate the stream for text deltas."""
+    return engine_function(name)(lm, prompt, max_new_tokens=max_new_tokens,
+                                 documents=documents, **options)

@@ -1,0 +1,256 @@
+"""KV-cache sessions: one model, one sequence, cheap rollback.
+
+A :class:`KVSession` owns a transformers ``Cache`` whose layers are preallocated buffers
+(:class:`GrowingLayer`, doubling capacity): appending writes in place, rolling back only moves a
+length counter (gpt-fast's rule: stale slots are never read because the cache exposes exactly
+the valid prefix), and keeping a tree branch gathers its slots into place. ``cache="dynamic"``
+selects transformers' concatenating ``DynamicCache`` instead; both are measured by
+``python -m shared_core.bench kv`` and share the one rollback helper, :func:`rollback`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from shared_core.models import LM
+
+CacheKind = Literal["prealloc", "dynamic"]
+_MIN_CAPACITY = 256
+
+
+class GrowingLayer(DynamicLayer):
+    """A cache layer backed by a preallocated ``[B, H, capacity, D]`` buffer."""
+
+    is_croppable = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0
+        self._k = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+        self._v = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+        self.is_initialized = True
+        self._publish()
+
+    def _publish(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    def _reserve(self, needed: int) -> None:
+        capacity = self._k.shape[2]
+        if needed <= capacity:
+            return
+        new_capacity = max(_MIN_CAPACITY, needed, 2 * capacity)
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            buf = old.new_empty((*old.shape[:2], new_capacity, old.shape[-1]))
+            buf[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, buf)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        self._reserve(end)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self._publish()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            msg = "crop takes a negative number of tokens to remove (transformers 5.x semantics)"
+            raise ValueError(msg)
+        if self.is_initialized and tokens_to_remove:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._publish()
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.length = 0
+            self._publish()
+
+
+def make_cache(kind: CacheKind) -> Cache:
+    if kind == "prealloc":
+        return Cache(layer_class_to_replicate=GrowingLayer)
+    if kind == "dynamic":
+        return DynamicCache()
+    msg = f"cache={kind!r} is not one of 'prealloc', 'dynamic'"
+    raise ValueError(msg)
+
+
+def rollback(cache: Cache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (the one rollback helper)."""
+    current = cache.get_seq_length()
+    if length > current or length < 0:
+        msg = f"cannot roll back a cache of {current} positions to {length}"
+        raise ValueError(msg)
+    if length < current:
+        cache.crop(length - current)  # transformers 5.x: a negative count of tokens to remove
+
+
+def keep_positions(cache: Cache, start: int, positions: torch.Tensor) -> None:
+    """Keep positions ``[0, start)`` plus ``positions`` (absolute, ascending) moved to follow.
+
+    Used after a tree forward: the accepted branch's slots are gathered into place (as Medusa
+    does) and everything after them is dropped.
+    """
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        n = positions.shape[0]
+        if isinstance(layer, GrowingLayer):
+            for name in ("_k", "_v"):
+                buf = getattr(layer, name)
+                buf[:, :, start : start + n] = buf.index_select(2, positions)
+            layer.length = start + n
+            layer._publish()
+        else:
+            keep = torch.cat([torch.arange(start, device=positions.device), positions])
+            layer.keys = layer.keys.index_select(2, keep)
+            layer.values = layer.values.index_select(2, keep)
+
+
+def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dtype
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """4D additive mask ``[1, 1, n, prefix + n]`` and depths ``[n]`` for a token tree.
+
+    Every node sees the whole prefix and its own ancestors (itself included), nothing else.
+    """
+    n = len(parents)
+    allowed = torch.zeros((n, n), dtype=torch.bool)
+    depth = torch.zeros(n, dtype=torch.long)
+    for node, parent in enumerate(parents):
+        if parent >= node:
+            msg = "tree parents must precede their children (parents[i] < i)"
+            raise ValueError(msg)
+        if parent >= 0:
+            allowed[node] = allowed[parent]
+            depth[node] = depth[parent] + 1
+        allowed[node, node] = True
+    full = torch.cat([torch.ones((n, prefix_len), dtype=torch.bool), allowed], dim=1)
+    mask = torch.zeros((n, prefix_len + n), dtype=dtype)
+    mask.masked_fill_(~full, torch.finfo(dtype).min)
+    return mask[None, None], depth
+
+
+class KVSession:
+    """One model, one growing token sequence and its KV cache.
+
+    ``tokens`` always lists exactly the ids whose keys/values are cached.
+    """
+
+    def __init__(self, lm: LM, *, cache: CacheKind = "prealloc", prefill_chunk: int = 2048):
+        if prefill_chunk < 1:
+            msg = f"prefill_chunk must be >= 1, got {prefill_chunk}"
+            raise ValueError(msg)
+        self.lm = lm
+        self.kind: CacheKind = cache
+        self.prefill_chunk = prefill_chunk
+        self.cache = make_cache(cache)
+        self.tokens: list[int] = []
+        self.forwards = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def _forward(self, ids: Sequence[int], *, logits_to_keep: int,
+                 attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if len(self.tokens) + len(ids) > self.lm.max_context:
+            msg = (f"sequence of {len(self.tokens) + len(ids)} tokens exceeds the model window of "
+                   f"{self.lm.max_context}; shorten the prompt or lower max_new_tokens")
+            raise ValueError(msg)
+        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.lm.device)
+        out = self.lm.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+                            attention_mask=attention_mask, position_ids=position_ids,
+                            logits_to_keep=logits_to_keep)
+        self.forwards += 1
+        return out.logits[0]
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor | None:
+        """Append ``ids`` in chunks; return the ``[V]`` logits after the last one (None if empty)."""
+        logits = None
+        for start in range(0, len(ids), self.prefill_chunk):
+            chunk = ids[start : start + self.prefill_chunk]
+            logits = self._forward(chunk, logits_to_keep=1)[-1]
+            self.tokens.extend(chunk)
+        return logits
+
+    @torch.inference_mode()
+    def extend(self, ids: Sequence[int]) -> torch.Tensor:
+        """Append ``ids`` in ONE forward; return ``[len(ids), V]`` logits, one row per new token."""
+        if not ids:
+            msg = "extend needs at least one token"
+            raise ValueError(msg)
+        logits = self._forward(ids, logits_to_keep=len(ids))
+        self.tokens.extend(ids)
+        return logits
+
+    @torch.inference_mode()
+    def extend_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Append a token tree in ONE forward (tree attention mask, depth-based positions).
+
+        Returns ``[n, V]`` logits (row ``i`` follows node ``i``). The cache then holds every node;
+        call :meth:`keep_path` to keep only the accepted branch.
+        """
+        if len(ids) != len(parents) or not ids:
+            msg = "extend_tree needs one parent per token and at least one token"
+            raise ValueError(msg)
+        prefix = len(self.tokens)
+        mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype)
+        logits = self._forward(ids, logits_to_keep=len(ids),
+                               attention_mask=mask.to(self.lm.device),
+                               position_ids=(prefix + depth)[None].to(self.lm.device))
+        self.tokens.extend(ids)
+        self._tree_prefix = prefix
+        return logits
+
+    @torch.inference_mode()
+    def keep_path(self, path: Sequence[int]) -> None:
+        """After :meth:`extend_tree`: keep only the nodes of ``path`` (root-to-leaf order)."""
+        prefix = self._tree_prefix
+        if list(path) == list(range(len(path))):
+            self.rollback(prefix + len(path))  # a linear prefix of the node order: just crop
+            return
+        positions = torch.tensor([prefix + i for i in path], dtype=torch.long,
+                                 device=self.lm.device)
+        keep_positions(self.cache, prefix, positions)
+        self.tokens = self.tokens[:prefix] + [self.tokens[prefix + i] for i in path]
+
+    def rollback(self, length: int) -> None:
+        """Forget everything after the first ``length`` tokens."""
+        rollback(self.cache, length)
+        del self.tokens[length:]
+
+    @torch.inference_mode()
+    def fork(self) -> KVSession:
+        """An independent copy (same model, copied cache)."""
+        clone = copy.copy(self)
+        clone.cache = copy.deepcopy(self.cache)
+        clone.tokens = list(self.tokens)
+        return clone
+
+    def reset(self) -> None:
+        self.cache = make_cache(self.kind)
+        self.tokens = []
+
+    def sync(self, ids: Sequence[int]) -> list[int]:
+        """Roll back to the longest common prefix with ``ids``; return the ids still to feed."""
+        common = 0
+        limit = min(len(self.tokens), len(ids))
+        while common < limit and self.tokens[common] == ids[common]:
+            common += 1
+        self.rollback(common)
+        return list(ids[common:])
