@@ -1,0 +1,405 @@
+"""Dense retrieval on faiss: exact (``IndexFlatIP``) or approximate (``IndexHNSWFlat``).
+
+Vectors are L2-normalised float32, so the inner product the index computes is the cosine.
+Besides text search, the retriever exposes its vectors (``embed_queries``, ``search_vectors``,
+``vectors_for``, ``score``) so that RaLMSpec can rank a per-request cache with the same
+embeddings and the same metric as the index.
+
+Setup::
+
+    from shared_core.retrieval import DenseRetriever, Document
+
+    retriever = DenseRetriever("all-minilm-l6-v2", index="exact")
+    retriever.add([Document("d1", "Paris is the capital of France.")])
+    hits = retriever.search(["capital of France?"], k=1)[0]
+    retriever.save("index/")
+    same = DenseRetriever.load("index/")
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+
+from shared_core.retrieval import _common
+from shared_core.retrieval.base import Document, Hit
+
+if TYPE_CHECKING:
+    import faiss
+
+logger = logging.getLogger(__name__)
+
+IndexKind = Literal["exact", "hnsw"]
+INDEX_KINDS = ("exact", "hnsw")
+PAD_PREFIX = "pad-"
+_INDEX_FILE = "index.faiss"
+_SLOTS_FILE = "slots.npy"
+_PAD_CHUNK = 100_000
+
+
+def _normalise(vectors: np.ndarray) -> np.ndarray:
+    """Row-wise L2 normalisation in float32 (zero rows stay zero)."""
+    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
+    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
+    np.divide(vectors, norms, out=vectors, where=norms > 0)
+    return vectors
+
+
+class DenseRetriever:
+    """Cosine-similarity retrieval with faiss over an embedder's normalised vectors.
+
+    Args:
+        embedder: a ``SentenceTransformer``, any object with ``encode(list[str]) -> ndarray``, or
+            an alias/hub id/folder for :func:`shared_core.load_embedder` (loaded on first use).
+        index: ``"exact"`` (``IndexFlatIP``, brute force) or ``"hnsw"`` (``IndexHNSWFlat``).
+        hnsw_m: HNSW graph degree M.
+        ef_construction: HNSW ``efConstruction`` (build-time beam width).
+        ef_search: HNSW ``efSearch`` (query-time beam width; raised to ``k`` when smaller).
+        batch_size: texts per embedder call.
+        show_progress: tqdm bars when embedding more than a few hundred (256) texts.
+        num_threads: OpenMP threads for faiss calls. ``None`` leaves faiss' global setting
+            alone; an integer sets it around each faiss call and restores it afterwards.
+
+    Padding (``add_padding``) appends random unit vectors to the index to reach a realistic
+    (Wikipedia-scale) index size for latency measurements. Padding vectors are ordinary index
+    entries: a search CAN return them, as ``Document(id="pad-<j>", text="",
+    metadata={"padding": True})``. Corpus ids may therefore not start with ``"pad-"``.
+    """
+
+    def __init__(self, embedder: Any = "all-minilm-l6-v2", *, index: IndexKind = "exact",
+                 hnsw_m: int = 32, ef_construction: int = 200, ef_search: int = 128,
+                 batch_size: int = 64, show_progress: bool = False,
+                 num_threads: int | None = None) -> None:
+        if index not in INDEX_KINDS:
+            msg = f"index must be one of {INDEX_KINDS}, got {index!r}"
+            raise ValueError(msg)
+        for name, value in (("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
+                            ("ef_search", ef_search), ("batch_size", batch_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                msg = f"{name} must be an integer >= 1, got {value!r}"
+                raise ValueError(msg)
+        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
+            msg = f"num_threads must be None or an integer >= 1, got {num_threads!r}"
+            raise ValueError(msg)
+        if not isinstance(embedder, str) and not callable(getattr(embedder, "encode", None)):
+            msg = "embedder must be a model name or an object with an encode(list[str]) method"
+            raise TypeError(msg)
+        self.index_kind: IndexKind = index
+        self.hnsw_m = hnsw_m
+        self.ef_construction = ef_construction
+        self.ef_search = ef_search
+        self.batch_size = batch_size
+        self.show_progress = show_progress
+        self.num_threads = num_threads
+        self._embedder_name = embedder if isinstance(embedder, str) else None
+        self._embedder = None if isinstance(embedder, str) else embedder
+        self._index: faiss.Index | None = None
+        self._docs: list[Document] = []
+        self._position: dict[str, int] = {}  # corpus doc id -> index position
+        self._slots = np.zeros(0, dtype=np.int64)  # index position -> doc number, or -1-pad number
+        self._pad_positions = np.zeros(0, dtype=np.int64)  # pad number -> index position
+
+    # ------------------------------------------------------------------ sizes and lookups
+
+    def __len__(self) -> int:
+        """Number of corpus documents (padding excluded)."""
+        return len(self._docs)
+
+    @property
+    def ntotal(self) -> int:
+        """Vectors in the faiss index, padding included."""
+        return 0 if self._index is None else int(self._index.ntotal)
+
+    @property
+    def num_padding(self) -> int:
+        return self.ntotal - len(self._docs)
+
+    @property
+    def dim(self) -> int | None:
+        return None if self._index is None else int(self._index.d)
+
+    @property
+    def documents(self) -> list[Document]:
+        """Corpus documents in insertion order (a copy)."""
+        return list(self._docs)
+
+    def get(self, doc_id: str) -> Document:
+        """The document (or padding document) with this id."""
+        return self._document_at(int(self._positions([doc_id])[0]))
+
+    def _positions(self, doc_ids: Sequence[str]) -> np.ndarray:
+        """Index positions of corpus ids and ``"pad-<j>"`` ids (KeyError for unknown ids)."""
+        if not any(d.startswith(PAD_PREFIX) for d in doc_ids):
+            return _common.positions_of(doc_ids, self._position)
+        positions = np.empty(len(doc_ids), dtype=np.int64)
+        for i, doc_id in enumerate(doc_ids):
+            number = doc_id[len(PAD_PREFIX):]
+            if doc_id.startswith(PAD_PREFIX) and number.isdigit() and int(number) < len(
+                    self._pad_positions):
+                positions[i] = self._pad_positions[int(number)]
+            else:
+                positions[i] = _common.positions_of([doc_id], self._position)[0]
+        return positions
+
+    @property
+    def embedder(self) -> Any:
+        """The embedder, loaded on first use when it was given by name."""
+        if self._embedder is None:
+            from shared_core.models import load_embedder
+
+            self._embedder = load_embedder(self._embedder_name or "all-minilm-l6-v2")
+        return self._embedder
+
+    # ------------------------------------------------------------------ embedding
+
+    def _encode(self, texts: list[str], desc: str) -> np.ndarray:
+        progress = self.show_progress and len(texts) > _common.PROGRESS_MIN_TEXTS
+        embedder = self.embedder
+        if type(embedder).__module__.startswith("sentence_transformers"):
+            vectors = embedder.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
+                                      show_progress_bar=progress)
+        else:
+            from tqdm.auto import tqdm
+
+            starts = range(0, len(texts), self.batch_size)
+            parts = [np.asarray(embedder.encode(texts[i:i + self.batch_size]))
+                     for i in tqdm(starts, desc=desc, disable=not progress, leave=False)]
+            vectors = np.concatenate(parts) if parts else np.zeros((0, self.dim or 0))
+        vectors = np.asarray(vectors)
+        if vectors.ndim != 2 or vectors.shape[0] != len(texts):
+            msg = f"embedder returned shape {vectors.shape} for {len(texts)} texts"
+            raise ValueError(msg)
+        return _normalise(vectors)
+
+    def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
+        """Normalised float32 vectors ``[n, dim]`` for document texts."""
+        return self._encode(list(texts), "embedding documents")
+
+    def embed_queries(self, queries: Sequence[str]) -> np.ndarray:
+        """Normalised float32 vectors ``[n, dim]`` for queries (what ``search`` uses)."""
+        return self._encode(_common.check_queries(queries), "embedding queries")
+
+    # ------------------------------------------------------------------ faiss plumbing
+
+    @contextmanager
+    def _threads(self) -> Iterator[None]:
+        if self.num_threads is None:
+            yield
+            return
+        import faiss
+
+        previous = faiss.omp_get_max_threads()
+        faiss.omp_set_num_threads(self.num_threads)
+        try:
+            yield
+        finally:
+            faiss.omp_set_num_threads(previous)
+
+    def _new_index(self, dim: int) -> faiss.Index:
+        import faiss
+
+        if self.index_kind == "exact":
+            return faiss.IndexFlatIP(dim)
+        index = faiss.IndexHNSWFlat(dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
+        index.hnsw.efConstruction = self.ef_construction
+        index.hnsw.efSearch = self.ef_search
+        return index
+
+    def _check_vectors(self, vectors: np.ndarray, n: int | None, name: str) -> np.ndarray:
+        vectors = np.asarray(vectors)
+        if vectors.ndim != 2 or (n is not None and vectors.shape[0] != n):
+            rows = "n" if n is None else str(n)
+            msg = f"{name} must have shape [{rows}, dim], got {vectors.shape}"
+            raise ValueError(msg)
+        if self.dim is not None and vectors.shape[1] != self.dim:
+            msg = f"{name} has dimension {vectors.shape[1]}, the index has {self.dim}"
+            raise ValueError(msg)
+        return _normalise(vectors)
+
+    def _append(self, vectors: np.ndarray, slots: np.ndarray) -> None:
+        if self._index is None:
+            self._index = self._new_index(vectors.shape[1])
+        with self._threads():
+            self._index.add(vectors)
+        self._slots = np.concatenate([self._slots, slots])
+
+    # ------------------------------------------------------------------ building
+
+    def add(self, docs: Iterable[Document], *, vectors: np.ndarray | None = None) -> None:
+        """Embed and index ``docs`` (appended after what is already indexed).
+
+        Args:
+            docs: documents with ids new to this retriever and unique among themselves.
+            vectors: optional precomputed embeddings ``[len(docs), dim]`` (normalised here);
+                they must come from the same embedder as the queries.
+        """
+        docs = _common.check_new_docs(docs, self._position)
+        for doc in docs:
+            if doc.id.startswith(PAD_PREFIX):
+                msg = f"document id {doc.id!r} uses the prefix {PAD_PREFIX!r} reserved for padding"
+                raise ValueError(msg)
+        if not docs:
+            return
+        if vectors is None:
+            vectors = self.embed_documents([d.text for d in docs])
+        else:
+            vectors = self._check_vectors(vectors, len(docs), "vectors")
+        first_doc, first_position = len(self._docs), self.ntotal
+        self._append(vectors, np.arange(first_doc, first_doc + len(docs), dtype=np.int64))
+        for offset, doc in enumerate(docs):
+            self._position[doc.id] = first_position + offset
+        self._docs.extend(docs)
+        logger.info("indexed %d documents (%s index, %d vectors in total)", len(docs),
+                    self.index_kind, self.ntotal)
+
+    def add_padding(self, n: int, seed: int = 0) -> None:
+        """Append ``n`` random unit vectors (ids ``"pad-<j>"``) to mimic a large corpus.
+
+        Padding exists to measure search latency at realistic index sizes; padding vectors can
+        be returned by ``search`` (as ``Document(id="pad-<j>", text="")``). Needs at least one
+        document or a known dimension, so call ``add`` first.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            msg = f"n must be an integer >= 0, got {n!r}"
+            raise ValueError(msg)
+        if self.dim is None:
+            msg = "add documents before padding: the vector dimension is not known yet"
+            raise ValueError(msg)
+        rng = np.random.default_rng(seed)
+        first_pad = self.num_padding
+        for start in range(0, n, _PAD_CHUNK):
+            size = min(_PAD_CHUNK, n - start)
+            vectors = _normalise(rng.standard_normal((size, self.dim), dtype=np.float32))
+            pad_numbers = np.arange(first_pad + start, first_pad + start + size, dtype=np.int64)
+            positions = self.ntotal + np.arange(size, dtype=np.int64)
+            self._append(vectors, -1 - pad_numbers)
+            self._pad_positions = np.concatenate([self._pad_positions, positions])
+        logger.info("added %d padding vectors (%d vectors in total)", n, self.ntotal)
+
+    # ------------------------------------------------------------------ searching
+
+    def _document_at(self, position: int) -> Document:
+        slot = int(self._slots[position])
+        if slot >= 0:
+            return self._docs[slot]
+        return Document(id=f"{PAD_PREFIX}{-1 - slot}", text="", metadata={"padding": True})
+
+    def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        """Top-``k`` hits per query (cosine, best first), all queries in one faiss call."""
+        _common.check_k(k)
+        queries = _common.check_queries(queries)
+        _common.check_not_empty(self.ntotal, "dense index")
+        return self.search_vectors(self.embed_queries(queries), k)
+
+    def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
+        """Top-``k`` hits for query vectors ``[n, dim]`` (normalised here), in one faiss call."""
+        _common.check_k(k)
+        _common.check_not_empty(self.ntotal, "dense index")
+        vectors = self._check_vectors(vectors, None, "vectors")
+        if vectors.shape[0] == 0:
+            msg = "vectors must hold at least one query vector"
+            raise ValueError(msg)
+        import faiss
+
+        k = min(int(k), self.ntotal)
+        params = None
+        if self.index_kind == "hnsw":
+            params = faiss.SearchParametersHNSW(efSearch=max(self.ef_search, k))
+        with self._threads():
+            scores, positions = self._index.search(vectors, k, params=params)
+        results = []
+        for row_scores, row_positions in zip(scores, positions, strict=True):
+            keep = row_positions >= 0  # HNSW may return fewer than k
+            docs = [self._document_at(int(p)) for p in row_positions[keep]]
+            results.append(_common.hits_from(docs, row_scores[keep]))
+        return results
+
+    def vectors_for(self, doc_ids: Sequence[str]) -> np.ndarray:
+        """The indexed (normalised) vectors ``[len(doc_ids), dim]`` of these ids."""
+        positions = self._positions(doc_ids)
+        if self._index is None or positions.size == 0:
+            return np.zeros((0, self.dim or 0), dtype=np.float32)
+        return self._index.reconstruct_batch(positions)
+
+    def score(self, query_vectors: np.ndarray, doc_ids: Sequence[str]) -> np.ndarray:
+        """Inner products ``[n_queries, len(doc_ids)]`` of query vectors with indexed documents.
+
+        This is the metric the index ranks by (cosine of normalised vectors); it equals the
+        scores ``search_vectors`` returns up to float32 rounding (faiss and numpy sum in
+        different orders, differences ~1e-7), so near-ties may order differently.
+        """
+        queries = self._check_vectors(query_vectors, None, "query_vectors")
+        return queries @ self.vectors_for(doc_ids).T
+
+    def search_subset(self, vectors: np.ndarray, doc_ids: Sequence[str], k: int
+                      ) -> list[list[Hit]]:
+        """Rank only ``doc_ids`` (e.g. a local cache) by :meth:`score`; ties by index order."""
+        _common.check_k(k)
+        positions = self._positions(doc_ids)
+        scores = self.score(vectors, doc_ids)
+        results = []
+        for row in scores:
+            order = np.lexsort((positions, -row))[:k]
+            docs = [self._document_at(int(positions[i])) for i in order]
+            results.append(_common.hits_from(docs, row[order]))
+        return results
+
+    # ------------------------------------------------------------------ persistence
+
+    def _config(self) -> dict[str, Any]:
+        return {"index": self.index_kind, "hnsw_m": self.hnsw_m,
+                "ef_construction": self.ef_construction, "ef_search": self.ef_search,
+                "batch_size": self.batch_size, "embedder": self._embedder_name, "dim": self.dim,
+                "num_docs": len(self._docs), "num_padding": self.num_padding}
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write ``index.faiss`` (faiss' own format), ``slots.npy``, ``docs.jsonl`` and
+        ``config.json`` to ``path`` atomically (temporary folder + rename). No pickle."""
+        import faiss
+
+        with _common.atomic_dir(path) as tmp:
+            _common.write_config(tmp, "dense", self._config())
+            _common.write_docs(tmp, self._docs)
+            np.save(tmp / _SLOTS_FILE, self._slots, allow_pickle=False)
+            if self._index is not None:
+                faiss.write_index(self._index, str(tmp / _INDEX_FILE))
+        logger.info("saved dense index (%d vectors) to %s", self.ntotal, path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], embedder: Any = None, *,
+             show_progress: bool = False, num_threads: int | None = None) -> DenseRetriever:
+        """Load what :meth:`save` wrote; ``embedder`` defaults to the saved embedder name.
+
+        When the retriever was built with an embedder object, pass the same embedder again.
+        """
+        import faiss
+
+        folder = Path(path)
+        config = _common.read_config(folder, "dense")
+        embedder = embedder if embedder is not None else config["embedder"]
+        if embedder is None:
+            msg = "embedder is required: the index was built with an embedder object, not a name"
+            raise ValueError(msg)
+        self = cls(embedder, index=config["index"], hnsw_m=config["hnsw_m"],
+                   ef_construction=config["ef_construction"], ef_search=config["ef_search"],
+                   batch_size=config["batch_size"], show_progress=show_progress,
+                   num_threads=num_threads)
+        self._docs = _common.read_docs(folder)
+        self._slots = np.load(folder / _SLOTS_FILE, allow_pickle=False)
+        if (folder / _INDEX_FILE).is_file():
+            self._index = faiss.read_index(str(folder / _INDEX_FILE))
+        is_doc = self._slots >= 0
+        doc_positions = np.flatnonzero(is_doc)
+        self._position = {self._docs[s].id: int(p)
+                          for s, p in zip(self._slots[doc_positions].tolist(), doc_positions,
+                                          strict=True)}
+        pad_positions = np.flatnonzero(~is_doc)
+        self._pad_positions = np.empty(pad_positions.size, dtype=np.int64)
+        self._pad_positions[-1 - self._slots[pad_positions]] = pad_positions
+        return self
