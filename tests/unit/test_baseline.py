@@ -1,0 +1,137 @@
+"""Exactness harness: every lossless path equals plain greedy decoding token for token.
+
+The pattern (ours vs transformers' generate, target-as-drafter / weak drafter / prompt lookup)
+is the template each engine's tests reuse.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shared_core.drafters.prompt_lookup import PromptLookupDrafter
+from shared_core.engines.baseline import (
+    autoregressive_generate,
+    speculative_generate,
+    stream_autoregressive,
+    stream_speculative,
+)
+
+PROMPTS = [
+    "The quick brown fox jumps over the lazy dog. The quick brown",
+    "Paris is the capital of France. Berlin is the capital of",
+    "0 1 2 3 4 5 6 7 8 9 10 11",
+]
+
+
+def hf_greedy(lm, prompt: str, n: int) -> list[int]:
+    ids = lm.prompt_ids(prompt)
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False,
+                                min_new_tokens=n)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("cache", ["prealloc", "dynamic"])
+def test_autoregressive_equals_transformers_generate(tiny_target, prompt, cache):
+    result = autoregressive_generate(tiny_target, prompt, 32, cache=cache)
+    assert result.token_ids == hf_greedy(tiny_target, prompt, 32)
+    assert result.stats.new_tokens == 32 and result.stats.finish_reason == "length"
+    assert result.text == tiny_target.decode(result.token_ids)
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("drafter_kind", ["self", "weak", "prompt_lookup"])
+@pytest.mark.parametrize("k", [1, 4])
+def test_speculative_greedy_equals_reference(tiny_target, tiny_drafter, prompt, drafter_kind, k):
+    drafter = {"self": tiny_target, "weak": tiny_drafter,
+               "prompt_lookup": PromptLookupDrafter()}[drafter_kind]
+    reference = autoregressive_generate(tiny_target, prompt, 32)
+    result = speculative_generate(tiny_target, drafter, prompt, 32, k=k)
+    assert result.token_ids == reference.token_ids == hf_greedy(tiny_target, prompt, 32)
+    assert result.stats.rounds == result.stats.target_forwards
+    if drafter_kind == "self":  # the target drafting for itself is always right
+        assert result.stats.accepted == result.stats.drafted
+    if drafter_kind == "weak":  # rollback must have been exercised
+        assert result.stats.accepted < result.stats.drafted
+        assert result.stats.draft_forwards > 0
+
+
+def test_speculative_sampling_reproducible_and_valid(tiny_target, tiny_drafter):
+    kwargs = dict(temperature=0.8, top_k=20, top_p=0.9, seed=11)
+    a = speculative_generate(tiny_target, tiny_drafter, PROMPTS[0], 24, k=3, **kwargs)
+    b = speculative_generate(tiny_target, tiny_drafter, PROMPTS[0], 24, k=3, **kwargs)
+    assert a.token_ids == b.token_ids and len(a.token_ids) == 24
+    c = autoregressive_generate(tiny_target, PROMPTS[0], 24, **kwargs)
+    assert len(c.token_ids) == 24
+
+
+def test_stream_deltas_join_to_text_one_per_block(tiny_target):
+    stream = stream_speculative(tiny_target, tiny_target, PROMPTS[0], 30, k=5)
+    deltas = list(stream)
+    assert "".join(deltas) == stream.result.text
+    assert len(deltas) <= stream.result.stats.rounds
+    auto = stream_autoregressive(tiny_target, PROMPTS[0], 30)
+    assert "".join(auto) == auto.result.text == stream.result.text
+
+
+def test_stop_string_inside_an_accepted_block(tiny_target):
+    reference = autoregressive_generate(tiny_target, PROMPTS[0], 32)
+    stop = reference.text[10:13]
+    assert stop.strip(), "reference text too short for this test"
+    cut = reference.text.find(stop)
+    for result in (autoregressive_generate(tiny_target, PROMPTS[0], 32, stop=[stop]),
+                   speculative_generate(tiny_target, tiny_target, PROMPTS[0], 32, k=8,
+                                        stop=stop)):
+        assert result.text == reference.text[:cut]
+        assert result.stats.finish_reason == "stop"
+        assert tiny_target.decode(result.token_ids).startswith(reference.text[:cut] + stop)
+    stream = stream_speculative(tiny_target, tiny_target, PROMPTS[0], 32, k=8, stop=[stop])
+    assert "".join(stream) == reference.text[:cut]
+
+
+def test_eos_ends_generation_and_is_not_returned(tiny_target):
+    reference = autoregressive_generate(tiny_target, PROMPTS[1], 12)
+    eos_at = reference.token_ids[5]
+    lm = type(tiny_target)(**{**tiny_target.__dict__, "eos_token_ids": frozenset({eos_at})})
+    first = reference.token_ids.index(eos_at)
+    for result in (autoregressive_generate(lm, PROMPTS[1], 12),
+                   speculative_generate(lm, lm, PROMPTS[1], 12, k=4)):
+        assert result.token_ids == reference.token_ids[:first]
+        assert result.stats.finish_reason == "stop"
+
+
+def test_chat_messages_and_token_ids_are_accepted(tiny_target):
+    messages = [{"role": "user", "content": "hello there"}]
+    ids = tiny_target.prompt_ids(messages)
+    assert (autoregressive_generate(tiny_target, messages, 8).token_ids
+            == autoregressive_generate(tiny_target, ids, 8).token_ids)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    (dict(max_new_tokens=0), "max_new_tokens"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_k=-2), "top_k"),
+    (dict(stop=[""]), "stop"),
+])
+def test_bad_arguments_are_named(tiny_target, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        autoregressive_generate(tiny_target, PROMPTS[0], **kwargs)
+
+
+def test_bad_prompt_and_k(tiny_target):
+    with pytest.raises(ValueError, match="prompt"):
+        autoregressive_generate(tiny_target, "", 4)
+    with pytest.raises(TypeError, match="prompt"):
+        autoregressive_generate(tiny_target, [1.5, 2.5], 4)
+    with pytest.raises(ValueError, match="k"):
+        speculative_generate(tiny_target, tiny_target, PROMPTS[0], 4, k=0)
+    with pytest.raises(ValueError, match="window"):
+        autoregressive_generate(tiny_target, PROMPTS[0], tiny_target.max_context)
+
+
+def test_mismatched_vocabulary_is_refused(tiny_target, smollm):
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(tiny_target, smollm, PROMPTS[0], 4)

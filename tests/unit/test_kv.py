@@ -1,0 +1,99 @@
+"""KV sessions: rollback helper semantics, extend/tree forwards equal full forwards."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.cache_utils import DynamicCache
+
+from shared_core.kv import KVSession, rollback, tree_attention_mask
+
+TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
+
+
+@pytest.fixture(scope="module")
+def ids(tiny_target):
+    return tiny_target.encode(TEXT)
+
+
+@pytest.fixture(scope="module")
+def full_logits(tiny_target, ids):
+    with torch.inference_mode():
+        return tiny_target.model(torch.tensor([ids])).logits[0]
+
+
+def test_transformers_dynamic_cache_crop_semantics():
+    """transformers 5.x refuses crop(positive) and removes |n| tokens for crop(-n)."""
+    cache = DynamicCache()
+    cache.update(torch.zeros(1, 2, 7, 4), torch.zeros(1, 2, 7, 4), layer_idx=0)
+    with pytest.raises(ValueError, match="positive"):
+        cache.crop(3)
+    cache.crop(-2)
+    assert cache.get_seq_length() == 5
+    rollback(cache, 1)
+    assert cache.get_seq_length() == 1
+    with pytest.raises(ValueError, match="cannot roll back"):
+        rollback(cache, 4)
+
+
+@pytest.mark.parametrize("kind", ["prealloc", "dynamic"])
+def test_prefill_extend_rollback_match_a_full_forward(tiny_target, ids, full_logits, kind):
+    session = KVSession(tiny_target, cache=kind, prefill_chunk=4)
+    last = session.prefill(ids[:10])
+    torch.testing.assert_close(last, full_logits[9], atol=1e-4, rtol=1e-4)
+    session.extend(ids[10:15])
+    session.rollback(12)
+    assert session.tokens == ids[:12] and session.cache.get_seq_length() == 12
+    torch.testing.assert_close(session.extend(ids[12:]), full_logits[12:], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["prealloc", "dynamic"])
+def test_tree_forward_equals_branches_and_keep_path(tiny_target, ids, kind):
+    prefix, branch_a, branch_b = ids[:8], ids[8:11], [7, 9]
+    session = KVSession(tiny_target, cache=kind)
+    session.prefill(prefix)
+    tree_logits = session.extend_tree(branch_a + branch_b, [-1, 0, 1, -1, 3])
+
+    def branch(tokens: list[int]) -> torch.Tensor:
+        s = KVSession(tiny_target, cache=kind)
+        s.prefill(prefix)
+        return s.extend(tokens)
+
+    torch.testing.assert_close(tree_logits[:3], branch(branch_a), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(tree_logits[3:], branch(branch_b), atol=1e-4, rtol=1e-4)
+    session.keep_path([3, 4])  # the second branch: a gather, not a crop
+    assert session.tokens == prefix + branch_b
+    torch.testing.assert_close(session.extend([5]), branch([*branch_b, 5])[-1:], atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_tree_mask_lets_nodes_see_prefix_and_ancestors_only():
+    mask, depth = tree_attention_mask([-1, 0, -1, 2], prefix_len=2, dtype=torch.float32)
+    visible = (mask[0, 0] == 0).int().tolist()
+    assert visible == [[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 1, 0, 0, 1, 0],
+                       [1, 1, 0, 0, 1, 1]]
+    assert depth.tolist() == [0, 1, 0, 1]
+    with pytest.raises(ValueError, match="precede"):
+        tree_attention_mask([1, -1], 0, torch.float32)
+
+
+def test_fork_is_independent(tiny_target, ids):
+    session = KVSession(tiny_target)
+    session.prefill(ids[:6])
+    clone = session.fork()
+    clone.extend(ids[6:9])
+    assert len(session) == 6 and session.cache.get_seq_length() == 6
+    assert len(clone) == 9
+
+
+def test_sync_rolls_back_to_common_prefix(tiny_target, ids):
+    session = KVSession(tiny_target)
+    session.prefill(ids[:10])
+    assert session.sync([*ids[:7], 3, 4]) == [3, 4]
+    assert len(session) == 7
+
+
+def test_window_overflow_is_a_clear_error(tiny_target):
+    session = KVSession(tiny_target)
+    with pytest.raises(ValueError, match="exceeds the model window"):
+        session.prefill([5] * (tiny_target.max_context + 1))
