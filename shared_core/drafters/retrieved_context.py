@@ -1,0 +1,90 @@
+"""RAPID's RAG drafter: a model that drafts on [retrieved context; query; generated].
+
+The target sees ``target_prompt + generated`` (the full long context); the drafter sees
+``draft_prompt + generated`` (a short retrieved context). :meth:`RetrievedContextDrafter.propose`
+receives the target's context and swaps the prompt for the drafter's before drafting, so the
+engine's round is the ordinary speculative round. The drafter's KV session is kept across rounds
+and across calls: :meth:`KVSession.sync` rolls back only to the common prefix with the new
+context, so a retrieved context shared by two questions is prefilled once.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from shared_core.config import SamplingConfig
+from shared_core.drafters.base import EMPTY_DRAFT, Draft
+from shared_core.drafters.model import ModelDrafter
+from shared_core.kv import CacheKind
+from shared_core.models import LM
+from shared_core.verify import make_generator, sample, warp_probs
+
+
+class RetrievedContextDrafter(ModelDrafter):
+    """A same-vocabulary model (or the target itself) drafting from a retrieved context.
+
+    Call :meth:`start` once per generation with both prompts. ``Draft.probs`` holds the warped
+    draft distribution when sampling; when greedy and ``greedy_probs`` is set it holds the plain
+    softmax (temperature 1), which RAPID's p̂ needs even on the greedy path.
+    """
+
+    def __init__(self, lm: LM, *, target: LM | None = None,
+                 sampling: SamplingConfig | None = None, cache: CacheKind = "prealloc"):
+        super().__init__(lm, target=target, sampling=sampling, cache=cache)
+        self.draft_prompt: list[int] = []
+        self.target_prompt_len = 0
+        self.greedy_probs = False
+
+    def start(self, draft_prompt: Sequence[int], target_prompt_len: int, sampling: SamplingConfig,
+              *, greedy_probs: bool = False) -> float:
+        """Set the prompts for a new generation and prefill the drafter; return the seconds spent.
+
+        The drafter's RNG is seeded with ``seed + 1`` so that its draws are independent of the
+        verifier's (which uses ``seed``).
+        """
+        if not draft_prompt:
+            msg = "draft_prompt must not be empty"
+            raise ValueError(msg)
+        self.sampling = sampling
+        seed = None if sampling.seed is None else sampling.seed + 1
+        self.generator = make_generator(SamplingConfig(sampling.temperature, sampling.top_k,
+                                                       sampling.top_p, seed))
+        self.draft_prompt = list(draft_prompt)
+        self.target_prompt_len = int(target_prompt_len)
+        self.greedy_probs = greedy_probs
+        begin = time.perf_counter()
+        feed = self.session.sync(self.draft_prompt[:-1])  # one token behind, as in ModelDrafter
+        if feed:
+            self.session.prefill(feed)
+        return time.perf_counter() - begin
+
+    def own_context(self, context: Sequence[int]) -> list[int]:
+        """The drafter's view of a target context: its own prompt + the generated tokens."""
+        return [*self.draft_prompt, *context[self.target_prompt_len :]]
+
+    @torch.inference_mode()
+    def propose(self, context: Sequence[int], k: int) -> Draft:
+        if k < 1 or len(context) < self.target_prompt_len:
+            return EMPTY_DRAFT
+        own = self.own_context(context)
+        feed = self.session.sync(own[:-1])
+        if feed:
+            self.session.prefill(feed)
+        tokens: list[int] = []
+        rows: list[torch.Tensor] = []
+        last = int(own[-1])
+        for _ in range(k):
+            logits = self.session.extend([last])[-1][: self.vocab_size]  # [V]
+            if self.sampling.greedy:
+                last = int(logits.argmax())
+                if self.greedy_probs:
+                    rows.append(torch.softmax(logits.float(), dim=-1))
+            else:
+                probs = warp_probs(logits, self.sampling)
+                rows.append(probs)
+                last = sample(probs, self.generator)
+            tokens.append(last)
+        return Draft(tuple(tokens), torch.stack(rows) if rows else None, source="retrieved_context")

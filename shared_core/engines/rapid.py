@@ -1,0 +1,525 @@
+"""RAPID: long-context inference with retrieval-augmented speculative decoding.
+
+Chen et al., "RAPID: Long-Context Inference with Retrieval-Augmented Speculative Decoding"
+(ICML 2025); reference code ``John-AI-Lab/RAPID``. The long context is chunked (512 tokens) and
+the chunks most similar to the query are retrieved (cosine, threshold 0.3, at least
+``max(floor, context / λ)`` tokens) and re-sorted into document order. A drafter (the target
+itself by default: self-speculation; or any same-vocabulary model) drafts γ tokens on
+``[retrieved context; query; generated]``; the target verifies them in one forward on
+``[full context; query; generated]``. Acceptance uses the retrieval-augmented target
+
+    p̂ = softmax(z/T + η(q − p))   (tail where p̂ < α·max p̂ keeps p),  accept w.p. min(1, p̂/q),
+    residual norm(max(0, max(p − q, p − p̂)))   (see ``shared_core.verify``, section RAPID).
+
+With ``eta == 0`` this is lossless speculative decoding (output identical to the target alone);
+with ``eta > 0`` the engine samples from the modified distribution p̂, not from the target.
+
+The long context's KV is computed once: the target session is kept between calls and
+:meth:`KVSession.sync` rolls it back to the common token prefix (the document), so asking many
+questions about one document pays its prefill once. Baselines in this module: ``long_context``
+(target alone on the full context), ``rag`` (target on the retrieved context only) and ``sd``
+(naive speculative decoding, η = 0). One generation at a time per decoder.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import logging
+import math
+import time
+from collections import OrderedDict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from shared_core.config import GenerationConfig
+from shared_core.drafters.base import EMPTY_DRAFT, Draft
+from shared_core.drafters.retrieved_context import RetrievedContextDrafter
+from shared_core.engines.baseline import Prompt, TokenStream, _autoregressive_blocks, _Run
+from shared_core.kv import CacheKind, KVSession
+from shared_core.models import LM
+from shared_core.output import GenerationResult
+from shared_core.retrieval import DenseRetriever, Document, chunk_documents
+from shared_core.stats import DecodeStats
+from shared_core.verify import (
+    Verdict,
+    choose_token,
+    verify_rapid_greedy,
+    verify_rapid_sampled,
+    warp_probs,
+)
+
+logger = logging.getLogger(__name__)
+
+METHODS = ("rapid", "sd", "long_context", "rag")
+_SENTINEL = "\x00RAPID-CONTENT\x00"
+_INDEX_CACHE_SIZE = 8
+
+
+@dataclass(frozen=True)
+class RapidConfig:
+    """RAPID's knobs (defaults from the paper / reference code, scaled to small windows)."""
+
+    gamma: int = 10  # γ: draft tokens per round (reference: num_assistant_tokens = 10)
+    eta: float = 1.0  # η: retrieval-augmentation strength; 0 = lossless (reference default 1)
+    alpha: float = 0.1  # α: tail threshold of p̂ (reference spec_alpha)
+    head: str = "p_hat"  # where α applies: "p_hat" (tail rule of the issue) or "q" (reference)
+    chunk_tokens: int = 512  # chunk size in target tokens
+    similarity_threshold: float = 0.3  # cosine floor for retrieved chunks (the top one is kept)
+    min_rag_tokens: int | None = None  # retrieval floor; None = drafter window // 8
+    rag_fraction: float = 24.0  # λ: retrieve at least context / λ tokens
+    truncate: str = "error"  # "error" or "middle" (LongBench-style middle truncation, opt-in)
+    cache: CacheKind = "prealloc"
+    context_template: str = "<Context>\n{context}\n</Context>\n\n"
+    rag_template: str = "<Retrieved Context>\n{context}\n</Retrieved Context>\n\n"
+    query_template: str = "{query}"
+
+    def __post_init__(self) -> None:
+        checks = [
+            (isinstance(self.gamma, int) and 1 <= self.gamma <= 64, "gamma must be an int in [1, 64]"),
+            (math.isfinite(self.eta) and self.eta >= 0, "eta must be a finite number >= 0"),
+            (0 < self.alpha <= 1, "alpha must be in (0, 1]"),
+            (self.head in ("p_hat", "q"), "head must be 'p_hat' or 'q'"),
+            (isinstance(self.chunk_tokens, int) and self.chunk_tokens >= 16,
+             "chunk_tokens must be an int >= 16"),
+            (-1 <= self.similarity_threshold <= 1, "similarity_threshold must be in [-1, 1]"),
+            (self.min_rag_tokens is None or self.min_rag_tokens >= 1,
+             "min_rag_tokens must be None or >= 1"),
+            (self.rag_fraction >= 1, "rag_fraction must be >= 1"),
+            (self.truncate in ("error", "middle"), "truncate must be 'error' or 'middle'"),
+            (self.cache in ("prealloc", "dynamic"), "cache must be 'prealloc' or 'dynamic'"),
+            ("{context}" in self.context_template and "{context}" in self.rag_template,
+             "context_template and rag_template must contain {context}"),
+            ("{query}" in self.query_template, "query_template must contain {query}"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                msg = f"{message} (RapidConfig)"
+                raise ValueError(msg)
+
+
+@dataclass(frozen=True)
+class RapidPrompt:
+    """Token ids of one question: the target's full-context prompt and the drafter's RAG one."""
+
+    target_ids: tuple[int, ...]  # [full context; query] in the target's chat format
+    draft_ids: tuple[int, ...]  # [retrieved context; query] in the drafter's chat format
+    rag_ids: tuple[int, ...]  # [retrieved context; query] in the target's chat format
+    context_tokens: int  # tokens of the (possibly truncated) long context
+    retrieved_tokens: int  # tokens of the retrieved context the drafter sees
+    retrieved_chunks: tuple[int, ...]  # chunk indices, document order
+    truncated: bool
+    retrieval_s: float
+
+
+@dataclass
+class _IndexedContext:
+    chunks: list[Document]
+    retriever: DenseRetriever
+    n_tokens: int
+
+
+class _CachedRun(_Run):
+    """A `_Run` on a kept session: prefill only what differs from the cached token prefix."""
+
+    def __init__(self, lm: LM, prompt_ids: Sequence[int], config: GenerationConfig,
+                 session: KVSession):
+        super().__init__(lm, list(prompt_ids), config, session.kind)
+        self.session = session
+
+    def prefill(self) -> int:
+        start = time.perf_counter()
+        feed = self.session.sync(self.prompt_ids[:-1])
+        self.session.prefill(feed)
+        self.stats.prefill_s = time.perf_counter() - start
+        self.stats.extra["reused_prefix_tokens"] = len(self.prompt_ids) - 1 - len(feed)
+        return self.prompt_ids[-1]
+
+
+def _pad_vocab(q: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    if q is None or q.shape[-1] == size:
+        return q
+    return torch.nn.functional.pad(q, (0, size - q.shape[-1]))
+
+
+def _accept(run: _Run, draft: Draft, logits: torch.Tensor, eta: float, config: RapidConfig
+            ) -> Verdict:
+    """Step 3: greedy or sampled verification against p̂ (η = 0: exactly lossless)."""
+    sampling = run.config.sampling
+    draft_ids = torch.tensor(draft.tokens, dtype=torch.long)
+    q = _pad_vocab(draft.probs, logits.shape[-1])
+    if sampling.greedy:
+        return verify_rapid_greedy(draft_ids, logits, q, eta, alpha=config.alpha, head=config.head)
+    if not draft.tokens or q is None:
+        return Verdict(0, choose_token(logits[0], sampling, run.generator))
+    p = warp_probs(logits, sampling)
+    return verify_rapid_sampled(draft_ids, p, q, eta, alpha=config.alpha, head=config.head,
+                                generator=run.generator)
+
+
+def _rapid_blocks(run: _CachedRun, drafter: RetrievedContextDrafter, draft_prompt: Sequence[int],
+                  eta: float, config: RapidConfig) -> Iterator[list[int]]:
+    """The RAPID round, written as named steps (one committed block per round)."""
+    pending = run.prefill()
+    session, stats = run.session, run.stats
+    greedy_probs = run.config.sampling.greedy and eta > 0
+    draft_prefill = drafter.start(draft_prompt, len(run.prompt_ids), run.config.sampling,
+                                  greedy_probs=greedy_probs)
+    stats.prefill_s += draft_prefill
+    stats.extra["draft_prefill_s"] = round(draft_prefill, 4)
+    while True:
+        context = [*session.tokens, pending]
+        budget = min(config.gamma, run.tracker.remaining - 1)
+        # 1. draft γ tokens on [retrieved context; query; generated]
+        draft = drafter.propose(context, budget) if budget > 0 else EMPTY_DRAFT
+        # 2. verify: one target forward over [pending, *draft] on [full context; query; generated]
+        logits = session.extend([pending, *draft.tokens])
+        stats.target_forwards += 1
+        # 3. accept against p̂ (min(1, p̂/q); adjusted residual on rejection)
+        verdict = _accept(run, draft, logits, eta, config)
+        # 4. commit the accepted prefix, roll back the rejected tail
+        session.rollback(len(context) + verdict.n_accepted)
+        # 5. adapt: none; γ is constant (the reference forces a constant schedule)
+        stats.record_round(len(draft), verdict.n_accepted)
+        pending = verdict.next_token
+        yield [*draft.tokens[: verdict.n_accepted], pending]
+
+
+class RapidDecoder:
+    """Retrieval-augmented speculative decoding over one long context at a time.
+
+    Args:
+        lm: the long-context target.
+        draft_lm: the drafter; ``None`` = the target itself (self-speculation). Any model with
+            the same vocabulary works (smaller, or larger: "upward speculation").
+        embedder: sentence-transformers embedder (name or object) for chunk retrieval; loaded on
+            first use.
+        config: :class:`RapidConfig`.
+
+    Example::
+
+        decoder = RapidDecoder(load_lm("smollm2-135m-instruct"))
+        result = decoder.generate(long_document, "Who wrote the report?", max_new_tokens=64)
+        result.text, result.stats.as_dict()
+    """
+
+    def __init__(self, lm: LM, *, draft_lm: LM | None = None, embedder: Any = "all-minilm-l6-v2",
+                 config: RapidConfig | None = None):
+        self.lm = lm
+        self.draft_lm = draft_lm or lm
+        self.config = config or RapidConfig()
+        self.drafter = RetrievedContextDrafter(self.draft_lm, target=lm, cache=self.config.cache)
+        self._target_session = KVSession(lm, cache=self.config.cache)
+        self._rag_session = KVSession(lm, cache=self.config.cache)
+        self._embedder_spec = embedder
+        self._embedder: Any = None if isinstance(embedder, str) else embedder
+        self._indexes: OrderedDict[str, _IndexedContext] = OrderedDict()
+        self._active: TokenStream | None = None
+        self._target_parts = _chat_parts(lm)
+        self._draft_parts = _chat_parts(self.draft_lm)
+
+    # ------------------------------------------------------------------ retrieval
+
+    @property
+    def embedder(self) -> Any:
+        if self._embedder is None:
+            from shared_core.models import load_embedder
+
+            self._embedder = load_embedder(self._embedder_spec)
+        return self._embedder
+
+    def _index(self, context: str) -> _IndexedContext:
+        """Chunks + dense index of a context, cached by the text's digest (small LRU)."""
+        key = hashlib.sha256(context.encode("utf-8")).hexdigest()
+        if key in self._indexes:
+            self._indexes.move_to_end(key)
+            return self._indexes[key]
+        chunks = chunk_documents([Document("context", context)], self.lm.tokenizer,
+                                 self.config.chunk_tokens)
+        retriever = DenseRetriever(self.embedder)
+        retriever.add(chunks)
+        n_tokens = chunks[-1].metadata["token_end"] if chunks else 0
+        entry = _IndexedContext(chunks, retriever, n_tokens)
+        self._indexes[key] = entry
+        if len(self._indexes) > _INDEX_CACHE_SIZE:
+            self._indexes.popitem(last=False)
+        return entry
+
+    def rag_budget(self, context_tokens: int, reserved: int) -> int:
+        """Retrieved tokens: max(floor, context / λ), within the drafter's window."""
+        floor = self.config.min_rag_tokens or self.draft_lm.max_context // 8
+        budget = max(floor, math.ceil(context_tokens / self.config.rag_fraction))
+        return max(1, min(budget, self.draft_lm.max_context - reserved))
+
+    def retrieve(self, context: str, query: str, budget: int) -> tuple[str, tuple[int, ...], int]:
+        """Chunks most similar to ``query`` within ``budget`` tokens, in document order.
+
+        Returns (retrieved text, chunk indices, token count). Chunks under the similarity
+        threshold are dropped, but the best chunk is always kept.
+        """
+        index = self._index(context)
+        if index.n_tokens <= budget:
+            return context, tuple(range(len(index.chunks))), index.n_tokens
+        k = min(len(index.chunks), max(1, math.ceil(budget / self.config.chunk_tokens) + 1))
+        hits = index.retriever.search([query], k)[0]
+        kept: list[Document] = []
+        used = 0
+        for hit in hits:
+            size = hit.document.metadata["token_end"] - hit.document.metadata["token_start"]
+            below = hit.score < self.config.similarity_threshold
+            if kept and (below or used + size > budget):
+                continue
+            kept.append(hit.document)
+            used += size
+        kept.sort(key=lambda d: d.metadata["chunk_index"])
+        return _join_chunks(kept), tuple(d.metadata["chunk_index"] for d in kept), used
+
+    # ------------------------------------------------------------------ prompts
+
+    def prepare(self, context: str, query: str, max_new_tokens: int) -> RapidPrompt:
+        """Validate, retrieve and tokenize one question (no model forward)."""
+        _check_text(context, "context")
+        _check_text(query, "query")
+        start = time.perf_counter()
+        head, tail = self._target_parts
+        query_ids = self.lm.encode(self.config.query_template.format(query=query) + tail)
+        context, truncated = self._fit_context(context, query_ids, max_new_tokens)
+        target_ids = self.lm.encode(head + self.config.context_template.format(context=context))
+        target_ids += query_ids
+        d_head, d_tail = self._draft_parts
+        d_query = self.draft_lm.encode(self.config.query_template.format(query=query) + d_tail)
+        reserved = len(d_query) + len(self.draft_lm.encode(d_head)) + max_new_tokens + 64
+        budget = self.rag_budget(self._index(context).n_tokens, reserved)
+        text, chunk_ids, n_retrieved = self.retrieve(context, query, budget)
+        draft_ids = self.draft_lm.encode(d_head + self.config.rag_template.format(context=text))
+        draft_ids += d_query
+        rag_ids = self.lm.encode(head + self.config.rag_template.format(context=text)) + query_ids
+        if len(draft_ids) + max_new_tokens > self.draft_lm.max_context:
+            msg = (f"retrieved context ({len(draft_ids)} tokens) + max_new_tokens={max_new_tokens} "
+                   f"exceeds the drafter's {self.draft_lm.max_context}-token window; lower "
+                   "min_rag_tokens or max_new_tokens")
+            raise ValueError(msg)
+        return RapidPrompt(tuple(target_ids), tuple(draft_ids), tuple(rag_ids),
+                           self._index(context).n_tokens,
+                           n_retrieved, chunk_ids, truncated, time.perf_counter() - start)
+
+    def _fit_context(self, context: str, query_ids: Sequence[int], max_new_tokens: int
+                     ) -> tuple[str, bool]:
+        """The context itself if it fits the target window; else an error or a middle cut."""
+        head, _ = self._target_parts
+        overhead = len(self.lm.encode(head + self.config.context_template.format(context="")))
+        room = self.lm.max_context - overhead - len(query_ids) - max_new_tokens
+        ids = self.lm.encode(context)
+        if len(ids) <= room:
+            return context, False
+        if self.config.truncate != "middle" or room < 16:
+            msg = (f"context of {len(ids)} tokens + query + max_new_tokens={max_new_tokens} exceeds "
+                   f"the {self.lm.max_context}-token window of {self.lm.name} (room for {room} "
+                   "context tokens); shorten the context, lower max_new_tokens or pass "
+                   "RapidConfig(truncate='middle')")
+            raise ValueError(msg)
+        keep = room - 8  # re-tokenizing the joined halves may add a token or two
+        cut = self.lm.decode(ids[: keep // 2]) + self.lm.decode(ids[len(ids) - (keep - keep // 2):])
+        logger.warning("context of %d tokens truncated in the middle to ~%d tokens", len(ids), keep)
+        return cut, True
+
+    # ------------------------------------------------------------------ generation
+
+    def stream(self, context: str, query: str, max_new_tokens: int = 256, *, method: str = "rapid",
+               eta: float | None = None, stop: Sequence[str] | str | None = None,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None) -> TokenStream:
+        """Answer ``query`` over ``context`` as a stream of text deltas.
+
+        Args:
+            method: ``"rapid"`` (η = ``eta`` or the config's), ``"sd"`` (η = 0, lossless),
+                ``"long_context"`` (target alone) or ``"rag"`` (target on the retrieved context).
+            eta: per-call override of ``config.eta`` (``method="rapid"`` only).
+        """
+        if method not in METHODS:
+            msg = f"method must be one of {METHODS}, got {method!r}"
+            raise ValueError(msg)
+        eta = self.config.eta if eta is None else float(eta)
+        if not (math.isfinite(eta) and eta >= 0):
+            msg = f"eta must be a finite number >= 0, got {eta}"
+            raise ValueError(msg)
+        gen = GenerationConfig.build(max_new_tokens, stop=stop, temperature=temperature,
+                                     top_k=top_k, top_p=top_p, seed=seed)
+        prompt = self.prepare(context, query, max_new_tokens)
+        self._close_active()
+        self._active = self._start(method, 0.0 if method == "sd" else eta, prompt, gen)
+        return self._active
+
+    def generate(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
+                 ) -> GenerationResult:
+        """:meth:`stream`, consumed; returns text, token ids and stats."""
+        return self.stream(context, query, max_new_tokens, **options).run()
+
+    def long_context(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
+                     ) -> GenerationResult:
+        """Baseline: the target alone on the full context (its prefix KV cached)."""
+        return self.generate(context, query, max_new_tokens, method="long_context", **options)
+
+    def rag(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
+            ) -> GenerationResult:
+        """Baseline: the target on the retrieved context only."""
+        return self.generate(context, query, max_new_tokens, method="rag", **options)
+
+    def speculative(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
+                    ) -> GenerationResult:
+        """Baseline: naive speculative decoding with the RAG drafter (η = 0, lossless)."""
+        return self.generate(context, query, max_new_tokens, method="sd", **options)
+
+    def _start(self, method: str, eta: float, prompt: RapidPrompt, gen: GenerationConfig
+               ) -> TokenStream:
+        ids, session = ((prompt.rag_ids, self._rag_session) if method == "rag"
+                        else (prompt.target_ids, self._target_session))
+        run = _CachedRun(self.lm, ids, gen, session)
+        run.stats.extra.update(self._prompt_stats(method, eta, prompt))
+        if method in ("long_context", "rag"):
+            return run.stream(_autoregressive_blocks)
+        drafter, before = self.drafter, self.drafter.forwards
+
+        def on_close(stats: DecodeStats) -> None:
+            stats.draft_forwards = drafter.forwards - before
+
+        config = self.config
+        return run.stream(lambda r: _rapid_blocks(r, drafter, prompt.draft_ids, eta, config),
+                          on_close)
+
+    def _prompt_stats(self, method: str, eta: float, prompt: RapidPrompt) -> dict[str, Any]:
+        return {"method": method, "eta": eta if method == "rapid" else 0.0,
+                "gamma": self.config.gamma,
+                "context_tokens": prompt.context_tokens,
+                "retrieved_tokens": prompt.retrieved_tokens,
+                "retrieved_chunks": list(prompt.retrieved_chunks), "truncated": prompt.truncated,
+                "retrieval_s": round(prompt.retrieval_s, 4)}
+
+    def _close_active(self) -> None:
+        """The sessions are shared: an unfinished previous stream is closed (with a warning)."""
+        active, self._active = self._active, None
+        if active is not None and active.result is None:
+            logger.warning("a previous RAPID stream was not finished; closing it")
+            active._blocks.close()
+
+
+# ---------------------------------------------------------------------------- helpers
+
+
+def _check_text(value: Any, name: str) -> None:
+    if not isinstance(value, str):
+        msg = f"{name} must be a str, got {type(value).__name__}"
+        raise TypeError(msg)
+    if not value.strip():
+        msg = f"{name} must be a non-empty string"
+        raise ValueError(msg)
+
+
+def _chat_parts(lm: LM) -> tuple[str, str]:
+    """The chat template around one user message: (text before it, text after it)."""
+    rendered = lm.chat_prompt([{"role": "user", "content": _SENTINEL}])
+    head, _, tail = rendered.partition(_SENTINEL)
+    return head, tail
+
+
+def _join_chunks(chunks: Sequence[Document]) -> str:
+    """Concatenate chunks (exact slices); adjacent ones join seamlessly, gaps get a blank line."""
+    parts: list[str] = []
+    previous = None
+    for chunk in chunks:
+        index = chunk.metadata["chunk_index"]
+        if previous is not None and index != previous + 1:
+            parts.append("\n\n")
+        parts.append(chunk.text)
+        previous = index
+    return "".join(parts)
+
+
+def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, str]:
+    """(long context, query) from a registry call.
+
+    The query is the last user message. The long context is ``documents`` joined by blank lines
+    or, without documents, the prompt's context section: the text before the last
+    ``"Question:"`` in the last user message, else the other messages' contents.
+    """
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    else:
+        messages = list(prompt)
+        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
+            msg = "RAPID needs a text prompt or chat messages (not token ids)"
+            raise TypeError(msg)
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        msg = "prompt has no user message to take the query from"
+        raise ValueError(msg)
+    last = messages[users[-1]]["content"]
+    if documents is not None:
+        docs = [d for d in documents if isinstance(d, str) and d.strip()]
+        if not docs:
+            msg = "documents must contain at least one non-empty text (the long context)"
+            raise ValueError(msg)
+        return "\n\n".join(docs), last
+    cut = last.lower().rfind("question:")
+    if cut > 0 and last[:cut].strip():
+        context = last[:cut].strip()
+        if context.lower().startswith("context:"):
+            context = context[len("context:"):].strip()
+        return context, last[cut:].strip()
+    others = "\n\n".join(m["content"] for i, m in enumerate(messages)
+                         if i != users[-1] and m["content"].strip())
+    if not others:
+        msg = ("RAPID needs a long context: pass documents=[...] or put the context before "
+               "'Question:' in the user message (or in a system message)")
+        raise ValueError(msg)
+    return others, last
+
+
+_DECODERS: OrderedDict[tuple[Any, ...], RapidDecoder] = OrderedDict()
+
+
+def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidConfig
+                    ) -> RapidDecoder:
+    """Reuse a decoder (and its cached context KV) across registry calls; keeps two."""
+    embedder_key = embedder if isinstance(embedder, str) else id(embedder)
+    key = (id(lm), id(draft_lm), embedder_key, config)
+    decoder = _DECODERS.get(key)
+    if decoder is None or decoder.lm is not lm:
+        decoder = RapidDecoder(lm, draft_lm=draft_lm, embedder=embedder, config=config)
+        _DECODERS[key] = decoder
+        while len(_DECODERS) > 2:
+            _DECODERS.popitem(last=False)
+    _DECODERS.move_to_end(key)
+    return decoder
+
+
+def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
+                 documents: Sequence[str] | None = None, stop: Sequence[str] | str | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
+                 draft_lm: LM | None = None, embedder: Any = "all-minilm-l6-v2",
+                 **config_options: Any) -> TokenStream:
+    """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention.
+
+    Engine options: ``method`` (``"rapid"``, ``"sd"``, ``"long_context"``, ``"rag"``), a ready
+    ``decoder``, ``draft_lm``, ``embedder`` and any :class:`RapidConfig` field (``eta``,
+    ``gamma``, ``alpha``, ...). Without ``decoder`` a decoder is reused across calls with the
+    same models and options, so follow-up questions on one document skip its prefill.
+    """
+    fields = {f.name for f in dataclasses.fields(RapidConfig)}
+    unknown = sorted(set(config_options) - fields)
+    if unknown:
+        msg = f"unknown RAPID option(s) {unknown}; RapidConfig fields are {sorted(fields)}"
+        raise TypeError(msg)
+    context, query = split_prompt(prompt, documents)
+    if decoder is None:
+        decoder = _shared_decoder(lm, draft_lm, embedder, RapidConfig(**config_options))
+    elif decoder.lm is not lm:
+        msg = "decoder was built for another target model than lm"
+        raise ValueError(msg)
+    eta = config_options.get("eta")
+    return decoder.stream(context, query, max_new_tokens, method=method, eta=eta, stop=stop,
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
