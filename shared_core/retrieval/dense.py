@@ -18,6 +18,7 @@ Setup::
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -41,14 +42,47 @@ PAD_PREFIX = "pad-"
 _INDEX_FILE = "index.faiss"
 _SLOTS_FILE = "slots.npy"
 _PAD_CHUNK = 100_000
+_GEMM_BLOCK = 131_072  # stored vectors per matrix product in the gemm search path
+RESCORE_MARGIN = 8  # extra faiss candidates per query, re-ranked by exact float64 scores
+_PAIR_CHUNK = 8192  # (query, document) pairs per products array in _paired_scores
 
 
 def _normalise(vectors: np.ndarray) -> np.ndarray:
-    """Row-wise L2 normalisation in float32 (zero rows stay zero)."""
-    vectors = np.ascontiguousarray(vectors, dtype=np.float32)
-    norms = np.linalg.norm(vectors, axis=1, keepdims=True)
-    np.divide(vectors, norms, out=vectors, where=norms > 0)
-    return vectors
+    """Row-wise L2 normalisation to a new float32 array (zero rows stay zero).
+
+    Norms come from :func:`_paired_scores`, so a row's result does not depend on the others.
+    """
+    vectors = np.asarray(vectors, dtype=np.float32)
+    norms = np.sqrt(_paired_scores(vectors, vectors))[:, None]
+    out = np.zeros(vectors.shape, dtype=np.float64)
+    np.divide(vectors, norms, out=out, where=norms > 0)
+    return np.ascontiguousarray(out, dtype=np.float32)
+
+
+def _paired_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """``queries[i] . vectors[i]`` for every row i, in float64, in a fixed summation order.
+
+    float32 x float32 products are exact in float64 and are summed one dimension after the
+    other with elementwise adds, so a pair's score depends on nothing but the pair. (numpy
+    reductions and BLAS change their summation order with the array shapes, and faiss' float32
+    scores change with the batch size.)
+    """
+    out = np.empty(queries.shape[0], dtype=np.float64)
+    for start in range(0, queries.shape[0], _PAIR_CHUNK):
+        q = queries[start:start + _PAIR_CHUNK].T.astype(np.float64)  # [d, pairs]
+        products = q * vectors[start:start + _PAIR_CHUNK].T.astype(np.float64)
+        acc = products[0].copy()
+        for row in products[1:]:
+            acc += row
+        out[start:start + acc.shape[0]] = acc
+    return out
+
+
+def _pair_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
+    """Scores ``[nq, n]`` of every query with every vector (see :func:`_paired_scores`)."""
+    nq, n = queries.shape[0], vectors.shape[0]
+    flat = _paired_scores(np.repeat(queries, n, axis=0), np.tile(vectors, (nq, 1)))
+    return flat.reshape(nq, n)
 
 
 class DenseRetriever:
@@ -61,10 +95,23 @@ class DenseRetriever:
         hnsw_m: HNSW graph degree M.
         ef_construction: HNSW ``efConstruction`` (build-time beam width).
         ef_search: HNSW ``efSearch`` (query-time beam width; raised to ``k`` when smaller).
-        batch_size: texts per embedder call.
+        batch_size: texts per embedder call for documents.
+        query_batch_size: texts per embedder call for queries (default ``batch_size``).
+            Transformer embedders return slightly different floats for a text depending on
+            the batch it is encoded in (padding, matrix shapes); ``1`` makes a query's vector,
+            hence its hits, identical whether it is searched alone or in a batch.
         show_progress: tqdm bars when embedding more than a few hundred (256) texts.
         num_threads: OpenMP threads for faiss calls. ``None`` leaves faiss' global setting
-            alone; an integer sets it around each faiss call and restores it afterwards.
+            alone; an integer sets it around each faiss call and restores it afterwards. On a
+            busy host, ``1`` avoids OpenMP oversubscription (a batch of 8 queries on 2,600
+            vectors took 29 ms with 2 threads vs 2 ms with 1 on a loaded 2-core machine).
+        gemm_min_batch: exact index only. ``None`` (default): faiss scores each query with its
+            own scan, so a query's hits do not depend on the batch it is searched in. An
+            integer: batches of at least this many queries are scored with one matrix product
+            (numpy BLAS, blocked) over the stored vectors, reading the index once per batch
+            instead of once per query (cheaper per query on large indexes); scores then differ
+            from faiss' by float rounding (~1e-7), so near-ties may rank differently between
+            single and batched search.
 
     Padding (``add_padding``) appends random unit vectors to the index to reach a realistic
     (Wikipedia-scale) index size for latency measurements. Padding vectors are ordinary index
@@ -75,7 +122,8 @@ class DenseRetriever:
     def __init__(self, embedder: Any = "all-minilm-l6-v2", *, index: IndexKind = "exact",
                  hnsw_m: int = 32, ef_construction: int = 200, ef_search: int = 128,
                  batch_size: int = 64, show_progress: bool = False,
-                 num_threads: int | None = None) -> None:
+                 num_threads: int | None = None, gemm_min_batch: int | None = None,
+                 query_batch_size: int | None = None) -> None:
         if index not in INDEX_KINDS:
             msg = f"index must be one of {INDEX_KINDS}, got {index!r}"
             raise ValueError(msg)
@@ -84,9 +132,11 @@ class DenseRetriever:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 msg = f"{name} must be an integer >= 1, got {value!r}"
                 raise ValueError(msg)
-        if num_threads is not None and (not isinstance(num_threads, int) or num_threads < 1):
-            msg = f"num_threads must be None or an integer >= 1, got {num_threads!r}"
-            raise ValueError(msg)
+        for name, value in (("num_threads", num_threads), ("gemm_min_batch", gemm_min_batch),
+                            ("query_batch_size", query_batch_size)):
+            if value is not None and (not isinstance(value, int) or value < 1):
+                msg = f"{name} must be None or an integer >= 1, got {value!r}"
+                raise ValueError(msg)
         if not isinstance(embedder, str) and not callable(getattr(embedder, "encode", None)):
             msg = "embedder must be a model name or an object with an encode(list[str]) method"
             raise TypeError(msg)
@@ -95,8 +145,10 @@ class DenseRetriever:
         self.ef_construction = ef_construction
         self.ef_search = ef_search
         self.batch_size = batch_size
+        self.query_batch_size = query_batch_size or batch_size
         self.show_progress = show_progress
         self.num_threads = num_threads
+        self.gemm_min_batch = gemm_min_batch
         self._embedder_name = embedder if isinstance(embedder, str) else None
         self._embedder = None if isinstance(embedder, str) else embedder
         self._index: faiss.Index | None = None
@@ -158,17 +210,17 @@ class DenseRetriever:
 
     # ------------------------------------------------------------------ embedding
 
-    def _encode(self, texts: list[str], desc: str) -> np.ndarray:
+    def _encode(self, texts: list[str], batch_size: int, desc: str) -> np.ndarray:
         progress = self.show_progress and len(texts) > _common.PROGRESS_MIN_TEXTS
         embedder = self.embedder
         if type(embedder).__module__.startswith("sentence_transformers"):
-            vectors = embedder.encode(texts, batch_size=self.batch_size, convert_to_numpy=True,
+            vectors = embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True,
                                       show_progress_bar=progress)
         else:
             from tqdm.auto import tqdm
 
-            starts = range(0, len(texts), self.batch_size)
-            parts = [np.asarray(embedder.encode(texts[i:i + self.batch_size]))
+            starts = range(0, len(texts), batch_size)
+            parts = [np.asarray(embedder.encode(texts[i:i + batch_size]))
                      for i in tqdm(starts, desc=desc, disable=not progress, leave=False)]
             vectors = np.concatenate(parts) if parts else np.zeros((0, self.dim or 0))
         vectors = np.asarray(vectors)
@@ -179,11 +231,12 @@ class DenseRetriever:
 
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
         """Normalised float32 vectors ``[n, dim]`` for document texts."""
-        return self._encode(list(texts), "embedding documents")
+        return self._encode(list(texts), self.batch_size, "embedding documents")
 
     def embed_queries(self, queries: Sequence[str]) -> np.ndarray:
         """Normalised float32 vectors ``[n, dim]`` for queries (what ``search`` uses)."""
-        return self._encode(_common.check_queries(queries), "embedding queries")
+        return self._encode(_common.check_queries(queries), self.query_batch_size,
+                            "embedding queries")
 
     # ------------------------------------------------------------------ faiss plumbing
 
@@ -298,64 +351,107 @@ class DenseRetriever:
         return self.search_vectors(self.embed_queries(queries), k)
 
     def search_vectors(self, vectors: np.ndarray, k: int) -> list[list[Hit]]:
-        """Top-``k`` hits for query vectors ``[n, dim]`` (normalised here), in one faiss call."""
+        """Top-``k`` hits for query vectors ``[n, dim]`` (normalised here), in one index call.
+
+        faiss (float32) proposes ``k + RESCORE_MARGIN`` candidates per query; they are ranked
+        by :meth:`score` (score descending, then index position). A query's hits are therefore
+        the same whether it is searched alone or in a batch, and ``score`` reproduces every
+        hit's score bit for bit (faiss' own float32 scores depend on the batch size).
+        """
         _common.check_k(k)
         _common.check_not_empty(self.ntotal, "dense index")
         vectors = self._check_vectors(vectors, None, "vectors")
         if vectors.shape[0] == 0:
             msg = "vectors must hold at least one query vector"
             raise ValueError(msg)
+        k = min(int(k), self.ntotal)
+        candidates = self._candidates(vectors, min(k + RESCORE_MARGIN, self.ntotal))
+        rows = [np.unique(row[row >= 0]) for row in candidates]  # HNSW may return fewer
+        lengths = [r.size for r in rows]
+        positions = np.concatenate(rows)
+        scores = _paired_scores(np.repeat(vectors, lengths, axis=0),
+                                self._index.reconstruct_batch(positions))
+        bounds = np.cumsum([0, *lengths])
+        return [self._ranked_hits(positions[a:b], scores[a:b], k)
+                for a, b in itertools.pairwise(bounds.tolist())]
+
+    def _candidates(self, vectors: np.ndarray, n: int) -> np.ndarray:
+        """Index positions ``[n_queries, n]`` of the best-scoring entries by faiss' float32."""
         import faiss
 
-        k = min(int(k), self.ntotal)
+        if self._use_gemm(vectors.shape[0]):
+            return self._gemm_candidates(vectors, n)
         params = None
         if self.index_kind == "hnsw":
-            params = faiss.SearchParametersHNSW(efSearch=max(self.ef_search, k))
+            params = faiss.SearchParametersHNSW(efSearch=max(self.ef_search, n))
         with self._threads():
-            scores, positions = self._index.search(vectors, k, params=params)
-        results = []
-        for row_scores, row_positions in zip(scores, positions, strict=True):
-            keep = row_positions >= 0  # HNSW may return fewer than k
-            docs = [self._document_at(int(p)) for p in row_positions[keep]]
-            results.append(_common.hits_from(docs, row_scores[keep]))
-        return results
+            _, positions = self._index.search(vectors, n, params=params)
+        return positions
+
+    def _use_gemm(self, n_queries: int) -> bool:
+        return (self.index_kind == "exact" and self.gemm_min_batch is not None
+                and n_queries >= self.gemm_min_batch)
+
+    def _gemm_candidates(self, vectors: np.ndarray, n: int) -> np.ndarray:
+        """Top-``n`` positions by blocked matrix products over a zero-copy view of faiss' storage."""
+        import faiss
+
+        total, d = self.ntotal, self.dim or 0
+        stored = faiss.rev_swig_ptr(self._index.get_xb(), total * d).reshape(total, d)
+        best_scores, best_positions = [], []
+        for start in range(0, total, _GEMM_BLOCK):
+            block = vectors @ stored[start:start + _GEMM_BLOCK].T  # [nq, block]
+            kk = min(n, block.shape[1])
+            part = np.argpartition(-block, kk - 1, axis=1)[:, :kk]
+            best_scores.append(np.take_along_axis(block, part, axis=1))
+            best_positions.append(part + start)
+        scores, positions = np.concatenate(best_scores, 1), np.concatenate(best_positions, 1)
+        order = np.argsort(-scores, axis=1, kind="stable")[:, :n]
+        return np.take_along_axis(positions, order, 1)
+
+    def _ranked_hits(self, positions: np.ndarray, scores: np.ndarray, k: int) -> list[Hit]:
+        """The ``k`` best of ``positions`` by score, ties by index position."""
+        order = np.lexsort((positions, -scores))[:k]
+        docs = [self._document_at(int(positions[i])) for i in order]
+        return _common.hits_from(docs, scores[order])
 
     def vectors_for(self, doc_ids: Sequence[str]) -> np.ndarray:
-        """The indexed (normalised) vectors ``[len(doc_ids), dim]`` of these ids."""
+        """The indexed (normalised, float32) vectors ``[len(doc_ids), dim]`` of these ids."""
         positions = self._positions(doc_ids)
         if self._index is None or positions.size == 0:
             return np.zeros((0, self.dim or 0), dtype=np.float32)
         return self._index.reconstruct_batch(positions)
 
     def score(self, query_vectors: np.ndarray, doc_ids: Sequence[str]) -> np.ndarray:
-        """Inner products ``[n_queries, len(doc_ids)]`` of query vectors with indexed documents.
+        """Cosine scores ``[n_queries, len(doc_ids)]`` (float64) of queries with indexed documents.
 
-        This is the metric the index ranks by (cosine of normalised vectors); it equals the
-        scores ``search_vectors`` returns up to float32 rounding (faiss and numpy sum in
-        different orders, differences ~1e-7), so near-ties may order differently.
+        Each (query, document) pair is summed on its own in float64, so the value does not
+        depend on which other queries or documents are scored with it: it is bit-for-bit the
+        score ``search`` / ``search_vectors`` report. A per-request cache ranked with
+        :meth:`search_subset` therefore puts the corpus top-1 first whenever it holds it
+        (exact index; HNSW may miss the true top-1 itself).
         """
         queries = self._check_vectors(query_vectors, None, "query_vectors")
-        return queries @ self.vectors_for(doc_ids).T
+        return _pair_scores(queries, self.vectors_for(doc_ids))
 
     def search_subset(self, vectors: np.ndarray, doc_ids: Sequence[str], k: int
                       ) -> list[list[Hit]]:
-        """Rank only ``doc_ids`` (e.g. a local cache) by :meth:`score`; ties by index order."""
+        """Rank only ``doc_ids`` (e.g. a local cache) exactly as :meth:`search_vectors` ranks."""
         _common.check_k(k)
-        positions = self._positions(doc_ids)
-        scores = self.score(vectors, doc_ids)
-        results = []
-        for row in scores:
-            order = np.lexsort((positions, -row))[:k]
-            docs = [self._document_at(int(positions[i])) for i in order]
-            results.append(_common.hits_from(docs, row[order]))
-        return results
+        queries = self._check_vectors(vectors, None, "vectors")
+        positions = np.unique(self._positions(doc_ids))
+        scores = _pair_scores(queries, self.vectors_for([]) if positions.size == 0 else
+                              self._index.reconstruct_batch(positions))
+        return [self._ranked_hits(positions, row, k) for row in scores]
 
     # ------------------------------------------------------------------ persistence
 
     def _config(self) -> dict[str, Any]:
         return {"index": self.index_kind, "hnsw_m": self.hnsw_m,
                 "ef_construction": self.ef_construction, "ef_search": self.ef_search,
-                "batch_size": self.batch_size, "embedder": self._embedder_name, "dim": self.dim,
+                "batch_size": self.batch_size, "query_batch_size": self.query_batch_size,
+                "gemm_min_batch": self.gemm_min_batch,
+                "embedder": self._embedder_name, "dim": self.dim,
                 "num_docs": len(self._docs), "num_padding": self.num_padding}
 
     def save(self, path: str | os.PathLike[str]) -> None:
@@ -389,7 +485,8 @@ class DenseRetriever:
         self = cls(embedder, index=config["index"], hnsw_m=config["hnsw_m"],
                    ef_construction=config["ef_construction"], ef_search=config["ef_search"],
                    batch_size=config["batch_size"], show_progress=show_progress,
-                   num_threads=num_threads)
+                   num_threads=num_threads, gemm_min_batch=config.get("gemm_min_batch"),
+                   query_batch_size=config.get("query_batch_size"))
         self._docs = _common.read_docs(folder)
         self._slots = np.load(folder / _SLOTS_FILE, allow_pickle=False)
         if (folder / _INDEX_FILE).is_file():
