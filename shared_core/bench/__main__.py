@@ -1,0 +1,62 @@
+"""``python -m shared_core.bench <engine> [--limit N] [--max-new-tokens M] --out F.json [--plot F.png]``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import sys
+from collections.abc import Sequence
+
+from shared_core.bench.common import plot_report, write_report
+
+# name -> (module, add_arguments function, run function)
+BENCHMARKS: dict[str, tuple[str, str, str]] = {
+    "core": ("shared_core.bench.core", "add_arguments", "run"),
+    "kv": ("shared_core.bench.core", "add_kv_arguments", "run_kv"),
+    "retrieval": ("shared_core.bench.retrieval", "add_arguments", "run"),
+    "specrag": ("shared_core.bench.specrag", "add_arguments", "run"),
+    "rapid": ("shared_core.bench.rapid", "add_arguments", "run"),
+    "ralmspec": ("shared_core.bench.ralmspec", "add_arguments", "run"),
+    "respec": ("shared_core.bench.respec", "add_arguments", "run"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m shared_core.bench",
+                                     description="specrag benchmarks (DESIGN §3 JSON schema)")
+    sub = parser.add_subparsers(dest="benchmark", required=True)
+    for name, (module, add_args, _) in BENCHMARKS.items():
+        child = sub.add_parser(name)
+        child.add_argument("--out", default=None, help="write the JSON report here")
+        child.add_argument("--plot", default=None, help="write a PNG plot here")
+        child.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+        try:
+            getattr(importlib.import_module(module), add_args)(child)
+        except ImportError as e:  # an engine module that is not built yet
+            child.set_defaults(_unavailable=str(e))
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_unavailable", None):
+        logging.error("benchmark %s is unavailable: %s", args.benchmark, args._unavailable)
+        return 2
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    module, _, run = BENCHMARKS[args.benchmark]
+    report = getattr(importlib.import_module(module), run)(args)
+    write_report(report, args.out)
+    if args.plot and "methods" in report:
+        plot_report(report, args.plot)
+    sys.stdout.write(json.dumps(report, indent=2, default=str)[:20000] + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,170 @@
+"""Core decoding benchmark on Spec-Bench, and the KV-cache comparison.
+
+``python -m shared_core.bench core``: transformers' greedy ``generate`` and prompt lookup against
+our reference loop and our speculative loop (prompt-lookup drafter), same prompts, same process.
+``python -m shared_core.bench kv``: preallocated vs concatenating cache at several context sizes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from shared_core.bench.common import MethodResult, identical_count, make_report, timed_loop
+from shared_core.bench.datasets import SPEC_BENCH_TASKS, SpecBenchPrompt, spec_bench
+from shared_core.drafters.prompt_lookup import PromptLookupDrafter
+from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+from shared_core.kv import KVSession
+from shared_core.models import LM, load_lm
+
+logger = logging.getLogger(__name__)
+
+Method = Callable[[list[int]], tuple[list[int], dict[str, Any]]]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--limit", type=int, default=10, help="prompts per Spec-Bench task")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--draft-tokens", type=int, default=8)
+    parser.add_argument("--tasks", nargs="*", default=list(SPEC_BENCH_TASKS))
+    parser.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
+
+
+def _strip_eos(lm: LM, ids: list[int]) -> list[int]:
+    for i, token in enumerate(ids):
+        if token in lm.eos_token_ids:
+            return ids[:i]
+    return ids
+
+
+def methods_for(lm: LM, max_new: int, k: int) -> dict[str, Method]:
+    def hf(extra: dict[str, Any]) -> Method:
+        def run(ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+            with torch.inference_mode():
+                out = lm.model.generate(torch.tensor([ids], device=lm.device),
+                                        max_new_tokens=max_new, do_sample=False, **extra)
+            return _strip_eos(lm, out[0, len(ids):].tolist()), {}
+        return run
+
+    def ours(ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+        result = autoregressive_generate(lm, ids, max_new)
+        return result.token_ids, result.stats.as_dict()
+
+    def speculative(ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+        result = speculative_generate(lm, PromptLookupDrafter(), ids, max_new, k=k)
+        return result.token_ids, result.stats.as_dict()
+
+    return {"hf_generate": hf({}), "autoregressive": ours,
+            "hf_prompt_lookup": hf({"prompt_lookup_num_tokens": 10}), "speculative": speculative}
+
+
+def _aggregate_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    if not stats or not stats[0]:
+        return {}
+    keys = ("drafted", "accepted", "rounds", "target_forwards", "new_tokens")
+    out: dict[str, Any] = {key: sum(s[key] for s in stats) for key in keys}
+    out["mean_accepted"] = out["accepted"] / out["rounds"] if out["rounds"] else 0.0
+    out["acceptance_rate"] = out["accepted"] / out["drafted"] if out["drafted"] else 0.0
+    hist: dict[str, int] = defaultdict(int)
+    for s in stats:
+        for length, count in s["accept_hist"].items():
+            hist[length] += count
+    out["accept_hist"] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    lm = load_lm(args.model)
+    prompts = spec_bench(args.limit, args.tasks)
+    encoded = [lm.prompt_ids([{"role": "user", "content": p.turns[0]}]) for p in prompts]
+    methods = methods_for(lm, args.max_new_tokens, args.draft_tokens)
+    if args.methods:
+        methods = {name: fn for name, fn in methods.items() if name in args.methods}
+    for name, fn in methods.items():  # warm-up: one short prompt through every method
+        fn(encoded[0][:64])
+        logger.info("warmed up %s", name)
+    results: dict[str, MethodResult] = {}
+    per_prompt: dict[str, list[tuple[list[int], dict[str, Any], float]]] = {}
+    for name, fn in methods.items():
+        rows = []
+        for ids in encoded:
+            timed, wall = timed_loop([ids], fn, lm.device, desc=name, progress=False)
+            rows.append((timed[0][0], timed[0][1], wall))
+        per_prompt[name] = rows
+        results[name] = MethodResult(
+            wall_s=sum(r[2] for r in rows), new_tokens=sum(len(r[0]) for r in rows),
+            outputs=[r[0] for r in rows], stats=_aggregate_stats([r[1] for r in rows]))
+        logger.info("%s: %.2f tok/s", name, results[name].tokens_per_s)
+    compare = {name: ["autoregressive", "hf_generate"] for name in methods}
+    report = make_report(engine="core", dataset="spec_bench", models={"target": args.model},
+                         device=str(lm.device), methods=results, primary_baseline="hf_generate",
+                         identical_to=compare)
+    report["per_task"] = _per_task(prompts, per_prompt)
+    report["settings"] = {"max_new_tokens": args.max_new_tokens, "per_task": args.limit,
+                          "draft_tokens": args.draft_tokens}
+    return report
+
+
+def _per_task(prompts: list[SpecBenchPrompt],
+              per_prompt: dict[str, list[tuple[list[int], dict[str, Any], float]]]
+              ) -> dict[str, Any]:
+    table: dict[str, Any] = {}
+    for task in dict.fromkeys(p.task for p in prompts):
+        idx = [i for i, p in enumerate(prompts) if p.task == task]
+        row: dict[str, Any] = {}
+        for name, rows in per_prompt.items():
+            tokens = sum(len(rows[i][0]) for i in idx)
+            wall = sum(rows[i][2] for i in idx)
+            row[name] = {"tokens_per_s": round(tokens / wall, 3) if wall else 0.0}
+            if "autoregressive" in per_prompt:
+                ref = [per_prompt["autoregressive"][i][0] for i in idx]
+                row[name]["identical_to_autoregressive"] = identical_count(
+                    [rows[i][0] for i in idx], ref)
+        base = row.get("hf_generate", {}).get("tokens_per_s")
+        for name in row:
+            if base:
+                row[name]["speedup"] = round(row[name]["tokens_per_s"] / base, 3)
+        table[task] = row
+    return table
+
+
+def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--contexts", type=int, nargs="*", default=[256, 2048, 8000])
+    parser.add_argument("--steps", type=int, default=24)
+
+
+def _time_kv(lm: LM, kind: str, context: int, steps: int) -> dict[str, float]:
+    ids = torch.randint(100, 20000, (context,), generator=torch.Generator().manual_seed(0))
+    session = KVSession(lm, cache=kind)  # type: ignore[arg-type]
+    session.prefill(ids.tolist())
+    start = time.perf_counter()
+    for i in range(steps):
+        session.extend([int(ids[i])])
+    decode_ms = (time.perf_counter() - start) / steps * 1000
+    start = time.perf_counter()
+    for i in range(steps // 2):
+        session.extend([int(t) for t in ids[i : i + 10]])
+        session.rollback(len(session) - 7)  # reject 7 of 10, as a verify round would
+    verify_ms = (time.perf_counter() - start) / (steps // 2) * 1000
+    return {"decode_ms_per_token": round(decode_ms, 2), "verify10_ms": round(verify_ms, 2)}
+
+
+def run_kv(args: argparse.Namespace) -> dict[str, Any]:
+    lm = load_lm(args.model)
+    _time_kv(lm, "prealloc", 64, 4)  # warm-up
+    _time_kv(lm, "dynamic", 64, 4)
+    table: dict[str, Any] = {}
+    for context in args.contexts:
+        table[str(context)] = {kind: _time_kv(lm, kind, context, args.steps)
+                               for kind in ("prealloc", "dynamic")}
+        logger.info("context %d: %s", context, table[str(context)])
+    return {"engine": "kv", "model": args.model, "device": str(lm.device),
+            "threads": torch.get_num_threads(), "contexts": table}
