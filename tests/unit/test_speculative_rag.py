@@ -1,0 +1,246 @@
+"""Speculative RAG on tiny in-process models: subsets, batching equivalence, scoring, errors."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from shared_core.engines.speculative_rag import (
+    Draft,
+    SpeculativeRAG,
+    SpeculativeRAGConfig,
+    check_inputs,
+    draft_prompt,
+    generate_batch,
+    kmeans_labels,
+    one_per_cluster_subsets,
+    parse_draft,
+    same_cluster_subsets,
+    select_best,
+    to_documents,
+    verifier_rows,
+    verify_batch,
+)
+from shared_core.retrieval.base import Document, Hit
+from tests.tiny import tiny_lm
+
+DOCS = [Document(f"d{i}", text) for i, text in enumerate([
+    "Paris is the capital of France.", "Berlin is the capital of Germany.",
+    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps.",
+    "Speculative decoding drafts tokens.", "The target model verifies them in one pass.",
+])]
+
+
+class FakeEmbedder:
+    """Deterministic bag-of-words vectors: documents sharing words land close together."""
+
+    def encode(self, texts: list[str], **_: object) -> np.ndarray:
+        out = np.zeros((len(texts), 32), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in text.lower().split():
+                out[i, sum(map(ord, word)) % 32] += 1.0
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+class FakeRetriever:
+    def __init__(self, docs: list[Document]) -> None:
+        self.docs, self.calls = docs, 0
+
+    def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+        self.calls += 1
+        return [[Hit(d, 1.0, r) for r, d in enumerate(self.docs[:k])] for _ in queries]
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    return tiny_lm(2, seed=1)
+
+
+@pytest.fixture(scope="module")
+def verifier():
+    return tiny_lm(2, seed=2)
+
+
+def engine(drafter, verifier, **config):
+    cfg = SpeculativeRAGConfig(**{"num_drafts": 3, "docs_per_draft": 2, "max_draft_tokens": 8,
+                                  **config})
+    return SpeculativeRAG(drafter, verifier, embedder=FakeEmbedder(), config=cfg)
+
+
+# ---------------------------------------------------------------- 1. multi-perspective subsets
+
+def test_one_per_cluster_subsets_are_distinct_and_seeded():
+    labels = [0, 1, 0, 1, 2, 2, 0, 1, 2, 0]
+    subsets, relaxed = one_per_cluster_subsets(labels, 3, 5, random.Random(7))
+    assert relaxed == 0 and len(subsets) == 5 and len(set(subsets)) == 5
+    for s in subsets:
+        assert sorted(labels[i] for i in s) == [0, 1, 2]
+    assert subsets == one_per_cluster_subsets(labels, 3, 5, random.Random(7))[0]
+    used = {i for s in subsets for i in s}
+    assert len(used) >= 9  # least-used-first spreads the drafts over the documents
+
+
+def test_one_per_cluster_falls_back_when_clusters_are_too_small():
+    labels = [0, 1, 1, 1]  # only 3 one-per-cluster pairs exist
+    subsets, relaxed = one_per_cluster_subsets(labels, 2, 4, random.Random(0))
+    assert relaxed == 1 and len(set(subsets)) == 4 and all(len(s) == 2 for s in subsets)
+
+
+def test_same_cluster_subsets_stay_inside_a_cluster():
+    labels = [0, 0, 0, 1, 1, 1]
+    subsets, relaxed = same_cluster_subsets(labels, 2, 4, random.Random(0))
+    assert relaxed == 0 and len(set(subsets)) == 4
+    assert all(len({labels[i] for i in s}) == 1 for s in subsets)
+
+
+def test_kmeans_is_seeded_and_separates_clusters():
+    rng = np.random.default_rng(0)
+    x = np.concatenate([rng.normal(0, 0.05, (5, 8)) + 1, rng.normal(0, 0.05, (5, 8)) - 1])
+    x = (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+    labels = kmeans_labels(x, 2, seed=3)
+    assert labels == kmeans_labels(x, 2, seed=3)
+    assert len(set(labels[:5])) == 1 and len(set(labels[5:])) == 1 and labels[0] != labels[5]
+
+
+def test_engine_subsets_follow_strategy(drafter, verifier):
+    eng = engine(drafter, verifier, subset_strategy="random")
+    subsets = eng.sample_subsets("q", DOCS)
+    assert len(set(subsets)) == 3 and subsets == eng.sample_subsets("q", DOCS)
+
+
+# ---------------------------------------------------------------- 2. batched drafting
+
+def test_batched_drafting_equals_per_row(drafter):
+    prompts = [draft_prompt(drafter, "who is the capital?", DOCS[i:i + n])
+               for i, n in ((0, 2), (2, 1), (1, 4))]
+    assert len({len(p) for p in prompts}) == 3  # different lengths: left padding matters
+    batched = generate_batch(drafter, prompts, 10, stop_on_answer_line=False)
+    for prompt, (ids, logp) in zip(prompts, batched, strict=True):
+        [(alone_ids, alone_logp)] = generate_batch(drafter, [prompt], 10,
+                                                   stop_on_answer_line=False)
+        assert ids == alone_ids
+        assert logp == pytest.approx(alone_logp, abs=1e-3)
+
+
+def test_draft_logprob_is_the_models_probability(drafter):
+    prompt = draft_prompt(drafter, "capital of France?", DOCS[:2])
+    [(ids, logp)] = generate_batch(drafter, [prompt], 6, stop_on_answer_line=False)
+    full = torch.tensor([prompt + ids])
+    with torch.inference_mode():
+        logits = drafter.model(full).logits.log_softmax(-1)[0]
+    expected = sum(float(logits[len(prompt) + i - 1, t]) for i, t in enumerate(ids))
+    assert logp == pytest.approx(expected, abs=1e-3)
+
+
+# ---------------------------------------------------------------- 3. verification
+
+def test_batched_verifier_scores_equal_per_draft_and_full_softmax(verifier):
+    drafts = [("Paris is the capital.", "Paris"), ("The fox jumps over the dog.", "a fox"),
+              ("x", "Berlin is the capital of Germany")]
+    batched, _ = verify_batch(verifier, "capital of France?", drafts)
+    rows, sc_spans, yes_spans = verifier_rows(verifier, "capital of France?", drafts)
+    for i, draft in enumerate(drafts):
+        [alone], _ = verify_batch(verifier, "capital of France?", [draft])
+        assert batched[i] == pytest.approx(alone, abs=1e-3)
+        with torch.inference_mode():
+            logp = verifier.model(torch.tensor([rows[i]])).logits.log_softmax(-1)[0]
+        for (start, end), value in zip((sc_spans[i], yes_spans[i]), batched[i], strict=True):
+            ref = sum(float(logp[t - 1, rows[i][t]]) for t in range(start, end))
+            assert value == pytest.approx(ref, abs=1e-3)
+
+
+def test_answer_returns_every_draft_with_three_scores(drafter, verifier):
+    result = engine(drafter, verifier).answer("capital of France?", DOCS)
+    assert len(result.drafts) == 3 and result.text == result.drafts[result.best].answer
+    for d in result.drafts:
+        assert None not in (d.log_self_contain, d.log_self_reflect)
+        assert d.score == pytest.approx(d.log_draft + d.log_self_contain + d.log_self_reflect)
+        assert len(d.doc_ids) == 2
+    assert result.best == max(range(3), key=lambda i: result.drafts[i].score)
+    stats = result.stats.as_dict()
+    assert stats["num_drafts"] == 3 and stats["verify_tokens"] > 0
+    assert not any(isinstance(v, torch.Tensor) for v in stats.values())
+
+
+def test_drafter_only_needs_no_verifier(drafter):
+    cfg = SpeculativeRAGConfig(num_drafts=2, max_draft_tokens=4, use_self_contain=False,
+                               use_self_reflect=False)
+    result = SpeculativeRAG(drafter, None, embedder=FakeEmbedder(), config=cfg).answer("q", DOCS)
+    assert all(d.log_self_contain is None for d in result.drafts)
+    assert result.stats.verify_tokens == 0
+
+
+def test_score_switches_and_random_selection():
+    drafts = [Draft("a", "", "", (), (), True, log_draft=-1.0, score=-3.0),
+              Draft("b", "", "", (), (), True, log_draft=-2.0, score=-1.0)]
+    assert select_best(drafts, "score", random.Random(0)) == 1
+    picks = {select_best(drafts, "random", random.Random(s)) for s in range(20)}
+    assert picks == {0, 1}
+
+
+def test_retriever_input(drafter, verifier):
+    retriever = FakeRetriever(DOCS)
+    eng = engine(drafter, verifier, retrieve_k=6)
+    result = eng.answer("capital of France?", retriever=retriever)
+    assert retriever.calls == 1 and len(result.documents) == 6
+    rag = eng.standard_rag("capital?", DOCS[:2], model="drafter")
+    assert rag.stats.num_documents == 2 and rag.raw.startswith("Answer:")
+
+
+# ---------------------------------------------------------------- errors, parsing, inputs
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"question": "  ", "documents": DOCS}, "question"),
+    ({"question": "q", "documents": []}, "documents"),
+    ({"question": "q", "documents": DOCS[:5]}, "num_drafts .* lower num_drafts or docs_per_draft"),
+])
+def test_bad_inputs_fail_before_model_work(kwargs, match):
+    class Exploding:
+        def __getattr__(self, name):
+            raise AssertionError("model touched")
+
+    eng = SpeculativeRAG(Exploding(), Exploding(), embedder=Exploding())
+    with pytest.raises(ValueError, match=match):
+        eng.answer(**kwargs)
+
+
+def test_unknown_model_and_bad_config():
+    with pytest.raises(ValueError, match="drafter='no-such-model'"):
+        SpeculativeRAG("no-such-model")
+    with pytest.raises(ValueError, match="verifier="):
+        SpeculativeRAG("smollm2-135m-instruct", "nope")
+    with pytest.raises(ValueError, match="num_drafts"):
+        SpeculativeRAGConfig(num_drafts=0)
+    with pytest.raises(ValueError, match="subset_strategy"):
+        SpeculativeRAGConfig(subset_strategy="kmeans")
+    with pytest.raises(ValueError, match="documents is None"):
+        check_inputs("q", None, SpeculativeRAGConfig()) and SpeculativeRAG(
+            "smollm2-135m-instruct")._documents("q", None, None, 3)
+
+
+@pytest.mark.parametrize(("text", "rationale", "answer", "ok"), [
+    ("Rationale: Paris is the capital.\nAnswer: Paris.\n", "Paris is the capital.", "Paris", True),
+    ("Rationale: It says so. The answer is: \"Berlin\"", "It says so. The", "Berlin", True),
+    ("Rationale: Doc 1 names it.\nAnswer:\n\nLyon\n", "Doc 1 names it.", "Lyon", False),
+    ("Rationale: Madrid is the capital of Spain. It is big.", "Madrid is the capital of Spain. "
+     "It is big.", "Madrid is the capital of Spain", False),
+    ("Rationale:", "", "", False),
+])
+def test_parse_draft_and_fallbacks(text, rationale, answer, ok):
+    assert parse_draft(text) == (rationale, answer, ok)
+
+
+def test_to_documents_accepts_framework_objects():
+    from langchain_core.documents import Document as LCDocument
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    docs = to_documents(["plain", LCDocument(page_content="lc", metadata={"a": 1}, id="x"),
+                         NodeWithScore(node=TextNode(text="li", id_="n1"), score=0.5),
+                         Hit(DOCS[0], 1.0, 0)])
+    assert [d.text for d in docs] == ["plain", "lc", "li", DOCS[0].text]
+    assert docs[1].id == "x" and docs[2].metadata["score"] == 0.5
+    with pytest.raises(TypeError, match=r"documents\[0\]"):
+        to_documents([object()])
