@@ -1,0 +1,706 @@
+"""RaLMSpec: speculative retrieval + batched verification for iterative RaLM (Zhang et al. 2024).
+
+Iterative RaLM (the paper's "RaLMSeq" baseline, In-Context RALM style): every
+``retrieval_stride`` generated tokens the latest context is sent to the retriever and its top-1
+document replaces the document prepended to the prompt. RaLMSpec keeps the output identical but
+takes most retrievals from a small per-request **local cache** ranked with the retriever's own
+metric, and checks ``s`` speculated documents with ONE batched retriever call:
+
+    round: 1 speculate s steps (cache top-1 doc, generate a stride of tokens each)
+           2 verify: one batched retriever call for the s queries (on a worker thread with
+             asynchronous verification, overlapping one more speculation step)
+           3 accept: longest prefix of steps whose speculated doc is the true top-1
+           4 commit / roll back the KV session to the first mismatch and regenerate that step
+             with the true document
+           5 adapt: cache update (top-1, or top-k with prefetching) and the OS³ stride
+
+Exactness: a step's output depends only on (document, previous tokens), and a committed step
+always used the retriever's true top-1 for exactly the query RaLMSeq would have sent, so the
+committed token ids equal RaLMSeq's (greedy, and sampled: tokens are drawn with one generator
+per output position, so a regenerated position draws the same random numbers). The retriever
+must be deterministic and return the same top-1 for a query searched alone or in a batch
+(BM25 and HNSW are; faiss' flat search differs by ~1e-8 in scores between batch shapes, so an
+exact near-tie could in principle flip; the benchmark checks every output).
+
+KV reuse: the prompt is ``head + document + question + generated``. When the document changes
+only the head (chat header, instruction) stays cached (``KVSession.sync`` keeps the longest
+common prefix); on a rollback with an unchanged document the session is simply cropped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import re
+import time
+from collections import deque
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.engines.baseline import TokenStream
+from shared_core.kv import CacheKind, KVSession
+from shared_core.models import LM
+from shared_core.output import GenerationResult, OutputTracker
+from shared_core.retrieval.base import Document, Hit
+from shared_core.stats import DecodeStats
+from shared_core.verify import greedy_accept_length, warp_probs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INSTRUCTION = "Answer the question using the passage."
+_SENTINEL = "\u2063RALM_DOC\u2063"
+_SEED_MIX = 1_000_003
+
+
+# ----------------------------------------------------------------------------- configuration
+
+
+@dataclass(frozen=True)
+class RaLMSpecConfig:
+    """Iterative RaLM settings (paper defaults) and RaLMSpec's switches.
+
+    ``prefetch``, ``scheduler`` and ``async_verify`` are the paper's P, S and A; with all three
+    off ("base") every round speculates ``speculation_stride`` steps and the cache is updated
+    with the top-1 document of each verified query.
+    """
+
+    retrieval_stride: int = 4  # generated tokens between retrievals
+    query_tokens: int = 32  # the query is the last this-many tokens of question + output
+    max_doc_tokens: int = 256  # a retrieved document is cut to this many tokens
+    max_prompt_tokens: int = 512  # question + instruction limit (document excluded)
+    speculation_stride: int = 3  # s when the scheduler is off; the scheduler starts at s = 1
+    max_speculation_stride: int = 8  # upper bound of the OS³ search
+    prefetch: bool = True  # P: add the top-k of every verification query to the cache
+    prefetch_k: int = 20
+    scheduler: bool = True  # S: OS³ optimal speculation stride scheduler
+    async_verify: bool = True  # A: verification on a worker thread, overlapping speculation
+    window: int = 5  # OS³ estimation window w (rounds)
+    gamma_max: float = 0.6  # OS³ cap on the estimated speculation accuracy γ̂
+    instruction: str = DEFAULT_INSTRUCTION
+    cache: CacheKind = "prealloc"
+
+    def __post_init__(self) -> None:
+        checks = {
+            "retrieval_stride": self.retrieval_stride >= 1,
+            "query_tokens": self.query_tokens >= 1,
+            "max_doc_tokens": self.max_doc_tokens >= 1,
+            "max_prompt_tokens": self.max_prompt_tokens >= 1,
+            "speculation_stride": 1 <= self.speculation_stride <= self.max_speculation_stride,
+            "max_speculation_stride": self.max_speculation_stride >= 1,
+            "prefetch_k": self.prefetch_k >= 1,
+            "window": self.window >= 1,
+            "gamma_max": 0.0 < self.gamma_max < 1.0,
+        }
+        for name, ok in checks.items():
+            if not ok:
+                msg = f"{name}={getattr(self, name)!r} is out of range"
+                raise ValueError(msg)
+
+    @property
+    def verify_k(self) -> int:
+        return self.prefetch_k if self.prefetch else 1
+
+
+# ----------------------------------------------------------------------------- retriever backends
+
+
+class SpeculativeBackend(Protocol):
+    """What RaLMSpec needs from a retriever: encode once, batched search, rank a cache."""
+
+    def encode(self, query: str) -> Any: ...
+
+    def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]: ...
+
+    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document: ...
+
+
+class DenseBackend:
+    """``DenseRetriever``: the query vector is computed once (speculation) and reused to verify."""
+
+    def __init__(self, retriever: Any):
+        self.retriever = retriever
+
+    def encode(self, query: str) -> Any:
+        return self.retriever.embed_queries([query])[0]
+
+    def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
+        import numpy as np
+
+        return self.retriever.search_vectors(np.stack(list(encoded)), k)
+
+    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+        hits = self.retriever.search_subset(encoded[None], [d.id for d in docs], 1)[0]
+        return hits[0].document
+
+
+class BM25Backend:
+    """``BM25Retriever``: the cache is ranked with the corpus-wide BM25 statistics."""
+
+    def __init__(self, retriever: Any):
+        self.retriever = retriever
+
+    def encode(self, query: str) -> Any:
+        return query
+
+    def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
+        return self.retriever.search(list(encoded), k)
+
+    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+        return self.retriever.search_subset([encoded], [d.id for d in docs], 1)[0][0].document
+
+
+_WORD = re.compile(r"\w\w+")
+
+
+def lexical_rank(query: str, docs: Sequence[Document]) -> Document:
+    """Fallback cache ranking (retrievers without a scoring API): word overlap, then cache order.
+
+    Only the hit rate depends on it: verification against the real retriever keeps outputs exact.
+    """
+    words = set(_WORD.findall(query.lower()))
+    scores = [len(words & set(_WORD.findall(d.text.lower()))) for d in docs]
+    return docs[max(range(len(docs)), key=lambda i: (scores[i], -i))]
+
+
+class SearchBackend:
+    """Any object with ``search(queries, k) -> list[list[Hit]]`` (the ``Retriever`` protocol)."""
+
+    def __init__(self, search: Callable[[list[str], int], list[list[Hit]]],
+                 rank: Callable[[str, Sequence[Document]], Document] = lexical_rank):
+        self._search = search
+        self._rank = rank
+
+    def encode(self, query: str) -> Any:
+        return query
+
+    def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
+        return self._search(list(encoded), k)
+
+    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+        return self._rank(encoded, docs)
+
+
+def _doc_id(text: str, given: Any) -> str:
+    return str(given) if given else "sha1-" + hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _langchain_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
+    """LangChain ``BaseRetriever``: one ``batch`` call per verification (its thread pool)."""
+
+    def search(queries: list[str], k: int) -> list[list[Hit]]:
+        results = retriever.batch(queries)
+        return [[Hit(Document(_doc_id(d.page_content, d.id), d.page_content, dict(d.metadata)),
+                     float(d.metadata.get("score", 0.0)), r) for r, d in enumerate(docs[:k])]
+                for docs in results]
+
+    return search
+
+
+def _llamaindex_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
+    """LlamaIndex ``BaseRetriever``: queries answered in order (it has no batch API)."""
+
+    def search(queries: list[str], k: int) -> list[list[Hit]]:
+        out = []
+        for query in queries:
+            nodes = retriever.retrieve(query)[:k]
+            out.append([Hit(Document(_doc_id(n.node.get_content(), n.node.node_id),
+                                     n.node.get_content(), dict(n.node.metadata)),
+                            float(n.score or 0.0), r) for r, n in enumerate(nodes)])
+        return out
+
+    return search
+
+
+def as_backend(retriever: Any) -> SpeculativeBackend:
+    """Wrap our retrievers, any ``Retriever``, or a LangChain / LlamaIndex retriever.
+
+    Framework classes are recognised by duck typing, so this module imports neither framework.
+    """
+    if all(hasattr(retriever, a) for a in ("encode", "search", "rank")):
+        return retriever
+    if hasattr(retriever, "search_vectors") and hasattr(retriever, "search_subset"):
+        return DenseBackend(retriever)
+    if hasattr(retriever, "tokenize") and hasattr(retriever, "search_subset"):
+        return BM25Backend(retriever)
+    module = type(retriever).__module__
+    if hasattr(retriever, "_get_relevant_documents") or module.startswith("langchain"):
+        return SearchBackend(_langchain_search(retriever))
+    if hasattr(retriever, "_retrieve") and hasattr(retriever, "retrieve"):
+        return SearchBackend(_llamaindex_search(retriever))
+    if hasattr(retriever, "search"):
+        return SearchBackend(retriever.search)
+    msg = (f"retriever must be a DenseRetriever, BM25Retriever, an object with search(queries, k),"
+           f" or a LangChain/LlamaIndex retriever; got {type(retriever).__name__}")
+    raise TypeError(msg)
+
+
+class LocalCache:
+    """RaLMSpec's per-request document cache (insertion-ordered, unbounded for one request)."""
+
+    def __init__(self) -> None:
+        self.docs: dict[str, Document] = {}
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def add(self, hits: Sequence[Hit]) -> None:
+        for hit in hits:
+            self.docs.setdefault(hit.document.id, hit.document)
+
+    def top1(self, backend: SpeculativeBackend, encoded: Any) -> Document:
+        return backend.rank(encoded, list(self.docs.values()))
+
+
+# ----------------------------------------------------------------------------- OS³ scheduler
+
+
+@dataclass
+class OS3Scheduler:
+    """Optimal speculation stride scheduler (RaLMSpec §4, OS³).
+
+    Per round it observes ``a`` (latency of one speculation step), ``b`` (latency of the batched
+    verification) and how many speculated documents were correct before the first mismatch.
+    γ̂ is the maximum-likelihood estimate of a geometric success probability over the last
+    ``window`` rounds, γ̂ = Σ correct / (Σ correct + Σ mismatches), capped at ``gamma_max``.
+    The next stride maximises the expected number of verified documents per unit time:
+
+    - synchronous: E(s) = (1 - γ^s) / ((1 - γ) (s·a + b))
+    - asynchronous (one speculation step overlaps verification; when all s are correct that step
+      is carried into the next round, saving ``a``): E(s) = (1 - γ^s) / ((1 - γ)
+      (s·a + max(a, b) - γ^s·a)). This is our derivation of the paper's asynchronous case under
+      the same model (the paper's own formula was not available offline).
+    """
+
+    async_verify: bool
+    window: int = 5
+    gamma_max: float = 0.6
+    max_stride: int = 8
+    _rounds: deque[tuple[float, float, int, int]] = field(default_factory=deque)
+
+    def observe(self, a: float, b: float, correct: int, mismatches: int) -> None:
+        self._rounds.append((a, b, correct, mismatches))
+        while len(self._rounds) > self.window:
+            self._rounds.popleft()
+
+    @property
+    def gamma(self) -> float:
+        correct = sum(r[2] for r in self._rounds)
+        total = correct + sum(r[3] for r in self._rounds)
+        return min(self.gamma_max, correct / total) if total else self.gamma_max
+
+    def expected_rate(self, s: int, a: float, b: float, gamma: float) -> float:
+        verified = (1 - gamma**s) / (1 - gamma)
+        if self.async_verify:
+            return verified / (s * a + max(a, b) - gamma**s * a)
+        return verified / (s * a + b)
+
+    def next_stride(self) -> int:
+        if not self._rounds:
+            return 1  # the paper starts at s = 1
+        a = sum(r[0] for r in self._rounds) / len(self._rounds)
+        b = sum(r[1] for r in self._rounds) / len(self._rounds)
+        gamma = self.gamma
+        rates = {s: self.expected_rate(s, max(a, 1e-9), b, gamma)
+                 for s in range(1, self.max_stride + 1)}
+        return max(rates, key=lambda s: (rates[s], -s))
+
+
+# ----------------------------------------------------------------------------- prompt and decoding
+
+
+class RaLMPrompt:
+    """Token ids ``head + document + tail + generated`` and the retrieval query.
+
+    The head/tail come from the chat template rendered around a sentinel; each segment is
+    tokenized on its own so a document swap keeps the head's KV cache valid.
+    """
+
+    def __init__(self, lm: LM, question: str, config: RaLMSpecConfig):
+        if not isinstance(question, str) or not question.strip():
+            msg = "question must be a non-empty string"
+            raise ValueError(msg)
+        content = f"{config.instruction}\n\nPassage: {_SENTINEL}\n\nQuestion: {question.strip()}"
+        rendered = lm.chat_prompt([{"role": "user", "content": content}])
+        head, tail = rendered.split(_SENTINEL)
+        self.lm = lm
+        self.config = config
+        self.head = lm.encode(head)
+        self.tail = lm.encode(tail)
+        self.question = lm.encode(question.strip())
+        if len(self.head) + len(self.tail) > config.max_prompt_tokens:
+            msg = (f"question prompt has {len(self.head) + len(self.tail)} tokens, more than "
+                   f"max_prompt_tokens={config.max_prompt_tokens}; shorten the question")
+            raise ValueError(msg)
+        self._doc_ids: dict[str, list[int]] = {}
+
+    def doc_ids(self, doc: Document) -> list[int]:
+        if doc.id not in self._doc_ids:
+            self._doc_ids[doc.id] = self.lm.encode(doc.text)[: self.config.max_doc_tokens]
+        return self._doc_ids[doc.id]
+
+    def ids(self, doc: Document, generated: Sequence[int]) -> list[int]:
+        return [*self.head, *self.doc_ids(doc), *self.tail, *generated]
+
+    def query(self, generated: Sequence[int]) -> str:
+        """The latest context: the last ``query_tokens`` tokens of question + output."""
+        return self.lm.decode([*self.question, *generated][-self.config.query_tokens :])
+
+
+class _Decoder:
+    """A KV session that generates under a given document; one RNG draw per output position."""
+
+    def __init__(self, lm: LM, prompt: RaLMPrompt, generation: GenerationConfig,
+                 stats: DecodeStats, cache: CacheKind):
+        self.lm = lm
+        self.prompt = prompt
+        self.sampling: SamplingConfig = generation.sampling
+        self.max_new_tokens = generation.max_new_tokens
+        self.session = KVSession(lm, cache=cache)
+        self.stats = stats
+        self.doc: Document | None = None
+        self.generated: list[int] = []
+        self.pending = -1
+        seed = self.sampling.seed
+        self._seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        self.lm_s = 0.0
+
+    @property
+    def finished(self) -> bool:
+        g = self.generated
+        return len(g) >= self.max_new_tokens or bool(g and g[-1] in self.lm.eos_token_ids)
+
+    def reset_to(self, doc: Document, length: int) -> None:
+        """State: output ``generated[:length]`` under ``doc`` (KV rolled back, not recomputed)."""
+        start = time.perf_counter()
+        del self.generated[length:]
+        ids = self.prompt.ids(doc, self.generated)
+        feed = self.session.sync(ids[:-1])
+        if feed:
+            self.session.prefill(feed)
+            self.stats.target_forwards += 1
+            self.stats.extra["prefill_tokens"] = self.stats.extra.get("prefill_tokens", 0) + len(
+                feed)
+        self.doc, self.pending = doc, ids[-1]
+        self.lm_s += time.perf_counter() - start
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax().item())
+        generator = torch.Generator().manual_seed(self._seed * _SEED_MIX + len(self.generated))
+        probs = warp_probs(logits, self.sampling)
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+
+    def step(self, doc: Document) -> int:
+        """Generate up to ``retrieval_stride`` tokens under ``doc``; return how many."""
+        if doc is not self.doc and (self.doc is None or doc.id != self.doc.id):
+            self.reset_to(doc, len(self.generated))
+        start = time.perf_counter()
+        n = 0
+        while n < self.prompt.config.retrieval_stride and not self.finished:
+            logits = self.session.extend([self.pending])[-1]
+            self.stats.target_forwards += 1
+            self.pending = self._choose(logits)
+            self.generated.append(self.pending)
+            n += 1
+        self.lm_s += time.perf_counter() - start
+        return n
+
+
+# ----------------------------------------------------------------------------- shared run state
+
+
+class _Call:
+    """One generation: prompt, decoder, tracker, stats, backend and retrieval timing."""
+
+    def __init__(self, lm: LM, backend: SpeculativeBackend, question: str,
+                 config: RaLMSpecConfig, generation: GenerationConfig):
+        self.config = config
+        self.backend = backend
+        self.prompt = RaLMPrompt(lm, question, config)
+        budget = len(self.prompt.head) + config.max_doc_tokens + len(self.prompt.tail)
+        if budget + generation.max_new_tokens > lm.max_context:
+            msg = (f"prompt (up to {budget} tokens with the document) + max_new_tokens="
+                   f"{generation.max_new_tokens} exceeds the {lm.max_context}-token window of "
+                   f"{lm.name}; lower max_doc_tokens or max_new_tokens")
+            raise ValueError(msg)
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
+        self.tracker = OutputTracker(lm, generation)
+        self.decoder = _Decoder(lm, self.prompt, generation, self.stats, config.cache)
+        self.doc_trace: list[str] = []
+        self.retrieval_s = 0.0
+        self.retrieval_calls = 0
+
+    def retrieve(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
+        """A blocking retriever call, timed."""
+        start = time.perf_counter()
+        hits = self.backend.search(encoded, k)
+        self.retrieval_s += time.perf_counter() - start
+        self.retrieval_calls += 1
+        if any(not h for h in hits):
+            msg = "the retriever returned no document for a query"
+            raise ValueError(msg)
+        return hits
+
+    def encode(self, query: str) -> Any:
+        start = time.perf_counter()
+        encoded = self.backend.encode(query)
+        self.retrieval_s += time.perf_counter() - start
+        return encoded
+
+    def stream(self, blocks: Iterator[list[int]]) -> TokenStream:
+        def close(stats: DecodeStats) -> None:
+            stats.extra.update(
+                retrieval_s=round(self.retrieval_s, 4), retrieval_calls=self.retrieval_calls,
+                generation_s=round(self.decoder.lm_s, 4), doc_ids=list(self.doc_trace))
+
+        return TokenStream(blocks, self.tracker, self.stats, close)
+
+
+# ----------------------------------------------------------------------------- RaLMSeq
+
+
+def _ralmseq_blocks(call: _Call) -> Iterator[list[int]]:
+    """The baseline: retrieve (top-1) with the latest context every ``retrieval_stride`` tokens."""
+    decoder = call.decoder
+    while not decoder.finished:
+        query = call.prompt.query(decoder.generated)
+        doc = call.retrieve([call.encode(query)], 1)[0][0].document
+        call.doc_trace.append(doc.id)
+        start = len(decoder.generated)
+        decoder.step(doc)
+        yield decoder.generated[start:]
+
+
+# ----------------------------------------------------------------------------- RaLMSpec
+
+
+@dataclass
+class _Step:
+    """One speculated retrieval step: where it starts, its query and the cache's document."""
+
+    start: int
+    encoded: Any
+    doc: Document
+
+
+class _Speculator:
+    """RaLMSpec's rounds over one :class:`_Call` (cache, scheduler, worker thread)."""
+
+    def __init__(self, call: _Call, pool: ThreadPoolExecutor | None):
+        config = call.config
+        self.call = call
+        self.pool = pool
+        self.cache = LocalCache()
+        self.scheduler = OS3Scheduler(config.async_verify, config.window, config.gamma_max,
+                                      config.max_speculation_stride)
+        self.stride = 1 if config.scheduler else config.speculation_stride
+        self.carried: list[_Step] = []
+        self.committed = 0
+        self.strides: list[int] = []
+        self.step_times: list[float] = []
+
+    def first_step(self) -> list[int]:
+        """Step 0 has nothing cached: a normal retrieval that also fills the cache."""
+        call, decoder = self.call, self.call.decoder
+        hits = call.retrieve([call.encode(call.prompt.query(decoder.generated))],
+                             call.config.verify_k)[0]
+        self._update_cache(hits)
+        call.doc_trace.append(hits[0].document.id)
+        decoder.step(hits[0].document)
+        return self._commit(len(decoder.generated))
+
+    def speculate(self) -> _Step:
+        decoder = self.call.decoder
+        start = time.perf_counter()
+        encoded = self.call.encode(self.call.prompt.query(decoder.generated))
+        lookup = time.perf_counter()
+        doc = self.cache.top1(self.call.backend, encoded)
+        self.call.retrieval_s += time.perf_counter() - lookup
+        step = _Step(len(decoder.generated), encoded, doc)
+        decoder.step(doc)
+        self.step_times.append(time.perf_counter() - start)
+        return step
+
+    def round(self) -> list[int]:
+        call, decoder = self.call, self.call.decoder
+        s = self.stride
+        # 1. speculate s steps from the local cache (a step carried from async may open it)
+        steps, self.carried = self.carried, []
+        while len(steps) < s and not decoder.finished:
+            steps.append(self.speculate())
+        recent = self.step_times[-len(steps):]
+        a = sum(recent) / len(recent)
+        # 2. verify all queries in one batched call (+ one overlapped speculation step)
+        true_hits, extra, b = self._verify(steps)
+        # 3. accept the longest prefix of steps whose document is the true top-1
+        n_ok = _accepted_steps(steps, true_hits)
+        for hits in true_hits:
+            self._update_cache(hits if call.config.prefetch else hits[:1])
+        call.doc_trace.extend(h[0].document.id for h in true_hits[: n_ok + 1])
+        call.stats.record_round(len(steps), n_ok)
+        # 4. commit, or roll back to the first mismatch and regenerate it with the true doc
+        if n_ok == len(steps):
+            self.carried = [extra] if extra is not None else []
+            end = extra.start if extra is not None else len(decoder.generated)
+        else:
+            decoder.reset_to(true_hits[n_ok][0].document, steps[n_ok].start)
+            decoder.step(true_hits[n_ok][0].document)
+            end = len(decoder.generated)
+        # 5. adapt the stride (OS³)
+        self.strides.append(len(steps))
+        self.scheduler.observe(a, b, n_ok, int(n_ok < len(steps)))
+        if call.config.scheduler:
+            self.stride = self.scheduler.next_stride()
+        return self._commit(end)
+
+    def _verify(self, steps: list[_Step]) -> tuple[list[list[Hit]], _Step | None, float]:
+        call, decoder = self.call, self.call.decoder
+        encoded = [st.encoded for st in steps]
+        if self.pool is None or decoder.finished:
+            start = time.perf_counter()
+            hits = call.retrieve(encoded, call.config.verify_k)
+            return hits, None, time.perf_counter() - start
+        submitted = time.perf_counter()
+        future: Future[tuple[list[list[Hit]], float]] = self.pool.submit(
+            _timed_search, call.backend, encoded, call.config.verify_k)
+        extra = self.speculate()
+        wait = time.perf_counter()
+        hits, b = future.result()
+        call.retrieval_s += time.perf_counter() - wait
+        call.retrieval_calls += 1
+        call.stats.extra["overlap_s"] = call.stats.extra.get("overlap_s", 0.0) + (
+            wait - submitted)
+        return hits, extra, b
+
+    def _update_cache(self, hits: Sequence[Hit]) -> None:
+        self.cache.add(hits)
+
+    def _commit(self, end: int) -> list[int]:
+        block = self.call.decoder.generated[self.committed : end]
+        self.committed = end
+        return block
+
+
+def _timed_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
+                  ) -> tuple[list[list[Hit]], float]:
+    start = time.perf_counter()
+    hits = backend.search(encoded, k)
+    return hits, time.perf_counter() - start
+
+
+def _accepted_steps(steps: Sequence[_Step], true_hits: Sequence[Sequence[Hit]]) -> int:
+    """Steps whose speculated document equals the true top-1, up to the first mismatch."""
+    if any(not h for h in true_hits):
+        msg = "the retriever returned no document for a query"
+        raise ValueError(msg)
+    ids: dict[str, int] = {}
+    spec = torch.tensor([ids.setdefault(st.doc.id, len(ids)) for st in steps])
+    true = torch.tensor([ids.setdefault(h[0].document.id, len(ids)) for h in true_hits])
+    return greedy_accept_length(spec, true)
+
+
+def _ralmspec_blocks(call: _Call, pool: ThreadPoolExecutor | None) -> Iterator[list[int]]:
+    spec = _Speculator(call, pool)
+    yield spec.first_step()
+    try:
+        while not call.decoder.finished or spec.carried:
+            yield spec.round()
+    finally:
+        stats = call.stats.extra
+        stats["strides"] = spec.strides
+        stats["mean_stride"] = sum(spec.strides) / len(spec.strides) if spec.strides else 0.0
+        stats["cache_size"] = len(spec.cache)
+        stats["gamma_hat"] = spec.scheduler.gamma
+        stats["speculation_s"] = round(sum(spec.step_times), 4)
+
+
+# ----------------------------------------------------------------------------- public API
+
+
+class RaLMSpec:
+    """Iterative retrieval-augmented generation with speculative retrieval (lossless).
+
+    Args:
+        lm: the language model (``load_lm`` / ``wrap_lm``).
+        retriever: ``DenseRetriever`` (exact or HNSW), ``BM25Retriever``, any object with
+            ``search(queries, k)``, or a LangChain / LlamaIndex retriever.
+        config: :class:`RaLMSpecConfig`.
+
+    ``generate`` runs RaLMSpec; ``generate_baseline`` runs RaLMSeq (same prompts, same output).
+    """
+
+    def __init__(self, lm: LM, retriever: Any, config: RaLMSpecConfig | None = None):
+        self.lm = lm
+        self.backend = as_backend(retriever)
+        self.config = config or RaLMSpecConfig()
+
+    def _call(self, question: str, max_new_tokens: int, sampling: dict[str, Any]) -> _Call:
+        generation = GenerationConfig.build(max_new_tokens, **sampling)
+        return _Call(self.lm, self.backend, question, self.config, generation)
+
+    def stream(self, question: str, max_new_tokens: int = 128, **sampling: Any) -> TokenStream:
+        """RaLMSpec as a stream of verified text deltas; ``.result`` once exhausted."""
+        call = self._call(question, max_new_tokens, sampling)
+        return call.stream(self._blocks(call))
+
+    def _blocks(self, call: _Call) -> Iterator[list[int]]:
+        if not self.config.async_verify:
+            yield from _ralmspec_blocks(call, None)
+            return
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ralmspec-verify") as pool:
+            yield from _ralmspec_blocks(call, pool)
+
+    def stream_baseline(self, question: str, max_new_tokens: int = 128, **sampling: Any
+                        ) -> TokenStream:
+        """RaLMSeq (retrieve every stride, no speculation) as a stream."""
+        call = self._call(question, max_new_tokens, sampling)
+        return call.stream(_ralmseq_blocks(call))
+
+    def generate(self, question: str, max_new_tokens: int = 128, *, temperature: float = 0.0,
+                 top_k: int = 0, top_p: float = 1.0, stop: Sequence[str] | str | None = None,
+                 seed: int | None = None) -> GenerationResult:
+        return self.stream(question, max_new_tokens, temperature=temperature, top_k=top_k,
+                           top_p=top_p, stop=stop, seed=seed).run()
+
+    def generate_baseline(self, question: str, max_new_tokens: int = 128, *,
+                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                          stop: Sequence[str] | str | None = None, seed: int | None = None
+                          ) -> GenerationResult:
+        return self.stream_baseline(question, max_new_tokens, temperature=temperature,
+                                    top_k=top_k, top_p=top_p, stop=stop, seed=seed).run()
+
+
+def ralmseq_generate(lm: LM, retriever: Any, question: str, max_new_tokens: int = 128, *,
+                     config: RaLMSpecConfig | None = None, **sampling: Any) -> GenerationResult:
+    """The iterative RaLM baseline (RaLMSeq) as a function."""
+    return RaLMSpec(lm, retriever, config).generate_baseline(question, max_new_tokens, **sampling)
+
+
+def stream_ralmspec(lm: LM, prompt: Any, *, max_new_tokens: int,
+                    documents: Sequence[str] | None = None, retriever: Any = None,
+                    config: RaLMSpecConfig | None = None, **sampling: Any) -> TokenStream:
+    """Registry-style entry: ``prompt`` is the question; retrieval from ``retriever``, or from a
+    BM25 index over ``documents`` when no retriever is given."""
+    if retriever is None:
+        if not documents:
+            msg = "ralmspec needs a retriever or documents to retrieve from"
+            raise ValueError(msg)
+        from shared_core.retrieval import BM25Retriever
+
+        retriever = BM25Retriever()
+        retriever.add([Document(f"doc-{i}", t) for i, t in enumerate(documents)])
+    if not isinstance(prompt, str):
+        msg = "ralmspec takes the question as a string prompt"
+        raise TypeError(msg)
+    return RaLMSpec(lm, retriever, config).stream(prompt, max_new_tokens, **sampling)
+
+
+def expected_speedup_bound(a: float, b: float) -> float:
+    """Ideal speed-up of perfect speculation with free verification: (a + b) / a."""
+    return math.inf if a <= 0 else (a + b) / a

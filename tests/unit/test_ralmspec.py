@@ -1,0 +1,217 @@
+"""RaLMSpec == RaLMSeq on tiny models and tiny corpora where speculation is forced to fail."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Sequence
+
+import pytest
+import torch
+
+from shared_core.engines.ralmspec import (
+    BM25Backend,
+    OS3Scheduler,
+    RaLMSpec,
+    RaLMSpecConfig,
+    SearchBackend,
+    as_backend,
+    lexical_rank,
+    ralmseq_generate,
+    stream_ralmspec,
+)
+from shared_core.retrieval import BM25Retriever, Document, Hit
+
+DOCS = [Document(f"d{i}", text) for i, text in enumerate([
+    "Paris is the capital of France.",
+    "Berlin is the capital of Germany.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Speculative decoding drafts tokens and the target verifies them.",
+    "A suffix automaton finds every occurrence of the longest suffix.",
+    "Question: who wrote the report? Answer: the committee wrote the report.",
+])]
+QUESTIONS = ["who wrote the report?", "what is the capital of France?", "0 1 2 3 4"]
+SMALL = {"max_doc_tokens": 48, "query_tokens": 8}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models run ~30x faster on one thread on a loaded 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+class HashRetriever:
+    """Top-k by a hash of (query, doc): consecutive queries rarely agree -> many mismatches.
+
+    Implements the backend protocol with an exact ``rank``, and counts batched calls.
+    """
+
+    def __init__(self, docs: Sequence[Document], sticky: int = 1):
+        self.docs = list(docs)
+        self.sticky = sticky  # >1: the query is bucketed by length, so top-1 changes slowly
+        self.calls: list[int] = []
+
+    def _score(self, query: str, doc: Document) -> float:
+        key = f"{len(query) // self.sticky}|{doc.id}".encode()
+        return int(hashlib.md5(key).hexdigest()[:8], 16) / 2**32
+
+    def encode(self, query: str) -> str:
+        return query
+
+    def search(self, encoded: Sequence[str], k: int) -> list[list[Hit]]:
+        self.calls.append(len(encoded))
+        out = []
+        for q in encoded:
+            ranked = sorted(self.docs, key=lambda d: -self._score(q, d))[:k]
+            out.append([Hit(d, self._score(q, d), r) for r, d in enumerate(ranked)])
+        return out
+
+    def rank(self, encoded: str, docs: Sequence[Document]) -> Document:
+        return max(docs, key=lambda d: self._score(encoded, d))
+
+
+CONFIGS = {
+    "base": RaLMSpecConfig(prefetch=False, scheduler=False, async_verify=False, **SMALL),
+    "+P": RaLMSpecConfig(prefetch=True, prefetch_k=3, scheduler=False, async_verify=False,
+                         **SMALL),
+    "+S": RaLMSpecConfig(prefetch=False, scheduler=True, async_verify=False, **SMALL),
+    "+A": RaLMSpecConfig(prefetch=False, scheduler=False, async_verify=True, **SMALL),
+    "+PSA": RaLMSpecConfig(prefetch_k=4, **SMALL),
+    "s=1": RaLMSpecConfig(speculation_stride=1, scheduler=False, **SMALL),
+    "s=5,stride=1": RaLMSpecConfig(speculation_stride=5, scheduler=False, retrieval_stride=1,
+                                   **SMALL),
+}
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("sticky", [1, 7])
+def test_ralmspec_equals_ralmseq_greedy(tiny_target, name: str, sticky: int) -> None:
+    config = CONFIGS[name]
+    for question in QUESTIONS[:2]:
+        ref = ralmseq_generate(tiny_target, HashRetriever(DOCS, sticky), question, 24,
+                               config=config)
+        out = RaLMSpec(tiny_target, HashRetriever(DOCS, sticky), config).generate(question, 24)
+        assert out.token_ids == ref.token_ids
+        assert out.text == ref.text
+        assert out.stats.extra["doc_ids"] == ref.stats.extra["doc_ids"][: len(
+            out.stats.extra["doc_ids"])]
+
+
+def test_mismatches_are_exercised_and_counted(tiny_target) -> None:
+    config = CONFIGS["base"]
+    retriever = HashRetriever(DOCS)
+    out = RaLMSpec(tiny_target, retriever, config).generate(QUESTIONS[0], 32)
+    stats = out.stats
+    assert stats.rounds > 0 and stats.accepted < stats.drafted  # some speculation failed
+    assert max(retriever.calls) > 1  # batched verification
+    assert stats.extra["retrieval_calls"] < 32 // config.retrieval_stride + 1
+    assert stats.extra["strides"] and stats.as_dict()["extra"]["doc_ids"]
+
+
+def test_ralmspec_equals_ralmseq_sampled(tiny_target) -> None:
+    for config in (CONFIGS["base"], CONFIGS["+PSA"]):
+        kwargs = {"temperature": 0.9, "top_k": 20, "seed": 7}
+        ref = ralmseq_generate(tiny_target, HashRetriever(DOCS), QUESTIONS[1], 24, config=config,
+                               **kwargs)
+        out = RaLMSpec(tiny_target, HashRetriever(DOCS), config).generate(QUESTIONS[1], 24,
+                                                                          **kwargs)
+        assert out.token_ids == ref.token_ids
+
+
+def test_bm25_and_generic_backends_equal_baseline(tiny_target) -> None:
+    bm25 = BM25Retriever()
+    bm25.add(DOCS)
+    assert isinstance(as_backend(bm25), BM25Backend)
+    generic = SearchBackend(HashRetriever(DOCS).search)  # lexical cache ranking
+    for retriever in (bm25, generic):
+        for config in (CONFIGS["base"], CONFIGS["+PSA"]):
+            ref = ralmseq_generate(tiny_target, retriever, QUESTIONS[0], 20, config=config)
+            out = RaLMSpec(tiny_target, retriever, config).generate(QUESTIONS[0], 20)
+            assert out.token_ids == ref.token_ids
+
+
+def test_stop_strings_and_stream(tiny_target) -> None:
+    spec = RaLMSpec(tiny_target, HashRetriever(DOCS), CONFIGS["+PSA"])
+    ref = spec.generate_baseline(QUESTIONS[0], 24)
+    stream = spec.stream(QUESTIONS[0], 24)
+    assert "".join(stream) == ref.text and stream.result is not None
+    if len(ref.text) > 4:
+        stop = ref.text[2:4]
+        assert spec.generate(QUESTIONS[0], 24, stop=stop).text == spec.generate_baseline(
+            QUESTIONS[0], 24, stop=stop).text
+
+
+def test_registry_entry_with_documents(tiny_target) -> None:
+    stream = stream_ralmspec(tiny_target, QUESTIONS[0], max_new_tokens=8,
+                             documents=[d.text for d in DOCS])
+    assert stream.run().stats.new_tokens <= 8
+    with pytest.raises(ValueError, match="retriever or documents"):
+        stream_ralmspec(tiny_target, "q", max_new_tokens=4)
+
+
+def test_bad_input(tiny_target) -> None:
+    with pytest.raises(ValueError, match="retrieval_stride"):
+        RaLMSpecConfig(retrieval_stride=0)
+    with pytest.raises(ValueError, match="gamma_max"):
+        RaLMSpecConfig(gamma_max=1.0)
+    with pytest.raises(ValueError, match="speculation_stride"):
+        RaLMSpecConfig(speculation_stride=9)
+    spec = RaLMSpec(tiny_target, HashRetriever(DOCS), CONFIGS["base"])
+    with pytest.raises(ValueError, match="question"):
+        spec.generate("  ")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        spec.generate("q", 10_000)
+    with pytest.raises(TypeError, match="retriever"):
+        as_backend(object())
+
+
+def test_os3_scheduler() -> None:
+    sched = OS3Scheduler(async_verify=False, window=5, gamma_max=0.6)
+    assert sched.next_stride() == 1
+    for _ in range(6):
+        sched.observe(a=0.1, b=2.0, correct=5, mismatches=0)  # cheap steps, slow retrieval
+    assert sched.gamma == pytest.approx(0.6) and sched.next_stride() > 1
+    cheap = OS3Scheduler(async_verify=False)
+    for _ in range(5):
+        cheap.observe(a=1.0, b=0.01, correct=0, mismatches=1)  # speculation always wrong
+    assert cheap.gamma == 0 and cheap.next_stride() == 1
+    # asynchronous formula: verification hidden behind one step favours shorter strides
+    sync = OS3Scheduler(async_verify=False)
+    asyn = OS3Scheduler(async_verify=True)
+    assert asyn.expected_rate(1, 1.0, 1.0, 0.5) > sync.expected_rate(1, 1.0, 1.0, 0.5)
+
+
+def test_lexical_rank_prefers_overlap_then_order() -> None:
+    assert lexical_rank("capital of Germany", DOCS).id == "d1"
+    assert lexical_rank("zzz", DOCS).id == "d0"
+
+
+def test_async_verification_overlaps_wall_clock(tiny_target) -> None:
+    """A retriever that sleeps (releases the GIL) overlaps with the speculation step."""
+
+    class Slow(HashRetriever):
+        def search(self, encoded, k):  # type: ignore[no-untyped-def]
+            time.sleep(0.05)
+            self.threads.add(threading.current_thread().name)
+            return super().search(encoded, k)
+
+    slow = Slow(DOCS, sticky=50)
+    slow.threads = set()
+    config = RaLMSpecConfig(scheduler=False, speculation_stride=2, **SMALL)
+    out = RaLMSpec(tiny_target, slow, config).generate(QUESTIONS[0], 24)
+    assert any(t.startswith("ralmspec-verify") for t in slow.threads)
+    assert out.stats.extra["overlap_s"] > 0
+    ref = Slow(DOCS, sticky=50)
+    ref.threads = set()
+    assert out.token_ids == ralmseq_generate(tiny_target, ref, QUESTIONS[0], 24,
+                                             config=config).token_ids
+
+
+def test_no_tensors_in_results(tiny_target) -> None:
+    out = RaLMSpec(tiny_target, HashRetriever(DOCS), CONFIGS["+PSA"]).generate(QUESTIONS[2], 12)
+    values = list(out.stats.as_dict().values()) + list(out.stats.extra.values())
+    assert not any(isinstance(v, torch.Tensor) for v in values)
