@@ -1,0 +1,251 @@
+"""ReSpec on tiny random models: strict mode is lossless (greedy and sampled); relaxed is bounded."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from shared_core.config import SamplingConfig
+from shared_core.engines.baseline import autoregressive_generate
+from shared_core.engines.registry import stream_engine
+from shared_core.engines.respec import (
+    Candidate,
+    ReSpecConfig,
+    ReSpecDecoder,
+    build_tree,
+    entropy_trigger,
+    respec_generate,
+)
+from shared_core.verify import relaxed_accept_length, verify_tree_relaxed, warp_probs
+
+PROMPTS = ["0 1 2 3 4 5 6 7 8 9 10 11 12", "Paris is the capital of France. Berlin is"]
+N_NEW = 32
+NO_TRIGGER = {"use_trigger": False}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models run ~20x faster on one thread on a loaded machine (no OpenMP contention)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def hf_greedy(lm, prompt: str, n: int) -> list[int]:
+    ids = torch.tensor([lm.prompt_ids(prompt)])
+    out = lm.model.generate(ids, max_new_tokens=n, do_sample=False,
+                            pad_token_id=lm.tokenizer.pad_token_id)[0, ids.shape[1]:].tolist()
+    eos = [i for i, t in enumerate(out) if t in lm.eos_token_ids]
+    return out[: eos[0]] if eos else out
+
+
+def corrupted(ids: list[int], positions: tuple[int, ...]) -> list[int]:
+    out = list(ids)
+    for i in positions:
+        if i < len(out):
+            out[i] = (out[i] + 7) % 300
+    return out
+
+
+@pytest.fixture(scope="module")
+def references(tiny_target):
+    return {p: autoregressive_generate(tiny_target, p, N_NEW).token_ids for p in PROMPTS}
+
+
+def _documents(lm, prompt: str, ref: list[int], kind: str) -> list[list[int]]:
+    """Token-level documents that hold the answer (good), a corrupted copy (bad), or both."""
+    key = lm.prompt_ids(prompt)[-4:]
+    good, bad = key + ref, key + corrupted(ref, (3, 11, 20))
+    return {"none": [], "good": [good], "bad": [bad], "bad_good": [bad, good],
+            "good_bad": [good, bad]}[kind]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("docs", ["none", "good", "bad", "bad_good"])
+@pytest.mark.parametrize("options", [{}, NO_TRIGGER, {**NO_TRIGGER, "num_candidates": 1},
+                                     {**NO_TRIGGER, "selection": "first"},
+                                     {**NO_TRIGGER, "max_tree_tokens": 5, "cache": "dynamic"}])
+def test_strict_greedy_equals_autoregressive(tiny_target, references, prompt, docs, options):
+    ref = references[prompt]
+    result = respec_generate(tiny_target, prompt, N_NEW,
+                             documents=_documents(tiny_target, prompt, ref, docs), **options)
+    assert result.token_ids == ref
+    stats = result.stats
+    assert stats.new_tokens == len(ref)
+    assert stats.target_forwards <= len(ref) + 1
+    if docs == "good" and options.get("use_trigger") is False:
+        assert stats.extra["sources"]["retrieval"]["accepted"] > len(ref) // 2
+        assert stats.tokens_per_target_forward > 3
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_strict_equals_transformers_generate(tiny_target, references, prompt):
+    assert references[prompt] == hf_greedy(tiny_target, prompt, N_NEW)
+    docs = _documents(tiny_target, prompt, references[prompt], "bad_good")
+    result = respec_generate(tiny_target, prompt, N_NEW, documents=docs, **NO_TRIGGER)
+    assert result.token_ids == hf_greedy(tiny_target, prompt, N_NEW)
+
+
+def test_model_drafter_fallback_is_lossless(tiny_target, tiny_drafter, references):
+    prompt = PROMPTS[0]
+    result = respec_generate(tiny_target, prompt, N_NEW, draft_lm=tiny_drafter)
+    assert result.token_ids == references[prompt]
+    assert "model" in result.stats.extra["sources"]
+    assert result.stats.draft_forwards > 0
+
+
+def _exact_two_token_distribution(lm, prompt: str, sampling: SamplingConfig
+                                  ) -> dict[tuple[int, int], float]:
+    ids = lm.prompt_ids(prompt)
+    with torch.inference_mode():
+        p1 = warp_probs(lm.model(torch.tensor([ids])).logits[0, -1], sampling)
+        out = {}
+        for t1 in p1.nonzero().flatten().tolist():
+            p2 = warp_probs(lm.model(torch.tensor([[*ids, t1]])).logits[0, -1], sampling)
+            for t2 in p2.nonzero().flatten().tolist():
+                out[(t1, t2)] = float(p1[t1] * p2[t2])
+    return out
+
+
+def test_sampled_distribution_matches_target(tiny_target):
+    """Strict ReSpec under sampling (retrieval drafts verified one-hot): the target's law."""
+    prompt = "0 1 2 3 0 1 2 3 0 1 2"
+    sampling = SamplingConfig(temperature=1.5, top_k=3)
+    exact = _exact_two_token_distribution(tiny_target, prompt, sampling)
+    n = 300
+    ours = Counter(tuple(respec_generate(tiny_target, prompt, 2, seed=s, temperature=1.5,
+                                         top_k=3, **NO_TRIGGER).token_ids) for s in range(n))
+    assert set(ours) <= set(exact)
+    tv = 0.5 * sum(abs(ours[x] / n - exact[x]) for x in exact)
+    assert tv < 0.12, (tv, ours, exact)
+
+
+def test_sampled_run_with_retrieval_drafts(tiny_target, references):
+    prompt = PROMPTS[0]
+    docs = _documents(tiny_target, prompt, references[prompt], "good_bad")
+    result = respec_generate(tiny_target, prompt, N_NEW, documents=docs, temperature=0.7,
+                             seed=3, **NO_TRIGGER)
+    again = respec_generate(tiny_target, prompt, N_NEW, documents=docs, temperature=0.7,
+                            seed=3, **NO_TRIGGER)
+    assert result.token_ids == again.token_ids  # seeded
+    assert result.stats.extra["sources"]["retrieval"]["rounds"] > 0
+
+
+def test_relaxed_with_no_budget_equals_strict(tiny_target, references):
+    prompt = PROMPTS[1]
+    docs = _documents(tiny_target, prompt, references[prompt], "bad")
+    result = respec_generate(tiny_target, prompt, N_NEW, documents=docs, verification="relaxed",
+                             max_relaxed=0, **NO_TRIGGER)
+    assert result.token_ids == references[prompt]
+
+
+def test_relaxed_accepts_near_misses_and_counts_them(tiny_target, references):
+    prompt = PROMPTS[0]
+    docs = _documents(tiny_target, prompt, references[prompt], "bad")
+    result = respec_generate(tiny_target, prompt, N_NEW, documents=docs, verification="relaxed",
+                             relaxed_top_k=320, relaxed_tau=50.0, relaxed_lookahead=0,
+                             max_relaxed=3, **NO_TRIGGER)
+    assert result.stats.extra["relaxed_accepted"] > 0
+    assert result.token_ids != references[prompt]  # lossy by design
+    assert len(result.token_ids) == len(references[prompt])
+
+
+def test_stop_strings_and_registry(tiny_target):
+    stream = stream_engine("respec", tiny_target, PROMPTS[0], max_new_tokens=N_NEW,
+                           documents=["0 1 2 3"], use_trigger=False)
+    text = "".join(stream)
+    full = stream.result
+    assert full is not None and text == full.text
+    if len(text) > 4:
+        stop = text[2:4]
+        cut = respec_generate(tiny_target, PROMPTS[0], N_NEW, stop=[stop])
+        assert cut.text == text[: text.find(stop)]
+        assert cut.stats.finish_reason == "stop"
+
+
+def test_bad_input_is_refused(tiny_target):
+    with pytest.raises(ValueError, match="entropy_threshold"):
+        ReSpecConfig(entropy_threshold=-1)
+    with pytest.raises(ValueError, match="init_draft_len"):
+        ReSpecConfig(init_draft_len=100)
+    with pytest.raises(ValueError, match="verification"):
+        ReSpecConfig(verification="loose")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="unknown ReSpec option"):
+        respec_generate(tiny_target, "hi", 4, gamma=3)
+    with pytest.raises(ValueError, match="relaxed"):
+        respec_generate(tiny_target, "hi", 4, verification="relaxed", temperature=0.5)
+    with pytest.raises(TypeError, match="documents"):
+        respec_generate(tiny_target, "hi", 4, documents=[object()])
+    with pytest.raises(ValueError, match="draft_lm"):
+        ReSpecDecoder(tiny_target, ReSpecConfig(fallback="model"))
+    with pytest.raises(ValueError, match="window"):
+        respec_generate(tiny_target, "hi " * 600, 4)
+
+
+def test_static_corpus_source(tiny_target, references):
+    prompt = PROMPTS[0]
+    doc = tiny_target.prompt_ids(prompt)[-4:] + references[prompt]
+    decoder = ReSpecDecoder(tiny_target, ReSpecConfig(use_trigger=False, len_bias=0),
+                            corpus=[tiny_target.decode(doc)])
+    result = decoder.generate(prompt, N_NEW)
+    assert result.token_ids == references[prompt]
+
+
+# -- pure pieces ------------------------------------------------------------------------------
+
+def test_entropy_trigger() -> None:
+    assert entropy_trigger([], lookback=3, lam=0.1, threshold=1.5)
+    assert entropy_trigger([0.2, 0.3, 0.1], lookback=3, lam=0.1, threshold=1.5)
+    assert not entropy_trigger([3.0, 3.0, 2.5], lookback=3, lam=0.1, threshold=1.5)
+    # one confident token after uncertain ones: the λ/k penalty favours the 3-token window
+    assert not entropy_trigger([3.0, 3.0, 0.1], lookback=3, lam=6.0, threshold=1.5)
+    assert entropy_trigger([3.0, 3.0, 0.1], lookback=3, lam=0.0, threshold=1.5)
+
+
+def test_build_tree_merges_prefixes_and_caps() -> None:
+    cands = [Candidate(("d", 1), (1, 2, 3)), Candidate(("d", 2), (1, 2, 4)),
+             Candidate(("d", 3), (5,))]
+    tokens, parents, used = build_tree(cands, 10)
+    assert tokens == (1, 2, 3, 4, 5) and parents == (-1, 0, 1, 1, -1) and len(used) == 3
+    tokens, parents, used = build_tree(cands, 3)
+    assert tokens == (1, 2, 3) and len(used) == 1
+
+
+def _logits(rows: list[list[float]]) -> torch.Tensor:
+    return torch.log(torch.tensor(rows))
+
+
+def test_relaxed_accept_length_rules() -> None:
+    # vocab 4; row i predicts draft token i; argmax path is 0,0,0,0
+    p = [[0.5, 0.4, 0.05, 0.05]] * 4
+    logits = _logits(p)
+    draft = torch.tensor([0, 1, 0, 0])  # token 1 at step 1: 2nd best, gap log(0.5/0.4)
+    assert relaxed_accept_length(draft, logits, top_k=2, tau=1.0, lookahead=2,
+                                 max_relaxed=1) == (4, 1)
+    assert relaxed_accept_length(draft, logits, top_k=1, tau=1.0, lookahead=2,
+                                 max_relaxed=1) == (1, 0)  # not in top-1
+    assert relaxed_accept_length(draft, logits, top_k=2, tau=0.1, lookahead=2,
+                                 max_relaxed=1) == (1, 0)  # gap above tau
+    assert relaxed_accept_length(draft, logits, top_k=2, tau=1.0, lookahead=3,
+                                 max_relaxed=1) == (1, 0)  # too few look-ahead tokens
+    assert relaxed_accept_length(draft, logits, top_k=2, tau=1.0, lookahead=2,
+                                 max_relaxed=0) == (1, 0)  # Φ = 0: strict
+    two = torch.tensor([1, 0, 1, 0])
+    assert relaxed_accept_length(two, logits, top_k=2, tau=1.0, lookahead=1,
+                                 max_relaxed=1) == (2, 1)
+
+
+def test_verify_tree_relaxed_picks_longest_path() -> None:
+    p = [[0.5, 0.4, 0.05, 0.05]] * 5
+    logits = _logits(p)
+    tokens = torch.tensor([1, 0, 0, 2])  # branch A: 1,0,0 (relaxed first) ; branch B: 2
+    parents = [-1, 0, 1, -1]
+    verdict = verify_tree_relaxed(tokens, parents, logits, top_k=2, tau=1.0, lookahead=2,
+                                  max_relaxed=1)
+    assert verdict.path == (0, 1, 2) and verdict.n_relaxed == 1 and verdict.next_token == 0
+    strict = verify_tree_relaxed(tokens, parents, logits, top_k=2, tau=1.0, lookahead=2,
+                                 max_relaxed=0)
+    assert strict.path == () and strict.next_token == 0
