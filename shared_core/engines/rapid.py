@@ -213,7 +213,9 @@ class RapidDecoder:
         self.config = config or RapidConfig()
         self.drafter = RetrievedContextDrafter(self.draft_lm, target=lm, cache=self.config.cache)
         self._target_session = KVSession(lm, cache=self.config.cache)
-        self._rag_session = KVSession(lm, cache=self.config.cache)
+        # Self-speculation: the RAG baseline's prompt is the drafter's, so they share a session.
+        self._rag_session = (self.drafter.session if self.draft_lm is lm
+                             else KVSession(lm, cache=self.config.cache))
         self._embedder_spec = embedder
         self._embedder: Any = None if isinstance(embedder, str) else embedder
         self._indexes: OrderedDict[str, _IndexedContext] = OrderedDict()
@@ -325,6 +327,22 @@ class RapidDecoder:
         cut = self.lm.decode(ids[: keep // 2]) + self.lm.decode(ids[len(ids) - (keep - keep // 2):])
         logger.warning("context of %d tokens truncated in the middle to ~%d tokens", len(ids), keep)
         return cut, True
+
+    def load_context(self, context: str) -> float:
+        """Prefill the target's KV for ``context`` ahead of questions; return the seconds spent.
+
+        Optional: the first question on a context does the same. Every later question on the
+        same context reuses this prefix (only the query and answer tokens are computed).
+        """
+        _check_text(context, "context")
+        context, _ = self._fit_context(context, [], 1)
+        head, _ = self._target_parts
+        ids = self.lm.encode(head + self.config.context_template.format(context=context))
+        self._close_active()
+        start = time.perf_counter()
+        with torch.inference_mode():
+            self._target_session.prefill(self._target_session.sync(ids))
+        return time.perf_counter() - start
 
     # ------------------------------------------------------------------ generation
 

@@ -1,0 +1,386 @@
+"""RAPID benchmark: accuracy + η sweep + speed (QuALITY, NQ long-context) and a context sweep.
+
+Tasks (``--task``):
+
+- ``quality``: L-Eval QuALITY (15 stories of 3k–7k tokens, 4-option questions), accuracy of the
+  first option letter in the answer. Questions are taken document by document, so the story's
+  KV is prefilled once (:meth:`RapidDecoder.load_context`) and reused by every method/question.
+- ``nq_long``: a long-context task built from ``nq_open_oracle`` (DESIGN §5): each question's
+  gold passage is placed at a random position among its 39 most similar other passages (MiniLM
+  similarity to the question; passages containing an answer string are skipped), ≈5k tokens;
+  answer-containment accuracy. Questions, seed and gold positions are recorded in the report.
+- ``sweep``: decoding speed of ``long_context``, ``sd`` and ``rapid`` at 1k/2k/4k/8k tokens of
+  NQ context (drafter retrieval 512–2k tokens), with a plot: where RAPID breaks even here.
+
+Methods of one report run in one process on the same models and prompts, after a warm-up; the
+context prefill is done once per document and reported separately (``context_prefill_s``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import os
+import random
+import re
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared_core.bench.common import (
+    MethodResult,
+    data_dir,
+    make_report,
+    plot_report,
+    read_jsonl,
+    write_report,
+)
+
+logger = logging.getLogger(__name__)
+
+TASKS = ("quality", "nq_long", "sweep")
+QUALITY_QUERY = "{question}\n\nAnswer with the letter of the correct option, e.g. (A)."
+NQ_QUERY = "Question: {question}\nAnswer the question with a short phrase."
+
+
+@dataclass(frozen=True)
+class Item:
+    """One question over one long context, with what the scorer needs."""
+
+    context: str
+    query: str
+    answers: tuple[str, ...]
+    meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    method: str
+    eta: float = 0.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--task", choices=TASKS, default="nq_long")
+    parser.add_argument("--limit", type=int, default=30, help="questions (quality / nq_long)")
+    parser.add_argument("--max-new-tokens", type=int, default=16)
+    parser.add_argument("--etas", default="1,5,20", help="η values of the rapid methods")
+    parser.add_argument("--gamma", type=int, default=10)
+    parser.add_argument("--lengths", default="1024,2048,4096,7900", help="sweep context tokens")
+    parser.add_argument("--sweep-rag", default="512,512,1024,2048",
+                        help="drafter retrieval tokens per sweep length")
+    parser.add_argument("--sweep-prompts", type=int, default=3)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (1 is far faster on a loaded shared machine)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=None)
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def quality_items(root: Path, limit: int) -> list[Item]:
+    """QuALITY questions, document by document (first ``limit``)."""
+    items: list[Item] = []
+    for doc_index, row in enumerate(read_jsonl(root / "long_context_leval" / "quality.jsonl")):
+        for q_index, (question, answer) in enumerate(zip(row["instructions"], row["outputs"],
+                                                         strict=True)):
+            items.append(Item(row["input"], QUALITY_QUERY.format(question=question.strip()),
+                              (answer.strip()[1],), {"doc": doc_index, "q": q_index}))
+            if len(items) >= limit:
+                return items
+    return items
+
+
+def quality_letter(text: str) -> str | None:
+    """The first option letter in an answer: "(B)", "B)", "B." or a lone "B"."""
+    match = re.search(r"\(([A-D])\)|\b([A-D])[).:]|\b([A-D])\b", text)
+    return next((g for g in match.groups() if g), None) if match else None
+
+
+def _passage(doc: dict[str, Any], number: int) -> str:
+    return f"Document [{number}] (Title: {doc['title']}) {doc['text']}"
+
+
+def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: Any) -> np.ndarray:
+    """MiniLM vectors of the 2,600 passages, cached on disk (not in the repository)."""
+    from shared_core.models import cache_dir
+
+    path = cache_dir() / "bench" / f"nq_corpus_{len(corpus)}_minilm.npy"
+    if path.is_file():
+        return np.load(path)
+    texts = [f"{d['title']} {d['text']}" for d in corpus]
+    vectors = np.asarray(embedder.encode(texts, batch_size=64, normalize_embeddings=True),
+                         dtype=np.float32)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    np.save(path, vectors)
+    return vectors
+
+
+def nq_long_items(root: Path, embedder: Any, tokenizer: Any, limit: int, seed: int,
+                  target_tokens: int | None = None, n_distractors: int = 39) -> list[Item]:
+    """Gold passage at a random position among similar distractors (fixed seed, recorded).
+
+    With ``target_tokens`` the distractors are added until the context has about that many
+    tokens (context-length sweep); otherwise ``n_distractors`` are used.
+    """
+    corpus = read_jsonl(root / "nq_open_oracle" / "corpus.jsonl")
+    questions = read_jsonl(root / "nq_open_oracle" / "questions.jsonl")
+    by_pid = {d["pid"]: i for i, d in enumerate(corpus)}
+    vectors = _nq_corpus_vectors(corpus, embedder)
+    rng = random.Random(seed)
+    chosen = rng.sample(range(len(questions)), limit)
+    q_vectors = np.asarray(embedder.encode([questions[i]["question"] for i in chosen],
+                                           normalize_embeddings=True), dtype=np.float32)
+    items = []
+    for qi, q_vec in zip(chosen, q_vectors, strict=True):
+        row = questions[qi]
+        gold = by_pid[row["gold_pids"][0]]
+        answers = [a.lower() for a in row["answers"]]
+        order = np.argsort(-(vectors @ q_vec))
+        distractors = [int(i) for i in order if int(i) != gold and not any(
+            a in corpus[int(i)]["text"].lower() for a in answers)]
+        picked = _pick_distractors(corpus, distractors, gold, tokenizer, target_tokens,
+                                   n_distractors)
+        position = rng.randrange(len(picked) + 1)
+        docs = [*picked[:position], gold, *picked[position:]]
+        context = "\n\n".join(_passage(corpus[d], n + 1) for n, d in enumerate(docs))
+        items.append(Item(context, NQ_QUERY.format(question=row["question"]),
+                          tuple(row["answers"]), {"qid": row["qid"], "gold_position": position,
+                                                  "passages": len(docs)}))
+    return items
+
+
+def _pick_distractors(corpus: list[dict[str, Any]], distractors: list[int], gold: int,
+                      tokenizer: Any, target_tokens: int | None, n: int) -> list[int]:
+    if target_tokens is None:
+        return distractors[:n]
+    def size(i: int) -> int:
+        return len(tokenizer.encode(_passage(corpus[i], 99) + "\n\n", add_special_tokens=False))
+
+    total, picked = size(gold), []
+    for i in distractors:
+        if total + size(i) > target_tokens:
+            break
+        picked.append(i)
+        total += size(i)
+    return picked
+
+
+def contains_answer(text: str, answers: Sequence[str]) -> bool:
+    low = text.lower()
+    return any(a.lower() in low for a in answers)
+
+
+# ---------------------------------------------------------------------------- measurement
+
+
+def _methods(etas: Sequence[float], with_rag: bool = True) -> list[Method]:
+    methods = [Method("long_context", "long_context")]
+    if with_rag:
+        methods.append(Method("rag", "rag"))
+    methods.append(Method("sd", "sd"))
+    methods += [Method(f"rapid_eta{eta:g}", "rapid", eta) for eta in etas]
+    return methods
+
+
+def _aggregate(stats: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = ("new_tokens", "drafted", "accepted", "rounds", "target_forwards", "draft_forwards",
+            "prefill_s", "decode_s")
+    out: dict[str, Any] = {k: round(sum(s[k] for s in stats), 4) for k in keys}
+    out["acceptance_rate"] = out["accepted"] / out["drafted"] if out["drafted"] else 0.0
+    out["mean_accepted"] = out["accepted"] / out["rounds"] if out["rounds"] else 0.0
+    out["decode_tokens_per_s"] = out["new_tokens"] / out["decode_s"] if out["decode_s"] else 0.0
+    out["mean_retrieved_tokens"] = float(np.mean([s["extra"]["retrieved_tokens"] for s in stats]))
+    out["mean_context_tokens"] = float(np.mean([s["extra"]["context_tokens"] for s in stats]))
+    hist: dict[str, int] = {}
+    for s in stats:
+        for k, v in s["accept_hist"].items():
+            hist[k] = hist.get(k, 0) + v
+    out["accept_hist"] = dict(sorted(hist.items(), key=lambda kv: int(kv[0])))
+    return out
+
+
+def evaluate(decoder: Any, items: list[Item], methods: list[Method], max_new_tokens: int,
+             scorer: Callable[[str, Item], bool], progress: bool = True
+             ) -> tuple[dict[str, MethodResult], dict[str, Any]]:
+    """Run every method on every item (item-major: one context prefill per document)."""
+    from tqdm.auto import tqdm
+
+    results = {m.name: MethodResult() for m in methods}
+    stats: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
+    texts: dict[str, list[str]] = {m.name: [] for m in methods}
+    for m in methods:  # warm-up (not timed)
+        decoder.generate(items[0].context, items[0].query, 4, method=m.method, eta=m.eta)
+    context_prefill_s, loaded = 0.0, None
+    for item in tqdm(items, desc="questions", disable=not progress):
+        if item.context != loaded:
+            context_prefill_s += decoder.load_context(item.context)
+            loaded = item.context
+        for m in methods:
+            start = time.perf_counter()
+            out = decoder.generate(item.context, item.query, max_new_tokens, method=m.method,
+                                   eta=m.eta)
+            results[m.name].wall_s += time.perf_counter() - start
+            results[m.name].new_tokens += len(out.token_ids)
+            results[m.name].outputs.append(out.token_ids)
+            stats[m.name].append(out.stats.as_dict())
+            texts[m.name].append(out.text)
+    for m in methods:
+        correct = [scorer(t, it) for t, it in zip(texts[m.name], items, strict=True)]
+        results[m.name].quality = {"accuracy": round(float(np.mean(correct)), 4),
+                                   "correct": int(sum(correct))}
+        results[m.name].stats = _aggregate(stats[m.name])
+    return results, {"context_prefill_s": round(context_prefill_s, 3), "answers": texts}
+
+
+def _load(args: argparse.Namespace) -> tuple[Any, Any]:
+    import torch
+
+    from shared_core.models import load_embedder, load_lm
+
+    torch.set_num_threads(args.threads)
+    return load_lm(args.model), load_embedder()
+
+
+def _machine() -> dict[str, Any]:
+    return {"loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
+            "note": "shared 2-core machine, other jobs running; timings are indicative"}
+
+
+def run_accuracy(args: argparse.Namespace, task: str) -> dict[str, Any]:
+    from shared_core.engines.rapid import RapidConfig, RapidDecoder
+
+    machine = _machine()
+    root = Path(args.data_dir) if args.data_dir else data_dir()
+    lm, embedder = _load(args)
+    if task == "quality":
+        items = quality_items(root, args.limit)
+        scorer: Callable[[str, Item], bool] = lambda t, it: quality_letter(t) == it.answers[0]  # noqa: E731
+    else:
+        items = nq_long_items(root, embedder, lm.tokenizer, args.limit, args.seed)
+        scorer = lambda t, it: contains_answer(t, it.answers)  # noqa: E731
+    decoder = RapidDecoder(lm, embedder=embedder, config=RapidConfig(gamma=args.gamma))
+    methods = _methods(_floats(args.etas))
+    results, extra = evaluate(decoder, items, methods, args.max_new_tokens, scorer)
+    identical = {m.name: ["long_context"] for m in methods if m.method in ("sd", "rapid")}
+    machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    report = make_report(
+        engine="rapid", dataset=task, models={"target": lm.name, "drafter": lm.name + " (self)",
+                                              "embedder": "all-minilm-l6-v2"},
+        device=str(lm.device), methods=results, primary_baseline="long_context",
+        identical_to=identical,
+        extra={"config": {"gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
+                          "etas": _floats(args.etas), "seed": args.seed,
+                          "rapid_defaults": dataclasses.asdict(RapidConfig(gamma=args.gamma))},
+               "items": [it.meta for it in items], "machine": machine, **extra})
+    write_report(report, args.out)
+    plot_report(report, args.plot, value="tokens_per_s")
+    return report
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    from shared_core.engines.rapid import RapidConfig, RapidDecoder
+
+    machine = _machine()
+    root = Path(args.data_dir) if args.data_dir else data_dir()
+    lm, embedder = _load(args)
+    etas = _floats(args.etas)[:1]
+    methods = _methods(etas, with_rag=False)
+    all_results: dict[str, MethodResult] = {}
+    rows: list[dict[str, Any]] = []
+    for length, rag in zip(_ints(args.lengths), _ints(args.sweep_rag), strict=True):
+        items = nq_long_items(root, embedder, lm.tokenizer, args.sweep_prompts, args.seed,
+                              target_tokens=length)
+        decoder = RapidDecoder(lm, embedder=embedder, config=RapidConfig(
+            gamma=args.gamma, min_rag_tokens=rag))
+        results, extra = evaluate(decoder, items, methods, args.max_new_tokens,
+                                  lambda t, it: contains_answer(t, it.answers), progress=False)
+        base = results["long_context"]
+        for name, result in results.items():
+            all_results[f"{name}@{length}"] = result
+            rows.append({"length": length, "rag_tokens": rag, "method": name,
+                         "context_tokens": result.stats["mean_context_tokens"],
+                         "tokens_per_s": round(result.tokens_per_s, 3),
+                         "speedup_vs_lc": round(result.tokens_per_s / base.tokens_per_s, 3),
+                         "mean_accepted": round(result.stats["mean_accepted"], 3),
+                         "acceptance_rate": round(result.stats["acceptance_rate"], 3),
+                         "context_prefill_s": extra["context_prefill_s"]})
+        logger.info("sweep %d done: %s", length, rows[-len(results):])
+        del decoder
+    machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    first = f"long_context@{_ints(args.lengths)[0]}"
+    report = make_report(engine="rapid", dataset="nq_long_context_sweep",
+                         models={"target": lm.name, "drafter": lm.name + " (self)"},
+                         device=str(lm.device), methods=all_results, primary_baseline=first,
+                         extra={"sweep": rows, "machine": machine,
+                                "config": {"gamma": args.gamma, "eta": etas,
+                                           "max_new_tokens": args.max_new_tokens,
+                                           "prompts_per_length": args.sweep_prompts}})
+    write_report(report, args.out)
+    plot_sweep(rows, args.plot)
+    return report
+
+
+def plot_sweep(rows: list[dict[str, Any]], out: str | None) -> None:
+    """Decode tokens/s and speed-up over the long-context target vs context length."""
+    if out is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for method in dict.fromkeys(r["method"] for r in rows):
+        xs = [r["context_tokens"] for r in rows if r["method"] == method]
+        axes[0].plot(xs, [r["tokens_per_s"] for r in rows if r["method"] == method], marker="o",
+                     label=method)
+        axes[1].plot(xs, [r["speedup_vs_lc"] for r in rows if r["method"] == method],
+                     marker="o", label=method)
+    axes[0].set_ylabel("tokens/s (context prefill excluded)")
+    axes[1].set_ylabel("speed-up over long_context")
+    axes[1].axhline(1.0, color="grey", linestyle="--")
+    for ax in axes:
+        ax.set_xlabel("context tokens")
+        ax.set_xscale("log", base=2)
+        ax.legend()
+    fig.suptitle("RAPID context-length sweep (SmolLM2-135M, CPU, 2 threads, shared machine)")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Entry point for ``python -m shared_core.bench rapid``."""
+    if args.task == "sweep":
+        return run_sweep(args)
+    return run_accuracy(args, args.task)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    logging.basicConfig(level=logging.INFO)
+    run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
