@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=10, help="timed runs per latency")
     parser.add_argument("--faiss-threads", type=int, default=None,
                         help="OpenMP threads for faiss (default: faiss' own setting)")
+    parser.add_argument("--latency-threads", default="1,2",
+                        help="comma-separated faiss thread counts for the padded latency runs")
     parser.add_argument("--progress", action="store_true", help="show progress bars")
 
 
@@ -153,11 +155,19 @@ def _padded_latency(args: argparse.Namespace, exact: DenseRetriever, query_vecto
     _, pad_s = _timed(lambda: exact.add_padding(pad, seed=0))
     logger.info("padded the exact index to %d vectors in %.1f s", exact.ntotal, pad_s)
     texts = [q["question"] for q in questions]
-    out = {"ntotal": exact.ntotal, "dim": exact.dim, "padding_vectors": pad,
-           "pad_s": round(pad_s, 2),
-           "search_vectors": _vector_latency(exact, query_vectors, args.batch, args.repeats),
-           "search_text": _latency(lambda qs: exact.search(qs, k=5), texts, args.batch,
-                                   args.repeats)}
+    out: dict[str, Any] = {"ntotal": exact.ntotal, "dim": exact.dim, "padding_vectors": pad,
+                           "pad_s": round(pad_s, 2)}
+    default_threads = exact.num_threads
+    for threads in (int(t) for t in args.latency_threads.split(",") if t.strip()):
+        exact.num_threads = threads
+        for gemm in (None, 2):
+            exact.gemm_min_batch = gemm
+            name = f"search_vectors_faiss{threads}t" + ("_gemm" if gemm else "")
+            out[name] = _vector_latency(exact, query_vectors, args.batch, args.repeats)
+            logger.info("%s: %s", name, out[name])
+    exact.num_threads, exact.gemm_min_batch = default_threads, None
+    out["search_text"] = _latency(lambda qs: exact.search(qs, k=5), texts, args.batch,
+                                  args.repeats)
     # Recall with the padding in place: random unit vectors should (almost) never win.
     results, search_s = _timed(lambda: exact.search_vectors(query_vectors, k=5))
     out["search_all_s"] = round(search_s, 3)

@@ -62,19 +62,23 @@ def _normalise(vectors: np.ndarray) -> np.ndarray:
 def _paired_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     """``queries[i] . vectors[i]`` for every row i, in float64, in a fixed summation order.
 
-    float32 x float32 products are exact in float64 and are summed one dimension after the
-    other with elementwise adds, so a pair's score depends on nothing but the pair. (numpy
-    reductions and BLAS change their summation order with the array shapes, and faiss' float32
-    scores change with the batch size.)
+    float32 x float32 products are exact in float64; they are summed by a fixed binary tree of
+    elementwise adds (halving the width, zero-padded to a power of two), so a pair's score
+    depends on nothing but the pair. (numpy reductions and BLAS change their summation order
+    with the array shapes, and faiss' float32 scores change with the batch size.)
     """
-    out = np.empty(queries.shape[0], dtype=np.float64)
-    for start in range(0, queries.shape[0], _PAIR_CHUNK):
-        q = queries[start:start + _PAIR_CHUNK].T.astype(np.float64)  # [d, pairs]
-        products = q * vectors[start:start + _PAIR_CHUNK].T.astype(np.float64)
-        acc = products[0].copy()
-        for row in products[1:]:
-            acc += row
-        out[start:start + acc.shape[0]] = acc
+    n, d = queries.shape
+    width = 1 << max(0, (d - 1).bit_length())
+    out = np.empty(n, dtype=np.float64)
+    for start in range(0, n, _PAIR_CHUNK):
+        q = queries[start:start + _PAIR_CHUNK]
+        products = np.zeros((q.shape[0], width), dtype=np.float64)
+        np.multiply(q, vectors[start:start + _PAIR_CHUNK], out=products[:, :d], dtype=np.float64)
+        w = width
+        while w > 1:
+            w //= 2
+            products = products[:, :w] + products[:, w:2 * w]
+        out[start:start + q.shape[0]] = products[:, 0]
     return out
 
 
