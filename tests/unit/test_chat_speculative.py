@@ -1,0 +1,105 @@
+"""ChatSpeculative contract on the tiny in-process model (no weights loaded from disk)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+import torch
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+
+from langchain_specrag.chat_models.speculative import ChatSpeculative, to_chat_messages
+from shared_core.engines.baseline import autoregressive_generate
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def chat(tiny_target):
+    return ChatSpeculative(lm=tiny_target, model="tiny", max_tokens=16,
+                           engine_options={"use_trigger": False})
+
+
+MESSAGES = [SystemMessage("Be brief."), HumanMessage("0 1 2 3 4 5 6 7")]
+
+
+def test_invoke_equals_reference_and_carries_stats(chat, tiny_target):
+    ref = autoregressive_generate(tiny_target, to_chat_messages(MESSAGES), 16)
+    msg = chat.invoke(MESSAGES)
+    assert isinstance(msg, AIMessage) and msg.content == ref.text
+    assert msg.usage_metadata["output_tokens"] == len(ref.token_ids)
+    assert msg.usage_metadata["input_tokens"] == ref.stats.prompt_tokens
+    meta = msg.response_metadata
+    assert meta["model_name"] == "tiny" and meta["engine"] == "respec"
+    assert meta["speculative_stats"]["new_tokens"] == len(ref.token_ids)
+
+
+def test_stream_chunks_merge_to_invoke(chat):
+    chunks = list(chat.stream(MESSAGES))
+    merged = chunks[0]
+    for c in chunks[1:]:
+        merged += c
+    assert merged.content == chat.invoke(MESSAGES).content
+    assert sum(1 for c in chunks if c.usage_metadata and c.usage_metadata["input_tokens"]) == 1
+    assert chunks[-1].chunk_position == "last"
+
+
+def test_autoregressive_engine_and_per_call_options(chat, tiny_target):
+    plain = chat.invoke(MESSAGES, engine="autoregressive", max_tokens=5)
+    ref = autoregressive_generate(tiny_target, to_chat_messages(MESSAGES), 5)
+    assert plain.content == ref.text
+    assert plain.response_metadata["speculative_stats"]["new_tokens"] == len(ref.token_ids)
+
+
+def test_documents_are_indexed(chat, tiny_target):
+    ref = autoregressive_generate(tiny_target, to_chat_messages(MESSAGES), 16)
+    doc = tiny_target.decode(tiny_target.prompt_ids(to_chat_messages(MESSAGES))[-3:]
+                             + ref.token_ids)
+    msg = chat.invoke(MESSAGES, documents=[doc])
+    assert msg.content == ref.text
+
+
+async def test_async_paths_do_not_block_the_loop(chat):
+    ticks = 0
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while True:
+            await asyncio.sleep(0.001)
+            ticks += 1
+
+    task = asyncio.create_task(ticker())
+    start = time.perf_counter()
+    msg = await chat.ainvoke(MESSAGES)
+    chunks = [c async for c in chat.astream(MESSAGES)]
+    elapsed = time.perf_counter() - start
+    task.cancel()
+    assert msg.content == "".join(str(c.content) for c in chunks)
+    assert ticks > 0 or elapsed < 0.01
+
+
+def test_batch_is_thread_safe(chat):
+    outs = chat.batch([MESSAGES] * 3)
+    assert len({o.content for o in outs}) == 1
+
+
+def test_bad_engine_and_messages():
+    with pytest.raises(ValueError, match="engine"):
+        ChatSpeculative(engine="nope")
+    roles = [m["role"] for m in to_chat_messages([SystemMessage("a"), HumanMessage("b"),
+                                                   AIMessage("c")])]
+    assert roles == ["system", "user", "assistant"]
+
+
+def test_constructor_loads_nothing():
+    start = time.perf_counter()
+    for _ in range(10):
+        ChatSpeculative(model="smollm2-135m-instruct")
+    assert time.perf_counter() - start < 1.0
