@@ -244,3 +244,101 @@ def test_to_documents_accepts_framework_objects():
     assert docs[1].id == "x" and docs[2].metadata["score"] == 0.5
     with pytest.raises(TypeError, match=r"documents\[0\]"):
         to_documents([object()])
+
+
+# ---------------------------------------------------------------- adapters (tiny models)
+
+def _lc_retriever():
+    from langchain_core.callbacks import CallbackManagerForRetrieverRun
+    from langchain_core.documents import Document as LCDocument
+    from langchain_core.retrievers import BaseRetriever
+
+    class ListRetriever(BaseRetriever):
+        def _get_relevant_documents(self, query: str, *,
+                                    run_manager: CallbackManagerForRetrieverRun):
+            return [LCDocument(page_content=d.text, id=d.id) for d in DOCS]
+
+    return ListRetriever()
+
+
+def test_langchain_runnable_invoke_details_events_and_nesting(drafter, verifier):
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    from langchain_specrag import SpeculativeRAGRunnable
+
+    class Recorder(BaseCallbackHandler):
+        def __init__(self):
+            self.events, self.retriever_parents, self.chain_ids = [], [], []
+
+        def on_custom_event(self, name, data, *, run_id, **kwargs):
+            self.events.append((name, run_id))
+
+        def on_retriever_start(self, serialized, query, *, run_id, parent_run_id=None, **kw):
+            self.retriever_parents.append(parent_run_id)
+
+        def on_chain_start(self, serialized, inputs, *, run_id, parent_run_id=None, **kw):
+            self.chain_ids.append(run_id)
+
+    eng = engine(drafter, verifier)
+    rag = SpeculativeRAGRunnable(retriever=_lc_retriever(), engine=eng, num_drafts=3,
+                                 retrieve_k=6)
+    recorder = Recorder()
+    answer = rag.invoke("capital of France?", {"callbacks": [recorder]})
+    assert isinstance(answer, str)
+    assert [e[0] for e in recorder.events] == ["specrag_retrieved", "specrag_subsets",
+                                                "specrag_drafted", "specrag_verified"]
+    assert recorder.retriever_parents == [recorder.chain_ids[0]]  # retriever run nests
+    details = rag.with_config(run_name="x").invoke({"question": "capital?", "documents": None})
+    assert details == rag.invoke("capital?")
+    full = SpeculativeRAGRunnable(engine=eng, num_drafts=3, with_details=True).invoke(
+        {"question": "capital?", "documents": [d.text for d in DOCS]})
+    assert set(full) >= {"answer", "drafts", "scores", "documents", "stats"}
+    assert len(full["drafts"]) == 3 and full["answer"] == full["drafts"][full["best"]]["answer"]
+    assert list(rag.stream("capital?")) == [details]
+
+
+async def test_langchain_runnable_async_and_events(drafter, verifier):
+    from langchain_specrag import SpeculativeRAGRunnable
+
+    rag = SpeculativeRAGRunnable(retriever=_lc_retriever(), engine=engine(drafter, verifier),
+                                 num_drafts=3, retrieve_k=6)
+    sync = rag.invoke("capital of France?")
+    assert await rag.ainvoke("capital of France?") == sync
+    assert await rag.abatch(["capital of France?", "capital of France?"]) == [sync, sync]
+    names = [e["name"] async for e in rag.astream_events("capital of France?", version="v2")
+             if e["event"] == "on_custom_event"]
+    assert names == ["specrag_retrieved", "specrag_subsets", "specrag_drafted",
+                     "specrag_verified"]
+    with pytest.raises(ValueError, match="retriever is None"):
+        await SpeculativeRAGRunnable(engine=engine(drafter, verifier)).ainvoke("q")
+
+
+def test_llamaindex_query_engine(drafter, verifier):
+    import asyncio
+
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from llamaindex_specrag import SpeculativeRAGQueryEngine
+
+    class ListRetriever(BaseRetriever):
+        def _retrieve(self, query_bundle):
+            return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=1.0) for d in DOCS]
+
+    qe = SpeculativeRAGQueryEngine(ListRetriever(), engine=engine(drafter, verifier))
+    response = qe.query("capital of France?")
+    assert len(response.source_nodes) == 6 and len(response.metadata["drafts"]) == 3
+    assert response.response == response.metadata["drafts"][response.metadata["best"]]["answer"]
+    assert asyncio.run(qe.aquery("capital of France?")).response == response.response
+
+
+def test_adapters_do_not_import_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, langchain_specrag, llamaindex_specrag; "
+            "from langchain_specrag.runnables import speculative_rag as a; "
+            "from llamaindex_specrag.query_engines import speculative_rag as b; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"

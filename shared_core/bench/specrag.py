@@ -1,0 +1,276 @@
+"""Speculative RAG benchmark: accuracy and end-to-end latency vs Standard RAG (paper Tables 1-2).
+
+Datasets (from ``$SPECRAG_DATA_DIR``, default ``../shared/data``), each with its own corpus:
+
+* ``nq``: NQ-open questions, top-10 dense retrieval from the 2,600-passage ``nq_open_oracle``
+  corpus; metric = a gold answer contained in the answer (normalised as SQuAD does).
+  Evaluation questions are the first ``--limit`` rows of ``questions.jsonl``
+  (:data:`NQ_EVAL_ROWS` rows are reserved for evaluation; the drafter trains on the rest).
+* ``squad``: SQuAD (ExpMRC dev subset), retrieval from its 319 paragraphs; same metric.
+  Evaluation questions come from the articles in :data:`SQUAD_EVAL_TITLES` (the first six in
+  file order); the drafter trains on the other six.
+* ``pubhealth``: the true/false PubHealth claims (test subset first, then dev), as in Self-RAG;
+  retrieval from ~120-word chunks of all 172 PubHealth articles; metric = label match (the first
+  of "true"/"false" in the answer).
+
+ARC-Challenge is not included: ``../shared/data`` has no corpus for it (Self-RAG retrieves
+from Wikipedia), so retrieval would only add noise.
+
+Methods: ``rag_drafter`` / ``rag_verifier`` (Standard RAG with either model, all documents in the
+prompt), ``drafter_only`` (best ρ_draft, no verifier), ``specrag`` and, with ``--tuned``,
+``specrag_tuned``. ``--ablations`` adds the paper's Table-2 variants and ``--grid`` the
+m ∈ {5, 10} x k ∈ {1, 2, 4} sweep. Every method's latency per question is its own wall time plus
+the (shared, measured once) retrieval time of that question.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import statistics
+import string
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from shared_core.bench.common import (
+    MethodResult,
+    data_dir,
+    make_report,
+    plot_report,
+    read_jsonl,
+    write_report,
+)
+from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
+from shared_core.retrieval.base import Document
+
+logger = logging.getLogger(__name__)
+
+DATASETS = ("nq", "squad", "pubhealth")
+NQ_EVAL_ROWS = 1000  # questions.jsonl rows [0, 1000) are evaluation-only
+SQUAD_EVAL_TITLES = ("Victoria_(Australia)", "Steam_engine", "Apollo_program", "Geology",
+                     "Genghis_Khan", "Harvard_University")
+PUBHEALTH_CHUNK_WORDS = 120
+PUBHEALTH_QUESTION = ("Is the following statement correct or not? Say true if it's correct; "
+                      "otherwise, say false. Statement: {claim}")
+ABLATIONS: dict[str, dict[str, Any]] = {
+    "abl_random_subsets": {"subset_strategy": "random"},
+    "abl_same_cluster": {"subset_strategy": "same_cluster"},
+    "abl_no_draft_score": {"use_draft_score": False},
+    "abl_no_self_contain": {"use_self_contain": False},
+    "abl_no_self_reflect": {"use_self_reflect": False},
+    "abl_random_selection": {"selection": "random"},
+}
+
+
+# --------------------------------------------------------------------------- data
+
+
+def load_dataset(name: str, limit: int, root: Path | None = None
+                 ) -> tuple[list[Document], list[dict[str, Any]]]:
+    """(corpus, questions) where each question has ``id``, ``question`` and ``gold``."""
+    root = root or data_dir()
+    if name == "nq":
+        corpus = [Document(r["pid"], f"{r['title']}: {r['text']}")
+                  for r in read_jsonl(root / "nq_open_oracle" / "corpus.jsonl")]
+        rows = read_jsonl(root / "nq_open_oracle" / "questions.jsonl", min(limit, NQ_EVAL_ROWS))
+        return corpus, [{"id": r["qid"], "question": r["question"], "gold": r["answers"]}
+                        for r in rows]
+    if name == "squad":
+        corpus = [Document(r["pid"], f"{r['title'].replace('_', ' ')}: {r['text']}")
+                  for r in read_jsonl(root / "squad_expmrc" / "corpus.jsonl")]
+        rows = [r for r in read_jsonl(root / "squad_expmrc" / "questions.jsonl")
+                if r["title"] in SQUAD_EVAL_TITLES][:limit]
+        return corpus, [{"id": r["id"], "question": r["question"], "gold": sorted(set(r["answers"]))}
+                        for r in rows]
+    if name == "pubhealth":
+        articles = (read_jsonl(root / "pubhealth" / "pubhealth_test_subset.jsonl")
+                    + read_jsonl(root / "pubhealth" / "pubhealth_dev_subset.jsonl"))
+        corpus = [Document(f"ph-{a['claim_id']}-{i}", chunk)
+                  for a in articles for i, chunk in enumerate(_chunks(a["main_text"]))]
+        rows = [a for a in articles if a["label"] in ("true", "false")][:limit]
+        return corpus, [{"id": f"ph-{r['claim_id']}", "gold": [r["label"]],
+                         "question": PUBHEALTH_QUESTION.format(claim=r["claim"])} for r in rows]
+    msg = f"dataset must be one of {', '.join(DATASETS)}, got {name!r}"
+    raise ValueError(msg)
+
+
+def _chunks(text: str, size: int = PUBHEALTH_CHUNK_WORDS) -> list[str]:
+    words = text.split()
+    return [" ".join(words[i:i + size]) for i in range(0, len(words), size)] or [""]
+
+
+# --------------------------------------------------------------------------- metrics
+
+
+def normalize(text: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def is_correct(dataset: str, prediction: str, gold: list[str]) -> bool:
+    if dataset == "pubhealth":
+        found = re.findall(r"\b(true|false)\b", prediction.lower())
+        return bool(found) and found[0] == gold[0]
+    pred = normalize(prediction)
+    return any(normalize(g) and normalize(g) in pred for g in gold)
+
+
+# --------------------------------------------------------------------------- methods
+
+
+def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
+                  ) -> dict[str, tuple[Callable[[str, list[Document]], Any], int]]:
+    """Method name -> (callable(question, docs) returning a result, documents it needs)."""
+    cfg = engine.config
+    n_docs = cfg.retrieve_k
+    drafter_only = engine.with_config(replace(cfg, use_self_contain=False,
+                                              use_self_reflect=False))
+    methods: dict[str, tuple[Callable[[str, list[Document]], Any], int]] = {
+        "rag_drafter": (lambda q, d: engine.standard_rag(q, d, model="drafter"), n_docs),
+        "rag_verifier": (lambda q, d: engine.standard_rag(q, d, model="verifier"), n_docs),
+        "drafter_only": (drafter_only.answer, n_docs),
+        "specrag": (engine.answer, n_docs),
+    }
+    if args.tuned:
+        tuned = SpeculativeRAG(args.drafter + "+specrag", engine.verifier,
+                               embedder=engine.embedder, config=cfg)
+        methods["specrag_tuned"] = (tuned.answer, n_docs)
+    if args.ablations:
+        for name, change in ABLATIONS.items():
+            methods[name] = (engine.with_config(replace(cfg, **change)).answer, n_docs)
+    if args.grid:
+        for m in (5, 10):
+            for k in (1, 2, 4):
+                if (m, k) != (cfg.num_drafts, cfg.docs_per_draft):
+                    variant = engine.with_config(replace(cfg, num_drafts=m, docs_per_draft=k))
+                    methods[f"grid_m{m}_k{k}"] = (variant.answer, max(n_docs, m * k))
+    keep = [m.strip() for m in args.methods.split(",")] if args.methods else None
+    return {k: v for k, v in methods.items() if keep is None or k in keep or k.startswith(
+        ("abl_", "grid_", "specrag_tuned"))}
+
+
+def _summary(dataset: str, questions: list[dict[str, Any]], outputs: list[Any],
+             latencies: list[float]) -> MethodResult:
+    correct = [is_correct(dataset, o.text, q["gold"]) for q, o in zip(questions, outputs,
+                                                                       strict=True)]
+    stats = [o.stats.as_dict() for o in outputs]
+    numeric = {k for k, v in stats[0].items() if isinstance(v, (int, float))}
+    mean_stats = {f"mean_{k}": round(statistics.fmean(s[k] for s in stats), 4) for k in numeric}
+    new_tokens = sum(s.get("new_tokens", s.get("draft_new_tokens", 0)) for s in stats)
+    return MethodResult(
+        wall_s=sum(latencies), new_tokens=new_tokens, outputs=[o.text for o in outputs],
+        quality={"accuracy": round(sum(correct) / len(correct), 4), "correct": sum(correct),
+                 "latency_mean_s": round(statistics.fmean(latencies), 3),
+                 "latency_p50_s": round(statistics.median(latencies), 3)},
+        stats=mean_stats)
+
+
+def _retrieve_all(retriever: Any, questions: list[dict[str, Any]], k: int
+                  ) -> tuple[list[list[Document]], list[float]]:
+    docs, times = [], []
+    for q in questions:
+        start = time.perf_counter()
+        hits = retriever.search([q["question"]], k)[0]
+        times.append(time.perf_counter() - start)
+        docs.append([h.document for h in hits])
+    return docs, times
+
+
+def _build_retriever(dataset: str, corpus: list[Document], embedder: Any, name: str) -> Any:
+    """Exact dense index over the corpus, cached on disk (faiss + JSON) between runs."""
+    import hashlib
+
+    from shared_core.models import cache_dir
+    from shared_core.retrieval.dense import DenseRetriever
+
+    digest = hashlib.sha256("\n".join(d.id + d.text for d in corpus).encode()).hexdigest()[:12]
+    folder = cache_dir() / "bench" / f"specrag-{dataset}-{name}-{digest}"
+    if folder.is_dir():
+        return DenseRetriever.load(folder, embedder)
+    retriever = DenseRetriever(embedder, index="exact")
+    retriever.add(corpus)
+    retriever.save(folder)
+    return retriever
+
+
+# --------------------------------------------------------------------------- entry points
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", choices=DATASETS, default="nq")
+    parser.add_argument("--limit", type=int, default=30, help="questions per dataset")
+    parser.add_argument("--max-new-tokens", type=int, default=SpeculativeRAGConfig.max_draft_tokens,
+                        help="drafter token budget for rationale + answer")
+    parser.add_argument("--drafter", default="smollm2-135m-instruct")
+    parser.add_argument("--verifier", default="gemma-3-270m")
+    parser.add_argument("--embedder", default="all-minilm-l6-v2")
+    parser.add_argument("--num-drafts", type=int, default=SpeculativeRAGConfig.num_drafts)
+    parser.add_argument("--docs-per-draft", type=int, default=SpeculativeRAGConfig.docs_per_draft)
+    parser.add_argument("--retrieve-k", type=int, default=SpeculativeRAGConfig.retrieve_k)
+    parser.add_argument("--methods", default="", help="comma list of base methods (default all)")
+    parser.add_argument("--tuned", action="store_true", help="add specrag with the tuned drafter")
+    parser.add_argument("--ablations", action="store_true", help="add the Table-2 ablations")
+    parser.add_argument("--grid", action="store_true", help="add m in {5,10} x k in {1,2,4}")
+    parser.add_argument("--data-dir", type=Path, default=None)
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every method on the same questions and documents, after a warm-up; return the report."""
+    from shared_core.bench.common import timed_loop
+    from shared_core.models import load_embedder
+
+    corpus, questions = load_dataset(args.dataset, args.limit + 1, args.data_dir)
+    warmup, questions = questions[-1], questions[:-1]  # one extra question only warms up
+    embedder = load_embedder(args.embedder)
+    config = SpeculativeRAGConfig(num_drafts=args.num_drafts, docs_per_draft=args.docs_per_draft,
+                                  retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens)
+    engine = SpeculativeRAG(args.drafter, args.verifier, embedder=embedder, config=config)
+    methods = build_methods(engine, args)
+    retriever = _build_retriever(args.dataset, corpus, embedder, args.embedder)
+    max_k = max(k for _, k in methods.values())
+    [warm_docs], _ = _retrieve_all(retriever, [warmup], max_k)
+    docs, retrieve_s = _retrieve_all(retriever, questions, max_k)
+    results: dict[str, MethodResult] = {}
+    for name, (fn, k) in methods.items():
+        fn(warmup["question"], warm_docs[:k])
+        items = list(zip(questions, docs, strict=True))
+        outputs, _ = timed_loop(items, lambda item, fn=fn, k=k: fn(item[0]["question"], item[1][:k]),
+                                engine.drafter.device, desc=name, progress=not args.no_progress)
+        latencies = [o.stats.total_s + r for o, r in zip(outputs, retrieve_s, strict=True)]
+        results[name] = _summary(args.dataset, questions, outputs, latencies)
+        logger.info("%s: accuracy %.3f, %.2f s/question", name, results[name].quality["accuracy"],
+                    results[name].quality["latency_mean_s"])
+    report = make_report(
+        engine="specrag", dataset=args.dataset, models={"drafter": args.drafter,
+        "verifier": args.verifier, "embedder": args.embedder}, device=str(engine.drafter.device),
+        methods=results, primary_baseline="rag_verifier" if "rag_verifier" in results
+        else next(iter(results)),
+        extra={"config": {"num_drafts": args.num_drafts, "docs_per_draft": args.docs_per_draft,
+                          "retrieve_k": args.retrieve_k, "max_draft_tokens": args.max_new_tokens},
+               "corpus_size": len(corpus), "mean_retrieve_s": statistics.fmean(retrieve_s),
+               "latency_note": "per question: method wall time + shared retrieval time",
+               "examples": [{"id": q["id"], "question": q["question"], "gold": q["gold"],
+                             **{m: r.outputs[i] for m, r in results.items()}}
+                            for i, q in enumerate(questions)]})
+    base = report["methods"].get("rag_verifier")
+    if base:  # speed-up = latency ratio (answers have different lengths: tokens/s misleads)
+        report["speedup"] = {m: round(base["wall_s"] / r["wall_s"], 3)
+                             for m, r in report["methods"].items() if r["wall_s"] > 0}
+    write_report(report, args.out)
+    plot_report(report, args.plot, value="wall_s")
+    return report
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    _parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_arguments(_parser)
+    run(_parser.parse_args())
