@@ -461,7 +461,8 @@ def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, 
 
     The query is the last user message. The long context is ``documents`` joined by blank lines
     or, without documents, the prompt's context section: the text before the last
-    ``"Question:"`` in the last user message, else the other messages' contents.
+    ``"Question:"`` / ``"Query:"`` in the last user message (LlamaIndex's QA prompt), else the
+    other messages' contents.
     """
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
@@ -481,7 +482,8 @@ def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, 
             msg = "documents must contain at least one non-empty text (the long context)"
             raise ValueError(msg)
         return "\n\n".join(docs), last
-    cut = last.lower().rfind("question:")
+    lowered = last.lower()
+    cut = max(lowered.rfind("question:"), lowered.rfind("query:"))
     if cut > 0 and last[:cut].strip():
         context = last[:cut].strip()
         if context.lower().startswith("context:"):
