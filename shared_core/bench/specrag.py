@@ -40,7 +40,6 @@ from shared_core.bench.common import (
     MethodResult,
     data_dir,
     make_report,
-    plot_report,
     read_jsonl,
     write_report,
 )
@@ -224,7 +223,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Run every method on the same questions and documents, after a warm-up; return the report."""
-    from shared_core.bench.common import timed_loop
+    from tqdm.auto import tqdm
+
     from shared_core.models import load_embedder
 
     corpus, questions = load_dataset(args.dataset, args.limit + 1, args.data_dir)
@@ -238,14 +238,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     max_k = max(k for _, k in methods.values())
     [warm_docs], _ = _retrieve_all(retriever, [warmup], max_k)
     docs, retrieve_s = _retrieve_all(retriever, questions, max_k)
-    results: dict[str, MethodResult] = {}
-    for name, (fn, k) in methods.items():
+    for fn, k in methods.values():  # warm-up: every method once, outside the timing
         fn(warmup["question"], warm_docs[:k])
-        items = list(zip(questions, docs, strict=True))
-        outputs, _ = timed_loop(items, lambda item, fn=fn, k=k: fn(item[0]["question"], item[1][:k]),
-                                engine.drafter.device, desc=name, progress=not args.no_progress)
-        latencies = [o.stats.total_s + r for o, r in zip(outputs, retrieve_s, strict=True)]
-        results[name] = _summary(args.dataset, questions, outputs, latencies)
+    outputs: dict[str, list[Any]] = {name: [] for name in methods}
+    # Interleaved: all methods on question i before question i+1, so load drift on a shared
+    # machine hits every method alike.
+    for q, q_docs in tqdm(list(zip(questions, docs, strict=True)), desc=args.dataset,
+                          disable=args.no_progress):
+        for name, (fn, k) in methods.items():
+            outputs[name].append(fn(q["question"], q_docs[:k]))
+    results: dict[str, MethodResult] = {}
+    for name, outs in outputs.items():
+        latencies = [o.stats.total_s + r for o, r in zip(outs, retrieve_s, strict=True)]
+        results[name] = _summary(args.dataset, questions, outs, latencies)
         logger.info("%s: accuracy %.3f, %.2f s/question", name, results[name].quality["accuracy"],
                     results[name].quality["latency_mean_s"])
     report = make_report(
@@ -265,8 +270,31 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["speedup"] = {m: round(base["wall_s"] / r["wall_s"], 3)
                              for m, r in report["methods"].items() if r["wall_s"] > 0}
     write_report(report, args.out)
-    plot_report(report, args.plot, value="wall_s")
+    plot_accuracy_latency(report, args.plot)
     return report
+
+
+def plot_accuracy_latency(report: dict[str, Any], out: str | Path | None) -> None:
+    """Scatter of accuracy vs mean latency per question, one labelled point per method."""
+    if out is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, r in report["methods"].items():
+        x, y = r["quality"]["latency_mean_s"], 100 * r["quality"]["accuracy"]
+        ax.scatter(x, y, color="tab:red" if name.startswith("specrag") else "tab:blue")
+        ax.annotate(name, (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+    ax.set_xlabel("latency per question (s)")
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(f"Speculative RAG on {report['dataset']} (n={report['n']})")
+    fig.tight_layout()
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,227 @@
+"""LoRA instruction tuning of the Speculative RAG drafter (the paper's "specialist RAG drafter").
+
+Recipe (reproducible, CPU, well under an hour)::
+
+    python -m shared_core.train_drafter --examples 400 --epochs 1 \\
+        --out shared_core/adapters/smollm2-135m-instruct-specrag
+
+Training pairs are (question, documents) -> (rationale, answer), formatted exactly as the engine's
+draft prompt (:func:`shared_core.engines.speculative_rag.draft_prompt`, prefilled with
+``Rationale:``), with the loss on the target tokens only:
+
+* **SQuAD** (``squad_expmrc``): questions of the six articles NOT in
+  :data:`shared_core.bench.specrag.SQUAD_EVAL_TITLES`; rationale = the human evidence sentence,
+  answer = the first gold answer; documents = the question's paragraph plus one distractor
+  paragraph of the same training articles.
+* **NQ** (``nq_open_oracle``): rows from :data:`shared_core.bench.specrag.NQ_EVAL_ROWS` on whose
+  gold passages are not gold passages of any evaluation row; rationale = the gold-passage sentence
+  containing the answer, answer = that answer string; documents = the gold passage plus one random
+  distractor passage.
+
+The split is by question id / article title and is written to ``split.json`` next to the adapter;
+the benchmark never evaluates on those questions. ``load_tuned_drafter("smollm2-135m-instruct+specrag")``
+loads the base model, applies the shipped adapter and merges it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import re
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shared_core.retrieval.base import Document
+
+if TYPE_CHECKING:
+    from shared_core.models import LM
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_ROOT = Path(__file__).resolve().parent / "adapters"
+ADAPTERS: dict[str, tuple[str, Path]] = {
+    "smollm2-135m-instruct+specrag": ("smollm2-135m-instruct",
+                                      ADAPTER_ROOT / "smollm2-135m-instruct-specrag"),
+}
+
+
+def load_tuned_drafter(name: str) -> LM:
+    """Base model + shipped LoRA adapter, merged (no peft wrapper left at inference)."""
+    if name not in ADAPTERS:
+        msg = f"drafter={name!r} has no tuned adapter; known: {', '.join(sorted(ADAPTERS))}"
+        raise ValueError(msg)
+    base, folder = ADAPTERS[name]
+    if not (folder / "adapter_config.json").is_file():
+        msg = (f"adapter for {name!r} is missing at {folder}; "
+               "train it with python -m shared_core.train_drafter")
+        raise ValueError(msg)
+    from peft import PeftModel
+
+    from shared_core.models import load_lm, wrap_lm
+
+    lm = load_lm(base)
+    model = PeftModel.from_pretrained(lm.model, str(folder)).merge_and_unload()
+    return wrap_lm(model, lm.tokenizer, name=name)
+
+
+# --------------------------------------------------------------------------- data
+
+
+def _sentence_with(text: str, answer: str) -> str | None:
+    for sentence in re.split(r"(?<=[.!?])\s+", text):
+        if answer.lower() in sentence.lower():
+            return sentence.strip()
+    return None
+
+
+def squad_examples(root: Path, rng: random.Random) -> list[dict[str, Any]]:
+    from shared_core.bench.common import read_jsonl
+    from shared_core.bench.specrag import SQUAD_EVAL_TITLES
+
+    corpus = {r["pid"]: r for r in read_jsonl(root / "squad_expmrc" / "corpus.jsonl")}
+    train = [r for r in read_jsonl(root / "squad_expmrc" / "questions.jsonl")
+             if r["title"] not in SQUAD_EVAL_TITLES and r["evidences"]]
+    pids = sorted({r["pid"] for r in train})
+    out = []
+    for r in train:
+        distractor = corpus[rng.choice([p for p in pids if p != r["pid"]])]
+        docs = [corpus[r["pid"]], distractor]
+        rng.shuffle(docs)
+        out.append({"id": r["id"], "question": r["question"], "answer": r["answers"][0],
+                    "rationale": r["evidences"][0],
+                    "docs": [Document(d["pid"], d["title"].replace("_", " ") + ": " + d["text"])
+                             for d in docs]})
+    return out
+
+
+def nq_examples(root: Path, rng: random.Random) -> list[dict[str, Any]]:
+    from shared_core.bench.common import read_jsonl
+    from shared_core.bench.specrag import NQ_EVAL_ROWS
+
+    corpus = {r["pid"]: r for r in read_jsonl(root / "nq_open_oracle" / "corpus.jsonl")}
+    rows = read_jsonl(root / "nq_open_oracle" / "questions.jsonl")
+    eval_pids = {p for r in rows[:NQ_EVAL_ROWS] for p in r["gold_pids"]}
+    all_pids = sorted(corpus)
+    out = []
+    for r in rows[NQ_EVAL_ROWS:]:
+        if set(r["gold_pids"]) & eval_pids:
+            continue
+        gold = corpus[r["gold_pids"][0]]
+        found = [(a, s) for a in r["answers"] if (s := _sentence_with(gold["text"], a))]
+        if not found:
+            continue
+        answer, sentence = found[0]
+        docs = [gold, corpus[rng.choice([p for p in all_pids if p not in eval_pids])]]
+        rng.shuffle(docs)
+        out.append({"id": r["qid"], "question": r["question"], "answer": answer,
+                    "rationale": sentence,
+                    "docs": [Document(d["pid"], f"{d['title']}: {d['text']}") for d in docs]})
+    return out
+
+
+def build_examples(root: Path, n: int, seed: int) -> list[dict[str, Any]]:
+    """n training examples, half SQuAD half NQ (as available), shuffled with ``seed``."""
+    rng = random.Random(seed)
+    squad, nq = squad_examples(root, rng), nq_examples(root, rng)
+    rng.shuffle(squad)
+    rng.shuffle(nq)
+    half = min(n // 2, len(squad))
+    examples = squad[:half] + nq[: n - half]
+    rng.shuffle(examples)
+    return examples
+
+
+def encode_example(lm: LM, ex: dict[str, Any], max_len: int) -> tuple[list[int], list[int]]:
+    """(input ids, labels) with the loss on the drafted target only."""
+    from shared_core.engines.speculative_rag import draft_prompt
+
+    prompt = draft_prompt(lm, ex["question"], ex["docs"])
+    target = lm.encode(f" {ex['rationale']}\nAnswer: {ex['answer']}\n")
+    ids = (prompt + target)[-max_len:]
+    labels = ([-100] * len(prompt) + target)[-max_len:]
+    return ids, labels
+
+
+# --------------------------------------------------------------------------- training
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+    from peft import LoraConfig, get_peft_model
+
+    from shared_core.bench.common import data_dir
+    from shared_core.models import load_lm
+
+    torch.manual_seed(args.seed)
+    root = args.data_dir or data_dir()
+    lm = load_lm(args.base)
+    examples = build_examples(root, args.examples, args.seed)
+    encoded = [encode_example(lm, ex, args.max_len) for ex in examples]
+    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.05,
+                      target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
+    model = get_peft_model(lm.model, lora)
+    model.train()
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+    steps = args.epochs * ((len(encoded) + args.batch_size - 1) // args.batch_size)
+    sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1 - s / max(1, steps))
+    start, step, losses = time.perf_counter(), 0, []
+    for _ in range(args.epochs):
+        random.Random(args.seed + step).shuffle(encoded)
+        for i in range(0, len(encoded), args.batch_size):
+            loss = _step(model, encoded[i:i + args.batch_size], lm.tokenizer.pad_token_id or 0)
+            loss.backward()
+            optim.step()
+            sched.step()
+            optim.zero_grad()
+            losses.append(float(loss))
+            step += 1
+            if step % 10 == 0:
+                logger.info("step %d/%d loss %.3f (%.0f s)", step, steps,
+                            sum(losses[-10:]) / len(losses[-10:]), time.perf_counter() - start)
+    out = Path(args.out)
+    model.save_pretrained(out)
+    info = {"base": args.base, "examples": len(encoded), "steps": steps, "epochs": args.epochs,
+            "rank": args.rank, "lr": args.lr, "seed": args.seed, "train_s": time.perf_counter() - start,
+            "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
+            "train_ids": sorted(ex["id"] for ex in examples)}
+    (out / "split.json").write_text(json.dumps(info, indent=1))
+    logger.info("saved adapter to %s after %.0f s", out, info["train_s"])
+    return info
+
+
+def _step(model: Any, batch: list[tuple[list[int], list[int]]], pad_id: int) -> Any:
+    import torch
+
+    width = max(len(ids) for ids, _ in batch)
+    ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    labels = torch.full((len(batch), width), -100, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, (x, y) in enumerate(batch):  # right padding
+        ids[row, :len(x)] = torch.tensor(x)
+        labels[row, :len(y)] = torch.tensor(y)
+        mask[row, :len(x)] = 1
+    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="LoRA-tune the Speculative RAG drafter")
+    parser.add_argument("--base", default="smollm2-135m-instruct")
+    parser.add_argument("--examples", type=int, default=400)
+    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--rank", type=int, default=8)
+    parser.add_argument("--max-len", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--data-dir", type=Path, default=None)
+    parser.add_argument("--out", default=str(ADAPTERS["smollm2-135m-instruct+specrag"][1]))
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    train(args)
+
+
+if __name__ == "__main__":
+    main()
