@@ -1,0 +1,83 @@
+"""SpeculativeLLM contract on the tiny in-process model."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+
+from llamaindex_specrag.llms.speculative import SpeculativeLLM
+from shared_core.engines.baseline import autoregressive_generate
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_target):
+    return SpeculativeLLM(lm=tiny_target, model="tiny", max_new_tokens=12,
+                          engine_options={"use_trigger": False})
+
+
+PROMPT = "0 1 2 3 4 5 6 7"
+
+
+def test_complete_equals_reference(llm, tiny_target):
+    ref = autoregressive_generate(tiny_target, [{"role": "user", "content": PROMPT}], 12)
+    out = llm.complete(PROMPT)
+    assert out.text == ref.text
+    assert out.raw["completion_tokens"] == len(ref.token_ids)
+    assert out.additional_kwargs["speculative_stats"]["new_tokens"] == len(ref.token_ids)
+    raw_ref = autoregressive_generate(tiny_target, PROMPT, 12)
+    assert llm.complete(PROMPT, formatted=True).text == raw_ref.text
+
+
+def test_stream_complete_is_cumulative(llm):
+    parts = list(llm.stream_complete(PROMPT))
+    assert "".join(p.delta for p in parts) == parts[-1].text == llm.complete(PROMPT).text
+    assert all(parts[i].text.startswith(parts[i - 1].text) for i in range(1, len(parts)))
+    assert parts[-1].raw is not None
+
+
+def test_chat_uses_the_chat_template(llm, tiny_target):
+    messages = [ChatMessage(role=MessageRole.SYSTEM, content="brief"),
+                ChatMessage(role=MessageRole.USER, content=PROMPT)]
+    ref = autoregressive_generate(tiny_target, [{"role": "system", "content": "brief"},
+                                                {"role": "user", "content": PROMPT}], 12)
+    out = llm.chat(messages)
+    assert out.message.content == ref.text and out.message.role == MessageRole.ASSISTANT
+    streamed = list(llm.stream_chat(messages))
+    assert streamed[-1].message.content == ref.text
+    assert "".join(r.delta or "" for r in streamed) == ref.text
+
+
+async def test_async_variants(llm):
+    text = llm.complete(PROMPT).text
+    assert (await llm.acomplete(PROMPT)).text == text
+    parts = [p async for p in await llm.astream_complete(PROMPT)]
+    assert parts[-1].text == text
+    msg = [ChatMessage(role=MessageRole.USER, content=PROMPT)]
+    assert (await llm.achat(msg)).message.content == text
+    chunks = [c async for c in await llm.astream_chat(msg)]
+    assert chunks[-1].message.content == text
+    both = await asyncio.gather(llm.acomplete(PROMPT), llm.acomplete(PROMPT))
+    assert {b.text for b in both} == {text}
+
+
+def test_metadata_and_options(llm, tiny_target):
+    meta = llm.metadata
+    assert meta.context_window == tiny_target.max_context and meta.num_output == 12
+    assert meta.is_chat_model and meta.model_name == "tiny"
+    ref = autoregressive_generate(tiny_target, [{"role": "user", "content": PROMPT}], 4,
+                                  stop=None)
+    assert llm.complete(PROMPT, engine="autoregressive", max_new_tokens=4).text == ref.text
+    with pytest.raises(ValueError, match="engine"):
+        SpeculativeLLM(engine="nope")
+    assert SpeculativeLLM.class_name() == "SpeculativeLLM"
