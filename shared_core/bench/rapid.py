@@ -63,6 +63,7 @@ class Method:
     name: str
     method: str
     eta: float = 0.0
+    gamma: int | None = None  # None = the decoder's config
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -74,7 +75,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", default="1024,2048,4096,7900", help="sweep context tokens")
     parser.add_argument("--sweep-rag", default="512,512,1024,2048",
                         help="drafter retrieval tokens per sweep length")
-    parser.add_argument("--sweep-prompts", type=int, default=3)
+    parser.add_argument("--sweep-prompts", type=int, default=2)
+    parser.add_argument("--sweep-gammas", default="10,4", help="γ values of the sweep's rapid")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=None)
@@ -225,7 +227,8 @@ def evaluate(decoder: Any, items: list[Item], methods: list[Method], max_new_tok
     stats: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
     texts: dict[str, list[str]] = {m.name: [] for m in methods}
     for m in methods:  # warm-up (not timed)
-        decoder.generate(items[0].context, items[0].query, 4, method=m.method, eta=m.eta)
+        decoder.generate(items[0].context, items[0].query, 4, method=m.method, eta=m.eta,
+                         gamma=m.gamma)
     context_prefill_s, loaded = 0.0, None
     for item in tqdm(items, desc="questions", disable=not progress):
         if item.context != loaded:
@@ -234,7 +237,7 @@ def evaluate(decoder: Any, items: list[Item], methods: list[Method], max_new_tok
         for m in methods:
             start = time.perf_counter()
             out = decoder.generate(item.context, item.query, max_new_tokens, method=m.method,
-                                   eta=m.eta)
+                                   eta=m.eta, gamma=m.gamma)
             results[m.name].wall_s += time.perf_counter() - start
             results[m.name].new_tokens += len(out.token_ids)
             results[m.name].outputs.append(out.token_ids)
@@ -301,7 +304,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.data_dir) if args.data_dir else data_dir()
     lm, embedder = _load(args)
     etas = _floats(args.etas)[:1]
-    methods = _methods(etas, with_rag=False)
+    methods = [Method("long_context", "long_context"), Method("sd", "sd")]
+    methods += [Method(f"rapid_eta{etas[0]:g}_g{g}", "rapid", etas[0], g)
+                for g in _ints(args.sweep_gammas)]
     all_results: dict[str, MethodResult] = {}
     rows: list[dict[str, Any]] = []
     for length, rag in zip(_ints(args.lengths), _ints(args.sweep_rag), strict=True):

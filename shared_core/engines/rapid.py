@@ -347,15 +347,16 @@ class RapidDecoder:
     # ------------------------------------------------------------------ generation
 
     def stream(self, context: str, query: str, max_new_tokens: int = 256, *, method: str = "rapid",
-               eta: float | None = None, stop: Sequence[str] | str | None = None,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None) -> TokenStream:
+               eta: float | None = None, gamma: int | None = None,
+               stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None) -> TokenStream:
         """Answer ``query`` over ``context`` as a stream of text deltas.
 
         Args:
             method: ``"rapid"`` (η = ``eta`` or the config's), ``"sd"`` (η = 0, lossless),
                 ``"long_context"`` (target alone) or ``"rag"`` (target on the retrieved context).
             eta: per-call override of ``config.eta`` (``method="rapid"`` only).
+            gamma: per-call override of ``config.gamma`` (draft tokens per round).
         """
         if method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
@@ -364,11 +365,12 @@ class RapidDecoder:
         if not (math.isfinite(eta) and eta >= 0):
             msg = f"eta must be a finite number >= 0, got {eta}"
             raise ValueError(msg)
+        config = self.config if gamma is None else dataclasses.replace(self.config, gamma=gamma)
         gen = GenerationConfig.build(max_new_tokens, stop=stop, temperature=temperature,
                                      top_k=top_k, top_p=top_p, seed=seed)
         prompt = self.prepare(context, query, max_new_tokens)
         self._close_active()
-        self._active = self._start(method, 0.0 if method == "sd" else eta, prompt, gen)
+        self._active = self._start(method, 0.0 if method == "sd" else eta, prompt, gen, config)
         return self._active
 
     def generate(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
@@ -391,12 +393,12 @@ class RapidDecoder:
         """Baseline: naive speculative decoding with the RAG drafter (η = 0, lossless)."""
         return self.generate(context, query, max_new_tokens, method="sd", **options)
 
-    def _start(self, method: str, eta: float, prompt: RapidPrompt, gen: GenerationConfig
-               ) -> TokenStream:
+    def _start(self, method: str, eta: float, prompt: RapidPrompt, gen: GenerationConfig,
+               config: RapidConfig) -> TokenStream:
         ids, session = ((prompt.rag_ids, self._rag_session) if method == "rag"
                         else (prompt.target_ids, self._target_session))
         run = _CachedRun(self.lm, ids, gen, session)
-        run.stats.extra.update(self._prompt_stats(method, eta, prompt))
+        run.stats.extra.update(_prompt_stats(method, eta, config.gamma, prompt))
         if method in ("long_context", "rag"):
             return run.stream(_autoregressive_blocks)
         drafter, before = self.drafter, self.drafter.forwards
@@ -404,17 +406,8 @@ class RapidDecoder:
         def on_close(stats: DecodeStats) -> None:
             stats.draft_forwards = drafter.forwards - before
 
-        config = self.config
         return run.stream(lambda r: _rapid_blocks(r, drafter, prompt.draft_ids, eta, config),
                           on_close)
-
-    def _prompt_stats(self, method: str, eta: float, prompt: RapidPrompt) -> dict[str, Any]:
-        return {"method": method, "eta": eta if method == "rapid" else 0.0,
-                "gamma": self.config.gamma,
-                "context_tokens": prompt.context_tokens,
-                "retrieved_tokens": prompt.retrieved_tokens,
-                "retrieved_chunks": list(prompt.retrieved_chunks), "truncated": prompt.truncated,
-                "retrieval_s": round(prompt.retrieval_s, 4)}
 
     def _close_active(self) -> None:
         """The sessions are shared: an unfinished previous stream is closed (with a warning)."""
@@ -425,6 +418,14 @@ class RapidDecoder:
 
 
 # ---------------------------------------------------------------------------- helpers
+
+
+def _prompt_stats(method: str, eta: float, gamma: int, prompt: RapidPrompt) -> dict[str, Any]:
+    return {"method": method, "eta": eta if method == "rapid" else 0.0,
+            "gamma": gamma if method in ("rapid", "sd") else 0,
+            "context_tokens": prompt.context_tokens, "retrieved_tokens": prompt.retrieved_tokens,
+            "retrieved_chunks": list(prompt.retrieved_chunks), "truncated": prompt.truncated,
+            "retrieval_s": round(prompt.retrieval_s, 4)}
 
 
 def _check_text(value: Any, name: str) -> None:
