@@ -219,6 +219,7 @@ class RapidDecoder:
         self._embedder_spec = embedder
         self._embedder: Any = None if isinstance(embedder, str) else embedder
         self._indexes: OrderedDict[str, _IndexedContext] = OrderedDict()
+        self._encoded: OrderedDict[str, tuple[list[int], list[int]]] = OrderedDict()
         self._active: TokenStream | None = None
         self._target_parts = _chat_parts(lm)
         self._draft_parts = _chat_parts(self.draft_lm)
@@ -232,6 +233,20 @@ class RapidDecoder:
 
             self._embedder = load_embedder(self._embedder_spec)
         return self._embedder
+
+    def _encode_context(self, context: str) -> tuple[list[int], list[int]]:
+        """(context ids, target prompt prefix ids up to the end of the context), cached."""
+        key = hashlib.sha256(context.encode("utf-8")).hexdigest()
+        if key in self._encoded:
+            self._encoded.move_to_end(key)
+            return self._encoded[key]
+        head, _ = self._target_parts
+        entry = (self.lm.encode(context),
+                 self.lm.encode(head + self.config.context_template.format(context=context)))
+        self._encoded[key] = entry
+        if len(self._encoded) > _INDEX_CACHE_SIZE:
+            self._encoded.popitem(last=False)
+        return entry
 
     def _index(self, context: str) -> _IndexedContext:
         """Chunks + dense index of a context, cached by the text's digest (small LRU)."""
@@ -289,8 +304,7 @@ class RapidDecoder:
         head, tail = self._target_parts
         query_ids = self.lm.encode(self.config.query_template.format(query=query) + tail)
         context, truncated = self._fit_context(context, query_ids, max_new_tokens)
-        target_ids = self.lm.encode(head + self.config.context_template.format(context=context))
-        target_ids += query_ids
+        target_ids = self._encode_context(context)[1] + query_ids
         d_head, d_tail = self._draft_parts
         d_query = self.draft_lm.encode(self.config.query_template.format(query=query) + d_tail)
         reserved = len(d_query) + len(self.draft_lm.encode(d_head)) + max_new_tokens + 64
@@ -314,7 +328,7 @@ class RapidDecoder:
         head, _ = self._target_parts
         overhead = len(self.lm.encode(head + self.config.context_template.format(context="")))
         room = self.lm.max_context - overhead - len(query_ids) - max_new_tokens
-        ids = self.lm.encode(context)
+        ids = self._encode_context(context)[0]
         if len(ids) <= room:
             return context, False
         if self.config.truncate != "middle" or room < 16:
@@ -336,8 +350,7 @@ class RapidDecoder:
         """
         _check_text(context, "context")
         context, _ = self._fit_context(context, [], 1)
-        head, _ = self._target_parts
-        ids = self.lm.encode(head + self.config.context_template.format(context=context))
+        ids = self._encode_context(context)[1]
         self._close_active()
         start = time.perf_counter()
         with torch.inference_mode():
