@@ -1,0 +1,193 @@
+"""RaLMSpec benchmark: RaLMSeq vs RaLMSpec (base, +P, +S, +A, +PSA) per retriever, and KNN-LM.
+
+``python -m shared_core.bench ralmspec --limit 10 --max-new-tokens 32 --out r.json`` runs, on
+NQ-open questions with the ``nq_open_oracle`` corpus (2,600 real passages) and SmolLM2-135M:
+
+* retrievers: exact dense (faiss Flat over MiniLM vectors, padded with ``--pad`` random unit
+  vectors to reach Wikipedia-scale search latency; the gold passages are still the real ones,
+  padding vectors score ~0 against real queries), HNSW (padded with ``--hnsw-pad``), BM25 (the
+  real corpus plus ``--bm25-pad`` synthetic passages sampled from the corpus' word distribution,
+  which changes idf but keeps the real passages);
+* every method in the same process on the same questions after a warm-up question; outputs are
+  compared token for token with RaLMSeq; latency split into generation (LM forwards) and
+  blocking retrieval (query embedding, cache lookups, retriever calls, waits on verification).
+
+``--suite knnlm`` runs the KNN-LM comparison instead (see ``shared_core/engines/knnlm.py``).
+The host load average is recorded with each method because the machine may be shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import time
+from dataclasses import replace
+from typing import Any
+
+import numpy as np
+
+from shared_core.bench.common import MethodResult, data_dir, make_report, read_jsonl
+
+logger = logging.getLogger(__name__)
+
+ABLATION = {
+    "base": {"prefetch": False, "scheduler": False, "async_verify": False},
+    "+P": {"prefetch": True, "scheduler": False, "async_verify": False},
+    "+S": {"prefetch": False, "scheduler": True, "async_verify": False},
+    "+A": {"prefetch": False, "scheduler": False, "async_verify": True},
+    "+PSA": {"prefetch": True, "scheduler": True, "async_verify": True},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--suite", choices=("doc", "knnlm"), default="doc")
+    parser.add_argument("--limit", type=int, default=10, help="questions (after 1 warm-up)")
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--retrievers", default="exact,hnsw,bm25")
+    parser.add_argument("--methods", default="base,+P,+S,+A,+PSA")
+    parser.add_argument("--pad", type=int, default=1_000_000, help="exact index size target")
+    parser.add_argument("--hnsw-pad", type=int, default=100_000)
+    parser.add_argument("--hnsw-ef-construction", type=int, default=64)
+    parser.add_argument("--bm25-pad", type=int, default=0, help="synthetic BM25 passages")
+    parser.add_argument("--speculation-stride", type=int, default=3)
+    parser.add_argument("--prefetch-k", type=int, default=20)
+    parser.add_argument("--knn-k", default="1,16,256,1024")
+    parser.add_argument("--knn-datastore-tokens", type=int, default=60_000)
+    parser.add_argument("--knn-pad", type=int, default=0)
+    parser.add_argument("--cache-dir", default=os.path.join(os.sep, "tmp", "specrag-ralmspec"))
+
+
+def _load(limit: int) -> tuple[list[Any], list[dict[str, Any]]]:
+    from shared_core.retrieval import Document
+
+    folder = data_dir() / "nq_open_oracle"
+    corpus = [Document(r["pid"], f"{r['title']}: {r['text']}")
+              for r in read_jsonl(folder / "corpus.jsonl")]
+    return corpus, read_jsonl(folder / "questions.jsonl", limit=limit + 1)
+
+
+def _doc_vectors(retriever: Any, corpus: list[Any], cache_dir: str) -> np.ndarray:
+    path = os.path.join(cache_dir, f"minilm-{len(corpus)}.npy")
+    if os.path.exists(path):
+        return np.load(path)
+    vectors = retriever.embed_documents([d.text for d in corpus])
+    os.makedirs(cache_dir, exist_ok=True)
+    np.save(path, vectors)
+    return vectors
+
+
+def _synthetic_docs(corpus: list[Any], n: int, seed: int = 0) -> list[Any]:
+    from shared_core.retrieval import Document
+
+    words = " ".join(d.text for d in corpus).split()
+    rng = np.random.default_rng(seed)
+    picks = rng.integers(0, len(words), size=(n, 100))
+    return [Document(f"syn-{i}", " ".join(words[j] for j in row)) for i, row in enumerate(picks)]
+
+
+def build_retriever(kind: str, corpus: list[Any], args: argparse.Namespace) -> tuple[Any, str]:
+    """One retriever and a sentence saying exactly how it was built."""
+    from shared_core.models import load_embedder
+    from shared_core.retrieval import BM25Retriever, DenseRetriever
+
+    if kind == "bm25":
+        bm25 = BM25Retriever()
+        pad = _synthetic_docs(corpus, args.bm25_pad) if args.bm25_pad else []
+        bm25.add(corpus + pad)
+        return bm25, f"BM25 (bm25s lucene) over {len(corpus)} passages + {len(pad)} synthetic"
+    embedder = load_embedder("all-minilm-l6-v2")
+    if kind == "exact":
+        dense = DenseRetriever(embedder, index="exact")
+        target = args.pad
+    else:
+        dense = DenseRetriever(embedder, index="hnsw", ef_construction=args.hnsw_ef_construction)
+        target = args.hnsw_pad
+    dense.add(corpus, vectors=_doc_vectors(dense, corpus, args.cache_dir))
+    dense.add_padding(max(0, target - len(corpus)))
+    return dense, (f"faiss {'IndexFlatIP' if kind == 'exact' else 'IndexHNSWFlat'} over "
+                   f"{len(corpus)} MiniLM passage vectors + {dense.num_padding} random unit "
+                   f"padding vectors ({dense.ntotal} total)")
+
+
+def _load_avg() -> float:
+    return round(os.getloadavg()[0], 2)
+
+
+def _run_method(fn: Any, questions: list[str]) -> MethodResult:
+    result = MethodResult()
+    totals = {"retrieval_s": 0.0, "generation_s": 0.0, "retrieval_calls": 0, "rounds": 0,
+              "drafted": 0, "accepted": 0}
+    strides: list[int] = []
+    load = [_load_avg()]
+    for question in questions:
+        start = time.perf_counter()
+        out = fn(question)
+        result.wall_s += time.perf_counter() - start
+        result.new_tokens += len(out.token_ids)
+        result.outputs.append(out.token_ids)
+        extra = out.stats.extra
+        for key in ("retrieval_s", "generation_s", "retrieval_calls"):
+            totals[key] += extra.get(key, 0)
+        for key in ("rounds", "drafted", "accepted"):
+            totals[key] += getattr(out.stats, key)
+        strides += extra.get("strides", [])
+    load.append(_load_avg())
+    totals["mean_stride"] = round(sum(strides) / len(strides), 3) if strides else None
+    totals["speculation_accuracy"] = (round(totals["accepted"] / totals["drafted"], 3)
+                                      if totals["drafted"] else None)
+    totals["other_s"] = round(result.wall_s - totals["retrieval_s"] - totals["generation_s"], 4)
+    totals["load_avg_1m"] = load
+    result.stats = {k: round(v, 4) if isinstance(v, float) else v for k, v in totals.items()}
+    return result
+
+
+def run_doc(args: argparse.Namespace) -> dict[str, Any]:
+    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+    from shared_core.models import load_lm
+
+    lm = load_lm(args.model)
+    corpus, rows = _load(args.limit)
+    warmup, questions = rows[0]["question"], [r["question"] for r in rows[1:]]
+    base = RaLMSpecConfig(speculation_stride=args.speculation_stride, prefetch_k=args.prefetch_k)
+    methods: dict[str, MethodResult] = {}
+    setups: dict[str, str] = {}
+    speedup: dict[str, float] = {}
+    for kind in args.retrievers.split(","):
+        retriever, setups[kind] = build_retriever(kind, corpus, args)
+        logger.info("%s: %s", kind, setups[kind])
+        engines = {"RaLMSeq": RaLMSpec(lm, retriever, base)}
+        for name in args.methods.split(","):
+            engines[name] = RaLMSpec(lm, retriever, replace(base, **ABLATION[name]))
+        for name, engine in engines.items():
+            fn = engine.generate_baseline if name == "RaLMSeq" else engine.generate
+            fn(warmup, args.max_new_tokens)  # warm-up
+            methods[f"{kind}/{name}"] = _run_method(
+                lambda q, fn=fn: fn(q, args.max_new_tokens), questions)
+            logger.info("%s/%s: %.2f s", kind, name, methods[f"{kind}/{name}"].wall_s)
+        ref = methods[f"{kind}/RaLMSeq"].wall_s
+        for name in engines:
+            speedup[f"{kind}/{name}"] = round(ref / methods[f"{kind}/{name}"].wall_s, 3)
+        del retriever, engines
+    identical = {m: [f"{m.split('/')[0]}/RaLMSeq"] for m in methods if "RaLMSeq" not in m}
+    report = make_report(engine="ralmspec", dataset="nq_open_oracle", device=str(lm.device),
+                         models={"lm": lm.name, "embedder": "all-minilm-l6-v2"}, methods=methods,
+                         primary_baseline=f"{args.retrievers.split(',')[0]}/RaLMSeq",
+                         identical_to=identical,
+                         extra={"retrievers": setups, "questions": len(questions),
+                                "max_new_tokens": args.max_new_tokens,
+                                "config": {"retrieval_stride": base.retrieval_stride,
+                                           "speculation_stride": base.speculation_stride,
+                                           "prefetch_k": base.prefetch_k,
+                                           "window": base.window, "gamma_max": base.gamma_max}})
+    report["speedup"] = speedup  # each method against RaLMSeq on the same retriever
+    return report
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.suite == "knnlm":
+        from shared_core.engines.knnlm import run_benchmark
+
+        return run_benchmark(args)
+    return run_doc(args)

@@ -1,0 +1,412 @@
+"""KNN-LM serving (Khandelwal et al. 2020) and its RaLMSpec variant (Zhang et al. 2024, §5).
+
+The datastore maps the LM's own context representation (the final, normed hidden state at
+position t) to the token at t + 1, built from a text corpus. At every step the baseline
+retrieves the k nearest keys of the current hidden state (squared L2) and decodes from
+
+    p(y) = λ · p_kNN(y) + (1 - λ) · p_LM(y),   p_kNN(y) ∝ Σ_{i: v_i = y} exp(-d(h, k_i) / T)
+
+RaLMSpec's variant speculates from a per-request cache instead: every verified neighbour i brings
+in entries i + 1 … i + n (spatial locality: the corpus continues there, n = 10). After ``s``
+speculated tokens ONE batched search retrieves the true neighbours of the ``s`` hidden states;
+a step is correct when the token decoded from the true neighbours equals the speculated token
+("verification on the decoded token"), so the output equals the baseline's token for token.
+On a mismatch the KV session is rolled back to that position and the true token is used.
+
+Exact search is a blocked matrix product over all keys (``‖k‖² - 2 k·h``): one pass over the
+datastore answers a whole batch of queries, as a GPU exact search does. The top-k ids may differ
+between a batch and a single query only at exact distance ties; p_kNN is then recomputed from
+the returned ids with one canonical function, so equal neighbour sets give equal distributions.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from shared_core.config import GenerationConfig
+from shared_core.engines.baseline import Prompt, TokenStream, encode_prompt
+from shared_core.engines.ralmspec import OS3Scheduler
+from shared_core.kv import KVSession
+from shared_core.models import LM
+from shared_core.output import GenerationResult, OutputTracker, validate_prompt_ids
+from shared_core.stats import DecodeStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class KNNLMConfig:
+    """Interpolation, neighbours and RaLMSpec switches for KNN-LM serving."""
+
+    k: int = 16  # neighbours per retrieval (paper sweeps 1 ... 1024)
+    lmbda: float = 0.25  # λ, weight of the kNN distribution
+    temperature: float = 1.0  # T of p_kNN, in units of squared L2 distance
+    speculation_stride: int = 4  # s when the scheduler is off
+    max_speculation_stride: int = 16
+    scheduler: bool = True  # OS³
+    next_entries: int = 10  # n: datastore entries after each retrieved one go into the cache
+    window: int = 5
+    gamma_max: float = 0.6
+
+    def __post_init__(self) -> None:
+        checks = {"k": self.k >= 1, "lmbda": 0.0 <= self.lmbda <= 1.0,
+                  "temperature": self.temperature > 0,
+                  "speculation_stride": 1 <= self.speculation_stride
+                  <= self.max_speculation_stride,
+                  "next_entries": self.next_entries >= 0, "window": self.window >= 1,
+                  "gamma_max": 0.0 < self.gamma_max < 1.0}
+        for name, ok in checks.items():
+            if not ok:
+                msg = f"{name}={getattr(self, name)!r} is out of range"
+                raise ValueError(msg)
+
+
+def _final_norm(lm: LM) -> torch.nn.Module:
+    decoder = lm.model.get_decoder() if hasattr(lm.model, "get_decoder") else lm.model.model
+    for name in ("norm", "final_layernorm", "ln_f"):
+        if hasattr(decoder, name):
+            return getattr(decoder, name)
+    msg = f"cannot find the final norm of {type(lm.model).__name__} for KNN-LM keys"
+    raise TypeError(msg)
+
+
+@contextmanager
+def capture_hidden(lm: LM) -> Iterator[list[torch.Tensor]]:
+    """Collect the final normed hidden states ``[n, H]`` of every forward inside the block."""
+    captured: list[torch.Tensor] = []
+
+    def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> None:
+        captured.append(output[0].detach().float())
+
+    handle = _final_norm(lm).register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+class KNNDatastore:
+    """Keys ``[N, H]`` (float32 hidden states) and values ``[N]`` (next token ids), corpus order."""
+
+    def __init__(self, keys: np.ndarray, values: np.ndarray, block: int = 65_536):
+        if keys.ndim != 2 or values.shape != (keys.shape[0],):
+            msg = f"keys must be [N, H] and values [N], got {keys.shape} and {values.shape}"
+            raise ValueError(msg)
+        self.keys = np.ascontiguousarray(keys, dtype=np.float32)
+        self.values = np.asarray(values, dtype=np.int64)
+        self.norms = (self.keys.astype(np.float64) ** 2).sum(1).astype(np.float32)
+        self.block = block
+        self.searches = 0
+
+    def __len__(self) -> int:
+        return int(self.keys.shape[0])
+
+    @classmethod
+    @torch.inference_mode()
+    def build(cls, lm: LM, texts: Sequence[str], *, max_tokens: int | None = None,
+              window: int = 512) -> KNNDatastore:
+        """Run the LM over ``texts`` (windows of ``window`` tokens, no cache) and store
+        (hidden state at t, token t + 1) for every position."""
+        stream: list[int] = []
+        for text in texts:
+            stream += lm.encode(text) + sorted(lm.eos_token_ids)[:1]
+            if max_tokens is not None and len(stream) > max_tokens:
+                stream = stream[: max_tokens + 1]
+                break
+        keys, values = [], []
+        with capture_hidden(lm) as hidden:
+            for start in range(0, len(stream) - 1, window):
+                ids = stream[start : start + window + 1]
+                lm.model(input_ids=torch.tensor([ids[:-1]], device=lm.device), use_cache=False,
+                         logits_to_keep=1)
+                keys.append(hidden.pop().cpu().numpy())
+                values.append(np.asarray(ids[1:], dtype=np.int64))
+        logger.info("KNN-LM datastore: %d entries", len(stream) - 1)
+        return cls(np.concatenate(keys), np.concatenate(values))
+
+    def add_padding(self, n: int, seed: int = 0) -> None:
+        """Append ``n`` random keys (far from real ones, random values) to mimic a large store."""
+        rng = np.random.default_rng(seed)
+        scale = float(np.sqrt(self.norms.mean())) * 2
+        keys = rng.standard_normal((n, self.keys.shape[1]), dtype=np.float32)
+        keys *= scale / np.linalg.norm(keys, axis=1, keepdims=True)
+        values = rng.integers(0, int(self.values.max()) + 1, size=n)
+        self.__init__(np.concatenate([self.keys, keys]), np.concatenate([self.values, values]),
+                      self.block)
+
+    def search(self, queries: np.ndarray, k: int) -> np.ndarray:
+        """Exact top-``k`` entry ids ``[n, k]`` by squared L2, one pass over the keys."""
+        queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.keys.shape[1])
+        k = min(k, len(self))
+        best_d = np.full((queries.shape[0], 0), np.inf, dtype=np.float32)
+        best_i = np.zeros((queries.shape[0], 0), dtype=np.int64)
+        for start in range(0, len(self), self.block):
+            keys = self.keys[start : start + self.block]
+            d = self.norms[start : start + self.block][None] - 2 * (queries @ keys.T)
+            d = np.concatenate([best_d, d], axis=1)
+            ids = np.concatenate([best_i, np.broadcast_to(
+                np.arange(start, start + keys.shape[0]), (queries.shape[0], keys.shape[0]))],
+                axis=1)
+            top = np.argpartition(d, k - 1, axis=1)[:, :k] if d.shape[1] > k else (
+                np.broadcast_to(np.arange(d.shape[1]), d.shape))
+            best_d = np.take_along_axis(d, top, 1)
+            best_i = np.take_along_axis(ids, top, 1)
+        self.searches += 1
+        return best_i
+
+    def search_among(self, query: np.ndarray, entries: np.ndarray, k: int) -> np.ndarray:
+        """Top-``k`` of the given entry ids (the local cache) by the same distance."""
+        d = self.norms[entries] - 2 * (self.keys[entries] @ query.astype(np.float32))
+        k = min(k, entries.shape[0])
+        top = np.argpartition(d, k - 1)[:k] if entries.shape[0] > k else np.arange(d.shape[0])
+        return entries[top]
+
+    def knn_probs(self, query: np.ndarray, ids: np.ndarray, vocab: int, temperature: float
+                  ) -> torch.Tensor:
+        """p_kNN ``[vocab]`` from neighbour ids (canonical: sorted ids, float64 distances)."""
+        ids = np.sort(ids)
+        diff = self.keys[ids].astype(np.float64) - query.astype(np.float64)[None]
+        logits = -(diff * diff).sum(1) / temperature
+        weights = np.exp(logits - logits.max())
+        probs = np.zeros(vocab, dtype=np.float64)
+        np.add.at(probs, self.values[ids], weights)
+        return torch.from_numpy(probs / probs.sum())
+
+
+# ----------------------------------------------------------------------------- decoding
+
+
+class _KNNRun:
+    """Per-call state: KV session with hidden-state capture, tracker, stats, timings."""
+
+    def __init__(self, lm: LM, store: KNNDatastore, prompt: Prompt, config: KNNLMConfig,
+                 generation: GenerationConfig):
+        if not generation.sampling.greedy:
+            msg = "KNN-LM serving supports greedy decoding only (temperature=0)"
+            raise ValueError(msg)
+        self.lm, self.store, self.config = lm, store, config
+        self.prompt_ids = encode_prompt(lm, prompt)
+        validate_prompt_ids(lm, self.prompt_ids, generation.max_new_tokens)
+        self.session = KVSession(lm)
+        self.tracker = OutputTracker(lm, generation)
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt_ids))
+        self.max_new_tokens = generation.max_new_tokens
+        self.generated: list[int] = []
+        self.retrieval_s = 0.0
+        self.retrieval_calls = 0
+
+    @property
+    def finished(self) -> bool:
+        g = self.generated
+        return len(g) >= self.max_new_tokens or bool(g and g[-1] in self.lm.eos_token_ids)
+
+    def forward(self, token: int, hidden: list[torch.Tensor]) -> tuple[torch.Tensor, np.ndarray]:
+        """Feed ``token``; return the LM's probabilities and the query hidden state."""
+        logits = self.session.extend([token])[-1]
+        self.stats.target_forwards += 1
+        return torch.softmax(logits.double(), -1), hidden.pop()[-1].cpu().numpy()
+
+    def choose(self, p_lm: torch.Tensor, query: np.ndarray, ids: np.ndarray) -> int:
+        p_knn = self.store.knn_probs(query, ids, p_lm.shape[-1], self.config.temperature)
+        lam = self.config.lmbda
+        return int((lam * p_knn + (1 - lam) * p_lm).argmax().item())  # kNN-LM interpolation
+
+    def search(self, queries: np.ndarray) -> np.ndarray:
+        start = time.perf_counter()
+        ids = self.store.search(queries, self.config.k)
+        self.retrieval_s += time.perf_counter() - start
+        self.retrieval_calls += 1
+        return ids
+
+    def stream(self, blocks: Iterator[list[int]]) -> TokenStream:
+        def close(stats: DecodeStats) -> None:
+            stats.extra.update(retrieval_s=round(self.retrieval_s, 4),
+                               retrieval_calls=self.retrieval_calls)
+
+        return TokenStream(blocks, self.tracker, self.stats, close)
+
+
+def _baseline_blocks(run: _KNNRun) -> Iterator[list[int]]:
+    """Retrieve at every token."""
+    with capture_hidden(run.lm) as hidden:
+        run.session.prefill(run.prompt_ids[:-1])
+        pending = run.prompt_ids[-1]
+        while not run.finished:
+            p_lm, query = run.forward(pending, hidden)
+            pending = run.choose(p_lm, query, run.search(query[None])[0])
+            run.generated.append(pending)
+            yield [pending]
+
+
+class _KNNSpeculator:
+    """Cache of datastore entries (+ the next n of each), speculation, batched verification."""
+
+    def __init__(self, run: _KNNRun):
+        self.run = run
+        config = run.config
+        self.cache = np.zeros(0, dtype=np.int64)
+        self.scheduler = OS3Scheduler(False, config.window, config.gamma_max,
+                                      config.max_speculation_stride)
+        self.stride = 1 if config.scheduler else config.speculation_stride
+        self.strides: list[int] = []
+        self.step_times: list[float] = []
+
+    def add(self, ids: np.ndarray) -> None:
+        n = self.run.config.next_entries
+        spread = (ids.reshape(-1, 1) + np.arange(n + 1)).ravel()
+        spread = spread[spread < len(self.run.store)]
+        self.cache = np.union1d(self.cache, spread)
+
+    def speculate(self, pending: int, hidden: list[torch.Tensor]
+                  ) -> tuple[np.ndarray, int, torch.Tensor]:
+        start = time.perf_counter()
+        p_lm, query = self.run.forward(pending, hidden)
+        lookup = time.perf_counter()
+        ids = self.run.store.search_among(query, self.cache, self.run.config.k)
+        self.run.retrieval_s += time.perf_counter() - lookup
+        token = self.run.choose(p_lm, query, ids)
+        self.step_times.append(time.perf_counter() - start)
+        return query, token, p_lm
+
+    def round(self, pending: int, hidden: list[torch.Tensor]) -> int:
+        run = self.run
+        base = len(run.session)  # the session holds prompt + generated[:-1]
+        start_len = len(run.generated)
+        # 1. speculate up to s tokens from the cache
+        queries, tokens, p_lms = [], [], []
+        while len(tokens) < self.stride and not run.finished:
+            query, token, p_lm = self.speculate(pending, hidden)
+            queries.append(query)
+            tokens.append(token)
+            p_lms.append(p_lm)
+            run.generated.append(token)
+            pending = token
+        a = sum(self.step_times[-len(tokens):]) / len(tokens)
+        # 2. verify: one batched exact search for the s hidden states
+        verify = time.perf_counter()
+        true_ids = run.search(np.stack(queries))
+        b = time.perf_counter() - verify
+        # 3. accept the speculated tokens that the true neighbours decode to as well
+        true_tokens = [run.choose(p, q, ids) for p, q, ids in
+                       zip(p_lms, queries, true_ids, strict=True)]
+        n_ok = next((i for i, (x, y) in enumerate(zip(tokens, true_tokens, strict=True))
+                     if x != y), len(tokens))
+        run.stats.record_round(len(tokens), n_ok)
+        for ids in true_ids[: n_ok + 1]:
+            self.add(ids)
+        # 4. roll back to the first mismatch: keep its input, replace its output
+        if n_ok < len(tokens):
+            run.session.rollback(base + n_ok + 1)
+            del run.generated[start_len + n_ok :]
+            run.generated.append(true_tokens[n_ok])
+        # 5. adapt
+        self.strides.append(len(tokens))
+        self.scheduler.observe(a, b, n_ok, int(n_ok < len(tokens)))
+        if run.config.scheduler:
+            self.stride = self.scheduler.next_stride()
+        return run.generated[-1]
+
+
+def _speculative_blocks(run: _KNNRun) -> Iterator[list[int]]:
+    spec = _KNNSpeculator(run)
+    with capture_hidden(run.lm) as hidden:
+        run.session.prefill(run.prompt_ids[:-1])
+        # first token: a normal retrieval that fills the cache
+        p_lm, query = run.forward(run.prompt_ids[-1], hidden)
+        ids = run.search(query[None])[0]
+        spec.add(ids)
+        pending = run.choose(p_lm, query, ids)
+        run.generated.append(pending)
+        committed = 0
+        try:
+            while True:
+                yield run.generated[committed:]
+                committed = len(run.generated)
+                if run.finished:
+                    return
+                pending = spec.round(pending, hidden)
+        finally:
+            run.stats.extra.update(strides=spec.strides, cache_size=int(spec.cache.size),
+                                   gamma_hat=spec.scheduler.gamma)
+
+
+def knnlm_generate(lm: LM, store: KNNDatastore, prompt: Prompt, max_new_tokens: int = 64, *,
+                   config: KNNLMConfig | None = None, speculative: bool = True,
+                   stop: Sequence[str] | str | None = None) -> GenerationResult:
+    """KNN-LM greedy decoding: RaLMSpec (``speculative=True``) or retrieval at every token."""
+    generation = GenerationConfig.build(max_new_tokens, stop=stop)
+    run = _KNNRun(lm, store, prompt, config or KNNLMConfig(), generation)
+    blocks = _speculative_blocks(run) if speculative else _baseline_blocks(run)
+    return run.stream(blocks).run()
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+
+def run_benchmark(args: Any) -> dict[str, Any]:
+    """``python -m shared_core.bench ralmspec --suite knnlm``: speed-up per k, identical tokens."""
+    import os
+
+    from shared_core.bench.common import MethodResult, data_dir, make_report, read_jsonl
+    from shared_core.models import load_lm
+
+    lm = load_lm(args.model)
+    folder = data_dir() / "nq_open_oracle"
+    corpus = [f"{r['title']}: {r['text']}" for r in read_jsonl(folder / "corpus.jsonl")]
+    path = os.path.join(args.cache_dir, f"knnlm-{args.knn_datastore_tokens}.npz")
+    if os.path.exists(path):
+        saved = np.load(path)
+        store = KNNDatastore(saved["keys"], saved["values"])
+    else:
+        store = KNNDatastore.build(lm, corpus, max_tokens=args.knn_datastore_tokens)
+        os.makedirs(args.cache_dir, exist_ok=True)
+        np.savez(path, keys=store.keys, values=store.values)
+    real = len(store)
+    if args.knn_pad:
+        store.add_padding(args.knn_pad)
+    rows = read_jsonl(folder / "questions.jsonl", limit=args.limit + 1)
+    prompts = [[{"role": "user", "content": r["question"]}] for r in rows]
+    methods: dict[str, MethodResult] = {}
+    speedup: dict[str, float] = {}
+    for k in (int(x) for x in args.knn_k.split(",")):
+        config = KNNLMConfig(k=k)
+        for name, speculative in (("baseline", False), ("RaLMSpec", True)):
+            knnlm_generate(lm, store, prompts[0], args.max_new_tokens, config=config,
+                           speculative=speculative)  # warm-up
+            result = MethodResult()
+            load = [round(os.getloadavg()[0], 2)]
+            extra = {"retrieval_s": 0.0, "retrieval_calls": 0, "drafted": 0, "accepted": 0}
+            for prompt in prompts[1:]:
+                start = time.perf_counter()
+                out = knnlm_generate(lm, store, prompt, args.max_new_tokens, config=config,
+                                     speculative=speculative)
+                result.wall_s += time.perf_counter() - start
+                result.new_tokens += len(out.token_ids)
+                result.outputs.append(out.token_ids)
+                extra["retrieval_s"] += out.stats.extra["retrieval_s"]
+                extra["retrieval_calls"] += out.stats.extra["retrieval_calls"]
+                extra["drafted"] += out.stats.drafted
+                extra["accepted"] += out.stats.accepted
+            load.append(round(os.getloadavg()[0], 2))
+            result.stats = {**extra, "load_avg_1m": load}
+            methods[f"k={k}/{name}"] = result
+        speedup[f"k={k}/RaLMSpec"] = round(methods[f"k={k}/baseline"].wall_s
+                                           / methods[f"k={k}/RaLMSpec"].wall_s, 3)
+    report = make_report(
+        engine="ralmspec-knnlm", dataset="nq_open_oracle", device=str(lm.device),
+        models={"lm": lm.name}, methods=methods, primary_baseline=next(iter(methods)),
+        identical_to={m: [m.replace("RaLMSpec", "baseline")] for m in methods
+                      if m.endswith("RaLMSpec")},
+        extra={"datastore": {"real_entries": real, "padding_entries": len(store) - real,
+                             "dim": int(store.keys.shape[1]),
+                             "search": "exact squared L2, blocked numpy matmul"}})
+    report["speedup"] = speedup
+    return report

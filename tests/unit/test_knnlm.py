@@ -1,0 +1,95 @@
+"""KNN-LM: RaLMSpec's speculative variant decodes exactly the per-token-retrieval baseline."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shared_core.engines.knnlm import KNNDatastore, KNNLMConfig, capture_hidden, knnlm_generate
+
+TEXTS = [
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+    "The quick brown fox jumps over the lazy dog.",
+    "Question: who wrote the report? Answer: the committee wrote the report.",
+    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
+] * 3
+PROMPTS = ["Paris is the", "who wrote the", "0 1 2 3"]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def store(tiny_target) -> KNNDatastore:
+    return KNNDatastore.build(tiny_target, TEXTS, window=32)
+
+
+def test_datastore_keys_are_hidden_states(tiny_target, store) -> None:
+    ids = tiny_target.encode(TEXTS[0])
+    with capture_hidden(tiny_target) as hidden:
+        tiny_target.model(input_ids=torch.tensor([ids]), use_cache=False)
+    assert np.allclose(store.keys[0], hidden[0][0].numpy(), atol=1e-5)
+    assert store.values[0] == ids[1]
+    assert len(store) == len(store.values)
+
+
+def test_exact_search_matches_brute_force(store) -> None:
+    rng = np.random.default_rng(0)
+    queries = store.keys[rng.integers(0, len(store), 5)] + 0.01
+    got = store.search(queries, 7)
+    d = ((store.keys[None] - queries[:, None]) ** 2).sum(-1)
+    want = np.argsort(d, axis=1)[:, :7]
+    for g, w, row in zip(got, want, d, strict=True):
+        assert np.allclose(np.sort(row[g]), np.sort(row[w]), atol=1e-3)
+    small = KNNDatastore(store.keys, store.values, block=16)  # blocked path
+    assert (np.sort(small.search(queries, 7), 1) == np.sort(got, 1)).all()
+
+
+@pytest.mark.parametrize("k", [1, 4, 64])
+@pytest.mark.parametrize("scheduler", [False, True])
+def test_speculative_equals_baseline(tiny_target, store, k: int, scheduler: bool) -> None:
+    config = KNNLMConfig(k=k, lmbda=0.6, temperature=5.0, scheduler=scheduler,
+                         speculation_stride=4)
+    for prompt in PROMPTS:
+        ref = knnlm_generate(tiny_target, store, prompt, 20, config=config, speculative=False)
+        out = knnlm_generate(tiny_target, store, prompt, 20, config=config)
+        assert out.token_ids == ref.token_ids
+        assert ref.stats.extra["retrieval_calls"] == len(ref.token_ids) or ref.stats.finish_reason
+
+
+def test_mismatches_happen_with_a_poor_cache(tiny_target, store) -> None:
+    config = KNNLMConfig(k=8, lmbda=0.9, temperature=1.0, next_entries=0, scheduler=False,
+                         speculation_stride=6)
+    out = knnlm_generate(tiny_target, store, PROMPTS[1], 24, config=config)
+    ref = knnlm_generate(tiny_target, store, PROMPTS[1], 24, config=config, speculative=False)
+    assert out.token_ids == ref.token_ids
+    assert 0 < out.stats.accepted < out.stats.drafted  # rollbacks exercised
+    assert out.stats.extra["retrieval_calls"] < ref.stats.extra[
+        "retrieval_calls"]
+
+
+def test_knn_probs_are_a_distribution(store) -> None:
+    p = store.knn_probs(store.keys[3], np.array([3, 5, 9]), 400, 1.0)
+    assert p.sum().item() == pytest.approx(1.0) and p[store.values[3]] > 0
+
+
+def test_bad_config() -> None:
+    with pytest.raises(ValueError, match="lmbda"):
+        KNNLMConfig(lmbda=1.5)
+    with pytest.raises(ValueError, match="k="):
+        KNNLMConfig(k=0)
+
+
+def test_sampling_is_refused(tiny_target, store) -> None:
+    from shared_core.config import GenerationConfig
+    from shared_core.engines.knnlm import _KNNRun
+
+    with pytest.raises(ValueError, match="greedy"):
+        _KNNRun(tiny_target, store, "x", KNNLMConfig(),
+                GenerationConfig.build(4, temperature=0.5))
