@@ -115,32 +115,51 @@ def _load_avg() -> float:
     return round(os.getloadavg()[0], 2)
 
 
-def _run_method(fn: Any, questions: list[str]) -> MethodResult:
-    result = MethodResult()
-    totals = {"retrieval_s": 0.0, "generation_s": 0.0, "retrieval_calls": 0, "rounds": 0,
-              "drafted": 0, "accepted": 0}
-    strides: list[int] = []
+class _Tally:
+    """Accumulates one method's results over the questions (methods interleave per question)."""
+
+    def __init__(self) -> None:
+        self.result = MethodResult()
+        self.totals: dict[str, Any] = {"retrieval_s": 0.0, "generation_s": 0.0,
+                                       "retrieval_calls": 0, "rounds": 0, "drafted": 0,
+                                       "accepted": 0}
+        self.strides: list[int] = []
+
+    def add(self, out: Any, wall_s: float) -> None:
+        self.result.wall_s += wall_s
+        self.result.new_tokens += len(out.token_ids)
+        self.result.outputs.append(out.token_ids)
+        for key in ("retrieval_s", "generation_s", "retrieval_calls"):
+            self.totals[key] += out.stats.extra.get(key, 0)
+        for key in ("rounds", "drafted", "accepted"):
+            self.totals[key] += getattr(out.stats, key)
+        self.strides += out.stats.extra.get("strides", [])
+
+    def finish(self, load: list[float]) -> MethodResult:
+        totals, strides = self.totals, self.strides
+        totals["mean_stride"] = round(sum(strides) / len(strides), 3) if strides else None
+        totals["plain_steps"] = strides.count(0)
+        totals["speculation_accuracy"] = (round(totals["accepted"] / totals["drafted"], 3)
+                                          if totals["drafted"] else None)
+        totals["other_s"] = self.result.wall_s - totals["retrieval_s"] - totals["generation_s"]
+        totals["load_avg_1m"] = load
+        self.result.stats = {k: round(v, 4) if isinstance(v, float) else v
+                             for k, v in totals.items()}
+        return self.result
+
+
+def _run_methods(engines: dict[str, Any], questions: list[str], max_new_tokens: int
+                 ) -> dict[str, MethodResult]:
+    """Every method on question 1, then on question 2, ... so load drift hits all alike."""
+    tallies = {name: _Tally() for name in engines}
     load = [_load_avg()]
     for question in questions:
-        start = time.perf_counter()
-        out = fn(question)
-        result.wall_s += time.perf_counter() - start
-        result.new_tokens += len(out.token_ids)
-        result.outputs.append(out.token_ids)
-        extra = out.stats.extra
-        for key in ("retrieval_s", "generation_s", "retrieval_calls"):
-            totals[key] += extra.get(key, 0)
-        for key in ("rounds", "drafted", "accepted"):
-            totals[key] += getattr(out.stats, key)
-        strides += extra.get("strides", [])
+        for name, fn in engines.items():
+            start = time.perf_counter()
+            out = fn(question, max_new_tokens)
+            tallies[name].add(out, time.perf_counter() - start)
     load.append(_load_avg())
-    totals["mean_stride"] = round(sum(strides) / len(strides), 3) if strides else None
-    totals["speculation_accuracy"] = (round(totals["accepted"] / totals["drafted"], 3)
-                                      if totals["drafted"] else None)
-    totals["other_s"] = round(result.wall_s - totals["retrieval_s"] - totals["generation_s"], 4)
-    totals["load_avg_1m"] = load
-    result.stats = {k: round(v, 4) if isinstance(v, float) else v for k, v in totals.items()}
-    return result
+    return {name: tally.finish(load) for name, tally in tallies.items()}
 
 
 def run_doc(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,15 +176,14 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     for kind in args.retrievers.split(","):
         retriever, setups[kind] = build_retriever(kind, corpus, args)
         logger.info("%s: %s", kind, setups[kind])
-        engines = {"RaLMSeq": RaLMSpec(lm, retriever, base)}
+        engines = {"RaLMSeq": RaLMSpec(lm, retriever, base).generate_baseline}
         for name in args.methods.split(","):
-            engines[name] = RaLMSpec(lm, retriever, replace(base, **ABLATION[name]))
-        for name, engine in engines.items():
-            fn = engine.generate_baseline if name == "RaLMSeq" else engine.generate
+            engines[name] = RaLMSpec(lm, retriever, replace(base, **ABLATION[name])).generate
+        for fn in engines.values():
             fn(warmup, args.max_new_tokens)  # warm-up
-            methods[f"{kind}/{name}"] = _run_method(
-                lambda q, fn=fn: fn(q, args.max_new_tokens), questions)
-            logger.info("%s/%s: %.2f s", kind, name, methods[f"{kind}/{name}"].wall_s)
+        for name, result in _run_methods(engines, questions, args.max_new_tokens).items():
+            methods[f"{kind}/{name}"] = result
+            logger.info("%s/%s: %.2f s", kind, name, result.wall_s)
         ref = methods[f"{kind}/RaLMSeq"].wall_s
         for name in engines:
             speedup[f"{kind}/{name}"] = round(ref / methods[f"{kind}/{name}"].wall_s, 3)
@@ -183,6 +201,35 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
                                            "window": base.window, "gamma_max": base.gamma_max}})
     report["speedup"] = speedup  # each method against RaLMSeq on the same retriever
     return report
+
+
+def plot(report: dict[str, Any], out: str) -> None:
+    """Stacked bars per method: generation, retrieval and other seconds, grouped by retriever."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(report["methods"])
+    stats = [report["methods"][m]["stats"] for m in names]
+    parts = [("generation_s", "generation (LM)"), ("retrieval_s", "blocking retrieval"),
+             ("other_s", "other")]
+    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.7), 4))
+    bottom = np.zeros(len(names))
+    for key, label in parts:
+        values = np.array([max(0.0, s.get(key, 0.0) or 0.0) for s in stats])
+        ax.bar(names, values, bottom=bottom, label=label)
+        bottom += values
+    for i, m in enumerate(names):
+        ax.text(i, bottom[i], f"{report['speedup'].get(m, 0):.2f}x", ha="center", va="bottom",
+                fontsize=7)
+    ax.set_ylabel("seconds (all questions)")
+    ax.set_title(f"{report['engine']}: n={report['n']}, {report.get('max_new_tokens')} new tokens")
+    ax.tick_params(axis="x", rotation=60)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -254,7 +254,7 @@ class _KNNSpeculator:
         config = run.config
         self.cache = np.zeros(0, dtype=np.int64)
         self.scheduler = OS3Scheduler(False, config.window, config.gamma_max,
-                                      config.max_speculation_stride)
+                                      config.max_speculation_stride, allow_plain=False)
         self.stride = 1 if config.scheduler else config.speculation_stride
         self.strides: list[int] = []
         self.step_times: list[float] = []
@@ -309,7 +309,7 @@ class _KNNSpeculator:
             run.generated.append(true_tokens[n_ok])
         # 5. adapt
         self.strides.append(len(tokens))
-        self.scheduler.observe(a, b, n_ok, int(n_ok < len(tokens)))
+        self.scheduler.observe(a, b, n_ok, int(n_ok < len(tokens)), len(tokens))
         if run.config.scheduler:
             self.stride = self.scheduler.next_stride()
         return run.generated[-1]

@@ -265,26 +265,36 @@ class OS3Scheduler:
     """Optimal speculation stride scheduler (RaLMSpec §4, OS³).
 
     Per round it observes ``a`` (latency of one speculation step), ``b`` (latency of the batched
-    verification) and how many speculated documents were correct before the first mismatch.
-    γ̂ is the maximum-likelihood estimate of a geometric success probability over the last
-    ``window`` rounds, γ̂ = Σ correct / (Σ correct + Σ mismatches), capped at ``gamma_max``.
-    The next stride maximises the expected number of verified documents per unit time:
+    verification of ``queries`` queries) and how many speculated documents were correct before
+    the first mismatch. γ̂ is the maximum-likelihood estimate of a geometric success probability
+    over the last ``window`` rounds, γ̂ = Σ correct / (Σ correct + Σ mismatches), capped at
+    ``gamma_max``. The next stride maximises the expected committed steps per unit time. With
+    E[steps] = (1 - γ^s) / (1 - γ) (the paper's expected verified documents per round):
 
-    - synchronous: E(s) = (1 - γ^s) / ((1 - γ) (s·a + b))
-    - asynchronous (one speculation step overlaps verification; when all s are correct that step
-      is carried into the next round, saving ``a``): E(s) = (1 - γ^s) / ((1 - γ)
-      (s·a + max(a, b) - γ^s·a)). This is our derivation of the paper's asynchronous case under
-      the same model (the paper's own formula was not available offline).
+    - synchronous: E[steps] / (s·a + b(s) + (1 - γ^s)·a)
+    - asynchronous (one extra speculation step overlaps verification; when all s are correct it
+      is carried into the next round, saving ``a``): E[steps] / (s·a + max(a, b(s))
+      + (1 - 2γ^s)·a)
+
+    Our model differs from the paper's expected-verified-documents-per-time objective in two
+    places, both measured to matter on a CPU: the ``(1 - γ^s)·a`` term charges the regeneration
+    of the mismatched step, and ``b(s) = b₀ + b₁·s`` is fitted over the window (faiss' flat search
+    costs ~linear in the batch on CPU, unlike a GPU). ``allow_plain`` adds the arm s = 0: a plain
+    RaLMSeq step (retrieve, then generate) at rate 1 / (a + b(1)), so a cheap retriever or a
+    useless cache never makes RaLMSpec slower than the baseline by more than the bookkeeping.
     """
 
     async_verify: bool
     window: int = 5
     gamma_max: float = 0.6
     max_stride: int = 8
-    _rounds: deque[tuple[float, float, int, int]] = field(default_factory=deque)
+    allow_plain: bool = True
+    _rounds: deque[tuple[float, float, int, int, int]] = field(default_factory=deque)
 
-    def observe(self, a: float, b: float, correct: int, mismatches: int) -> None:
-        self._rounds.append((a, b, correct, mismatches))
+    def observe(self, a: float, b: float, correct: int, mismatches: int,
+                queries: int | None = None) -> None:
+        """One round: step latency, verification latency, outcome, batch size of the verify."""
+        self._rounds.append((a, b, correct, mismatches, queries or correct + mismatches or 1))
         while len(self._rounds) > self.window:
             self._rounds.popleft()
 
@@ -294,20 +304,36 @@ class OS3Scheduler:
         total = correct + sum(r[3] for r in self._rounds)
         return min(self.gamma_max, correct / total) if total else self.gamma_max
 
+    def verify_cost(self) -> tuple[float, float]:
+        """``(b₀, b₁)`` of b(s) = b₀ + b₁·s by least squares (constant b when s never varied)."""
+        sizes = [r[4] for r in self._rounds]
+        costs = [r[1] for r in self._rounds]
+        mean_s, mean_b = sum(sizes) / len(sizes), sum(costs) / len(costs)
+        var = sum((x - mean_s) ** 2 for x in sizes)
+        if var == 0:
+            return mean_b, 0.0
+        slope = max(0.0, sum((x - mean_s) * (y - mean_b) for x, y in zip(sizes, costs,
+                                                                          strict=True)) / var)
+        return max(0.0, mean_b - slope * mean_s), slope
+
     def expected_rate(self, s: int, a: float, b: float, gamma: float) -> float:
-        verified = (1 - gamma**s) / (1 - gamma)
+        """Expected committed steps per second for stride ``s`` (s = 0: no speculation)."""
+        if s == 0:
+            return 1.0 / (a + b)
+        steps = (1 - gamma**s) / (1 - gamma)
         if self.async_verify:
-            return verified / (s * a + max(a, b) - gamma**s * a)
-        return verified / (s * a + b)
+            return steps / (s * a + max(a, b) + (1 - 2 * gamma**s) * a)
+        return steps / (s * a + b + (1 - gamma**s) * a)
 
     def next_stride(self) -> int:
         if not self._rounds:
             return 1  # the paper starts at s = 1
-        a = sum(r[0] for r in self._rounds) / len(self._rounds)
-        b = sum(r[1] for r in self._rounds) / len(self._rounds)
+        a = max(sum(r[0] for r in self._rounds) / len(self._rounds), 1e-9)
+        b0, b1 = self.verify_cost()
         gamma = self.gamma
-        rates = {s: self.expected_rate(s, max(a, 1e-9), b, gamma)
-                 for s in range(1, self.max_stride + 1)}
+        first = 0 if self.allow_plain else 1
+        rates = {s: self.expected_rate(s, a, b0 + b1 * max(s, 1), gamma)
+                 for s in range(first, self.max_stride + 1)}
         return max(rates, key=lambda s: (rates[s], -s))
 
 
@@ -530,6 +556,8 @@ class _Speculator:
     def round(self) -> list[int]:
         call, decoder = self.call, self.call.decoder
         s = self.stride
+        if s == 0 and not self.carried:
+            return self.plain_step()
         # 1. speculate s steps from the local cache (a step carried from async may open it)
         steps, self.carried = self.carried, []
         while len(steps) < s and not decoder.finished:
@@ -554,10 +582,29 @@ class _Speculator:
             end = len(decoder.generated)
         # 5. adapt the stride (OS³)
         self.strides.append(len(steps))
-        self.scheduler.observe(a, b, n_ok, int(n_ok < len(steps)))
+        self.scheduler.observe(a, b, n_ok, int(n_ok < len(steps)), len(steps))
         if call.config.scheduler:
             self.stride = self.scheduler.next_stride()
         return self._commit(end)
+
+    def plain_step(self) -> list[int]:
+        """OS³'s s = 0 arm: a RaLMSeq step. The cache's guess is still scored so γ̂ stays fresh."""
+        call, decoder = self.call, self.call.decoder
+        encoded = call.encode(call.prompt.query(decoder.generated))
+        guess = self.cache.top1(call.backend, encoded)
+        start = time.perf_counter()
+        hits = call.retrieve([encoded], call.config.verify_k)[0]
+        b = time.perf_counter() - start
+        self._update_cache(hits if call.config.prefetch else hits[:1])
+        call.doc_trace.append(hits[0].document.id)
+        start = time.perf_counter()
+        decoder.step(hits[0].document)
+        a = time.perf_counter() - start
+        hit = int(guess.id == hits[0].document.id)
+        self.strides.append(0)
+        self.scheduler.observe(a, b, hit, 1 - hit, 1)
+        self.stride = self.scheduler.next_stride()
+        return self._commit(len(decoder.generated))
 
     def _verify(self, steps: list[_Step]) -> tuple[list[list[Hit]], _Step | None, float]:
         call, decoder = self.call, self.call.decoder

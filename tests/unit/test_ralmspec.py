@@ -178,11 +178,27 @@ def test_os3_scheduler() -> None:
     cheap = OS3Scheduler(async_verify=False)
     for _ in range(5):
         cheap.observe(a=1.0, b=0.01, correct=0, mismatches=1)  # speculation always wrong
-    assert cheap.gamma == 0 and cheap.next_stride() == 1
+    assert cheap.gamma == 0 and cheap.next_stride() == 0  # plain RaLMSeq step wins
     # asynchronous formula: verification hidden behind one step favours shorter strides
     sync = OS3Scheduler(async_verify=False)
     asyn = OS3Scheduler(async_verify=True)
     assert asyn.expected_rate(1, 1.0, 1.0, 0.5) > sync.expected_rate(1, 1.0, 1.0, 0.5)
+
+
+def test_scheduler_falls_back_to_plain_steps_and_stays_exact(tiny_target) -> None:
+    config = RaLMSpecConfig(prefetch=False, async_verify=False, **SMALL)
+    out = RaLMSpec(tiny_target, HashRetriever(DOCS), config).generate(QUESTIONS[0], 40)
+    assert 0 in out.stats.extra["strides"]
+    ref = ralmseq_generate(tiny_target, HashRetriever(DOCS), QUESTIONS[0], 40, config=config)
+    assert out.token_ids == ref.token_ids
+
+
+def test_verify_cost_fit() -> None:
+    sched = OS3Scheduler(async_verify=False)
+    for s in (1, 2, 4):
+        sched.observe(a=0.1, b=0.5 * s, correct=s, mismatches=0, queries=s)
+    b0, b1 = sched.verify_cost()
+    assert b0 == pytest.approx(0.0, abs=1e-9) and b1 == pytest.approx(0.5)
 
 
 def test_lexical_rank_prefers_overlap_then_order() -> None:
