@@ -43,6 +43,7 @@ _INDEX_FILE = "index.faiss"
 _SLOTS_FILE = "slots.npy"
 _PAD_CHUNK = 100_000
 _GEMM_BLOCK = 131_072  # stored vectors per matrix product in the gemm search path
+_GEMM_QUERIES = 64  # queries per matrix product ([64, 131072] float32 scores = 32 MB)
 RESCORE_MARGIN = 8  # extra faiss candidates per query, re-ranked by exact float64 scores
 _PAIR_CHUNK = 8192  # (query, document) pairs per products array in _paired_scores
 
@@ -89,6 +90,20 @@ def _pair_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
     return flat.reshape(nq, n)
 
 
+def _blocked_top(queries: np.ndarray, stored: np.ndarray, n: int) -> np.ndarray:
+    """Positions ``[nq, n]`` of the best inner products, one matrix product per block."""
+    best_scores, best_positions = [], []
+    for start in range(0, stored.shape[0], _GEMM_BLOCK):
+        block = queries @ stored[start:start + _GEMM_BLOCK].T  # [nq, block]
+        kk = min(n, block.shape[1])
+        part = np.argpartition(-block, kk - 1, axis=1)[:, :kk]
+        best_scores.append(np.take_along_axis(block, part, axis=1))
+        best_positions.append(part + start)
+    scores, positions = np.concatenate(best_scores, 1), np.concatenate(best_positions, 1)
+    order = np.argsort(-scores, axis=1, kind="stable")[:, :n]
+    return np.take_along_axis(positions, order, 1)
+
+
 class DenseRetriever:
     """Cosine-similarity retrieval with faiss over an embedder's normalised vectors.
 
@@ -109,13 +124,16 @@ class DenseRetriever:
             alone; an integer sets it around each faiss call and restores it afterwards. On a
             busy host, ``1`` avoids OpenMP oversubscription (a batch of 8 queries on 2,600
             vectors took 29 ms with 2 threads vs 2 ms with 1 on a loaded 2-core machine).
-        gemm_min_batch: exact index only. ``None`` (default): faiss scores each query with its
-            own scan, so a query's hits do not depend on the batch it is searched in. An
-            integer: batches of at least this many queries are scored with one matrix product
-            (numpy BLAS, blocked) over the stored vectors, reading the index once per batch
-            instead of once per query (cheaper per query on large indexes); scores then differ
-            from faiss' by float rounding (~1e-7), so near-ties may rank differently between
-            single and batched search.
+        gemm_min_batch: exact index only. ``None`` (default): faiss finds candidates with
+            one scan per query. An integer: batches of at least this many queries find their
+            candidates with one blocked matrix product (numpy BLAS) over the stored vectors,
+            reading the index once per batch instead of once per query. Either way candidates
+            are re-ranked by :meth:`score`, so hits and scores are the same on both paths.
+
+    Ranking: faiss proposes ``k + RESCORE_MARGIN`` candidates per query in float32; the
+    returned hits are those candidates re-ranked by exact per-pair float64 cosines
+    (:meth:`score`), ties by index position. So a query gets the same hits alone or in any
+    batch, and ``score``/``search_subset`` on a local cache reproduce them bit for bit.
 
     Padding (``add_padding``) appends random unit vectors to the index to reach a realistic
     (Wikipedia-scale) index size for latency measurements. Padding vectors are ordinary index
@@ -402,16 +420,8 @@ class DenseRetriever:
 
         total, d = self.ntotal, self.dim or 0
         stored = faiss.rev_swig_ptr(self._index.get_xb(), total * d).reshape(total, d)
-        best_scores, best_positions = [], []
-        for start in range(0, total, _GEMM_BLOCK):
-            block = vectors @ stored[start:start + _GEMM_BLOCK].T  # [nq, block]
-            kk = min(n, block.shape[1])
-            part = np.argpartition(-block, kk - 1, axis=1)[:, :kk]
-            best_scores.append(np.take_along_axis(block, part, axis=1))
-            best_positions.append(part + start)
-        scores, positions = np.concatenate(best_scores, 1), np.concatenate(best_positions, 1)
-        order = np.argsort(-scores, axis=1, kind="stable")[:, :n]
-        return np.take_along_axis(positions, order, 1)
+        return np.concatenate([_blocked_top(vectors[i:i + _GEMM_QUERIES], stored, n)
+                               for i in range(0, vectors.shape[0], _GEMM_QUERIES)])
 
     def _ranked_hits(self, positions: np.ndarray, scores: np.ndarray, k: int) -> list[Hit]:
         """The ``k`` best of ``positions`` by score, ties by index position."""
