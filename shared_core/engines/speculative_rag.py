@@ -117,6 +117,7 @@ class SpeculativeRAGStats:
     docs_per_draft: int = 0
     cluster_sizes: list[int] = field(default_factory=list)
     relaxed_subsets: int = 0  # subsets that could not take one document per cluster
+    answer_continuations: int = 0  # drafts that needed a forced "Answer:" step
     parse_fallbacks: int = 0
     draft_prompt_tokens: int = 0
     draft_new_tokens: int = 0
@@ -457,10 +458,10 @@ def _stop_criteria(lm: LM, prompt_len: int, prefill: str, stop_on_answer_line: b
 
 def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    prefill: str = "", stop_on_answer_line: bool = True
-                   ) -> list[tuple[list[int], float]]:
-    """Greedy-generate all rows in ONE left-padded batch; per row (new ids, log P(new ids)).
+                   ) -> list[tuple[list[int], list[float]]]:
+    """Greedy-generate all rows in ONE left-padded batch; per row (new ids, log P of each).
 
-    The log-probability is the model's raw (unprocessed) distribution summed over the row's own
+    Log-probabilities come from the model's raw (unprocessed) distribution, for the row's own
     tokens up to and including its stop token.
     """
     import torch
@@ -482,7 +483,7 @@ def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int
     results = []
     for row in range(len(prompts)):
         n = lengths[row] if lengths[row] >= 0 else new.shape[1]
-        results.append((new[row, :n].tolist(), float(logp[row, :n].sum())))
+        results.append((new[row, :n].tolist(), logp[row, :n].tolist()))
     return results
 
 
@@ -699,22 +700,52 @@ class SpeculativeRAG:
     # -- 2. drafting
     def draft(self, question: str, docs: Sequence[Document], subsets: Sequence[tuple[int, ...]],
               stats: SpeculativeRAGStats) -> list[Draft]:
-        lm = self.drafter
+        """Batched drafting; rows that end without an ``Answer:`` line get one more batched step.
+
+        A small drafter often stops after its rationale. Those rows are continued with a forced
+        ``\nAnswer:`` (one batched generate over just those rows); ρ_draft then covers the
+        drafter's own rationale and answer tokens, not the forced marker or the dropped EOS.
+        """
+        lm, cfg = self.drafter, self.config
         prompts = [draft_prompt(lm, question, [docs[i] for i in s]) for s in subsets]
         for p in prompts:
-            _check_length(lm, p, self.config.max_draft_tokens, "a draft prompt")
-        outputs = generate_batch(lm, prompts, self.config.max_draft_tokens, prefill="Rationale:")
+            _check_length(lm, p, cfg.max_draft_tokens + cfg.max_answer_tokens, "a draft prompt")
+        rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill="Rationale:")
+        texts = ["Rationale:" + lm.decode(ids) for ids, _ in rows]
+        todo = [i for i, t in enumerate(texts) if not parse_draft(t)[2]]
+        if todo:
+            rows, texts = self._force_answers(prompts, rows, texts, todo)
+            stats.answer_continuations = len(todo)
         drafts = []
-        for subset, (ids, logp) in zip(subsets, outputs, strict=True):
-            raw = "Rationale:" + lm.decode(ids)
+        for subset, (ids, logps), raw in zip(subsets, rows, texts, strict=True):
             rationale, answer, ok = parse_draft(raw)
             stats.parse_fallbacks += not ok
             stats.draft_new_tokens += len(ids)
             drafts.append(Draft(answer=answer, rationale=rationale, raw=raw,
                                 doc_ids=tuple(docs[i].id for i in subset), doc_indices=subset,
-                                parsed=ok, log_draft=logp))
+                                parsed=ok, log_draft=sum(logps)))
         stats.draft_prompt_tokens = sum(len(p) for p in prompts)
         return drafts
+
+    def _force_answers(self, prompts: list[list[int]], rows: list[tuple[list[int], list[float]]],
+                       texts: list[str], todo: list[int]
+                       ) -> tuple[list[tuple[list[int], list[float]]], list[str]]:
+        lm = self.drafter
+        marker = lm.encode("\nAnswer:")
+        rows, texts = list(rows), list(texts)
+        kept = {}
+        for i in todo:
+            ids, logps = rows[i]
+            while ids and ids[-1] in lm.eos_token_ids:  # the drafter stopped: drop its EOS
+                ids, logps = ids[:-1], logps[:-1]
+            kept[i] = (ids, logps)
+        extra = generate_batch(lm, [prompts[i] + kept[i][0] + marker for i in todo],
+                               self.config.max_answer_tokens, prefill="Answer:")
+        for i, (ans_ids, ans_logps) in zip(todo, extra, strict=True):
+            ids, logps = kept[i]
+            rows[i] = (ids + ans_ids, logps + ans_logps)
+            texts[i] = "Rationale:" + lm.decode(ids).rstrip() + "\nAnswer:" + lm.decode(ans_ids)
+        return rows, texts
 
     # -- 3. verification + 4. selection
     def score(self, question: str, drafts: Sequence[Draft], stats: SpeculativeRAGStats
