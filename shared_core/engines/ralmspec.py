@@ -257,6 +257,63 @@ class LocalCache:
         return backend.rank(encoded, list(self.docs.values()))
 
 
+class SpeculativeRetrieval:
+    """RaLMSpec's cache + batched verification for any iterative caller (agents, FLARE chains).
+
+    ``retrieve(query)`` is exact (what the wrapped retriever returns, served from verified
+    results when that query was already verified); ``speculate(query)`` answers from the local
+    cache at once and queues the query; ``verify()`` checks every queued query with ONE batched
+    retriever call and says, per query, whether the speculated top-1 was right. A caller that
+    rolls back to its first wrong speculation and continues with ``retrieve`` gets the outputs it
+    would have had with plain retrieval (the RaLMSpec contract).
+    """
+
+    def __init__(self, retriever: Any, *, k: int = 4, prefetch_k: int = 20):
+        if k < 1 or prefetch_k < 1:
+            msg = f"k and prefetch_k must be >= 1, got k={k}, prefetch_k={prefetch_k}"
+            raise ValueError(msg)
+        self.backend = as_backend(retriever)
+        self.k = k
+        self.prefetch_k = max(k, prefetch_k)
+        self.cache = LocalCache()
+        self.verified: dict[str, list[Hit]] = {}
+        self.pending: list[tuple[str, Any, Document]] = []
+        self.calls = 0
+
+    def _search(self, queries: list[str], encoded: list[Any]) -> list[list[Hit]]:
+        hits = self.backend.search(encoded, self.prefetch_k)
+        self.calls += 1
+        for query, row in zip(queries, hits, strict=True):
+            self.verified[query] = row
+            self.cache.add(row)
+        return hits
+
+    def retrieve(self, query: str) -> list[Hit]:
+        """The wrapped retriever's top-k for ``query`` (exact)."""
+        if query not in self.verified:
+            self._search([query], [self.backend.encode(query)])
+        return self.verified[query][: self.k]
+
+    def speculate(self, query: str) -> list[Hit]:
+        """The cache's best document for ``query`` (exact results when already verified)."""
+        if query in self.verified or not len(self.cache):
+            return self.retrieve(query)
+        encoded = self.backend.encode(query)
+        doc = self.cache.top1(self.backend, encoded)
+        self.pending.append((query, encoded, doc))
+        return [Hit(doc, float("nan"), 0)]
+
+    def verify(self) -> list[bool]:
+        """One batched call for all queued speculations; True where the top-1 was right."""
+        if not self.pending:
+            return []
+        queries, encoded, docs = zip(*self.pending, strict=True)
+        self.pending = []
+        hits = self._search(list(queries), list(encoded))
+        return [bool(row) and row[0].document.id == doc.id
+                for row, doc in zip(hits, docs, strict=True)]
+
+
 # ----------------------------------------------------------------------------- OS³ scheduler
 
 
@@ -459,8 +516,15 @@ class _Call:
         self.tracker = OutputTracker(lm, generation)
         self.decoder = _Decoder(lm, self.prompt, generation, self.stats, config.cache)
         self.doc_trace: list[str] = []
+        self.used: dict[str, Document] = {}
         self.retrieval_s = 0.0
         self.retrieval_calls = 0
+
+    def use(self, docs: Sequence[Document]) -> None:
+        """Record the documents committed steps were generated under (in step order)."""
+        for doc in docs:
+            self.doc_trace.append(doc.id)
+            self.used.setdefault(doc.id, doc)
 
     def retrieve(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
         """A blocking retriever call, timed."""
@@ -483,7 +547,9 @@ class _Call:
         def close(stats: DecodeStats) -> None:
             stats.extra.update(
                 retrieval_s=round(self.retrieval_s, 4), retrieval_calls=self.retrieval_calls,
-                generation_s=round(self.decoder.lm_s, 4), doc_ids=list(self.doc_trace))
+                generation_s=round(self.decoder.lm_s, 4), doc_ids=list(self.doc_trace),
+                documents=[{"id": d.id, "text": d.text, "metadata": dict(d.metadata)}
+                           for d in self.used.values()])
 
         return TokenStream(blocks, self.tracker, self.stats, close)
 
@@ -497,7 +563,7 @@ def _ralmseq_blocks(call: _Call) -> Iterator[list[int]]:
     while not decoder.finished:
         query = call.prompt.query(decoder.generated)
         doc = call.retrieve([call.encode(query)], 1)[0][0].document
-        call.doc_trace.append(doc.id)
+        call.use([doc])
         start = len(decoder.generated)
         decoder.step(doc)
         yield decoder.generated[start:]
@@ -537,7 +603,7 @@ class _Speculator:
         hits = call.retrieve([call.encode(call.prompt.query(decoder.generated))],
                              call.config.verify_k)[0]
         self._update_cache(hits)
-        call.doc_trace.append(hits[0].document.id)
+        call.use([hits[0].document])
         decoder.step(hits[0].document)
         return self._commit(len(decoder.generated))
 
@@ -570,7 +636,7 @@ class _Speculator:
         n_ok = _accepted_steps(steps, true_hits)
         for hits in true_hits:
             self._update_cache(hits if call.config.prefetch else hits[:1])
-        call.doc_trace.extend(h[0].document.id for h in true_hits[: n_ok + 1])
+        call.use([h[0].document for h in true_hits[: n_ok + 1]])
         call.stats.record_round(len(steps), n_ok)
         # 4. commit, or roll back to the first mismatch and regenerate it with the true doc
         if n_ok == len(steps):
@@ -596,7 +662,7 @@ class _Speculator:
         hits = call.retrieve([encoded], call.config.verify_k)[0]
         b = time.perf_counter() - start
         self._update_cache(hits if call.config.prefetch else hits[:1])
-        call.doc_trace.append(hits[0].document.id)
+        call.use([hits[0].document])
         start = time.perf_counter()
         decoder.step(hits[0].document)
         a = time.perf_counter() - start

@@ -1,0 +1,135 @@
+"""``RaLMSpecRunnable``: iterative retrieval-augmented generation with RaLMSpec (adapter only).
+
+Input: a question string (or ``{"question": ...}``). Output: the answer string, or with
+``with_details=True`` a dict with the answer, the documents the answer was generated under, the
+per-step document ids and the engine stats. ``stream`` yields verified text deltas. The retriever
+is any LangChain ``BaseRetriever`` (queried with ``batch`` for verification) or a specrag
+retriever (``DenseRetriever`` / ``BM25Retriever``: cache ranked with their own metric).
+Output is identical to plain iterative retrieval (RaLMSeq) with the same retriever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import Any, TypedDict
+
+from langchain_core.documents import Document as LCDocument
+from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from pydantic import ConfigDict, Field, PrivateAttr
+
+
+class RaLMSpecInput(TypedDict):
+    question: str
+
+
+RaLMSpecOutput = str | dict[str, Any]
+
+
+def _question(value: Any) -> str:
+    if isinstance(value, dict) and "question" in value:
+        value = value["question"]
+    if not isinstance(value, str):
+        msg = "input must be a question string or a dict with a 'question' key"
+        raise TypeError(msg)
+    return value
+
+
+class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]):
+    """RaLMSpec (speculative retrieval + batched verification) as a Runnable.
+
+    Args:
+        retriever: any LangChain retriever or specrag retriever.
+        model: a :func:`shared_core.load_lm` alias or path (ignored when ``engine`` is given).
+        max_new_tokens / temperature / seed: generation settings.
+        retrieval_stride, speculation_stride, prefetch, scheduler, async_verify: RaLMSpec knobs.
+        baseline: run RaLMSeq instead (for comparisons).
+        engine: a prebuilt :class:`shared_core.engines.ralmspec.RaLMSpec` (shares its model).
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
+
+    retriever: Any = None
+    model: str = "smollm2-135m-instruct"
+    max_new_tokens: int = 128
+    temperature: float = 0.0
+    seed: int | None = None
+    retrieval_stride: int = 4
+    speculation_stride: int = 3
+    prefetch: bool = True
+    scheduler: bool = True
+    async_verify: bool = True
+    baseline: bool = False
+    with_details: bool = False
+    engine: Any = Field(default=None, exclude=True)
+    _engines: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
+
+    def _engine(self) -> Any:
+        from dataclasses import replace
+
+        from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+
+        knobs = {"retrieval_stride": self.retrieval_stride, "prefetch": self.prefetch,
+                 "speculation_stride": self.speculation_stride, "scheduler": self.scheduler,
+                 "async_verify": self.async_verify}
+        key = tuple(knobs.values())
+        if key not in self._engines:
+            if self.engine is not None:
+                self._engines[key] = RaLMSpec(self.engine.lm, self.engine.backend,
+                                              replace(self.engine.config, **knobs))
+            else:
+                if self.retriever is None:
+                    msg = "retriever is required (or pass a prebuilt engine)"
+                    raise ValueError(msg)
+                from shared_core.models import load_lm
+
+                self._engines[key] = RaLMSpec(load_lm(self.model), self.retriever,
+                                              RaLMSpecConfig(**knobs))
+        return self._engines[key]
+
+    def _stream(self, question: str) -> Any:
+        engine = self._engine()
+        start = engine.stream_baseline if self.baseline else engine.stream
+        return start(question, self.max_new_tokens, temperature=self.temperature, seed=self.seed)
+
+    def _output(self, result: Any) -> RaLMSpecOutput:
+        if not self.with_details:
+            return result.text
+        extra = result.stats.extra
+        docs = [LCDocument(page_content=d["text"], metadata=d["metadata"], id=d["id"])
+                for d in extra.get("documents", [])]
+        return {"answer": result.text, "documents": docs, "doc_ids": extra.get("doc_ids", []),
+                "token_ids": list(result.token_ids), "stats": result.stats.as_dict()}
+
+    def _run(self, value: Any) -> RaLMSpecOutput:
+        return self._output(self._stream(_question(value)).run())
+
+    def invoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
+               **kwargs: Any) -> RaLMSpecOutput:
+        return self._call_with_config(self._run, input, config, run_type="chain", **kwargs)
+
+    async def ainvoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
+                      **kwargs: Any) -> RaLMSpecOutput:
+        async def run(value: Any) -> RaLMSpecOutput:
+            return await asyncio.to_thread(self._run, value)
+
+        return await self._acall_with_config(run, input, config, run_type="chain", **kwargs)
+
+    def _deltas(self, inputs: Iterator[Any]) -> Iterator[str]:
+        for value in inputs:
+            yield from self._stream(_question(value))
+
+    def stream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
+               **kwargs: Any) -> Iterator[str]:
+        """Verified text deltas (the answer text, also when ``with_details`` is set)."""
+        yield from self._transform_stream_with_config(iter([input]), self._deltas, config,
+                                                      **kwargs)
+
+    async def astream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
+                      **kwargs: Any) -> AsyncIterator[str]:
+        stream = await asyncio.to_thread(self._stream, _question(input))
+        while True:
+            delta = await asyncio.to_thread(next, stream, None)
+            if delta is None:
+                return
+            yield delta

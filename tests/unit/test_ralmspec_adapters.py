@@ -1,0 +1,127 @@
+"""LangChain / LlamaIndex adapters of RaLMSpec: thin, exact, and torch-free at import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
+from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+
+TEXTS = ["Paris is the capital of France.", "Berlin is the capital of Germany.",
+         "The quick brown fox jumps over the lazy dog.",
+         "Question: who wrote the report? Answer: the committee wrote the report."]
+CONFIG = RaLMSpecConfig(max_doc_tokens=32, query_tokens=8, prefetch_k=3)
+
+
+def _ranked(query: str) -> list[int]:
+    """Deterministic, query-dependent order that changes often (forces mismatches)."""
+    return sorted(range(len(TEXTS)), key=lambda i: hash((len(query) % 5, i)) % 97)
+
+
+class LCRetriever(LCBaseRetriever):
+    calls: int = 0
+
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+                                ) -> list[LCDocument]:
+        self.calls += 1
+        return [LCDocument(page_content=TEXTS[i], id=f"t{i}") for i in _ranked(query)]
+
+
+class LIRetriever(LIBaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return [NodeWithScore(node=TextNode(text=TEXTS[i], id_=f"t{i}"), score=1.0 / (r + 1))
+                for r, i in enumerate(_ranked(query_bundle.query_str))]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("package", [
+    "langchain_specrag", "llamaindex_specrag", "langchain_specrag.runnables.ralmspec",
+    "langchain_specrag.retrievers.speculative", "llamaindex_specrag.retrievers.speculative",
+    "llamaindex_specrag.query_engines.ralmspec"])
+def test_import_leaves_torch_out(package: str) -> None:
+    code = f"import sys, {package}; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_runnable_equals_ralmseq(tiny_target) -> None:
+    from langchain_specrag import RaLMSpecRunnable
+
+    engine = RaLMSpec(tiny_target, LCRetriever(), CONFIG)
+    ref = engine.generate_baseline("who wrote the report?", 16)
+    runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=16)
+    assert runnable.invoke("who wrote the report?") == ref.text
+    assert "".join(runnable.stream({"question": "who wrote the report?"})) == ref.text
+    details = RaLMSpecRunnable(engine=engine, max_new_tokens=16, with_details=True,
+                               async_verify=False).invoke("who wrote the report?")
+    assert details["token_ids"] == ref.token_ids
+    assert details["documents"] and isinstance(details["documents"][0], LCDocument)
+    assert RaLMSpecRunnable(engine=engine, max_new_tokens=16, baseline=True).invoke(
+        "who wrote the report?") == ref.text
+    with pytest.raises(TypeError, match="question"):
+        runnable.invoke(3)  # type: ignore[arg-type]
+
+
+async def test_runnable_async(tiny_target) -> None:
+    from langchain_specrag import RaLMSpecRunnable
+
+    engine = RaLMSpec(tiny_target, LCRetriever(), CONFIG)
+    ref = engine.generate_baseline("capital of France?", 12).text
+    runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=12)
+    assert await runnable.ainvoke("capital of France?") == ref
+    assert "".join([d async for d in runnable.astream("capital of France?")]) == ref
+
+
+def test_langchain_speculative_retriever() -> None:
+    from langchain_specrag import SpeculativeRetriever
+
+    base = LCRetriever()
+    spec = SpeculativeRetriever(retriever=base, k=2)
+    plain = base.invoke("abc")
+    assert [d.page_content for d in spec.invoke("abc")] == [d.page_content for d in plain[:2]]
+    guesses = [spec.speculate(q) for q in ("abcd", "abcde", "abcdef")]
+    assert all(len(g) == 1 for g in guesses)
+    calls = base.calls
+    verdict = spec.verify()
+    assert base.calls - calls == 3 and len(verdict) == 3  # one batch() over three queries
+    truth = [base.invoke(q)[0].page_content for q in ("abcd", "abcde", "abcdef")]
+    assert verdict == [g[0].page_content == t for g, t in zip(guesses, truth, strict=True)]
+    calls = base.calls
+    assert spec.invoke("abcde")[0].page_content == truth[1] and base.calls == calls  # verified
+
+
+def test_llamaindex_speculative_retriever() -> None:
+    from llamaindex_specrag import SpeculativeRetriever
+
+    spec = SpeculativeRetriever(LIRetriever(), similarity_top_k=2)
+    nodes = spec.retrieve("abc")
+    assert [n.node.get_content() for n in nodes] == [TEXTS[i] for i in _ranked("abc")[:2]]
+    guess = spec.speculate("abcd")
+    assert guess[0].score is None
+    assert spec.verify() == [guess[0].node.node_id == f"t{_ranked('abcd')[0]}"]
+
+
+def test_query_engine_equals_ralmseq(tiny_target) -> None:
+    from llamaindex_specrag import RaLMSpecQueryEngine
+
+    engine = RaLMSpec(tiny_target, LIRetriever(), CONFIG)
+    ref = engine.generate_baseline("who wrote the report?", 16)
+    response = RaLMSpecQueryEngine(engine=engine, max_new_tokens=16).query(
+        "who wrote the report?")
+    assert response.response == ref.text
+    assert response.metadata["token_ids"] == ref.token_ids
+    assert response.source_nodes and response.metadata["stats"]["rounds"] >= 0
