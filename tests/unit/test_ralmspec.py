@@ -231,3 +231,26 @@ def test_no_tensors_in_results(tiny_target) -> None:
     out = RaLMSpec(tiny_target, HashRetriever(DOCS), CONFIGS["+PSA"]).generate(QUESTIONS[2], 12)
     values = list(out.stats.as_dict().values()) + list(out.stats.extra.values())
     assert not any(isinstance(v, torch.Tensor) for v in values)
+
+
+class _Constant:
+    def __init__(self, doc: Document):
+        self.doc = doc
+
+    def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        return [[Hit(self.doc, 1.0, 0)] for _ in queries]
+
+
+def test_fixed_document_equals_transformers_generate(tiny_target) -> None:
+    from shared_core.engines.baseline import autoregressive_generate
+    from shared_core.engines.ralmspec import RaLMPrompt
+
+    config = CONFIGS["+PSA"]
+    ids = RaLMPrompt(tiny_target, QUESTIONS[0], config).ids(DOCS[3], [])
+    out = RaLMSpec(tiny_target, _Constant(DOCS[3]), config).generate(QUESTIONS[0], 20)
+    with torch.inference_mode():
+        hf = tiny_target.model.generate(torch.tensor([ids]), max_new_tokens=20, do_sample=False)
+    want = hf[0, len(ids):].tolist()
+    eos = next((i for i, t in enumerate(want) if t in tiny_target.eos_token_ids), len(want))
+    assert out.token_ids == want[:eos]
+    assert out.token_ids == autoregressive_generate(tiny_target, ids, 20).token_ids
