@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -80,9 +81,10 @@ class ReSpecConfig:
     score_threshold: float = 0.1  # θ_score
     num_candidates: int = 3  # top candidates verified together as a tree
     max_positions: int = 64  # cap on end positions listed per key
-    init_draft_len: int = 8  # tokens per candidate at the start, then adapted
-    min_draft_len: int = 2
-    max_draft_len: int = 60  # SAM-Decoding's retrieval draft length
+    max_draft_len: int = 60  # SAM-Decoding's retrieval draft length (the cap; trimmed below)
+    token_cost: float = 0.1  # c: extra verified token / 1-token forward (prior; then measured)
+    measure_cost: bool = True  # refit c from timed forwards (seeded sampling then depends on
+    # timing through the draft lengths: set False for token-exact reruns of a seeded sample)
     max_tree_tokens: int = 64  # draft tokens per verification forward (after prefix merging)
     len_bias: int = 5  # static-corpus match length penalty (SAM-Decoding)
     # How: verification
@@ -93,8 +95,8 @@ class ReSpecConfig:
     max_relaxed: int = 1  # Φ relaxed tokens per round
     # Fallback when retrieval is not triggered
     fallback: Fallback = "auto"  # auto = draft model if given, else prompt lookup
-    fallback_draft_len: int = 4
-    max_backoff: int = 16  # plain rounds after repeated useless fallback drafts (cap)
+    fallback_draft_len: int = 4  # cap for the fallback drafter
+    fallback_recovery: float = 0.02  # per plain round, the fallback score drifts back to ema_init
     cache: CacheKind = "prealloc"
 
     def __post_init__(self) -> None:
@@ -108,8 +110,8 @@ class ReSpecConfig:
         _check(0 <= self.score_threshold <= 1, "score_threshold", "in [0, 1]", self.score_threshold)
         _check(self.num_candidates >= 1, "num_candidates", ">= 1", self.num_candidates)
         _check(self.max_positions >= 1, "max_positions", ">= 1", self.max_positions)
-        _check(1 <= self.min_draft_len <= self.init_draft_len <= self.max_draft_len,
-               "init_draft_len", "between min_draft_len and max_draft_len", self.init_draft_len)
+        _check(self.max_draft_len >= 1, "max_draft_len", ">= 1", self.max_draft_len)
+        _check(0 < self.token_cost < 1, "token_cost", "in (0, 1)", self.token_cost)
         _check(self.max_tree_tokens >= 1, "max_tree_tokens", ">= 1", self.max_tree_tokens)
         _check(self.len_bias >= 0, "len_bias", ">= 0", self.len_bias)
         _check(self.verification in ("strict", "relaxed"), "verification",
@@ -121,7 +123,8 @@ class ReSpecConfig:
         _check(self.fallback in ("auto", "model", "prompt_lookup", "none"), "fallback",
                "'auto', 'model', 'prompt_lookup' or 'none'", self.fallback)
         _check(self.fallback_draft_len >= 1, "fallback_draft_len", ">= 1", self.fallback_draft_len)
-        _check(self.max_backoff >= 0, "max_backoff", ">= 0", self.max_backoff)
+        _check(0 <= self.fallback_recovery <= 1, "fallback_recovery", "in [0, 1]",
+               self.fallback_recovery)
         _check(self.cache in ("prealloc", "dynamic"), "cache", "'prealloc' or 'dynamic'", self.cache)
 
 
@@ -167,6 +170,23 @@ def entropy_trigger(entropies: Sequence[float], *, lookback: int, lam: float,
     return min(costs)[1] <= threshold
 
 
+def best_draft_length(accept: float, token_cost: float, max_len: int) -> int:
+    """Draft length ``n`` maximising expected committed tokens per unit of verification cost.
+
+    With per-token acceptance ``a`` (here a candidate's EMA score) a draft of ``n`` commits
+    ``1 + a + ... + a^n`` tokens in expectation and costs ``1 + c n`` one-token forwards;
+    0 means drafting does not pay (``a <= c``). This is how draft lengths are trimmed.
+    """
+    best_n, best, gain, term = 0, 1.0, 1.0, 1.0
+    for n in range(1, max_len + 1):
+        term *= accept
+        gain += term
+        ratio = gain / (1 + token_cost * n)
+        if ratio > best:
+            best_n, best = n, ratio
+    return best_n
+
+
 def build_tree(candidates: Sequence[Candidate], max_tokens: int
                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Candidate, ...]]:
     """Merge candidates sharing a prefix into a trie of at most ``max_tokens`` nodes."""
@@ -200,6 +220,38 @@ def _entropies(logits: torch.Tensor) -> list[float]:
     return (-(logp.exp() * logp).sum(-1)).tolist()
 
 
+class CostModel:
+    """Verification cost ``t(n) = t0 + t1 n`` fitted by least squares on recent forwards.
+
+    ``token_cost`` is ``c = t1 / (t0 + t1)``: what one more drafted token costs relative to a
+    plain one-token step, on this machine and at this context length (the prior until the
+    forwards seen so far span at least two sizes).
+    """
+
+    def __init__(self, prior: float, window: int = 48):
+        self.prior = prior
+        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+
+    def add(self, n_tokens: int, seconds: float) -> None:
+        self.samples.append((n_tokens, seconds))
+
+    @property
+    def token_cost(self) -> float:
+        if len(self.samples) < 6:
+            return self.prior
+        ns = [n for n, _ in self.samples]
+        mean_n = sum(ns) / len(ns)
+        var = sum((n - mean_n) ** 2 for n in ns)
+        if var == 0:
+            return self.prior
+        mean_t = sum(t for _, t in self.samples) / len(ns)
+        t1 = sum((n - mean_n) * (t - mean_t) for n, t in self.samples) / var
+        t0 = mean_t - t1 * mean_n
+        if t0 + t1 <= 0:
+            return self.prior
+        return min(0.9, max(0.01, t1 / (t0 + t1)))
+
+
 @dataclass
 class _Counters:
     """Engine-specific counters, copied into ``DecodeStats.extra``."""
@@ -209,6 +261,7 @@ class _Counters:
     fallback_rounds: int = 0
     plain_rounds: int = 0
     relaxed_accepted: int = 0
+    token_cost: float = 0.0  # the measured c at the end
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def record(self, source: str, drafted: int, accepted: int) -> None:
@@ -222,7 +275,7 @@ class _Counters:
         stats.extra.update(dataclasses.asdict(self))
         stats.extra["trigger_rate"] = self.triggered / rounds
         stats.extra["retrieval_rate"] = self.retrieval_rounds / rounds
-        stats.extra["mat"] = stats.tokens_per_target_forward
+        stats.extra["token_cost"] = self.token_cost
 
 
 class _Request:
@@ -235,11 +288,10 @@ class _Request:
         self.static: StaticMatcher | None = static.matcher() if static is not None else None
         self.fed = 0  # context tokens fed to the matchers
         self.scores: dict[tuple[str, int], float] = {}
-        self.draft_len = config.init_draft_len
         self.entropies: deque[float] = deque(maxlen=config.lookback)
         self.fallback = fallback
-        self.backoff = 0  # plain rounds left before the fallback drafter is tried again
-        self.backoff_next = 1
+        self.fallback_score = config.ema_init  # EMA of the fallback drafter's accepted/drafted
+        self.cost = CostModel(config.token_cost)
         self.counters = _Counters()
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -264,17 +316,22 @@ class _Request:
         match, source = self.best_match()
         if match.length < cfg.min_match_len or not match.ends:
             return []
-        pool = [Candidate((match.source, end - self.fed), source.continuation(end, k))
-                for end in match.ends]
-        pool = [c for c in pool if c.tokens]
-        for c in pool:
-            self.scores.setdefault(c.key, cfg.ema_init)
+        keyed = [((match.source, end - self.fed), end) for end in match.ends]
+        for key, _ in keyed:
+            self.scores.setdefault(key, cfg.ema_init)
         if cfg.selection == "first":
-            return pool[:1]
-        pool = [c for c in pool if self.scores[c.key] >= cfg.score_threshold]
-        # best score first; ties go to the most recent occurrence
-        pool.sort(key=lambda c: (self.scores[c.key], c.key[1]), reverse=True)
-        return pool[: cfg.num_candidates]
+            keyed = keyed[:1]
+        else:
+            keyed = [x for x in keyed if self.scores[x[0]] >= cfg.score_threshold]
+            # best score first; ties go to the most recent occurrence
+            keyed.sort(key=lambda x: (self.scores[x[0]], x[0][1]), reverse=True)
+        pool = []
+        for key, end in keyed[: cfg.num_candidates]:
+            n = min(k, best_draft_length(self.scores[key], self.token_cost, cfg.max_draft_len))
+            tokens = source.continuation(end, n) if n else ()
+            if tokens:
+                pool.append(Candidate(key, tokens))
+        return pool
 
     def update_scores(self, draft: TreeDraft, accepted: tuple[int, ...]) -> None:
         """EMA feedback S <- (1 - α) S + α R; R = accepted/drafted for the winner, else 0."""
@@ -284,10 +341,6 @@ class _Request:
         for c in draft.candidates:
             reward = len(accepted) / len(c.tokens) if c is winner else 0.0
             self.scores[c.key] = (1 - alpha) * self.scores[c.key] + alpha * reward
-        full = winner is not None and len(accepted) == len(winner.tokens)
-        cfg = self.config
-        self.draft_len = (min(cfg.max_draft_len, 2 * self.draft_len) if full
-                          else max(cfg.min_draft_len, len(accepted) + 1))
 
     # -- when: trigger ----------------------------------------------------------------------
     def triggered(self) -> bool:
@@ -297,12 +350,20 @@ class _Request:
         return entropy_trigger(list(self.entropies), lookback=cfg.lookback,
                                lam=cfg.entropy_lambda, threshold=cfg.entropy_threshold)
 
+    @property
+    def token_cost(self) -> float:
+        return self.cost.token_cost if self.config.measure_cost else self.config.token_cost
+
+    def fallback_length(self, budget: int) -> int:
+        cfg = self.config
+        n = best_draft_length(self.fallback_score, self.token_cost, cfg.fallback_draft_len)
+        if n == 0:  # drafting does not pay now; drift back so it is tried again later
+            self.fallback_score += cfg.fallback_recovery * (cfg.ema_init - self.fallback_score)
+        return min(n, budget)
+
     def fallback_result(self, drafted: int, accepted: int) -> None:
-        if drafted and not accepted:
-            self.backoff = self.backoff_next
-            self.backoff_next = min(self.config.max_backoff, 2 * self.backoff_next)
-        elif accepted:
-            self.backoff_next = 1
+        alpha = self.config.ema_alpha
+        self.fallback_score = (1 - alpha) * self.fallback_score + alpha * accepted / drafted
 
 
 class ReSpecDecoder:
@@ -362,6 +423,7 @@ class ReSpecDecoder:
         def on_close(stats: DecodeStats) -> None:
             if isinstance(drafter, ModelDrafter):
                 stats.draft_forwards = drafter.forwards
+            request.counters.token_cost = request.token_cost
             request.counters.export(stats)
 
         return run.stream(lambda r: _respec_blocks(r, request), on_close)
@@ -398,11 +460,11 @@ def _respec_blocks(run: _Run, request: _Request) -> Iterator[list[int]]:
     request.add(run.prompt_ids)
     session = run.session
     while True:
-        budget = min(request.draft_len, run.tracker.remaining - 1)
+        budget = min(request.config.max_draft_len, run.tracker.remaining - 1)
         # 1. draft: retrieval when triggered, else the fallback drafter, else nothing
         draft = _draft(request, [*session.tokens, pending], budget)
         # 2. verify: one target forward over [pending, *tree]
-        logits = _verify_forward(run, pending, draft)
+        logits = _verify_forward(run, request, pending, draft)
         # 3. accept
         path, next_token = _accept(run, request, draft, logits)
         # 4. commit the accepted path, roll back the rest
@@ -425,23 +487,28 @@ def _draft(request: _Request, context: list[int], budget: int) -> TreeDraft:
         if candidates:
             tokens, parents, used = build_tree(candidates, request.config.max_tree_tokens)
             return TreeDraft(tokens, parents, "retrieval", used)
-    if request.fallback is None or request.backoff > 0:
-        request.backoff = max(0, request.backoff - 1)
+    n = request.fallback_length(budget) if request.fallback is not None else 0
+    if n == 0 or request.fallback is None:
         return NO_DRAFT
-    draft = request.fallback.propose(context, min(budget, request.config.fallback_draft_len))
+    draft = request.fallback.propose(context, n)
     if not draft.tokens:
         return NO_DRAFT
     chain = tuple(range(-1, len(draft) - 1))
     return TreeDraft(draft.tokens, chain, draft.source, linear=draft)
 
 
-def _verify_forward(run: _Run, pending: int, draft: TreeDraft) -> torch.Tensor:
+def _verify_forward(run: _Run, request: _Request, pending: int, draft: TreeDraft
+                    ) -> torch.Tensor:
     """``[n + 1, V]`` logits; row 0 follows ``pending``, row ``i + 1`` follows node ``i``."""
     run.stats.target_forwards += 1
+    start = time.perf_counter()
     if draft.is_chain:
-        return run.session.extend([pending, *draft.tokens])
-    parents = [-1, *(p + 1 for p in draft.parents)]
-    return run.session.extend_tree([pending, *draft.tokens], parents)
+        logits = run.session.extend([pending, *draft.tokens])
+    else:
+        parents = [-1, *(p + 1 for p in draft.parents)]
+        logits = run.session.extend_tree([pending, *draft.tokens], parents)
+    request.cost.add(len(draft.tokens) + 1, time.perf_counter() - start)
+    return logits
 
 
 def _accept(run: _Run, request: _Request, draft: TreeDraft, logits: torch.Tensor
