@@ -18,6 +18,7 @@ from langchain_core.vectorstores import InMemoryVectorStore
 
 from langchain_specrag import SpeculativeRAGRunnable
 from shared_core import load_embedder
+from shared_core.engines.speculative_rag import SpeculativeRAG
 
 PASSAGES = [
     "The Rhine is a river that rises in the Swiss Alps and flows into the North Sea.",
@@ -52,24 +53,24 @@ def main() -> None:
     store = InMemoryVectorStore.from_texts(PASSAGES, MiniLMEmbeddings())
     retriever = store.as_retriever(search_kwargs={"k": 10})
 
-    rag = SpeculativeRAGRunnable(retriever=retriever)  # m=5 drafts, k=2 docs each (paper)
+    engine = SpeculativeRAG()  # SmolLM2 drafter + Gemma verifier, loaded on first use
+    rag = SpeculativeRAGRunnable(retriever=retriever, engine=engine)  # m=5, k=2 (paper)
     chain = rag | RunnableLambda(lambda answer: f"=> {answer}")
     print(chain.invoke("Into which sea does the Rhine flow?"))
 
-    detailed = rag.with_config(run_name="specrag-details")
-    details = SpeculativeRAGRunnable(retriever=retriever, engine=rag._engine(),
-                                     with_details=True).invoke(
-        {"question": "Which river flows through Vienna?"})
+    detailed = SpeculativeRAGRunnable(retriever=retriever, engine=engine, with_details=True)
+    details = detailed.invoke({"question": "Which river flows through Vienna?"})
     print("answer:", details["answer"], "| rationale:", details["rationale"])
     for i, d in enumerate(details["drafts"]):
         print(f"  draft {i} docs={d['doc_ids']} score={d['score']:.2f} answer={d['answer']!r}")
     print("stats:", {k: details["stats"][k] for k in ("draft_s", "verify_s", "total_s")})
 
     async def progress() -> None:  # draft/verify progress arrives as custom events
-        async for event in detailed.astream_events("Where is Cologne Cathedral?", version="v2"):
+        named = rag.with_config(run_name="specrag")
+        async for event in named.astream_events("Where is Cologne Cathedral?", version="v2"):
             if event["event"] == "on_custom_event":
                 print("event:", event["name"], event["data"])
-            elif event["event"] == "on_chain_end" and event["name"] == "specrag-details":
+            elif event["event"] == "on_chain_end" and event["name"] == "specrag":
                 print("final:", event["data"]["output"])
 
     asyncio.run(progress())

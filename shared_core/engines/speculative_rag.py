@@ -84,6 +84,7 @@ class SpeculativeRAGConfig:
     use_self_contain: bool = True  # ρ_SC
     use_self_reflect: bool = True  # ρ_SR
     selection: Selection = "score"  # "random" ignores all scores (ablation)
+    force_answer_line: bool = False  # continue drafts that stop without "Answer:" (2nd generate)
     embed_instruction: str = EMBED_INSTRUCTION  # {question} is filled in
     kmeans_iters: int = 25
     seed: int = 1399
@@ -361,6 +362,7 @@ _ANSWER_LINE_DONE = re.compile(r"\banswer\s*(?:is)?\s*[:：][^\n]*\S[^\n]*\n", r
 
 
 def _clean_answer(text: str) -> str:
+    text = re.sub(r"^\s*(?:the\s+)?answer\s+is\s*[:：]?", "", text, flags=re.IGNORECASE)
     text = text.strip().strip("\"'“”*").strip()
     return text.rstrip(".").strip()
 
@@ -700,11 +702,13 @@ class SpeculativeRAG:
     # -- 2. drafting
     def draft(self, question: str, docs: Sequence[Document], subsets: Sequence[tuple[int, ...]],
               stats: SpeculativeRAGStats) -> list[Draft]:
-        """Batched drafting; rows that end without an ``Answer:`` line get one more batched step.
+        """Batched drafting of (rationale, answer) for every subset in one generate.
 
-        A small drafter often stops after its rationale. Those rows are continued with a forced
-        ``\nAnswer:`` (one batched generate over just those rows); ρ_draft then covers the
-        drafter's own rationale and answer tokens, not the forced marker or the dropped EOS.
+        A small drafter often stops after its rationale. With ``force_answer_line`` those rows
+        are continued with a forced ``\nAnswer:`` (one more batched generate over just those
+        rows; ρ_draft then covers the drafter's own tokens, not the forced marker or the dropped
+        EOS). Off by default: on SmolLM2-135M it doubled drafting time and the forced answers
+        mostly restated the rationale, so parse fallback (c) is used instead.
         """
         lm, cfg = self.drafter, self.config
         prompts = [draft_prompt(lm, question, [docs[i] for i in s]) for s in subsets]
@@ -713,7 +717,7 @@ class SpeculativeRAG:
         rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill="Rationale:")
         texts = ["Rationale:" + lm.decode(ids) for ids, _ in rows]
         todo = [i for i, t in enumerate(texts) if not parse_draft(t)[2]]
-        if todo:
+        if todo and cfg.force_answer_line:
             rows, texts = self._force_answers(prompts, rows, texts, todo)
             stats.answer_continuations = len(todo)
         drafts = []

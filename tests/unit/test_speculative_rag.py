@@ -154,7 +154,7 @@ def test_batched_verifier_scores_equal_per_draft_and_full_softmax(verifier):
 
 
 def test_answer_returns_every_draft_with_three_scores(drafter, verifier):
-    result = engine(drafter, verifier).answer("capital of France?", DOCS)
+    result = engine(drafter, verifier, force_answer_line=True).answer("capital of France?", DOCS)
     assert len(result.drafts) == 3 and result.text == result.drafts[result.best].answer
     for d in result.drafts:
         assert None not in (d.log_self_contain, d.log_self_reflect)
