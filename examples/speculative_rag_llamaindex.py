@@ -12,6 +12,7 @@ Run: python examples/speculative_rag_llamaindex.py   (first run dequantizes Gemm
 from __future__ import annotations
 
 import asyncio
+from functools import lru_cache
 
 from llama_index.core import Document, Settings, VectorStoreIndex
 from llama_index.core.embeddings import BaseEmbedding
@@ -34,12 +35,16 @@ PASSAGES = [
 ]
 
 
+@lru_cache(maxsize=1)
+def minilm():
+    return load_embedder("all-minilm-l6-v2")
+
+
 class MiniLMEmbedding(BaseEmbedding):
     """LlamaIndex embedding over the embedded, offline all-MiniLM-L6-v2."""
 
     def _encode(self, texts: list[str]) -> list[list[float]]:
-        model = load_embedder("all-minilm-l6-v2")
-        return model.encode(texts, normalize_embeddings=True).tolist()
+        return minilm().encode(texts, normalize_embeddings=True).tolist()
 
     def _get_query_embedding(self, query: str) -> list[float]:
         return self._encode([query])[0]
