@@ -22,6 +22,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -51,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="OpenMP threads for faiss (default: faiss' own setting)")
     parser.add_argument("--latency-threads", default="1,2",
                         help="comma-separated faiss thread counts for the padded latency runs")
+    parser.add_argument("--vectors-cache", default=None,
+                        help="folder for the passage/question embeddings (.npy): reused when "
+                             "present, so reruns skip embedding (embed times are then null)")
     parser.add_argument("--progress", action="store_true", help="show progress bars")
 
 
@@ -99,6 +103,24 @@ def _latency(search: Callable[[list[Any]], Any], pool: Sequence[Any], batch: int
             "per_query_speedup": round(t1 / (tb / batch), 3)}
 
 
+def _embed(args: argparse.Namespace, what: str, n: int, fn: Callable[[], np.ndarray]
+           ) -> tuple[np.ndarray, float | None]:
+    """Embeddings from ``--vectors-cache`` if present, else computed (and cached) and timed."""
+    path = None
+    if args.vectors_cache:
+        name = f"nq_open_oracle-{what}-{n}-{args.embedder.replace('/', '_')}.npy"
+        path = Path(args.vectors_cache) / name
+        if path.is_file():
+            logger.info("reusing %s embeddings from %s", what, path)
+            return np.load(path, allow_pickle=False), None
+    vectors, seconds = _timed(fn)
+    logger.info("embedded %d %s in %.1f s", n, what, seconds)
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, vectors, allow_pickle=False)
+    return vectors, round(seconds, 3)
+
+
 def _dense_methods(args: argparse.Namespace, corpus: list[Document],
                    questions: list[dict[str, Any]], embedder: Any
                    ) -> tuple[dict[str, Any], DenseRetriever, np.ndarray]:
@@ -106,18 +128,18 @@ def _dense_methods(args: argparse.Namespace, corpus: list[Document],
                     "ef_search": args.ef_search, "num_threads": args.faiss_threads,
                     "show_progress": args.progress}
     exact = DenseRetriever(embedder, index="exact", **dense_kwargs)
-    doc_vectors, embed_s = _timed(lambda: exact.embed_documents([d.text for d in corpus]))
-    query_vectors, query_s = _timed(lambda: exact.embed_queries([q["question"] for q in questions]))
-    logger.info("embedded %d passages in %.1f s and %d questions in %.1f s", len(corpus),
-                embed_s, len(questions), query_s)
+    doc_vectors, embed_s = _embed(args, "passages", len(corpus),
+                                  lambda: exact.embed_documents([d.text for d in corpus]))
+    query_vectors, query_s = _embed(args, "questions", len(questions),
+                                    lambda: exact.embed_queries([q["question"] for q in questions]))
     methods: dict[str, Any] = {}
     retrievers = {"exact": exact,
                   "hnsw": DenseRetriever(embedder, index="hnsw", **dense_kwargs)}
     for name, retriever in retrievers.items():
         _, build_s = _timed(lambda r=retriever: r.add(corpus, vectors=doc_vectors))
         results, search_s = _timed(lambda r=retriever: r.search_vectors(query_vectors, k=5))
-        methods[name] = {**_recall(results, questions), "embed_docs_s": round(embed_s, 3),
-                         "build_s": round(build_s, 4), "embed_queries_s": round(query_s, 3),
+        methods[name] = {**_recall(results, questions), "embed_docs_s": embed_s,
+                         "build_s": round(build_s, 4), "embed_queries_s": query_s,
                          "search_all_s": round(search_s, 4)}
         logger.info("%s: %s", name, methods[name])
     top1 = [[h.document.id for h in hits[:1]] for hits in
@@ -158,7 +180,7 @@ def _padded_latency(args: argparse.Namespace, exact: DenseRetriever, query_vecto
     out: dict[str, Any] = {"ntotal": exact.ntotal, "dim": exact.dim, "padding_vectors": pad,
                            "pad_s": round(pad_s, 2)}
     default_threads = exact.num_threads
-    for threads in (int(t) for t in args.latency_threads.split(",") if t.strip()):
+    for threads in _latency_threads(args):
         exact.num_threads = threads
         for gemm in (None, 2):
             exact.gemm_min_batch = gemm
@@ -183,23 +205,33 @@ def _padded_latency(args: argparse.Namespace, exact: DenseRetriever, query_vecto
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.models import load_embedder
 
+    report: dict[str, Any] = {
+        "engine": "retrieval", "dataset": "nq_open_oracle", "device": "cpu",
+        "threads": _threads(), "cpu_count": os.cpu_count(),
+        "models": {"embedder": args.embedder}, "host": platform.node(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        "load_avg_before": [round(x, 2) for x in os.getloadavg()],
+    }
     corpus, questions = _load_nq(args.limit, args.passages)
+    report.update(n=len(questions), n_passages=len(corpus))
     embedder = load_embedder(args.embedder)
     methods, exact, query_vectors = _dense_methods(args, corpus, questions, embedder)
     methods["bm25"], _ = _bm25_method(corpus, questions, args.batch, args.repeats)
-    methods["exact"]["latency"] = {
-        "search_vectors": _vector_latency(exact, query_vectors, args.batch, args.repeats)}
-    report: dict[str, Any] = {
-        "engine": "retrieval", "dataset": "nq_open_oracle", "n": len(questions),
-        "n_passages": len(corpus), "device": "cpu", "threads": _threads(),
-        "models": {"embedder": args.embedder}, "host": platform.node(),
-        "load_avg_before": [round(x, 2) for x in os.getloadavg()],
-        "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "retrievers": methods,
-    }
+    methods["exact"]["latency"] = {}
+    for threads in _latency_threads(args):
+        exact.num_threads = threads
+        methods["exact"]["latency"][f"search_vectors_faiss{threads}t"] = _vector_latency(
+            exact, query_vectors, args.batch, args.repeats)
+    exact.num_threads = args.faiss_threads
+    report["retrievers"] = methods
     if args.pad_to > 0:
         report["exact_padded"] = _padded_latency(args, exact, query_vectors, questions)
     report["load_avg_after"] = [round(x, 2) for x in os.getloadavg()]
     return report
+
+
+def _latency_threads(args: argparse.Namespace) -> list[int]:
+    return [int(t) for t in args.latency_threads.split(",") if t.strip()]
 
 
 def _threads() -> dict[str, int]:
