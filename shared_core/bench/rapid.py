@@ -235,6 +235,7 @@ def evaluate(decoder: Any, items: list[Item], methods: list[Method], max_new_tok
             context_prefill_s += decoder.load_context(item.context)
             loaded = item.context
         for m in methods:
+            decoder.forget_queries()  # each method pays its own query + retrieved-context prefill
             start = time.perf_counter()
             out = decoder.generate(item.context, item.query, max_new_tokens, method=m.method,
                                    eta=m.eta, gamma=m.gamma)

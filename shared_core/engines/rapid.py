@@ -357,6 +357,16 @@ class RapidDecoder:
             self._target_session.prefill(self._target_session.sync(ids))
         return time.perf_counter() - start
 
+    def forget_queries(self) -> None:
+        """Drop cached query/answer tokens: the target keeps only its context prefix, the
+        drafter (and RAG baseline) session is emptied. Benchmarks call this so that every
+        method pays its own query and retrieved-context prefill."""
+        self._close_active()
+        kept = [k for k in self._encoded.values() if self._target_session.tokens[: len(k[1])] == k[1]]
+        self._target_session.rollback(len(kept[-1][1]) if kept else 0)
+        self.drafter.session.rollback(0)
+        self._rag_session.rollback(0)
+
     # ------------------------------------------------------------------ generation
 
     def stream(self, context: str, query: str, max_new_tokens: int = 256, *, method: str = "rapid",

@@ -213,6 +213,11 @@ def test_context_cache_skips_the_prefill(tiny_target):
     head_and_context = result.stats.extra["reused_prefix_tokens"]
     assert head_and_context >= prompt.context_tokens
     assert len(prompt.target_ids) - 1 - head_and_context < 40  # only the query was computed
+    decoder.speculative(CONTEXT, QUERIES[0], 4)
+    decoder.forget_queries()  # back to the context prefix; drafter emptied
+    again = decoder.speculative(CONTEXT, QUERIES[0], 4)
+    assert again.stats.extra["reused_prefix_tokens"] == head_and_context
+    assert again.stats.extra["draft_prefill_s"] > 0
 
 
 def test_guards(tiny_target, self_decoder):
