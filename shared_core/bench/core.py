@@ -35,6 +35,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--tasks", nargs="*", default=list(SPEC_BENCH_TASKS))
     parser.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
+    parser.add_argument("--bf16", action="store_true",
+                        help="also run our loop with bfloat16 weights (opt-in: changes outputs)")
 
 
 def _strip_eos(lm: LM, ids: list[int]) -> list[int]:
@@ -85,6 +87,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = spec_bench(args.limit, args.tasks)
     encoded = [lm.prompt_ids([{"role": "user", "content": p.turns[0]}]) for p in prompts]
     methods = methods_for(lm, args.max_new_tokens, args.draft_tokens)
+    if args.bf16:
+        lm_bf16 = load_lm(args.model, dtype="bfloat16")
+        methods["autoregressive_bf16"] = lambda ids: (
+            autoregressive_generate(lm_bf16, ids, args.max_new_tokens).token_ids, {})
     if args.methods:
         methods = {name: fn for name, fn in methods.items() if name in args.methods}
     for name, fn in methods.items():  # warm-up: one short prompt through every method
