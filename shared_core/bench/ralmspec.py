@@ -37,6 +37,9 @@ ABLATION = {
     "+S": {"prefetch": False, "scheduler": True, "async_verify": False},
     "+A": {"prefetch": False, "scheduler": False, "async_verify": True},
     "+PSA": {"prefetch": True, "scheduler": True, "async_verify": True},
+    # the same with OS³'s accuracy cap raised from the default γ_max = 0.6 to 0.95
+    "+PSA(g.95)": {"prefetch": True, "scheduler": True, "async_verify": True,
+                   "gamma_max": 0.95},
 }
 
 
@@ -51,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hnsw-pad", type=int, default=100_000)
     parser.add_argument("--hnsw-ef-construction", type=int, default=64)
     parser.add_argument("--bm25-pad", type=int, default=0, help="synthetic BM25 passages")
+    parser.add_argument("--gemm-min-batch", type=int, default=2,
+                        help="exact index: batches of >= this many queries use one GEMM pass")
+    parser.add_argument("--faiss-threads", type=int, default=1)
     parser.add_argument("--speculation-stride", type=int, default=3)
     parser.add_argument("--prefetch-k", type=int, default=20)
     parser.add_argument("--knn-k", default="1,16,256,1024")
@@ -98,17 +104,23 @@ def build_retriever(kind: str, corpus: list[Any], args: argparse.Namespace) -> t
         bm25.add(corpus + pad)
         return bm25, f"BM25 (bm25s lucene) over {len(corpus)} passages + {len(pad)} synthetic"
     embedder = load_embedder("all-minilm-l6-v2")
+    common = {"num_threads": args.faiss_threads, "query_batch_size": 1}
     if kind == "exact":
-        dense = DenseRetriever(embedder, index="exact")
+        dense = DenseRetriever(embedder, index="exact", gemm_min_batch=args.gemm_min_batch,
+                               **common)
         target = args.pad
     else:
-        dense = DenseRetriever(embedder, index="hnsw", ef_construction=args.hnsw_ef_construction)
+        dense = DenseRetriever(embedder, index="hnsw", ef_construction=args.hnsw_ef_construction,
+                               **common)
         target = args.hnsw_pad
     dense.add(corpus, vectors=_doc_vectors(dense, corpus, args.cache_dir))
     dense.add_padding(max(0, target - len(corpus)))
+    search = (f"single queries: faiss scan, batches >= {args.gemm_min_batch}: one numpy GEMM "
+              "pass" if kind == "exact" else f"efConstruction {args.hnsw_ef_construction}")
     return dense, (f"faiss {'IndexFlatIP' if kind == 'exact' else 'IndexHNSWFlat'} over "
                    f"{len(corpus)} MiniLM passage vectors + {dense.num_padding} random unit "
-                   f"padding vectors ({dense.ntotal} total)")
+                   f"padding vectors ({dense.ntotal} total); {search}; faiss threads "
+                   f"{args.faiss_threads}; exact float64 re-scoring of candidates")
 
 
 def _load_avg() -> float:
