@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_custom_event
 from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import ConfigDict, Field, PrivateAttr
+from typing_extensions import TypedDict
 
 if TYPE_CHECKING:
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult

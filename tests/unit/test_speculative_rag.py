@@ -345,3 +345,15 @@ def test_adapters_do_not_import_torch():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_langchain_schemas_and_configurable_fields():
+    from langchain_core.runnables import ConfigurableField
+
+    from langchain_specrag import SpeculativeRAGRunnable
+
+    rag = SpeculativeRAGRunnable()  # cheap: no model is loaded before the first call
+    schema = rag.get_input_jsonschema()
+    assert {"type": "string"} in schema["anyOf"] and "SpeculativeRAGInput" in schema["$defs"]
+    configurable = rag.configurable_fields(num_drafts=ConfigurableField(id="num_drafts"))
+    assert "num_drafts" in str(configurable.config_schema().model_json_schema())
