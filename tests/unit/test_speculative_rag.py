@@ -357,3 +357,20 @@ def test_langchain_schemas_and_configurable_fields():
     assert {"type": "string"} in schema["anyOf"] and "SpeculativeRAGInput" in schema["$defs"]
     configurable = rag.configurable_fields(num_drafts=ConfigurableField(id="num_drafts"))
     assert "num_drafts" in str(configurable.config_schema().model_json_schema())
+
+
+def test_engine_retrieve_accepts_langchain_and_llamaindex_retrievers():
+    from llama_index.core.retrievers import BaseRetriever
+    from llama_index.core.schema import NodeWithScore, TextNode
+
+    from shared_core.engines.speculative_rag import retrieve
+
+    class LIRetriever(BaseRetriever):
+        def _retrieve(self, query_bundle):
+            return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=0.1) for d in DOCS]
+
+    assert [d.id for d in retrieve(_lc_retriever(), "q", 3)] == ["d0", "d1", "d2"]
+    assert [d.id for d in retrieve(LIRetriever(), "q", 4)] == ["d0", "d1", "d2", "d3"]
+    assert [d.id for d in retrieve(FakeRetriever(DOCS), "q", 2)] == ["d0", "d1"]
+    with pytest.raises(TypeError, match="no search/invoke/retrieve"):
+        retrieve(object(), "q", 2)
