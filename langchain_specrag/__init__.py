@@ -20,7 +20,12 @@ _LAZY = {
     "RaLMSpecRunnable": "langchain_specrag.runnables.ralmspec",
     "SpeculativeRetriever": "langchain_specrag.retrievers.speculative",
 }
-__all__ = sorted(_LAZY)
+__all__ = [
+    "ChatSpeculative",
+    "RaLMSpecRunnable",
+    "SpeculativeRAGRunnable",
+    "SpeculativeRetriever",
+]
 
 
 def __getattr__(name: str) -> Any:

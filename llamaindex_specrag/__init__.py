@@ -20,7 +20,12 @@ _LAZY = {
     "RaLMSpecQueryEngine": "llamaindex_specrag.query_engines.ralmspec",
     "SpeculativeRetriever": "llamaindex_specrag.retrievers.speculative",
 }
-__all__ = sorted(_LAZY)
+__all__ = [
+    "RaLMSpecQueryEngine",
+    "SpeculativeLLM",
+    "SpeculativeRAGQueryEngine",
+    "SpeculativeRetriever",
+]
 
 
 def __getattr__(name: str) -> Any:
