@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import Any, TypedDict
+from typing import Any
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import ConfigDict, Field, PrivateAttr
+from typing_extensions import TypedDict
 
 
 class RaLMSpecInput(TypedDict):

@@ -125,3 +125,10 @@ def test_query_engine_equals_ralmseq(tiny_target) -> None:
     assert response.response == ref.text
     assert response.metadata["token_ids"] == ref.token_ids
     assert response.source_nodes and response.metadata["stats"]["rounds"] >= 0
+
+
+def test_runnable_schemas() -> None:
+    from langchain_specrag import RaLMSpecRunnable
+
+    schema = RaLMSpecRunnable().get_input_schema().model_json_schema()
+    assert schema["$defs"]["RaLMSpecInput"]["required"] == ["question"]
