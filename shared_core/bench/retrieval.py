@@ -10,7 +10,11 @@
   for ``search_vectors`` (index only) and ``search`` (query embedding included), plus BM25.
 
 Latencies are medians over ``--repeats`` runs after a warm-up, each run on different questions.
-The machine's load average is recorded because the host may be shared.
+``search_vectors_faiss<T>t`` rows run faiss with T OpenMP threads; ``..._gemm`` rows search the
+batch with ``gemm_min_batch=2`` (one numpy BLAS product per block, threads set by
+``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS``, not by T), the single query still through faiss.
+The padded recall is computed through the gemm path. The load average is recorded because the
+host may be shared.
 """
 
 from __future__ import annotations
