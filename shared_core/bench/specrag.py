@@ -231,7 +231,8 @@ def _build_retriever(dataset: str, corpus: list[Document], embedder: Any, name: 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dataset", choices=DATASETS, default="nq")
+    parser.add_argument("--dataset", default="nq",
+                        help=f"one of {', '.join(DATASETS)}, or a comma list run round-robin")
     parser.add_argument("--limit", type=int, default=30, help="questions per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=SpeculativeRAGConfig.max_draft_tokens,
                         help="drafter token budget for rationale + answer")
@@ -246,55 +247,59 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ablations", action="store_true", help="add the Table-2 ablations")
     parser.add_argument("--grid", action="store_true", help="add m in {5,10} x k in {1,2,4}")
     parser.add_argument("--data-dir", type=Path, default=None)
-    parser.add_argument("--out", default=None)
-    parser.add_argument("--plot", default=None)
+    parser.add_argument("--out", default=None, help="JSON report; '{dataset}' is substituted")
+    parser.add_argument("--plot", default=None, help="PNG plot; '{dataset}' is substituted")
     parser.add_argument("--no-progress", action="store_true")
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Run every method on the same questions and documents, after a warm-up; return the report."""
-    from tqdm.auto import tqdm
+@dataclass
+class _DatasetRun:
+    """One dataset's questions, retrieved documents and the outputs measured so far."""
 
-    from shared_core.models import load_embedder
+    name: str
+    corpus_size: int
+    questions: list[dict[str, Any]]
+    docs: list[list[Document]]
+    retrieve_s: list[float]
+    outputs: dict[str, list[Any]]
 
-    corpus, questions = load_dataset(args.dataset, args.limit + 1, args.data_dir)
+
+def _prepare(name: str, args: argparse.Namespace, engine: SpeculativeRAG,
+             methods: dict[str, tuple[Callable[[str, list[Document]], Any], int]],
+             warm_up: bool) -> _DatasetRun:
+    """Load, index, retrieve for every question (timed); optionally warm every method up."""
+    corpus, questions = load_dataset(name, args.limit + 1, args.data_dir)
     warmup, questions = questions[-1], questions[:-1]  # one extra question only warms up
-    embedder = load_embedder(args.embedder)
-    config = SpeculativeRAGConfig(num_drafts=args.num_drafts, docs_per_draft=args.docs_per_draft,
-                                  retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens)
-    engine = SpeculativeRAG(args.drafter, args.verifier, embedder=embedder, config=config)
-    methods = build_methods(engine, args)
-    retriever = _build_retriever(args.dataset, corpus, embedder, args.embedder)
+    retriever = _build_retriever(name, corpus, engine.embedder, args.embedder)
     max_k = max(k for _, k in methods.values())
     [warm_docs], _ = _retrieve_all(retriever, [warmup], max_k)
     docs, retrieve_s = _retrieve_all(retriever, questions, max_k)
-    for fn, k in methods.values():  # warm-up: every method once, outside the timing
+    for fn, k in methods.values() if warm_up else ():
         fn(warmup["question"], warm_docs[:k])
-    outputs: dict[str, list[Any]] = {name: [] for name in methods}
-    # Interleaved: all methods on question i before question i+1, so load drift on a shared
-    # machine hits every method alike.
-    for q, q_docs in tqdm(list(zip(questions, docs, strict=True)), desc=args.dataset,
-                          disable=args.no_progress):
-        for name, (fn, k) in methods.items():
-            outputs[name].append(fn(q["question"], q_docs[:k]))
+    return _DatasetRun(name, len(corpus), questions, docs, retrieve_s, {m: [] for m in methods})
+
+
+def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG) -> dict[str, Any]:
+    """The DESIGN §3 report over the questions measured so far."""
+    n = len(next(iter(state.outputs.values())))
+    questions, retrieve_s = state.questions[:n], state.retrieve_s[:n]
+    outputs = dict(state.outputs)
     variants = [v for v in SCORE_VARIANTS if args.ablations or v == "drafter_only"]
     if "specrag" in outputs:
         for variant in variants:
-            outputs[variant] = [reselect(o, variant, config.seed) for o in outputs["specrag"]]
-    results: dict[str, MethodResult] = {}
-    for name, outs in outputs.items():
-        latencies = [o.stats.total_s + r for o, r in zip(outs, retrieve_s, strict=True)]
-        results[name] = _summary(args.dataset, questions, outs, latencies)
-        logger.info("%s: accuracy %.3f, %.2f s/question", name, results[name].quality["accuracy"],
-                    results[name].quality["latency_mean_s"])
+            outputs[variant] = [reselect(o, variant, engine.config.seed) for o in outputs["specrag"]]
+    results = {name: _summary(state.name, questions, outs,
+                              [o.stats.total_s + r for o, r in zip(outs, retrieve_s, strict=True)])
+               for name, outs in outputs.items()}
+    cfg = engine.config
     report = make_report(
-        engine="specrag", dataset=args.dataset, models={"drafter": args.drafter,
-        "verifier": args.verifier, "embedder": args.embedder}, device=str(engine.drafter.device),
-        methods=results, primary_baseline="rag_verifier" if "rag_verifier" in results
-        else next(iter(results)),
-        extra={"config": {"num_drafts": args.num_drafts, "docs_per_draft": args.docs_per_draft,
-                          "retrieve_k": args.retrieve_k, "max_draft_tokens": args.max_new_tokens},
-               "corpus_size": len(corpus), "mean_retrieve_s": statistics.fmean(retrieve_s),
+        engine="specrag", dataset=state.name, device=str(engine.drafter.device), methods=results,
+        models={"drafter": args.drafter, "verifier": args.verifier, "embedder": args.embedder},
+        primary_baseline="rag_verifier" if "rag_verifier" in results else next(iter(results)),
+        extra={"config": {"num_drafts": cfg.num_drafts, "docs_per_draft": cfg.docs_per_draft,
+                          "retrieve_k": cfg.retrieve_k, "max_draft_tokens": cfg.max_draft_tokens},
+               "limit": args.limit, "corpus_size": state.corpus_size,
+               "mean_retrieve_s": statistics.fmean(retrieve_s),
                "latency_note": "per question: method wall time + shared retrieval time",
                "examples": [{"id": q["id"], "question": q["question"], "gold": q["gold"],
                              **{m: r.outputs[i] for m, r in results.items()}}
@@ -303,9 +308,53 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if base:  # speed-up = latency ratio (answers have different lengths: tokens/s misleads)
         report["speedup"] = {m: round(base["wall_s"] / r["wall_s"], 3)
                              for m, r in report["methods"].items() if r["wall_s"] > 0}
-    write_report(report, args.out)
-    plot_accuracy_latency(report, args.plot)
     return report
+
+
+def _path(pattern: str | None, dataset: str, several: bool) -> str | None:
+    if pattern is None or "{dataset}" in pattern or not several:
+        return pattern.format(dataset=dataset) if pattern else None
+    path = Path(pattern)
+    return str(path.with_name(f"{path.stem}_{dataset}{path.suffix}"))
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every method on the same questions and documents, after a warm-up; return the report.
+
+    Methods run interleaved (all methods on question i before question i+1) and several
+    datasets run round-robin, so load drift on a shared machine hits every method alike. The
+    reports are rewritten after every question, so an interrupted run still leaves numbers.
+    """
+    from shared_core.models import load_embedder
+
+    names = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    unknown = [d for d in names if d not in DATASETS]
+    if unknown or not names:
+        msg = f"--dataset must be one or more of {', '.join(DATASETS)}, got {args.dataset!r}"
+        raise ValueError(msg)
+    config = SpeculativeRAGConfig(num_drafts=args.num_drafts, docs_per_draft=args.docs_per_draft,
+                                  retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens)
+    engine = SpeculativeRAG(args.drafter, args.verifier, embedder=load_embedder(args.embedder),
+                            config=config)
+    methods = build_methods(engine, args)
+    states = [_prepare(name, args, engine, methods, warm_up=i == 0) for i, name in enumerate(names)]
+    reports: dict[str, dict[str, Any]] = {}
+    several = len(states) > 1
+    for i in range(max(len(s.questions) for s in states)):
+        for state in states:
+            if i >= len(state.questions):
+                continue
+            q, q_docs = state.questions[i], state.docs[i]
+            for name, (fn, k) in methods.items():
+                state.outputs[name].append(fn(q["question"], q_docs[:k]))
+            reports[state.name] = _report(state, args, engine)
+            write_report(reports[state.name], _path(args.out, state.name, several))
+            logger.info("%s %d/%d: %s", state.name, i + 1, len(state.questions), {
+                m: (r["quality"]["accuracy"], r["quality"]["latency_mean_s"])
+                for m, r in reports[state.name]["methods"].items()})
+    for name, report in reports.items():
+        plot_accuracy_latency(report, _path(args.plot, name, several))
+    return reports[names[0]] if not several else {"engine": "specrag", "reports": reports}
 
 
 def plot_accuracy_latency(report: dict[str, Any], out: str | Path | None) -> None:

@@ -374,3 +374,45 @@ def test_engine_retrieve_accepts_langchain_and_llamaindex_retrievers():
     assert [d.id for d in retrieve(FakeRetriever(DOCS), "q", 2)] == ["d0", "d1"]
     with pytest.raises(TypeError, match="no search/invoke/retrieve"):
         retrieve(object(), "q", 2)
+
+
+# ---------------------------------------------------------------- benchmark helpers (no models)
+
+def test_bench_metrics_and_reselection():
+    from shared_core.bench.specrag import _path, is_correct, reselect
+    from shared_core.engines.speculative_rag import SpeculativeRAGResult, SpeculativeRAGStats
+
+    assert is_correct("nq", "It was Wilhelm Conrad Röntgen.", ["Wilhelm Conrad Röntgen"])
+    assert not is_correct("nq", "Henry Moseley", ["Wilhelm Conrad Röntgen"])
+    assert is_correct("pubhealth", "True, the claim holds", ["true"])
+    assert not is_correct("pubhealth", "false or true", ["true"])
+    drafts = (Draft("a", "", "", ("d0",), (0,), True, log_draft=-1.0, log_self_contain=-9.0,
+                    log_self_reflect=-1.0, score=-11.0),
+              Draft("b", "", "", ("d1",), (1,), True, log_draft=-5.0, log_self_contain=-2.0,
+                    log_self_reflect=-1.0, score=-8.0))
+    result = SpeculativeRAGResult("b", "", 1, drafts, tuple(DOCS[:2]),
+                                  SpeculativeRAGStats(verify_s=2.0, total_s=5.0))
+    assert reselect(result, "drafter_only", 0).text == "a"
+    only = reselect(result, "drafter_only", 0).stats
+    assert only.total_s == 3.0 and only.verify_s == 0.0 and result.stats.total_s == 5.0
+    assert reselect(result, "abl_no_draft_score", 0).text == "b"
+    assert reselect(result, "abl_no_self_contain", 0).text == "a"
+    assert _path("out/r.json", "nq", True) == "out/r_nq.json"
+    assert _path("out/{dataset}.json", "nq", True) == "out/nq.json"
+
+
+def test_bench_split_keeps_training_out_of_evaluation():
+    from shared_core.bench.specrag import SQUAD_EVAL_TITLES, load_dataset
+    from shared_core.train_drafter import build_examples
+    from tests.tiny import data_dir
+
+    root = data_dir()
+    if root is None:
+        pytest.skip("../shared/data not found (set SPECRAG_DATA_DIR)")
+    train_ids = {ex["id"] for ex in build_examples(root, 200, 0)}
+    for name in ("nq", "squad"):
+        _, questions = load_dataset(name, 100, root)
+        assert not train_ids & {q["id"] for q in questions}
+    assert len(SQUAD_EVAL_TITLES) == 6
+    corpus, claims = load_dataset("pubhealth", 5, root)
+    assert {c["gold"][0] for c in claims} <= {"true", "false"} and len(corpus) > 172
