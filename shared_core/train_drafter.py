@@ -148,43 +148,55 @@ def encode_example(lm: LM, ex: dict[str, Any], max_len: int) -> tuple[list[int],
 # --------------------------------------------------------------------------- training
 
 
-def train(args: argparse.Namespace) -> dict[str, Any]:
+def train_lora(lm: LM, encoded: list[tuple[list[int], list[int]]], *, epochs: int = 1,
+               batch_size: int = 4, lr: float = 3e-4, rank: int = 8, seed: int = 0
+               ) -> tuple[Any, list[float]]:
+    """LoRA (q/k/v/o projections) over pre-encoded examples; returns (peft model, losses)."""
     import torch
     from peft import LoraConfig, get_peft_model
 
-    from shared_core.bench.common import data_dir
-    from shared_core.models import load_lm
-
-    torch.manual_seed(args.seed)
-    root = args.data_dir or data_dir()
-    lm = load_lm(args.base)
-    examples = build_examples(root, args.examples, args.seed)
-    encoded = [encode_example(lm, ex, args.max_len) for ex in examples]
-    lora = LoraConfig(r=args.rank, lora_alpha=2 * args.rank, lora_dropout=0.05,
+    torch.manual_seed(seed)
+    lora = LoraConfig(r=rank, lora_alpha=2 * rank, lora_dropout=0.05,
                       target_modules=["q_proj", "k_proj", "v_proj", "o_proj"], task_type="CAUSAL_LM")
     model = get_peft_model(lm.model, lora)
     model.train()
-    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
-    steps = args.epochs * ((len(encoded) + args.batch_size - 1) // args.batch_size)
+    optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr)
+    steps = epochs * ((len(encoded) + batch_size - 1) // batch_size)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1 - s / max(1, steps))
-    start, step, losses = time.perf_counter(), 0, []
-    for _ in range(args.epochs):
-        random.Random(args.seed + step).shuffle(encoded)
-        for i in range(0, len(encoded), args.batch_size):
-            loss = _step(model, encoded[i:i + args.batch_size], lm.tokenizer.pad_token_id or 0)
+    start, losses, order = time.perf_counter(), [], list(encoded)
+    for epoch in range(epochs):
+        random.Random(seed + epoch).shuffle(order)
+        for i in range(0, len(order), batch_size):
+            loss = _step(model, order[i:i + batch_size], lm.tokenizer.pad_token_id or 0)
             loss.backward()
             optim.step()
             sched.step()
             optim.zero_grad()
             losses.append(float(loss))
-            step += 1
-            if step % 10 == 0:
-                logger.info("step %d/%d loss %.3f (%.0f s)", step, steps,
-                            sum(losses[-10:]) / len(losses[-10:]), time.perf_counter() - start)
+            if len(losses) % 10 == 0:
+                logger.info("step %d/%d loss %.3f (%.0f s)", len(losses), steps,
+                            sum(losses[-10:]) / 10, time.perf_counter() - start)
+    model.eval()
+    return model, losses
+
+
+def train(args: argparse.Namespace) -> dict[str, Any]:
+    """The recipe: build the split, encode, LoRA-tune, save adapter + ``split.json``."""
+    from shared_core.bench.common import data_dir
+    from shared_core.models import load_lm
+
+    root = args.data_dir or data_dir()
+    lm = load_lm(args.base)
+    examples = build_examples(root, args.examples, args.seed)
+    encoded = [encode_example(lm, ex, args.max_len) for ex in examples]
+    start = time.perf_counter()
+    model, losses = train_lora(lm, encoded, epochs=args.epochs, batch_size=args.batch_size,
+                               lr=args.lr, rank=args.rank, seed=args.seed)
     out = Path(args.out)
     model.save_pretrained(out)
-    info = {"base": args.base, "examples": len(encoded), "steps": steps, "epochs": args.epochs,
-            "rank": args.rank, "lr": args.lr, "seed": args.seed, "train_s": time.perf_counter() - start,
+    info = {"base": args.base, "examples": len(encoded), "steps": len(losses),
+            "epochs": args.epochs, "rank": args.rank, "lr": args.lr, "seed": args.seed,
+            "train_s": time.perf_counter() - start,
             "final_loss": sum(losses[-10:]) / max(1, len(losses[-10:])),
             "train_ids": sorted(ex["id"] for ex in examples)}
     (out / "split.json").write_text(json.dumps(info, indent=1))

@@ -416,3 +416,18 @@ def test_bench_split_keeps_training_out_of_evaluation():
     assert len(SQUAD_EVAL_TITLES) == 6
     corpus, claims = load_dataset("pubhealth", 5, root)
     assert {c["gold"][0] for c in claims} <= {"true", "false"} and len(corpus) > 172
+
+
+def test_drafter_lora_recipe_runs_on_a_tiny_model():
+    from shared_core.train_drafter import encode_example, load_tuned_drafter, train_lora
+
+    lm = tiny_lm(2, seed=5)
+    ex = {"question": "capital of France?", "docs": DOCS[:2], "rationale": "Paris is the capital.",
+          "answer": "Paris"}
+    ids, labels = encode_example(lm, ex, max_len=512)
+    target = [t for t in labels if t != -100]
+    assert len(ids) == len(labels) and lm.decode(target).strip().startswith("Paris is")
+    _, losses = train_lora(lm, [(ids, labels)] * 4, epochs=3, batch_size=2, lr=5e-3)
+    assert len(losses) == 6 and losses[-1] < losses[0]
+    with pytest.raises(ValueError, match="no tuned adapter"):
+        load_tuned_drafter("tiny+specrag")
