@@ -28,7 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="specrag benchmarks (DESIGN §3 JSON schema)")
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, (module, add_args, _) in BENCHMARKS.items():
-        child = sub.add_parser(name)
+        child = sub.add_parser(name, conflict_handler="resolve")  # modules may redefine --out
         child.add_argument("--out", default=None, help="write the JSON report here")
         child.add_argument("--plot", default=None, help="write a PNG plot here")
         child.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
