@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import time
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from tqdm.auto import tqdm
 
 from shared_core.bench.common import MethodResult, identical_count, make_report, timed_loop
 from shared_core.bench.datasets import SPEC_BENCH_TASKS, SpecBenchPrompt, spec_bench
@@ -96,25 +98,27 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, fn in methods.items():  # warm-up: one short prompt through every method
         fn(encoded[0][:64])
         logger.info("warmed up %s", name)
-    results: dict[str, MethodResult] = {}
-    per_prompt: dict[str, list[tuple[list[int], dict[str, Any], float]]] = {}
-    for name, fn in methods.items():
-        rows = []
-        for ids in encoded:
+    # Methods interleaved per prompt, so drifting machine load hits every method alike.
+    per_prompt: dict[str, list[tuple[list[int], dict[str, Any], float]]] = {m: [] for m in methods}
+    for ids in tqdm(encoded, desc="spec_bench prompts"):
+        for name, fn in methods.items():
             timed, wall = timed_loop([ids], fn, lm.device, desc=name, progress=False)
-            rows.append((timed[0][0], timed[0][1], wall))
-        per_prompt[name] = rows
-        results[name] = MethodResult(
-            wall_s=sum(r[2] for r in rows), new_tokens=sum(len(r[0]) for r in rows),
-            outputs=[r[0] for r in rows], stats=_aggregate_stats([r[1] for r in rows]))
-        logger.info("%s: %.2f tok/s", name, results[name].tokens_per_s)
+            per_prompt[name].append((timed[0][0], timed[0][1], wall))
+    results = {name: MethodResult(wall_s=sum(r[2] for r in rows),
+                                  new_tokens=sum(len(r[0]) for r in rows),
+                                  outputs=[r[0] for r in rows],
+                                  stats=_aggregate_stats([r[1] for r in rows]))
+               for name, rows in per_prompt.items()}
+    for name, result in results.items():
+        logger.info("%s: %.2f tok/s", name, result.tokens_per_s)
     compare = {name: ["autoregressive", "hf_generate"] for name in methods}
     report = make_report(engine="core", dataset="spec_bench", models={"target": args.model},
                          device=str(lm.device), methods=results, primary_baseline="hf_generate",
                          identical_to=compare)
     report["per_task"] = _per_task(prompts, per_prompt)
     report["settings"] = {"max_new_tokens": args.max_new_tokens, "per_task": args.limit,
-                          "draft_tokens": args.draft_tokens}
+                          "draft_tokens": args.draft_tokens, "order": "methods interleaved per prompt",
+                          "load_average": os.getloadavg()}
     return report
 
 
