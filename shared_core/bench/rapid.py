@@ -333,6 +333,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                          "acceptance_rate": round(result.stats["acceptance_rate"], 3),
                          "context_prefill_s": extra["context_prefill_s"]})
         logger.info("sweep %d done: %s", length, rows[-len(results):])
+        write_report({"partial": True, "sweep": rows, "machine": machine}, args.out)
         del decoder
     machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     first = f"long_context@{_ints(args.lengths)[0]}"
