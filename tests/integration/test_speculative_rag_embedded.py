@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
@@ -50,8 +52,8 @@ def test_nq_question_with_retrieved_passages(engine):
 
     corpus, questions = load_dataset("nq", 1, root)
     by_id = {d.id: d for d in corpus}
-    gold = [by_id[p] for p in __import__("json").loads(
-        (root / "nq_open_oracle" / "questions.jsonl").open().readline())["gold_pids"]]
+    with (root / "nq_open_oracle" / "questions.jsonl").open() as fh:
+        gold = [by_id[p] for p in json.loads(fh.readline())["gold_pids"]]
     docs = gold + [d for d in corpus[:40] if d not in gold][: 6 - len(gold)]
     result = engine.answer(questions[0]["question"], docs)
     assert result.text and len(result.documents) == 6
