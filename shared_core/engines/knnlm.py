@@ -377,7 +377,9 @@ def run_benchmark(args: Any) -> dict[str, Any]:
     methods: dict[str, MethodResult] = {}
     speedup: dict[str, float] = {}
     for k in (int(x) for x in args.knn_k.split(",")):
-        config = KNNLMConfig(k=k)
+        fixed = getattr(args, "knn_fixed_stride", 0)
+        config = KNNLMConfig(k=k, gamma_max=getattr(args, "knn_gamma_max", 0.6),
+                             scheduler=not fixed, speculation_stride=fixed or 4)
         for name, speculative in (("baseline", False), ("RaLMSpec", True)):
             knnlm_generate(lm, store, prompts[0], args.max_new_tokens, config=config,
                            speculative=speculative)  # warm-up
@@ -396,7 +398,9 @@ def run_benchmark(args: Any) -> dict[str, Any]:
                 extra["drafted"] += out.stats.drafted
                 extra["accepted"] += out.stats.accepted
             load.append(round(os.getloadavg()[0], 2))
-            result.stats = {**extra, "load_avg_1m": load}
+            result.stats = {**extra, "load_avg_1m": load, "gamma_max": config.gamma_max,
+                            "scheduler": config.scheduler,
+                            "speculation_stride": config.speculation_stride}
             methods[f"k={k}/{name}"] = result
         speedup[f"k={k}/RaLMSpec"] = round(methods[f"k={k}/baseline"].wall_s
                                            / methods[f"k={k}/RaLMSpec"].wall_s, 3)
