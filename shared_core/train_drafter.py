@@ -172,7 +172,7 @@ def train_lora(lm: LM, encoded: list[tuple[list[int], list[int]]], *, epochs: in
             optim.step()
             sched.step()
             optim.zero_grad()
-            losses.append(float(loss))
+            losses.append(float(loss.detach()))
             if len(losses) % 10 == 0:
                 logger.info("step %d/%d loss %.3f (%.0f s)", len(losses), steps,
                             sum(losses[-10:]) / 10, time.perf_counter() - start)
