@@ -18,9 +18,10 @@ Exactness: a step's output depends only on (document, previous tokens), and a co
 always used the retriever's true top-1 for exactly the query RaLMSeq would have sent, so the
 committed token ids equal RaLMSeq's (greedy, and sampled: tokens are drawn with one generator
 per output position, so a regenerated position draws the same random numbers). The retriever
-must be deterministic and return the same top-1 for a query searched alone or in a batch
-(BM25 and HNSW are; faiss' flat search differs by ~1e-8 in scores between batch shapes, so an
-exact near-tie could in principle flip; the benchmark checks every output).
+must be deterministic and return the same top-1 for a query searched alone or in a batch:
+``BM25Retriever`` scores each query on its own, and ``DenseRetriever`` re-scores faiss'
+candidates per pair in float64 (batch-invariant; build it with ``query_batch_size=1`` so query
+embeddings do not depend on the batch either; RaLMSpec embeds every query alone anyway).
 
 KV reuse: the prompt is ``head + document + question + generated``. When the document changes
 only the head (chat header, instruction) stays cached (``KVSession.sync`` keeps the longest
