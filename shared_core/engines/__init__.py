@@ -1,1 +1,39 @@
-"""Engines: one module per paper (see DESIGN §1)."""
+"""Engines: one module per paper (DESIGN §1), resolved lazily so importing this is cheap."""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+    from shared_core.engines.ralmspec import RaLMSpec
+    from shared_core.engines.rapid import RapidDecoder
+    from shared_core.engines.respec import ReSpecDecoder
+    from shared_core.engines.speculative_rag import SpeculativeRAG
+
+_LAZY = {
+    "SpeculativeRAG": "shared_core.engines.speculative_rag",
+    "RapidDecoder": "shared_core.engines.rapid",
+    "RaLMSpec": "shared_core.engines.ralmspec",
+    "ReSpecDecoder": "shared_core.engines.respec",
+    "autoregressive_generate": "shared_core.engines.baseline",
+    "speculative_generate": "shared_core.engines.baseline",
+}
+__all__ = [
+    "RaLMSpec",
+    "RapidDecoder",
+    "ReSpecDecoder",
+    "SpeculativeRAG",
+    "autoregressive_generate",
+    "speculative_generate",
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _LAZY:
+        msg = f"module 'shared_core.engines' has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value
+    return value
