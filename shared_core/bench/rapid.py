@@ -346,11 +346,11 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                                            "prompts_per_length": args.sweep_prompts}})
     write_report(report, args.out)
     plot = args.sweep_plot or (args.plot and str(Path(args.plot).with_suffix("")) + "_sweep.png")
-    plot_sweep(rows, plot)
+    plot_sweep(rows, plot, threads=report["threads"])
     return report
 
 
-def plot_sweep(rows: list[dict[str, Any]], out: str | None) -> None:
+def plot_sweep(rows: list[dict[str, Any]], out: str | None, threads: int = 1) -> None:
     """Decode tokens/s and decode speed-up over the long-context target vs context length.
 
     Decode time excludes prefills (the cached context, the query, the drafter's retrieved
@@ -377,7 +377,8 @@ def plot_sweep(rows: list[dict[str, Any]], out: str | None) -> None:
         ax.set_xlabel("context tokens")
         ax.set_xscale("log", base=2)
         ax.legend()
-    fig.suptitle("RAPID context-length sweep (SmolLM2-135M, CPU, 2 threads, shared machine)")
+    fig.suptitle(f"RAPID context-length sweep (SmolLM2-135M, CPU, {threads} thread(s), "
+                 "shared loaded machine)")
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
