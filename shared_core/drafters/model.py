@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 import torch
 
@@ -36,9 +37,14 @@ class ModelDrafter(DrafterBase):
         return self.session.forwards
 
     def with_sampling(self, sampling: SamplingConfig) -> ModelDrafter:
-        """Use the caller's sampling config (the engine passes its own, for p and q alike)."""
+        """Use the caller's sampling config (the engine passes its own, for p and q alike).
+
+        The drafter's RNG gets a seed derived from the verifier's: two generators with one seed
+        would replay the same uniforms for drafting and for acceptance, correlating them.
+        """
         self.sampling = sampling
-        self.generator = make_generator(sampling)
+        own_seed = None if sampling.seed is None else sampling.seed + 1
+        self.generator = make_generator(replace(sampling, seed=own_seed))
         return self
 
     @torch.inference_mode()

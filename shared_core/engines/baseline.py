@@ -79,6 +79,10 @@ class TokenStream(Iterator[str]):
                 return delta
         raise StopIteration
 
+    def close(self) -> None:
+        """Stop early (frees the engine's generator); ``result`` stays None."""
+        self._blocks.close()
+
     def _close(self, delta: str) -> str:
         self._blocks.close()
         self._stats.decode_s = max(0.0, self._elapsed - self._stats.prefill_s)
