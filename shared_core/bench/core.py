@@ -148,33 +148,49 @@ def _per_task(prompts: list[SpecBenchPrompt],
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--contexts", type=int, nargs="*", default=[256, 2048, 8000])
-    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=4, help="alternating rounds per cache kind")
 
 
-def _time_kv(lm: LM, kind: str, context: int, steps: int) -> dict[str, float]:
-    ids = torch.randint(100, 20000, (context,), generator=torch.Generator().manual_seed(0))
-    session = KVSession(lm, cache=kind)  # type: ignore[arg-type]
-    session.prefill(ids.tolist())
+def _kv_round(session: KVSession, ids: list[int], steps: int) -> tuple[float, float]:
+    """Seconds for ``steps`` one-token decodes, then for ``steps // 2`` verify-10 + rollback."""
     start = time.perf_counter()
     for i in range(steps):
-        session.extend([int(ids[i])])
-    decode_ms = (time.perf_counter() - start) / steps * 1000
+        session.extend([ids[i]])
+    decode = time.perf_counter() - start
+    session.rollback(len(session) - steps)
     start = time.perf_counter()
     for i in range(steps // 2):
-        session.extend([int(t) for t in ids[i : i + 10]])
-        session.rollback(len(session) - 7)  # reject 7 of 10, as a verify round would
-    verify_ms = (time.perf_counter() - start) / (steps // 2) * 1000
-    return {"decode_ms_per_token": round(decode_ms, 2), "verify10_ms": round(verify_ms, 2)}
+        session.extend(ids[i : i + 10])
+        session.rollback(len(session) - 10)  # a rejected draft, as a verify round would see
+    return decode, time.perf_counter() - start
+
+
+def _time_kv(lm: LM, context: int, steps: int, repeats: int) -> dict[str, dict[str, float]]:
+    """Both cache kinds on the same context, measured in alternating rounds (load drift hits both)."""
+    ids = torch.randint(100, 20000, (context + steps,),
+                        generator=torch.Generator().manual_seed(0)).tolist()
+    sessions = {kind: KVSession(lm, cache=kind) for kind in ("prealloc", "dynamic")}
+    for session in sessions.values():
+        session.prefill(ids[:context])
+    totals = {kind: [0.0, 0.0] for kind in sessions}
+    for _ in range(repeats):
+        for kind, session in sessions.items():
+            decode, verify = _kv_round(session, ids[context:], steps)
+            totals[kind][0] += decode
+            totals[kind][1] += verify
+    return {kind: {"decode_ms_per_token": round(d / (steps * repeats) * 1000, 2),
+                   "verify10_ms": round(v / ((steps // 2) * repeats) * 1000, 2)}
+            for kind, (d, v) in totals.items()}
 
 
 def run_kv(args: argparse.Namespace) -> dict[str, Any]:
     lm = load_lm(args.model)
-    _time_kv(lm, "prealloc", 64, 4)  # warm-up
-    _time_kv(lm, "dynamic", 64, 4)
+    _time_kv(lm, 64, 4, 1)  # warm-up
     table: dict[str, Any] = {}
     for context in args.contexts:
-        table[str(context)] = {kind: _time_kv(lm, kind, context, args.steps)
-                               for kind in ("prealloc", "dynamic")}
+        table[str(context)] = _time_kv(lm, context, args.steps, args.repeats)
         logger.info("context %d: %s", context, table[str(context)])
     return {"engine": "kv", "model": args.model, "device": str(lm.device),
-            "threads": torch.get_num_threads(), "contexts": table}
+            "threads": torch.get_num_threads(), "load_average": os.getloadavg(),
+            "steps": args.steps, "repeats": args.repeats, "contexts": table}
