@@ -24,29 +24,10 @@ from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResu
 from pydantic import ConfigDict, Field, field_validator
 
 from shared_core.engines.registry import TOKEN_ENGINES, stream_engine
+from shared_core.serving import iterate_in_thread, loaded_model, lock_for
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
           "function": "tool", "developer": "system"}
-_LOADED: dict[tuple[Any, ...], tuple[Any, threading.Lock]] = {}
-_LOAD_LOCK = threading.Lock()
-
-
-def loaded_model(model: str, device: str | None, dtype: str | None) -> tuple[Any, threading.Lock]:
-    """The process-wide (LM, engine lock) for a model config, loaded on first use."""
-    key = (model, device, dtype)
-    with _LOAD_LOCK:
-        if key not in _LOADED:
-            from shared_core.models import load_lm
-
-            _LOADED[key] = (load_lm(model, device=device, dtype=dtype), threading.Lock())
-        return _LOADED[key]
-
-
-def _lock_for(lm: Any) -> threading.Lock:
-    with _LOAD_LOCK:
-        return _LOADED.setdefault(("instance", id(lm)), (lm, threading.Lock()))[1]
-
-
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages as ``{"role", "content"}`` dicts for the model's chat template."""
     out = []
@@ -119,7 +100,7 @@ class ChatSpeculative(BaseChatModel):
         if override is not None and override != self.model:
             return loaded_model(override, self.device, self.dtype)
         if self.lm is not None:
-            return self.lm, _lock_for(self.lm)
+            return self.lm, lock_for(self.lm)
         return loaded_model(self.model, self.device, self.dtype)
 
     def _run(self, messages: list[BaseMessage], stop: list[str] | None,
@@ -183,28 +164,3 @@ class ChatSpeculative(BaseChatModel):
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
 
-
-async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
-    """Drive a blocking iterator on a worker thread; the event loop stays free."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-    def pump() -> None:
-        try:
-            for item in items:
-                loop.call_soon_threadsafe(queue.put_nowait, ("item", item))
-        except BaseException as e:  # re-raised in the event loop
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
-        else:
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
-
-    worker = threading.Thread(target=pump, daemon=True, name="specrag-generate")
-    worker.start()
-    while True:
-        kind, value = await queue.get()
-        if kind == "item":
-            yield value
-        elif kind == "error":
-            raise value
-        else:
-            return

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -33,19 +33,7 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from shared_core.engines.registry import TOKEN_ENGINES, stream_engine
-
-_LOADED: dict[tuple[Any, ...], tuple[Any, threading.Lock]] = {}
-_LOAD_LOCK = threading.Lock()
-
-
-def _loaded(model: str, device: str | None, dtype: str | None) -> tuple[Any, threading.Lock]:
-    key = (model, device, dtype)
-    with _LOAD_LOCK:
-        if key not in _LOADED:
-            from shared_core.models import load_lm
-
-            _LOADED[key] = (load_lm(model, device=device, dtype=dtype), threading.Lock())
-        return _LOADED[key]
+from shared_core.serving import iterate_in_thread, loaded_model, lock_for
 
 
 class SpeculativeLLM(CustomLLM):
@@ -70,7 +58,7 @@ class SpeculativeLLM(CustomLLM):
     def __init__(self, lm: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         if lm is not None:  # a preloaded shared_core LM
-            self._lm, self._lock = lm, threading.Lock()
+            self._lm, self._lock = lm, lock_for(lm)
 
     @field_validator("engine")
     @classmethod
@@ -86,7 +74,7 @@ class SpeculativeLLM(CustomLLM):
 
     def _model(self) -> tuple[Any, threading.Lock]:
         if self._lm is None:
-            self._lm, self._lock = _loaded(self.model, self.device, self.dtype)
+            self._lm, self._lock = loaded_model(self.model, self.device, self.dtype)
         assert self._lock is not None
         return self._lm, self._lock
 
@@ -179,7 +167,7 @@ class SpeculativeLLM(CustomLLM):
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any
                                ) -> CompletionResponseAsyncGen:
-        return _in_thread(self._stream_complete(prompt, formatted, kwargs))
+        return iterate_in_thread(self._stream_complete(prompt, formatted, kwargs))
 
     @llm_chat_callback()
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
@@ -196,29 +184,5 @@ class SpeculativeLLM(CustomLLM):
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
                            ) -> ChatResponseAsyncGen:
-        return _in_thread(self._stream_chat(messages, kwargs))
+        return iterate_in_thread(self._stream_chat(messages, kwargs))
 
-
-async def _in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
-    """Drive a blocking iterator on a worker thread; the event loop stays free."""
-    loop = asyncio.get_running_loop()
-    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
-
-    def pump() -> None:
-        try:
-            for item in items:
-                loop.call_soon_threadsafe(queue.put_nowait, ("item", item))
-        except BaseException as e:  # re-raised in the event loop
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
-        else:
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
-
-    threading.Thread(target=pump, daemon=True, name="specrag-generate").start()
-    while True:
-        kind, value = await queue.get()
-        if kind == "item":
-            yield value
-        elif kind == "error":
-            raise value
-        else:
-            return

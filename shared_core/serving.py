@@ -1,0 +1,59 @@
+"""Process-wide model sharing for the framework adapters (no LangChain / LlamaIndex imports).
+
+Every adapter (LangChain chat model, LlamaIndex LLM, ...) that names the same
+``(model, device, dtype)`` gets the same loaded :class:`~shared_core.models.LM` and the same lock,
+so one process never loads a model twice and never runs two generations on one model at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+_LOADED: dict[tuple[Any, ...], tuple[Any, threading.Lock]] = {}
+_LOAD_LOCK = threading.Lock()
+
+
+def loaded_model(model: str, device: str | None = None, dtype: str | None = None
+                 ) -> tuple[Any, threading.Lock]:
+    """The shared ``(LM, lock)`` for a model config, loaded on first use."""
+    key = (model, device, dtype)
+    with _LOAD_LOCK:
+        if key not in _LOADED:
+            from shared_core.models import load_lm
+
+            _LOADED[key] = (load_lm(model, device=device, dtype=dtype), threading.Lock())
+        return _LOADED[key]
+
+
+def lock_for(lm: Any) -> threading.Lock:
+    """The shared lock of a model object the caller loaded itself."""
+    with _LOAD_LOCK:
+        return _LOADED.setdefault(("instance", id(lm)), (lm, threading.Lock()))[1]
+
+
+async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
+    """Drive a blocking iterator on a worker thread; the event loop stays free."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def pump() -> None:
+        try:
+            for item in items:
+                loop.call_soon_threadsafe(queue.put_nowait, ("item", item))
+        except BaseException as e:  # re-raised in the event loop
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+        else:
+            loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
+
+    threading.Thread(target=pump, daemon=True, name="specrag-generate").start()
+    while True:
+        kind, value = await queue.get()
+        if kind == "item":
+            yield value
+        elif kind == "error":
+            raise value
+        else:
+            return
