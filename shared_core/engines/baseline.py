@@ -86,10 +86,11 @@ class TokenStream(Iterator[str]):
     def _close(self, delta: str) -> str:
         self._blocks.close()
         self._stats.decode_s = max(0.0, self._elapsed - self._stats.prefill_s)
-        if self._on_close is not None:
-            self._on_close(self._stats)
         delta += self._tracker.finish()
-        self.result = self._tracker.result(self._stats)
+        result = self._tracker.result(self._stats)  # sets new_tokens / finish_reason first
+        if self._on_close is not None:
+            self._on_close(result.stats)
+        self.result = result
         if delta:
             return delta
         raise StopIteration
