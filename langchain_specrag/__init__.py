@@ -5,8 +5,9 @@ Importing this package does not import torch: every class is resolved lazily (PE
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from shared_core._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from langchain_specrag.chat_models.speculative import ChatSpeculative
@@ -27,19 +28,8 @@ __all__ = [
     "SpeculativeRetriever",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        msg = f"module 'langchain_specrag' has no attribute {name!r}"
-        raise AttributeError(msg)
-    try:
-        module = importlib.import_module(_LAZY[name])
-    except ImportError as e:
-        msg = f"{name} needs the LangChain extra: pip install 'specrag[langchain]' ({e})"
-        raise ImportError(msg) from e
-    value = getattr(module, name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals(),
+                           "the LangChain extra: pip install 'specrag[langchain]'")
 
 
 def __dir__() -> list[str]:

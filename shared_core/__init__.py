@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from shared_core._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from shared_core.models import LM, load_embedder, load_lm
@@ -14,12 +16,4 @@ _LAZY = {"LM": "shared_core.models", "load_lm": "shared_core.models",
          "load_embedder": "shared_core.models"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
-
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    msg = f"module 'shared_core' has no attribute {name!r}"
-    raise AttributeError(msg)
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())

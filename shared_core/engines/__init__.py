@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from shared_core._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from shared_core.engines.baseline import autoregressive_generate, speculative_generate
@@ -30,10 +31,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _LAZY:
-        msg = f"module 'shared_core.engines' has no attribute {name!r}"
-        raise AttributeError(msg)
-    value = getattr(importlib.import_module(_LAZY[name]), name)
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY, globals())
