@@ -1,10 +1,7 @@
-"""Device and dtype selection, and a clock that is honest on accelerators."""
+"""Device and dtype selection, and synchronisation so wall-clock timings cover queued kernels."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -74,15 +71,3 @@ def synchronize(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
     elif kind == "mps":
         torch.mps.synchronize()
-
-
-@contextmanager
-def timed(device: torch.device | str | None, out: list[float]) -> Iterator[None]:
-    """Append the synchronised wall time of the block, in seconds, to ``out``."""
-    synchronize(device)
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        synchronize(device)
-        out.append(time.perf_counter() - start)

@@ -103,12 +103,6 @@ class OutputTracker:
         return GenerationResult(self.text, list(self.token_ids), stats)
 
 
-def collect(blocks: Iterable[str]) -> None:
-    """Exhaust a text-delta stream (its final state is read from the tracker)."""
-    for _ in blocks:
-        pass
-
-
 def validate_prompt_ids(lm: LM, ids: Sequence[int], max_new_tokens: int) -> None:
     if len(ids) + max_new_tokens > lm.max_context:
         msg = (f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "

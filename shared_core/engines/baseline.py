@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from shared_core.config import GenerationConfig
+from shared_core.device import synchronize
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.kv import CacheKind, KVSession
@@ -120,6 +121,7 @@ class _Run:
         """Cache all prompt tokens but the last; return the last one (the first ``pending``)."""
         start = time.perf_counter()
         self.session.prefill(self.prompt_ids[:-1])
+        synchronize(self.lm.device)
         self.stats.prefill_s = time.perf_counter() - start
         return self.prompt_ids[-1]
 
