@@ -23,7 +23,7 @@ from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from pydantic import ConfigDict, Field, field_validator
 
-from shared_core.engines.registry import TOKEN_ENGINES, stream_engine
+from shared_core.engines.registry import check_engine, stream_engine
 from shared_core.serving import iterate_in_thread, loaded_model, lock_for
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
@@ -70,10 +70,7 @@ class ChatSpeculative(BaseChatModel):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str) -> str:
-        if value not in TOKEN_ENGINES:
-            msg = f"engine={value!r} is not one of {sorted(TOKEN_ENGINES)}"
-            raise ValueError(msg)
-        return value
+        return check_engine(value)
 
     @property
     def _llm_type(self) -> str:

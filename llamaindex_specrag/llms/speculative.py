@@ -32,7 +32,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from shared_core.engines.registry import TOKEN_ENGINES, stream_engine
+from shared_core.engines.registry import check_engine, stream_engine
 from shared_core.serving import iterate_in_thread, loaded_model, lock_for
 
 
@@ -63,10 +63,7 @@ class SpeculativeLLM(CustomLLM):
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str) -> str:
-        if value not in TOKEN_ENGINES:
-            msg = f"engine={value!r} is not one of {sorted(TOKEN_ENGINES)}"
-            raise ValueError(msg)
-        return value
+        return check_engine(value)
 
     @classmethod
     def class_name(cls) -> str:

@@ -26,11 +26,16 @@ TOKEN_ENGINES: dict[str, str] = {
 }
 
 
-def engine_function(name: str) -> Callable[..., TokenStream]:
+def check_engine(name: str) -> str:
+    """``name`` if it is a registered token engine, else a ValueError naming the choices."""
     if name not in TOKEN_ENGINES:
         msg = f"engine={name!r} is not one of {sorted(TOKEN_ENGINES)}"
         raise ValueError(msg)
-    module, attr = TOKEN_ENGINES[name].split(":")
+    return name
+
+
+def engine_function(name: str) -> Callable[..., TokenStream]:
+    module, attr = TOKEN_ENGINES[check_engine(name)].split(":")
     return getattr(importlib.import_module(module), attr)
 
 
