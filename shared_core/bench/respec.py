@@ -2,7 +2,8 @@
 
 Methods (one process, one model, same prompts, after a warm-up; prompt-major order so that a
 change of machine load hits every method alike): ``hf_generate``, ``hf_prompt_lookup``
-(``prompt_lookup_num_tokens=10``), ``autoregressive`` (ours), ``respec`` (strict),
+(``prompt_lookup_num_tokens=10``), ``autoregressive`` (ours), ``speculative`` (our generic loop
+with the prompt-lookup drafter, the decoding core's own baseline), ``respec`` (strict),
 ``respec_relaxed``; ``--ablations`` adds ``respec_no_trigger``, ``respec_first_match`` and
 ``respec_single_candidate``. Prompts are chat-templated first user turns (MT-Bench rows use their
 first turn only); speed-up = (new tokens / wall seconds) of a method over ``hf_generate``'s.
@@ -81,7 +82,8 @@ def load_prompts(lm: Any, categories: list[str], limit: int) -> list[_Sample]:
 def _methods(lm: Any, names: list[str], max_new: int) -> dict[str, Callable[[list[int]], Any]]:
     import torch
 
-    from shared_core.engines.baseline import autoregressive_generate
+    from shared_core.drafters.prompt_lookup import PromptLookupDrafter
+    from shared_core.engines.baseline import autoregressive_generate, speculative_generate
     from shared_core.engines.respec import respec_generate
 
     def hf(ids: list[int], **kw: Any) -> tuple[list[int], None]:
@@ -102,6 +104,7 @@ def _methods(lm: Any, names: list[str], max_new: int) -> dict[str, Callable[[lis
         "hf_generate": hf,
         "hf_prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
         "autoregressive": ours(autoregressive_generate),
+        "speculative": ours(lambda lm, ids, n: speculative_generate(lm, PromptLookupDrafter(), ids, n)),
         "respec": ours(respec_generate),
         "respec_relaxed": ours(respec_generate, verification="relaxed"),
     }
@@ -221,7 +224,7 @@ def _report(lm: Any, args: argparse.Namespace, names: list[str], categories: lis
 
     primary = "hf_generate" if "hf_generate" in names else names[0]
     checks = {n: [b for b in ("autoregressive", "hf_generate") if b != n]
-              for n in names if n.startswith("respec") or n == "autoregressive"}
+              for n in names if n.startswith("respec") or n in ("autoregressive", "speculative")}
     per_cat: dict[str, Any] = {}
     for cat in [*categories, "all"]:
         group = {m: (_merge([accs[(m, c)] for c in categories]) if cat == "all"
