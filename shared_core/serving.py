@@ -28,6 +28,24 @@ def loaded_model(model: str, device: str | None = None, dtype: str | None = None
         return _LOADED[key]
 
 
+def ralmspec_engine(model: str, retriever: Any, engine: Any, **knobs: Any) -> Any:
+    """A :class:`~shared_core.engines.ralmspec.RaLMSpec` with an adapter's knobs.
+
+    Derived from a prebuilt ``engine`` (its model, backend and other settings) when given, else
+    built over ``retriever`` on the shared model for ``model``.
+    """
+    from dataclasses import replace
+
+    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+
+    if engine is not None:
+        return RaLMSpec(engine.lm, engine.backend, replace(engine.config, **knobs))
+    if retriever is None:
+        msg = "retriever is required (or pass a prebuilt engine)"
+        raise ValueError(msg)
+    return RaLMSpec(loaded_model(model)[0], retriever, RaLMSpecConfig(**knobs))
+
+
 def lock_for(lm: Any) -> threading.Lock:
     """The shared lock of a model object the caller loaded itself."""
     with _LOAD_LOCK:

@@ -66,26 +66,14 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
     _engines: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
 
     def _engine(self) -> Any:
-        from dataclasses import replace
-
-        from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+        from shared_core.serving import ralmspec_engine
 
         knobs = {"retrieval_stride": self.retrieval_stride, "prefetch": self.prefetch,
                  "speculation_stride": self.speculation_stride, "scheduler": self.scheduler,
                  "async_verify": self.async_verify}
         key = tuple(knobs.values())
         if key not in self._engines:
-            if self.engine is not None:
-                self._engines[key] = RaLMSpec(self.engine.lm, self.engine.backend,
-                                              replace(self.engine.config, **knobs))
-            else:
-                if self.retriever is None:
-                    msg = "retriever is required (or pass a prebuilt engine)"
-                    raise ValueError(msg)
-                from shared_core.models import load_lm
-
-                self._engines[key] = RaLMSpec(load_lm(self.model), self.retriever,
-                                              RaLMSpecConfig(**knobs))
+            self._engines[key] = ralmspec_engine(self.model, self.retriever, self.engine, **knobs)
         return self._engines[key]
 
     def _stream(self, question: str) -> Any:

@@ -46,25 +46,13 @@ class RaLMSpecQueryEngine(CustomQueryEngine):
     _built: Any = PrivateAttr(default=None)
 
     def _engine(self) -> Any:
-        from dataclasses import replace
-
-        from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+        from shared_core.serving import ralmspec_engine
 
         if self._built is None:
-            knobs = {"prefetch": self.prefetch, "scheduler": self.scheduler,
-                     "async_verify": self.async_verify,
-                     "speculation_stride": self.speculation_stride}
-            if self.engine is not None:
-                self._built = RaLMSpec(self.engine.lm, self.engine.backend,
-                                       replace(self.engine.config, **knobs))
-            elif self.retriever is None:
-                msg = "retriever is required (or pass a prebuilt engine)"
-                raise ValueError(msg)
-            else:
-                from shared_core.models import load_lm
-
-                self._built = RaLMSpec(load_lm(self.model), self.retriever,
-                                       RaLMSpecConfig(**knobs))
+            self._built = ralmspec_engine(
+                self.model, self.retriever, self.engine, prefetch=self.prefetch,
+                scheduler=self.scheduler, async_verify=self.async_verify,
+                speculation_stride=self.speculation_stride)
         return self._built
 
     def custom_query(self, query_str: str) -> Response:

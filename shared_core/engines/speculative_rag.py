@@ -577,9 +577,9 @@ def _load(model: LM | str) -> LM:
         from shared_core.train_drafter import load_tuned_drafter
 
         return load_tuned_drafter(model)
-    from shared_core.models import load_lm
+    from shared_core.serving import loaded_model
 
-    return load_lm(model)
+    return loaded_model(model)[0]  # shared with the other adapters of this process
 
 
 def check_model_name(name: Any, param: str) -> None:
