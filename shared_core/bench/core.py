@@ -89,12 +89,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     prompts = spec_bench(args.limit, args.tasks)
     encoded = [lm.prompt_ids([{"role": "user", "content": p.turns[0]}]) for p in prompts]
     methods = methods_for(lm, args.max_new_tokens, args.draft_tokens)
-    if args.bf16:
+    if args.methods:
+        methods = {name: fn for name, fn in methods.items() if name in args.methods}
+    if args.bf16:  # asked for explicitly, so not subject to --methods
         lm_bf16 = load_lm(args.model, dtype="bfloat16")
         methods["autoregressive_bf16"] = lambda ids: (
             autoregressive_generate(lm_bf16, ids, args.max_new_tokens).token_ids, {})
-    if args.methods:
-        methods = {name: fn for name, fn in methods.items() if name in args.methods}
     for name, fn in methods.items():  # warm-up: one short prompt through every method
         fn(encoded[0][:64])
         logger.info("warmed up %s", name)
