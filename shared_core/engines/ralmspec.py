@@ -631,8 +631,9 @@ class _Speculator:
             steps.append(self.speculate())
         recent = self.step_times[-len(steps):]
         a = sum(recent) / len(recent)
-        # 2. verify all queries in one batched call (+ one overlapped speculation step)
-        true_hits, extra, b = self._verify(steps)
+        # 2. verify all queries in one batched call (+ one overlapped speculation step, unless
+        #    OS³ chose s = 0: then the carried step is verified alone and plain steps follow)
+        true_hits, extra, b = self._verify(steps, overlap=s > 0)
         # 3. accept the longest prefix of steps whose document is the true top-1
         n_ok = _accepted_steps(steps, true_hits)
         for hits in true_hits:
@@ -673,10 +674,11 @@ class _Speculator:
         self.stride = self.scheduler.next_stride()
         return self._commit(len(decoder.generated))
 
-    def _verify(self, steps: list[_Step]) -> tuple[list[list[Hit]], _Step | None, float]:
+    def _verify(self, steps: list[_Step], *, overlap: bool
+                ) -> tuple[list[list[Hit]], _Step | None, float]:
         call, decoder = self.call, self.call.decoder
         encoded = [st.encoded for st in steps]
-        if self.pool is None or decoder.finished:
+        if self.pool is None or decoder.finished or not overlap:
             start = time.perf_counter()
             hits = call.retrieve(encoded, call.config.verify_k)
             return hits, None, time.perf_counter() - start
