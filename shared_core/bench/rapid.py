@@ -257,14 +257,13 @@ def _load(args: argparse.Namespace) -> tuple[Any, Any]:
 
     from shared_core.models import load_embedder, load_lm
 
-    # 1 thread unless asked: on a loaded shared 2-core machine it is far faster than 2.
+    # 1 thread unless asked: on a shared 2-core machine 2 threads can be far slower than 1.
     torch.set_num_threads(getattr(args, "threads", None) or 1)
     return load_lm(args.model), load_embedder()
 
 
 def _machine() -> dict[str, Any]:
-    return {"loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count(),
-            "note": "shared 2-core machine, other jobs running; timings are indicative"}
+    return {"loadavg_at_start": [round(x, 2) for x in os.getloadavg()], "cpu_count": os.cpu_count()}
 
 
 def run_accuracy(args: argparse.Namespace, task: str) -> dict[str, Any]:
@@ -377,8 +376,7 @@ def plot_sweep(rows: list[dict[str, Any]], out: str | None, threads: int = 1) ->
         ax.set_xlabel("context tokens")
         ax.set_xscale("log", base=2)
         ax.legend()
-    fig.suptitle(f"RAPID context-length sweep (SmolLM2-135M, CPU, {threads} thread(s), "
-                 "shared loaded machine)")
+    fig.suptitle(f"RAPID context-length sweep (SmolLM2-135M, CPU, {threads} thread(s))")
     fig.tight_layout()
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=120)
