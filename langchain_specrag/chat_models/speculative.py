@@ -28,6 +28,8 @@ from shared_core.serving import iterate_in_thread, loaded_model, lock_for
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
           "function": "tool", "developer": "system"}
+
+
 def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     """LangChain messages as ``{"role", "content"}`` dicts for the model's chat template."""
     out = []

@@ -182,4 +182,3 @@ class SpeculativeLLM(CustomLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
                            ) -> ChatResponseAsyncGen:
         return iterate_in_thread(self._stream_chat(messages, kwargs))
-

@@ -62,7 +62,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--knn-k", default="1,16,256,1024")
     parser.add_argument("--knn-datastore-tokens", type=int, default=60_000)
     parser.add_argument("--knn-pad", type=int, default=0)
-    parser.add_argument("--knn-gamma-max", type=float, default=0.6, help="OS³ cap for KNN-LM")
+    parser.add_argument("--knn-gamma-max", type=float, default=None,
+                        help="OS³ cap for KNN-LM (default: KNNLMConfig's)")
     parser.add_argument("--knn-fixed-stride", type=int, default=0,
                         help="KNN-LM speculation stride without OS³ (0: use OS³)")
     parser.add_argument("--cache-dir", default=os.path.join(os.sep, "tmp", "specrag-ralmspec"))

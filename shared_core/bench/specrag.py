@@ -22,8 +22,8 @@ prompt), ``drafter_only`` (best ρ_draft, no verifier), ``specrag`` and, with ``
 same-cluster subsets) and ``--grid`` the m ∈ {5, 10} x k ∈ {1, 2, 4} sweep. Drafting is greedy,
 so ``drafter_only`` and the score ablations (each score removed, random selection; always
 reported) re-select among the very drafts and scores of the ``specrag`` run instead of drafting
-again; their latency is the specrag latency, minus the
-verifier's time where the variant needs no verifier. Subset ablations and the grid draft anew.
+again; their latency is the specrag latency, minus the verifier's time where the variant needs
+no verifier. Subset ablations and the grid draft anew.
 Every method's latency per question is its own wall time plus the (shared, measured once)
 retrieval time of that question.
 """

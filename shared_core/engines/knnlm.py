@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -376,10 +376,14 @@ def run_benchmark(args: Any) -> dict[str, Any]:
     prompts = [[{"role": "user", "content": r["question"]}] for r in rows]
     methods: dict[str, MethodResult] = {}
     speedup: dict[str, float] = {}
+    base = KNNLMConfig()
+    fixed = getattr(args, "knn_fixed_stride", 0)
+    knobs: dict[str, Any] = {"scheduler": not fixed,
+                             "speculation_stride": fixed or base.speculation_stride}
+    if getattr(args, "knn_gamma_max", None) is not None:
+        knobs["gamma_max"] = args.knn_gamma_max
     for k in (int(x) for x in args.knn_k.split(",")):
-        fixed = getattr(args, "knn_fixed_stride", 0)
-        config = KNNLMConfig(k=k, gamma_max=getattr(args, "knn_gamma_max", 0.6),
-                             scheduler=not fixed, speculation_stride=fixed or 4)
+        config = replace(base, k=k, **knobs)
         for name, speculative in (("baseline", False), ("RaLMSpec", True)):
             knnlm_generate(lm, store, prompts[0], args.max_new_tokens, config=config,
                            speculative=speculative)  # warm-up
