@@ -53,25 +53,45 @@ def lock_for(lm: Any) -> threading.Lock:
 
 
 async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
-    """Drive a blocking iterator on a worker thread; the event loop stays free."""
+    """Drive a blocking iterator on a worker thread; the event loop stays free.
+
+    When the consumer stops early (``break``, cancellation, ``aclose``), the worker stops before
+    its next item and closes ``items``, so a generation nobody reads does not hold the model.
+    """
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+    stopped = threading.Event()
+
+    def post(kind: str, value: Any) -> None:
+        if not stopped.is_set():
+            try:
+                loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
+            except RuntimeError:  # the loop closed under us: nobody is listening
+                stopped.set()
 
     def pump() -> None:
         try:
             for item in items:
-                loop.call_soon_threadsafe(queue.put_nowait, ("item", item))
+                if stopped.is_set():
+                    break
+                post("item", item)
         except BaseException as e:  # re-raised in the event loop
-            loop.call_soon_threadsafe(queue.put_nowait, ("error", e))
+            post("error", e)
         else:
-            loop.call_soon_threadsafe(queue.put_nowait, ("done", None))
+            post("done", None)
+        finally:
+            if stopped.is_set() and hasattr(items, "close"):
+                items.close()
 
     threading.Thread(target=pump, daemon=True, name="specrag-generate").start()
-    while True:
-        kind, value = await queue.get()
-        if kind == "item":
-            yield value
-        elif kind == "error":
-            raise value
-        else:
-            return
+    try:
+        while True:
+            kind, value = await queue.get()
+            if kind == "item":
+                yield value
+            elif kind == "error":
+                raise value
+            else:
+                return
+    finally:
+        stopped.set()

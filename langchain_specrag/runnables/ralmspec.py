@@ -114,11 +114,20 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
         yield from self._transform_stream_with_config(iter([input]), self._deltas, config,
                                                       **kwargs)
 
+    async def _adeltas(self, inputs: AsyncIterator[Any]) -> AsyncIterator[str]:
+        from shared_core.serving import iterate_in_thread
+
+        async for value in inputs:
+            question = _question(value)
+            async for delta in iterate_in_thread(self._deltas(iter([question]))):
+                yield delta
+
     async def astream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                       **kwargs: Any) -> AsyncIterator[str]:
-        stream = await asyncio.to_thread(self._stream, _question(input))
-        while True:
-            delta = await asyncio.to_thread(next, stream, None)
-            if delta is None:
-                return
+        """``stream`` on a worker thread (traced as one run); stops when the consumer does."""
+        async def one() -> AsyncIterator[Any]:
+            yield input
+
+        async for delta in self._atransform_stream_with_config(one(), self._adeltas, config,
+                                                               **kwargs):
             yield delta

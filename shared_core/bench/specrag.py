@@ -10,8 +10,10 @@ Datasets (from ``$SPECRAG_DATA_DIR``, default ``../shared/data``), each with its
   Evaluation questions come from the articles in :data:`SQUAD_EVAL_TITLES` (the first six in
   file order); the drafter trains on the other six.
 * ``pubhealth``: the true/false PubHealth claims (test subset first, then dev), as in Self-RAG;
-  retrieval from ~120-word chunks of all 172 PubHealth articles; metric = label match (the first
-  of "true"/"false" in the answer).
+  retrieval from ~120-word chunks of all 172 PubHealth articles; metric = label match, the verdict
+  read by :func:`claim_label` (first cue wins: "false", "incorrect", "not correct", "no"… vs
+  "true", "correct", "yes"…), since small models answer "The statement is not correct" as often
+  as "false". The report records the majority-label rate as the trivial baseline.
 
 ARC-Challenge is not included: ``../shared/data`` has no corpus for it (Self-RAG retrieves
 from Wikipedia), so retrieval would only add noise.
@@ -32,11 +34,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import random
 import re
 import statistics
 import string
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -145,10 +149,23 @@ def normalize(text: str) -> str:
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
 
+_FALSE_WORDS = re.compile(r"\b(?:not\s+(?:true|correct|accurate)|incorrect|inaccurate|untrue|false|"
+                          r"no|misleading|wrong)\b")
+_TRUE_WORDS = re.compile(r"\b(?:true|correct|accurate|yes|right)\b")
+
+
+def claim_label(prediction: str) -> str | None:
+    """"true"/"false" from a free-text verdict: whichever cue comes first ("not correct",
+    "incorrect", "no", "false"… vs "correct", "yes", "true"…); None without any cue."""
+    text = prediction.lower()
+    cues = [(m.start(), "false") for m in [_FALSE_WORDS.search(text)] if m]
+    cues += [(m.start(), "true") for m in [_TRUE_WORDS.search(text)] if m]
+    return min(cues)[1] if cues else None
+
+
 def is_correct(dataset: str, prediction: str, gold: list[str]) -> bool:
     if dataset == "pubhealth":
-        found = re.findall(r"\b(true|false)\b", prediction.lower())
-        return bool(found) and found[0] == gold[0]
+        return claim_label(prediction) == gold[0]
     pred = normalize(prediction)
     return any(normalize(g) and normalize(g) in pred for g in gold)
 
@@ -302,6 +319,8 @@ def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG
                "limit": args.limit, "corpus_size": state.corpus_size,
                "mean_retrieve_s": statistics.fmean(retrieve_s),
                "latency_note": "per question: method wall time + shared retrieval time",
+               "majority_label_rate": _majority_rate(questions),
+               "load_average": [round(x, 2) for x in os.getloadavg()],
                "examples": [{"id": q["id"], "question": q["question"], "gold": q["gold"],
                              **{m: r.outputs[i] for m, r in results.items()}}
                             for i, q in enumerate(questions)]})
@@ -310,6 +329,12 @@ def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG
         report["speedup"] = {m: round(base["wall_s"] / r["wall_s"], 3)
                              for m, r in report["methods"].items() if r["wall_s"] > 0}
     return report
+
+
+def _majority_rate(questions: list[dict[str, Any]]) -> float:
+    """Accuracy of always giving the most common first gold answer (the trivial baseline)."""
+    counts = Counter(q["gold"][0] for q in questions)
+    return round(max(counts.values()) / len(questions), 4)
 
 
 def _path(pattern: str | None, dataset: str, several: bool) -> str | None:
