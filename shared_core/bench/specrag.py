@@ -185,7 +185,7 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
     }
     if args.tuned:
         tuned = SpeculativeRAG(args.drafter + "+specrag", engine.verifier,
-                               embedder=engine.embedder, config=cfg)
+                               embedder=engine.embedder, config=cfg, dtype=engine.dtype)
         methods["specrag_tuned"] = (tuned.answer, n_docs)
     if args.ablations:
         for name, change in SUBSET_ABLATIONS.items():
@@ -257,6 +257,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default="smollm2-135m-instruct")
     parser.add_argument("--verifier", default="gemma-3-270m")
     parser.add_argument("--embedder", default="all-minilm-l6-v2")
+    parser.add_argument("--dtype", default=None,
+                        help="dtype of every model (all methods alike); default fp32 on CPU")
     parser.add_argument("--num-drafts", type=int, default=SpeculativeRAGConfig.num_drafts)
     parser.add_argument("--docs-per-draft", type=int, default=SpeculativeRAGConfig.docs_per_draft)
     parser.add_argument("--retrieve-k", type=int, default=SpeculativeRAGConfig.retrieve_k)
@@ -312,7 +314,8 @@ def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG
     cfg = engine.config
     report = make_report(
         engine="specrag", dataset=state.name, device=str(engine.drafter.device), methods=results,
-        models={"drafter": args.drafter, "verifier": args.verifier, "embedder": args.embedder},
+        models={"drafter": args.drafter, "verifier": args.verifier, "embedder": args.embedder,
+                "dtype": str(engine.drafter.dtype)},
         primary_baseline="rag_verifier" if "rag_verifier" in results else next(iter(results)),
         extra={"config": {"num_drafts": cfg.num_drafts, "docs_per_draft": cfg.docs_per_draft,
                           "retrieve_k": cfg.retrieve_k, "max_draft_tokens": cfg.max_draft_tokens},
@@ -361,7 +364,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     config = SpeculativeRAGConfig(num_drafts=args.num_drafts, docs_per_draft=args.docs_per_draft,
                                   retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens)
     engine = SpeculativeRAG(args.drafter, args.verifier, embedder=load_embedder(args.embedder),
-                            config=config)
+                            config=config, dtype=args.dtype)
     methods = build_methods(engine, args)
     states = [_prepare(name, args, engine, methods, warm_up=i == 0) for i, name in enumerate(names)]
     reports: dict[str, dict[str, Any]] = {}

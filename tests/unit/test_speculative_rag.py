@@ -219,6 +219,8 @@ def test_unknown_model_and_bad_config():
         SpeculativeRAGConfig(num_drafts=0)
     with pytest.raises(ValueError, match="subset_strategy"):
         SpeculativeRAGConfig(subset_strategy="kmeans")
+    with pytest.raises(ValueError, match="dtype='int8'"):
+        SpeculativeRAG("smollm2-135m-instruct", dtype="int8")
     with pytest.raises(ValueError, match="documents is None"):
         check_inputs("q", None, SpeculativeRAGConfig()) and SpeculativeRAG(
             "smollm2-135m-instruct")._documents("q", None, None, 3)
@@ -386,6 +388,11 @@ def test_bench_metrics_and_reselection():
     assert not is_correct("nq", "Henry Moseley", ["Wilhelm Conrad Röntgen"])
     assert is_correct("pubhealth", "True, the claim holds", ["true"])
     assert not is_correct("pubhealth", "false or true", ["true"])
+    assert is_correct("pubhealth", "The statement is not correct.", ["false"])
+    assert is_correct("pubhealth", "The statement is correct", ["true"])
+    assert is_correct("pubhealth", "No, vaping is not banned", ["false"])
+    assert not is_correct("pubhealth", "Vaping bans in India", ["true"])  # no verdict cue
+    assert not is_correct("pubhealth", "Notably the claim is incorrect", ["true"])  # not "no"
     drafts = (Draft("a", "", "", ("d0",), (0,), True, log_draft=-1.0, log_self_contain=-9.0,
                     log_self_reflect=-1.0, score=-11.0),
               Draft("b", "", "", ("d1",), (1,), True, log_draft=-5.0, log_self_contain=-2.0,
