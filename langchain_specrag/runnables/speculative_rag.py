@@ -56,6 +56,7 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         retriever: any LangChain retriever (called with child callbacks, so its run nests).
         drafter / verifier: model names for :func:`shared_core.load_lm` (or pass ``engine``).
         num_drafts / docs_per_draft / retrieve_k: m, k and the number of retrieved documents.
+        dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
         with_details: return a dict (answer, rationale, drafts, scores, documents, stats).
         engine: a prebuilt :class:`shared_core.engines.SpeculativeRAG` (shares loaded models).
     """
@@ -65,6 +66,7 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     retriever: BaseRetriever | None = None
     drafter: str = "smollm2-135m-instruct"
     verifier: str | None = "gemma-3-270m"
+    dtype: str | None = None
     num_drafts: int = 5
     docs_per_draft: int = 2
     retrieve_k: int = 10
@@ -76,7 +78,8 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         """The engine for the current knobs (built lazily, cached; shares models if given)."""
         from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 
-        key = (self.drafter, self.verifier, self.num_drafts, self.docs_per_draft, self.retrieve_k)
+        key = (self.drafter, self.verifier, self.dtype, self.num_drafts, self.docs_per_draft,
+               self.retrieve_k)
         if key not in self._engines:
             base = self.engine
             config = SpeculativeRAGConfig(num_drafts=self.num_drafts,
@@ -89,7 +92,8 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
                                  docs_per_draft=self.docs_per_draft, retrieve_k=self.retrieve_k)
                 self._engines[key] = base.with_config(config)
             else:
-                self._engines[key] = SpeculativeRAG(self.drafter, self.verifier, config=config)
+                self._engines[key] = SpeculativeRAG(self.drafter, self.verifier, config=config,
+                                                    dtype=self.dtype)
         return self._engines[key]
 
     def _output(self, result: SpeculativeRAGResult) -> SpeculativeRAGOutput:

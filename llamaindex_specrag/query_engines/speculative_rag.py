@@ -35,6 +35,7 @@ class SpeculativeRAGQueryEngine(BaseQueryEngine):
             docs_per_draft``; 10 in the paper's setting).
         drafter / verifier: model names for :func:`shared_core.load_lm`.
         num_drafts / docs_per_draft: m and k.
+        dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
         engine: a prebuilt :class:`shared_core.engines.speculative_rag.SpeculativeRAG`
             (overrides drafter/verifier/num_drafts/docs_per_draft).
         callback_manager: LlamaIndex callback manager.
@@ -42,13 +43,14 @@ class SpeculativeRAGQueryEngine(BaseQueryEngine):
 
     def __init__(self, retriever: BaseRetriever, *, drafter: str = "smollm2-135m-instruct",
                  verifier: str | None = "gemma-3-270m", num_drafts: int = 5,
-                 docs_per_draft: int = 2, engine: SpeculativeRAG | None = None,
+                 docs_per_draft: int = 2, dtype: str | None = None,
+                 engine: SpeculativeRAG | None = None,
                  callback_manager: CallbackManager | None = None) -> None:
         if engine is None:
             from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 
             config = SpeculativeRAGConfig(num_drafts=num_drafts, docs_per_draft=docs_per_draft)
-            engine = SpeculativeRAG(drafter, verifier, config=config)
+            engine = SpeculativeRAG(drafter, verifier, config=config, dtype=dtype)
         self._retriever = retriever
         self._engine = engine
         self._lock = threading.Lock()
