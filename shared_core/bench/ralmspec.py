@@ -48,6 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=10, help="questions (after 1 warm-up)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default=None, help="LM dtype (default fp32 on CPU)")
     parser.add_argument("--retrievers", default="exact,hnsw,bm25")
     parser.add_argument("--methods", default="base,+P,+S,+A,+PSA")
     parser.add_argument("--pad", type=int, default=1_000_000, help="exact index size target")
@@ -182,7 +183,7 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
     from shared_core.models import load_lm
 
-    lm = load_lm(args.model)
+    lm = load_lm(args.model, dtype=args.dtype)
     corpus, rows = _load(args.limit)
     warmup, questions = rows[0]["question"], [r["question"] for r in rows[1:]]
     base = RaLMSpecConfig(speculation_stride=args.speculation_stride, prefetch_k=args.prefetch_k)
@@ -206,7 +207,8 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
         del retriever, engines
     identical = {m: [f"{m.split('/')[0]}/RaLMSeq"] for m in methods if "RaLMSeq" not in m}
     report = make_report(engine="ralmspec", dataset="nq_open_oracle", device=str(lm.device),
-                         models={"lm": lm.name, "embedder": "all-minilm-l6-v2"}, methods=methods,
+                         models={"lm": lm.name, "dtype": str(lm.dtype),
+                                 "embedder": "all-minilm-l6-v2"}, methods=methods,
                          primary_baseline=f"{args.retrievers.split(',')[0]}/RaLMSeq",
                          identical_to=identical,
                          extra={"retrievers": setups, "questions": len(questions),

@@ -358,7 +358,7 @@ def run_benchmark(args: Any) -> dict[str, Any]:
     from shared_core.bench.common import MethodResult, data_dir, make_report, read_jsonl
     from shared_core.models import load_lm
 
-    lm = load_lm(args.model)
+    lm = load_lm(args.model, dtype=args.dtype)
     folder = data_dir() / "nq_open_oracle"
     corpus = [f"{r['title']}: {r['text']}" for r in read_jsonl(folder / "corpus.jsonl")]
     path = os.path.join(args.cache_dir, f"knnlm-{args.knn_datastore_tokens}.npz")
