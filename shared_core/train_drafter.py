@@ -50,7 +50,7 @@ ADAPTERS: dict[str, tuple[str, Path]] = {
 
 def load_tuned_drafter(name: str, dtype: str | None = None) -> LM:
     """Base model + shipped LoRA adapter, merged in float32 (no peft wrapper left at inference),
-    then cast to ``dtype`` when one is asked for."""
+    then cast to ``dtype`` (``None``: the device default, as :func:`load_lm` picks)."""
     if name not in ADAPTERS:
         msg = f"drafter={name!r} has no tuned adapter; known: {', '.join(sorted(ADAPTERS))}"
         raise ValueError(msg)
@@ -61,14 +61,12 @@ def load_tuned_drafter(name: str, dtype: str | None = None) -> LM:
         raise ValueError(msg)
     from peft import PeftModel
 
+    from shared_core.device import resolve_dtype
     from shared_core.models import load_lm, wrap_lm
 
     lm = load_lm(base, dtype="float32")
     model = PeftModel.from_pretrained(lm.model, str(folder)).merge_and_unload()
-    if dtype is not None:
-        from shared_core.device import resolve_dtype
-
-        model.to(resolve_dtype(dtype, lm.device))
+    model.to(resolve_dtype(dtype, lm.device))  # None: the device default (bf16 on CUDA)
     return wrap_lm(model, lm.tokenizer, name=name)
 
 
