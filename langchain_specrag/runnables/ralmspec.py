@@ -19,6 +19,8 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from pydantic import ConfigDict, Field, PrivateAttr
 from typing_extensions import TypedDict
 
+from shared_core.serving import iterate_in_thread
+
 
 class RaLMSpecInput(TypedDict):
     question: str
@@ -115,11 +117,8 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
                                                       **kwargs)
 
     async def _adeltas(self, inputs: AsyncIterator[Any]) -> AsyncIterator[str]:
-        from shared_core.serving import iterate_in_thread
-
         async for value in inputs:
-            question = _question(value)
-            async for delta in iterate_in_thread(self._deltas(iter([question]))):
+            async for delta in iterate_in_thread(self._deltas(iter([value]))):
                 yield delta
 
     async def astream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
