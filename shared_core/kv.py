@@ -121,6 +121,20 @@ def keep_positions(cache: Cache, start: int, positions: torch.Tensor) -> None:
             layer.values = layer.values.index_select(2, keep)
 
 
+def gather_positions(source: Cache, positions: torch.Tensor, kind: CacheKind) -> Cache:
+    """A new cache holding ``source``'s keys/values at ``positions`` (ascending), in order.
+
+    The keys keep the rotary phase of their original positions, so a session on the result
+    must feed new tokens at their original positions too (:attr:`KVSession.position_offset`).
+    """
+    cache = make_cache(kind)
+    for layer_idx, layer in enumerate(source.layers):
+        if layer.is_initialized:
+            cache.update(layer.keys.index_select(2, positions),
+                         layer.values.index_select(2, positions), layer_idx)
+    return cache
+
+
 def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dtype
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """4D additive mask ``[1, 1, n, prefix + n]`` and depths ``[n]`` for a token tree.
@@ -147,7 +161,10 @@ def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dt
 class KVSession:
     """One model, one growing token sequence and its KV cache.
 
-    ``tokens`` always lists exactly the ids whose keys/values are cached.
+    ``tokens`` always lists exactly the ids whose keys/values are cached. ``position_offset``
+    shifts the rotary position of every token fed from now on (default 0: token ``i`` is at
+    position ``i``); a session started from :meth:`from_positions` uses it to continue at the
+    source's positions.
     """
 
     def __init__(self, lm: LM, *, cache: CacheKind = "prealloc", prefill_chunk: int = 2048):
@@ -160,6 +177,26 @@ class KVSession:
         self.cache = make_cache(cache)
         self.tokens: list[int] = []
         self.forwards = 0
+        self.position_offset = 0
+
+    @torch.inference_mode()
+    def copy_positions(self, source: KVSession, positions: Sequence[int]) -> None:
+        """Hold ``source``'s cached tokens at ``positions`` (ascending), dropping the rest.
+
+        For sparse-context self-drafting: the keys keep their rotary phases, and the next token
+        fed gets the position right after ``source``'s last one (``position_offset``).
+        """
+        if source.lm is not self.lm:
+            msg = "copy_positions needs a source session on the same model"
+            raise ValueError(msg)
+        index = torch.tensor(list(positions), dtype=torch.long, device=self.lm.device)
+        if index.numel() and (bool((index[1:] <= index[:-1]).any()) or int(index[0]) < 0
+                              or int(index[-1]) >= len(source)):
+            msg = f"positions must be ascending and within the source's {len(source)} tokens"
+            raise ValueError(msg)
+        self.cache = gather_positions(source.cache, index, self.kind)
+        self.tokens = [source.tokens[i] for i in index.tolist()]
+        self.position_offset = len(source) - len(self.tokens)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -167,11 +204,15 @@ class KVSession:
     def _forward(self, ids: Sequence[int], *, logits_to_keep: int,
                  attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        if len(self.tokens) + len(ids) > self.lm.max_context:
-            msg = (f"sequence of {len(self.tokens) + len(ids)} tokens exceeds the model window of "
+        end = len(self.tokens) + self.position_offset + len(ids)
+        if end > self.lm.max_context:
+            msg = (f"sequence of {end} tokens exceeds the model window of "
                    f"{self.lm.max_context}; shorten the prompt or lower max_new_tokens")
             raise ValueError(msg)
         input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.lm.device)
+        if position_ids is None and self.position_offset:
+            start = len(self.tokens) + self.position_offset
+            position_ids = torch.arange(start, start + len(ids), device=self.lm.device)[None]
         out = self.lm.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
                             attention_mask=attention_mask, position_ids=position_ids,
                             logits_to_keep=logits_to_keep)
@@ -212,7 +253,7 @@ class KVSession:
         mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype)
         logits = self._forward(ids, logits_to_keep=len(ids),
                                attention_mask=mask.to(self.lm.device),
-                               position_ids=(prefix + depth)[None].to(self.lm.device))
+                               position_ids=(prefix + self.position_offset + depth)[None].to(self.lm.device))
         self.tokens.extend(ids)
         self._tree_prefix = prefix
         return logits
@@ -245,6 +286,7 @@ class KVSession:
     def reset(self) -> None:
         self.cache = make_cache(self.kind)
         self.tokens = []
+        self.position_offset = 0
 
     def sync(self, ids: Sequence[int]) -> list[int]:
         """Roll back to the longest common prefix with ``ids``; return the ids still to feed."""

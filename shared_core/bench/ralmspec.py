@@ -120,7 +120,7 @@ def build_retriever(kind: str, corpus: list[Any], args: argparse.Namespace) -> t
         target = args.hnsw_pad
     dense.add(corpus, vectors=_doc_vectors(dense, corpus, args.cache_dir))
     dense.add_padding(max(0, target - len(corpus)))
-    search = (f"single queries: faiss scan, batches >= {args.gemm_min_batch}: one numpy GEMM "
+    search = (f"single queries: faiss scan, batches >= {args.gemm_min_batch}: one PyTorch GEMM "
               "pass" if kind == "exact" else f"efConstruction {args.hnsw_ef_construction}")
     return dense, (f"faiss {'IndexFlatIP' if kind == 'exact' else 'IndexHNSWFlat'} over "
                    f"{len(corpus)} MiniLM passage vectors + {dense.num_padding} random unit "

@@ -64,6 +64,11 @@ class Method:
     method: str
     eta: float = 0.0
     gamma: int | None = None  # None = the decoder's config
+    drafter_kv: str = "own"  # "own" (paper: drafter prefills its RAG prompt) or "target"
+
+    def options(self) -> dict[str, Any]:
+        return {"method": self.method, "eta": self.eta, "gamma": self.gamma,
+                "drafter_kv": self.drafter_kv}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -72,6 +77,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--etas", default="1,5,20", help="η values of the rapid methods")
     parser.add_argument("--gamma", type=int, default=10)
+    parser.add_argument("--drafter-kv", default="own",
+                        help="drafter KV modes to run (own,target): 'target' adds sd/rapid "
+                             "rows whose drafter reuses the target's KV (suffix _shared)")
+    parser.add_argument("--methods", default=None,
+                        help="only these method names (comma list; default: all)")
     parser.add_argument("--lengths", default="1024,2048,4096,7900", help="sweep context tokens")
     parser.add_argument("--sweep-rag", default="512,512,1024,2048",
                         help="drafter retrieval tokens per sweep length")
@@ -86,6 +96,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _floats(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
+
+
+def _words(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
 
 
 def _ints(text: str) -> list[int]:
@@ -191,12 +205,27 @@ def contains_answer(text: str, answers: Sequence[str]) -> bool:
 # ---------------------------------------------------------------------------- measurement
 
 
-def _methods(etas: Sequence[float], with_rag: bool = True) -> list[Method]:
+def _methods(etas: Sequence[float], kv_modes: Sequence[str] = ("own",),
+             gammas: Sequence[int | None] = (None,), with_rag: bool = True,
+             only: str | None = None) -> list[Method]:
+    """Baselines, then sd and rapid (per η) for every drafter-KV mode and γ."""
     methods = [Method("long_context", "long_context")]
     if with_rag:
         methods.append(Method("rag", "rag"))
-    methods.append(Method("sd", "sd"))
-    methods += [Method(f"rapid_eta{eta:g}", "rapid", eta) for eta in etas]
+    for kv in kv_modes:
+        suffix = "" if kv == "own" else "_shared"
+        methods.append(Method(f"sd{suffix}", "sd", 0.0, None, kv))
+        for gamma in gammas:
+            g = "" if gamma is None else f"_g{gamma}"
+            methods += [Method(f"rapid_eta{eta:g}{g}{suffix}", "rapid", eta, gamma, kv)
+                        for eta in etas]
+    if only:
+        wanted = [name.strip() for name in only.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - {m.name for m in methods})
+        if unknown:
+            msg = f"--methods: unknown {unknown}; available: {[m.name for m in methods]}"
+            raise ValueError(msg)
+        methods = [m for m in methods if m.name in wanted]
     return methods
 
 
@@ -227,8 +256,7 @@ def evaluate(decoder: Any, items: list[Item], methods: list[Method], max_new_tok
     stats: dict[str, list[dict[str, Any]]] = {m.name: [] for m in methods}
     texts: dict[str, list[str]] = {m.name: [] for m in methods}
     for m in methods:  # warm-up (not timed)
-        decoder.generate(items[0].context, items[0].query, 4, method=m.method, eta=m.eta,
-                         gamma=m.gamma)
+        decoder.generate(items[0].context, items[0].query, 4, **m.options())
     context_prefill_s, loaded = 0.0, None
     for item in tqdm(items, desc="questions", disable=not progress):
         if item.context != loaded:
@@ -237,8 +265,7 @@ def evaluate(decoder: Any, items: list[Item], methods: list[Method], max_new_tok
         for m in methods:
             decoder.forget_queries()  # each method pays its own query + retrieved-context prefill
             start = time.perf_counter()
-            out = decoder.generate(item.context, item.query, max_new_tokens, method=m.method,
-                                   eta=m.eta, gamma=m.gamma)
+            out = decoder.generate(item.context, item.query, max_new_tokens, **m.options())
             results[m.name].wall_s += time.perf_counter() - start
             results[m.name].new_tokens += len(out.token_ids)
             results[m.name].outputs.append(out.token_ids)
@@ -279,7 +306,7 @@ def run_accuracy(args: argparse.Namespace, task: str) -> dict[str, Any]:
         items = nq_long_items(root, embedder, lm.tokenizer, args.limit, args.seed)
         scorer = lambda t, it: contains_answer(t, it.answers)  # noqa: E731
     decoder = RapidDecoder(lm, embedder=embedder, config=RapidConfig(gamma=args.gamma))
-    methods = _methods(_floats(args.etas))
+    methods = _methods(_floats(args.etas), _words(args.drafter_kv), only=args.methods)
     results, extra = evaluate(decoder, items, methods, args.max_new_tokens, scorer)
     identical = {m.name: ["long_context"] for m in methods if m.method in ("sd", "rapid")}
     machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -289,6 +316,7 @@ def run_accuracy(args: argparse.Namespace, task: str) -> dict[str, Any]:
         device=str(lm.device), methods=results, primary_baseline="long_context",
         identical_to=identical,
         extra={"config": {"gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
+                          "drafter_kv": _words(args.drafter_kv),
                           "etas": _floats(args.etas), "seed": args.seed,
                           "rapid_defaults": dataclasses.asdict(RapidConfig(gamma=args.gamma))},
                "items": [it.meta for it in items], "machine": machine, **extra})
@@ -304,9 +332,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     root = Path(args.data_dir) if args.data_dir else data_dir()
     lm, embedder = _load(args)
     etas = _floats(args.etas)[:1]
-    methods = [Method("long_context", "long_context"), Method("sd", "sd")]
-    methods += [Method(f"rapid_eta{etas[0]:g}_g{g}", "rapid", etas[0], g)
-                for g in _ints(args.sweep_gammas)]
+    methods = _methods(etas, _words(args.drafter_kv), _ints(args.sweep_gammas), with_rag=False,
+                       only=args.methods)
     all_results: dict[str, MethodResult] = {}
     rows: list[dict[str, Any]] = []
     for length, rag in zip(_ints(args.lengths), _ints(args.sweep_rag), strict=True):

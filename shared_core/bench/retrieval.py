@@ -11,8 +11,8 @@
 
 Latencies are medians over ``--repeats`` runs after a warm-up, each run on different questions.
 ``search_vectors_faiss<T>t`` rows run faiss with T OpenMP threads; ``..._gemm`` rows search the
-batch with ``gemm_min_batch=2`` (one numpy BLAS product per block, threads set by
-``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS``, not by T), the single query still through faiss.
+batch with ``gemm_min_batch=2`` (one PyTorch matrix product per block, on torch's intra-op
+threads, not T), the single query still through faiss.
 The padded recall is computed through the gemm path. The load average is recorded because the
 host may be shared.
 """

@@ -323,6 +323,7 @@ def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG
                "mean_retrieve_s": statistics.fmean(retrieve_s),
                "latency_note": "per question: method wall time + shared retrieval time",
                "majority_label_rate": _majority_rate(questions),
+               "draft_oracle_accuracy": _draft_oracle(state.name, questions, outputs),
                "load_average": [round(x, 2) for x in os.getloadavg()],
                "examples": [{"id": q["id"], "question": q["question"], "gold": q["gold"],
                              **{m: r.outputs[i] for m, r in results.items()}}
@@ -332,6 +333,18 @@ def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG
         report["speedup"] = {m: round(base["wall_s"] / r["wall_s"], 3)
                              for m, r in report["methods"].items() if r["wall_s"] > 0}
     return report
+
+
+def _draft_oracle(dataset: str, questions: list[dict[str, Any]], outputs: dict[str, list[Any]]
+                  ) -> dict[str, float]:
+    """Share of questions where at least one draft is right: the ceiling of any selection."""
+    oracle = {}
+    for name, outs in outputs.items():
+        if outs and hasattr(outs[0], "drafts"):
+            hits = [any(is_correct(dataset, d.answer, q["gold"]) for d in o.drafts)
+                    for q, o in zip(questions, outs, strict=True)]
+            oracle[name] = round(sum(hits) / len(hits), 4)
+    return oracle
 
 
 def _majority_rate(questions: list[dict[str, Any]]) -> float:

@@ -6,6 +6,13 @@ receives the target's context and swaps the prompt for the drafter's before draf
 engine's round is the ordinary speculative round. The drafter's KV session is kept across rounds
 and across calls: :meth:`KVSession.sync` rolls back only to the common prefix with the new
 context, so a retrieved context shared by two questions is prefilled once.
+
+:meth:`RetrievedContextDrafter.start_shared` is the prefill-free variant for self-speculation:
+the drafter's session holds the *target's* cached keys/values at the retrieved chunks'
+positions (plus the chat head and the query), so drafting attends to the retrieved context as
+the target encoded it inside the full document, at the target's positions. The drafts differ
+from the paper's drafter (whose retrieved context is re-encoded on its own); verification keeps
+the output exact at η = 0 either way.
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ import torch
 from shared_core.config import SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.model import ModelDrafter
-from shared_core.kv import CacheKind
+from shared_core.kv import CacheKind, KVSession
 from shared_core.models import LM
 from shared_core.verify import make_generator, sample, warp_probs
 
@@ -48,6 +55,31 @@ class RetrievedContextDrafter(ModelDrafter):
         if not draft_prompt:
             msg = "draft_prompt must not be empty"
             raise ValueError(msg)
+        self._configure(draft_prompt, target_prompt_len, sampling, greedy_probs)
+        begin = time.perf_counter()
+        feed = self.session.sync(self.draft_prompt[:-1])  # one token behind, as in ModelDrafter
+        if feed:
+            self.session.prefill(feed)
+        return time.perf_counter() - begin
+
+    def start_shared(self, target: KVSession, positions: Sequence[int], last_prompt_token: int,
+                     sampling: SamplingConfig, *, greedy_probs: bool = False) -> float:
+        """Start from the target's KV instead of a prefill; return the seconds spent.
+
+        ``target`` holds the target prompt minus its last token (``last_prompt_token``);
+        ``positions`` are the prompt positions the drafter sees (ascending).
+        """
+        if target.lm is not self.lm:
+            msg = "start_shared is self-speculation: the drafter must be the target model"
+            raise ValueError(msg)
+        begin = time.perf_counter()
+        self.session.copy_positions(target, positions)
+        self._configure([*self.session.tokens, last_prompt_token], len(target) + 1, sampling,
+                        greedy_probs)
+        return time.perf_counter() - begin
+
+    def _configure(self, draft_prompt: Sequence[int], target_prompt_len: int,
+                   sampling: SamplingConfig, greedy_probs: bool) -> None:
         self.sampling = sampling
         seed = None if sampling.seed is None else sampling.seed + 1
         self.generator = make_generator(SamplingConfig(sampling.temperature, sampling.top_k,
@@ -55,11 +87,6 @@ class RetrievedContextDrafter(ModelDrafter):
         self.draft_prompt = list(draft_prompt)
         self.target_prompt_len = int(target_prompt_len)
         self.greedy_probs = greedy_probs
-        begin = time.perf_counter()
-        feed = self.session.sync(self.draft_prompt[:-1])  # one token behind, as in ModelDrafter
-        if feed:
-            self.session.prefill(feed)
-        return time.perf_counter() - begin
 
     def own_context(self, context: Sequence[int]) -> list[int]:
         """The drafter's view of a target context: its own prompt + the generated tokens."""

@@ -55,13 +55,21 @@ from shared_core.verify import (
 logger = logging.getLogger(__name__)
 
 METHODS = ("rapid", "sd", "long_context", "rag")
+DRAFTER_KV = ("own", "target")
 _SENTINEL = "\x00RAPID-CONTENT\x00"
 _INDEX_CACHE_SIZE = 8
 
 
 @dataclass(frozen=True)
 class RapidConfig:
-    """RAPID's knobs (defaults from the paper / reference code, scaled to small windows)."""
+    """RAPID's knobs (defaults from the paper / reference code, scaled to small windows).
+
+    ``drafter_kv="target"`` (self-speculation only) goes past the paper: instead of prefilling
+    ``[retrieved context; query]`` for every question, the drafter attends to the target's own
+    cached keys/values at the retrieved chunks' positions (plus the chat head and the query),
+    so a question costs no drafter prefill. Its drafts, hence its q and RAPID's p̂ at η > 0,
+    differ from the paper's drafter; at η = 0 the output is the target's either way.
+    """
 
     gamma: int = 10  # γ: draft tokens per round (reference: num_assistant_tokens = 10)
     eta: float = 1.0  # η: retrieval-augmentation strength; 0 = lossless (reference default 1)
@@ -72,6 +80,7 @@ class RapidConfig:
     min_rag_tokens: int | None = None  # retrieval floor; None = drafter window // 8
     rag_fraction: float = 24.0  # λ: retrieve at least context / λ tokens
     truncate: str = "error"  # "error" or "middle" (LongBench-style middle truncation, opt-in)
+    drafter_kv: str = "own"  # "own": drafter prefills its RAG prompt (paper); "target": see below
     cache: CacheKind = "prealloc"
     context_template: str = "<Context>\n{context}\n</Context>\n\n"
     rag_template: str = "<Retrieved Context>\n{context}\n</Retrieved Context>\n\n"
@@ -90,6 +99,7 @@ class RapidConfig:
              "min_rag_tokens must be None or >= 1"),
             (self.rag_fraction >= 1, "rag_fraction must be >= 1"),
             (self.truncate in ("error", "middle"), "truncate must be 'error' or 'middle'"),
+            (self.drafter_kv in DRAFTER_KV, f"drafter_kv must be one of {DRAFTER_KV}"),
             (self.cache in ("prealloc", "dynamic"), "cache must be 'prealloc' or 'dynamic'"),
             ("{context}" in self.context_template and "{context}" in self.rag_template,
              "context_template and rag_template must contain {context}"),
@@ -113,6 +123,15 @@ class RapidPrompt:
     retrieved_chunks: tuple[int, ...]  # chunk indices, document order
     truncated: bool
     retrieval_s: float
+    shared_positions: tuple[int, ...] | None  # target prompt positions the shared drafter sees
+
+
+@dataclass(frozen=True)
+class _EncodedContext:
+    ids: list[int]  # the context alone
+    prefix_ids: list[int]  # target prompt up to the end of the context template
+    token_starts: list[int] | None  # char offset of each prefix token (None: slow tokenizer)
+    context_char: int  # char offset of the context inside the prefix text
 
 
 @dataclass
@@ -160,14 +179,18 @@ def _accept(run: _Run, draft: Draft, logits: torch.Tensor, eta: float, config: R
                                 generator=run.generator)
 
 
-def _rapid_blocks(run: _CachedRun, drafter: RetrievedContextDrafter, draft_prompt: Sequence[int],
+def _rapid_blocks(run: _CachedRun, drafter: RetrievedContextDrafter, prompt: RapidPrompt,
                   eta: float, config: RapidConfig) -> Iterator[list[int]]:
     """The RAPID round, written as named steps (one committed block per round)."""
     pending = run.prefill()
     session, stats = run.session, run.stats
     greedy_probs = run.config.sampling.greedy and eta > 0
-    draft_prefill = drafter.start(draft_prompt, len(run.prompt_ids), run.config.sampling,
-                                  greedy_probs=greedy_probs)
+    if config.drafter_kv == "target":
+        draft_prefill = drafter.start_shared(session, prompt.shared_positions or (), pending,
+                                             run.config.sampling, greedy_probs=greedy_probs)
+    else:
+        draft_prefill = drafter.start(prompt.draft_ids, len(run.prompt_ids), run.config.sampling,
+                                      greedy_probs=greedy_probs)
     stats.prefill_s += draft_prefill
     stats.extra["draft_prefill_s"] = round(draft_prefill, 4)
     while True:
@@ -212,6 +235,9 @@ class RapidDecoder:
         self.draft_lm = draft_lm or lm
         self.config = config or RapidConfig()
         self.drafter = RetrievedContextDrafter(self.draft_lm, target=lm, cache=self.config.cache)
+        self._check_drafter_kv(self.config.drafter_kv)
+        # drafter_kv="target": its session is rebuilt from the target's KV every question
+        self._shared_drafter = RetrievedContextDrafter(lm, target=lm, cache=self.config.cache)
         self._target_session = KVSession(lm, cache=self.config.cache)
         # Self-speculation: the RAG baseline's prompt is the drafter's, so they share a session.
         self._rag_session = (self.drafter.session if self.draft_lm is lm
@@ -219,10 +245,22 @@ class RapidDecoder:
         self._embedder_spec = embedder
         self._embedder: Any = None if isinstance(embedder, str) else embedder
         self._indexes: OrderedDict[str, _IndexedContext] = OrderedDict()
-        self._encoded: OrderedDict[str, tuple[list[int], list[int]]] = OrderedDict()
+        self._encoded: OrderedDict[str, _EncodedContext] = OrderedDict()
         self._active: TokenStream | None = None
         self._target_parts = _chat_parts(lm)
         self._draft_parts = _chat_parts(self.draft_lm)
+
+    def _check_drafter_kv(self, drafter_kv: str) -> None:
+        if drafter_kv not in DRAFTER_KV:
+            msg = f"drafter_kv must be one of {DRAFTER_KV}, got {drafter_kv!r}"
+            raise ValueError(msg)
+        if drafter_kv == "target" and self.draft_lm is not self.lm:
+            msg = ("drafter_kv='target' is self-speculation: it reuses the target's KV, so "
+                   "draft_lm must be None (the target itself)")
+            raise ValueError(msg)
+        if drafter_kv == "target" and not self.lm.tokenizer.is_fast:
+            msg = "drafter_kv='target' needs a fast tokenizer (character offsets of the chunks)"
+            raise ValueError(msg)
 
     # ------------------------------------------------------------------ retrieval
 
@@ -234,19 +272,43 @@ class RapidDecoder:
             self._embedder = load_embedder(self._embedder_spec)
         return self._embedder
 
-    def _encode_context(self, context: str) -> tuple[list[int], list[int]]:
-        """(context ids, target prompt prefix ids up to the end of the context), cached."""
+    def _encode_context(self, context: str) -> _EncodedContext:
+        """The context's ids and the target prompt up to its end (with char offsets), cached."""
         key = hashlib.sha256(context.encode("utf-8")).hexdigest()
         if key in self._encoded:
             self._encoded.move_to_end(key)
             return self._encoded[key]
         head, _ = self._target_parts
-        entry = (self.lm.encode(context),
-                 self.lm.encode(head + self.config.context_template.format(context=context)))
+        before, _, _ = self.config.context_template.partition("{context}")
+        text = head + self.config.context_template.format(context=context)
+        encoded = self.lm.tokenizer(text, add_special_tokens=False, verbose=False,
+                                    return_offsets_mapping=self.lm.tokenizer.is_fast)
+        starts = ([start for start, _ in encoded["offset_mapping"]] if self.lm.tokenizer.is_fast
+                  else None)
+        entry = _EncodedContext(self.lm.encode(context), list(encoded["input_ids"]), starts,
+                                len(head + before))
         self._encoded[key] = entry
         if len(self._encoded) > _INDEX_CACHE_SIZE:
             self._encoded.popitem(last=False)
         return entry
+
+    def _shared_positions(self, context: str, chunks: Sequence[int], prompt_len: int
+                          ) -> tuple[int, ...] | None:
+        """Target prompt positions a shared-KV drafter sees: all but the unretrieved context
+        (None with a slow tokenizer, which gives no character offsets)."""
+        encoded, index = self._encode_context(context), self._index(context)
+        if encoded.token_starts is None:
+            return None
+        first = encoded.context_char
+        spans = [(first + index.chunks[c].metadata["char_start"],
+                  first + index.chunks[c].metadata["char_end"]) for c in chunks]
+        end = first + len(context)
+
+        def seen(start: int) -> bool:
+            return not first <= start < end or any(a <= start < b for a, b in spans)
+
+        kept = [i for i, start in enumerate(encoded.token_starts) if seen(start)]
+        return (*kept, *range(len(encoded.prefix_ids), prompt_len - 1))
 
     def _index(self, context: str) -> _IndexedContext:
         """Chunks + dense index of a context, cached by the text's digest (small LRU)."""
@@ -304,7 +366,7 @@ class RapidDecoder:
         head, tail = self._target_parts
         query_ids = self.lm.encode(self.config.query_template.format(query=query) + tail)
         context, truncated = self._fit_context(context, query_ids, max_new_tokens)
-        target_ids = self._encode_context(context)[1] + query_ids
+        target_ids = self._encode_context(context).prefix_ids + query_ids
         d_head, d_tail = self._draft_parts
         d_query = self.draft_lm.encode(self.config.query_template.format(query=query) + d_tail)
         reserved = len(d_query) + len(self.draft_lm.encode(d_head)) + max_new_tokens + 64
@@ -318,9 +380,10 @@ class RapidDecoder:
                    f"exceeds the drafter's {self.draft_lm.max_context}-token window; lower "
                    "min_rag_tokens or max_new_tokens")
             raise ValueError(msg)
+        shared = self._shared_positions(context, chunk_ids, len(target_ids))
         return RapidPrompt(tuple(target_ids), tuple(draft_ids), tuple(rag_ids),
-                           self._index(context).n_tokens,
-                           n_retrieved, chunk_ids, truncated, time.perf_counter() - start)
+                           self._index(context).n_tokens, n_retrieved, chunk_ids, truncated,
+                           time.perf_counter() - start, shared)
 
     def _fit_context(self, context: str, query_ids: Sequence[int], max_new_tokens: int
                      ) -> tuple[str, bool]:
@@ -328,7 +391,7 @@ class RapidDecoder:
         head, _ = self._target_parts
         overhead = len(self.lm.encode(head + self.config.context_template.format(context="")))
         room = self.lm.max_context - overhead - len(query_ids) - max_new_tokens
-        ids = self._encode_context(context)[0]
+        ids = self._encode_context(context).ids
         if len(ids) <= room:
             return context, False
         if self.config.truncate != "middle" or room < 16:
@@ -350,7 +413,7 @@ class RapidDecoder:
         """
         _check_text(context, "context")
         context, _ = self._fit_context(context, [], 1)
-        ids = self._encode_context(context)[1]
+        ids = self._encode_context(context).prefix_ids
         self._close_active()
         start = time.perf_counter()
         with torch.inference_mode():
@@ -362,15 +425,17 @@ class RapidDecoder:
         drafter (and RAG baseline) session is emptied. Benchmarks call this so that every
         method pays its own query and retrieved-context prefill."""
         self._close_active()
-        kept = [k for k in self._encoded.values() if self._target_session.tokens[: len(k[1])] == k[1]]
-        self._target_session.rollback(len(kept[-1][1]) if kept else 0)
+        tokens = self._target_session.tokens
+        kept = [e.prefix_ids for e in self._encoded.values()
+                if tokens[: len(e.prefix_ids)] == e.prefix_ids]
+        self._target_session.rollback(len(kept[-1]) if kept else 0)
         self.drafter.session.rollback(0)
         self._rag_session.rollback(0)
 
     # ------------------------------------------------------------------ generation
 
     def stream(self, context: str, query: str, max_new_tokens: int = 256, *, method: str = "rapid",
-               eta: float | None = None, gamma: int | None = None,
+               eta: float | None = None, gamma: int | None = None, drafter_kv: str | None = None,
                stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | None = None) -> TokenStream:
         """Answer ``query`` over ``context`` as a stream of text deltas.
@@ -380,6 +445,7 @@ class RapidDecoder:
                 ``"long_context"`` (target alone) or ``"rag"`` (target on the retrieved context).
             eta: per-call override of ``config.eta`` (``method="rapid"`` only).
             gamma: per-call override of ``config.gamma`` (draft tokens per round).
+            drafter_kv: per-call override of ``config.drafter_kv`` (``"own"`` / ``"target"``).
         """
         if method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
@@ -388,7 +454,11 @@ class RapidDecoder:
         if not (math.isfinite(eta) and eta >= 0):
             msg = f"eta must be a finite number >= 0, got {eta}"
             raise ValueError(msg)
-        config = self.config if gamma is None else dataclasses.replace(self.config, gamma=gamma)
+        overrides = {name: value for name, value in (("gamma", gamma), ("drafter_kv", drafter_kv))
+                     if value is not None}
+        if drafter_kv is not None:
+            self._check_drafter_kv(drafter_kv)
+        config = dataclasses.replace(self.config, **overrides) if overrides else self.config
         gen = GenerationConfig.build(max_new_tokens, stop=stop, temperature=temperature,
                                      top_k=top_k, top_p=top_p, seed=seed)
         prompt = self.prepare(context, query, max_new_tokens)
@@ -421,16 +491,16 @@ class RapidDecoder:
         ids, session = ((prompt.rag_ids, self._rag_session) if method == "rag"
                         else (prompt.target_ids, self._target_session))
         run = _CachedRun(self.lm, ids, gen, session)
-        run.stats.extra.update(_prompt_stats(method, eta, config.gamma, prompt))
+        run.stats.extra.update(_prompt_stats(method, eta, config, prompt))
         if method in ("long_context", "rag"):
             return run.stream(_autoregressive_blocks)
-        drafter, before = self.drafter, self.drafter.forwards
+        drafter = self._shared_drafter if config.drafter_kv == "target" else self.drafter
+        before = drafter.forwards
 
         def on_close(stats: DecodeStats) -> None:
             stats.draft_forwards = drafter.forwards - before
 
-        return run.stream(lambda r: _rapid_blocks(r, drafter, prompt.draft_ids, eta, config),
-                          on_close)
+        return run.stream(lambda r: _rapid_blocks(r, drafter, prompt, eta, config), on_close)
 
     def _close_active(self) -> None:
         """The sessions are shared: an unfinished previous stream is closed (with a warning)."""
@@ -443,9 +513,12 @@ class RapidDecoder:
 # ---------------------------------------------------------------------------- helpers
 
 
-def _prompt_stats(method: str, eta: float, gamma: int, prompt: RapidPrompt) -> dict[str, Any]:
+def _prompt_stats(method: str, eta: float, config: RapidConfig, prompt: RapidPrompt
+                  ) -> dict[str, Any]:
+    speculative = method in ("rapid", "sd")
     return {"method": method, "eta": eta if method == "rapid" else 0.0,
-            "gamma": gamma if method in ("rapid", "sd") else 0,
+            "gamma": config.gamma if speculative else 0,
+            "drafter_kv": config.drafter_kv if speculative else None,
             "context_tokens": prompt.context_tokens, "retrieved_tokens": prompt.retrieved_tokens,
             "retrieved_chunks": list(prompt.retrieved_chunks), "truncated": prompt.truncated,
             "retrieval_s": round(prompt.retrieval_s, 4)}

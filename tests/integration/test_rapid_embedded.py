@@ -45,7 +45,9 @@ def test_eta_zero_is_identical_to_the_long_context_target(decoder, smollm):
         assert 0 < prompt.retrieved_tokens < prompt.context_tokens
         lc = decoder.long_context(DOCUMENT, question, 12)
         sd = decoder.speculative(DOCUMENT, question, 12)
-        assert sd.token_ids == lc.token_ids
+        shared = decoder.speculative(DOCUMENT, question, 12, drafter_kv="target")
+        assert sd.token_ids == lc.token_ids == shared.token_ids
+        assert shared.stats.drafted > 0
         assert sd.stats.extra["reused_prefix_tokens"] >= prompt.context_tokens
     reference = autoregressive_generate(smollm, list(prompt.target_ids), 12)
     with torch.inference_mode():

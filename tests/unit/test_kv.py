@@ -97,3 +97,29 @@ def test_window_overflow_is_a_clear_error(tiny_target):
     session = KVSession(tiny_target)
     with pytest.raises(ValueError, match="exceeds the model window"):
         session.prefill([5] * (tiny_target.max_context + 1))
+
+
+@pytest.mark.parametrize("kind", ["prealloc", "dynamic"])
+def test_copy_positions_attends_to_the_kept_tokens_at_their_positions(tiny_target, ids, kind):
+    """A session on a subset of another's tokens = the full forward with the rest masked out."""
+    n, dropped = 14, [3, 4, 5, 9]
+    source = KVSession(tiny_target, cache=kind)
+    source.prefill(ids[:n])
+    kept = [i for i in range(n) if i not in dropped]
+    sparse = KVSession(tiny_target, cache=kind)
+    sparse.copy_positions(source, kept)
+    assert sparse.tokens == [ids[i] for i in kept] and sparse.position_offset == len(dropped)
+    new = ids[n:n + 3]
+    got = sparse.extend(new)
+    # reference: one forward over ids[:n] + new where the new tokens cannot see `dropped`
+    mask = torch.ones(n + 3, n + 3, dtype=torch.bool).tril()
+    mask[n:, dropped] = False
+    additive = torch.zeros(n + 3, n + 3).masked_fill(~mask, torch.finfo(torch.float32).min)
+    with torch.inference_mode():
+        reference = tiny_target.model(torch.tensor([ids[:n] + new]),
+                                      attention_mask=additive[None, None]).logits[0, n:]
+    torch.testing.assert_close(got, reference, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ValueError, match="ascending"):
+        sparse.copy_positions(source, [4, 2])
+    with pytest.raises(ValueError, match="ascending"):
+        sparse.copy_positions(source, [0, n])

@@ -172,6 +172,35 @@ def test_eta_zero_equals_long_context_and_transformers(kind, self_decoder, weak_
         assert sd.stats.accepted < sd.stats.drafted  # rollback exercised
 
 
+def test_shared_kv_drafter_is_exact_and_skips_the_drafter_prefill(self_decoder, tiny_target):
+    for query in QUERIES:
+        prompt = self_decoder.prepare(CONTEXT, query, 24)
+        positions = prompt.shared_positions
+        assert list(positions) == sorted(set(positions))
+        assert len(positions) < len(prompt.target_ids) - 1  # unretrieved chunks are left out
+        prefix_len = len(self_decoder._encode_context(CONTEXT).prefix_ids)
+        assert positions[-(len(prompt.target_ids) - 1 - prefix_len):] == tuple(
+            range(prefix_len, len(prompt.target_ids) - 1))  # the whole query is kept
+        shared = self_decoder.speculative(CONTEXT, query, 24, drafter_kv="target")
+        reference = autoregressive_generate(tiny_target, list(prompt.target_ids), 24)
+        assert shared.token_ids == reference.token_ids
+        assert shared.stats.extra["drafter_kv"] == "target" and shared.stats.draft_forwards > 0
+        rapid = self_decoder.generate(CONTEXT, query, 12, eta=3.0, drafter_kv="target")
+        assert rapid.stats.new_tokens == 12
+
+
+def test_shared_kv_drafter_with_the_whole_context_drafts_what_the_target_says(tiny_target):
+    """All chunks retrieved: the drafter's view is the target's, so every draft is accepted
+    (checks that drafted tokens sit at the target's positions)."""
+    decoder = RapidDecoder(tiny_target, embedder=HashEmbedder(),
+                           config=RapidConfig(chunk_tokens=32, min_rag_tokens=10_000, gamma=4,
+                                              eta=0.0, drafter_kv="target"))
+    prompt = decoder.prepare(CONTEXT, QUERIES[0], 16)
+    assert prompt.shared_positions == tuple(range(len(prompt.target_ids) - 1))
+    result = decoder.speculative(CONTEXT, QUERIES[0], 16)
+    assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted
+
+
 def test_eta_positive_runs_and_reports(self_decoder):
     result = self_decoder.generate(CONTEXT, QUERIES[0], 16, eta=5.0)
     stats = result.stats.as_dict()
@@ -220,7 +249,7 @@ def test_context_cache_skips_the_prefill(tiny_target):
     assert again.stats.extra["draft_prefill_s"] > 0
 
 
-def test_guards(tiny_target, self_decoder):
+def test_guards(tiny_target, tiny_drafter, self_decoder):
     long_text = CONTEXT * 3
     with pytest.raises(ValueError, match="window"):
         self_decoder.prepare(long_text, QUERIES[0], 16)
@@ -234,8 +263,13 @@ def test_guards(tiny_target, self_decoder):
         self_decoder.stream(CONTEXT, QUERIES[0], 8, method="fast")
     with pytest.raises(ValueError, match="eta"):
         self_decoder.stream(CONTEXT, QUERIES[0], 8, eta=-1.0)
+    with pytest.raises(ValueError, match="drafter_kv"):
+        self_decoder.stream(CONTEXT, QUERIES[0], 8, drafter_kv="shared")
+    with pytest.raises(ValueError, match="draft_lm"):
+        RapidDecoder(tiny_target, draft_lm=tiny_drafter, embedder=HashEmbedder(),
+                     config=RapidConfig(drafter_kv="target"))
     for bad in ({"gamma": 0}, {"eta": -0.5}, {"alpha": 0.0}, {"truncate": "left"},
-                {"chunk_tokens": 4}, {"rag_fraction": 0.5}, {"head": "x"}):
+                {"chunk_tokens": 4}, {"rag_fraction": 0.5}, {"head": "x"}, {"drafter_kv": "x"}):
         with pytest.raises(ValueError, match=next(iter(bad))):
             RapidConfig(**bad)
 

@@ -381,7 +381,7 @@ def test_engine_retrieve_accepts_langchain_and_llamaindex_retrievers():
 # ---------------------------------------------------------------- benchmark helpers (no models)
 
 def test_bench_metrics_and_reselection():
-    from shared_core.bench.specrag import _path, is_correct, reselect
+    from shared_core.bench.specrag import _draft_oracle, _path, is_correct, reselect
     from shared_core.engines.speculative_rag import SpeculativeRAGResult, SpeculativeRAGStats
 
     assert is_correct("nq", "It was Wilhelm Conrad Röntgen.", ["Wilhelm Conrad Röntgen"])
@@ -404,6 +404,9 @@ def test_bench_metrics_and_reselection():
     assert only.total_s == 3.0 and only.verify_s == 0.0 and result.stats.total_s == 5.0
     assert reselect(result, "abl_no_draft_score", 0).text == "b"
     assert reselect(result, "abl_no_self_contain", 0).text == "a"
+    questions = [{"gold": ["b"]}, {"gold": ["c"]}]
+    assert _draft_oracle("nq", questions, {"specrag": [result, result], "rag": ["x", "y"]}) == {
+        "specrag": 0.5}  # a draft says "b" (question 1), none says "c"
     assert _path("out/r.json", "nq", True) == "out/r_nq.json"
     assert _path("out/{dataset}.json", "nq", True) == "out/nq.json"
 
