@@ -14,9 +14,9 @@ a step is correct when the token decoded from the true neighbours equals the spe
 On a mismatch the KV session is rolled back to that position and the true token is used.
 
 Exact search is a blocked matrix product over all keys (``‖k‖² - 2 k·h``): one pass over the
-datastore answers a whole batch of queries, as a GPU exact search does. The top-k ids may differ
-between a batch and a single query only at exact distance ties; p_kNN is then recomputed from
-the returned ids with one canonical function, so equal neighbour sets give equal distributions.
+datastore answers a whole batch of queries, as a GPU exact search does. Its float32 candidates
+are re-ranked by float64 distances computed pair by pair, so a query's neighbours do not depend
+on the batch; p_kNN is recomputed from the returned ids with one canonical function.
 """
 
 from __future__ import annotations
@@ -37,9 +37,12 @@ from shared_core.engines.ralmspec import OS3Scheduler
 from shared_core.kv import KVSession
 from shared_core.models import LM
 from shared_core.output import GenerationResult, OutputTracker, validate_prompt_ids
+from shared_core.retrieval.dense import blocked_top, paired_scores
 from shared_core.stats import DecodeStats
 
 logger = logging.getLogger(__name__)
+
+_RESCORE_MIN = 8  # extra float32 candidates per query (at least; k // 32 for large k)
 
 
 @dataclass(frozen=True)
@@ -96,14 +99,13 @@ def capture_hidden(lm: LM) -> Iterator[list[torch.Tensor]]:
 class KNNDatastore:
     """Keys ``[N, H]`` (float32 hidden states) and values ``[N]`` (next token ids), corpus order."""
 
-    def __init__(self, keys: np.ndarray, values: np.ndarray, block: int = 65_536):
+    def __init__(self, keys: np.ndarray, values: np.ndarray):
         if keys.ndim != 2 or values.shape != (keys.shape[0],):
             msg = f"keys must be [N, H] and values [N], got {keys.shape} and {values.shape}"
             raise ValueError(msg)
         self.keys = np.ascontiguousarray(keys, dtype=np.float32)
         self.values = np.asarray(values, dtype=np.int64)
         self.norms = (self.keys.astype(np.float64) ** 2).sum(1).astype(np.float32)
-        self.block = block
         self.searches = 0
 
     def __len__(self) -> int:
@@ -139,28 +141,27 @@ class KNNDatastore:
         keys = rng.standard_normal((n, self.keys.shape[1]), dtype=np.float32)
         keys *= scale / np.linalg.norm(keys, axis=1, keepdims=True)
         values = rng.integers(0, int(self.values.max()) + 1, size=n)
-        self.__init__(np.concatenate([self.keys, keys]), np.concatenate([self.values, values]),
-                      self.block)
+        self.__init__(np.concatenate([self.keys, keys]), np.concatenate([self.values, values]))
 
     def search(self, queries: np.ndarray, k: int) -> np.ndarray:
-        """Exact top-``k`` entry ids ``[n, k]`` by squared L2, one pass over the keys."""
+        """Exact top-``k`` entry ids ``[n, k]`` by squared L2, one pass over the keys.
+
+        A float32 matrix product proposes ``k + margin`` candidates per query (as
+        ``‖k‖² - 2 k·h``); they are ranked by float64 distances computed pair by pair, ties by
+        id, so a query gets the same neighbours alone or in a batch.
+        """
         queries = np.ascontiguousarray(queries, dtype=np.float32).reshape(-1, self.keys.shape[1])
         k = min(k, len(self))
-        best_d = np.full((queries.shape[0], 0), np.inf, dtype=np.float32)
-        best_i = np.zeros((queries.shape[0], 0), dtype=np.int64)
-        for start in range(0, len(self), self.block):
-            keys = self.keys[start : start + self.block]
-            d = self.norms[start : start + self.block][None] - 2 * (queries @ keys.T)
-            d = np.concatenate([best_d, d], axis=1)
-            ids = np.concatenate([best_i, np.broadcast_to(
-                np.arange(start, start + keys.shape[0]), (queries.shape[0], keys.shape[0]))],
-                axis=1)
-            top = np.argpartition(d, k - 1, axis=1)[:, :k] if d.shape[1] > k else (
-                np.broadcast_to(np.arange(d.shape[1]), d.shape))
-            best_d = np.take_along_axis(d, top, 1)
-            best_i = np.take_along_axis(ids, top, 1)
+        n = min(len(self), k + max(_RESCORE_MIN, k // 32))
+        candidates = blocked_top(queries, self.keys, n, bias=-self.norms, scale=2.0)
         self.searches += 1
-        return best_i
+        return np.stack([self._nearest(q, row, k) for q, row in zip(queries, candidates,
+                                                                     strict=True)])
+
+    def _nearest(self, query: np.ndarray, ids: np.ndarray, k: int) -> np.ndarray:
+        diff = self.keys[ids].astype(np.float64) - query.astype(np.float64)[None]
+        distances = paired_scores(diff, diff)
+        return ids[np.lexsort((ids, distances))[:k]]
 
     def search_among(self, query: np.ndarray, entries: np.ndarray, k: int) -> np.ndarray:
         """Top-``k`` of the given entry ids (the local cache) by the same distance."""
