@@ -46,6 +46,9 @@ logger = logging.getLogger(__name__)
 TASKS = ("quality", "nq_long", "sweep")
 QUALITY_QUERY = "{question}\n\nAnswer with the letter of the correct option, e.g. (A)."
 NQ_QUERY = "Question: {question}\nAnswer the question with a short phrase."
+# the sweep measures decoding speed, so it asks for a long answer (the paper's outputs are long)
+NQ_LONG_QUERY = ("Question: {question}\nAnswer the question, then explain in detail which "
+                 "documents support the answer and what they say.")
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="drafter retrieval tokens per sweep length")
     parser.add_argument("--sweep-prompts", type=int, default=2)
     parser.add_argument("--sweep-gammas", default="10,4", help="γ values of the sweep's rapid")
+    parser.add_argument("--sweep-query", choices=("short", "long"), default="short",
+                        help="sweep prompt: a short-phrase answer, or an answer + explanation")
     parser.add_argument("--model", default="smollm2-135m-instruct")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=None)
@@ -148,7 +153,8 @@ def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: Any) -> np.ndarra
 
 
 def nq_long_items(root: Path, embedder: Any, tokenizer: Any, limit: int, seed: int,
-                  target_tokens: int | None = None, n_distractors: int = 39) -> list[Item]:
+                  target_tokens: int | None = None, n_distractors: int = 39,
+                  query: str = NQ_QUERY) -> list[Item]:
     """Gold passage at a random position among similar distractors (fixed seed, recorded).
 
     With ``target_tokens`` the distractors are added until the context has about that many
@@ -175,7 +181,7 @@ def nq_long_items(root: Path, embedder: Any, tokenizer: Any, limit: int, seed: i
         position = rng.randrange(len(picked) + 1)
         docs = [*picked[:position], gold, *picked[position:]]
         context = "\n\n".join(_passage(corpus[d], n + 1) for n, d in enumerate(docs))
-        items.append(Item(context, NQ_QUERY.format(question=row["question"]),
+        items.append(Item(context, query.format(question=row["question"]),
                           tuple(row["answers"]), {"qid": row["qid"], "gold_position": position,
                                                   "passages": len(docs)}))
     return items
@@ -338,7 +344,8 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     for length, rag in zip(_ints(args.lengths), _ints(args.sweep_rag), strict=True):
         items = nq_long_items(root, embedder, lm.tokenizer, args.sweep_prompts, args.seed,
-                              target_tokens=length)
+                              target_tokens=length,
+                              query=NQ_LONG_QUERY if args.sweep_query == "long" else NQ_QUERY)
         decoder = RapidDecoder(lm, embedder=embedder, config=RapidConfig(
             gamma=args.gamma, min_rag_tokens=rag))
         results, extra = evaluate(decoder, items, methods, args.max_new_tokens,
@@ -369,7 +376,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                          extra={"sweep": rows, "machine": machine,
                                 "config": {"gamma": args.gamma, "eta": etas,
                                            "max_new_tokens": args.max_new_tokens,
-                                           "prompts_per_length": args.sweep_prompts}})
+                                           "prompts_per_length": args.sweep_prompts,
+                                           "query": args.sweep_query,
+                                           "drafter_kv": _words(args.drafter_kv)}})
     write_report(report, args.out)
     plot = args.sweep_plot or (args.plot and str(Path(args.plot).with_suffix("")) + "_sweep.png")
     plot_sweep(rows, plot, threads=report["threads"])
