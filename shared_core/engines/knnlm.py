@@ -416,6 +416,7 @@ def run_benchmark(args: Any) -> dict[str, Any]:
                       if m.endswith("RaLMSpec")},
         extra={"datastore": {"real_entries": real, "padding_entries": len(store) - real,
                              "dim": int(store.keys.shape[1]),
-                             "search": "exact squared L2, blocked numpy matmul"}})
+                             "search": "exact squared L2: blocked PyTorch GEMM candidates "
+                                       "(k + margin), re-ranked in float64"}})
     report["speedup"] = speedup
     return report
