@@ -7,6 +7,7 @@ by the first question and reused by every later one, in either framework (both a
 same preloaded model, so they share one RAPID decoder).
 
     python examples/rapid_long_document.py [--eta 0]    # η = 0: identical to the target alone
+    python examples/rapid_long_document.py --drafter-kv target  # no drafter prefill per question
 """
 
 from __future__ import annotations
@@ -51,10 +52,12 @@ def show(framework: str, question: str, answer: str, stats: dict, seconds: float
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--eta", type=float, default=1.0, help="η (0 = lossless)")
+    parser.add_argument("--drafter-kv", choices=("own", "target"), default="own",
+                        help="'target': draft on the target's cached KV of the retrieved chunks")
     args = parser.parse_args()
     lm = load_lm("smollm2-135m-instruct")
     document = long_document()
-    options = {"eta": args.eta, "min_rag_tokens": 512}
+    options = {"eta": args.eta, "min_rag_tokens": 512, "drafter_kv": args.drafter_kv}
 
     chat = ChatSpeculative(lm=lm, engine="rapid", engine_options=options, max_tokens=24,
                            documents=[document])

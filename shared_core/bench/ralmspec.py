@@ -146,8 +146,9 @@ class _Tally:
         self.result.wall_s += wall_s
         self.result.new_tokens += len(out.token_ids)
         self.result.outputs.append(out.token_ids)
-        for key in ("retrieval_s", "generation_s", "retrieval_calls"):
-            self.totals[key] += out.stats.extra.get(key, 0)
+        for key in ("retrieval_s", "generation_s", "retrieval_calls", "overlap_s",
+                    "async_search_s"):
+            self.totals[key] = self.totals.get(key, 0) + out.stats.extra.get(key, 0)
         for key in ("rounds", "drafted", "accepted"):
             self.totals[key] += getattr(out.stats, key)
         self.strides += out.stats.extra.get("strides", [])

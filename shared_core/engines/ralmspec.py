@@ -690,8 +690,9 @@ class _Speculator:
         hits, b = future.result()
         call.retrieval_s += time.perf_counter() - wait
         call.retrieval_calls += 1
-        call.stats.extra["overlap_s"] = call.stats.extra.get("overlap_s", 0.0) + (
-            wait - submitted)
+        extra_stats = call.stats.extra  # overlapped speculation vs the worker's search time
+        extra_stats["overlap_s"] = extra_stats.get("overlap_s", 0.0) + (wait - submitted)
+        extra_stats["async_search_s"] = extra_stats.get("async_search_s", 0.0) + b
         return hits, extra, b
 
     def _update_cache(self, hits: Sequence[Hit]) -> None:
