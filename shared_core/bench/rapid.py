@@ -373,6 +373,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     report = make_report(engine="rapid", dataset="nq_long_context_sweep",
                          models={"target": lm.name, "drafter": lm.name + " (self)"},
                          device=str(lm.device), methods=all_results, primary_baseline=first,
+                         identical_to={f"{m.name}@{n}": [f"long_context@{n}"]
+                                       for m in methods if m.method in ("sd", "rapid")
+                                       for n in _ints(args.lengths)},
                          extra={"sweep": rows, "machine": machine,
                                 "config": {"gamma": args.gamma, "eta": etas,
                                            "max_new_tokens": args.max_new_tokens,
