@@ -40,6 +40,9 @@ ABLATION = {
     # the same with OS³'s accuracy cap raised from the default γ_max = 0.6 to 0.95
     "+PSA(g.95)": {"prefetch": True, "scheduler": True, "async_verify": True,
                    "gamma_max": 0.95},
+    # past the paper: up to 4 speculation steps while one verification runs
+    "+A(o4)": {"prefetch": False, "scheduler": False, "async_verify": True, "overlap_steps": 4},
+    "+PSA(o4)": {"prefetch": True, "scheduler": True, "async_verify": True, "overlap_steps": 4},
 }
 
 

@@ -68,7 +68,10 @@ class RaLMSpecConfig:
 
     ``prefetch``, ``scheduler`` and ``async_verify`` are the paper's P, S and A; with all three
     off ("base") every round speculates ``speculation_stride`` steps and the cache is updated
-    with the top-1 document of each verified query.
+    with the top-1 document of each verified query. ``overlap_steps > 1`` goes past the paper's
+    A: while a verification is still running after one overlapped step, up to that many steps
+    are speculated (all verified in the next round), so a retriever slower than a step no
+    longer leaves the LM idle.
     """
 
     retrieval_stride: int = 4  # generated tokens between retrievals
@@ -81,6 +84,7 @@ class RaLMSpecConfig:
     prefetch_k: int = 20
     scheduler: bool = True  # S: OS³ optimal speculation stride scheduler
     async_verify: bool = True  # A: verification on a worker thread, overlapping speculation
+    overlap_steps: int = 1  # A: speculation steps while a verification runs (paper: 1)
     window: int = 5  # OS³ estimation window w (rounds)
     gamma_max: float = 0.6  # OS³ cap on the estimated speculation accuracy γ̂
     instruction: str = DEFAULT_INSTRUCTION
@@ -94,6 +98,7 @@ class RaLMSpecConfig:
             "max_prompt_tokens": self.max_prompt_tokens >= 1,
             "speculation_stride": 1 <= self.speculation_stride <= self.max_speculation_stride,
             "max_speculation_stride": self.max_speculation_stride >= 1,
+            "overlap_steps": self.overlap_steps >= 1,
             "prefetch_k": self.prefetch_k >= 1,
             "window": self.window >= 1,
             "gamma_max": 0.0 < self.gamma_max < 1.0,
@@ -631,7 +636,7 @@ class _Speculator:
             steps.append(self.speculate())
         recent = self.step_times[-len(steps):]
         a = sum(recent) / len(recent)
-        # 2. verify all queries in one batched call (+ one overlapped speculation step, unless
+        # 2. verify all queries in one batched call (+ overlapped speculation steps, unless
         #    OS³ chose s = 0: then the carried step is verified alone and plain steps follow)
         true_hits, extra, b = self._verify(steps, overlap=s > 0)
         # 3. accept the longest prefix of steps whose document is the true top-1
@@ -642,8 +647,8 @@ class _Speculator:
         call.stats.record_round(len(steps), n_ok)
         # 4. commit, or roll back to the first mismatch and regenerate it with the true doc
         if n_ok == len(steps):
-            self.carried = [extra] if extra is not None else []
-            end = extra.start if extra is not None else len(decoder.generated)
+            self.carried = extra
+            end = extra[0].start if extra else len(decoder.generated)
         else:
             decoder.reset_to(true_hits[n_ok][0].document, steps[n_ok].start)
             decoder.step(true_hits[n_ok][0].document)
@@ -675,17 +680,21 @@ class _Speculator:
         return self._commit(len(decoder.generated))
 
     def _verify(self, steps: list[_Step], *, overlap: bool
-                ) -> tuple[list[list[Hit]], _Step | None, float]:
+                ) -> tuple[list[list[Hit]], list[_Step], float]:
+        """True hits of ``steps``, the steps speculated meanwhile (async), and the search time."""
         call, decoder = self.call, self.call.decoder
         encoded = [st.encoded for st in steps]
         if self.pool is None or decoder.finished or not overlap:
             start = time.perf_counter()
             hits = call.retrieve(encoded, call.config.verify_k)
-            return hits, None, time.perf_counter() - start
+            return hits, [], time.perf_counter() - start
         submitted = time.perf_counter()
         future: Future[tuple[list[list[Hit]], float]] = self.pool.submit(
             _timed_search, call.backend, encoded, call.config.verify_k)
-        extra = self.speculate()
+        extra = [self.speculate()]
+        while (len(extra) < call.config.overlap_steps and not future.done()
+               and not decoder.finished):
+            extra.append(self.speculate())
         wait = time.perf_counter()
         hits, b = future.result()
         call.retrieval_s += time.perf_counter() - wait

@@ -84,6 +84,7 @@ CONFIGS = {
     "s=1": RaLMSpecConfig(speculation_stride=1, scheduler=False, **SMALL),
     "s=5,stride=1": RaLMSpecConfig(speculation_stride=5, scheduler=False, retrieval_stride=1,
                                    **SMALL),
+    "+PSA,overlap=3": RaLMSpecConfig(prefetch_k=4, overlap_steps=3, **SMALL),
 }
 
 
@@ -211,8 +212,10 @@ def test_lexical_rank_prefers_overlap_then_order() -> None:
     assert lexical_rank("zzz", DOCS).id == "d0"
 
 
-def test_async_verification_overlaps_wall_clock(tiny_target) -> None:
-    """A retriever that sleeps (releases the GIL) overlaps with the speculation step."""
+@pytest.mark.parametrize(("overlap_steps", "sticky"), [(1, 50), (4, 50), (4, 1)])
+def test_async_verification_overlaps_wall_clock(tiny_target, overlap_steps: int,
+                                                sticky: int) -> None:
+    """A retriever that sleeps (releases the GIL) overlaps with the speculation step(s)."""
 
     class Slow(HashRetriever):
         def search(self, encoded, k):  # type: ignore[no-untyped-def]
@@ -220,13 +223,18 @@ def test_async_verification_overlaps_wall_clock(tiny_target) -> None:
             self.threads.add(threading.current_thread().name)
             return super().search(encoded, k)
 
-    slow = Slow(DOCS, sticky=50)
+    slow = Slow(DOCS, sticky=sticky)
     slow.threads = set()
-    config = RaLMSpecConfig(scheduler=False, speculation_stride=2, **SMALL)
+    config = RaLMSpecConfig(scheduler=False, speculation_stride=2, overlap_steps=overlap_steps,
+                            prefetch=sticky > 1, **SMALL)  # no prefetch: the cache misses
     out = RaLMSpec(tiny_target, slow, config).generate(QUESTIONS[0], 24)
     assert any(t.startswith("ralmspec-verify") for t in slow.threads)
     assert out.stats.extra["overlap_s"] > 0
-    ref = Slow(DOCS, sticky=50)
+    if sticky > 1:  # steps speculated during a verification are verified next round
+        assert (max(out.stats.extra["strides"]) > 2) == (overlap_steps > 1)
+    else:
+        assert out.stats.accepted < out.stats.drafted  # mismatches roll back carried steps too
+    ref = Slow(DOCS, sticky=sticky)
     ref.threads = set()
     assert out.token_ids == ralmseq_generate(tiny_target, ref, QUESTIONS[0], 24,
                                              config=config).token_ids
