@@ -162,9 +162,9 @@ class KVSession:
     """One model, one growing token sequence and its KV cache.
 
     ``tokens`` always lists exactly the ids whose keys/values are cached. ``position_offset``
-    shifts the rotary position of every token fed from now on (default 0: token ``i`` is at
-    position ``i``); a session started from :meth:`from_positions` uses it to continue at the
-    source's positions.
+    shifts the position of every token fed from now on (default 0: token ``i`` is at position
+    ``i``); :meth:`copy_positions` sets it so that a session holding a subset of another
+    session's tokens continues at the source's positions.
     """
 
     def __init__(self, lm: LM, *, cache: CacheKind = "prealloc", prefill_chunk: int = 2048):
@@ -251,9 +251,9 @@ class KVSession:
             raise ValueError(msg)
         prefix = len(self.tokens)
         mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype)
+        positions = (prefix + self.position_offset + depth)[None].to(self.lm.device)
         logits = self._forward(ids, logits_to_keep=len(ids),
-                               attention_mask=mask.to(self.lm.device),
-                               position_ids=(prefix + self.position_offset + depth)[None].to(self.lm.device))
+                               attention_mask=mask.to(self.lm.device), position_ids=positions)
         self.tokens.extend(ids)
         self._tree_prefix = prefix
         return logits
