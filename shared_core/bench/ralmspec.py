@@ -142,7 +142,7 @@ class _Tally:
         self.result = MethodResult()
         self.totals: dict[str, Any] = {"retrieval_s": 0.0, "generation_s": 0.0,
                                        "retrieval_calls": 0, "rounds": 0, "drafted": 0,
-                                       "accepted": 0}
+                                       "accepted": 0, "overlap_s": 0.0, "async_search_s": 0.0}
         self.strides: list[int] = []
 
     def add(self, out: Any, wall_s: float) -> None:
@@ -151,7 +151,7 @@ class _Tally:
         self.result.outputs.append(out.token_ids)
         for key in ("retrieval_s", "generation_s", "retrieval_calls", "overlap_s",
                     "async_search_s"):
-            self.totals[key] = self.totals.get(key, 0) + out.stats.extra.get(key, 0)
+            self.totals[key] += out.stats.extra.get(key, 0)
         for key in ("rounds", "drafted", "accepted"):
             self.totals[key] += getattr(out.stats, key)
         self.strides += out.stats.extra.get("strides", [])

@@ -69,11 +69,8 @@ class RetrievedContextDrafter(ModelDrafter):
         ``target`` holds the target prompt minus its last token (``last_prompt_token``);
         ``positions`` are the prompt positions the drafter sees (ascending).
         """
-        if target.lm is not self.lm:
-            msg = "start_shared is self-speculation: the drafter must be the target model"
-            raise ValueError(msg)
         begin = time.perf_counter()
-        self.session.copy_positions(target, positions)
+        self.session.copy_positions(target, positions)  # checks that both are one model
         self._configure([*self.session.tokens, last_prompt_token], len(target) + 1, sampling,
                         greedy_probs)
         return time.perf_counter() - begin

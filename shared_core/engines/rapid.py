@@ -123,7 +123,7 @@ class RapidPrompt:
     retrieved_chunks: tuple[int, ...]  # chunk indices, document order
     truncated: bool
     retrieval_s: float
-    shared_positions: tuple[int, ...] | None  # target prompt positions the shared drafter sees
+    shared_positions: tuple[int, ...] | None  # positions the shared drafter sees ("target" only)
 
 
 @dataclass(frozen=True)
@@ -186,7 +186,8 @@ def _rapid_blocks(run: _CachedRun, drafter: RetrievedContextDrafter, prompt: Rap
     session, stats = run.session, run.stats
     greedy_probs = run.config.sampling.greedy and eta > 0
     if config.drafter_kv == "target":
-        draft_prefill = drafter.start_shared(session, prompt.shared_positions or (), pending,
+        assert prompt.shared_positions is not None  # prepare() fills it for "target"
+        draft_prefill = drafter.start_shared(session, prompt.shared_positions, pending,
                                              run.config.sampling, greedy_probs=greedy_probs)
     else:
         draft_prefill = drafter.start(prompt.draft_ids, len(run.prompt_ids), run.config.sampling,
@@ -251,9 +252,7 @@ class RapidDecoder:
         self._draft_parts = _chat_parts(self.draft_lm)
 
     def _check_drafter_kv(self, drafter_kv: str) -> None:
-        if drafter_kv not in DRAFTER_KV:
-            msg = f"drafter_kv must be one of {DRAFTER_KV}, got {drafter_kv!r}"
-            raise ValueError(msg)
+        """What ``"target"`` needs of the decoder (``RapidConfig`` checks the value itself)."""
         if drafter_kv == "target" and self.draft_lm is not self.lm:
             msg = ("drafter_kv='target' is self-speculation: it reuses the target's KV, so "
                    "draft_lm must be None (the target itself)")
@@ -293,12 +292,12 @@ class RapidDecoder:
         return entry
 
     def _shared_positions(self, context: str, chunks: Sequence[int], prompt_len: int
-                          ) -> tuple[int, ...] | None:
-        """Target prompt positions a shared-KV drafter sees: all but the unretrieved context
-        (None with a slow tokenizer, which gives no character offsets)."""
+                          ) -> tuple[int, ...]:
+        """Target prompt positions a shared-KV drafter sees: all but the unretrieved context."""
         encoded, index = self._encode_context(context), self._index(context)
         if encoded.token_starts is None:
-            return None
+            msg = "drafter_kv='target' needs a fast tokenizer (character offsets of the chunks)"
+            raise ValueError(msg)
         first = encoded.context_char
         spans = [(first + index.chunks[c].metadata["char_start"],
                   first + index.chunks[c].metadata["char_end"]) for c in chunks]
@@ -358,8 +357,12 @@ class RapidDecoder:
 
     # ------------------------------------------------------------------ prompts
 
-    def prepare(self, context: str, query: str, max_new_tokens: int) -> RapidPrompt:
-        """Validate, retrieve and tokenize one question (no model forward)."""
+    def prepare(self, context: str, query: str, max_new_tokens: int, *,
+                drafter_kv: str | None = None) -> RapidPrompt:
+        """Validate, retrieve and tokenize one question (no model forward).
+
+        ``shared_positions`` is filled only for ``drafter_kv="target"`` (default: the config's).
+        """
         _check_text(context, "context")
         _check_text(query, "query")
         start = time.perf_counter()
@@ -380,7 +383,8 @@ class RapidDecoder:
                    f"exceeds the drafter's {self.draft_lm.max_context}-token window; lower "
                    "min_rag_tokens or max_new_tokens")
             raise ValueError(msg)
-        shared = self._shared_positions(context, chunk_ids, len(target_ids))
+        shared = (self._shared_positions(context, chunk_ids, len(target_ids))
+                  if (drafter_kv or self.config.drafter_kv) == "target" else None)
         return RapidPrompt(tuple(target_ids), tuple(draft_ids), tuple(rag_ids),
                            self._index(context).n_tokens, n_retrieved, chunk_ids, truncated,
                            time.perf_counter() - start, shared)
@@ -456,12 +460,11 @@ class RapidDecoder:
             raise ValueError(msg)
         overrides = {name: value for name, value in (("gamma", gamma), ("drafter_kv", drafter_kv))
                      if value is not None}
-        if drafter_kv is not None:
-            self._check_drafter_kv(drafter_kv)
         config = dataclasses.replace(self.config, **overrides) if overrides else self.config
+        self._check_drafter_kv(config.drafter_kv)
         gen = GenerationConfig.build(max_new_tokens, stop=stop, temperature=temperature,
                                      top_k=top_k, top_p=top_p, seed=seed)
-        prompt = self.prepare(context, query, max_new_tokens)
+        prompt = self.prepare(context, query, max_new_tokens, drafter_kv=config.drafter_kv)
         self._close_active()
         self._active = self._start(method, 0.0 if method == "sd" else eta, prompt, gen, config)
         return self._active

@@ -149,9 +149,10 @@ class DenseRetriever:
             vectors took 29 ms with 2 threads vs 2 ms with 1 on a loaded 2-core machine).
         gemm_min_batch: exact index only. ``None`` (default): faiss finds candidates with
             one scan per query. An integer: batches of at least this many queries find their
-            candidates with one blocked matrix product (PyTorch, its intra-op threads) over the
-            stored vectors, reading the index once per batch instead of once per query. Either way candidates
-            are re-ranked by :meth:`score`, so hits and scores are the same on both paths.
+            candidates with one blocked matrix product (PyTorch, its intra-op threads) over
+            the stored vectors, reading the index once per batch instead of once per query.
+            Either way candidates are re-ranked by :meth:`score`, so hits and scores are the
+            same on both paths.
 
     Ranking: faiss proposes ``k + RESCORE_MARGIN`` candidates per query in float32; the
     returned hits are those candidates re-ranked by exact per-pair float64 cosines

@@ -174,7 +174,7 @@ def test_eta_zero_equals_long_context_and_transformers(kind, self_decoder, weak_
 
 def test_shared_kv_drafter_is_exact_and_skips_the_drafter_prefill(self_decoder, tiny_target):
     for query in QUERIES:
-        prompt = self_decoder.prepare(CONTEXT, query, 24)
+        prompt = self_decoder.prepare(CONTEXT, query, 24, drafter_kv="target")
         positions = prompt.shared_positions
         assert list(positions) == sorted(set(positions))
         assert len(positions) < len(prompt.target_ids) - 1  # unretrieved chunks are left out
