@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import logging
 import os
 import random
@@ -68,10 +69,11 @@ class Method:
     eta: float = 0.0
     gamma: int | None = None  # None = the decoder's config
     drafter_kv: str = "own"  # "own" (paper: drafter prefills its RAG prompt) or "target"
+    adaptive_gamma: bool = False  # cost-aware draft length ≤ γ (not in the paper)
 
     def options(self) -> dict[str, Any]:
         return {"method": self.method, "eta": self.eta, "gamma": self.gamma,
-                "drafter_kv": self.drafter_kv}
+                "drafter_kv": self.drafter_kv, "adaptive_gamma": self.adaptive_gamma}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -85,6 +87,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "rows whose drafter reuses the target's KV (suffix _shared)")
     parser.add_argument("--methods", default=None,
                         help="only these method names (comma list; default: all)")
+    parser.add_argument("--adaptive-gamma", action="store_true",
+                        help="add each sd/rapid method with the cost-aware draft length (_ag)")
     parser.add_argument("--lengths", default="1024,2048,4096,7900", help="sweep context tokens")
     parser.add_argument("--sweep-rag", default="512,512,1024,2048",
                         help="drafter retrieval tokens per sweep length")
@@ -213,17 +217,18 @@ def contains_answer(text: str, answers: Sequence[str]) -> bool:
 
 def _methods(etas: Sequence[float], kv_modes: Sequence[str] = ("own",),
              gammas: Sequence[int | None] = (None,), with_rag: bool = True,
-             only: str | None = None) -> list[Method]:
-    """Baselines, then sd and rapid (per η) for every drafter-KV mode and γ."""
+             only: str | None = None, adaptive: bool = False) -> list[Method]:
+    """Baselines, then sd and rapid (per η) for every drafter-KV mode and γ (and, with
+    ``adaptive``, each again with the cost-aware draft length: suffix ``_ag``)."""
     methods = [Method("long_context", "long_context")]
     if with_rag:
         methods.append(Method("rag", "rag"))
-    for kv in kv_modes:
-        suffix = "" if kv == "own" else "_shared"
-        methods.append(Method(f"sd{suffix}", "sd", 0.0, None, kv))
+    for kv, ag in itertools.product(kv_modes, (False, True) if adaptive else (False,)):
+        suffix = ("" if kv == "own" else "_shared") + ("_ag" if ag else "")
+        methods.append(Method(f"sd{suffix}", "sd", 0.0, None, kv, ag))
         for gamma in gammas:
             g = "" if gamma is None else f"_g{gamma}"
-            methods += [Method(f"rapid_eta{eta:g}{g}{suffix}", "rapid", eta, gamma, kv)
+            methods += [Method(f"rapid_eta{eta:g}{g}{suffix}", "rapid", eta, gamma, kv, ag)
                         for eta in etas]
     if only:
         wanted = [name.strip() for name in only.split(",") if name.strip()]
@@ -312,7 +317,8 @@ def run_accuracy(args: argparse.Namespace, task: str) -> dict[str, Any]:
         items = nq_long_items(root, embedder, lm.tokenizer, args.limit, args.seed)
         scorer = lambda t, it: contains_answer(t, it.answers)  # noqa: E731
     decoder = RapidDecoder(lm, embedder=embedder, config=RapidConfig(gamma=args.gamma))
-    methods = _methods(_floats(args.etas), _words(args.drafter_kv), only=args.methods)
+    methods = _methods(_floats(args.etas), _words(args.drafter_kv), only=args.methods,
+                       adaptive=args.adaptive_gamma)
     results, extra = evaluate(decoder, items, methods, args.max_new_tokens, scorer)
     identical = {m.name: ["long_context"] for m in methods if m.method in ("sd", "rapid")}
     machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
@@ -339,7 +345,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     lm, embedder = _load(args)
     etas = _floats(args.etas)[:1]
     methods = _methods(etas, _words(args.drafter_kv), _ints(args.sweep_gammas), with_rag=False,
-                       only=args.methods)
+                       only=args.methods, adaptive=args.adaptive_gamma)
     all_results: dict[str, MethodResult] = {}
     rows: list[dict[str, Any]] = []
     for length, rag in zip(_ints(args.lengths), _ints(args.sweep_rag), strict=True):

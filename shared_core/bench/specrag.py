@@ -38,7 +38,6 @@ import os
 import random
 import re
 import statistics
-import string
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -53,7 +52,13 @@ from shared_core.bench.common import (
     read_jsonl,
     write_report,
 )
-from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig, select_best
+from shared_core.engines.speculative_rag import (
+    SpeculativeRAG,
+    SpeculativeRAGConfig,
+    combined_score,
+    normalize_answer,
+    select_best,
+)
 from shared_core.retrieval.base import Document
 
 logger = logging.getLogger(__name__)
@@ -70,13 +75,20 @@ SUBSET_ABLATIONS: dict[str, dict[str, Any]] = {  # need their own drafting run
     "abl_same_cluster": {"subset_strategy": "same_cluster"},
 }
 # Re-selections of the specrag drafts (drafting is greedy, so the drafts and scores are the same
-# as a separate run would give): name -> (use ρ_draft, use ρ_SC, use ρ_SR, selection, verifier?)
-SCORE_VARIANTS: dict[str, tuple[bool, bool, bool, str, bool]] = {
-    "drafter_only": (True, False, False, "score", False),
-    "abl_no_draft_score": (False, True, True, "score", True),
-    "abl_no_self_contain": (True, False, True, "score", True),
-    "abl_no_self_reflect": (True, True, False, "score", True),
-    "abl_random_selection": (False, False, False, "random", False),
+# as a separate run would give): name -> the SpeculativeRAGConfig fields that differ. The sel_*
+# variants are this project's selection options (length normalisation, answer vote), not the paper's.
+SCORE_VARIANTS: dict[str, dict[str, Any]] = {
+    "drafter_only": {"use_self_contain": False, "use_self_reflect": False},
+    "abl_no_draft_score": {"use_draft_score": False},
+    "abl_no_self_contain": {"use_self_contain": False},
+    "abl_no_self_reflect": {"use_self_reflect": False},
+    "abl_random_selection": {"use_draft_score": False, "use_self_contain": False,
+                             "use_self_reflect": False, "selection": "random"},
+    "sel_mean_logprob": {"length_normalize": True},
+    "sel_vote": {"selection": "vote"},
+    "sel_vote_mean_logprob": {"selection": "vote", "length_normalize": True},
+    "sel_vote_drafter_only": {"selection": "vote", "use_self_contain": False,
+                              "use_self_reflect": False},
 }
 
 
@@ -86,18 +98,15 @@ class _Derived:
     stats: Any
 
 
-def reselect(result: Any, variant: str, seed: int) -> _Derived:
+def reselect(result: Any, variant: str, config: SpeculativeRAGConfig) -> _Derived:
     """The answer a score variant picks from ``result.drafts``; latency drops the verifier
     when the variant does not need it."""
-    use_draft, use_sc, use_sr, selection, verifier = SCORE_VARIANTS[variant]
-    drafts = [replace(d, score=(d.log_draft if use_draft else 0.0)
-                      + ((d.log_self_contain or 0.0) if use_sc else 0.0)
-                      + ((d.log_self_reflect or 0.0) if use_sr else 0.0))
-              for d in result.drafts]
-    rng = random.Random(f"{seed}:select:{variant}:{result.documents[0].id}")
-    best = select_best(drafts, selection, rng)
+    cfg = replace(config, **SCORE_VARIANTS[variant])
+    drafts = [replace(d, score=combined_score(d, cfg)) for d in result.drafts]
+    rng = random.Random(f"{cfg.seed}:select:{variant}:{result.documents[0].id}")
+    best = select_best(drafts, cfg.selection, rng)
     stats = replace(result.stats)
-    if not verifier:
+    if not cfg.needs_verifier:
         stats.total_s -= stats.verify_s
         stats.verify_s, stats.verify_tokens = 0.0, 0
     return _Derived(drafts[best].answer, stats)
@@ -143,12 +152,6 @@ def _chunks(text: str, size: int = PUBHEALTH_CHUNK_WORDS) -> list[str]:
 # --------------------------------------------------------------------------- metrics
 
 
-def normalize(text: str) -> str:
-    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
-    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
-    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
-
-
 _FALSE_WORDS = re.compile(r"\b(?:not\s+(?:true|correct|accurate)|incorrect|inaccurate|untrue|false|"
                           r"no|misleading|wrong)\b")
 _TRUE_WORDS = re.compile(r"\b(?:true|correct|accurate|yes|right)\b")
@@ -166,8 +169,8 @@ def claim_label(prediction: str) -> str | None:
 def is_correct(dataset: str, prediction: str, gold: list[str]) -> bool:
     if dataset == "pubhealth":
         return claim_label(prediction) == gold[0]
-    pred = normalize(prediction)
-    return any(normalize(g) and normalize(g) in pred for g in gold)
+    pred = normalize_answer(prediction)
+    return any(normalize_answer(g) and normalize_answer(g) in pred for g in gold)
 
 
 # --------------------------------------------------------------------------- methods
@@ -307,7 +310,7 @@ def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG
     variants = list(SCORE_VARIANTS)  # free: re-selections of the specrag drafts
     if "specrag" in outputs:
         for variant in variants:
-            outputs[variant] = [reselect(o, variant, engine.config.seed) for o in outputs["specrag"]]
+            outputs[variant] = [reselect(o, variant, engine.config) for o in outputs["specrag"]]
     results = {name: _summary(state.name, questions, outs,
                               [o.stats.total_s + r for o, r in zip(outs, retrieve_s, strict=True)])
                for name, outs in outputs.items()}
@@ -326,13 +329,24 @@ def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG
                "draft_oracle_accuracy": _draft_oracle(state.name, questions, outputs),
                "load_average": [round(x, 2) for x in os.getloadavg()],
                "examples": [{"id": q["id"], "question": q["question"], "gold": q["gold"],
-                             **{m: r.outputs[i] for m, r in results.items()}}
+                             **{m: r.outputs[i] for m, r in results.items()},
+                             **_drafts_of(state.outputs, i)}
                             for i, q in enumerate(questions)]})
     base = report["methods"].get("rag_verifier")
     if base:  # speed-up = latency ratio (answers have different lengths: tokens/s misleads)
         report["speedup"] = {m: round(base["wall_s"] / r["wall_s"], 3)
                              for m, r in report["methods"].items() if r["wall_s"] > 0}
     return report
+
+
+_DRAFT_FIELDS = ("answer", "parsed", "log_draft", "draft_tokens", "log_self_contain",
+                 "self_contain_tokens", "log_self_reflect")
+
+
+def _drafts_of(outputs: dict[str, list[Any]], i: int) -> dict[str, list[dict[str, Any]]]:
+    """Question ``i``'s drafts and scores per drafting method, so selections can be re-run offline."""
+    return {f"{name}_drafts": [{f: getattr(d, f) for f in _DRAFT_FIELDS} for d in outs[i].drafts]
+            for name, outs in outputs.items() if hasattr(outs[i], "drafts")}
 
 
 def _draft_oracle(dataset: str, questions: list[dict[str, Any]], outputs: dict[str, list[Any]]

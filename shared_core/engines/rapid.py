@@ -28,7 +28,7 @@ import hashlib
 import logging
 import math
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +36,8 @@ from typing import Any
 import torch
 
 from shared_core.config import GenerationConfig
+from shared_core.device import synchronize
+from shared_core.draft_length import CostModel, best_draft_length
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.baseline import Prompt, TokenStream, _autoregressive_blocks, _Run
@@ -69,6 +71,14 @@ class RapidConfig:
     cached keys/values at the retrieved chunks' positions (plus the chat head and the query),
     so a question costs no drafter prefill. Its drafts, hence its q and RAPID's p̂ at η > 0,
     differ from the paper's drafter; at η = 0 the output is the target's either way.
+
+    ``adaptive_gamma=True`` also goes past the paper (which keeps γ constant): each round drafts
+    the ``n ≤ gamma`` tokens that maximise expected committed tokens per second, from the
+    measured verification cost, drafter seconds per token and per-token acceptance
+    (:mod:`shared_core.draft_length`); ``n = 0`` is a plain target step. At η = 0 the output is
+    still the target's. At η > 0 it changes: a position verified without a draft takes the
+    target's own token, not p̂'s, and the lengths follow wall-clock timings, so the output is no
+    longer a function of the seed alone.
     """
 
     gamma: int = 10  # γ: draft tokens per round (reference: num_assistant_tokens = 10)
@@ -81,6 +91,7 @@ class RapidConfig:
     rag_fraction: float = 24.0  # λ: retrieve at least context / λ tokens
     truncate: str = "error"  # "error" or "middle" (LongBench-style middle truncation, opt-in)
     drafter_kv: str = "own"  # "own": drafter prefills its RAG prompt (paper); "target": see below
+    adaptive_gamma: bool = False  # cost-aware draft length ≤ gamma (see below); paper: constant
     cache: CacheKind = "prealloc"
     context_template: str = "<Context>\n{context}\n</Context>\n\n"
     rag_template: str = "<Retrieved Context>\n{context}\n</Retrieved Context>\n\n"
@@ -100,6 +111,7 @@ class RapidConfig:
             (self.rag_fraction >= 1, "rag_fraction must be >= 1"),
             (self.truncate in ("error", "middle"), "truncate must be 'error' or 'middle'"),
             (self.drafter_kv in DRAFTER_KV, f"drafter_kv must be one of {DRAFTER_KV}"),
+            (isinstance(self.adaptive_gamma, bool), "adaptive_gamma must be a bool"),
             (self.cache in ("prealloc", "dynamic"), "cache must be 'prealloc' or 'dynamic'"),
             ("{context}" in self.context_template and "{context}" in self.rag_template,
              "context_template and rag_template must contain {context}"),
@@ -179,6 +191,52 @@ def _accept(run: _Run, draft: Draft, logits: torch.Tensor, eta: float, config: R
                                 generator=run.generator)
 
 
+class _GammaSchedule:
+    """Cost-aware draft length for ``RapidConfig.adaptive_gamma``.
+
+    Starts with the configured γ, then a plain round to time a one-token step; afterwards
+    :func:`best_draft_length` decides from per-token acceptance (the geometric MLE over recent
+    rounds), the fitted verification cost and the drafter's seconds per token relative to a
+    one-token target step. After ``probe_every`` plain rounds one token is drafted again, so a
+    drafter that became worth it is noticed.
+    """
+
+    def __init__(self, gamma: int, *, window: int = 16, probe_every: int = 16):
+        self.gamma = gamma
+        self.probe_every = probe_every
+        self.verify = CostModel(prior=0.1, min_samples=3)
+        self.rounds: deque[tuple[int, int]] = deque(maxlen=window)  # (drafted, accepted)
+        self.draft_s_per_token: float | None = None
+        self.plain_rounds = 0
+
+    def acceptance(self) -> float:
+        accepted = sum(a for _, a in self.rounds)
+        rejected = sum(a < d for d, a in self.rounds)
+        return accepted / (accepted + rejected) if accepted + rejected else 0.0
+
+    def next(self) -> int:
+        if not self.rounds:
+            return self.gamma
+        step = self.verify.step_seconds()
+        if step is None or self.draft_s_per_token is None:
+            return 0
+        n = best_draft_length(self.acceptance(), self.verify.token_cost, self.gamma,
+                              self.draft_s_per_token / step)
+        self.plain_rounds = self.plain_rounds + 1 if n == 0 else 0
+        if self.plain_rounds > self.probe_every:
+            self.plain_rounds = 0
+            return 1
+        return n
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.verify.add(drafted + 1, verify_s)
+        if drafted:
+            self.rounds.append((drafted, accepted))
+            per_token = draft_s / drafted
+            self.draft_s_per_token = (per_token if self.draft_s_per_token is None
+                                      else 0.7 * self.draft_s_per_token + 0.3 * per_token)
+
+
 def _rapid_blocks(run: _CachedRun, drafter: RetrievedContextDrafter, prompt: RapidPrompt,
                   eta: float, config: RapidConfig) -> Iterator[list[int]]:
     """The RAPID round, written as named steps (one committed block per round)."""
@@ -194,22 +252,35 @@ def _rapid_blocks(run: _CachedRun, drafter: RetrievedContextDrafter, prompt: Rap
                                       greedy_probs=greedy_probs)
     stats.prefill_s += draft_prefill
     stats.extra["draft_prefill_s"] = round(draft_prefill, 4)
+    schedule = _GammaSchedule(config.gamma) if config.adaptive_gamma else None
+    stats.extra["plain_rounds"] = 0
     while True:
         context = [*session.tokens, pending]
-        budget = min(config.gamma, run.tracker.remaining - 1)
+        budget = min(schedule.next() if schedule else config.gamma, run.tracker.remaining - 1)
         # 1. draft γ tokens on [retrieved context; query; generated]
+        start = time.perf_counter()
         draft = drafter.propose(context, budget) if budget > 0 else EMPTY_DRAFT
+        drafted = _synced_clock(run.lm.device)
         # 2. verify: one target forward over [pending, *draft] on [full context; query; generated]
         logits = session.extend([pending, *draft.tokens])
+        verified = _synced_clock(run.lm.device)
         stats.target_forwards += 1
         # 3. accept against p̂ (min(1, p̂/q); adjusted residual on rejection)
         verdict = _accept(run, draft, logits, eta, config)
         # 4. commit the accepted prefix, roll back the rejected tail
         session.rollback(len(context) + verdict.n_accepted)
-        # 5. adapt: none; γ is constant (the reference forces a constant schedule)
         stats.record_round(len(draft), verdict.n_accepted)
+        stats.extra["plain_rounds"] += not draft.tokens
+        # 5. adapt: the paper keeps γ constant; adaptive_gamma sizes the next draft by cost
+        if schedule is not None:
+            schedule.observe(len(draft), verdict.n_accepted, drafted - start, verified - drafted)
         pending = verdict.next_token
         yield [*draft.tokens[: verdict.n_accepted], pending]
+
+
+def _synced_clock(device: torch.device) -> float:
+    synchronize(device)
+    return time.perf_counter()
 
 
 class RapidDecoder:
@@ -440,8 +511,9 @@ class RapidDecoder:
 
     def stream(self, context: str, query: str, max_new_tokens: int = 256, *, method: str = "rapid",
                eta: float | None = None, gamma: int | None = None, drafter_kv: str | None = None,
-               stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None) -> TokenStream:
+               adaptive_gamma: bool | None = None, stop: Sequence[str] | str | None = None,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
+               ) -> TokenStream:
         """Answer ``query`` over ``context`` as a stream of text deltas.
 
         Args:
@@ -450,6 +522,7 @@ class RapidDecoder:
             eta: per-call override of ``config.eta`` (``method="rapid"`` only).
             gamma: per-call override of ``config.gamma`` (draft tokens per round).
             drafter_kv: per-call override of ``config.drafter_kv`` (``"own"`` / ``"target"``).
+            adaptive_gamma: per-call override of ``config.adaptive_gamma``.
         """
         if method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
@@ -458,7 +531,8 @@ class RapidDecoder:
         if not (math.isfinite(eta) and eta >= 0):
             msg = f"eta must be a finite number >= 0, got {eta}"
             raise ValueError(msg)
-        overrides = {name: value for name, value in (("gamma", gamma), ("drafter_kv", drafter_kv))
+        overrides = {name: value for name, value in (("gamma", gamma), ("drafter_kv", drafter_kv),
+                                                     ("adaptive_gamma", adaptive_gamma))
                      if value is not None}
         config = dataclasses.replace(self.config, **overrides) if overrides else self.config
         self._check_drafter_kv(config.drafter_kv)
@@ -522,6 +596,7 @@ def _prompt_stats(method: str, eta: float, config: RapidConfig, prompt: RapidPro
     return {"method": method, "eta": eta if method == "rapid" else 0.0,
             "gamma": config.gamma if speculative else 0,
             "drafter_kv": config.drafter_kv if speculative else None,
+            "adaptive_gamma": config.adaptive_gamma and speculative,
             "context_tokens": prompt.context_tokens, "retrieved_tokens": prompt.retrieved_tokens,
             "retrieved_chunks": list(prompt.retrieved_chunks), "truncated": prompt.truncated,
             "retrieval_s": round(prompt.retrieval_s, 4)}

@@ -40,6 +40,7 @@ from typing import Any, Literal
 import torch
 
 from shared_core.config import GenerationConfig
+from shared_core.draft_length import CostModel, best_draft_length
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
@@ -170,23 +171,6 @@ def entropy_trigger(entropies: Sequence[float], *, lookback: int, lam: float,
     return min(costs)[1] <= threshold
 
 
-def best_draft_length(accept: float, token_cost: float, max_len: int) -> int:
-    """Draft length ``n`` maximising expected committed tokens per unit of verification cost.
-
-    With per-token acceptance ``a`` (here a candidate's EMA score) a draft of ``n`` commits
-    ``1 + a + ... + a^n`` tokens in expectation and costs ``1 + c n`` one-token forwards;
-    0 means drafting does not pay (``a <= c``). This is how draft lengths are trimmed.
-    """
-    best_n, best, gain, term = 0, 1.0, 1.0, 1.0
-    for n in range(1, max_len + 1):
-        term *= accept
-        gain += term
-        ratio = gain / (1 + token_cost * n)
-        if ratio > best:
-            best_n, best = n, ratio
-    return best_n
-
-
 def build_tree(candidates: Sequence[Candidate], max_tokens: int
                ) -> tuple[tuple[int, ...], tuple[int, ...], tuple[Candidate, ...]]:
     """Merge candidates sharing a prefix into a trie of at most ``max_tokens`` nodes."""
@@ -218,38 +202,6 @@ def _entropies(logits: torch.Tensor) -> list[float]:
     """Shannon entropy (nats) of softmax(logits) per row."""
     logp = torch.log_softmax(logits.float(), dim=-1)
     return (-(logp.exp() * logp).sum(-1)).tolist()
-
-
-class CostModel:
-    """Verification cost ``t(n) = t0 + t1 n`` fitted by least squares on recent forwards.
-
-    ``token_cost`` is ``c = t1 / (t0 + t1)``: what one more drafted token costs relative to a
-    plain one-token step, on this machine and at this context length (the prior until the
-    forwards seen so far span at least two sizes).
-    """
-
-    def __init__(self, prior: float, window: int = 48):
-        self.prior = prior
-        self.samples: deque[tuple[int, float]] = deque(maxlen=window)
-
-    def add(self, n_tokens: int, seconds: float) -> None:
-        self.samples.append((n_tokens, seconds))
-
-    @property
-    def token_cost(self) -> float:
-        if len(self.samples) < 6:
-            return self.prior
-        ns = [n for n, _ in self.samples]
-        mean_n = sum(ns) / len(ns)
-        var = sum((n - mean_n) ** 2 for n in ns)
-        if var == 0:
-            return self.prior
-        mean_t = sum(t for _, t in self.samples) / len(ns)
-        t1 = sum((n - mean_n) * (t - mean_t) for n, t in self.samples) / var
-        t0 = mean_t - t1 * mean_n
-        if t0 + t1 <= 0:
-            return self.prior
-        return min(0.9, max(0.01, t1 / (t0 + t1)))
 
 
 @dataclass

@@ -20,6 +20,10 @@ The pipeline for one question, with the paper's symbols:
 4. **Selection.** score = log ρ_draft + log ρ_SC + log ρ_SR (the product in log space, not
    length-normalised, as in the paper); the best draft's answer is returned with every draft,
    its subset and its three scores. Switches turn each score off or select at random (ablation).
+   Two options go beyond the paper (both off by default): ``length_normalize`` divides log ρ_draft
+   and log ρ_SC by their token counts (a sum of log-probabilities favours short, evasive drafts),
+   and ``selection="vote"`` returns the answer that most drafts agree on (self-consistency, Wang
+   et al. 2023; normalised as SQuAD does), ties broken by the score.
 
 :meth:`SpeculativeRAG.standard_rag` is the paper's "Standard RAG" baseline: one model, every
 retrieved document in its prompt, the same answer parsing.
@@ -38,10 +42,12 @@ import logging
 import math
 import random
 import re
+import string
 import threading
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
 from shared_core.retrieval.base import Document
@@ -55,7 +61,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 SubsetStrategy = Literal["cluster", "random", "same_cluster"]
-Selection = Literal["score", "random"]
+Selection = Literal["score", "vote", "random"]
 EventHook = Callable[[str, dict[str, Any]], None]
 
 DRAFT_INSTRUCTION = (
@@ -83,7 +89,8 @@ class SpeculativeRAGConfig:
     use_draft_score: bool = True  # ρ_draft
     use_self_contain: bool = True  # ρ_SC
     use_self_reflect: bool = True  # ρ_SR
-    selection: Selection = "score"  # "random" ignores all scores (ablation)
+    selection: Selection = "score"  # "vote": most common answer; "random": ablation
+    length_normalize: bool = False  # mean instead of summed log ρ_draft and log ρ_SC
     force_answer_line: bool = False  # continue drafts that stop without "Answer:" (2nd generate)
     embed_instruction: str = EMBED_INSTRUCTION  # {question} is filled in
     kmeans_iters: int = 25
@@ -100,13 +107,13 @@ class SpeculativeRAGConfig:
             msg = ("subset_strategy must be 'cluster', 'random' or 'same_cluster', "
                    f"got {self.subset_strategy!r}")
             raise ValueError(msg)
-        if self.selection not in ("score", "random"):
-            msg = f"selection must be 'score' or 'random', got {self.selection!r}"
+        if self.selection not in ("score", "vote", "random"):
+            msg = f"selection must be 'score', 'vote' or 'random', got {self.selection!r}"
             raise ValueError(msg)
 
     @property
     def needs_verifier(self) -> bool:
-        return self.selection == "score" and (self.use_self_contain or self.use_self_reflect)
+        return self.selection != "random" and (self.use_self_contain or self.use_self_reflect)
 
 
 @dataclass
@@ -147,6 +154,8 @@ class Draft:
     log_self_contain: float | None = None
     log_self_reflect: float | None = None
     score: float = 0.0
+    draft_tokens: int = 0  # tokens under log ρ_draft
+    self_contain_tokens: int = 0  # verifier tokens under log ρ_SC
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -540,8 +549,9 @@ def _span_logprobs(lm: LM, hidden: torch.Tensor, ids: torch.Tensor,
 
 
 def verify_batch(lm: LM, question: str, drafts: Sequence[tuple[str, str]]
-                 ) -> tuple[list[tuple[float, float]], int]:
-    """(log ρ_SC, log ρ_SR) per (rationale, answer) draft from ONE forward; also tokens scored."""
+                 ) -> tuple[list[tuple[float, float, int]], int]:
+    """(log ρ_SC, log ρ_SR, tokens under ρ_SC) per (rationale, answer) draft from ONE forward;
+    also the number of tokens scored."""
     import torch
 
     rows, sc_spans, yes_spans = verifier_rows(lm, question, drafts)
@@ -557,13 +567,38 @@ def verify_batch(lm: LM, question: str, drafts: Sequence[tuple[str, str]]
                                         attention_mask=mask.to(lm.device)).last_hidden_state
         spans = [[sc, yes] for sc, yes in zip(sc_spans, yes_spans, strict=True)]
         sums = _span_logprobs(lm, hidden, ids.to(lm.device), spans)
-    return [(s[0], s[1]) for s in sums], int(mask.sum())
+    return ([(s[0], s[1], end - start) for s, (start, end) in zip(sums, sc_spans, strict=True)],
+            int(mask.sum()))
+
+
+def normalize_answer(text: str) -> str:
+    """SQuAD normalisation: lower case, no punctuation, no articles, single spaces."""
+    text = "".join(ch for ch in text.lower() if ch not in string.punctuation)
+    return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
+
+
+def combined_score(draft: Draft, config: SpeculativeRAGConfig) -> float:
+    """log ρ_draft + log ρ_SC + log ρ_SR with the config's switches (missing scores count 0)."""
+    def part(logp: float | None, tokens: int) -> float:
+        if logp is None:
+            return 0.0
+        return logp / max(tokens, 1) if config.length_normalize else logp
+
+    return ((part(draft.log_draft, draft.draft_tokens) if config.use_draft_score else 0.0)
+            + (part(draft.log_self_contain, draft.self_contain_tokens)
+               if config.use_self_contain else 0.0)
+            + (part(draft.log_self_reflect, 1) if config.use_self_reflect else 0.0))
 
 
 def select_best(drafts: Sequence[Draft], selection: Selection, rng: random.Random) -> int:
-    """Index of the draft with the highest score (first on ties) or a seeded random one."""
+    """Index of the selected draft: highest score (first on ties), the best-scored draft of the
+    answer most drafts agree on (``"vote"``; empty answers get no votes), or a seeded random one."""
     if selection == "random":
         return rng.randrange(len(drafts))
+    if selection == "vote":
+        answers = [normalize_answer(d.answer) for d in drafts]
+        votes = Counter(a for a in answers if a)
+        return max(range(len(drafts)), key=lambda i: (votes[answers[i]], drafts[i].score, -i))
     return max(range(len(drafts)), key=lambda i: (drafts[i].score, -i))
 
 
@@ -736,7 +771,7 @@ class SpeculativeRAG:
             stats.draft_new_tokens += len(ids)
             drafts.append(Draft(answer=answer, rationale=rationale, raw=raw,
                                 doc_ids=tuple(docs[i].id for i in subset), doc_indices=subset,
-                                parsed=ok, log_draft=sum(logps)))
+                                parsed=ok, log_draft=sum(logps), draft_tokens=len(logps)))
         stats.draft_prompt_tokens = sum(len(p) for p in prompts)
         return drafts
 
@@ -764,18 +799,16 @@ class SpeculativeRAG:
     def score(self, question: str, drafts: Sequence[Draft], stats: SpeculativeRAGStats
               ) -> list[Draft]:
         cfg = self.config
-        verified: list[tuple[float | None, float | None]] = [(None, None)] * len(drafts)
+        verified: list[tuple[float | None, float | None, int]] = [(None, None, 0)] * len(drafts)
         if cfg.needs_verifier:
             pairs = [(d.rationale, d.answer) for d in drafts]
             scores, stats.verify_tokens = verify_batch(self.verifier, question, pairs)
             verified = list(scores)
         out = []
-        for d, (sc, sr) in zip(drafts, verified, strict=True):
-            total = ((d.log_draft if cfg.use_draft_score else 0.0)
-                     + (sc if cfg.use_self_contain and sc is not None else 0.0)
-                     + (sr if cfg.use_self_reflect and sr is not None else 0.0))
-            out.append(Draft(**{**asdict(d), "log_self_contain": sc, "log_self_reflect": sr,
-                                "score": total}))
+        for d, (sc, sr, sc_tokens) in zip(drafts, verified, strict=True):
+            scored = replace(d, log_self_contain=sc, log_self_reflect=sr,
+                             self_contain_tokens=sc_tokens)
+            out.append(replace(scored, score=combined_score(scored, cfg)))
         return out
 
     def answer(self, question: str, documents: Sequence[Any] | None = None, *,

@@ -10,7 +10,7 @@ import torch
 from tiny import CORPUS
 
 from shared_core.engines.baseline import autoregressive_generate
-from shared_core.engines.rapid import RapidConfig, RapidDecoder, split_prompt
+from shared_core.engines.rapid import RapidConfig, RapidDecoder, _GammaSchedule, split_prompt
 from shared_core.engines.registry import stream_engine
 from shared_core.verify import (
     rapid_residual,
@@ -199,6 +199,37 @@ def test_shared_kv_drafter_with_the_whole_context_drafts_what_the_target_says(ti
     assert prompt.shared_positions == tuple(range(len(prompt.target_ids) - 1))
     result = decoder.speculative(CONTEXT, QUERIES[0], 16)
     assert result.stats.drafted > 0 and result.stats.accepted == result.stats.drafted
+
+
+@pytest.mark.parametrize("drafter_kv", ["own", "target"])
+def test_adaptive_gamma_is_exact_at_eta_zero(self_decoder, tiny_target, drafter_kv):
+    for query in QUERIES:
+        prompt = self_decoder.prepare(CONTEXT, query, 32, drafter_kv=drafter_kv)
+        reference = autoregressive_generate(tiny_target, list(prompt.target_ids), 32)
+        result = self_decoder.speculative(CONTEXT, query, 32, drafter_kv=drafter_kv,
+                                          adaptive_gamma=True)
+        assert result.token_ids == reference.token_ids
+        assert result.stats.extra["adaptive_gamma"] is True
+        # the first round drafts γ, the second is a plain step that times a one-token forward
+        assert result.stats.extra["plain_rounds"] >= 1
+
+
+def test_gamma_schedule_follows_costs_and_acceptance():
+    def trained(draft_s_per_token: float, accepted: int, gamma: int = 8) -> _GammaSchedule:
+        schedule = _GammaSchedule(gamma, probe_every=3)
+        assert schedule.next() == gamma  # no measurements yet: the configured γ
+        for _ in range(4):  # verification: 10 ms + 1 ms per token
+            schedule.observe(gamma, accepted, draft_s_per_token * gamma, 0.010 + 0.001 * (gamma + 1))
+            schedule.observe(0, 0, 0.0, 0.011)
+        return schedule
+
+    cheap_and_right = trained(draft_s_per_token=0.001, accepted=8)
+    assert cheap_and_right.next() == 8
+    # a drafter that costs as much as the target and is mostly wrong is not worth drafting with
+    costly = trained(draft_s_per_token=0.011, accepted=1)
+    assert [costly.next() for _ in range(5)] == [0, 0, 0, 1, 0]  # one probe after 3 plain rounds
+    middling = trained(draft_s_per_token=0.004, accepted=5)
+    assert 0 < middling.next() < 8
 
 
 def test_eta_positive_runs_and_reports(self_decoder):

@@ -8,13 +8,13 @@ import pytest
 import torch
 
 from shared_core.config import SamplingConfig
+from shared_core.draft_length import best_draft_length
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.engines.registry import stream_engine
 from shared_core.engines.respec import (
     Candidate,
     ReSpecConfig,
     ReSpecDecoder,
-    best_draft_length,
     build_tree,
     entropy_trigger,
     respec_generate,
@@ -212,6 +212,9 @@ def test_best_draft_length_trims_by_acceptance() -> None:
     lengths = [best_draft_length(a, 0.1, 60) for a in (0.3, 0.5, 0.75, 0.9, 0.99)]
     assert lengths == sorted(lengths) and lengths[0] >= 1 and lengths[-1] > 20
     assert best_draft_length(1.0, 0.1, 60) == 60
+    # a drafter whose tokens cost as much as a target step only pays with near-certain acceptance
+    assert best_draft_length(0.75, 0.1, 60, draft_cost=1.0) == 0
+    assert best_draft_length(0.75, 0.1, 60, draft_cost=0.2) > 0
 
 
 def test_build_tree_merges_prefixes_and_caps() -> None:

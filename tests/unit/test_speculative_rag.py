@@ -13,6 +13,7 @@ from shared_core.engines.speculative_rag import (
     SpeculativeRAG,
     SpeculativeRAGConfig,
     check_inputs,
+    combined_score,
     draft_prompt,
     generate_batch,
     kmeans_labels,
@@ -148,9 +149,10 @@ def test_batched_verifier_scores_equal_per_draft_and_full_softmax(verifier):
         assert batched[i] == pytest.approx(alone, abs=1e-3)
         with torch.inference_mode():
             logp = verifier.model(torch.tensor([rows[i]])).logits.log_softmax(-1)[0]
-        for (start, end), value in zip((sc_spans[i], yes_spans[i]), batched[i], strict=True):
+        for (start, end), value in zip((sc_spans[i], yes_spans[i]), batched[i][:2], strict=True):
             ref = sum(float(logp[t - 1, rows[i][t]]) for t in range(start, end))
             assert value == pytest.approx(ref, abs=1e-3)
+        assert batched[i][2] == sc_spans[i][1] - sc_spans[i][0]
 
 
 def test_answer_returns_every_draft_with_three_scores(drafter, verifier):
@@ -159,7 +161,7 @@ def test_answer_returns_every_draft_with_three_scores(drafter, verifier):
     for d in result.drafts:
         assert None not in (d.log_self_contain, d.log_self_reflect)
         assert d.score == pytest.approx(d.log_draft + d.log_self_contain + d.log_self_reflect)
-        assert len(d.doc_ids) == 2
+        assert len(d.doc_ids) == 2 and d.draft_tokens > 0 and d.self_contain_tokens > 0
     assert result.best == max(range(3), key=lambda i: result.drafts[i].score)
     stats = result.stats.as_dict()
     # a random tiny model never writes "Answer:", so every row takes the forced-answer step
@@ -182,6 +184,32 @@ def test_score_switches_and_random_selection():
     assert select_best(drafts, "score", random.Random(0)) == 1
     picks = {select_best(drafts, "random", random.Random(s)) for s in range(20)}
     assert picks == {0, 1}
+
+
+def test_vote_selects_the_answer_most_drafts_agree_on():
+    def draft(answer: str, score: float) -> Draft:
+        return Draft(answer, "", "", (), (), True, log_draft=score, score=score)
+
+    drafts = [draft("Berlin", -1.0), draft("the Paris.", -9.0), draft("paris", -5.0), draft("", -2.0),
+              draft("", -3.0)]
+    assert select_best(drafts, "score", random.Random(0)) == 0
+    assert select_best(drafts, "vote", random.Random(0)) == 2  # best-scored of the "paris" pair
+    # empty answers never win a vote; without agreement the score decides
+    assert select_best([draft("", -1.0), draft("", -1.5), draft("Rome", -4.0)], "vote",
+                       random.Random(0)) == 2
+    assert select_best([draft("Rome", -4.0), draft("Oslo", -2.0)], "vote", random.Random(0)) == 1
+
+
+def test_length_normalised_score_divides_by_token_counts():
+    d = Draft("a", "", "", (), (), True, log_draft=-6.0, log_self_contain=-8.0,
+              log_self_reflect=-0.5, draft_tokens=3, self_contain_tokens=4)
+    assert combined_score(d, SpeculativeRAGConfig()) == pytest.approx(-14.5)
+    normalised = SpeculativeRAGConfig(length_normalize=True)
+    assert combined_score(d, normalised) == pytest.approx(-2.0 - 2.0 - 0.5)
+    no_sc = SpeculativeRAGConfig(length_normalize=True, use_self_contain=False)
+    assert combined_score(d, no_sc) == pytest.approx(-2.5)
+    with pytest.raises(ValueError, match="selection"):
+        SpeculativeRAGConfig(selection="majority")
 
 
 def test_retriever_input(drafter, verifier):
@@ -399,11 +427,13 @@ def test_bench_metrics_and_reselection():
                     log_self_reflect=-1.0, score=-8.0))
     result = SpeculativeRAGResult("b", "", 1, drafts, tuple(DOCS[:2]),
                                   SpeculativeRAGStats(verify_s=2.0, total_s=5.0))
-    assert reselect(result, "drafter_only", 0).text == "a"
-    only = reselect(result, "drafter_only", 0).stats
+    cfg = SpeculativeRAGConfig()
+    assert reselect(result, "drafter_only", cfg).text == "a"
+    only = reselect(result, "drafter_only", cfg).stats
     assert only.total_s == 3.0 and only.verify_s == 0.0 and result.stats.total_s == 5.0
-    assert reselect(result, "abl_no_draft_score", 0).text == "b"
-    assert reselect(result, "abl_no_self_contain", 0).text == "a"
+    assert reselect(result, "abl_no_draft_score", cfg).text == "b"
+    assert reselect(result, "abl_no_self_contain", cfg).text == "a"
+    assert reselect(result, "sel_vote", cfg).stats.total_s == 5.0  # the vote keeps the verifier
     questions = [{"gold": ["b"]}, {"gold": ["c"]}]
     assert _draft_oracle("nq", questions, {"specrag": [result, result], "rag": ["x", "y"]}) == {
         "specrag": 0.5}  # a draft says "b" (question 1), none says "c"
