@@ -192,7 +192,8 @@ def _accept(run: _Run, draft: Draft, logits: torch.Tensor, eta: float, config: R
 
 
 class _GammaSchedule:
-    """Cost-aware draft length for ``RapidConfig.adaptive_gamma``.
+    """Cost-aware draft length for ``RapidConfig.adaptive_gamma`` (one per decoder setting,
+    kept across calls).
 
     Starts with the configured γ, then a plain round to time a one-token step; afterwards
     :func:`best_draft_length` decides from per-token acceptance (the geometric MLE over recent
@@ -238,7 +239,8 @@ class _GammaSchedule:
 
 
 def _rapid_blocks(run: _CachedRun, drafter: RetrievedContextDrafter, prompt: RapidPrompt,
-                  eta: float, config: RapidConfig) -> Iterator[list[int]]:
+                  eta: float, config: RapidConfig, schedule: _GammaSchedule | None
+                  ) -> Iterator[list[int]]:
     """The RAPID round, written as named steps (one committed block per round)."""
     pending = run.prefill()
     session, stats = run.session, run.stats
@@ -252,7 +254,6 @@ def _rapid_blocks(run: _CachedRun, drafter: RetrievedContextDrafter, prompt: Rap
                                       greedy_probs=greedy_probs)
     stats.prefill_s += draft_prefill
     stats.extra["draft_prefill_s"] = round(draft_prefill, 4)
-    schedule = _GammaSchedule(config.gamma) if config.adaptive_gamma else None
     stats.extra["plain_rounds"] = 0
     while True:
         context = [*session.tokens, pending]
@@ -319,6 +320,7 @@ class RapidDecoder:
         self._indexes: OrderedDict[str, _IndexedContext] = OrderedDict()
         self._encoded: OrderedDict[str, _EncodedContext] = OrderedDict()
         self._active: TokenStream | None = None
+        self._schedules: dict[tuple[str, float, str, int], _GammaSchedule] = {}
         self._target_parts = _chat_parts(lm)
         self._draft_parts = _chat_parts(self.draft_lm)
 
@@ -577,7 +579,17 @@ class RapidDecoder:
         def on_close(stats: DecodeStats) -> None:
             stats.draft_forwards = drafter.forwards - before
 
-        return run.stream(lambda r: _rapid_blocks(r, drafter, prompt, eta, config), on_close)
+        schedule = self._schedule(method, eta, config) if config.adaptive_gamma else None
+        return run.stream(lambda r: _rapid_blocks(r, drafter, prompt, eta, config, schedule),
+                          on_close)
+
+    def _schedule(self, method: str, eta: float, config: RapidConfig) -> _GammaSchedule:
+        """The cost-aware γ schedule of this setting, kept across calls (a few-token answer
+        would otherwise spend its first rounds measuring)."""
+        key = (method, eta, config.drafter_kv, config.gamma)
+        if key not in self._schedules:
+            self._schedules[key] = _GammaSchedule(config.gamma)
+        return self._schedules[key]
 
     def _close_active(self) -> None:
         """The sessions are shared: an unfinished previous stream is closed (with a warning)."""

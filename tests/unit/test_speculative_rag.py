@@ -409,7 +409,7 @@ def test_engine_retrieve_accepts_langchain_and_llamaindex_retrievers():
 # ---------------------------------------------------------------- benchmark helpers (no models)
 
 def test_bench_metrics_and_reselection():
-    from shared_core.bench.specrag import _draft_oracle, _path, is_correct, reselect
+    from shared_core.bench.specrag import _draft_oracle, _drafts_of, _path, is_correct, reselect
     from shared_core.engines.speculative_rag import SpeculativeRAGResult, SpeculativeRAGStats
 
     assert is_correct("nq", "It was Wilhelm Conrad Röntgen.", ["Wilhelm Conrad Röntgen"])
@@ -438,6 +438,10 @@ def test_bench_metrics_and_reselection():
     assert _draft_oracle("nq", questions, {"specrag": [result, result], "rag": ["x", "y"]}) == {
         "specrag": 0.5}  # a draft says "b" (question 1), none says "c"
     assert _path("out/r.json", "nq", True) == "out/r_nq.json"
+    dumped = _drafts_of({"specrag": [result], "rag_verifier": ["x"]}, 0)
+    assert list(dumped) == ["specrag_drafts"]
+    assert [d["answer"] for d in dumped["specrag_drafts"]] == ["a", "b"]
+    assert dumped["specrag_drafts"][1]["log_self_contain"] == -2.0
     assert _path("out/{dataset}.json", "nq", True) == "out/nq.json"
 
 
