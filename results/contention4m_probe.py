@@ -8,6 +8,7 @@ SmolLM2-135M decode steps (bf16, 1 torch thread, 1.2k-token context) and `blocke
 from __future__ import annotations
 
 import json
+import sys
 import threading
 import time
 
@@ -50,6 +51,6 @@ worker.start()
 together["decode_ms"] = 1000 * decode(40)
 worker.join()
 report = {"alone": alone, "concurrent": together, "note": __doc__.splitlines()[2]}
-print(json.dumps(report, indent=1))
+sys.stdout.write(json.dumps(report, indent=1) + "\n")
 with open("results/contention4m.json", "w") as f:
     json.dump(report, f, indent=1)
