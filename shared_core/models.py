@@ -274,10 +274,28 @@ def _eos_ids(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> froz
     return frozenset(ids)
 
 
+_FORCE_GQA = "TRANSFORMERS_SDPA_FORCE_GQA"
+
+
+def use_gqa_attention_on_cpu(device: torch.device) -> None:
+    """Let transformers' SDPA attend over grouped KV heads directly on a CPU (``enable_gqa``).
+
+    Otherwise it copies every layer's keys and values up to the query-head count (``repeat_kv``)
+    whenever a mask is passed, i.e. for every multi-token forward on a cache: each verification.
+    That copy was 31–62% of a 9-token verification of SmolLM2 at 7.9k context on our CPU
+    (``results/rapid/s5_verify_profile.txt``); with ``enable_gqa`` the attention is bit-identical
+    (tested). CPU only: CUDA falls back to the math kernel when a mask is given. A value already in
+    the environment is kept.
+    """
+    if device.type == "cpu":
+        os.environ.setdefault(_FORCE_GQA, "1")
+
+
 def wrap_lm(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, name: str = "custom") -> LM:
     """Wrap an already-built model + tokenizer (used by tests and by callers with own models)."""
     model.eval()
     param = next(model.parameters())
+    use_gqa_attention_on_cpu(param.device)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     return LM(model=model, tokenizer=tokenizer, name=name, device=param.device, dtype=param.dtype,

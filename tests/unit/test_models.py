@@ -83,3 +83,32 @@ def test_base_model_without_template_gets_the_fallback_chat_format():
     finally:
         tokenizer.chat_template = saved
     assert prompt == "User: hi\nAssistant:"
+
+
+def test_gqa_attention_on_cpu_is_bit_identical_for_verification_forwards(monkeypatch):
+    """wrap_lm turns on SDPA's grouped-query path on CPU; a multi-token forward on a cache (a
+    verification, which needs a mask) must give the very logits of transformers' repeat_kv path."""
+    import os
+
+    from tiny import tiny_lm
+    from transformers.integrations import sdpa_attention
+
+    from shared_core.kv import KVSession
+
+    lm = tiny_lm(num_layers=2, seed=3)  # 4 query heads over 2 KV heads
+    assert os.environ.get("TRANSFORMERS_SDPA_FORCE_GQA") == "1"
+    copies = []
+    original = sdpa_attention.repeat_kv
+    monkeypatch.setattr(sdpa_attention, "repeat_kv",
+                        lambda h, n: copies.append(n) or original(h, n))
+    prompt, block = list(range(5, 60)), [61, 62, 63, 64, 65]
+    logits, copied = {}, {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TRANSFORMERS_SDPA_FORCE_GQA", flag)
+        session = KVSession(lm)
+        session.prefill(prompt)
+        copies.clear()
+        logits[flag] = session.extend(block)
+        copied[flag] = len(copies)
+    assert copied == {"0": 4, "1": 0}  # K and V of both layers copied only on the stock path
+    assert torch.equal(logits["0"], logits["1"])
