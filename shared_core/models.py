@@ -284,8 +284,10 @@ def use_gqa_attention_on_cpu(device: torch.device) -> None:
     whenever a mask is passed, i.e. for every multi-token forward on a cache: each verification.
     That copy was 31–62% of a 9-token verification of SmolLM2 at 7.9k context on our CPU
     (``results/rapid/s5_verify_profile.txt``); with ``enable_gqa`` the attention is bit-identical
-    (tested). CPU only: CUDA falls back to the math kernel when a mask is given. A value already in
-    the environment is kept.
+    (tested). Set only when a CPU model is wrapped, because CUDA falls back to the math kernel when
+    a mask is given; but transformers reads it from the environment, so it then holds for every
+    model of the process (set ``TRANSFORMERS_SDPA_FORCE_GQA=0`` before loading to opt out). A
+    value already in the environment is kept.
     """
     if device.type == "cpu":
         os.environ.setdefault(_FORCE_GQA, "1")
