@@ -10,17 +10,18 @@ draft prompt (:func:`shared_core.engines.speculative_rag.draft_prompt`, prefille
 ``Rationale:``), with the loss on the target tokens only:
 
 * **SQuAD** (``squad_expmrc``): questions of the six articles NOT in
-  :data:`shared_core.bench.specrag.SQUAD_EVAL_TITLES`; rationale = the human evidence sentence,
+  :data:`shared_core.data_splits.SQUAD_EVAL_TITLES`; rationale = the human evidence sentence,
   answer = the first gold answer; documents = the question's paragraph plus one distractor
   paragraph of the same training articles.
-* **NQ** (``nq_open_oracle``): rows from :data:`shared_core.bench.specrag.NQ_EVAL_ROWS` on whose
+* **NQ** (``nq_open_oracle``): rows from :data:`shared_core.data_splits.NQ_EVAL_ROWS` on whose
   gold passages are not gold passages of any evaluation row; rationale = the gold-passage sentence
   containing the answer, answer = that answer string; documents = the gold passage plus one random
   distractor passage.
 
 The split is by question id / article title and is written to ``split.json`` next to the adapter;
 the benchmark never evaluates on those questions. ``load_tuned_drafter("smollm2-135m-instruct+specrag")``
-loads the base model, applies the shipped adapter and merges it.
+(:mod:`shared_core.drafters.lora`, re-exported here) loads the base model, applies the shipped
+adapter and merges it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared_core.data_splits import NQ_EVAL_ROWS, SQUAD_EVAL_TITLES
+from shared_core.drafters.lora import ADAPTER_ROOT, ADAPTERS, load_tuned_drafter
 from shared_core.retrieval.base import Document
 
 if TYPE_CHECKING:
@@ -41,34 +44,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-ADAPTER_ROOT = Path(__file__).resolve().parent / "adapters"
-ADAPTERS: dict[str, tuple[str, Path]] = {
-    "smollm2-135m-instruct+specrag": ("smollm2-135m-instruct",
-                                      ADAPTER_ROOT / "smollm2-135m-instruct-specrag"),
-}
-
-
-def load_tuned_drafter(name: str, dtype: str | None = None) -> LM:
-    """Base model + shipped LoRA adapter, merged in float32 (no peft wrapper left at inference),
-    then cast to ``dtype`` (``None``: the device default, as :func:`load_lm` picks)."""
-    if name not in ADAPTERS:
-        msg = f"drafter={name!r} has no tuned adapter; known: {', '.join(sorted(ADAPTERS))}"
-        raise ValueError(msg)
-    base, folder = ADAPTERS[name]
-    if not (folder / "adapter_config.json").is_file():
-        msg = (f"adapter for {name!r} is missing at {folder}; "
-               "train it with python -m shared_core.train_drafter")
-        raise ValueError(msg)
-    from peft import PeftModel
-
-    from shared_core.device import resolve_dtype
-    from shared_core.models import load_lm, wrap_lm
-
-    lm = load_lm(base, dtype="float32")
-    model = PeftModel.from_pretrained(lm.model, str(folder)).merge_and_unload()
-    model.to(resolve_dtype(dtype, lm.device))  # None: the device default (bf16 on CUDA)
-    return wrap_lm(model, lm.tokenizer, name=name)
-
+__all__ = ["ADAPTERS", "ADAPTER_ROOT", "build_examples", "encode_example", "load_tuned_drafter",
+           "main", "nq_examples", "squad_examples", "train", "train_lora"]
 
 # --------------------------------------------------------------------------- data
 
@@ -82,7 +59,6 @@ def _sentence_with(text: str, answer: str) -> str | None:
 
 def squad_examples(root: Path, rng: random.Random) -> list[dict[str, Any]]:
     from shared_core.bench.common import read_jsonl
-    from shared_core.bench.specrag import SQUAD_EVAL_TITLES
 
     corpus = {r["pid"]: r for r in read_jsonl(root / "squad_expmrc" / "corpus.jsonl")}
     train = [r for r in read_jsonl(root / "squad_expmrc" / "questions.jsonl")
@@ -102,7 +78,6 @@ def squad_examples(root: Path, rng: random.Random) -> list[dict[str, Any]]:
 
 def nq_examples(root: Path, rng: random.Random) -> list[dict[str, Any]]:
     from shared_core.bench.common import read_jsonl
-    from shared_core.bench.specrag import NQ_EVAL_ROWS
 
     corpus = {r["pid"]: r for r in read_jsonl(root / "nq_open_oracle" / "corpus.jsonl")}
     rows = read_jsonl(root / "nq_open_oracle" / "questions.jsonl")

@@ -12,7 +12,7 @@ NQ-open questions with the ``nq_open_oracle`` corpus (2,600 real passages) and S
   compared token for token with RaLMSeq; latency split into generation (LM forwards) and
   blocking retrieval (query embedding, cache lookups, retriever calls, waits on verification).
 
-``--suite knnlm`` runs the KNN-LM comparison instead (see ``shared_core/engines/knnlm.py``).
+``--suite knnlm`` runs the KNN-LM comparison instead (see :mod:`shared_core.bench.knnlm`).
 The host load average is recorded with each method because the machine may be shared.
 """
 
@@ -256,7 +256,7 @@ def plot(report: dict[str, Any], out: str) -> None:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.suite == "knnlm":
-        from shared_core.engines.knnlm import run_benchmark
+        from shared_core.bench.knnlm import run_benchmark
 
         return run_benchmark(args)
     return run_doc(args)

@@ -5,10 +5,12 @@ Datasets (from ``$SPECRAG_DATA_DIR``, default ``../shared/data``), each with its
 * ``nq``: NQ-open questions, top-10 dense retrieval from the 2,600-passage ``nq_open_oracle``
   corpus; metric = a gold answer contained in the answer (normalised as SQuAD does).
   Evaluation questions are the first ``--limit`` rows of ``questions.jsonl``
-  (:data:`NQ_EVAL_ROWS` rows are reserved for evaluation; the drafter trains on the rest).
+  (:data:`~shared_core.data_splits.NQ_EVAL_ROWS` rows are reserved for evaluation; the drafter
+  trains on the rest).
 * ``squad``: SQuAD (ExpMRC dev subset), retrieval from its 319 paragraphs; same metric.
-  Evaluation questions come from the articles in :data:`SQUAD_EVAL_TITLES` (the first six in
-  file order); the drafter trains on the other six.
+  Evaluation questions come from the articles in
+  :data:`~shared_core.data_splits.SQUAD_EVAL_TITLES` (the first six in file order); the drafter
+  trains on the other six.
 * ``pubhealth``: the true/false PubHealth claims (test subset first, then dev), as in Self-RAG;
   retrieval from ~120-word chunks of all 172 PubHealth articles; metric = label match, the verdict
   read by :func:`claim_label` (first cue wins: "false", "incorrect", "not correct", "no"… vs
@@ -52,6 +54,7 @@ from shared_core.bench.common import (
     read_jsonl,
     write_report,
 )
+from shared_core.data_splits import NQ_EVAL_ROWS, SQUAD_EVAL_TITLES
 from shared_core.engines.speculative_rag import (
     SpeculativeRAG,
     SpeculativeRAGConfig,
@@ -64,9 +67,6 @@ from shared_core.retrieval.base import Document
 logger = logging.getLogger(__name__)
 
 DATASETS = ("nq", "squad", "pubhealth")
-NQ_EVAL_ROWS = 1000  # questions.jsonl rows [0, 1000) are evaluation-only
-SQUAD_EVAL_TITLES = ("Victoria_(Australia)", "Steam_engine", "Apollo_program", "Geology",
-                     "Genghis_Khan", "Harvard_University")
 PUBHEALTH_CHUNK_WORDS = 120
 PUBHEALTH_QUESTION = ("Is the following statement correct or not? Say true if it's correct; "
                       "otherwise, say false. Statement: {claim}")

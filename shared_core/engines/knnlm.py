@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -347,76 +347,3 @@ def knnlm_generate(lm: LM, store: KNNDatastore, prompt: Prompt, max_new_tokens: 
     run = _KNNRun(lm, store, prompt, config or KNNLMConfig(), generation)
     blocks = _speculative_blocks(run) if speculative else _baseline_blocks(run)
     return run.stream(blocks).run()
-
-
-# ----------------------------------------------------------------------------- benchmark
-
-
-def run_benchmark(args: Any) -> dict[str, Any]:
-    """``python -m shared_core.bench ralmspec --suite knnlm``: speed-up per k, identical tokens."""
-    import os
-
-    from shared_core.bench.common import MethodResult, data_dir, make_report, read_jsonl
-    from shared_core.models import load_lm
-
-    lm = load_lm(args.model, dtype=args.dtype)
-    folder = data_dir() / "nq_open_oracle"
-    corpus = [f"{r['title']}: {r['text']}" for r in read_jsonl(folder / "corpus.jsonl")]
-    path = os.path.join(args.cache_dir, f"knnlm-{args.knn_datastore_tokens}.npz")
-    if os.path.exists(path):
-        saved = np.load(path)
-        store = KNNDatastore(saved["keys"], saved["values"])
-    else:
-        store = KNNDatastore.build(lm, corpus, max_tokens=args.knn_datastore_tokens)
-        os.makedirs(args.cache_dir, exist_ok=True)
-        np.savez(path, keys=store.keys, values=store.values)
-    real = len(store)
-    if args.knn_pad:
-        store.add_padding(args.knn_pad)
-    rows = read_jsonl(folder / "questions.jsonl", limit=args.limit + 1)
-    prompts = [[{"role": "user", "content": r["question"]}] for r in rows]
-    methods: dict[str, MethodResult] = {}
-    speedup: dict[str, float] = {}
-    base = KNNLMConfig()
-    fixed = getattr(args, "knn_fixed_stride", 0)
-    knobs: dict[str, Any] = {"scheduler": not fixed,
-                             "speculation_stride": fixed or base.speculation_stride}
-    if getattr(args, "knn_gamma_max", None) is not None:
-        knobs["gamma_max"] = args.knn_gamma_max
-    for k in (int(x) for x in args.knn_k.split(",")):
-        config = replace(base, k=k, **knobs)
-        for name, speculative in (("baseline", False), ("RaLMSpec", True)):
-            knnlm_generate(lm, store, prompts[0], args.max_new_tokens, config=config,
-                           speculative=speculative)  # warm-up
-            result = MethodResult()
-            load = [round(os.getloadavg()[0], 2)]
-            extra = {"retrieval_s": 0.0, "retrieval_calls": 0, "drafted": 0, "accepted": 0}
-            for prompt in prompts[1:]:
-                start = time.perf_counter()
-                out = knnlm_generate(lm, store, prompt, args.max_new_tokens, config=config,
-                                     speculative=speculative)
-                result.wall_s += time.perf_counter() - start
-                result.new_tokens += len(out.token_ids)
-                result.outputs.append(out.token_ids)
-                extra["retrieval_s"] += out.stats.extra["retrieval_s"]
-                extra["retrieval_calls"] += out.stats.extra["retrieval_calls"]
-                extra["drafted"] += out.stats.drafted
-                extra["accepted"] += out.stats.accepted
-            load.append(round(os.getloadavg()[0], 2))
-            result.stats = {**extra, "load_avg_1m": load, "gamma_max": config.gamma_max,
-                            "scheduler": config.scheduler,
-                            "speculation_stride": config.speculation_stride}
-            methods[f"k={k}/{name}"] = result
-        speedup[f"k={k}/RaLMSpec"] = round(methods[f"k={k}/baseline"].wall_s
-                                           / methods[f"k={k}/RaLMSpec"].wall_s, 3)
-    report = make_report(
-        engine="ralmspec-knnlm", dataset="nq_open_oracle", device=str(lm.device),
-        models={"lm": lm.name}, methods=methods, primary_baseline=next(iter(methods)),
-        identical_to={m: [m.replace("RaLMSpec", "baseline")] for m in methods
-                      if m.endswith("RaLMSpec")},
-        extra={"datastore": {"real_entries": real, "padding_entries": len(store) - real,
-                             "dim": int(store.keys.shape[1]),
-                             "search": "exact squared L2: blocked PyTorch GEMM candidates "
-                                       "(k + margin), re-ranked in float64"}})
-    report["speedup"] = speedup
-    return report

@@ -609,12 +609,12 @@ def _load(model: LM | str, dtype: str | None) -> LM:
     if not isinstance(model, str):
         return model
     if model.endswith("+specrag"):
-        from shared_core.train_drafter import load_tuned_drafter
+        from shared_core.drafters.lora import load_tuned_drafter
 
         return load_tuned_drafter(model, dtype)
-    from shared_core.serving import loaded_model
+    from shared_core.model_cache import cached_lm
 
-    return loaded_model(model, dtype=dtype)[0]  # shared with the other adapters of this process
+    return cached_lm(model, dtype=dtype)  # one copy per process, shared with other engines
 
 
 def check_model_name(name: Any, param: str) -> None:
@@ -625,7 +625,7 @@ def check_model_name(name: Any, param: str) -> None:
 
     base = name.removesuffix("+specrag")
     if name.endswith("+specrag"):
-        from shared_core.train_drafter import ADAPTERS
+        from shared_core.drafters.lora import ADAPTERS
 
         if name not in ADAPTERS:
             msg = f"{param}={name!r}: no tuned adapter; known: {', '.join(sorted(ADAPTERS))}"

@@ -1,0 +1,32 @@
+"""One loaded :class:`~shared_core.models.LM` per ``(name, device, dtype)`` in a process.
+
+Engines that accept a model *name* load it through :func:`cached_lm`, so two engines (or an
+engine and an adapter) naming the same model share one copy of the weights. Locks for running
+generations live a layer up, in :mod:`shared_core.serving`.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from shared_core.models import LM
+
+_LOADED: dict[tuple[str, str | None, str | None], LM] = {}
+_LOCK = threading.Lock()
+
+
+def cached_lm(name: str, device: str | None = None, dtype: str | None = None) -> LM:
+    """The process-wide :func:`~shared_core.models.load_lm` result for these arguments.
+
+    Loading happens under a lock, so concurrent first calls load once; a failed load caches
+    nothing and the next call tries again.
+    """
+    key = (name, device, dtype)
+    with _LOCK:
+        if key not in _LOADED:
+            from shared_core.models import load_lm
+
+            _LOADED[key] = load_lm(name, device=device, dtype=dtype)
+        return _LOADED[key]

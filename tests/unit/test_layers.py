@@ -1,0 +1,326 @@
+"""Imports go only downward through the layers of DESIGN §2, and never in a cycle.
+
+Every module under ``shared_core/``, ``langchain_specrag/`` and ``llamaindex_specrag/`` is parsed
+with :mod:`ast`; an edge is any import of a project module: top-level, lazy (inside a function),
+under ``if TYPE_CHECKING:``, or a string naming a module (``importlib.import_module`` targets,
+PEP 562 ``_LAZY`` maps, ``"module:attr"`` registries). An edge to a higher layer, or any cycle,
+fails with the offending edge(s) named.
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import textwrap
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("shared_core", "langchain_specrag", "llamaindex_specrag")
+
+# module (or package prefix) -> (layer, why it sits there). Longest prefix wins; the bare
+# "shared_core" entry names only the package's own __init__, so a new top-level module must be
+# added here explicitly.
+LAYERS: dict[str, tuple[int, str]] = {
+    "shared_core._lazy": (0, "PEP 562 lazy-attribute helper, standard library only"),
+    "shared_core.config": (0, "frozen, torch-free configs"),
+    "shared_core.stats": (0, "stats dataclasses"),
+    "shared_core.device": (0, "device and dtype resolution"),
+    "shared_core.draft_length": (0, "pure arithmetic on measured costs; no models, no torch"),
+    "shared_core.data_splits": (0, "evaluation-split constants shared by the bench and training"),
+    "shared_core": (1, "package facade: lazily re-exports models' LM, load_lm, load_embedder"),
+    "shared_core.models": (1, "load_lm / load_embedder"),
+    "shared_core.embedded": (1, "where the offline weights ship and how they are assembled"),
+    "shared_core.model_cache": (1, "process-wide cache of loaded LMs over models.load_lm"),
+    "shared_core.kv": (1, "KV sessions over a loaded LM"),
+    "shared_core.verify": (1, "pure verification functions"),
+    "shared_core.output": (1, "committed tokens -> returned text (needs the LM's tokenizer); "
+                              "used by every engine"),
+    "shared_core.drafters": (2, "one module per drafter"),
+    "shared_core.retrieval": (2, "documents, chunking, retrieval backends"),
+    "shared_core.engines": (3, "the engines and their shared round loop"),
+    "shared_core.serving": (4, "model cache + locks for the adapters; builds engines"),
+    "shared_core.remote": (4, "served-model clients"),
+    "shared_core.bench": (4, "benchmarks and probes"),
+    "shared_core.train_drafter": (4, "drafter tuning (uses the engine's draft prompt)"),
+    "shared_core.demo": (4, "runs every engine end to end"),
+    "shared_core.cli": (4, "console script over demo and bench"),
+    "langchain_specrag": (5, "LangChain adapters"),
+    "llamaindex_specrag": (5, "LlamaIndex adapters"),
+}
+_EXACT_ONLY = {"shared_core"}
+
+# (importer, imported) -> why the upward edge is tolerated for now. Keep this empty; an entry
+# whose edge no longer exists fails the test so the list cannot go stale.
+ALLOWED_UPWARD: dict[tuple[str, str], str] = {}
+
+
+@dataclass(frozen=True)
+class Edge:
+    source: str
+    target: str
+    line: int
+    kind: str  # "top-level", "lazy", "type-checking" or "string"
+
+    def __str__(self) -> str:
+        return f"{self.source} -> {self.target} (line {self.line}, {self.kind} import)"
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def discover(root: Path, packages: Iterable[str] = PACKAGES) -> dict[str, Path]:
+    """Project module name -> file, for every ``.py`` under the packages."""
+    return {module_name(p, root): p for pkg in packages for p in sorted((root / pkg).rglob("*.py"))}
+
+
+def layer_of(module: str, layers: Mapping[str, tuple[int, str]] = LAYERS) -> int | None:
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:end])
+        if prefix in layers and (end == len(parts) or prefix not in _EXACT_ONLY):
+            return layers[prefix][0]
+    return None
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def _kinds(tree: ast.Module) -> dict[ast.AST, str]:
+    """Each node's context: inside a function (lazy), under TYPE_CHECKING, else top level."""
+    kinds: dict[ast.AST, str] = {}
+
+    def visit(node: ast.AST, kind: str) -> None:
+        kinds[node] = kind
+        for child in ast.iter_child_nodes(node):
+            child_kind = kind
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                child_kind = "lazy"
+            elif isinstance(node, ast.If) and _is_type_checking(node.test) and child in node.body:
+                child_kind = "type-checking"
+            visit(child, child_kind)
+
+    visit(tree, "top-level")
+    return kinds
+
+
+def _resolve_from(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - node.level + 1]
+    return ".".join([*base, node.module] if node.module else base)
+
+
+def imports_of(module: str, source: str, known: set[str], is_package: bool = False) -> list[Edge]:
+    """Edges from ``module`` to project modules in ``known`` (see the module docstring)."""
+    tree = ast.parse(source)
+    kinds = _kinds(tree)
+    edges: list[Edge] = []
+
+    def add(target: str, node: ast.AST, kind: str | None = None) -> None:
+        edge = Edge(module, target, getattr(node, "lineno", 0), kind or kinds[node])
+        if target in known and target != module and edge not in edges:
+            edges.append(edge)
+
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                add(alias.name, node)
+        elif isinstance(node, ast.ImportFrom):
+            base = _resolve_from(node, module, is_package)
+            for alias in node.names:
+                full = f"{base}.{alias.name}"
+                add(full if full in known else base, node)
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            add(node.value.split(":")[0], node, "string")
+    return edges
+
+
+@functools.cache
+def project_edges(root: Path = ROOT) -> tuple[Edge, ...]:
+    files = discover(root)
+    known = set(files)
+    return tuple(edge for name, path in files.items()
+                 for edge in imports_of(name, path.read_text(encoding="utf-8"), known,
+                                        path.name == "__init__.py"))
+
+
+def find_cycles(edges: Iterable[Edge]) -> list[list[Edge]]:
+    """One cycle (as its edges) per strongly connected component with a cycle (Tarjan)."""
+    graph: dict[str, dict[str, Edge]] = {}
+    for e in edges:
+        graph.setdefault(e.source, {}).setdefault(e.target, e)
+        graph.setdefault(e.target, {})
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def strongconnect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                strongconnect(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            strongconnect(v)
+    return [_cycle_in(graph, c) for c in components]
+
+
+def _cycle_in(graph: Mapping[str, Mapping[str, Edge]], component: set[str]) -> list[Edge]:
+    """A shortest cycle through the component's first module (breadth-first search)."""
+    start = min(component)
+    parent: dict[str, Edge] = {}
+    queue = [start]
+    while queue:
+        v = queue.pop(0)
+        for w, edge in sorted(graph[v].items()):
+            if w == start:
+                path = [edge]
+                while path[0].source != start:
+                    path.insert(0, parent[path[0].source])
+                return path
+            if w in component and w not in parent:
+                parent[w] = edge
+                queue.append(w)
+    raise AssertionError(component)  # unreachable: a component with >1 module has a cycle
+
+
+def violations(edges: Iterable[Edge], layer: Callable[[str], int | None] = layer_of,
+               allowed: Mapping[tuple[str, str], str] = ALLOWED_UPWARD) -> list[str]:
+    """Every problem as one line: unmapped modules, upward edges, cycles."""
+    edges = list(edges)
+    problems = sorted({f"module {m} has no layer: add it to LAYERS in tests/unit/test_layers.py"
+                       for e in edges for m in (e.source, e.target) if layer(m) is None})
+    for e in edges:
+        src, dst = layer(e.source), layer(e.target)
+        if src is not None and dst is not None and dst > src \
+                and (e.source, e.target) not in allowed:
+            problems.append(f"upward import: {e} goes from layer {src} to layer {dst}")
+    for cycle in find_cycles(edges):
+        chain = " -> ".join([cycle[0].source] + [e.target for e in cycle])
+        problems.append(f"import cycle: {chain}; edges: " + "; ".join(map(str, cycle)))
+    return problems
+
+
+# ----------------------------------------------------------------------------- the real tree
+
+
+def test_every_module_has_a_layer() -> None:
+    unmapped = sorted(m for m in discover(ROOT) if layer_of(m) is None)
+    assert not unmapped, f"add these modules to LAYERS: {unmapped}"
+
+
+def test_imports_only_go_down_and_never_cycle() -> None:
+    edges = project_edges()
+    assert len(edges) > 50, "the parser found too few imports; is it reading the tree?"
+    problems = violations(edges)
+    assert not problems, "layering violations:\n" + "\n".join(problems)
+
+
+def test_allowed_upward_edges_still_exist() -> None:
+    present = {(e.source, e.target) for e in project_edges()}
+    stale = sorted(set(ALLOWED_UPWARD) - present)
+    assert not stale, f"remove these fixed edges from ALLOWED_UPWARD: {stale}"
+
+
+# ----------------------------------------------------------------------------- the checker fails
+
+
+def _edge(source: str, target: str) -> Edge:
+    return Edge(source, target, 1, "top-level")
+
+
+def test_planted_upward_edge_is_reported() -> None:
+    edges = [_edge("shared_core.engines.baseline", "shared_core.models"),
+             _edge("shared_core.config", "shared_core.models")]
+    problems = violations(edges)
+    assert len(problems) == 1
+    assert "shared_core.config -> shared_core.models" in problems[0]
+    assert "layer 0 to layer 1" in problems[0]
+
+
+def test_planted_cycle_is_reported_with_its_edges() -> None:
+    edges = [_edge("shared_core.engines.a", "shared_core.engines.b"),
+             _edge("shared_core.engines.b", "shared_core.engines.c"),
+             _edge("shared_core.engines.c", "shared_core.engines.a"),
+             _edge("shared_core.engines.c", "shared_core.kv")]
+    problems = violations(edges)
+    assert len(problems) == 1
+    assert ("shared_core.engines.a -> shared_core.engines.b -> shared_core.engines.c"
+            " -> shared_core.engines.a") in problems[0]
+
+
+def test_the_old_cycle_would_fail() -> None:
+    """engine -> train_drafter -> bench -> engine: two upward edges and one cycle."""
+    edges = [_edge("shared_core.engines.speculative_rag", "shared_core.train_drafter"),
+             _edge("shared_core.train_drafter", "shared_core.bench.specrag"),
+             _edge("shared_core.bench.specrag", "shared_core.engines.speculative_rag")]
+    problems = violations(edges)
+    assert sum(p.startswith("upward import") for p in problems) == 1
+    assert sum(p.startswith("import cycle") for p in problems) == 1
+    assert "shared_core.engines.speculative_rag -> shared_core.train_drafter" in problems[0]
+
+
+def test_allow_list_and_unmapped_modules() -> None:
+    edge = _edge("shared_core.engines.x", "shared_core.serving")
+    assert violations([edge], allowed={(edge.source, edge.target): "temporary"}) == []
+    assert violations([_edge("shared_core.newthing", "shared_core.config")]) == [
+        "module shared_core.newthing has no layer: add it to LAYERS in tests/unit/test_layers.py"]
+
+
+def test_parser_sees_lazy_type_checking_string_and_relative_imports(tmp_path: Path) -> None:
+    pkg = tmp_path / "shared_core"
+    (pkg / "engines").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "config.py").write_text("")
+    (pkg / "serving.py").write_text("")
+    (pkg / "models.py").write_text("")
+    (pkg / "engines" / "__init__.py").write_text('_LAZY = {"X": "shared_core.engines.eng"}\n')
+    (pkg / "engines" / "eng.py").write_text(textwrap.dedent("""
+        from typing import TYPE_CHECKING
+        from .. import config
+        if TYPE_CHECKING:
+            from shared_core.models import LM
+        def load():
+            from shared_core.serving import loaded_model
+        REGISTRY = {"a": "shared_core.config:thing"}
+    """))
+    files = discover(tmp_path, ["shared_core"])
+    edges = [e for name, path in files.items()
+             for e in imports_of(name, path.read_text(), set(files), path.name == "__init__.py")]
+    found = {(e.source, e.target, e.kind) for e in edges}
+    assert found == {
+        ("shared_core.engines", "shared_core.engines.eng", "string"),
+        ("shared_core.engines.eng", "shared_core.config", "top-level"),
+        ("shared_core.engines.eng", "shared_core.models", "type-checking"),
+        ("shared_core.engines.eng", "shared_core.serving", "lazy"),
+        ("shared_core.engines.eng", "shared_core.config", "string"),
+    }
+    problems = violations(edges)
+    assert problems == [
+        "upward import: shared_core.engines.eng -> shared_core.serving (line 7, lazy import)"
+        " goes from layer 3 to layer 4"]

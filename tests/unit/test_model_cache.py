@@ -1,0 +1,35 @@
+"""shared_core.model_cache: one loaded LM per (name, device, dtype) in a process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from tiny import tiny_llama, tiny_tokenizer
+
+from shared_core.model_cache import cached_lm
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(num_layers=1).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+def test_same_arguments_share_one_model(tiny_folder: str) -> None:
+    first = cached_lm(tiny_folder, device="cpu", dtype="float32")
+    assert cached_lm(tiny_folder, device="cpu", dtype="float32") is first
+    other = cached_lm(tiny_folder, device="cpu", dtype="bfloat16")
+    assert other is not first
+    assert str(other.dtype) == "torch.bfloat16"
+
+
+def test_a_failed_load_is_not_cached(tmp_path: Path) -> None:
+    missing = str(tmp_path / "not-yet")
+    with pytest.raises(FileNotFoundError):
+        cached_lm(missing)
+    (tmp_path / "not-yet").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        cached_lm(missing)  # tried again, not a cached failure
