@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.base import Document, Hit, check_document_fields
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
@@ -21,16 +21,41 @@ DOCS_FILE = "docs.jsonl"
 PROGRESS_MIN_TEXTS = 256  # show a progress bar (if asked) only above this many texts
 
 
-def check_k(k: int) -> None:
-    if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
-        msg = f"k must be an integer >= 1, got {k!r}"
+def check_int(value: Any, name: str, minimum: int = 1, *, optional: bool = False) -> None:
+    """TypeError for a non-integer (bool, float, str), ValueError below ``minimum``."""
+    if optional and value is None:
+        return
+    expected = f"an integer >= {minimum}" + (" or None" if optional else "")
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        msg = f"{name} must be {expected}, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+    if value < minimum:
+        msg = f"{name} must be {expected}, got {value!r}"
         raise ValueError(msg)
+
+
+def check_number(value: Any, name: str, low: float, high: float = float("inf")) -> float:
+    """A real number (not bool) in ``[low, high]``: TypeError for the type, ValueError for range."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
+        msg = f"{name} must be a number, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+    if not low <= value <= high:
+        msg = f"{name} must be in [{low}, {high}], got {value!r}"
+        raise ValueError(msg)
+    return float(value)
+
+
+def check_k(k: int, name: str = "k") -> None:
+    check_int(k, name)
 
 
 def check_queries(queries: Sequence[str]) -> list[str]:
     """A non-empty list of strings (a bare string is refused: it would be read as characters)."""
-    if isinstance(queries, str):
+    if isinstance(queries, (str, bytes)):
         msg = "queries must be a sequence of strings, not one string; wrap it in a list"
+        raise TypeError(msg)
+    if not isinstance(queries, Iterable) or isinstance(queries, dict):
+        msg = f"queries must be a list of strings, got {type(queries).__name__}"
         raise TypeError(msg)
     queries = list(queries)
     if not queries:
@@ -45,12 +70,16 @@ def check_queries(queries: Sequence[str]) -> list[str]:
 
 def check_new_docs(docs: Iterable[Document], known: dict[str, int]) -> list[Document]:
     """Documents with ids unseen in ``known`` and unique among themselves."""
+    if isinstance(docs, (str, bytes, Document)) or not isinstance(docs, Iterable):
+        msg = f"docs must be a list of Document, got {type(docs).__name__}; wrap it in a list"
+        raise TypeError(msg)
     docs = list(docs)
     seen: set[str] = set()
     for i, doc in enumerate(docs):
         if not isinstance(doc, Document):
             msg = f"docs[{i}] must be a Document, got {type(doc).__name__}"
             raise TypeError(msg)
+        check_document_fields(doc.id, doc.text, doc.metadata, f"docs[{i}]")
         if doc.id in known or doc.id in seen:
             msg = f"docs contains the duplicate document id {doc.id!r}"
             raise ValueError(msg)

@@ -15,6 +15,30 @@ class Document:
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_document_fields(self.id, self.text, self.metadata, "Document")
+
+
+def check_document_fields(doc_id: Any, text: Any, metadata: Any, where: str) -> None:
+    """TypeError/ValueError naming the field (``where.id`` ...) unless the fields are well typed.
+
+    Run at construction so that a bad document never reaches an index or an engine (a non-str
+    text used to fail deep inside BM25 tokenization or the embedder).
+    """
+    if not isinstance(doc_id, str):
+        msg = f"{where}.id must be a str, got {type(doc_id).__name__} {doc_id!r}"
+        raise TypeError(msg)
+    if not doc_id:
+        msg = f"{where}.id must be a non-empty string"
+        raise ValueError(msg)
+    if not isinstance(text, str):
+        msg = f"{where}.text must be a str, got {type(text).__name__} (document id {doc_id!r})"
+        raise TypeError(msg)
+    if not isinstance(metadata, dict):
+        msg = (f"{where}.metadata must be a dict, got {type(metadata).__name__} "
+               f"(document id {doc_id!r})")
+        raise TypeError(msg)
+
 
 @dataclass(frozen=True)
 class Hit:
@@ -23,6 +47,11 @@ class Hit:
     document: Document
     score: float
     rank: int
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.document, Document):
+            msg = f"Hit.document must be a Document, got {type(self.document).__name__}"
+            raise TypeError(msg)
 
 
 @runtime_checkable

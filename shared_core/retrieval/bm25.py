@@ -88,13 +88,13 @@ class BM25Retriever:
                  delta: float = 0.5, stopwords: str | Sequence[str] | None = "en",
                  stemmer: str | Callable[[str], str] | None = None,
                  show_progress: bool = False) -> None:
-        if method not in METHODS:
+        if not isinstance(method, str) or method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
             raise ValueError(msg)
-        if not k1 >= 0 or not 0 <= b <= 1:
-            msg = f"k1 must be >= 0 and b in [0, 1], got k1={k1!r}, b={b!r}"
-            raise ValueError(msg)
-        self.k1, self.b, self.method, self.delta = float(k1), float(b), method, float(delta)
+        k1 = _common.check_number(k1, "k1", 0.0)
+        b = _common.check_number(b, "b", 0.0, 1.0)
+        delta = _common.check_number(delta, "delta", 0.0)
+        self.k1, self.b, self.method, self.delta = k1, b, method, delta
         self.stopwords = None if stopwords is None else (
             stopwords if isinstance(stopwords, str) else list(stopwords))
         self.stemmer = stemmer

@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from shared_core.retrieval._common import check_int
 from shared_core.retrieval.base import Document
 
 logger = logging.getLogger(__name__)
@@ -33,12 +34,17 @@ class _Span:
 
 
 def _check_sizes(chunk_tokens: int, overlap: int) -> None:
-    if isinstance(chunk_tokens, bool) or not isinstance(chunk_tokens, int) or chunk_tokens < 1:
-        msg = f"chunk_tokens must be an integer >= 1, got {chunk_tokens!r}"
-        raise ValueError(msg)
-    if isinstance(overlap, bool) or not isinstance(overlap, int) or not 0 <= overlap < chunk_tokens:
+    check_int(chunk_tokens, "chunk_tokens")
+    check_int(overlap, "overlap", 0)
+    if overlap >= chunk_tokens:
         msg = f"overlap must be an integer in [0, chunk_tokens={chunk_tokens}), got {overlap!r}"
         raise ValueError(msg)
+
+
+def _check_tokenizer(tokenizer: Any) -> None:
+    if not callable(getattr(tokenizer, "encode", None)):
+        msg = f"tokenizer must be a Hugging Face tokenizer (e.g. lm.tokenizer), got {tokenizer!r}"
+        raise TypeError(msg)
 
 
 def _windows(n_tokens: int, chunk_tokens: int, overlap: int) -> list[tuple[int, int]]:
@@ -88,6 +94,7 @@ def chunk_text(text: str, tokenizer: Any, chunk_tokens: int = 512, overlap: int 
         overlap: tokens shared by consecutive chunks, ``0 <= overlap < chunk_tokens``.
     """
     _check_sizes(chunk_tokens, overlap)
+    _check_tokenizer(tokenizer)
     return [span.text for span in _spans(text, tokenizer, chunk_tokens, overlap)]
 
 
@@ -101,6 +108,10 @@ def chunk_documents(docs: Iterable[Document], tokenizer: Any, chunk_tokens: int 
     Documents with empty text give no chunks.
     """
     _check_sizes(chunk_tokens, overlap)
+    _check_tokenizer(tokenizer)
+    if isinstance(docs, (str, Document)):
+        msg = f"docs must be a list of Document, got {type(docs).__name__}; wrap it in a list"
+        raise TypeError(msg)
     chunks: list[Document] = []
     for doc in docs:
         if not isinstance(doc, Document):

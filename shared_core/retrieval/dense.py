@@ -170,19 +170,15 @@ class DenseRetriever:
                  batch_size: int = 64, show_progress: bool = False,
                  num_threads: int | None = None, gemm_min_batch: int | None = None,
                  query_batch_size: int | None = None) -> None:
-        if index not in INDEX_KINDS:
+        if not isinstance(index, str) or index not in INDEX_KINDS:
             msg = f"index must be one of {INDEX_KINDS}, got {index!r}"
             raise ValueError(msg)
         for name, value in (("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
                             ("ef_search", ef_search), ("batch_size", batch_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                msg = f"{name} must be an integer >= 1, got {value!r}"
-                raise ValueError(msg)
+            _common.check_int(value, name)
         for name, value in (("num_threads", num_threads), ("gemm_min_batch", gemm_min_batch),
                             ("query_batch_size", query_batch_size)):
-            if value is not None and (not isinstance(value, int) or value < 1):
-                msg = f"{name} must be None or an integer >= 1, got {value!r}"
-                raise ValueError(msg)
+            _common.check_int(value, name, optional=True)
         if not isinstance(embedder, str) and not callable(getattr(embedder, "encode", None)):
             msg = "embedder must be a model name or an object with an encode(list[str]) method"
             raise TypeError(msg)
@@ -364,9 +360,7 @@ class DenseRetriever:
         be returned by ``search`` (as ``Document(id="pad-<j>", text="")``). Needs at least one
         document or a known dimension, so call ``add`` first.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            msg = f"n must be an integer >= 0, got {n!r}"
-            raise ValueError(msg)
+        _common.check_int(n, "n", 0)
         if self.dim is None:
             msg = "add documents before padding: the vector dimension is not known yet"
             raise ValueError(msg)
