@@ -20,6 +20,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "rapid": ("shared_core.bench.rapid", "add_arguments", "run"),
     "ralmspec": ("shared_core.bench.ralmspec", "add_arguments", "run"),
     "respec": ("shared_core.bench.respec", "add_arguments", "run"),
+    "forward-cost": ("shared_core.bench.forward_cost", "add_arguments", "run"),
 }
 
 

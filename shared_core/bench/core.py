@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from shared_core.bench.common import MethodResult, identical_count, make_report, timed_loop
 from shared_core.bench.datasets import SPEC_BENCH_TASKS, SpecBenchPrompt, spec_bench
+from shared_core.device import cpu_facts
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.kv import KVSession
@@ -37,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--tasks", nargs="*", default=list(SPEC_BENCH_TASKS))
     parser.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
+    parser.add_argument("--drafter", default=None,
+                        help="a same-vocabulary draft model: adds speculative_model (ours) and "
+                             "hf_assisted (transformers assisted generation) with that pair")
     parser.add_argument("--bf16", action="store_true",
                         help="also run our loop with bfloat16 weights (opt-in: changes outputs)")
 
@@ -69,6 +73,23 @@ def methods_for(lm: LM, max_new: int, k: int) -> dict[str, Method]:
             "hf_prompt_lookup": hf({"prompt_lookup_num_tokens": 10}), "speculative": speculative}
 
 
+def model_drafter_methods(lm: LM, drafter: LM, max_new: int, k: int) -> dict[str, Method]:
+    """Classic two-model speculative decoding, ours and transformers', with the same pair."""
+    from shared_core.drafters.model import ModelDrafter
+
+    def ours(ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+        result = speculative_generate(lm, ModelDrafter(drafter, target=lm), ids, max_new, k=k)
+        return result.token_ids, result.stats.as_dict()
+
+    def assisted(ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+        with torch.inference_mode():
+            out = lm.model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=max_new,
+                                    do_sample=False, assistant_model=drafter.model)
+        return _strip_eos(lm, out[0, len(ids):].tolist()), {}
+
+    return {"speculative_model": ours, "hf_assisted": assisted}
+
+
 def _aggregate_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
     if not stats or not stats[0]:
         return {}
@@ -91,6 +112,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     methods = methods_for(lm, args.max_new_tokens, args.draft_tokens)
     if args.methods:
         methods = {name: fn for name, fn in methods.items() if name in args.methods}
+    if args.drafter:  # asked for explicitly, so not subject to --methods
+        methods.update(model_drafter_methods(lm, load_lm(args.drafter), args.max_new_tokens,
+                                             args.draft_tokens))
     if args.bf16:  # asked for explicitly, so not subject to --methods
         lm_bf16 = load_lm(args.model, dtype="bfloat16")
         methods["autoregressive_bf16"] = lambda ids: (
@@ -112,13 +136,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, result in results.items():
         logger.info("%s: %.2f tok/s", name, result.tokens_per_s)
     compare = {name: ["autoregressive", "hf_generate"] for name in methods}
-    report = make_report(engine="core", dataset="spec_bench", models={"target": args.model},
+    models = {"target": args.model, **({"drafter": args.drafter} if args.drafter else {})}
+    report = make_report(engine="core", dataset="spec_bench", models=models,
                          device=str(lm.device), methods=results, primary_baseline="hf_generate",
                          identical_to=compare)
     report["per_task"] = _per_task(prompts, per_prompt)
     report["settings"] = {"max_new_tokens": args.max_new_tokens, "per_task": args.limit,
                           "draft_tokens": args.draft_tokens, "order": "methods interleaved per prompt",
-                          "load_average": os.getloadavg()}
+                          "load_average": os.getloadavg(), "machine": cpu_facts()}
     return report
 
 

@@ -82,7 +82,16 @@ def _forward(run: Callable[..., Any], ids: torch.Tensor, cache: Any, start: int)
     return out.logits[0].float()
 
 
-def _measure_variant(run: Callable[..., Any], lm: LM, prompt: torch.Tensor, ks: list[int],
+def measure_forward_costs(lm: LM, ks: list[int], context: int = 256, repeats: int = 3,
+                          run: Callable[..., Any] | None = None) -> dict[str, Any]:
+    """Median ms of a k-token forward on a ``context``-token cache, its ratio to k = ks[0], and
+    whether its argmax equals k one-token steps, for ``lm`` (or a variant ``run`` of it)."""
+    prompt = torch.randint(100, min(lm.vocab_size, 30000), (1, context + max(ks)),
+                           generator=torch.Generator().manual_seed(0))
+    return _measure_variant(run or lm.model, prompt, ks, repeats)
+
+
+def _measure_variant(run: Callable[..., Any], prompt: torch.Tensor, ks: list[int],
                      repeats: int) -> dict[str, Any]:
     from transformers import DynamicCache
 
@@ -116,8 +125,6 @@ def _table(models: list[str], variants: list[str], ks: list[int], context: int, 
     table: dict[str, Any] = {}
     for name in models:
         lm = load_lm(name, dtype="float32")
-        prompt = torch.randint(100, min(lm.vocab_size, 30000), (1, context + max(ks)),
-                               generator=torch.Generator().manual_seed(0))
         table[name] = {}
         for variant in variants:
             try:
@@ -132,7 +139,7 @@ def _table(models: list[str], variants: list[str], ks: list[int], context: int, 
                 torch.set_num_threads(count)
                 key = f"{variant}@t{count}"
                 try:
-                    table[name][key] = _measure_variant(run, lm, prompt, ks, repeats)
+                    table[name][key] = measure_forward_costs(lm, ks, context, repeats, run)
                 except (RuntimeError, NotImplementedError) as e:
                     table[name][key] = {"error": str(e)[:200]}
                 logger.info("%s %s: %s", name, key, table[name][key].get("ms"))
