@@ -31,13 +31,16 @@ common prefix); on a rollback with an unchanged document the session is simply c
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import math
 import re
+import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -48,6 +51,7 @@ from shared_core.engines.baseline import TokenStream
 from shared_core.kv import CacheKind, KVSession
 from shared_core.models import LM
 from shared_core.output import GenerationResult, OutputTracker
+from shared_core.retrieval._common import check_int, check_number
 from shared_core.retrieval.base import Document, Hit
 from shared_core.stats import DecodeStats
 from shared_core.verify import greedy_accept_length, warp_probs
@@ -89,24 +93,32 @@ class RaLMSpecConfig:
     gamma_max: float = 0.6  # OS³ cap on the estimated speculation accuracy γ̂
     instruction: str = DEFAULT_INSTRUCTION
     cache: CacheKind = "prealloc"
+    # Seconds one retriever search may take (None: wait forever). On expiry the call raises
+    # TimeoutError and is abandoned: the search thread is left to finish on its own.
+    retrieval_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
+        for name in ("retrieval_stride", "query_tokens", "max_doc_tokens", "max_prompt_tokens",
+                     "max_speculation_stride", "speculation_stride", "overlap_steps",
+                     "prefetch_k", "window"):
+            check_int(getattr(self, name), name)
+        for name in ("prefetch", "scheduler", "async_verify"):
+            if not isinstance(getattr(self, name), bool):
+                msg = f"{name} must be a bool, got {getattr(self, name)!r}"
+                raise TypeError(msg)
         checks = {
-            "retrieval_stride": self.retrieval_stride >= 1,
-            "query_tokens": self.query_tokens >= 1,
-            "max_doc_tokens": self.max_doc_tokens >= 1,
-            "max_prompt_tokens": self.max_prompt_tokens >= 1,
-            "speculation_stride": 1 <= self.speculation_stride <= self.max_speculation_stride,
-            "max_speculation_stride": self.max_speculation_stride >= 1,
-            "overlap_steps": self.overlap_steps >= 1,
-            "prefetch_k": self.prefetch_k >= 1,
-            "window": self.window >= 1,
-            "gamma_max": 0.0 < self.gamma_max < 1.0,
+            "speculation_stride": self.speculation_stride <= self.max_speculation_stride,
+            "gamma_max": 0.0 < check_number(self.gamma_max, "gamma_max", 0.0, 1.0) < 1.0,
+            "cache": self.cache in ("prealloc", "dynamic"),
         }
         for name, ok in checks.items():
             if not ok:
                 msg = f"{name}={getattr(self, name)!r} is out of range"
                 raise ValueError(msg)
+        if not isinstance(self.instruction, str):
+            msg = f"instruction must be a str, got {type(self.instruction).__name__}"
+            raise TypeError(msg)
+        check_timeout(self.retrieval_timeout_s)
 
     @property
     def verify_k(self) -> int:
@@ -131,6 +143,7 @@ class DenseBackend:
 
     def __init__(self, retriever: Any):
         self.retriever = retriever
+        self.name = type(retriever).__name__
 
     def encode(self, query: str) -> Any:
         return self.retriever.embed_queries([query])[0]
@@ -150,6 +163,7 @@ class BM25Backend:
 
     def __init__(self, retriever: Any):
         self.retriever = retriever
+        self.name = type(retriever).__name__
 
     def encode(self, query: str) -> Any:
         return query
@@ -178,9 +192,13 @@ class SearchBackend:
     """Any object with ``search(queries, k) -> list[list[Hit]]`` (the ``Retriever`` protocol)."""
 
     def __init__(self, search: Callable[[list[str], int], list[list[Hit]]],
-                 rank: Callable[[str, Sequence[Document]], Document] = lexical_rank):
+                 rank: Callable[[str, Sequence[Document]], Document] = lexical_rank,
+                 name: str | None = None):
         self._search = search
         self._rank = rank
+        owner = getattr(search, "__self__", None)
+        self.name = name or (type(owner).__name__ if owner is not None else
+                             getattr(search, "__qualname__", "search"))
 
     def encode(self, query: str) -> Any:
         return query
@@ -235,15 +253,133 @@ def as_backend(retriever: Any) -> SpeculativeBackend:
     if hasattr(retriever, "tokenize") and hasattr(retriever, "search_subset"):
         return BM25Backend(retriever)
     module = type(retriever).__module__
+    name = type(retriever).__name__
     if hasattr(retriever, "_get_relevant_documents") or module.startswith("langchain"):
-        return SearchBackend(_langchain_search(retriever))
+        return SearchBackend(_langchain_search(retriever), name=name)
     if hasattr(retriever, "_retrieve") and hasattr(retriever, "retrieve"):
-        return SearchBackend(_llamaindex_search(retriever))
-    if hasattr(retriever, "search"):
-        return SearchBackend(retriever.search)
+        return SearchBackend(_llamaindex_search(retriever), name=name)
+    if callable(getattr(retriever, "search", None)):
+        return SearchBackend(retriever.search, name=name)
     msg = (f"retriever must be a DenseRetriever, BM25Retriever, an object with search(queries, k),"
            f" or a LangChain/LlamaIndex retriever; got {type(retriever).__name__}")
     raise TypeError(msg)
+
+
+# ----------------------------------------------------------------------------- retriever calls
+
+
+def retriever_name(backend: Any) -> str:
+    """The name error messages use for the retriever behind ``backend``."""
+    if isinstance(backend, (DenseBackend, BM25Backend, SearchBackend)):
+        return backend.name
+    return type(backend).__name__
+
+
+def check_timeout(timeout_s: Any, name: str = "retrieval_timeout_s") -> None:
+    """None or a positive, finite number of seconds."""
+    if timeout_s is None:
+        return
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
+        msg = f"{name} must be None or a number of seconds > 0, got {timeout_s!r}"
+        raise TypeError(msg)
+    if not 0 < timeout_s < math.inf:
+        msg = f"{name} must be None or a number of seconds > 0, got {timeout_s!r}"
+        raise ValueError(msg)
+
+
+_EXPECTED = "list[list[Hit]] (one list of Hit(document, score, rank) per query, best first)"
+
+
+def check_hits(hits: Any, n_queries: int, name: str) -> list[list[Hit]]:
+    """The retriever's answer to ``n_queries`` queries, or an error naming what is wrong.
+
+    Runs where a result enters an engine, before anything (cache, verified results, decoder)
+    is updated, so a malformed answer leaves no partial state.
+    """
+    where = f"retriever {name}.search"
+    if isinstance(hits, (str, bytes, dict)) or not isinstance(hits, Sequence):
+        msg = f"{where} returned {type(hits).__name__}; expected {_EXPECTED}"
+        raise TypeError(msg)
+    if len(hits) != n_queries:
+        msg = (f"{where} returned {len(hits)} rows for {n_queries} queries; expected {_EXPECTED}"
+               f" with exactly {n_queries} rows")
+        raise ValueError(msg)
+    for i, row in enumerate(hits):
+        if isinstance(row, (str, bytes, dict)) or not isinstance(row, Sequence):
+            msg = f"{where} returned {type(row).__name__} as row {i}; expected {_EXPECTED}"
+            raise TypeError(msg)
+        if not row:
+            msg = f"{where} returned no document for query {i}; expected at least one Hit per row"
+            raise ValueError(msg)
+        for j, hit in enumerate(row):
+            if not isinstance(hit, Hit):
+                msg = (f"{where} returned {type(hit).__name__} at row {i}, position {j}; "
+                       f"expected {_EXPECTED}")
+                raise TypeError(msg)
+    return [list(row) for row in hits]
+
+
+def check_ranked(doc: Any, name: str) -> Document:
+    if not isinstance(doc, Document):
+        msg = f"retriever {name}.rank returned {type(doc).__name__}; expected a Document"
+        raise TypeError(msg)
+    return doc
+
+
+_THREAD_IDS = itertools.count()
+
+
+def start_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
+                 ) -> Future[tuple[Any, float]]:
+    """Run ``backend.search`` on a new daemon thread; the future holds (raw hits, seconds).
+
+    A daemon thread (not a pool) so that a retriever that never returns can be abandoned: the
+    caller stops waiting, nothing joins the thread, and its late answer only reaches this
+    future, which nobody reads any more.
+    """
+    future: Future[tuple[Any, float]] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        start = time.perf_counter()
+        try:
+            hits = backend.search(encoded, k)
+        except BaseException as e:  # delivered to the waiting caller
+            future.set_exception(e)
+        else:
+            future.set_result((hits, time.perf_counter() - start))
+
+    threading.Thread(target=run, name=f"ralmspec-verify-{next(_THREAD_IDS)}",
+                     daemon=True).start()
+    return future
+
+
+def await_search(future: Future[tuple[Any, float]], backend: SpeculativeBackend,
+                 n_queries: int, deadline: float | None, timeout_s: float | None
+                 ) -> tuple[list[list[Hit]], float]:
+    """The validated hits of a started search, or TimeoutError at ``deadline`` (perf_counter)."""
+    wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
+    try:
+        hits, seconds = future.result(timeout=wait)
+    except FutureTimeout:
+        if future.done():  # the retriever's own TimeoutError, not our deadline
+            raise
+        name = retriever_name(backend)
+        msg = (f"retriever {name}.search did not answer {n_queries} queries within "
+               f"retrieval_timeout_s={timeout_s} s; the call was abandoned (raise "
+               "retrieval_timeout_s or fix the retriever)")
+        raise TimeoutError(msg) from None
+    return check_hits(hits, n_queries, retriever_name(backend)), seconds
+
+
+def checked_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int,
+                   timeout_s: float | None) -> list[list[Hit]]:
+    """A checked, optionally time-limited retriever call (inline when there is no limit)."""
+    if timeout_s is None:
+        return check_hits(backend.search(encoded, k), len(encoded), retriever_name(backend))
+    future = start_search(backend, encoded, k)
+    return await_search(future, backend, len(encoded), time.perf_counter() + timeout_s,
+                        timeout_s)[0]
 
 
 class LocalCache:
@@ -260,7 +396,8 @@ class LocalCache:
             self.docs.setdefault(hit.document.id, hit.document)
 
     def top1(self, backend: SpeculativeBackend, encoded: Any) -> Document:
-        return backend.rank(encoded, list(self.docs.values()))
+        return check_ranked(backend.rank(encoded, list(self.docs.values())),
+                            retriever_name(backend))
 
 
 class SpeculativeRetrieval:
@@ -272,52 +409,82 @@ class SpeculativeRetrieval:
     retriever call and says, per query, whether the speculated top-1 was right. A caller that
     rolls back to its first wrong speculation and continues with ``retrieve`` gets the outputs it
     would have had with plain retrieval (the RaLMSpec contract).
+
+    Thread-safe: the state is updated under a lock, retriever calls run outside it. A failed or
+    timed-out retriever call (``retrieval_timeout_s``) changes nothing: ``verify`` keeps its
+    queue, so it can be retried.
     """
 
-    def __init__(self, retriever: Any, *, k: int = 4, prefetch_k: int = 20):
-        if k < 1 or prefetch_k < 1:
-            msg = f"k and prefetch_k must be >= 1, got k={k}, prefetch_k={prefetch_k}"
-            raise ValueError(msg)
+    def __init__(self, retriever: Any, *, k: int = 4, prefetch_k: int = 20,
+                 retrieval_timeout_s: float | None = None):
+        check_int(k, "k")
+        check_int(prefetch_k, "prefetch_k")
+        check_timeout(retrieval_timeout_s)
         self.backend = as_backend(retriever)
         self.k = k
         self.prefetch_k = max(k, prefetch_k)
+        self.retrieval_timeout_s = retrieval_timeout_s
         self.cache = LocalCache()
         self.verified: dict[str, list[Hit]] = {}
         self.pending: list[tuple[str, Any, Document]] = []
         self.calls = 0
+        self._lock = threading.Lock()
 
     def _search(self, queries: list[str], encoded: list[Any]) -> list[list[Hit]]:
-        hits = self.backend.search(encoded, self.prefetch_k)
-        self.calls += 1
-        for query, row in zip(queries, hits, strict=True):
-            self.verified[query] = row
-            self.cache.add(row)
+        hits = checked_search(self.backend, encoded, self.prefetch_k, self.retrieval_timeout_s)
+        with self._lock:
+            self.calls += 1
+            for query, row in zip(queries, hits, strict=True):
+                self.verified[query] = row
+                self.cache.add(row)
         return hits
 
     def retrieve(self, query: str) -> list[Hit]:
         """The wrapped retriever's top-k for ``query`` (exact)."""
-        if query not in self.verified:
-            self._search([query], [self.backend.encode(query)])
-        return self.verified[query][: self.k]
+        check_query(query)
+        with self._lock:
+            known = self.verified.get(query)
+        if known is None:
+            known = self._search([query], [self.backend.encode(query)])[0]
+        return known[: self.k]
 
     def speculate(self, query: str) -> list[Hit]:
         """The cache's best document for ``query`` (exact results when already verified)."""
-        if query in self.verified or not len(self.cache):
+        check_query(query)
+        with self._lock:
+            known = self.verified.get(query)
+            cached = list(self.cache.docs.values())
+        if known is not None or not cached:
             return self.retrieve(query)
         encoded = self.backend.encode(query)
-        doc = self.cache.top1(self.backend, encoded)
-        self.pending.append((query, encoded, doc))
+        doc = check_ranked(self.backend.rank(encoded, cached), retriever_name(self.backend))
+        with self._lock:
+            self.pending.append((query, encoded, doc))
         return [Hit(doc, float("nan"), 0)]
 
     def verify(self) -> list[bool]:
         """One batched call for all queued speculations; True where the top-1 was right."""
-        if not self.pending:
+        with self._lock:
+            pending, self.pending = self.pending, []
+        if not pending:
             return []
-        queries, encoded, docs = zip(*self.pending, strict=True)
-        self.pending = []
-        hits = self._search(list(queries), list(encoded))
-        return [bool(row) and row[0].document.id == doc.id
-                for row, doc in zip(hits, docs, strict=True)]
+        queries, encoded, docs = zip(*pending, strict=True)
+        try:
+            hits = self._search(list(queries), list(encoded))
+        except BaseException:
+            with self._lock:  # keep the queue: the caller may retry verify()
+                self.pending[:0] = pending
+            raise
+        return [row[0].document.id == doc.id for row, doc in zip(hits, docs, strict=True)]
+
+
+def check_query(query: Any, name: str = "query") -> None:
+    if not isinstance(query, str):
+        msg = f"{name} must be a str, got {type(query).__name__}"
+        raise TypeError(msg)
+    if not query.strip():
+        msg = f"{name} must be a non-empty string"
+        raise ValueError(msg)
 
 
 # ----------------------------------------------------------------------------- OS³ scheduler
@@ -533,14 +700,11 @@ class _Call:
             self.used.setdefault(doc.id, doc)
 
     def retrieve(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
-        """A blocking retriever call, timed."""
+        """A blocking retriever call (checked, time-limited by ``retrieval_timeout_s``), timed."""
         start = time.perf_counter()
-        hits = self.backend.search(encoded, k)
+        hits = checked_search(self.backend, encoded, k, self.config.retrieval_timeout_s)
         self.retrieval_s += time.perf_counter() - start
         self.retrieval_calls += 1
-        if any(not h for h in hits):
-            msg = "the retriever returned no document for a query"
-            raise ValueError(msg)
         return hits
 
     def encode(self, query: str) -> Any:
@@ -590,10 +754,9 @@ class _Step:
 class _Speculator:
     """RaLMSpec's rounds over one :class:`_Call` (cache, scheduler, worker thread)."""
 
-    def __init__(self, call: _Call, pool: ThreadPoolExecutor | None):
+    def __init__(self, call: _Call):
         config = call.config
         self.call = call
-        self.pool = pool
         self.cache = LocalCache()
         self.scheduler = OS3Scheduler(config.async_verify, config.window, config.gamma_max,
                                       config.max_speculation_stride)
@@ -684,19 +847,20 @@ class _Speculator:
         """True hits of ``steps``, the steps speculated meanwhile (async), and the search time."""
         call, decoder = self.call, self.call.decoder
         encoded = [st.encoded for st in steps]
-        if self.pool is None or decoder.finished or not overlap:
+        if not call.config.async_verify or decoder.finished or not overlap:
             start = time.perf_counter()
             hits = call.retrieve(encoded, call.config.verify_k)
             return hits, [], time.perf_counter() - start
         submitted = time.perf_counter()
-        future: Future[tuple[list[list[Hit]], float]] = self.pool.submit(
-            _timed_search, call.backend, encoded, call.config.verify_k)
+        timeout = call.config.retrieval_timeout_s
+        future = start_search(call.backend, encoded, call.config.verify_k)
         extra = [self.speculate()]
         while (len(extra) < call.config.overlap_steps and not future.done()
                and not decoder.finished):
             extra.append(self.speculate())
         wait = time.perf_counter()
-        hits, b = future.result()
+        hits, b = await_search(future, call.backend, len(encoded),
+                               None if timeout is None else submitted + timeout, timeout)
         call.retrieval_s += time.perf_counter() - wait
         call.retrieval_calls += 1
         extra_stats = call.stats.extra  # overlapped speculation vs the worker's search time
@@ -713,26 +877,16 @@ class _Speculator:
         return block
 
 
-def _timed_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
-                  ) -> tuple[list[list[Hit]], float]:
-    start = time.perf_counter()
-    hits = backend.search(encoded, k)
-    return hits, time.perf_counter() - start
-
-
 def _accepted_steps(steps: Sequence[_Step], true_hits: Sequence[Sequence[Hit]]) -> int:
     """Steps whose speculated document equals the true top-1, up to the first mismatch."""
-    if any(not h for h in true_hits):
-        msg = "the retriever returned no document for a query"
-        raise ValueError(msg)
     ids: dict[str, int] = {}
     spec = torch.tensor([ids.setdefault(st.doc.id, len(ids)) for st in steps])
     true = torch.tensor([ids.setdefault(h[0].document.id, len(ids)) for h in true_hits])
     return greedy_accept_length(spec, true)
 
 
-def _ralmspec_blocks(call: _Call, pool: ThreadPoolExecutor | None) -> Iterator[list[int]]:
-    spec = _Speculator(call, pool)
+def _ralmspec_blocks(call: _Call) -> Iterator[list[int]]:
+    spec = _Speculator(call)
     yield spec.first_step()
     try:
         while not call.decoder.finished or spec.carried:
@@ -756,31 +910,38 @@ class RaLMSpec:
         lm: the language model (``load_lm`` / ``wrap_lm``).
         retriever: ``DenseRetriever`` (exact or HNSW), ``BM25Retriever``, any object with
             ``search(queries, k)``, or a LangChain / LlamaIndex retriever.
-        config: :class:`RaLMSpecConfig`.
+        config: :class:`RaLMSpecConfig` (``retrieval_timeout_s`` bounds every retriever call).
 
     ``generate`` runs RaLMSpec; ``generate_baseline`` runs RaLMSeq (same prompts, same output).
+    An engine is safe to share between threads: every call has its own KV session, local cache
+    and scheduler, and the engine itself holds nothing mutable. A retriever error, a malformed
+    result or a timeout ends that call only; the next call starts from scratch.
     """
 
     def __init__(self, lm: LM, retriever: Any, config: RaLMSpecConfig | None = None):
+        if not isinstance(lm, LM):
+            msg = f"lm must be an LM (from load_lm or wrap_lm), got {type(lm).__name__}"
+            raise TypeError(msg)
+        if config is not None and not isinstance(config, RaLMSpecConfig):
+            msg = f"config must be a RaLMSpecConfig or None, got {type(config).__name__}"
+            raise TypeError(msg)
+        if retriever is None:
+            msg = "retriever is required (a DenseRetriever, BM25Retriever, or any retriever)"
+            raise TypeError(msg)
         self.lm = lm
         self.backend = as_backend(retriever)
         self.config = config or RaLMSpecConfig()
 
     def _call(self, question: str, max_new_tokens: int, sampling: dict[str, Any]) -> _Call:
+        check_query(question, "question")
+        check_int(max_new_tokens, "max_new_tokens")
         generation = GenerationConfig.build(max_new_tokens, **sampling)
         return _Call(self.lm, self.backend, question, self.config, generation)
 
     def stream(self, question: str, max_new_tokens: int = 128, **sampling: Any) -> TokenStream:
         """RaLMSpec as a stream of verified text deltas; ``.result`` once exhausted."""
         call = self._call(question, max_new_tokens, sampling)
-        return call.stream(self._blocks(call))
-
-    def _blocks(self, call: _Call) -> Iterator[list[int]]:
-        if not self.config.async_verify:
-            yield from _ralmspec_blocks(call, None)
-            return
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ralmspec-verify") as pool:
-            yield from _ralmspec_blocks(call, pool)
+        return call.stream(_ralmspec_blocks(call))
 
     def stream_baseline(self, question: str, max_new_tokens: int = 128, **sampling: Any
                         ) -> TokenStream:
@@ -813,7 +974,14 @@ def stream_ralmspec(lm: LM, prompt: Any, *, max_new_tokens: int,
                     config: RaLMSpecConfig | None = None, **sampling: Any) -> TokenStream:
     """Registry-style entry: ``prompt`` is the question; retrieval from ``retriever``, or from a
     BM25 index over ``documents`` when no retriever is given."""
+    if not isinstance(prompt, str):
+        msg = "prompt: ralmspec takes the question as a string prompt"
+        raise TypeError(msg)
+    check_query(prompt, "prompt")
     if retriever is None:
+        if isinstance(documents, (str, bytes)):
+            msg = "documents must be a list of strings, not one string; wrap it in a list"
+            raise TypeError(msg)
         if not documents:
             msg = "ralmspec needs a retriever or documents to retrieve from"
             raise ValueError(msg)
@@ -821,9 +989,6 @@ def stream_ralmspec(lm: LM, prompt: Any, *, max_new_tokens: int,
 
         retriever = BM25Retriever()
         retriever.add([Document(f"doc-{i}", t) for i, t in enumerate(documents)])
-    if not isinstance(prompt, str):
-        msg = "ralmspec takes the question as a string prompt"
-        raise TypeError(msg)
     return RaLMSpec(lm, retriever, config).stream(prompt, max_new_tokens, **sampling)
 
 
