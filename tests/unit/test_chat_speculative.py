@@ -6,19 +6,10 @@ import asyncio
 import time
 
 import pytest
-import torch
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative, to_chat_messages
 from shared_core.engines.baseline import autoregressive_generate
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -17,14 +17,6 @@ TEXTS = [
 PROMPTS = ["Paris is the", "who wrote the", "0 1 2 3"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def store(tiny_target) -> KNNDatastore:
     return KNNDatastore.build(tiny_target, TEXTS, window=32)

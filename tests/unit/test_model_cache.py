@@ -31,5 +31,5 @@ def test_a_failed_load_is_not_cached(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError):
         cached_lm(missing)
     (tmp_path / "not-yet").mkdir()
-    with pytest.raises(ValueError, match="no config.json"):
+    with pytest.raises(ValueError, match=r"no config\.json"):
         cached_lm(missing)  # tried again, not a cached failure

@@ -35,15 +35,6 @@ QUESTIONS = ["who wrote the report?", "what is the capital of France?", "0 1 2 3
 SMALL = {"max_doc_tokens": 48, "query_tokens": 8}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models run ~30x faster on one thread on a loaded 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 class HashRetriever:
     """Top-k by a hash of (query, doc): consecutive queries rarely agree -> many mismatches.
 

@@ -26,15 +26,6 @@ N_NEW = 32
 NO_TRIGGER = {"use_trigger": False}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run ~20x faster on one thread on a loaded machine (no OpenMP contention)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def hf_greedy(lm, prompt: str, n: int) -> list[int]:
     ids = torch.tensor([lm.prompt_ids(prompt)])
     out = lm.model.generate(ids, max_new_tokens=n, do_sample=False,

@@ -5,19 +5,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-import torch
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
 from shared_core.engines.baseline import autoregressive_generate
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
