@@ -62,6 +62,7 @@ logger = logging.getLogger(__name__)
 
 SubsetStrategy = Literal["cluster", "random", "same_cluster"]
 Selection = Literal["score", "vote", "random"]
+DraftOrder = Literal["rationale_first", "answer_first"]
 EventHook = Callable[[str, dict[str, Any]], None]
 
 DRAFT_INSTRUCTION = (
@@ -69,11 +70,27 @@ DRAFT_INSTRUCTION = (
     "documents, then a short answer of a few words.\nFormat:\nRationale: <one sentence>\n"
     "Answer: <short answer>"
 )
+# answer_first drafts (draft_order="answer_first"): the answer line cannot go missing
+DRAFT_INSTRUCTION_ANSWER_FIRST = (
+    "Answer the question using the documents. First write a short answer of a few words, then a "
+    "one-sentence rationale based on the documents.\nFormat:\nAnswer: <short answer>\n"
+    "Rationale: <one sentence>"
+)
 RAG_INSTRUCTION = "Answer the question using the documents. Give a short answer of a few words."
 REFLECTION = "Do you think the rationale supports the answer, yes or no?"
 EMBED_INSTRUCTION = "Represent this document for answering the question: {question}\nDocument: "
 MAX_ENUMERATED_SUBSETS = 4096  # enumerate all one-per-cluster subsets up to this many
 _LM_HEAD_CHUNK = 64  # positions per LM-head call when scoring spans (bounds memory)
+
+
+def check_positive_int(value: Any, name: str) -> None:
+    """TypeError for a non-integer (bool, float, str), ValueError below 1."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        msg = f"{name} must be a positive integer, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+    if value < 1:
+        msg = f"{name} must be a positive integer, got {value!r}"
+        raise ValueError(msg)
 
 
 @dataclass(frozen=True)
@@ -92,6 +109,7 @@ class SpeculativeRAGConfig:
     selection: Selection = "score"  # "vote": most common answer; "random": ablation
     length_normalize: bool = False  # mean instead of summed log ρ_draft and log ρ_SC
     force_answer_line: bool = False  # continue drafts that stop without "Answer:" (2nd generate)
+    draft_order: DraftOrder = "rationale_first"  # the paper's; "answer_first" prefills "Answer:"
     embed_instruction: str = EMBED_INSTRUCTION  # {question} is filled in
     kmeans_iters: int = 25
     seed: int = 1399
@@ -99,13 +117,24 @@ class SpeculativeRAGConfig:
     def __post_init__(self) -> None:
         for name in ("num_drafts", "docs_per_draft", "retrieve_k", "max_draft_tokens",
                      "max_answer_tokens", "kmeans_iters"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                msg = f"{name} must be a positive integer, got {value!r}"
-                raise ValueError(msg)
+            check_positive_int(getattr(self, name), name)
+        for name in ("use_draft_score", "use_self_contain", "use_self_reflect",
+                     "length_normalize", "force_answer_line"):
+            if not isinstance(getattr(self, name), bool):
+                msg = f"{name} must be a bool, got {getattr(self, name)!r}"
+                raise TypeError(msg)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            msg = f"seed must be an int, got {self.seed!r}"
+            raise TypeError(msg)
+        if not isinstance(self.embed_instruction, str):
+            msg = f"embed_instruction must be a str, got {type(self.embed_instruction).__name__}"
+            raise TypeError(msg)
         if self.subset_strategy not in ("cluster", "random", "same_cluster"):
             msg = ("subset_strategy must be 'cluster', 'random' or 'same_cluster', "
                    f"got {self.subset_strategy!r}")
+            raise ValueError(msg)
+        if self.draft_order not in ("rationale_first", "answer_first"):
+            msg = f"draft_order must be 'rationale_first' or 'answer_first', got {self.draft_order!r}"
             raise ValueError(msg)
         if self.selection not in ("score", "vote", "random"):
             msg = f"selection must be 'score', 'vote' or 'random', got {self.selection!r}"
@@ -125,6 +154,7 @@ class SpeculativeRAGStats:
     docs_per_draft: int = 0
     cluster_sizes: list[int] = field(default_factory=list)
     relaxed_subsets: int = 0  # subsets that could not take one document per cluster
+    skipped_documents: int = 0  # documents without text, left out of every subset
     answer_continuations: int = 0  # drafts that needed a forced "Answer:" step
     parse_fallbacks: int = 0
     draft_prompt_tokens: int = 0
@@ -208,6 +238,7 @@ class StandardRAGResult:
 
 def to_documents(items: Sequence[Any]) -> list[Document]:
     """Convert strings, our Documents/Hits, LangChain Documents or LlamaIndex nodes to Documents."""
+    check_document_list(items)
     docs: list[Document] = []
     for i, item in enumerate(items):
         if isinstance(item, Document):
@@ -233,24 +264,69 @@ def to_documents(items: Sequence[Any]) -> list[Document]:
     return docs
 
 
+def check_retriever(retriever: Any) -> None:
+    if not any(callable(getattr(retriever, m, None)) for m in ("search", "invoke", "retrieve")):
+        msg = f"retriever of type {type(retriever).__name__} has no search/invoke/retrieve method"
+        raise TypeError(msg)
+
+
 def retrieve(retriever: Any, question: str, k: int) -> list[Document]:
     """Top-k documents from our Retriever, a LangChain retriever or a LlamaIndex retriever."""
-    if hasattr(retriever, "search"):
-        return to_documents(retriever.search([question], k)[0])
-    if hasattr(retriever, "invoke"):
-        return to_documents(retriever.invoke(question))[:k]
-    if hasattr(retriever, "retrieve"):
-        return to_documents(retriever.retrieve(question))[:k]
-    msg = f"retriever of type {type(retriever).__name__} has no search/invoke/retrieve method"
-    raise TypeError(msg)
+    check_retriever(retriever)
+    check_positive_int(k, "k")
+    name = type(retriever).__name__
+    if callable(getattr(retriever, "search", None)):
+        rows = retriever.search([question], k)
+        if isinstance(rows, (str, dict)) or not isinstance(rows, Sequence) or len(rows) != 1:
+            msg = (f"retriever {name}.search returned {type(rows).__name__} for 1 query; "
+                   "expected list[list[Hit]] with one row")
+            raise TypeError(msg)
+        return _converted(rows[0], name)
+    if callable(getattr(retriever, "invoke", None)):
+        return _converted(retriever.invoke(question), name)[:k]
+    return _converted(retriever.retrieve(question), name)[:k]
+
+
+def _converted(items: Any, name: str) -> list[Document]:
+    try:
+        return to_documents(items)
+    except TypeError as e:
+        msg = f"retriever {name} returned an unusable result: {e}"
+        raise TypeError(msg) from None
+
+
+def check_document_list(documents: Any) -> None:
+    """``documents`` is a list/tuple of items, not one string, one document or a mapping."""
+    if isinstance(documents, (str, bytes, dict, Document)) or not isinstance(documents, Sequence):
+        msg = (f"documents must be a list of documents (strings, Documents, LangChain Documents "
+               f"or LlamaIndex nodes), got {type(documents).__name__}")
+        raise TypeError(msg)
+
+
+def drop_blank(docs: Sequence[Document]) -> tuple[list[Document], int]:
+    """Documents with text (a blank one would let a draft answer from nothing), and how many
+    were left out; ValueError when none has text."""
+    kept = [d for d in docs if d.text.strip()]
+    if docs and not kept:
+        msg = (f"documents: all {len(docs)} documents have empty text; there is nothing to "
+               "answer from")
+        raise ValueError(msg)
+    if len(kept) < len(docs):
+        logger.warning("left out %d documents with empty text", len(docs) - len(kept))
+    return kept, len(docs) - len(kept)
 
 
 def check_inputs(question: Any, documents: Sequence[Any] | None, config: SpeculativeRAGConfig,
                  *, need_subsets: bool = True) -> str:
     """Validate before any model work; return the stripped question."""
-    if not isinstance(question, str) or not question.strip():
+    if not isinstance(question, str):
+        msg = f"question must be a str, got {type(question).__name__}"
+        raise TypeError(msg)
+    if not question.strip():
         msg = "question must be a non-empty string"
         raise ValueError(msg)
+    if documents is not None:
+        check_document_list(documents)
     if documents is not None and len(documents) == 0:
         msg = "documents is empty: pass at least one document or a retriever that returns some"
         raise ValueError(msg)
@@ -368,6 +444,8 @@ def same_cluster_subsets(labels: Sequence[int], k: int, m: int,
 _ANSWER_MARK = re.compile(r"\banswer\s*(?:is)?\s*[:：]", re.IGNORECASE)
 _RATIONALE_MARK = re.compile(r"^\s*rationale\s*[:：]\s*", re.IGNORECASE)
 _ANSWER_LINE_DONE = re.compile(r"\banswer\s*(?:is)?\s*[:：][^\n]*\S[^\n]*\n", re.IGNORECASE)
+# answer-first drafts end with their one rationale sentence (a newline or a sentence end)
+_RATIONALE_DONE = re.compile(r"\brationale\s*[:：]\s*\S[^\n]*?(?:\n|[.!?]$)", re.IGNORECASE)
 
 
 def _clean_answer(text: str) -> str:
@@ -379,6 +457,22 @@ def _clean_answer(text: str) -> str:
 def _first_sentence(text: str) -> str:
     line = next((ln for ln in text.splitlines() if ln.strip()), "")
     return re.split(r"(?<=[.!?])\s", line.strip(), maxsplit=1)[0]
+
+
+def parse_answer_first(text: str) -> tuple[str, str, bool]:
+    """(rationale, answer, parsed_cleanly) from ``Answer: … Rationale: …`` (answer-first drafts).
+
+    The answer is the first non-empty line after ``Answer:`` (always present: it is prefilled);
+    the rationale follows a ``Rationale:`` marker, else it is the rest of the text (not clean).
+    """
+    body = _ANSWER_MARK.sub("", text, count=1)
+    lines = [ln for ln in body.splitlines() if ln.strip()]
+    answer = _clean_answer(lines[0]) if lines else ""
+    rest = "\n".join(lines[1:])
+    marked = re.search(r"\brationale\s*[:：]", rest, re.IGNORECASE)
+    if marked is not None:
+        return rest[marked.end():].strip(), answer, bool(answer)
+    return rest.strip(), answer, False
 
 
 def parse_draft(text: str) -> tuple[str, str, bool]:
@@ -411,9 +505,12 @@ def render_prompt(lm: LM, body: str, prefill: str) -> list[int]:
     return lm.prompt_ids(f"{body}\n\n{prefill}")
 
 
-def draft_prompt(lm: LM, question: str, docs: Sequence[Document]) -> list[int]:
-    return render_prompt(lm, f"{_format_docs(docs)}\n\nQuestion: {question}\n\n{DRAFT_INSTRUCTION}",
-                         "Rationale:")
+def draft_prompt(lm: LM, question: str, docs: Sequence[Document],
+                 order: DraftOrder = "rationale_first") -> list[int]:
+    instruction, prefill = ((DRAFT_INSTRUCTION, "Rationale:") if order == "rationale_first"
+                            else (DRAFT_INSTRUCTION_ANSWER_FIRST, "Answer:"))
+    return render_prompt(lm, f"{_format_docs(docs)}\n\nQuestion: {question}\n\n{instruction}",
+                         prefill)
 
 
 def rag_prompt(lm: LM, question: str, docs: Sequence[Document]) -> list[int]:
@@ -443,9 +540,10 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
     return ids, mask
 
 
-def _stop_criteria(lm: LM, prompt_len: int, prefill: str, stop_on_answer_line: bool,
+def _stop_criteria(lm: LM, prompt_len: int, prefill: str, done_pattern: re.Pattern[str] | None,
                    lengths: list[int]) -> Any:
-    """Per-row stop: EOS, or (drafts) a completed ``Answer: …`` line; records each row's length."""
+    """Per-row stop: EOS, or ``done_pattern`` found in the text (e.g. a completed ``Answer: …``
+    line); records each row's length."""
     import torch
     from transformers import StoppingCriteria
 
@@ -459,7 +557,8 @@ def _stop_criteria(lm: LM, prompt_len: int, prefill: str, stop_on_answer_line: b
                 if lengths[row] < 0:
                     hit_eos = int(new[row, -1]) in eos
                     text = prefill + lm.tokenizer.decode(new[row], skip_special_tokens=True)
-                    if hit_eos or (stop_on_answer_line and _ANSWER_LINE_DONE.search(text)):
+                    line_done = done_pattern is not None and done_pattern.search(text)
+                    if hit_eos or line_done:
                         lengths[row] = new.shape[1]
                 done.append(lengths[row] >= 0)
             return torch.tensor(done, dtype=torch.bool, device=input_ids.device)
@@ -468,7 +567,8 @@ def _stop_criteria(lm: LM, prompt_len: int, prefill: str, stop_on_answer_line: b
 
 
 def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
-                   prefill: str = "", stop_on_answer_line: bool = True
+                   prefill: str = "", stop_on_answer_line: bool = True,
+                   answer_first: bool = False
                    ) -> list[tuple[list[int], list[float]]]:
     """Greedy-generate all rows in ONE left-padded batch; per row (new ids, log P of each).
 
@@ -481,7 +581,8 @@ def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int
     pad_id = pad_id if pad_id is not None else next(iter(lm.eos_token_ids), 0)
     ids, mask = _left_pad(prompts, pad_id)
     lengths = [-1] * len(prompts)
-    stop = _stop_criteria(lm, ids.shape[1], prefill, stop_on_answer_line, lengths)
+    pattern = (_RATIONALE_DONE if answer_first else _ANSWER_LINE_DONE) if stop_on_answer_line else None
+    stop = _stop_criteria(lm, ids.shape[1], prefill, pattern, lengths)
     with torch.inference_mode():
         out = lm.model.generate(
             input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
@@ -638,6 +739,21 @@ def check_model_name(name: Any, param: str) -> None:
     raise ValueError(msg)
 
 
+# Plain values that can be neither a model name nor a model object (models are duck-typed
+# and touched lazily, so only these are refused up front).
+_NOT_MODELS = (bool, int, float, complex, bytes, list, tuple, dict, set)
+
+
+def _check_model_arg(model: Any, param: str, *, optional: bool) -> None:
+    if model is None and not optional:
+        msg = f"{param} must be a model name or an LM, got None"
+        raise TypeError(msg)
+    if isinstance(model, _NOT_MODELS):
+        msg = (f"{param} must be a model name or an LM{' or None' if optional else ''}, "
+               f"got {type(model).__name__}")
+        raise TypeError(msg)
+
+
 class SpeculativeRAG:
     """Speculative RAG: parallel drafts from a small drafter, one batched verifier pass.
 
@@ -661,8 +777,19 @@ class SpeculativeRAG:
                  verifier: LM | str | None = "gemma-3-270m", *, embedder: Any = "all-minilm-l6-v2",
                  retriever: Any = None, config: SpeculativeRAGConfig | None = None,
                  dtype: str | None = None) -> None:
+        _check_model_arg(drafter, "drafter", optional=False)
+        _check_model_arg(verifier, "verifier", optional=True)
         check_model_name(drafter, "drafter")
         check_model_name(verifier, "verifier")
+        _check_model_arg(embedder, "embedder", optional=False)
+        if retriever is not None:
+            check_retriever(retriever)
+        if config is not None and not isinstance(config, SpeculativeRAGConfig):
+            msg = f"config must be a SpeculativeRAGConfig or None, got {type(config).__name__}"
+            raise TypeError(msg)
+        if dtype is not None and not isinstance(dtype, str):
+            msg = f"dtype must be None or a dtype name such as 'bfloat16', got {dtype!r}"
+            raise TypeError(msg)
         if dtype is not None:
             from shared_core.device import resolve_device, resolve_dtype
 
@@ -676,6 +803,9 @@ class SpeculativeRAG:
 
     def with_config(self, config: SpeculativeRAGConfig) -> SpeculativeRAG:
         """A new engine with another config that shares this one's (loaded) models and lock."""
+        if not isinstance(config, SpeculativeRAGConfig):
+            msg = f"config must be a SpeculativeRAGConfig, got {type(config).__name__}"
+            raise TypeError(msg)
         other = SpeculativeRAG.__new__(SpeculativeRAG)
         other.__dict__.update(self.__dict__)
         other.config = config
@@ -711,7 +841,8 @@ class SpeculativeRAG:
         return self._get("embedder")
 
     def _documents(self, question: str, documents: Sequence[Any] | None, retriever: Any,
-                   k: int) -> tuple[list[Document], float]:
+                   k: int) -> tuple[list[Document], int, float]:
+        """(documents with text, how many blank ones were left out, retrieval seconds)."""
         start = time.perf_counter()
         if documents is None:
             source = retriever if retriever is not None else self.retriever
@@ -722,7 +853,19 @@ class SpeculativeRAG:
             if not documents:
                 msg = "documents is empty: the retriever returned no documents"
                 raise ValueError(msg)
-        return to_documents(documents), time.perf_counter() - start
+        docs, skipped = drop_blank(to_documents(documents))
+        return docs, skipped, time.perf_counter() - start
+
+    def _check_call(self, question: Any, documents: Sequence[Any] | None, retriever: Any,
+                    need_subsets: bool) -> str:
+        """Everything checkable before the lock and any model work; the stripped question."""
+        question = check_inputs(question, documents, self.config, need_subsets=False)
+        if retriever is not None:
+            check_retriever(retriever)
+        if documents is not None:
+            docs, _ = drop_blank(to_documents(documents))
+            check_inputs(question, docs, self.config, need_subsets=need_subsets)
+        return question
 
     # -- 1. multi-perspective sampling
     def sample_subsets(self, question: str, docs: Sequence[Document],
@@ -755,18 +898,21 @@ class SpeculativeRAG:
         mostly restated the rationale, so parse fallback (c) is used instead.
         """
         lm, cfg = self.drafter, self.config
-        prompts = [draft_prompt(lm, question, [docs[i] for i in s]) for s in subsets]
+        answer_first = cfg.draft_order == "answer_first"
+        prefill, parse = ("Answer:", parse_answer_first) if answer_first else ("Rationale:", parse_draft)
+        prompts = [draft_prompt(lm, question, [docs[i] for i in s], cfg.draft_order) for s in subsets]
         for p in prompts:
             _check_length(lm, p, cfg.max_draft_tokens + cfg.max_answer_tokens, "a draft prompt")
-        rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill="Rationale:")
-        texts = ["Rationale:" + lm.decode(ids) for ids, _ in rows]
-        todo = [i for i, t in enumerate(texts) if not parse_draft(t)[2]]
-        if todo and cfg.force_answer_line:
+        rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill=prefill,
+                              answer_first=answer_first)
+        texts = [prefill + lm.decode(ids) for ids, _ in rows]
+        todo = [i for i, t in enumerate(texts) if not parse(t)[2]]
+        if todo and cfg.force_answer_line and not answer_first:
             rows, texts = self._force_answers(prompts, rows, texts, todo)
             stats.answer_continuations = len(todo)
         drafts = []
         for subset, (ids, logps), raw in zip(subsets, rows, texts, strict=True):
-            rationale, answer, ok = parse_draft(raw)
+            rationale, answer, ok = parse(raw)
             stats.parse_fallbacks += not ok
             stats.draft_new_tokens += len(ids)
             drafts.append(Draft(answer=answer, rationale=rationale, raw=raw,
@@ -814,14 +960,19 @@ class SpeculativeRAG:
     def answer(self, question: str, documents: Sequence[Any] | None = None, *,
                retriever: Any = None, on_event: EventHook | None = None) -> SpeculativeRAGResult:
         """Answer ``question`` from ``documents`` (or the top ``retrieve_k`` of a retriever)."""
+        if on_event is not None and not callable(on_event):
+            msg = f"on_event must be a callable or None, got {type(on_event).__name__}"
+            raise TypeError(msg)
         cfg, emit = self.config, on_event or (lambda _name, _data: None)
-        question = check_inputs(question, documents, cfg)
+        question = self._check_call(question, documents, retriever, need_subsets=True)
         start = time.perf_counter()
         with self._lock:
-            docs, retrieve_s = self._documents(question, documents, retriever, cfg.retrieve_k)
+            docs, skipped, retrieve_s = self._documents(question, documents, retriever,
+                                                        cfg.retrieve_k)
             check_inputs(question, docs, cfg)
             stats = SpeculativeRAGStats(num_documents=len(docs), num_drafts=cfg.num_drafts,
-                                        docs_per_draft=cfg.docs_per_draft, retrieve_s=retrieve_s)
+                                        docs_per_draft=cfg.docs_per_draft, retrieve_s=retrieve_s,
+                                        skipped_documents=skipped)
             emit("specrag_retrieved", {"num_documents": len(docs)})
             t = time.perf_counter()
             subsets = self.sample_subsets(question, docs, stats)
@@ -850,11 +1001,11 @@ class SpeculativeRAG:
         if model not in ("drafter", "verifier"):
             msg = f"model must be 'drafter' or 'verifier', got {model!r}"
             raise ValueError(msg)
-        question = check_inputs(question, documents, self.config, need_subsets=False)
+        question = self._check_call(question, documents, retriever, need_subsets=False)
         start = time.perf_counter()
         with self._lock:
-            docs, retrieve_s = self._documents(question, documents, retriever,
-                                               self.config.retrieve_k)
+            docs, _, retrieve_s = self._documents(question, documents, retriever,
+                                                  self.config.retrieve_k)
             result = standard_rag(self._get(model), question, docs,
                                   self.config.max_answer_tokens)
         result.stats.retrieve_s = retrieve_s
@@ -865,10 +1016,9 @@ class SpeculativeRAG:
 def standard_rag(lm: LM, question: str, documents: Sequence[Any],
                  max_new_tokens: int = SpeculativeRAGConfig.max_answer_tokens) -> StandardRAGResult:
     """Standard RAG with one model: every document in the prompt, answer parsed as drafts are."""
-    docs = to_documents(documents)
-    if not docs:
-        msg = "documents is empty: pass at least one document"
-        raise ValueError(msg)
+    question = check_inputs(question, documents, SpeculativeRAGConfig(), need_subsets=False)
+    check_positive_int(max_new_tokens, "max_new_tokens")
+    docs, _ = drop_blank(to_documents(documents))
     prompt = rag_prompt(lm, question, docs)
     _check_length(lm, prompt, max_new_tokens, "the standard-RAG prompt")
     start = time.perf_counter()
