@@ -194,9 +194,13 @@ class KVSession:
                               or int(index[-1]) >= len(source)):
             msg = f"positions must be ascending and within the source's {len(source)} tokens"
             raise ValueError(msg)
-        self.cache = gather_positions(source.cache, index, self.kind)
-        self.tokens = [source.tokens[i] for i in index.tolist()]
-        self.position_offset = len(source) - len(self.tokens)
+        try:
+            self.cache = gather_positions(source.cache, index, self.kind)
+            self.tokens = [source.tokens[i] for i in index.tolist()]
+            self.position_offset = len(source) - len(self.tokens)
+        except BaseException:
+            self.reset()
+            raise
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -204,6 +208,11 @@ class KVSession:
     def _forward(self, ids: Sequence[int], *, logits_to_keep: int,
                  attention_mask: torch.Tensor | None = None,
                  position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over ``ids``, appended to ``tokens`` and the cache together.
+
+        If the forward fails or is interrupted (an exception, ``KeyboardInterrupt``) after some
+        layers already appended their keys/values, every layer is cut back to ``tokens``.
+        """
         end = len(self.tokens) + self.position_offset + len(ids)
         if end > self.lm.max_context:
             msg = (f"sequence of {end} tokens exceeds the model window of "
@@ -213,11 +222,29 @@ class KVSession:
         if position_ids is None and self.position_offset:
             start = len(self.tokens) + self.position_offset
             position_ids = torch.arange(start, start + len(ids), device=self.lm.device)[None]
-        out = self.lm.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
-                            attention_mask=attention_mask, position_ids=position_ids,
-                            logits_to_keep=logits_to_keep)
+        try:
+            out = self.lm.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+                                attention_mask=attention_mask, position_ids=position_ids,
+                                logits_to_keep=logits_to_keep)
+            self.tokens.extend(ids)
+        except BaseException:
+            self.heal()
+            raise
         self.forwards += 1
         return out.logits[0]
+
+    def heal(self, limit: int | None = None) -> None:
+        """Make the cache and ``tokens`` agree again after an interrupted update.
+
+        Keeps the longest prefix every layer still holds (at most ``limit`` tokens): layers that
+        got ahead are cut back, ``tokens`` is cut to the shortest layer.
+        """
+        lengths = [layer.get_seq_length() for layer in self.cache.layers]
+        keep = min([len(self.tokens), *lengths, *([limit] if limit is not None else [])])
+        for layer, length in zip(self.cache.layers, lengths, strict=True):
+            if length > keep:
+                layer.crop(keep - length)
+        del self.tokens[keep:]
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> torch.Tensor | None:
@@ -226,7 +253,6 @@ class KVSession:
         for start in range(0, len(ids), self.prefill_chunk):
             chunk = ids[start : start + self.prefill_chunk]
             logits = self._forward(chunk, logits_to_keep=1)[-1]
-            self.tokens.extend(chunk)
         return logits
 
     @torch.inference_mode()
@@ -235,9 +261,7 @@ class KVSession:
         if not ids:
             msg = "extend needs at least one token"
             raise ValueError(msg)
-        logits = self._forward(ids, logits_to_keep=len(ids))
-        self.tokens.extend(ids)
-        return logits
+        return self._forward(ids, logits_to_keep=len(ids))
 
     @torch.inference_mode()
     def extend_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
@@ -252,11 +276,9 @@ class KVSession:
         prefix = len(self.tokens)
         mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype)
         positions = (prefix + self.position_offset + depth)[None].to(self.lm.device)
-        logits = self._forward(ids, logits_to_keep=len(ids),
-                               attention_mask=mask.to(self.lm.device), position_ids=positions)
-        self.tokens.extend(ids)
         self._tree_prefix = prefix
-        return logits
+        return self._forward(ids, logits_to_keep=len(ids),
+                             attention_mask=mask.to(self.lm.device), position_ids=positions)
 
     @torch.inference_mode()
     def keep_path(self, path: Sequence[int]) -> None:
@@ -267,13 +289,21 @@ class KVSession:
             return
         positions = torch.tensor([prefix + i for i in path], dtype=torch.long,
                                  device=self.lm.device)
-        keep_positions(self.cache, prefix, positions)
-        self.tokens = self.tokens[:prefix] + [self.tokens[prefix + i] for i in path]
+        try:
+            keep_positions(self.cache, prefix, positions)
+            self.tokens = self.tokens[:prefix] + [self.tokens[prefix + i] for i in path]
+        except BaseException:
+            self.heal(prefix)  # some layers were gathered, others not: only the prefix is sure
+            raise
 
     def rollback(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens."""
-        rollback(self.cache, length)
-        del self.tokens[length:]
+        try:
+            rollback(self.cache, length)
+            del self.tokens[length:]
+        except BaseException:
+            self.heal(length)
+            raise
 
     @torch.inference_mode()
     def fork(self) -> KVSession:

@@ -1,9 +1,18 @@
-"""Turning committed token blocks into returned text: EOS, max tokens, stop strings, deltas."""
+"""Turning committed token blocks into returned text: EOS, max tokens, stop strings, deltas.
+
+Also the input checks every token-level entry point runs before any model work
+(:func:`generation_config`, :func:`validate_messages`, :func:`validate_prompt_ids`): a wrong type
+is a ``TypeError`` and a wrong value a ``ValueError``, each naming the parameter.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shared_core.config import GenerationConfig
 from shared_core.models import LM
@@ -103,7 +112,117 @@ class OutputTracker:
         return GenerationResult(self.text, list(self.token_ids), stats)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
+    """``value`` as an int; bools, floats and strings are refused (TypeError naming ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        msg = f"{name} must be an int, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+    if minimum is not None and value < minimum:
+        msg = f"{name} must be >= {minimum}, got {value}"
+        raise ValueError(msg)
+    return int(value)
+
+
+def check_real(value: Any, name: str) -> float:
+    """``value`` as a finite float; bools and strings are refused (TypeError naming ``name``)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        msg = f"{name} must be a number, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+    if not math.isfinite(value):
+        msg = f"{name} must be finite, got {value}"
+        raise ValueError(msg)
+    return float(value)
+
+
+def check_config_types(config: Any) -> None:
+    """Type-check a config dataclass's fields against their defaults' types (bool, int, float,
+    str; a ``None`` default allows None or an int), naming the field and the config class."""
+    owner = type(config).__name__
+    for f in dataclasses.fields(config):
+        value, default = getattr(config, f.name), f.default
+        name = f"{f.name} ({owner})"
+        if default is None:
+            if value is not None:
+                check_int(value, name)
+        elif isinstance(default, bool):
+            if not isinstance(value, bool):
+                msg = f"{name} must be a bool, got {type(value).__name__} {value!r}"
+                raise TypeError(msg)
+        elif isinstance(default, int):
+            check_int(value, name)
+        elif isinstance(default, float):
+            check_real(value, name)
+        elif isinstance(default, str) and not isinstance(value, str):
+            msg = f"{name} must be a str, got {type(value).__name__} {value!r}"
+            raise TypeError(msg)
+
+
+def generation_config(max_new_tokens: Any = 256, *, name: str = "max_new_tokens",
+                      stop: Any = None, temperature: Any = 0.0, top_k: Any = 0,
+                      top_p: Any = 1.0, seed: Any = None) -> GenerationConfig:
+    """:meth:`GenerationConfig.build` after type checks; ``name`` is the caller's word for
+    ``max_new_tokens`` (``"max_tokens"`` in LangChain), so the error names what was passed."""
+    max_new_tokens = check_int(max_new_tokens, name, minimum=1)
+    temperature = check_real(temperature, "temperature")
+    top_k = check_int(top_k, "top_k", minimum=0)
+    top_p = check_real(top_p, "top_p")
+    if seed is not None:
+        seed = check_int(seed, "seed")
+    if stop is not None and not isinstance(stop, str):
+        if not isinstance(stop, Iterable) or isinstance(stop, bytes | dict):
+            msg = f"stop must be a string or a list of strings, got {type(stop).__name__}"
+            raise TypeError(msg)
+        stop = list(stop)
+        bad = [s for s in stop if not isinstance(s, str)]
+        if bad:
+            msg = f"stop must be a list of strings, got an item {bad[0]!r}"
+            raise TypeError(msg)
+    return GenerationConfig.build(max_new_tokens, stop=stop, temperature=temperature,
+                                  top_k=top_k, top_p=top_p, seed=seed)
+
+
+def validate_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
+    """Chat messages as ``{"role", "content"}`` dicts with a known role and string content."""
+    if not messages:
+        msg = "messages must not be empty"
+        raise ValueError(msg)
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "role" not in m or "content" not in m:
+            msg = f"message {i} must be a dict with 'role' and 'content', got {m!r:.80}"
+            raise TypeError(msg)
+        role, content = m["role"], m["content"]
+        if role not in CHAT_ROLES:
+            msg = f"message {i} has role={role!r}; the role must be one of {list(CHAT_ROLES)}"
+            raise ValueError(msg)
+        if content is None:
+            msg = f"message {i} (role {role!r}) has content=None; pass a string"
+            raise ValueError(msg)
+        if not isinstance(content, str):
+            msg = (f"message {i} (role {role!r}) content must be a string, got "
+                   f"{type(content).__name__}")
+            raise TypeError(msg)
+        out.append({"role": role, "content": content})
+    return out
+
+
 def validate_prompt_ids(lm: LM, ids: Sequence[int], max_new_tokens: int) -> None:
+    """Non-empty ids inside the vocabulary, leaving room for ``max_new_tokens`` in the window."""
+    if not ids:
+        msg = "prompt must contain at least one token"
+        raise ValueError(msg)
+    vocab = lm.vocab_size
+    for i, token in enumerate(ids):
+        if isinstance(token, bool) or not isinstance(token, numbers.Integral):
+            msg = f"prompt token ids must be ints, got {token!r} at position {i}"
+            raise TypeError(msg)
+        if not 0 <= token < vocab:
+            msg = (f"prompt token id {token} at position {i} is outside the vocabulary "
+                   f"[0, {vocab}) of {lm.name}")
+            raise ValueError(msg)
     if len(ids) + max_new_tokens > lm.max_context:
         msg = (f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
                f"{lm.max_context}-token window of {lm.name}; shorten the prompt or lower "

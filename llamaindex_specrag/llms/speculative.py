@@ -8,13 +8,18 @@ first use, once per (model, device, dtype) per process, with one lock per loaded
 async methods run generation on worker threads. Chat messages use the model's chat template;
 ``complete(prompt)`` wraps the prompt as one user turn unless ``formatted=True``. Stop strings
 are cut from the returned text. Engine stats are in ``raw`` / ``additional_kwargs``.
+
+Sharing: ``complete`` / ``chat`` hold the model's lock for the whole generation; the streaming
+methods take it for one step at a time and never across a ``yield`` (see
+``shared_core.serving``), so a half-read stream never blocks another call. Inputs are validated
+before the model is loaded: text blocks only (``ImageBlock`` and other media raise
+``NotImplementedError``), ``content=None`` refused, ``max_new_tokens`` (per call also
+``max_tokens``) an int >= 1.
 """
 
 from __future__ import annotations
 
-import asyncio
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -33,7 +38,36 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 
 from shared_core.engines.registry import check_engine, stream_engine
-from shared_core.serving import iterate_in_thread, loaded_model, lock_for
+from shared_core.output import generation_config, validate_messages
+from shared_core.serving import FairLock, iterate_in_thread, loaded_model, lock_for, step_locked
+
+
+async def _last(items: AsyncIterator[Any]) -> Any:
+    last = None
+    async for last in items:  # noqa: B007 - only the final (complete) response is returned
+        pass
+    return last
+
+
+# LlamaIndex roles the chat templates know under another name
+_ROLES = {"developer": "system", "function": "tool", "chatbot": "assistant", "model": "assistant"}
+
+
+def _chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
+    """Validated ``{"role", "content"}`` dicts; non-text blocks are refused, never dropped."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, ChatMessage):
+            msg = f"message {i} must be a llama_index ChatMessage, got {type(m).__name__}"
+            raise TypeError(msg)
+        media = [type(b).__name__ for b in m.blocks if type(b).__name__ != "TextBlock"]
+        if media:
+            msg = (f"message {i} has a {media[0]} content block; SpeculativeLLM handles text "
+                   "only (images and other media are not supported)")
+            raise NotImplementedError(msg)
+        role = m.role.value
+        out.append({"role": _ROLES.get(role, role), "content": m.content})
+    return validate_messages(out)
 
 
 class SpeculativeLLM(CustomLLM):
@@ -46,19 +80,18 @@ class SpeculativeLLM(CustomLLM):
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_new_tokens: int = 256
+    max_new_tokens: int = Field(default=256, strict=True, ge=1)
     stop: list[str] | None = None
     documents: list[str] | None = None
     context_window: int | None = Field(default=None, description="None = the model's window")
     device: str | None = None
     dtype: str | None = None
-    _lm: Any = PrivateAttr(default=None)
-    _lock: threading.Lock | None = PrivateAttr(default=None)
+    _lm: Any = PrivateAttr(default=None)  # a preloaded shared_core LM (else the shared cache)
+    _engine_state: dict[str, Any] = PrivateAttr(default_factory=dict)  # e.g. RAPID's decoders
 
     def __init__(self, lm: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        if lm is not None:  # a preloaded shared_core LM
-            self._lm, self._lock = lm, lock_for(lm)
+        self._lm = lm
 
     @field_validator("engine")
     @classmethod
@@ -69,11 +102,12 @@ class SpeculativeLLM(CustomLLM):
     def class_name(cls) -> str:
         return "SpeculativeLLM"
 
-    def _model(self) -> tuple[Any, threading.Lock]:
-        if self._lm is None:
-            self._lm, self._lock = loaded_model(self.model, self.device, self.dtype)
-        assert self._lock is not None
-        return self._lm, self._lock
+    def _model(self) -> tuple[Any, FairLock]:
+        """The preloaded LM, else the shared cache's (looked up per call, so
+        ``serving.release`` frees it)."""
+        if self._lm is not None:
+            return self._lm, lock_for(self._lm)
+        return loaded_model(self.model, self.device, self.dtype)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -83,36 +117,63 @@ class SpeculativeLLM(CustomLLM):
                            model_name=self.model, system_role=MessageRole.SYSTEM)
 
     # -- one generation path ----------------------------------------------------------------
-    def _run(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
-             ) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
-        """Yield ``(cumulative text, delta, None)``, then ``(text, "", raw stats)``."""
-        lm, lock = self._model()
-        engine = kwargs.pop("engine", self.engine)
+    def _call(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
+              ) -> tuple[FairLock, Callable[[], Any], str]:
+        """Validate one call (before any model work); return the lock and a stream starter."""
+        engine = check_engine(kwargs.pop("engine", self.engine))
         # the configured options belong to the configured engine; a per-call engine gets its own
         base = self.engine_options if engine == self.engine else {}
         options = {**base, **kwargs.pop("engine_options", {})}
         documents = kwargs.pop("documents", None)
         documents = self.documents if documents is None else documents
-        with lock:
-            stream = stream_engine(
-                engine, lm, prompt,
-                max_new_tokens=kwargs.pop("max_new_tokens", self.max_new_tokens),
-                documents=[getattr(d, "text", d) for d in documents] if documents else None,
-                stop=kwargs.pop("stop", self.stop),
-                temperature=kwargs.pop("temperature", self.temperature),
-                top_k=kwargs.pop("top_k", self.top_k), top_p=kwargs.pop("top_p", self.top_p),
-                seed=kwargs.pop("seed", self.seed), **options)
-            text = ""
-            for delta in stream:
-                text += delta
-                yield text, delta, None
-            result = stream.result
-        assert result is not None
+        name = "max_tokens" if "max_tokens" in kwargs else "max_new_tokens"
+        max_new_tokens = kwargs.pop(name, self.max_new_tokens)
+        sampling = {"stop": kwargs.pop("stop", self.stop),
+                    "temperature": kwargs.pop("temperature", self.temperature),
+                    "top_k": kwargs.pop("top_k", self.top_k),
+                    "top_p": kwargs.pop("top_p", self.top_p),
+                    "seed": kwargs.pop("seed", self.seed)}
+        generation_config(max_new_tokens, name=name, **sampling)
+        lm, lock = self._model()
+        texts = [getattr(d, "text", d) for d in documents] if documents else None
+
+        def start() -> Any:
+            return stream_engine(engine, lm, prompt, max_new_tokens=max_new_tokens,
+                                 documents=texts, engine_state=self._engine_state, **sampling,
+                                 **options)
+
+        return lock, start, engine
+
+    def _raw(self, result: Any, engine: str) -> dict[str, Any]:
         stats = result.stats
-        raw = {"engine": engine, "model": self.model, "finish_reason": stats.finish_reason,
-               "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-               "speculative_stats": stats.as_dict()}
-        yield result.text, "", raw
+        return {"engine": engine, "model": self.model, "finish_reason": stats.finish_reason,
+                "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+                "speculative_stats": stats.as_dict()}
+
+    def _run(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
+             ) -> tuple[str, dict[str, Any]]:
+        """The whole generation under the lock: ``(text, raw stats)``."""
+        lock, start, engine = self._call(prompt, kwargs)
+        with lock:
+            result = start().run()
+        return result.text, self._raw(result, engine)
+
+    def _run_stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
+                    ) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
+        """Validate now; then iterate ``(cumulative text, delta, None)`` and finally
+        ``(text, "", raw stats)``. The lock is taken per step, never while the caller reads."""
+        return self._steps(*self._call(prompt, kwargs))
+
+    def _steps(self, lock: FairLock, start: Callable[[], Any], engine: str
+               ) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
+        with lock:
+            stream = start()
+        text = ""
+        for delta in step_locked(lock, stream):
+            text += delta
+            yield text, delta, None
+        assert stream.result is not None
+        yield stream.result.text, "", self._raw(stream.result, engine)
 
     def _messages(self, prompt: str, formatted: bool) -> str | list[dict[str, str]]:
         if formatted:
@@ -120,31 +181,29 @@ class SpeculativeLLM(CustomLLM):
         turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*turns, {"role": "user", "content": prompt}]
 
-    @staticmethod
-    def _chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-        return [{"role": m.role.value, "content": m.content or ""} for m in messages]
-
     def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]
                   ) -> CompletionResponse:
-        *_, (text, _, raw) = self._run(self._messages(prompt, formatted), kwargs)
-        return CompletionResponse(text=text, raw=raw, additional_kwargs=dict(raw or {}))
+        text, raw = self._run(self._messages(prompt, formatted), kwargs)
+        return CompletionResponse(text=text, raw=raw, additional_kwargs=dict(raw))
 
     def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]
                          ) -> CompletionResponseGen:
-        for text, delta, raw in self._run(self._messages(prompt, formatted), kwargs):
-            yield CompletionResponse(text=text, delta=delta, raw=raw,
-                                     additional_kwargs=dict(raw or {}))
+        steps = self._run_stream(self._messages(prompt, formatted), kwargs)
+        return (CompletionResponse(text=text, delta=delta, raw=raw,
+                                   additional_kwargs=dict(raw or {}))
+                for text, delta, raw in steps)
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        *_, (text, _, raw) = self._run(self._chat_dicts(messages), kwargs)
+        text, raw = self._run(_chat_dicts(messages), kwargs)
         return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                            raw=raw, additional_kwargs=dict(raw or {}))
+                            raw=raw, additional_kwargs=dict(raw))
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
                      ) -> ChatResponseGen:
-        for text, delta, raw in self._run(self._chat_dicts(messages), kwargs):
-            yield ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                               delta=delta, raw=raw, additional_kwargs=dict(raw or {}))
+        steps = self._run_stream(_chat_dicts(messages), kwargs)
+        return (ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
+                             delta=delta, raw=raw, additional_kwargs=dict(raw or {}))
+                for text, delta, raw in steps)
 
     # -- public API: sync, streaming, and async on worker threads ---------------------------
     @llm_completion_callback()
@@ -159,7 +218,9 @@ class SpeculativeLLM(CustomLLM):
     @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any
                         ) -> CompletionResponse:
-        return await asyncio.to_thread(self._complete, prompt, formatted, kwargs)
+        # step by step on a worker thread: a cancelled call stops within one step
+        parts = iterate_in_thread(self._stream_complete(prompt, formatted, kwargs))
+        return await _last(parts)
 
     @llm_completion_callback()
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any
@@ -176,7 +237,7 @@ class SpeculativeLLM(CustomLLM):
 
     @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await asyncio.to_thread(self._chat, messages, kwargs)
+        return await _last(iterate_in_thread(self._stream_chat(messages, kwargs)))
 
     @llm_chat_callback()
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any

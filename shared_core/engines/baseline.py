@@ -11,6 +11,7 @@ first drafted token and no logits are carried between rounds.
 
 from __future__ import annotations
 
+import numbers
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -23,7 +24,14 @@ from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.kv import CacheKind, KVSession
 from shared_core.models import LM
-from shared_core.output import GenerationResult, OutputTracker, validate_prompt_ids
+from shared_core.output import (
+    GenerationResult,
+    OutputTracker,
+    check_int,
+    generation_config,
+    validate_messages,
+    validate_prompt_ids,
+)
 from shared_core.stats import DecodeStats
 from shared_core.verify import (
     Verdict,
@@ -39,20 +47,36 @@ DEFAULT_DRAFT_TOKENS = 8
 
 
 def encode_prompt(lm: LM, prompt: Prompt) -> list[int]:
-    """Token ids of a prompt string, a list of chat messages, or ids passed through."""
+    """Token ids of a prompt string, a list of chat messages, or ids passed through.
+
+    Ids are checked against the vocabulary (and the window) by :func:`validate_prompt_ids`.
+    """
     if isinstance(prompt, str):
         return lm.prompt_ids(prompt)
-    items = list(prompt)
-    if items and all(isinstance(t, int) for t in items):
-        return items
-    if all(isinstance(m, dict) and "role" in m and "content" in m for m in items):
-        return lm.prompt_ids(items)
-    msg = "prompt must be a string, a list of {'role', 'content'} messages or a list of token ids"
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+        items = list(prompt)
+        if items and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                         for t in items):
+            return [int(t) for t in items]
+        if items and all(isinstance(m, dict) for m in items):
+            return lm.prompt_ids(validate_messages(items))
+        if not items:
+            msg = "prompt must not be empty"
+            raise ValueError(msg)
+    msg = ("prompt must be a string, a list of {'role', 'content'} messages or a list of token "
+           f"ids, got {type(prompt).__name__}")
     raise TypeError(msg)
 
 
 class TokenStream(Iterator[str]):
-    """Iterates text deltas (one per committed block); ``result`` is set once it ends."""
+    """Iterates text deltas (one per committed block); ``result`` is set once it ends.
+
+    A stream that failed (an exception or ``KeyboardInterrupt`` inside a step) or was closed
+    never resumes: iterating it again raises ``RuntimeError`` / ``StopIteration`` instead of
+    returning a truncated result. Each step runs to completion before the next ``next()``; the
+    stream holds no lock between steps (callers sharing a model lock per step, see
+    ``shared_core.serving``).
+    """
 
     def __init__(self, blocks: Iterator[list[int]], tracker: OutputTracker, stats: DecodeStats,
                  on_close: Callable[[DecodeStats], None] | None = None):
@@ -61,15 +85,25 @@ class TokenStream(Iterator[str]):
         self._stats = stats
         self._on_close = on_close
         self._elapsed = 0.0
+        self._closed = False
+        self._error: BaseException | None = None
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> TokenStream:
         return self
 
     def __next__(self) -> str:
-        while self.result is None:
+        if self._error is not None:
+            msg = f"this generation failed earlier ({self._error!r}); start a new call"
+            raise RuntimeError(msg) from self._error
+        while self.result is None and not self._closed:
             start = time.perf_counter()
-            block = next(self._blocks, None)
+            try:
+                block = next(self._blocks, None)
+            except BaseException as e:
+                self._error = e
+                self._blocks.close()
+                raise
             self._elapsed += time.perf_counter() - start
             if block is None:
                 return self._close("")
@@ -82,6 +116,7 @@ class TokenStream(Iterator[str]):
 
     def close(self) -> None:
         """Stop early (frees the engine's generator); ``result`` stays None."""
+        self._closed = True
         self._blocks.close()
 
     def _close(self, delta: str) -> str:
@@ -143,7 +178,7 @@ def _autoregressive_blocks(run: _Run) -> Iterator[list[int]]:
 def stream_autoregressive(lm: LM, prompt: Prompt, max_new_tokens: int = 256, *,
                           cache: CacheKind = "prealloc", **sampling: Any) -> TokenStream:
     """Plain decoding, one token per forward, as a stream of text deltas."""
-    config = GenerationConfig.build(max_new_tokens, **sampling)
+    config = generation_config(max_new_tokens, **sampling)
     return _Run(lm, prompt, config, cache).stream(_autoregressive_blocks)
 
 
@@ -196,10 +231,8 @@ def stream_speculative(lm: LM, drafter: Drafter | LM, prompt: Prompt, max_new_to
                        *, k: int = DEFAULT_DRAFT_TOKENS, cache: CacheKind = "prealloc",
                        **sampling: Any) -> TokenStream:
     """Speculative decoding as a stream of text deltas (one per verified block)."""
-    if k < 1:
-        msg = f"k (draft tokens per round) must be >= 1, got {k}"
-        raise ValueError(msg)
-    config = GenerationConfig.build(max_new_tokens, **sampling)
+    k = check_int(k, "k (draft tokens per round)", minimum=1)
+    config = generation_config(max_new_tokens, **sampling)
     if isinstance(drafter, LM):
         drafter = ModelDrafter(drafter, target=lm, cache=cache)
     if isinstance(drafter, ModelDrafter):
@@ -230,8 +263,9 @@ def speculative_generate(lm: LM, drafter: Drafter | LM, prompt: Prompt,
 
 
 def stream_autoregressive_engine(lm: LM, prompt: Prompt, *, max_new_tokens: int,
-                                 documents: Sequence[str] | None = None, **options: Any
+                                 documents: Sequence[str] | None = None,
+                                 engine_state: dict[str, Any] | None = None, **options: Any
                                  ) -> TokenStream:
     """Registry entry (see ``engines/registry.py``): plain decoding ignores ``documents``."""
-    del documents
+    del documents, engine_state
     return stream_autoregressive(lm, prompt, max_new_tokens, **options)

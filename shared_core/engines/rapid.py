@@ -18,7 +18,19 @@ The long context's KV is computed once: the target session is kept between calls
 :meth:`KVSession.sync` rolls it back to the common token prefix (the document), so asking many
 questions about one document pays its prefill once. Baselines in this module: ``long_context``
 (target alone on the full context), ``rag`` (target on the retrieved context only) and ``sd``
-(naive speculative decoding, η = 0). One generation at a time per decoder.
+(naive speculative decoding, η = 0).
+
+Sharing a decoder (threads, interleaved streams). Every generation checks out its own set of
+sessions (target, drafters, RAG baseline: a ``_Slot``) when its first step runs and returns it
+when it ends, fails or is closed; a finished slot stays cached (``max_idle_slots``) for the next
+question's prefix reuse. A stream opened while another is still open gets a new slot whose
+target cache is a copy of the open one's (no second prefill), so the old stream continues with
+its own output instead of being cut short; each open stream holds its own KV copy, so memory
+grows with the number of streams open at once. One lock per decoder (reentrant) serialises
+retrieval, slot bookkeeping and every engine step; :meth:`RapidDecoder.generate` holds it for
+the whole call, so threads calling ``generate`` queue and share one cached context. An
+interrupted step (exception, ``KeyboardInterrupt``) leaves the session consistent
+(:meth:`KVSession.heal`) and the next question re-syncs to its prefix.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import dataclasses
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Iterator, Sequence
@@ -43,9 +56,13 @@ from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.baseline import Prompt, TokenStream, _autoregressive_blocks, _Run
 from shared_core.kv import CacheKind, KVSession
 from shared_core.models import LM
-from shared_core.output import GenerationResult
+from shared_core.output import (
+    GenerationResult,
+    check_config_types,
+    check_real,
+    generation_config,
+)
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
-from shared_core.stats import DecodeStats
 from shared_core.verify import (
     Verdict,
     choose_token,
@@ -98,6 +115,7 @@ class RapidConfig:
     query_template: str = "{query}"
 
     def __post_init__(self) -> None:
+        check_config_types(self)
         checks = [
             (isinstance(self.gamma, int) and 1 <= self.gamma <= 64, "gamma must be an int in [1, 64]"),
             (math.isfinite(self.eta) and self.eta >= 0, "eta must be a finite number >= 0"),
@@ -153,13 +171,43 @@ class _IndexedContext:
     n_tokens: int
 
 
+class _Slot:
+    """One generation's sessions: the target, both drafters, the RAG baseline's."""
+
+    def __init__(self, lm: LM, draft_lm: LM, cache: CacheKind):
+        self.target = KVSession(lm, cache=cache)
+        self.drafter = RetrievedContextDrafter(draft_lm, target=lm, cache=cache)
+        # drafter_kv="target": its session is rebuilt from the target's KV every question
+        self.shared = RetrievedContextDrafter(lm, target=lm, cache=cache)
+        # Self-speculation: the RAG baseline's prompt is the drafter's, so they share a session.
+        self.rag = self.drafter.session if draft_lm is lm else KVSession(lm, cache=cache)
+
+    def session(self, method: str) -> KVSession:
+        return self.rag if method == "rag" else self.target
+
+    def reuse(self, method: str, ids: Sequence[int]) -> int:
+        """Leading tokens of ``ids`` this slot has cached for ``method``."""
+        return _common_prefix(self.session(method).tokens, ids)
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class _CachedRun(_Run):
-    """A `_Run` on a kept session: prefill only what differs from the cached token prefix."""
+    """A `_Run` on a kept session: prefill only what differs from the cached token prefix.
+
+    The session is the checked-out slot's, set when the generation's first step runs.
+    """
 
     def __init__(self, lm: LM, prompt_ids: Sequence[int], config: GenerationConfig,
-                 session: KVSession):
-        super().__init__(lm, list(prompt_ids), config, session.kind)
-        self.session = session
+                 cache: CacheKind):
+        super().__init__(lm, list(prompt_ids), config, cache)
 
     def prefill(self) -> int:
         start = time.perf_counter()
@@ -287,6 +335,8 @@ def _synced_clock(device: torch.device) -> float:
 class RapidDecoder:
     """Retrieval-augmented speculative decoding over one long context at a time.
 
+    Safe to share between threads and between interleaved streams (see the module docstring).
+
     Args:
         lm: the long-context target.
         draft_lm: the drafter; ``None`` = the target itself (self-speculation). Any model with
@@ -302,24 +352,24 @@ class RapidDecoder:
         result.text, result.stats.as_dict()
     """
 
+    max_idle_slots = 1  # finished slots kept for prefix reuse (each holds the context's KV)
+
     def __init__(self, lm: LM, *, draft_lm: LM | None = None, embedder: Any = "all-minilm-l6-v2",
                  config: RapidConfig | None = None):
+        if config is not None and not isinstance(config, RapidConfig):
+            msg = f"config must be a RapidConfig, got {type(config).__name__}"
+            raise TypeError(msg)
         self.lm = lm
         self.draft_lm = draft_lm or lm
         self.config = config or RapidConfig()
-        self.drafter = RetrievedContextDrafter(self.draft_lm, target=lm, cache=self.config.cache)
         self._check_drafter_kv(self.config.drafter_kv)
-        # drafter_kv="target": its session is rebuilt from the target's KV every question
-        self._shared_drafter = RetrievedContextDrafter(lm, target=lm, cache=self.config.cache)
-        self._target_session = KVSession(lm, cache=self.config.cache)
-        # Self-speculation: the RAG baseline's prompt is the drafter's, so they share a session.
-        self._rag_session = (self.drafter.session if self.draft_lm is lm
-                             else KVSession(lm, cache=self.config.cache))
+        self._lock = threading.RLock()
+        self._idle = [_Slot(lm, self.draft_lm, self.config.cache)]  # most recently used first
+        self._busy: list[_Slot] = []
         self._embedder_spec = embedder
         self._embedder: Any = None if isinstance(embedder, str) else embedder
         self._indexes: OrderedDict[str, _IndexedContext] = OrderedDict()
         self._encoded: OrderedDict[str, _EncodedContext] = OrderedDict()
-        self._active: TokenStream | None = None
         self._schedules: dict[tuple[str, float, str, int], _GammaSchedule] = {}
         self._target_parts = _chat_parts(lm)
         self._draft_parts = _chat_parts(self.draft_lm)
@@ -438,6 +488,11 @@ class RapidDecoder:
         """
         _check_text(context, "context")
         _check_text(query, "query")
+        with self._lock:  # the context / index caches are shared
+            return self._prepare(context, query, max_new_tokens, drafter_kv)
+
+    def _prepare(self, context: str, query: str, max_new_tokens: int, drafter_kv: str | None
+                 ) -> RapidPrompt:
         start = time.perf_counter()
         head, tail = self._target_parts
         query_ids = self.lm.encode(self.config.query_template.format(query=query) + tail)
@@ -489,25 +544,30 @@ class RapidDecoder:
         same context reuses this prefix (only the query and answer tokens are computed).
         """
         _check_text(context, "context")
-        context, _ = self._fit_context(context, [], 1)
-        ids = self._encode_context(context).prefix_ids
-        self._close_active()
-        start = time.perf_counter()
-        with torch.inference_mode():
-            self._target_session.prefill(self._target_session.sync(ids))
-        return time.perf_counter() - start
+        with self._lock:
+            context, _ = self._fit_context(context, [], 1)
+            ids = self._encode_context(context).prefix_ids
+            slot = self._checkout("long_context", ids)
+            try:
+                start = time.perf_counter()
+                with torch.inference_mode():
+                    slot.target.prefill(slot.target.sync(ids))
+                return time.perf_counter() - start
+            finally:
+                self._checkin(slot)
 
     def forget_queries(self) -> None:
         """Drop cached query/answer tokens: the target keeps only its context prefix, the
         drafter (and RAG baseline) session is emptied. Benchmarks call this so that every
         method pays its own query and retrieved-context prefill."""
-        self._close_active()
-        tokens = self._target_session.tokens
-        kept = [e.prefix_ids for e in self._encoded.values()
-                if tokens[: len(e.prefix_ids)] == e.prefix_ids]
-        self._target_session.rollback(len(kept[-1]) if kept else 0)
-        self.drafter.session.rollback(0)
-        self._rag_session.rollback(0)
+        with self._lock:
+            for slot in self._idle:
+                tokens = slot.target.tokens
+                kept = [e.prefix_ids for e in self._encoded.values()
+                        if tokens[: len(e.prefix_ids)] == e.prefix_ids]
+                slot.target.rollback(len(kept[-1]) if kept else 0)
+                slot.drafter.session.rollback(0)
+                slot.rag.rollback(0)
 
     # ------------------------------------------------------------------ generation
 
@@ -529,7 +589,7 @@ class RapidDecoder:
         if method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
             raise ValueError(msg)
-        eta = self.config.eta if eta is None else float(eta)
+        eta = self.config.eta if eta is None else check_real(eta, "eta")
         if not (math.isfinite(eta) and eta >= 0):
             msg = f"eta must be a finite number >= 0, got {eta}"
             raise ValueError(msg)
@@ -538,17 +598,21 @@ class RapidDecoder:
                      if value is not None}
         config = dataclasses.replace(self.config, **overrides) if overrides else self.config
         self._check_drafter_kv(config.drafter_kv)
-        gen = GenerationConfig.build(max_new_tokens, stop=stop, temperature=temperature,
-                                     top_k=top_k, top_p=top_p, seed=seed)
+        gen = generation_config(max_new_tokens, stop=stop, temperature=temperature,
+                                top_k=top_k, top_p=top_p, seed=seed)
         prompt = self.prepare(context, query, max_new_tokens, drafter_kv=config.drafter_kv)
-        self._close_active()
-        self._active = self._start(method, 0.0 if method == "sd" else eta, prompt, gen, config)
-        return self._active
+        with self._lock:
+            return self._start(method, 0.0 if method == "sd" else eta, prompt, gen, config)
 
     def generate(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
                  ) -> GenerationResult:
-        """:meth:`stream`, consumed; returns text, token ids and stats."""
-        return self.stream(context, query, max_new_tokens, **options).run()
+        """:meth:`stream`, consumed; returns text, token ids and stats.
+
+        Holds the decoder's lock for the whole call: concurrent ``generate`` calls queue and
+        reuse one cached context instead of each copying it.
+        """
+        with self._lock:
+            return self.stream(context, query, max_new_tokens, **options).run()
 
     def long_context(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
                      ) -> GenerationResult:
@@ -567,21 +631,62 @@ class RapidDecoder:
 
     def _start(self, method: str, eta: float, prompt: RapidPrompt, gen: GenerationConfig,
                config: RapidConfig) -> TokenStream:
-        ids, session = ((prompt.rag_ids, self._rag_session) if method == "rag"
-                        else (prompt.target_ids, self._target_session))
-        run = _CachedRun(self.lm, ids, gen, session)
+        ids = prompt.rag_ids if method == "rag" else prompt.target_ids
+        run = _CachedRun(self.lm, ids, gen, config.cache)
         run.stats.extra.update(_prompt_stats(method, eta, config, prompt))
-        if method in ("long_context", "rag"):
-            return run.stream(_autoregressive_blocks)
-        drafter = self._shared_drafter if config.drafter_kv == "target" else self.drafter
-        before = drafter.forwards
-
-        def on_close(stats: DecodeStats) -> None:
-            stats.draft_forwards = drafter.forwards - before
-
         schedule = self._schedule(method, eta, config) if config.adaptive_gamma else None
-        return run.stream(lambda r: _rapid_blocks(r, drafter, prompt, eta, config, schedule),
-                          on_close)
+        return run.stream(lambda r: self._slot_blocks(r, method, eta, prompt, config, schedule))
+
+    def _slot_blocks(self, run: _CachedRun, method: str, eta: float, prompt: RapidPrompt,
+                     config: RapidConfig, schedule: _GammaSchedule | None
+                     ) -> Iterator[list[int]]:
+        """One generation on a checked-out slot; every step under the decoder's lock."""
+        with self._lock:
+            slot = self._checkout(method, run.prompt_ids)
+        blocks: Iterator[list[int]] | None = None
+        try:
+            run.session = slot.session(method)
+            if method in ("long_context", "rag"):
+                drafter = None
+                blocks = _autoregressive_blocks(run)
+            else:
+                drafter = slot.shared if config.drafter_kv == "target" else slot.drafter
+                before = drafter.forwards
+                blocks = _rapid_blocks(run, drafter, prompt, eta, config, schedule)
+            while True:
+                with self._lock:
+                    block = next(blocks)
+                    if drafter is not None:
+                        run.stats.draft_forwards = drafter.forwards - before
+                yield block
+        finally:
+            if blocks is not None:
+                blocks.close()
+            with self._lock:
+                self._checkin(slot)
+
+    def _checkout(self, method: str, ids: Sequence[int]) -> _Slot:
+        """The idle slot caching the longest prefix of ``ids``; else a new one whose target
+        cache is copied from the busy slot sharing the longest prefix (no second prefill)."""
+        if self._idle:
+            slot = max(self._idle, key=lambda s: s.reuse(method, ids))
+            self._idle.remove(slot)
+        else:
+            slot = _Slot(self.lm, self.draft_lm, self.config.cache)
+            donor = max(self._busy, key=lambda s: s.reuse("long_context", ids), default=None)
+            if donor is not None and donor.reuse("long_context", ids) > 0:
+                slot.target = donor.target.fork()
+                slot.target.sync(ids)
+            logger.info("RAPID: %d generations open on one decoder; each holds its own KV",
+                        len(self._busy) + 1)
+        self._busy.append(slot)
+        return slot
+
+    def _checkin(self, slot: _Slot) -> None:
+        if slot in self._busy:
+            self._busy.remove(slot)
+            self._idle.insert(0, slot)
+            del self._idle[self.max_idle_slots :]
 
     def _schedule(self, method: str, eta: float, config: RapidConfig) -> _GammaSchedule:
         """The cost-aware γ schedule of this setting, kept across calls (a few-token answer
@@ -591,12 +696,6 @@ class RapidDecoder:
             self._schedules[key] = _GammaSchedule(config.gamma)
         return self._schedules[key]
 
-    def _close_active(self) -> None:
-        """The sessions are shared: an unfinished previous stream is closed (with a warning)."""
-        active, self._active = self._active, None
-        if active is not None and active.result is None:
-            logger.warning("a previous RAPID stream was not finished; closing it")
-            active._blocks.close()
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -685,22 +784,32 @@ def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, 
     return others, last
 
 
-_DECODERS: OrderedDict[tuple[Any, ...], RapidDecoder] = OrderedDict()
+_STATE_LOCK = threading.Lock()
 
 
-def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidConfig
-                    ) -> RapidDecoder:
-    """Reuse a decoder (and its cached context KV) across registry calls; keeps two."""
+def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidConfig,
+                    engine_state: dict[str, Any] | None) -> RapidDecoder:
+    """A decoder kept in the caller's ``engine_state`` (two per state, most recent first), so
+    follow-up questions on one document reuse its KV; without a state, a new decoder.
+
+    The cache lives in the caller's object (an adapter instance), never in this module, so it
+    cannot keep a caller's model alive after the caller is gone.
+    """
+    if engine_state is None:
+        return RapidDecoder(lm, draft_lm=draft_lm, embedder=embedder, config=config)
     embedder_key = embedder if isinstance(embedder, str) else id(embedder)
-    key = (id(lm), id(draft_lm), embedder_key, config)
-    decoder = _DECODERS.get(key)
-    if decoder is None or decoder.lm is not lm:
-        decoder = RapidDecoder(lm, draft_lm=draft_lm, embedder=embedder, config=config)
-        _DECODERS[key] = decoder
-        while len(_DECODERS) > 2:
-            _DECODERS.popitem(last=False)
-    _DECODERS.move_to_end(key)
-    return decoder
+    key = (id(lm), id(draft_lm), embedder_key, config)  # the decoder keeps these objects alive
+    with _STATE_LOCK:
+        decoders: OrderedDict[tuple[Any, ...], RapidDecoder] = engine_state.setdefault(
+            "rapid_decoders", OrderedDict())
+        decoder = decoders.get(key)
+        if decoder is None:
+            decoder = RapidDecoder(lm, draft_lm=draft_lm, embedder=embedder, config=config)
+            decoders[key] = decoder
+            while len(decoders) > 2:
+                decoders.popitem(last=False)
+        decoders.move_to_end(key)
+        return decoder
 
 
 def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
@@ -708,13 +817,15 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
                  draft_lm: LM | None = None, embedder: Any = "all-minilm-l6-v2",
-                 **config_options: Any) -> TokenStream:
+                 engine_state: dict[str, Any] | None = None, **config_options: Any
+                 ) -> TokenStream:
     """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention.
 
     Engine options: ``method`` (``"rapid"``, ``"sd"``, ``"long_context"``, ``"rag"``), a ready
     ``decoder``, ``draft_lm``, ``embedder`` and any :class:`RapidConfig` field (``eta``,
-    ``gamma``, ``alpha``, ...). Without ``decoder`` a decoder is reused across calls with the
-    same models and options, so follow-up questions on one document skip its prefill.
+    ``gamma``, ``alpha``, ...). Without ``decoder``, a decoder kept in ``engine_state`` (the
+    adapters pass one dict per instance) is reused across calls with the same models and
+    options, so follow-up questions on one document skip its prefill.
     """
     fields = {f.name for f in dataclasses.fields(RapidConfig)}
     unknown = sorted(set(config_options) - fields)
@@ -723,7 +834,8 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
         raise TypeError(msg)
     context, query = split_prompt(prompt, documents)
     if decoder is None:
-        decoder = _shared_decoder(lm, draft_lm, embedder, RapidConfig(**config_options))
+        decoder = _shared_decoder(lm, draft_lm, embedder, RapidConfig(**config_options),
+                                  engine_state)
     elif decoder.lm is not lm:
         msg = "decoder was built for another target model than lm"
         raise ValueError(msg)

@@ -3,10 +3,14 @@
 Every registered function has the signature::
 
     fn(lm, prompt, *, max_new_tokens, documents=None, stop=None, temperature=0.0, top_k=0,
-       top_p=1.0, seed=None, **engine_options) -> TokenStream
+       top_p=1.0, seed=None, engine_state=None, **engine_options) -> TokenStream
 
 ``documents`` are texts the engine may draft from (ReSpec) or treat as the long context
-(RAPID); engines that do not use them ignore them. Modules are imported on first use.
+(RAPID); engines that do not use them ignore them. ``engine_state`` is a dict the caller keeps
+between calls (each adapter instance keeps one); an engine may cache reusable state in it
+(RAPID: its decoders with the long context's KV), so that state lives exactly as long as the
+caller, never in a module-level cache that would keep models alive. Modules are imported on
+first use.
 """
 
 from __future__ import annotations
@@ -40,7 +44,8 @@ def engine_function(name: str) -> Callable[..., TokenStream]:
 
 
 def stream_engine(name: str, lm: LM, prompt: Prompt, *, max_new_tokens: int,
-                  documents: Sequence[str] | None = None, **options: Any) -> TokenStream:
+                  documents: Sequence[str] | None = None,
+                  engine_state: dict[str, Any] | None = None, **options: Any) -> TokenStream:
     """Start a generation with the named engine; iterate the stream for text deltas."""
     return engine_function(name)(lm, prompt, max_new_tokens=max_new_tokens,
-                                 documents=documents, **options)
+                                 documents=documents, engine_state=engine_state, **options)

@@ -48,7 +48,7 @@ from shared_core.drafters.suffix_automaton import DynamicIndex, Match, StaticInd
 from shared_core.engines.baseline import Prompt, TokenStream, _Run, accept_draft
 from shared_core.kv import CacheKind
 from shared_core.models import LM
-from shared_core.output import GenerationResult
+from shared_core.output import GenerationResult, check_config_types, generation_config
 from shared_core.stats import DecodeStats
 from shared_core.verify import verify_tree, verify_tree_relaxed
 
@@ -101,6 +101,7 @@ class ReSpecConfig:
     cache: CacheKind = "prealloc"
 
     def __post_init__(self) -> None:
+        check_config_types(self)
         _check(self.entropy_threshold >= 0, "entropy_threshold", ">= 0", self.entropy_threshold)
         _check(self.entropy_lambda >= 0, "entropy_lambda", ">= 0", self.entropy_lambda)
         _check(self.lookback >= 1, "lookback", ">= 1", self.lookback)
@@ -361,8 +362,8 @@ class ReSpecDecoder:
         ``documents``: retrieved texts (or token-id lists) indexed into the automaton next to
         the prompt, so their spans can be drafted.
         """
-        config = GenerationConfig.build(max_new_tokens, stop=stop, temperature=temperature,
-                                        top_k=top_k, top_p=top_p, seed=seed)
+        config = generation_config(max_new_tokens, stop=stop, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=seed)
         if self.config.verification == "relaxed" and not config.sampling.greedy:
             msg = ("verification='relaxed' is defined for greedy decoding only; use "
                    "temperature=0 or verification='strict'")
@@ -397,10 +398,17 @@ def _document_ids(lm: LM, documents: Sequence[str | Sequence[int]] | str | None
     for doc in documents:
         if isinstance(doc, str):
             out.append(lm.encode(doc))
-        elif isinstance(doc, Sequence) and all(isinstance(t, int) for t in doc):
+        elif isinstance(doc, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
+                                               for t in doc):
+            bad = [t for t in doc if not 0 <= t < lm.vocab_size]
+            if bad:
+                msg = (f"documents contain token id {bad[0]} outside the vocabulary "
+                       f"[0, {lm.vocab_size}) of {lm.name}")
+                raise ValueError(msg)
             out.append(list(doc))
         else:
-            msg = "documents must be a list of strings (or of token-id lists)"
+            msg = (f"documents must be a list of strings (or of token-id lists), got an item of "
+                   f"type {type(doc).__name__}")
             raise TypeError(msg)
     return [ids for ids in out if ids]
 
@@ -520,9 +528,11 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                   stop: Sequence[str] | str | None = None,
                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int | None = None, draft_lm: LM | None = None,
-                  corpus: Sequence[str] | StaticIndex | None = None, **options: Any
-                  ) -> TokenStream:
-    """Registry entry (``engines/registry.py``): ``options`` are :class:`ReSpecConfig` fields."""
+                  corpus: Sequence[str] | StaticIndex | None = None,
+                  engine_state: dict[str, Any] | None = None, **options: Any) -> TokenStream:
+    """Registry entry (``engines/registry.py``): ``options`` are :class:`ReSpecConfig` fields;
+    ReSpec keeps nothing between calls, so ``engine_state`` is unused."""
+    del engine_state
     unknown = sorted(set(options) - _CONFIG_FIELDS)
     if unknown:
         msg = (f"unknown ReSpec option(s) {unknown}; valid: draft_lm, corpus, "
