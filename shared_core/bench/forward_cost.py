@@ -82,6 +82,13 @@ def _forward(run: Callable[..., Any], ids: torch.Tensor, cache: Any, start: int)
     return out.logits[0].float()
 
 
+def _rollback(cache: Any, length: int) -> None:
+    """Drop cached positions past ``length`` (transformers 5 crops by a negative count)."""
+    extra = cache.get_seq_length() - length
+    if extra > 0:
+        cache.crop(-extra)
+
+
 def measure_forward_costs(lm: LM, ks: list[int], context: int = 256, repeats: int = 3,
                           run: Callable[..., Any] | None = None) -> dict[str, Any]:
     """Median ms of a k-token forward on a ``context``-token cache, its ratio to k = ks[0], and
@@ -103,7 +110,7 @@ def _measure_variant(run: Callable[..., Any], prompt: torch.Tensor, ks: list[int
         one_step = []
         for i in range(max(ks)):  # reference: one-token steps of the same variant
             one_step.append(int(_forward(run, block[:, i:i + 1], cache, context + i).argmax()))
-        cache.crop(context)
+        _rollback(cache, context)
         result: dict[str, Any] = {"ms": {}, "ratio": {}, "argmax_equal": {}}
         for k in ks:
             times = []
@@ -111,7 +118,7 @@ def _measure_variant(run: Callable[..., Any], prompt: torch.Tensor, ks: list[int
                 begin = time.perf_counter()
                 logits = _forward(run, block[:, :k], cache, context)
                 times.append(time.perf_counter() - begin)
-                cache.crop(context)
+                _rollback(cache, context)
             times = sorted(times[1:])
             result["ms"][k] = round(1000 * times[len(times) // 2], 2)
             result["argmax_equal"][k] = logits.argmax(-1).tolist() == one_step[:k]

@@ -190,6 +190,9 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
         tuned = SpeculativeRAG(args.drafter + "+specrag", engine.verifier,
                                embedder=engine.embedder, config=cfg, dtype=engine.dtype)
         methods["specrag_tuned"] = (tuned.answer, n_docs)
+    if getattr(args, "answer_first", False):
+        answer_first = engine.with_config(replace(cfg, draft_order="answer_first"))
+        methods["specrag_answer_first"] = (answer_first.answer, n_docs)
     if args.ablations:
         for name, change in SUBSET_ABLATIONS.items():
             methods[name] = (engine.with_config(replace(cfg, **change)).answer, n_docs)
@@ -201,7 +204,7 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
                     methods[f"grid_m{m}_k{k}"] = (variant.answer, max(n_docs, m * k))
     keep = [m.strip() for m in args.methods.split(",")] if args.methods else None
     return {k: v for k, v in methods.items() if keep is None or k in keep or k.startswith(
-        ("abl_", "grid_", "specrag_tuned"))}
+        ("abl_", "grid_", "specrag_tuned", "specrag_answer_first"))}
 
 
 def _summary(dataset: str, questions: list[dict[str, Any]], outputs: list[Any],
@@ -268,6 +271,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="", help="comma list of base methods (default all)")
     parser.add_argument("--tuned", action="store_true", help="add specrag with the tuned drafter")
     parser.add_argument("--ablations", action="store_true", help="add the Table-2 ablations")
+    parser.add_argument("--answer-first", action="store_true",
+                        help="add specrag_answer_first (drafts prefilled with 'Answer:')")
     parser.add_argument("--grid", action="store_true", help="add m in {5,10} x k in {1,2,4}")
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--out", default=None, help="JSON report; '{dataset}' is substituted")
