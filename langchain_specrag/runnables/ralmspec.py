@@ -16,9 +16,10 @@ from typing import Any
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from typing_extensions import TypedDict
 
+from shared_core.retrieval.base import check_retriever_like
 from shared_core.serving import iterate_in_thread
 
 
@@ -35,6 +36,20 @@ def _question(value: Any) -> str:
     if not isinstance(value, str):
         msg = "input must be a question string or a dict with a 'question' key"
         raise TypeError(msg)
+    if not value.strip():
+        msg = "question must be a non-empty string"
+        raise ValueError(msg)
+    return value
+
+
+def check_retriever(value: Any) -> Any:
+    return value if value is None else check_retriever_like(value)
+
+
+def check_engine(value: Any) -> Any:
+    if value is not None and not all(hasattr(value, a) for a in ("lm", "backend", "config")):
+        msg = f"engine must be a shared_core RaLMSpec engine or None, got {type(value).__name__}"
+        raise TypeError(msg)
     return value
 
 
@@ -46,26 +61,35 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
         model: a :func:`shared_core.load_lm` alias or path (ignored when ``engine`` is given).
         max_new_tokens / temperature / seed: generation settings.
         retrieval_stride, speculation_stride, prefetch, scheduler, async_verify: RaLMSpec knobs.
+        retrieval_timeout_s: seconds one retriever call may take before the call fails with
+            ``TimeoutError`` (``None``: the engine's setting, by default no limit).
         baseline: run RaLMSeq instead (for comparisons).
         engine: a prebuilt :class:`shared_core.engines.ralmspec.RaLMSpec` (shares its model).
+
+    Settings are validated strictly (a bool or a float is not an int); a bad value raises
+    pydantic's ``ValidationError`` (a ``ValueError``) naming the field.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
 
     retriever: Any = None
     model: str = "smollm2-135m-instruct"
-    max_new_tokens: int = 128
-    temperature: float = 0.0
+    max_new_tokens: int = Field(default=128, ge=1)
+    temperature: float = Field(default=0.0, ge=0.0)
     seed: int | None = None
-    retrieval_stride: int = 4
-    speculation_stride: int = 3
+    retrieval_stride: int = Field(default=4, ge=1)
+    speculation_stride: int = Field(default=3, ge=1)
     prefetch: bool = True
     scheduler: bool = True
     async_verify: bool = True
+    retrieval_timeout_s: float | None = Field(default=None, gt=0.0)
     baseline: bool = False
     with_details: bool = False
     engine: Any = Field(default=None, exclude=True)
     _engines: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
+
+    _check_retriever = field_validator("retriever")(check_retriever)
+    _check_engine = field_validator("engine")(check_engine)
 
     def _engine(self) -> Any:
         from shared_core.serving import ralmspec_engine
@@ -73,7 +97,13 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
         knobs = {"retrieval_stride": self.retrieval_stride, "prefetch": self.prefetch,
                  "speculation_stride": self.speculation_stride, "scheduler": self.scheduler,
                  "async_verify": self.async_verify}
+        if self.retrieval_timeout_s is not None:
+            knobs["retrieval_timeout_s"] = self.retrieval_timeout_s
         key = tuple(knobs.values())
+        if key not in self._engines and self.engine is None:
+            from shared_core.engines.ralmspec import RaLMSpecConfig
+
+            RaLMSpecConfig(**knobs)  # refuse bad knobs before a model is loaded
         if key not in self._engines:
             self._engines[key] = ralmspec_engine(self.model, self.retriever, self.engine, **knobs)
         return self._engines[key]

@@ -19,7 +19,7 @@ from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_cu
 from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 from typing_extensions import TypedDict
 
 if TYPE_CHECKING:
@@ -37,12 +37,24 @@ SpeculativeRAGOutput = str | dict[str, Any]
 
 
 def _split_input(value: str | SpeculativeRAGInput) -> tuple[str, list[Any] | None]:
+    """(question, documents or None), checked before any retrieval or model work."""
     if isinstance(value, str):
-        return value, None
-    if isinstance(value, dict) and "question" in value:
-        return value["question"], value.get("documents")
-    msg = "input must be a question string or a dict with a 'question' key"
-    raise TypeError(msg)
+        question, docs = value, None
+    elif isinstance(value, dict) and "question" in value:
+        question, docs = value["question"], value.get("documents")
+    else:
+        msg = "input must be a question string or a dict with a 'question' key"
+        raise TypeError(msg)
+    if not isinstance(question, str):
+        msg = f"question must be a str, got {type(question).__name__}"
+        raise TypeError(msg)
+    if not question.strip():
+        msg = "question must be a non-empty string"
+        raise ValueError(msg)
+    if docs is not None and (isinstance(docs, (str, bytes, dict)) or not isinstance(docs, (list, tuple))):
+        msg = f"documents must be a list of documents, got {type(docs).__name__}"
+        raise TypeError(msg)
+    return question, docs
 
 
 def _to_lc(doc: Any) -> LCDocument:
@@ -61,17 +73,25 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         engine: a prebuilt :class:`shared_core.engines.SpeculativeRAG` (shares loaded models).
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True)
+    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
 
     retriever: BaseRetriever | None = None
     drafter: str = "smollm2-135m-instruct"
     verifier: str | None = "gemma-3-270m"
     dtype: str | None = None
-    num_drafts: int = 5
-    docs_per_draft: int = 2
-    retrieve_k: int = 10
+    num_drafts: int = Field(default=5, ge=1)
+    docs_per_draft: int = Field(default=2, ge=1)
+    retrieve_k: int = Field(default=10, ge=1)
     with_details: bool = False
     engine: Any = Field(default=None, exclude=True)
+
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, value: Any) -> Any:
+        if value is not None and not callable(getattr(value, "with_config", None)):
+            msg = f"engine must be a shared_core SpeculativeRAG or None, got {type(value).__name__}"
+            raise TypeError(msg)
+        return value
     _engines: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
 
     def _engine(self) -> SpeculativeRAG:
@@ -119,9 +139,6 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         question, docs = self._question_and_docs(value)
         engine = self._engine()
         if docs is None:
-            if not isinstance(question, str) or not question.strip():
-                msg = "question must be a non-empty string"
-                raise ValueError(msg)
             docs = self.retriever.invoke(question, config=config)[: self.retrieve_k]
 
         def on_event(name: str, data: dict[str, Any]) -> None:
@@ -139,9 +156,6 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         question, docs = self._question_and_docs(value)
         engine = self._engine()
         if docs is None:
-            if not isinstance(question, str) or not question.strip():
-                msg = "question must be a non-empty string"
-                raise ValueError(msg)
             docs = (await self.retriever.ainvoke(question, config=config))[: self.retrieve_k]
         loop = asyncio.get_running_loop()
         pending: list[Any] = []

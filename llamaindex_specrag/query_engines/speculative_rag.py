@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -22,6 +22,8 @@ from llama_index.core.base.response.schema import Response
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
+
+from llamaindex_specrag.query_engines.ralmspec import query_text
 
 if TYPE_CHECKING:
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
@@ -46,6 +48,12 @@ class SpeculativeRAGQueryEngine(BaseQueryEngine):
                  docs_per_draft: int = 2, dtype: str | None = None,
                  engine: SpeculativeRAG | None = None,
                  callback_manager: CallbackManager | None = None) -> None:
+        if not callable(getattr(retriever, "retrieve", None)):
+            msg = f"retriever must be a LlamaIndex retriever, got {type(retriever).__name__}"
+            raise TypeError(msg)
+        if engine is not None and not callable(getattr(engine, "answer", None)):
+            msg = f"engine must be a shared_core SpeculativeRAG or None, got {type(engine).__name__}"
+            raise TypeError(msg)
         if engine is None:
             from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 
@@ -66,6 +74,14 @@ class SpeculativeRAGQueryEngine(BaseQueryEngine):
 
     def _get_prompt_modules(self) -> PromptMixinType:
         return {}
+
+    def query(self, str_or_query_bundle: str | QueryBundle) -> Any:
+        query_text(str_or_query_bundle)
+        return super().query(str_or_query_bundle)
+
+    async def aquery(self, str_or_query_bundle: str | QueryBundle) -> Any:
+        query_text(str_or_query_bundle)
+        return await super().aquery(str_or_query_bundle)
 
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         return self._retriever.retrieve(query_bundle)

@@ -59,3 +59,18 @@ class Retriever(Protocol):
     """Batched search: one call answers many queries (RaLMSpec relies on that being cheaper)."""
 
     def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]: ...
+
+
+RETRIEVER_METHODS = ("search", "invoke", "retrieve", "_get_relevant_documents")
+
+
+def check_retriever_like(value: Any, param: str = "retriever") -> Any:
+    """``value`` unless it cannot be a retriever: ours (``search``), LangChain's or LlamaIndex's.
+
+    Duck-typed, so adapters can check a retriever at construction without importing an engine.
+    """
+    if not any(callable(getattr(value, m, None)) for m in RETRIEVER_METHODS):
+        msg = (f"{param} must be a LangChain/LlamaIndex retriever or an object with "
+               f"search(queries, k) (a specrag retriever), got {type(value).__name__}")
+        raise TypeError(msg)
+    return value
