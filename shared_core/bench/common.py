@@ -167,3 +167,12 @@ def timed_loop(items: Iterable[Any], fn: Callable[[Any], Any], device: Any,
         synchronize(device)
         total += time.perf_counter() - start
     return outputs, total
+
+
+def mean_ms(fn: Callable[[], Any], repeats: int, *, device: Any = None, warmup: int = 0) -> float:
+    """Mean synchronised wall milliseconds of ``fn()`` over ``repeats`` calls, after ``warmup``
+    untimed calls (:func:`timed_loop` does the timing)."""
+    for _ in range(warmup):
+        fn()
+    _, total = timed_loop(range(repeats), lambda _: fn(), device, "timing", progress=False)
+    return 1000 * total / repeats
