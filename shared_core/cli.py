@@ -1,4 +1,4 @@
-"""The ``specrag`` console script: ``specrag demo`` and ``specrag bench <engine> ...``."""
+"""The ``specrag`` console script: ``specrag demo`` and ``specrag bench <engine|probe-*> ...``."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="index a small knowledge base and answer with each engine")
     demo.add_argument("--max-new-tokens", type=int, default=64)
-    sub.add_parser("bench", help="benchmarks: specrag bench <engine> --help")
+    sub.add_parser("bench", help="benchmarks and probes: specrag bench <name> --help")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     from shared_core.demo import run_demo

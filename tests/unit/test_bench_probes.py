@@ -30,6 +30,15 @@ def test_help_lists_the_probe_options(probe: str, capsys: pytest.CaptureFixture[
     assert "--threads" in capsys.readouterr().out
 
 
+def test_console_script_reaches_the_probes(capsys: pytest.CaptureFixture[str]) -> None:
+    from shared_core.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["bench", "probe-verify", "--help"])
+    assert exit_info.value.code == 0
+    assert "--span-start" in capsys.readouterr().out
+
+
 def test_defaults_are_the_recorded_measurements() -> None:
     """The defaults reproduce the settings behind results/dtype.json, contention4m.json and
     rapid/s5_verify_profile.txt."""
