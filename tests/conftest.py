@@ -39,6 +39,17 @@ def tiny_drafter():
 
 
 @pytest.fixture(scope="session")
+def tiny_model_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A one-layer tiny model saved with save_pretrained: loads by path through load_lm."""
+    from tiny import tiny_llama, tiny_tokenizer
+
+    folder = tmp_path_factory.mktemp("tiny-model")
+    tiny_llama(num_layers=1).save_pretrained(folder)
+    tiny_tokenizer().save_pretrained(folder)
+    return str(folder)
+
+
+@pytest.fixture(scope="session")
 def shared_data() -> Path:
     path = data_dir()
     if path is None:

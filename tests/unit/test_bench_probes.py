@@ -6,20 +6,11 @@ import json
 from pathlib import Path
 
 import pytest
-from tiny import tiny_llama, tiny_tokenizer
 
 from shared_core.bench.__main__ import build_parser
 from shared_core.bench.__main__ import main as bench_main
 
 PROBES = ("probe-dtype", "probe-contention", "probe-verify")
-
-
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-probe-model")
-    tiny_llama(num_layers=1).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
 
 
 @pytest.mark.parametrize("probe", PROBES)
@@ -62,25 +53,25 @@ def _run(argv: list[str], tmp_path: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_dtype_probe_smoke(tiny_folder: str, tmp_path: Path) -> None:
-    report = _run(["probe-dtype", "--models", tiny_folder, "--dtypes", "float32",
+def test_dtype_probe_smoke(tiny_model_folder: str, tmp_path: Path) -> None:
+    report = _run(["probe-dtype", "--models", tiny_model_folder, "--dtypes", "float32",
                    "--prompt-tokens", "48", "--prefill", "16", "--decode-steps", "2"], tmp_path)
-    row = report["models"][f"{tiny_folder}/float32"]
+    row = report["models"][f"{tiny_model_folder}/float32"]
     assert row["prompt_48_tokens_s"] > 0 and row["decode_ms_per_token_at_16"] > 0
     assert report["threads"] == 1
 
 
 @pytest.mark.parametrize("search", ["blocked", "gemm"])
-def test_contention_probe_smoke(tiny_folder: str, tmp_path: Path, search: str) -> None:
-    report = _run(["probe-contention", "--model", tiny_folder, "--context", "16",
+def test_contention_probe_smoke(tiny_model_folder: str, tmp_path: Path, search: str) -> None:
+    report = _run(["probe-contention", "--model", tiny_model_folder, "--context", "16",
                    "--vectors", "500", "--dim", "8", "--k", "4", "--search", search,
                    "--decode-steps", "2", "--search-repeats", "2"], tmp_path)
     for part in ("alone", "concurrent"):
         assert report[part]["decode_ms"] > 0 and report[part]["search_ms"] > 0
 
 
-def test_verify_probe_smoke(tiny_folder: str, tmp_path: Path) -> None:
-    report = _run(["probe-verify", "--model", tiny_folder, "--context", "64",
+def test_verify_probe_smoke(tiny_model_folder: str, tmp_path: Path) -> None:
+    report = _run(["probe-verify", "--model", tiny_model_folder, "--context", "64",
                    "--shared-context", "24", "--head", "4", "--span-start", "20",
                    "--tokens", "2,3", "--step-repeats", "2", "--verify-repeats", "2"], tmp_path)
     assert report["step_ms_copy_positions_24"] > 0 and report["verify_3_ms_at_64"] > 0

@@ -5,23 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from tiny import tiny_llama, tiny_tokenizer
 
 from shared_core.model_cache import cached_lm
 
 
-@pytest.fixture(scope="module")
-def tiny_folder(tmp_path_factory: pytest.TempPathFactory) -> str:
-    folder = tmp_path_factory.mktemp("tiny-model")
-    tiny_llama(num_layers=1).save_pretrained(folder)
-    tiny_tokenizer().save_pretrained(folder)
-    return str(folder)
-
-
-def test_same_arguments_share_one_model(tiny_folder: str) -> None:
-    first = cached_lm(tiny_folder, device="cpu", dtype="float32")
-    assert cached_lm(tiny_folder, device="cpu", dtype="float32") is first
-    other = cached_lm(tiny_folder, device="cpu", dtype="bfloat16")
+def test_same_arguments_share_one_model(tiny_model_folder: str) -> None:
+    first = cached_lm(tiny_model_folder, device="cpu", dtype="float32")
+    assert cached_lm(tiny_model_folder, device="cpu", dtype="float32") is first
+    other = cached_lm(tiny_model_folder, device="cpu", dtype="bfloat16")
     assert other is not first
     assert str(other.dtype) == "torch.bfloat16"
 
