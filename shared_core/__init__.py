@@ -5,6 +5,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from shared_core._lazy import lazy_getattr
+from shared_core.device import default_openmp_wait_policy
+
+default_openmp_wait_policy()  # before anything imports torch: OpenMP reads it once
 
 if TYPE_CHECKING:
     from shared_core.models import LM, load_embedder, load_lm

@@ -1,11 +1,18 @@
-"""Device and dtype selection, and synchronisation so wall-clock timings cover queued kernels."""
+"""Device and dtype selection, CPU thread defaults, and synchronisation so wall-clock timings
+cover queued kernels."""
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     import torch
+
+THREADS_ENV = "SPECRAG_NUM_THREADS"
+WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
+_WAIT_POLICY_SET_BY_US = False
 
 _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf16": "bfloat16",
            "float16": "float16", "fp16": "float16"}
@@ -79,7 +86,6 @@ _FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "a
 
 def cpu_facts() -> dict[str, object]:
     """What decides CPU speed here, for every benchmark report: model, SIMD flags, threads, load."""
-    import os
     import platform
 
     import torch
@@ -99,7 +105,51 @@ def cpu_facts() -> dict[str, object]:
         "cpu": model, "flags": sorted(f for f in _FLAGS_OF_INTEREST if f in flags),
         "torch_cpu_capability": capability, "cpus": os.cpu_count(),
         "threads": torch.get_num_threads(), "interop_threads": torch.get_num_interop_threads(),
-        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "(library default)"),
+        "omp_wait_policy": os.environ.get(WAIT_POLICY_ENV, "(library default)")
+        + (" (set by specrag)" if _WAIT_POLICY_SET_BY_US else ""),
         "omp_num_threads": os.environ.get("OMP_NUM_THREADS"), "load_avg": os.getloadavg(),
         "torch": torch.__version__,
     }
+
+
+def default_openmp_wait_policy() -> None:
+    """Make idle OpenMP threads sleep (``OMP_WAIT_POLICY=PASSIVE``) unless the user chose a policy.
+
+    With the default policy (spin, then sleep), a 2-thread SmolLM2 step took 147 ms instead of
+    48 ms while one other busy process shared the 2 cores, and a whole request 16 s instead of
+    1.3 s; passive waiting kept it at 55 ms (DESIGN §6). OpenMP reads the variable once, when
+    torch is imported, so this only takes effect if it runs first: it is called when
+    ``shared_core`` is imported. ``cpu_facts()["omp_wait_policy"]`` reports the outcome.
+    """
+    global _WAIT_POLICY_SET_BY_US
+    if WAIT_POLICY_ENV not in os.environ and "torch" not in sys.modules:
+        os.environ[WAIT_POLICY_ENV] = "PASSIVE"
+        _WAIT_POLICY_SET_BY_US = True
+
+
+def apply_thread_setting() -> int | None:
+    """``torch.set_num_threads($SPECRAG_NUM_THREADS)`` when that is set; the count in use.
+
+    Without it torch keeps its own default (one thread per physical core), which is right on a
+    quiet machine; on a shared one, ``SPECRAG_NUM_THREADS=1`` avoids contention altogether.
+    """
+    value = os.environ.get(THREADS_ENV)
+    import torch
+
+    if value:
+        try:
+            count = int(value)
+        except ValueError:
+            count = 0
+        if count < 1:
+            msg = f"{THREADS_ENV}={value!r} must be a positive integer"
+            raise ValueError(msg)
+        if torch.get_num_threads() != count:
+            torch.set_num_threads(count)
+    return torch.get_num_threads()
+
+
+def current_threads() -> int | None:
+    """torch's intra-op thread count if torch is loaded (stats stay torch-free otherwise)."""
+    torch = sys.modules.get("torch")
+    return torch.get_num_threads() if torch is not None else None

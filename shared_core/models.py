@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared_core.device import resolve_device, resolve_dtype
+from shared_core.device import apply_thread_setting, resolve_device, resolve_dtype
 from shared_core.embedded import (
     CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
     EMBEDDED_EMBEDDERS,
@@ -390,6 +390,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         raise ValueError(msg)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
+    apply_thread_setting()
     source = _resolve_lm_source(name_or_path.strip())
     if source.gguf is not None:
         entry = source.entry

@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from shared_core.device import current_threads
+
 
 @dataclass
 class DecodeStats:
@@ -60,4 +62,5 @@ class DecodeStats:
         out["mean_accepted"] = self.mean_accepted
         out["tokens_per_target_forward"] = self.tokens_per_target_forward
         out["decode_tokens_per_s"] = self.decode_tokens_per_s
+        out["threads"] = current_threads()
         return out
