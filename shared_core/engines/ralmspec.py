@@ -214,29 +214,61 @@ def _doc_id(text: str, given: Any) -> str:
     return str(given) if given else "sha1-" + hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
+def _converted(items: Any, name: str, kind: str, row: int, convert: Callable[[Any], Hit],
+               k: int) -> list[Hit]:
+    """One row of a framework retriever's answer as Hits, or an error naming what was wrong."""
+    if isinstance(items, (str, bytes, dict)) or not isinstance(items, Sequence):
+        msg = f"retriever {name} returned {type(items).__name__} for query {row}; expected {kind}"
+        raise TypeError(msg)
+    hits = []
+    for r, item in enumerate(items[:k]):
+        try:
+            hits.append(convert(item))
+        except AttributeError:
+            msg = (f"retriever {name} returned {type(item).__name__} at row {row}, position {r};"
+                   f" expected {kind}")
+            raise TypeError(msg) from None
+    return [Hit(h.document, h.score, r) for r, h in enumerate(hits)]
+
+
+def _from_langchain(d: Any) -> Hit:
+    doc = Document(_doc_id(d.page_content, d.id), d.page_content, dict(d.metadata))
+    return Hit(doc, float(d.metadata.get("score", 0.0)), 0)
+
+
+def _from_llamaindex(n: Any) -> Hit:
+    text = n.node.get_content()
+    return Hit(Document(_doc_id(text, n.node.node_id), text, dict(n.node.metadata)),
+               float(n.score or 0.0), 0)
+
+
 def _langchain_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
     """LangChain ``BaseRetriever``: one ``batch`` call per verification (its thread pool)."""
+    name = type(retriever).__name__
 
     def search(queries: list[str], k: int) -> list[list[Hit]]:
-        results = retriever.batch(queries)
-        return [[Hit(Document(_doc_id(d.page_content, d.id), d.page_content, dict(d.metadata)),
-                     float(d.metadata.get("score", 0.0)), r) for r, d in enumerate(docs[:k])]
-                for docs in results]
+        results = check_rows(retriever.batch(queries), len(queries), f"{name}.batch")
+        return [_converted(docs, name, "a list of LangChain Documents", i, _from_langchain, k)
+                for i, docs in enumerate(results)]
 
     return search
 
 
 def _llamaindex_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
     """LlamaIndex ``BaseRetriever``: queries answered in order (it has no batch API)."""
+    name = type(retriever).__name__
+
+    def retrieve(query: str) -> Any:
+        try:
+            return retriever.retrieve(query)
+        except AttributeError as e:  # LlamaIndex post-processes the rows: n.node of a non-node
+            msg = (f"retriever {name}.retrieve failed on its own result ({e}); expected "
+                   "_retrieve to return a list of NodeWithScore")
+            raise TypeError(msg) from e
 
     def search(queries: list[str], k: int) -> list[list[Hit]]:
-        out = []
-        for query in queries:
-            nodes = retriever.retrieve(query)[:k]
-            out.append([Hit(Document(_doc_id(n.node.get_content(), n.node.node_id),
-                                     n.node.get_content(), dict(n.node.metadata)),
-                            float(n.score or 0.0), r) for r, n in enumerate(nodes)])
-        return out
+        return [_converted(retrieve(query), name, "a list of NodeWithScore", i,
+                           _from_llamaindex, k) for i, query in enumerate(queries)]
 
     return search
 
@@ -297,13 +329,7 @@ def check_hits(hits: Any, n_queries: int, name: str) -> list[list[Hit]]:
     is updated, so a malformed answer leaves no partial state.
     """
     where = f"retriever {name}.search"
-    if isinstance(hits, (str, bytes, dict)) or not isinstance(hits, Sequence):
-        msg = f"{where} returned {type(hits).__name__}; expected {_EXPECTED}"
-        raise TypeError(msg)
-    if len(hits) != n_queries:
-        msg = (f"{where} returned {len(hits)} rows for {n_queries} queries; expected {_EXPECTED}"
-               f" with exactly {n_queries} rows")
-        raise ValueError(msg)
+    check_rows(hits, n_queries, f"{name}.search")
     for i, row in enumerate(hits):
         if isinstance(row, (str, bytes, dict)) or not isinstance(row, Sequence):
             msg = f"{where} returned {type(row).__name__} as row {i}; expected {_EXPECTED}"
@@ -317,6 +343,18 @@ def check_hits(hits: Any, n_queries: int, name: str) -> list[list[Hit]]:
                        f"expected {_EXPECTED}")
                 raise TypeError(msg)
     return [list(row) for row in hits]
+
+
+def check_rows(rows: Any, n_queries: int, where: str) -> Any:
+    """A sequence with one row per query (the rows themselves are checked by the caller)."""
+    if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Sequence):
+        msg = f"retriever {where} returned {type(rows).__name__}; expected {_EXPECTED}"
+        raise TypeError(msg)
+    if len(rows) != n_queries:
+        msg = (f"retriever {where} returned {len(rows)} rows for {n_queries} queries; expected "
+               f"{_EXPECTED} with exactly {n_queries} rows")
+        raise ValueError(msg)
+    return rows
 
 
 def check_ranked(doc: Any, name: str) -> Document:
