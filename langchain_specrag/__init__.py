@@ -11,6 +11,7 @@ from shared_core._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from langchain_specrag.chat_models.speculative import ChatSpeculative
+    from langchain_specrag.embeddings import SpecragEmbeddings
     from langchain_specrag.retrievers.speculative import SpeculativeRetriever
     from langchain_specrag.runnables.ralmspec import RaLMSpecRunnable
     from langchain_specrag.runnables.speculative_rag import SpeculativeRAGRunnable
@@ -20,10 +21,12 @@ _LAZY = {
     "SpeculativeRAGRunnable": "langchain_specrag.runnables.speculative_rag",
     "RaLMSpecRunnable": "langchain_specrag.runnables.ralmspec",
     "SpeculativeRetriever": "langchain_specrag.retrievers.speculative",
+    "SpecragEmbeddings": "langchain_specrag.embeddings",
 }
 __all__ = [
     "ChatSpeculative",
     "RaLMSpecRunnable",
+    "SpecragEmbeddings",
     "SpeculativeRAGRunnable",
     "SpeculativeRetriever",
 ]

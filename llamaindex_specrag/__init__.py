@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from shared_core._lazy import lazy_getattr
 
 if TYPE_CHECKING:
+    from llamaindex_specrag.embeddings import SpecragEmbedding
     from llamaindex_specrag.llms.speculative import SpeculativeLLM
     from llamaindex_specrag.query_engines.ralmspec import RaLMSpecQueryEngine
     from llamaindex_specrag.query_engines.speculative_rag import SpeculativeRAGQueryEngine
@@ -20,9 +21,11 @@ _LAZY = {
     "SpeculativeRAGQueryEngine": "llamaindex_specrag.query_engines.speculative_rag",
     "RaLMSpecQueryEngine": "llamaindex_specrag.query_engines.ralmspec",
     "SpeculativeRetriever": "llamaindex_specrag.retrievers.speculative",
+    "SpecragEmbedding": "llamaindex_specrag.embeddings",
 }
 __all__ = [
     "RaLMSpecQueryEngine",
+    "SpecragEmbedding",
     "SpeculativeLLM",
     "SpeculativeRAGQueryEngine",
     "SpeculativeRetriever",
