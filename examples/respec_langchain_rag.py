@@ -12,14 +12,12 @@ from __future__ import annotations
 
 import time
 
-from langchain_core.embeddings import Embeddings
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.runnables import RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
-from langchain_specrag import ChatSpeculative
-from shared_core import load_embedder
+from langchain_specrag import ChatSpeculative, SpecragEmbeddings
 
 PASSAGES = [
     "The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast.",
@@ -31,16 +29,6 @@ PASSAGES = [
 ]
 
 
-class MiniLMEmbeddings(Embeddings):
-    """LangChain embeddings over the embedded, offline all-MiniLM-L6-v2."""
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return load_embedder("all-minilm-l6-v2").encode(texts, normalize_embeddings=True).tolist()
-
-    def embed_query(self, text: str) -> list[float]:
-        return self.embed_documents([text])[0]
-
-
 PROMPT = ChatPromptTemplate.from_messages([
     ("system", "Answer from the context. Quote it where you can."),
     ("human", "Context:\n{context}\n\nQuestion: {question}"),
@@ -48,7 +36,7 @@ PROMPT = ChatPromptTemplate.from_messages([
 
 
 def build_chain(llm: ChatSpeculative):
-    store = InMemoryVectorStore.from_texts(PASSAGES, MiniLMEmbeddings())
+    store = InMemoryVectorStore.from_texts(PASSAGES, SpecragEmbeddings())  # embedded MiniLM, offline
     retriever = store.as_retriever(search_kwargs={"k": 3})
 
     def join(docs: list) -> str:

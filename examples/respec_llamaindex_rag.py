@@ -14,10 +14,8 @@ import asyncio
 import time
 
 from llama_index.core import Document, Settings, VectorStoreIndex
-from llama_index.core.embeddings import BaseEmbedding
 
-from llamaindex_specrag import SpeculativeLLM
-from shared_core import load_embedder
+from llamaindex_specrag import SpecragEmbedding, SpeculativeLLM
 
 PASSAGES = [
     "The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast.",
@@ -29,27 +27,8 @@ PASSAGES = [
 ]
 
 
-class MiniLMEmbedding(BaseEmbedding):
-    """LlamaIndex embedding over the embedded, offline all-MiniLM-L6-v2."""
-
-    def _encode(self, texts: list[str]) -> list[list[float]]:
-        return load_embedder("all-minilm-l6-v2").encode(texts, normalize_embeddings=True).tolist()
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._encode([query])[0]
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._encode([text])[0]
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return self._encode(texts)
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
-
-
 def main() -> None:
-    Settings.embed_model = MiniLMEmbedding()
+    Settings.embed_model = SpecragEmbedding()  # embedded MiniLM, offline
     index = VectorStoreIndex.from_documents([Document(text=p) for p in PASSAGES])
     question = "Who built the Hollin Weir, and when?"
     for engine in ("respec", "autoregressive"):

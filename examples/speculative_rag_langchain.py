@@ -12,12 +12,10 @@ from __future__ import annotations
 
 import asyncio
 
-from langchain_core.embeddings import Embeddings
 from langchain_core.runnables import RunnableLambda
 from langchain_core.vectorstores import InMemoryVectorStore
 
-from langchain_specrag import SpeculativeRAGRunnable
-from shared_core import load_embedder
+from langchain_specrag import SpecragEmbeddings, SpeculativeRAGRunnable
 from shared_core.engines.speculative_rag import SpeculativeRAG
 
 PASSAGES = [
@@ -36,21 +34,8 @@ PASSAGES = [
 ]
 
 
-class MiniLMEmbeddings(Embeddings):
-    """LangChain embeddings over the embedded, offline all-MiniLM-L6-v2."""
-
-    def __init__(self) -> None:
-        self.model = load_embedder("all-minilm-l6-v2")
-
-    def embed_documents(self, texts: list[str]) -> list[list[float]]:
-        return self.model.encode(texts, normalize_embeddings=True).tolist()
-
-    def embed_query(self, text: str) -> list[float]:
-        return self.embed_documents([text])[0]
-
-
 def main() -> None:
-    store = InMemoryVectorStore.from_texts(PASSAGES, MiniLMEmbeddings())
+    store = InMemoryVectorStore.from_texts(PASSAGES, SpecragEmbeddings())  # embedded MiniLM, offline
     retriever = store.as_retriever(search_kwargs={"k": 10})
 
     engine = SpeculativeRAG()  # SmolLM2 drafter + Gemma verifier, loaded on first use

@@ -12,13 +12,10 @@ Run: python examples/speculative_rag_llamaindex.py   (first run dequantizes Gemm
 from __future__ import annotations
 
 import asyncio
-from functools import lru_cache
 
 from llama_index.core import Document, Settings, VectorStoreIndex
-from llama_index.core.embeddings import BaseEmbedding
 
-from llamaindex_specrag import SpeculativeRAGQueryEngine
-from shared_core import load_embedder
+from llamaindex_specrag import SpecragEmbedding, SpeculativeRAGQueryEngine
 
 PASSAGES = [
     "Marie Curie was born in Warsaw in 1867.",
@@ -35,32 +32,8 @@ PASSAGES = [
 ]
 
 
-@lru_cache(maxsize=1)
-def minilm():
-    return load_embedder("all-minilm-l6-v2")
-
-
-class MiniLMEmbedding(BaseEmbedding):
-    """LlamaIndex embedding over the embedded, offline all-MiniLM-L6-v2."""
-
-    def _encode(self, texts: list[str]) -> list[list[float]]:
-        return minilm().encode(texts, normalize_embeddings=True).tolist()
-
-    def _get_query_embedding(self, query: str) -> list[float]:
-        return self._encode([query])[0]
-
-    def _get_text_embedding(self, text: str) -> list[float]:
-        return self._encode([text])[0]
-
-    def _get_text_embeddings(self, texts: list[str]) -> list[list[float]]:
-        return self._encode(texts)
-
-    async def _aget_query_embedding(self, query: str) -> list[float]:
-        return self._get_query_embedding(query)
-
-
 def main() -> None:
-    Settings.embed_model = MiniLMEmbedding()
+    Settings.embed_model = SpecragEmbedding()  # embedded MiniLM, offline
     index = VectorStoreIndex.from_documents([Document(text=p) for p in PASSAGES])
     engine = SpeculativeRAGQueryEngine(index.as_retriever(similarity_top_k=10))
 
