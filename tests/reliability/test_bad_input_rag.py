@@ -1,0 +1,328 @@
+"""The bad-input matrix of the RAG side (issue 19, deliverable 2; row 15).
+
+Every public entry of the retrieval package, RaLMSpec, Speculative RAG and their LangChain /
+LlamaIndex adapters refuses a bad argument with the right exception type (TypeError for a wrong
+type, including bool / float / str for an int; ValueError for a wrong value; pydantic's
+ValidationError, a ValueError, for adapter settings) and a message that names the parameter, and
+it does so before any model work: a forward hook on every tiny model counts zero forwards.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
+from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from tiny import tiny_lm, tiny_tokenizer
+
+from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
+from langchain_specrag import SpeculativeRetriever as LCSpeculativeRetriever
+from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
+from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
+from shared_core.engines.ralmspec import (
+    RaLMSpec,
+    RaLMSpecConfig,
+    SpeculativeRetrieval,
+    stream_ralmspec,
+)
+from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig, retrieve
+from shared_core.retrieval import BM25Retriever, DenseRetriever, Document, chunk_text
+
+DOCS = [Document(f"d{i}", text) for i, text in enumerate([
+    "Paris is the capital of France.", "Berlin is the capital of Germany.",
+    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps.",
+    "Speculative decoding drafts tokens.", "The target model verifies them in one pass.",
+])]
+
+
+class HashEmbedder:
+    def encode(self, texts: list[str], **_: Any) -> np.ndarray:
+        out = np.full((len(texts), 16), 1e-3, dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in text.lower().split():
+                out[i, sum(map(ord, word)) % 16] += 1.0
+        return out
+
+
+class LCRetriever(LCBaseRetriever):
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+                                ) -> list[LCDocument]:
+        return [LCDocument(page_content=d.text, id=d.id) for d in DOCS]
+
+
+class LIRetriever(LIBaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=1.0) for d in DOCS]
+
+
+@pytest.fixture(scope="module")
+def env() -> SimpleNamespace:
+    """One instance of every component, and a counter of forwards over all tiny models."""
+    lm, drafter, verifier = tiny_lm(2, seed=0), tiny_lm(2, seed=1), tiny_lm(2, seed=2)
+    forwards = [0]
+    for model in (lm, drafter, verifier):
+        model.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
+    bm25 = BM25Retriever()
+    bm25.add(DOCS)
+    dense = DenseRetriever(HashEmbedder())
+    dense.add(DOCS)
+    config = RaLMSpecConfig(max_doc_tokens=32, query_tokens=8, prefetch_k=3)
+    ralmspec = RaLMSpec(lm, bm25, config)
+    specrag = SpeculativeRAG(drafter, verifier, embedder=HashEmbedder(), config=SpeculativeRAGConfig(
+        num_drafts=2, docs_per_draft=2, max_draft_tokens=4))
+    return SimpleNamespace(
+        lm=lm, drafter=drafter, forwards=forwards, bm25=bm25, dense=dense, ralmspec=ralmspec,
+        specrag=specrag, session=SpeculativeRetrieval(bm25, k=2),
+        runnable=RaLMSpecRunnable(engine=ralmspec, max_new_tokens=8),
+        query_engine=RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=8),
+        rag_runnable=SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag,
+                                            num_drafts=2, retrieve_k=6),
+        rag_query_engine=SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag),
+        lc_spec=LCSpeculativeRetriever(retriever=LCRetriever(), k=2),
+        li_spec=LISpeculativeRetriever(LIRetriever(), similarity_top_k=2))
+
+
+Case = Callable[[SimpleNamespace], Any]
+T, V = TypeError, ValueError
+
+
+def case(id_: str, call: Case, error: type[Exception], name: str) -> Any:
+    return pytest.param(call, error, name, id=id_)
+
+
+RETRIEVAL = [
+    case("Document(text=123)", lambda e: Document("a", 123), T, "text"),  # type: ignore[arg-type]
+    case("Document(id=5)", lambda e: Document(5, "a"), T, "id"),  # type: ignore[arg-type]
+    case("Document(id='')", lambda e: Document("", "a"), V, "id"),
+    case("Document(metadata=None)", lambda e: Document("a", "t", None), T, "metadata"),
+    case("bm25.add(one Document)", lambda e: BM25Retriever().add(DOCS[0]), T, "docs"),
+    case("bm25.add(str)", lambda e: BM25Retriever().add("text"), T, "docs"),
+    case("bm25.add([dict])", lambda e: BM25Retriever().add([{"id": "a"}]), T, r"docs\[0\]"),
+    case("dense.add([dict])", lambda e: DenseRetriever(HashEmbedder()).add([{"id": "a"}]), T,
+         r"docs\[0\]"),
+    case("bm25.search(str)", lambda e: e.bm25.search("one string", 1), T, "queries"),
+    case("bm25.search([])", lambda e: e.bm25.search([], 1), V, "queries"),
+    case("bm25.search([3])", lambda e: e.bm25.search([3], 1), T, r"queries\[0\]"),
+    case("bm25.search(k=0)", lambda e: e.bm25.search(["q"], 0), V, "k"),
+    case("bm25.search(k=True)", lambda e: e.bm25.search(["q"], True), T, "k"),
+    case("bm25.search(k=2.0)", lambda e: e.bm25.search(["q"], 2.0), T, "k"),
+    case("bm25.search(k='3')", lambda e: e.bm25.search(["q"], "3"), T, "k"),
+    case("bm25.search_subset(doc_ids=str)", lambda e: e.bm25.search_subset(["q"], "d0", 1), T,
+         "doc_ids"),
+    case("BM25Retriever(k1='1.5')", lambda e: BM25Retriever(k1="1.5"), T, "k1"),
+    case("BM25Retriever(b=2)", lambda e: BM25Retriever(b=2), V, "b"),
+    case("BM25Retriever(method='okapi')", lambda e: BM25Retriever(method="okapi"), V, "method"),
+    case("dense.search(k=-1)", lambda e: e.dense.search(["q"], -1), V, "k"),
+    case("dense.search(queries=None)", lambda e: e.dense.search(None, 1), T, "queries"),
+    case("DenseRetriever(hnsw_m=True)", lambda e: DenseRetriever(HashEmbedder(), hnsw_m=True), T,
+         "hnsw_m"),
+    case("DenseRetriever(index='ivf')", lambda e: DenseRetriever(HashEmbedder(), index="ivf"), V,
+         "index"),
+    case("DenseRetriever(embedder=42)", lambda e: DenseRetriever(42), T, "embedder"),
+    case("dense.add_padding(1.5)", lambda e: e.dense.add_padding(1.5), T, "n"),
+    case("chunk_text(chunk_tokens=2.5)", lambda e: chunk_text("x", tiny_tokenizer(), 2.5), T,
+         "chunk_tokens"),
+    case("chunk_text(overlap=-1)", lambda e: chunk_text("x", tiny_tokenizer(), 4, -1), V,
+         "overlap"),
+    case("chunk_text(tokenizer=None)", lambda e: chunk_text("x", None), T, "tokenizer"),
+    case("chunk_text(text=5)", lambda e: chunk_text(5, tiny_tokenizer()), T, "text"),
+]
+
+RALMSPEC = [
+    case("config(retrieval_stride=0)", lambda e: RaLMSpecConfig(retrieval_stride=0), V,
+         "retrieval_stride"),
+    case("config(retrieval_stride=True)", lambda e: RaLMSpecConfig(retrieval_stride=True), T,
+         "retrieval_stride"),
+    case("config(speculation_stride=2.0)", lambda e: RaLMSpecConfig(speculation_stride=2.0), T,
+         "speculation_stride"),
+    case("config(speculation_stride=9)", lambda e: RaLMSpecConfig(speculation_stride=9), V,
+         "speculation_stride"),
+    case("config(prefetch='yes')", lambda e: RaLMSpecConfig(prefetch="yes"), T, "prefetch"),
+    case("config(prefetch_k='20')", lambda e: RaLMSpecConfig(prefetch_k="20"), T, "prefetch_k"),
+    case("config(retrieval_timeout_s=0)", lambda e: RaLMSpecConfig(retrieval_timeout_s=0), V,
+         "retrieval_timeout_s"),
+    case("config(retrieval_timeout_s='5')", lambda e: RaLMSpecConfig(retrieval_timeout_s="5"), T,
+         "retrieval_timeout_s"),
+    case("config(retrieval_timeout_s=inf)",
+         lambda e: RaLMSpecConfig(retrieval_timeout_s=math.inf), V, "retrieval_timeout_s"),
+    case("config(gamma_max=1.0)", lambda e: RaLMSpecConfig(gamma_max=1.0), V, "gamma_max"),
+    case("config(cache='paged')", lambda e: RaLMSpecConfig(cache="paged"), V, "cache"),
+    case("RaLMSpec(lm=str)", lambda e: RaLMSpec("tiny", e.bm25), T, "lm"),
+    case("RaLMSpec(retriever=None)", lambda e: RaLMSpec(e.lm, None), T, "retriever"),
+    case("RaLMSpec(retriever=object)", lambda e: RaLMSpec(e.lm, object()), T, "retriever"),
+    case("RaLMSpec(config=dict)", lambda e: RaLMSpec(e.lm, e.bm25, {}), T, "config"),
+    case("generate('')", lambda e: e.ralmspec.generate(""), V, "question"),
+    case("generate(None)", lambda e: e.ralmspec.generate(None), T, "question"),
+    case("generate(['q'])", lambda e: e.ralmspec.generate(["q"]), T, "question"),
+    case("generate(max_new_tokens=0)", lambda e: e.ralmspec.generate("q", 0), V,
+         "max_new_tokens"),
+    case("generate(max_new_tokens=True)", lambda e: e.ralmspec.generate("q", True), T,
+         "max_new_tokens"),
+    case("generate(max_new_tokens='16')", lambda e: e.ralmspec.generate("q", "16"), T,
+         "max_new_tokens"),
+    case("generate(max_new_tokens=2.5)", lambda e: e.ralmspec.generate("q", 2.5), T,
+         "max_new_tokens"),
+    case("generate(max_new_tokens=10000)", lambda e: e.ralmspec.generate("q", 10_000), V,
+         "max_new_tokens"),
+    case("generate(temperature=-1)", lambda e: e.ralmspec.generate("q", 4, temperature=-1), V,
+         "temperature"),
+    case("stream_baseline('  ')", lambda e: e.ralmspec.stream_baseline("  "), V, "question"),
+    case("stream_ralmspec(prompt=5)",
+         lambda e: stream_ralmspec(e.lm, 5, max_new_tokens=4, documents=["a"]), T, "prompt"),
+    case("stream_ralmspec(documents=str)",
+         lambda e: stream_ralmspec(e.lm, "q", max_new_tokens=4, documents="abc"), T,
+         "documents"),
+    case("stream_ralmspec(no documents)",
+         lambda e: stream_ralmspec(e.lm, "q", max_new_tokens=4), V, "documents"),
+    case("SpeculativeRetrieval(k=0)", lambda e: SpeculativeRetrieval(e.bm25, k=0), V, "k"),
+    case("SpeculativeRetrieval(k=True)", lambda e: SpeculativeRetrieval(e.bm25, k=True), T, "k"),
+    case("SpeculativeRetrieval(prefetch_k='20')",
+         lambda e: SpeculativeRetrieval(e.bm25, prefetch_k="20"), T, "prefetch_k"),
+    case("SpeculativeRetrieval(retrieval_timeout_s=-1)",
+         lambda e: SpeculativeRetrieval(e.bm25, retrieval_timeout_s=-1), V,
+         "retrieval_timeout_s"),
+    case("SpeculativeRetrieval(retriever=3)", lambda e: SpeculativeRetrieval(3), T, "retriever"),
+    case("session.retrieve(5)", lambda e: e.session.retrieve(5), T, "query"),
+    case("session.speculate('')", lambda e: e.session.speculate(""), V, "query"),
+]
+
+SPECRAG = [
+    case("config(num_drafts=True)", lambda e: SpeculativeRAGConfig(num_drafts=True), T,
+         "num_drafts"),
+    case("config(docs_per_draft=2.0)", lambda e: SpeculativeRAGConfig(docs_per_draft=2.0), T,
+         "docs_per_draft"),
+    case("config(retrieve_k='10')", lambda e: SpeculativeRAGConfig(retrieve_k="10"), T,
+         "retrieve_k"),
+    case("config(num_drafts=0)", lambda e: SpeculativeRAGConfig(num_drafts=0), V, "num_drafts"),
+    case("config(use_self_reflect='no')", lambda e: SpeculativeRAGConfig(use_self_reflect="no"),
+         T, "use_self_reflect"),
+    case("config(seed=1.5)", lambda e: SpeculativeRAGConfig(seed=1.5), T, "seed"),
+    case("SpeculativeRAG(drafter=5)", lambda e: SpeculativeRAG(5), T, "drafter"),
+    case("SpeculativeRAG(verifier=list)", lambda e: SpeculativeRAG(e.drafter, ["v"]), T,
+         "verifier"),
+    case("SpeculativeRAG(embedder=3)", lambda e: SpeculativeRAG(e.drafter, None, embedder=3), T,
+         "embedder"),
+    case("SpeculativeRAG(retriever=object)",
+         lambda e: SpeculativeRAG(e.drafter, None, retriever=object()), T, "retriever"),
+    case("SpeculativeRAG(config=dict)", lambda e: SpeculativeRAG(e.drafter, None, config={}), T,
+         "config"),
+    case("SpeculativeRAG(drafter='nope')", lambda e: SpeculativeRAG("nope"), V, "drafter"),
+    case("with_config(dict)", lambda e: e.specrag.with_config({}), T, "config"),
+    case("answer(None)", lambda e: e.specrag.answer(None, DOCS), T, "question"),
+    case("answer('')", lambda e: e.specrag.answer("", DOCS), V, "question"),
+    case("answer(documents=str)", lambda e: e.specrag.answer("q", "a doc"), T, "documents"),
+    case("answer(documents=dict)", lambda e: e.specrag.answer("q", {"a": 1}), T, "documents"),
+    case("answer(documents=[])", lambda e: e.specrag.answer("q", []), V, "documents"),
+    case("answer(documents=[5, ...])", lambda e: e.specrag.answer("q", [5, 6, 7, 8]), T,
+         r"documents\[0\]"),
+    case("answer(4 empty documents)", lambda e: e.specrag.answer("q", ["", " ", "", "\n"]), V,
+         "documents"),
+    case("answer(too few documents)", lambda e: e.specrag.answer("q", DOCS[:3]), V,
+         "num_drafts"),
+    case("answer(no documents, no retriever)", lambda e: e.specrag.answer("q"), V, "retriever"),
+    case("answer(retriever=object)", lambda e: e.specrag.answer("q", retriever=object()), T,
+         "retriever"),
+    case("answer(on_event=5)", lambda e: e.specrag.answer("q", DOCS, on_event=5), T, "on_event"),
+    case("standard_rag(model='judge')", lambda e: e.specrag.standard_rag("q", DOCS, model="judge"),
+         V, "model"),
+    case("standard_rag(documents=[''])", lambda e: e.specrag.standard_rag("q", [""]), V,
+         "documents"),
+    case("retrieve(k=0)", lambda e: retrieve(e.bm25, "q", 0), V, "k"),
+    case("retrieve(k=1.5)", lambda e: retrieve(e.bm25, "q", 1.5), T, "k"),
+]
+
+ADAPTERS = [
+    case("RaLMSpecRunnable(max_new_tokens=True)", lambda e: RaLMSpecRunnable(max_new_tokens=True),
+         V, "max_new_tokens"),
+    case("RaLMSpecRunnable(retrieval_stride=2.5)",
+         lambda e: RaLMSpecRunnable(retrieval_stride=2.5), V, "retrieval_stride"),
+    case("RaLMSpecRunnable(retrieval_timeout_s=-1)",
+         lambda e: RaLMSpecRunnable(retrieval_timeout_s=-1), V, "retrieval_timeout_s"),
+    case("RaLMSpecRunnable(retriever=5)", lambda e: RaLMSpecRunnable(retriever=5), T,
+         "retriever"),
+    case("RaLMSpecRunnable(engine='x')", lambda e: RaLMSpecRunnable(engine="x"), T, "engine"),
+    case("RaLMSpecRunnable(speculation_stride=9)",
+         lambda e: RaLMSpecRunnable(retriever=e.bm25, speculation_stride=9).invoke("q"), V,
+         "speculation_stride"),
+    case("runnable.invoke(3)", lambda e: e.runnable.invoke(3), T, "question"),
+    case("runnable.invoke('')", lambda e: e.runnable.invoke(""), V, "question"),
+    case("runnable.invoke({'question': None})", lambda e: e.runnable.invoke({"question": None}),
+         T, "question"),
+    case("runnable.stream('')", lambda e: list(e.runnable.stream(" ")), V, "question"),
+    case("RaLMSpecQueryEngine(speculation_stride=0)",
+         lambda e: RaLMSpecQueryEngine(speculation_stride=0), V, "speculation_stride"),
+    case("RaLMSpecQueryEngine(retrieval_timeout_s='1')",
+         lambda e: RaLMSpecQueryEngine(retrieval_timeout_s="1"), V, "retrieval_timeout_s"),
+    case("RaLMSpecQueryEngine(retriever=5)", lambda e: RaLMSpecQueryEngine(retriever=5), T,
+         "retriever"),
+    case("query_engine.query(123)", lambda e: e.query_engine.query(123), T, "query"),
+    case("query_engine.query('')", lambda e: e.query_engine.query(""), V, "query"),
+    case("SpeculativeRAGRunnable(num_drafts=2.5)",
+         lambda e: SpeculativeRAGRunnable(num_drafts=2.5), V, "num_drafts"),
+    case("SpeculativeRAGRunnable(retrieve_k=0)", lambda e: SpeculativeRAGRunnable(retrieve_k=0),
+         V, "retrieve_k"),
+    case("SpeculativeRAGRunnable(retriever=5)", lambda e: SpeculativeRAGRunnable(retriever=5), V,
+         "retriever"),
+    case("rag_runnable.invoke({'question': 5})",
+         lambda e: e.rag_runnable.invoke({"question": 5}), T, "question"),
+    case("rag_runnable.invoke(documents=str)",
+         lambda e: e.rag_runnable.invoke({"question": "q", "documents": "abc"}), T, "documents"),
+    case("rag_runnable.invoke(documents=[])",
+         lambda e: e.rag_runnable.invoke({"question": "q", "documents": []}), V, "documents"),
+    case("SpeculativeRAGQueryEngine(retriever=5)", lambda e: SpeculativeRAGQueryEngine(5), T,
+         "retriever"),
+    case("SpeculativeRAGQueryEngine(num_drafts=True)",
+         lambda e: SpeculativeRAGQueryEngine(LIRetriever(), num_drafts=True), T, "num_drafts"),
+    case("rag_query_engine.query(None)", lambda e: e.rag_query_engine.query(None), T, "query"),
+    case("LC SpeculativeRetriever(retriever=5)",
+         lambda e: LCSpeculativeRetriever(retriever=5), T, "retriever"),
+    case("LC SpeculativeRetriever(k=0)",
+         lambda e: LCSpeculativeRetriever(retriever=e.bm25, k=0), V, "k"),
+    case("LC SpeculativeRetriever(retrieval_timeout_s=0)",
+         lambda e: LCSpeculativeRetriever(retriever=e.bm25, retrieval_timeout_s=0), V,
+         "retrieval_timeout_s"),
+    case("lc_spec.invoke('')", lambda e: e.lc_spec.invoke(""), V, "query"),
+    case("lc_spec.invoke(k=True)", lambda e: e.lc_spec.invoke("q", k=True), T, "k"),
+    case("LI SpeculativeRetriever(similarity_top_k=True)",
+         lambda e: LISpeculativeRetriever(e.bm25, similarity_top_k=True), T, "similarity_top_k"),
+    case("LI SpeculativeRetriever(object)", lambda e: LISpeculativeRetriever(object()), T,
+         "retriever"),
+    case("LI SpeculativeRetriever(retrieval_timeout_s=0)",
+         lambda e: LISpeculativeRetriever(e.bm25, retrieval_timeout_s=0), V,
+         "retrieval_timeout_s"),
+    case("li_spec.retrieve(5)", lambda e: e.li_spec.retrieve(5), T, "query"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "name"), [*RETRIEVAL, *RALMSPEC, *SPECRAG, *ADAPTERS])
+def test_bad_input_is_refused_with_a_named_parameter(env: SimpleNamespace, call: Case,
+                                                     error: type[Exception], name: str) -> None:
+    before = env.forwards[0]
+    with pytest.raises(error) as info:
+        call(env)
+    assert re.search(rf"(?<![A-Za-z_]){name}(?![A-Za-z_])", str(info.value)), str(info.value)
+    assert env.forwards[0] == before, "the model ran before the input was refused"
+
+
+def test_the_matrix_is_large_enough() -> None:
+    assert len(RETRIEVAL) + len(RALMSPEC) + len(SPECRAG) + len(ADAPTERS) >= 100
+
+
+def test_good_inputs_still_work(env: SimpleNamespace) -> None:
+    """The checks refuse only what is wrong: numpy ints, tuples and good values pass."""
+    assert env.bm25.search(("capital of France",), np.int64(1))[0][0].document.id == "d0"
+    assert RaLMSpecConfig(retrieval_timeout_s=1).retrieval_timeout_s == 1
+    before = env.forwards[0]
+    assert env.ralmspec.generate("capital of France?", 4).stats.new_tokens <= 4
+    assert env.forwards[0] > before  # the hook counts: the matrix's zero is meaningful
+    assert env.specrag.answer("capital of France?", tuple(DOCS[:4])).text is not None
+    assert RaLMSpecRunnable(temperature=0, max_new_tokens=3).max_new_tokens == 3
