@@ -1,0 +1,267 @@
+"""16-way concurrency on ONE instance of every RAG engine and adapter (issue 19, deliverable 6).
+
+16 threads (started together by a barrier) and an ``abatch`` / ``asyncio.gather`` of 16 on one
+``RaLMSpec``, ``SpeculativeRAG``, ``RaLMSpecRunnable``, ``SpeculativeRAGRunnable``,
+``RaLMSpecQueryEngine``, ``SpeculativeRAGQueryEngine`` and both ``SpeculativeRetriever``s give
+exactly the sequential outputs. Threads are daemons joined with a deadline, so a deadlock fails
+the test instead of hanging the suite.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import pytest
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
+from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from tiny import tiny_lm
+
+from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
+from langchain_specrag import SpeculativeRetriever as LCSpeculativeRetriever
+from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
+from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
+from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
+from shared_core.retrieval import BM25Retriever, Document, Hit
+
+N = 16
+DEADLINE_S = 120.0
+DOCS = [Document(f"d{i}", text) for i, text in enumerate([
+    "Paris is the capital of France.", "Berlin is the capital of Germany.",
+    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps all day.",
+    "Speculative decoding drafts tokens and the target verifies them.",
+    "A suffix automaton finds every occurrence of the longest suffix.",
+    "Question: who wrote the report? Answer: the committee wrote the report.",
+    "Retrieval augmented generation copies spans from retrieved documents.",
+])]
+QUESTIONS = [f"{q}{'?' * (i // 8 + 1)}" for i, q in enumerate([
+    "who wrote the report", "what is the capital of France", "what does the fox jump over",
+    "what does speculative decoding do", "what does a suffix automaton find",
+    "capital of Germany", "what does the lazy dog do", "what does retrieval copy"] * 2)]
+TOKENS = 16
+SMALL = {"max_doc_tokens": 32, "query_tokens": 8, "prefetch_k": 4}
+
+
+def in_threads(fn: Callable[[Any], Any], inputs: Sequence[Any]) -> list[Any]:
+    """``fn`` on every input, one daemon thread each, all released at once by a barrier."""
+    results: list[Any] = [None] * len(inputs)
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(len(inputs))
+
+    def work(i: int) -> None:
+        barrier.wait()
+        try:
+            results[i] = fn(inputs[i])
+        except BaseException as e:  # re-raised in the test thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(len(inputs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert not any(t.is_alive() for t in threads), "a concurrent call did not finish (deadlock?)"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def gather(coros: list[Any]) -> list[Any]:
+    async def run() -> list[Any]:
+        return await asyncio.wait_for(asyncio.gather(*coros), DEADLINE_S)
+
+    return asyncio.run(run())
+
+
+class HashRetriever:
+    """Top-k by a hash of (query, doc): the true top-1 changes often, so speculation misses and
+    rolls back; thread-safe (no state)."""
+
+    def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        out = []
+        for q in queries:
+            scores = {d.id: int(hashlib.md5(f"{len(q) // 3}|{d.id}".encode()).hexdigest()[:8], 16)
+                      for d in DOCS}
+            ranked = sorted(DOCS, key=lambda d: -scores[d.id])[:k]
+            out.append([Hit(d, scores[d.id] / 2**32, r) for r, d in enumerate(ranked)])
+        return out
+
+
+class LCRetriever(LCBaseRetriever):
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+                                ) -> list[LCDocument]:
+        return [LCDocument(page_content=h.document.text, id=h.document.id)
+                for h in HashRetriever().search([query], 6)[0]]
+
+
+class LIRetriever(LIBaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return [NodeWithScore(node=TextNode(text=h.document.text, id_=h.document.id),
+                              score=h.score)
+                for h in HashRetriever().search([query_bundle.query_str], 6)[0]]
+
+
+class HashEmbedder:
+    def encode(self, texts: list[str], **_: Any) -> np.ndarray:
+        out = np.full((len(texts), 16), 1e-3, dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in text.lower().split():
+                out[i, sum(map(ord, word)) % 16] += 1.0
+        return out / np.linalg.norm(out, axis=1, keepdims=True)
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny_lm(2, seed=0)
+
+
+@pytest.fixture(scope="module")
+def bm25() -> BM25Retriever:
+    retriever = BM25Retriever()
+    retriever.add(DOCS)
+    return retriever
+
+
+@pytest.fixture(scope="module")
+def specrag() -> SpeculativeRAG:
+    config = SpeculativeRAGConfig(num_drafts=2, docs_per_draft=2, max_draft_tokens=6,
+                                  retrieve_k=6)
+    return SpeculativeRAG(tiny_lm(2, seed=1), tiny_lm(2, seed=2), embedder=HashEmbedder(),
+                          config=config)
+
+
+def _specrag_key(result: Any) -> tuple[Any, ...]:
+    return result.text, result.best, tuple(round(d.score, 4) for d in result.drafts)
+
+
+# --------------------------------------------------------------------- engines
+
+
+@pytest.mark.parametrize("retriever", ["bm25", "hash"])
+@pytest.mark.parametrize("async_verify", [True, False])
+def test_ralmspec_16_threads_equal_sequential(lm, bm25, retriever: str, async_verify: bool
+                                              ) -> None:
+    config = RaLMSpecConfig(async_verify=async_verify, **SMALL)
+    engine = RaLMSpec(lm, bm25 if retriever == "bm25" else HashRetriever(), config)
+    calls = [(q, {"temperature": 0.8, "seed": i} if i % 4 == 3 else {})
+             for i, q in enumerate(QUESTIONS)]
+
+    def run(call: tuple[str, dict[str, Any]]) -> list[int]:
+        return engine.generate(call[0], TOKENS, **call[1]).token_ids
+
+    sequential = [run(c) for c in calls]
+    assert in_threads(run, calls) == sequential
+    assert [engine.generate_baseline(q, TOKENS).token_ids for q in QUESTIONS[:3]] == sequential[:3]
+
+
+def test_ralmspec_16_concurrent_streams_equal_sequential(lm) -> None:
+    engine = RaLMSpec(lm, HashRetriever(), RaLMSpecConfig(**SMALL))
+    sequential = [engine.generate(q, TOKENS).text for q in QUESTIONS]
+    assert in_threads(lambda q: "".join(engine.stream(q, TOKENS)), QUESTIONS) == sequential
+
+
+def test_specrag_16_threads_equal_sequential(specrag) -> None:
+    sequential = [_specrag_key(specrag.answer(q, DOCS)) for q in QUESTIONS]
+    assert in_threads(lambda q: _specrag_key(specrag.answer(q, DOCS)), QUESTIONS) == sequential
+    half = QUESTIONS[:8]
+    via_retriever = in_threads(lambda q: _specrag_key(specrag.answer(q, retriever=HashRetriever())),
+                               half)
+    assert via_retriever == [_specrag_key(specrag.answer(q, retriever=HashRetriever()))
+                             for q in half]
+
+
+# --------------------------------------------------------------------- LangChain adapters
+
+
+@pytest.fixture(scope="module")
+def lc_ralmspec(lm) -> tuple[RaLMSpecRunnable, list[str]]:
+    """A runnable over one engine and the sequential outputs (what ``invoke`` returns)."""
+    engine = RaLMSpec(lm, LCRetriever(), RaLMSpecConfig(**SMALL))
+    runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=TOKENS)
+    sequential = [engine.generate(q, TOKENS).text for q in QUESTIONS]
+    assert [runnable.invoke(q) for q in QUESTIONS[:2]] == sequential[:2]
+    return runnable, sequential
+
+
+def test_ralmspec_runnable_16_threads(lc_ralmspec) -> None:
+    runnable, sequential = lc_ralmspec
+    assert in_threads(runnable.invoke, QUESTIONS) == sequential
+
+
+def test_ralmspec_runnable_abatch_and_16_astreams(lc_ralmspec) -> None:
+    runnable, sequential = lc_ralmspec
+    assert asyncio.run(runnable.abatch(QUESTIONS, config={"max_concurrency": N})) == sequential
+    streamed = gather([_astream_text(runnable, q) for q in QUESTIONS])
+    assert streamed == sequential
+
+
+async def _astream_text(runnable: Any, question: str) -> str:
+    return "".join([delta async for delta in runnable.astream(question)])
+
+
+def test_specrag_runnable_16_threads_and_abatch(specrag) -> None:
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, num_drafts=2,
+                                      retrieve_k=6)
+    sequential = [runnable.invoke(q) for q in QUESTIONS]
+    assert in_threads(runnable.invoke, QUESTIONS) == sequential
+    assert asyncio.run(runnable.abatch(QUESTIONS, config={"max_concurrency": N})) == sequential
+
+
+def test_langchain_speculative_retriever_16_threads_and_abatch() -> None:
+    base = LCRetriever()
+    spec = LCSpeculativeRetriever(retriever=base, k=3)
+    want = [[d.id for d in base.invoke(q)[:3]] for q in QUESTIONS]
+    ids = in_threads(lambda q: [d.id for d in spec.invoke(q)], QUESTIONS)
+    assert ids == want
+    fresh = LCSpeculativeRetriever(retriever=base, k=3)
+    docs = asyncio.run(fresh.abatch(QUESTIONS, config={"max_concurrency": N}))
+    assert [[d.id for d in row] for row in docs] == want
+    # speculation from many threads at once, then one verification: every verdict is right
+    guesses = in_threads(lambda q: spec.speculate(q + " again")[0].id, QUESTIONS)
+    verdicts = spec.verify()
+    truth = {q: base.invoke(q + " again")[0].id for q in QUESTIONS}
+    assert sorted(verdicts) == sorted(g == truth[q] for g, q in zip(guesses, QUESTIONS,
+                                                                      strict=True))
+
+
+# --------------------------------------------------------------------- LlamaIndex adapters
+
+
+def test_ralmspec_query_engine_16_threads_and_gather(lm) -> None:
+    engine = RaLMSpec(lm, LIRetriever(), RaLMSpecConfig(**SMALL))
+    qe = RaLMSpecQueryEngine(engine=engine, max_new_tokens=TOKENS)
+    sequential = [engine.generate(q, TOKENS).token_ids for q in QUESTIONS]
+    assert [qe.query(q).metadata["token_ids"] for q in QUESTIONS[:2]] == sequential[:2]
+    assert in_threads(lambda q: qe.query(q).metadata["token_ids"], QUESTIONS) == sequential
+    responses = gather([qe.aquery(q) for q in QUESTIONS])
+    assert [r.metadata["token_ids"] for r in responses] == sequential
+
+
+def test_specrag_query_engine_16_threads_and_gather(specrag) -> None:
+    qe = SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag)
+
+    def key(response: Any) -> tuple[Any, ...]:
+        return response.response, response.metadata["best"], tuple(
+            round(s, 4) for s in response.metadata["scores"])
+
+    sequential = [key(qe.query(q)) for q in QUESTIONS]
+    assert in_threads(lambda q: key(qe.query(q)), QUESTIONS) == sequential
+    assert [key(r) for r in gather([qe.aquery(q) for q in QUESTIONS])] == sequential
+
+
+def test_llamaindex_speculative_retriever_16_threads_and_gather() -> None:
+    base = LIRetriever()
+    want = [[n.node.node_id for n in base.retrieve(q)[:3]] for q in QUESTIONS]
+    spec = LISpeculativeRetriever(base, similarity_top_k=3)
+    assert in_threads(lambda q: [n.node.node_id for n in spec.retrieve(q)], QUESTIONS) == want
+    fresh = LISpeculativeRetriever(base, similarity_top_k=3)
+    nodes = gather([fresh.aretrieve(q) for q in QUESTIONS])
+    assert [[n.node.node_id for n in row] for row in nodes] == want
