@@ -70,7 +70,7 @@ def ranked(query: str, k: int) -> list[Hit]:
 class Faulty:
     """``search(queries, k)`` that misbehaves in ``mode`` from its ``fail_at``-th call on.
 
-    Modes: ``ok``, ``raise``, ``list_str``, ``list_dict``, ``one_row``, ``empty_row``,
+    Modes: ``ok``, ``raise``, ``interrupt``, ``list_str``, ``list_dict``, ``one_row``, ``empty_row``,
     ``non_hit``, ``not_list``, ``slow`` (blocks until ``release`` is set, then answers with a
     wrong document everywhere: a late answer that must reach nobody).
     """
@@ -90,6 +90,8 @@ class Faulty:
         if self.mode == "raise":
             msg = "index server unavailable"
             raise ConnectionError(msg)
+        if self.mode == "interrupt":  # Ctrl-C while the retriever (or its worker) runs
+            raise KeyboardInterrupt
         if self.mode == "slow":
             self.release.wait(30)
             return [[Hit(DOCS[2], 9.0, 0)] for _ in queries]
@@ -115,7 +117,7 @@ def lm():
 
 # --------------------------------------------------------------------- malformed results (row 10)
 
-MALFORMED = {
+MALFORMED: dict[str, tuple[type[BaseException], str | None]] = {
     "list_str": (TypeError, r"Faulty\.search returned str as row 0; expected list\[list\[Hit\]\]"),
     "list_dict": (TypeError, r"Faulty\.search returned dict as row 0; expected list\[list\[Hit\]\]"),
     "one_row": (ValueError, r"Faulty\.search returned (1|0) rows for \d queries.*exactly \d rows"),
@@ -123,6 +125,7 @@ MALFORMED = {
     "non_hit": (TypeError, r"Faulty\.search returned Document at row 0, position 0"),
     "not_list": (TypeError, r"Faulty\.search returned NoneType; expected list\[list\[Hit\]\]"),
     "raise": (ConnectionError, r"index server unavailable"),
+    "interrupt": (KeyboardInterrupt, None),
 }
 
 
