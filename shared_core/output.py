@@ -184,6 +184,17 @@ def generation_config(max_new_tokens: Any = 256, *, name: str = "max_new_tokens"
                                   top_k=top_k, top_p=top_p, seed=seed)
 
 
+def check_generation_field(name: str, value: Any) -> None:
+    """Check one generation setting given alone (an adapter field): ``max_tokens`` /
+    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` or ``seed``; None passes."""
+    if value is None:
+        return
+    if name in ("max_tokens", "max_new_tokens"):
+        generation_config(value, name=name)
+    else:
+        generation_config(1, **{name: value})
+
+
 def validate_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
     """Chat messages as ``{"role", "content"}`` dicts with a known role and string content."""
     if not messages:

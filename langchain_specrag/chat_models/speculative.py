@@ -27,11 +27,16 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
 
 from shared_core.config import GenerationConfig
 from shared_core.engines.registry import check_engine, stream_engine
-from shared_core.output import GenerationResult, generation_config, validate_messages
+from shared_core.output import (
+    GenerationResult,
+    check_generation_field,
+    generation_config,
+    validate_messages,
+)
 from shared_core.serving import FairLock, iterate_in_thread, loaded_model, lock_for, step_locked
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
@@ -103,11 +108,10 @@ class ChatSpeculative(BaseChatModel):
     def _known_engine(cls, value: str) -> str:
         return check_engine(value)
 
-    @field_validator("max_tokens", mode="before")
+    @field_validator("max_tokens", "temperature", "top_k", "top_p", "seed", mode="before")
     @classmethod
-    def _positive_max_tokens(cls, value: Any) -> Any:
-        if value is not None:
-            generation_config(value, name="max_tokens")  # TypeError / ValueError naming it
+    def _generation_field(cls, value: Any, info: ValidationInfo) -> Any:
+        check_generation_field(info.field_name, value)  # TypeError / ValueError naming it
         return value
 
     @property

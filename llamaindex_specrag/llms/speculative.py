@@ -33,12 +33,17 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
+from llama_index.core.bridge.pydantic import (
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+)
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
 from shared_core.engines.registry import check_engine, stream_engine
-from shared_core.output import generation_config, validate_messages
+from shared_core.output import check_generation_field, generation_config, validate_messages
 from shared_core.serving import FairLock, iterate_in_thread, loaded_model, lock_for, step_locked
 
 
@@ -80,7 +85,7 @@ class SpeculativeLLM(CustomLLM):
     top_k: int = 0
     top_p: float = 1.0
     seed: int | None = None
-    max_new_tokens: int = Field(default=256, strict=True, ge=1)
+    max_new_tokens: int = 256
     stop: list[str] | None = None
     documents: list[str] | None = None
     context_window: int | None = Field(default=None, description="None = the model's window")
@@ -97,6 +102,12 @@ class SpeculativeLLM(CustomLLM):
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return check_engine(value)
+
+    @field_validator("max_new_tokens", "temperature", "top_k", "top_p", "seed", mode="before")
+    @classmethod
+    def _generation_field(cls, value: Any, info: ValidationInfo) -> Any:
+        check_generation_field(info.field_name, value)  # TypeError / ValueError naming it
+        return value
 
     @classmethod
     def class_name(cls) -> str:

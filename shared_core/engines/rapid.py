@@ -61,6 +61,7 @@ from shared_core.output import (
     check_config_types,
     check_real,
     generation_config,
+    validate_messages,
 )
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
 from shared_core.verify import (
@@ -752,18 +753,22 @@ def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, 
     """
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        messages = validate_messages(prompt)
     else:
-        messages = list(prompt)
-        if not all(isinstance(m, dict) and "role" in m and "content" in m for m in messages):
-            msg = "RAPID needs a text prompt or chat messages (not token ids)"
-            raise TypeError(msg)
+        msg = ("RAPID needs a text prompt or chat messages as the prompt (not token ids), got "
+               f"{type(prompt).__name__}")
+        raise TypeError(msg)
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
         msg = "prompt has no user message to take the query from"
         raise ValueError(msg)
     last = messages[users[-1]]["content"]
     if documents is not None:
-        docs = [d for d in documents if isinstance(d, str) and d.strip()]
+        if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
+            msg = "documents must be a list of strings (the long context)"
+            raise TypeError(msg)
+        docs = [d for d in documents if d.strip()]
         if not docs:
             msg = "documents must contain at least one non-empty text (the long context)"
             raise ValueError(msg)

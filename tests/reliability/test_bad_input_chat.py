@@ -1,0 +1,248 @@
+"""Bad input to the token engines and the chat/LLM adapters (issue 19 rows 12-14).
+
+Each case asserts the exception type, that the message names the parameter, and that the model
+ran no forward (the check happens before any model work). Tiny in-process models only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import zlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+from langchain_core.messages import ChatMessage as LCChatMessage
+from langchain_core.messages import HumanMessage
+from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
+from tiny import CORPUS
+
+from langchain_specrag.chat_models.speculative import ChatSpeculative
+from llamaindex_specrag.llms.speculative import SpeculativeLLM
+from shared_core.engines.baseline import (
+    autoregressive_generate,
+    speculative_generate,
+    stream_autoregressive,
+)
+from shared_core.engines.rapid import RapidConfig, RapidDecoder
+from shared_core.engines.registry import stream_engine
+from shared_core.engines.respec import ReSpecConfig, ReSpecDecoder
+
+Q = "0 1 2 3"
+CONTEXT = " ".join(CORPUS[:8])
+IMAGE_URL = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
+IMAGE_V1 = {"type": "image", "url": "https://example.com/cat.png"}
+PNG = ImageBlock(url="https://example.com/cat.png")
+
+
+class HashEmbedder:
+    def encode(self, texts: list[str]) -> np.ndarray:
+        out = np.zeros((len(texts), 32), dtype=np.float32)
+        for i, text in enumerate(texts):
+            for word in text.lower().split():
+                out[i] += np.random.default_rng(zlib.crc32(word.encode())).standard_normal(32)
+        return out
+
+
+class Kit:
+    """Everything a case may need, built once on the tiny models."""
+
+    def __init__(self, lm: Any, drafter: Any):
+        self.lm, self.drafter = lm, drafter
+        self.chat = ChatSpeculative(lm=lm, model="tiny", max_tokens=4)
+        self.llm = SpeculativeLLM(lm=lm, model="tiny", max_new_tokens=4)
+        self.respec = ReSpecDecoder(lm)
+        self.rapid = RapidDecoder(lm, embedder=HashEmbedder(),
+                                  config=RapidConfig(chunk_tokens=32, min_rag_tokens=64))
+
+
+def user(content: Any) -> list[dict[str, Any]]:
+    return [{"role": "user", "content": content}]
+
+
+def li_user(*blocks: Any) -> list[ChatMessage]:
+    return [ChatMessage(role=MessageRole.USER, blocks=list(blocks))]
+
+
+def rapid_registry(k: Kit, prompt: Any, **kw: Any) -> Any:
+    return stream_engine("rapid", k.lm, prompt, max_new_tokens=4, documents=[CONTEXT],
+                         embedder=HashEmbedder(), chunk_tokens=32, min_rag_tokens=64, **kw)
+
+
+# (id, call, exception type, a regex the message must match: the parameter's name)
+CASES: list[tuple[str, Callable[[Kit], Any], type[BaseException], str]] = [
+    # -- LangChain ChatSpeculative: max_tokens (row 12), sampling, content parts, roles
+    ("lc-max_tokens-0-call", lambda k: k.chat.invoke(Q, max_tokens=0), ValueError, "max_tokens"),
+    ("lc-max_tokens-neg", lambda k: k.chat.invoke(Q, max_tokens=-3), ValueError, "max_tokens"),
+    ("lc-max_tokens-str", lambda k: k.chat.invoke(Q, max_tokens="16"), TypeError, "max_tokens"),
+    ("lc-max_tokens-float", lambda k: k.chat.invoke(Q, max_tokens=2.5), TypeError, "max_tokens"),
+    ("lc-max_tokens-bool", lambda k: k.chat.invoke(Q, max_tokens=True), TypeError, "max_tokens"),
+    ("lc-max_tokens-0-field", lambda k: ChatSpeculative(lm=k.lm, max_tokens=0), ValueError,
+     "max_tokens"),
+    ("lc-max_tokens-str-field", lambda k: ChatSpeculative(lm=k.lm, max_tokens="16"), TypeError,
+     "max_tokens"),
+    ("lc-max_tokens-0-stream", lambda k: list(k.chat.stream(Q, max_tokens=0)), ValueError,
+     "max_tokens"),
+    ("lc-max_tokens-0-async", lambda k: asyncio.run(k.chat.ainvoke(Q, max_tokens=0)),
+     ValueError, "max_tokens"),
+    ("lc-image_url-part", lambda k: k.chat.invoke([HumanMessage(
+        content=[{"type": "text", "text": "what is this?"}, IMAGE_URL])]),
+     NotImplementedError, "image_url"),
+    ("lc-image-v1-part", lambda k: k.chat.invoke([HumanMessage(content=[IMAGE_V1])]),
+     NotImplementedError, "'image'"),
+    ("lc-role-bogus", lambda k: k.chat.invoke([LCChatMessage(role="bogus", content="hi")]),
+     ValueError, "role"),
+    ("lc-no-messages", lambda k: k.chat.invoke([]), ValueError, "messages"),
+    ("lc-temperature-neg", lambda k: k.chat.invoke(Q, temperature=-1.0), ValueError,
+     "temperature"),
+    ("lc-temperature-str", lambda k: k.chat.invoke(Q, temperature="hot"), TypeError,
+     "temperature"),
+    ("lc-temperature-nan", lambda k: k.chat.invoke(Q, temperature=float("nan")), ValueError,
+     "temperature"),
+    ("lc-top_p-0", lambda k: k.chat.invoke(Q, top_p=0.0), ValueError, "top_p"),
+    ("lc-top_k-float", lambda k: k.chat.invoke(Q, top_k=1.5), TypeError, "top_k"),
+    ("lc-seed-str", lambda k: k.chat.invoke(Q, seed="42"), TypeError, "seed"),
+    ("lc-stop-int", lambda k: k.chat.invoke(Q, stop=[1]), TypeError, "stop"),
+    ("lc-engine-unknown", lambda k: k.chat.invoke(Q, engine="nope"), ValueError, "engine"),
+    ("lc-top_k-bool-field", lambda k: ChatSpeculative(lm=k.lm, top_k=True), TypeError, "top_k"),
+    # -- LlamaIndex SpeculativeLLM
+    ("li-max_new_tokens-0-field", lambda k: SpeculativeLLM(lm=k.lm, max_new_tokens=0),
+     ValueError, "max_new_tokens"),
+    ("li-max_new_tokens-str-field", lambda k: SpeculativeLLM(lm=k.lm, max_new_tokens="16"),
+     TypeError, "max_new_tokens"),
+    ("li-max_new_tokens-0-call", lambda k: k.llm.complete(Q, max_new_tokens=0), ValueError,
+     "max_new_tokens"),
+    ("li-max_tokens-0-call", lambda k: k.llm.complete(Q, max_tokens=0), ValueError,
+     "max_tokens"),
+    ("li-max_new_tokens-float", lambda k: k.llm.complete(Q, max_new_tokens=2.5), TypeError,
+     "max_new_tokens"),
+    ("li-max_new_tokens-bool", lambda k: k.llm.chat(li_user(TextBlock(text=Q)),
+                                                    max_new_tokens=False),
+     TypeError, "max_new_tokens"),
+    ("li-stream-max_new_tokens-0", lambda k: k.llm.stream_complete(Q, max_new_tokens=0),
+     ValueError, "max_new_tokens"),
+    ("li-content-None", lambda k: k.llm.chat([ChatMessage(role=MessageRole.USER, content=None)]),
+     ValueError, "content"),
+    ("li-ImageBlock-chat", lambda k: k.llm.chat(li_user(TextBlock(text="what?"), PNG)),
+     NotImplementedError, "ImageBlock"),
+    ("li-ImageBlock-stream", lambda k: k.llm.stream_chat(li_user(PNG)), NotImplementedError,
+     "ImageBlock"),
+    ("li-ImageBlock-async", lambda k: asyncio.run(k.llm.achat(li_user(PNG))),
+     NotImplementedError, "ImageBlock"),
+    ("li-temperature-neg", lambda k: k.llm.complete(Q, temperature=-0.5), ValueError,
+     "temperature"),
+    ("li-seed-float-field", lambda k: SpeculativeLLM(lm=k.lm, seed=1.5), TypeError, "seed"),
+    # -- engine entry points: max_new_tokens types (row 14)
+    ("ar-max_new_tokens-str", lambda k: autoregressive_generate(k.lm, Q, "16"), TypeError,
+     "max_new_tokens"),
+    ("ar-max_new_tokens-float", lambda k: autoregressive_generate(k.lm, Q, 2.5), TypeError,
+     "max_new_tokens"),
+    ("ar-max_new_tokens-bool", lambda k: autoregressive_generate(k.lm, Q, True), TypeError,
+     "max_new_tokens"),
+    ("ar-max_new_tokens-0", lambda k: autoregressive_generate(k.lm, Q, 0), ValueError,
+     "max_new_tokens"),
+    ("stream-ar-max_new_tokens-float", lambda k: stream_autoregressive(k.lm, Q, 2.5), TypeError,
+     "max_new_tokens"),
+    ("sd-max_new_tokens-str", lambda k: speculative_generate(k.lm, k.drafter, Q, "8"),
+     TypeError, "max_new_tokens"),
+    ("sd-k-str", lambda k: speculative_generate(k.lm, k.drafter, Q, 8, k="3"), TypeError,
+     r"\bk\b"),
+    ("sd-k-0", lambda k: speculative_generate(k.lm, k.drafter, Q, 8, k=0), ValueError, r"\bk\b"),
+    ("respec-max_new_tokens-str", lambda k: k.respec.generate(Q, "16"), TypeError,
+     "max_new_tokens"),
+    ("respec-max_new_tokens-float", lambda k: k.respec.stream(Q, 2.5), TypeError,
+     "max_new_tokens"),
+    ("rapid-max_new_tokens-str", lambda k: k.rapid.generate(CONTEXT, "Who?", "16"), TypeError,
+     "max_new_tokens"),
+    ("rapid-max_new_tokens-bool", lambda k: k.rapid.stream(CONTEXT, "Who?", True), TypeError,
+     "max_new_tokens"),
+    ("registry-max_new_tokens-0", lambda k: stream_engine("respec", k.lm, Q, max_new_tokens=0),
+     ValueError, "max_new_tokens"),
+    # -- prompts: ids out of vocabulary, roles, content
+    ("ids-out-of-vocab", lambda k: autoregressive_generate(k.lm, [1, 2, 10**6], 4), ValueError,
+     "vocabulary"),
+    ("ids-negative", lambda k: autoregressive_generate(k.lm, [-1, 5], 4), ValueError,
+     "vocabulary"),
+    ("ids-out-of-vocab-respec", lambda k: k.respec.generate([3, 4, 10**6], 4), ValueError,
+     "vocabulary"),
+    ("ids-out-of-vocab-sd", lambda k: speculative_generate(k.lm, k.drafter, [3, 10**6], 4),
+     ValueError, "vocabulary"),
+    ("ids-bool", lambda k: autoregressive_generate(k.lm, [True, False], 4), TypeError, "prompt"),
+    ("documents-ids-out-of-vocab", lambda k: k.respec.generate(Q, 4, documents=[[1, 10**6]]),
+     ValueError, "documents"),
+    ("role-bogus", lambda k: autoregressive_generate(k.lm, [{"role": "bogus", "content": "x"}],
+                                                     4), ValueError, "role"),
+    ("content-None", lambda k: autoregressive_generate(k.lm, user(None), 4), ValueError,
+     "content"),
+    ("content-int", lambda k: autoregressive_generate(k.lm, user(5), 4), TypeError, "content"),
+    ("message-no-content", lambda k: autoregressive_generate(k.lm, [{"role": "user"}], 4),
+     TypeError, "content"),
+    ("prompt-None", lambda k: autoregressive_generate(k.lm, None, 4), TypeError, "prompt"),
+    ("prompt-empty-list", lambda k: autoregressive_generate(k.lm, [], 4), ValueError, "prompt"),
+    ("prompt-empty-str", lambda k: autoregressive_generate(k.lm, "", 4), ValueError, "prompt"),
+    ("rapid-role-bogus", lambda k: rapid_registry(k, [{"role": "bogus", "content": "x"}]),
+     ValueError, "role"),
+    ("rapid-content-None", lambda k: rapid_registry(k, user(None)), ValueError, "content"),
+    ("rapid-token-ids", lambda k: rapid_registry(k, [1, 2, 3]), TypeError, "prompt"),
+    # -- engine configs and per-call knobs
+    ("respec-config-max_draft_len-str", lambda k: ReSpecConfig(max_draft_len="5"), TypeError,
+     "max_draft_len"),
+    ("respec-config-use_trigger-str", lambda k: ReSpecConfig(use_trigger="yes"), TypeError,
+     "use_trigger"),
+    ("respec-option-float", lambda k: stream_engine("respec", k.lm, Q, max_new_tokens=4,
+                                                    lookback=2.5), TypeError, "lookback"),
+    ("rapid-eta-str", lambda k: k.rapid.stream(CONTEXT, "Who?", 4, eta="1"), TypeError, "eta"),
+    ("rapid-gamma-float", lambda k: k.rapid.stream(CONTEXT, "Who?", 4, gamma=2.5), TypeError,
+     "gamma"),
+    ("rapid-config-gamma-bool", lambda k: RapidConfig(gamma=True), TypeError, "gamma"),
+    ("rapid-config-eta-inf", lambda k: RapidConfig(eta=float("inf")), ValueError, "eta"),
+    ("rapid-config-dict", lambda k: RapidDecoder(k.lm, config={"gamma": 3}), TypeError,
+     "config"),
+    ("rapid-documents-str", lambda k: stream_engine("rapid", k.lm, "Who?", max_new_tokens=4,
+                                                    documents=CONTEXT), TypeError, "documents"),
+]
+
+
+@pytest.fixture(scope="module")
+def kit(tiny_target, tiny_drafter) -> Kit:
+    return Kit(tiny_target, tiny_drafter)
+
+
+@pytest.fixture
+def forwards(tiny_target, tiny_drafter):
+    """Counts forwards of both tiny models while a case runs."""
+    count = [0]
+
+    def hook(*_: Any) -> None:
+        count[0] += 1
+
+    handles = [m.model.register_forward_pre_hook(hook) for m in (tiny_target, tiny_drafter)]
+    yield count
+    for h in handles:
+        h.remove()
+
+
+@pytest.mark.parametrize(("call", "error", "names"), [c[1:] for c in CASES],
+                         ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_before_model_work(kit, forwards, call, error, names):
+    with pytest.raises(error) as info:
+        call(kit)
+    assert re.search(names, str(info.value)), f"message does not name {names!r}: {info.value}"
+    assert forwards[0] == 0, "the model ran before the input was refused"
+
+
+def test_the_matrix_is_large_enough():
+    assert len(CASES) >= 35
+    assert len({c[0] for c in CASES}) == len(CASES)
+
+
+def test_max_tokens_none_means_the_default_and_valid_values_are_honoured(kit):
+    assert ChatSpeculative(lm=kit.lm, max_tokens=None).max_tokens is None
+    out = kit.chat.invoke(Q, max_tokens=1, engine="autoregressive")
+    assert out.response_metadata["speculative_stats"]["new_tokens"] <= 1
+    assert kit.llm.complete(Q, max_tokens=2).raw["completion_tokens"] <= 2
+    roles = ChatSpeculative(lm=kit.lm, max_tokens=2).invoke(
+        [LCChatMessage(role="developer", content="be brief"), HumanMessage(content=Q)])
+    assert roles.response_metadata["speculative_stats"]["new_tokens"] <= 2
