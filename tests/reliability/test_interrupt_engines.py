@@ -202,9 +202,10 @@ def test_baselines_interrupted_then_next_call_equals_reference(tiny_target, tiny
         reference
 
 
+@pytest.mark.parametrize("cache", ["prealloc", "dynamic"])
 @pytest.mark.parametrize("at", [1, 3])
-def test_kv_session_heals_an_interrupted_forward(tiny_target, at):
-    session = KVSession(tiny_target)
+def test_kv_session_heals_an_interrupted_forward(tiny_target, at, cache):
+    session = KVSession(tiny_target, cache=cache)
     ids = tiny_target.encode(PROMPT)
     session.prefill(ids[:4])
     with fail_on_forward(tiny_target, at, KeyboardInterrupt), pytest.raises(KeyboardInterrupt):

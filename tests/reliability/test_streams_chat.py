@@ -261,3 +261,19 @@ def test_chat_rapid_engine_streams_share_one_decoder_safely(tiny_target):
     (decoder,) = decoders.values()
     assert len(decoder._busy) == 0 and len(decoder._idle) == 1
     assert chat.invoke("Who wrote the report?").content == first
+
+
+@pytest.mark.integration
+def test_issue_reproducer_on_smollm2(smollm):
+    """Row 1 as filed: the embedded SmolLM2, a half-read stream, then invoke in the same thread."""
+    chat = ChatSpeculative(lm=smollm, max_tokens=8)
+    alone = chat.invoke("Name the capital of France.").content
+    hello = chat.invoke("Say hello.").content
+
+    def scenario() -> tuple[str, str]:
+        stream = chat.stream("Name the capital of France.")
+        first = [next(stream)]
+        middle = chat.invoke("Say hello.").content
+        return _text(first + list(stream)), middle
+
+    assert within(120, scenario) == (alone, hello)
