@@ -11,6 +11,13 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def _check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> None:
+    """TypeError naming ``name`` unless ``value`` is one of ``kinds`` (bool is never a number)."""
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        msg = f"{name} must be {what}, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """How the next token is chosen; applied identically to draft and target distributions.
@@ -24,6 +31,11 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
+        _check_type(self.temperature, "temperature", (int, float), "a number >= 0")
+        _check_type(self.top_k, "top_k", (int,), "an integer >= 0")
+        _check_type(self.top_p, "top_p", (int, float), "a number in (0, 1]")
+        if self.seed is not None:
+            _check_type(self.seed, "seed", (int,), "an integer or None")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -42,6 +54,7 @@ class GenerationConfig:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
+        _check_type(self.max_new_tokens, "max_new_tokens", (int,), "an integer >= 1")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings")
