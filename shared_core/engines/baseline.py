@@ -86,7 +86,9 @@ class TokenStream(Iterator[str]):
         self._on_close = on_close
         self._elapsed = 0.0
         self._closed = False
-        self._error: BaseException | None = None
+        self._error: str | None = None  # repr only: holding the exception would keep its frames
+        # alive in a reference cycle, and torch's inference-mode guards in them could then be
+        # restored by the garbage collector in the middle of a later forward
         self.result: GenerationResult | None = None
 
     def __iter__(self) -> TokenStream:
@@ -94,14 +96,14 @@ class TokenStream(Iterator[str]):
 
     def __next__(self) -> str:
         if self._error is not None:
-            msg = f"this generation failed earlier ({self._error!r}); start a new call"
-            raise RuntimeError(msg) from self._error
+            msg = f"this generation failed earlier ({self._error}); start a new call"
+            raise RuntimeError(msg)
         while self.result is None and not self._closed:
             start = time.perf_counter()
             try:
                 block = next(self._blocks, None)
             except BaseException as e:
-                self._error = e
+                self._error = repr(e)
                 self._blocks.close()
                 raise
             self._elapsed += time.perf_counter() - start
