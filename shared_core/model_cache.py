@@ -30,3 +30,17 @@ def cached_lm(name: str, device: str | None = None, dtype: str | None = None) ->
 
             _LOADED[key] = load_lm(name, device=device, dtype=dtype)
         return _LOADED[key]
+
+
+def forget(name: str, device: str | None = None, dtype: str | None = None) -> bool:
+    """Drop one cached model (running users keep their reference); True if it was cached."""
+    with _LOCK:
+        return _LOADED.pop((name, device, dtype), None) is not None
+
+
+def forget_all() -> int:
+    """Drop every cached model; return how many were dropped."""
+    with _LOCK:
+        n = len(_LOADED)
+        _LOADED.clear()
+        return n

@@ -31,6 +31,9 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any, TypeVar
 
+from shared_core import model_cache
+from shared_core.model_cache import cached_lm
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
@@ -94,13 +97,15 @@ _INSTANCE_LOCKS: dict[int, tuple[weakref.ref[Any], FairLock]] = {}
 
 def loaded_model(model: str, device: str | None = None, dtype: str | None = None
                  ) -> tuple[Any, FairLock]:
-    """The shared ``(LM, lock)`` for a model config, loaded on first use."""
+    """The shared ``(LM, lock)`` for a model config, loaded on first use.
+
+    The weights come from :func:`shared_core.model_cache.cached_lm`, the one copy that engines
+    loading a model by name (e.g. Speculative RAG's drafter) use too.
+    """
     key = (model, device, dtype)
     with _LOAD_LOCK:
         if key not in _LOADED:
-            from shared_core.models import load_lm
-
-            _LOADED[key] = (load_lm(model, device=device, dtype=dtype), FairLock())
+            _LOADED[key] = (cached_lm(model, device, dtype), FairLock())
         return _LOADED[key]
 
 
@@ -111,12 +116,14 @@ def release(model: str, device: str | None = None, dtype: str | None = None) -> 
     the model loads it again. Adapters look the model up on every call, so they do not pin it.
     """
     with _LOAD_LOCK:
+        model_cache.forget(model, device, dtype)
         return _LOADED.pop((model, device, dtype), None) is not None
 
 
 def release_all() -> int:
     """Drop every loaded model from the cache; return how many were dropped."""
     with _LOAD_LOCK:
+        model_cache.forget_all()
         n = len(_LOADED)
         _LOADED.clear()
         return n
