@@ -77,6 +77,7 @@ def _engines(max_new_tokens: int) -> dict[str, Callable]:
         "prompt_lookup": lambda lm, msgs, docs: speculative_generate(
             lm, PromptLookupDrafter(), msgs, max_new_tokens),
     }
+    state: dict = {}  # kept across calls, as the adapters keep it (e.g. RAPID's decoders)
     for name in TOKEN_ENGINES:
         if name == "autoregressive":
             continue
@@ -86,7 +87,7 @@ def _engines(max_new_tokens: int) -> dict[str, Callable]:
             logger.info("engine %s not available in this build: %s", name, e)
             continue
         engines[name] = (lambda n: lambda lm, msgs, docs: stream_engine(
-            n, lm, msgs, max_new_tokens=max_new_tokens, documents=docs).run())(name)
+            n, lm, msgs, max_new_tokens=max_new_tokens, documents=docs, engine_state=state).run())(name)
     return engines
 
 
