@@ -1,9 +1,24 @@
-"""Frozen configuration dataclasses shared by the engines (each default is defined once here)."""
+"""Frozen configuration dataclasses shared by the engines (each default is defined once here).
+
+Torch-free and numpy-free, so the framework adapters can read their defaults from the configs
+(``Field(default=XConfig.field)``). The RAG engines' configs live in :mod:`shared_core.rag_config`
+and validate with the same helpers (:func:`check_fields` and friends).
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
+
+DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
+DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedded sentence embedder
+DEFAULT_MAX_NEW_TOKENS = 256
+
+CacheKind = Literal["prealloc", "dynamic"]
 
 
 def _check(condition: bool, message: str) -> None:
@@ -11,11 +26,59 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> None:
+def check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> None:
     """TypeError naming ``name`` unless ``value`` is one of ``kinds`` (bool is never a number)."""
     if isinstance(value, bool) or not isinstance(value, kinds):
         msg = f"{name} must be {what}, got {type(value).__name__} {value!r}"
         raise TypeError(msg)
+
+
+def check_int(value: Any, name: str, minimum: int = 1) -> None:
+    """TypeError for a non-integer (bool, float, str; numpy integers pass), ValueError below
+    ``minimum``."""
+    what = f"an integer >= {minimum}"
+    check_type(value, name, (numbers.Integral,), what)
+    _check(value >= minimum, f"{name} must be {what}, got {value!r}")
+
+
+def check_bool(value: Any, name: str) -> None:
+    if not isinstance(value, bool):
+        msg = f"{name} must be a bool, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+
+
+def check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        msg = f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+        raise ValueError(msg)
+
+
+def check_timeout(timeout_s: Any, name: str = "retrieval_timeout_s") -> None:
+    """None or a positive, finite number of seconds."""
+    if timeout_s is None:
+        return
+    what = "None or a number of seconds > 0"
+    check_type(timeout_s, name, (int, float), what)
+    _check(0 < timeout_s < math.inf, f"{name} must be {what}, got {timeout_s!r}")
+
+
+def check_number(value: Any, name: str, low: float, high: float) -> None:
+    """A real number (not bool; numpy floats pass) strictly between ``low`` and ``high``."""
+    what = f"a number in ({low}, {high})"
+    check_type(value, name, (numbers.Real,), what)
+    _check(low < value < high, f"{name} must be {what}, got {value!r}")
+
+
+def check_fields(config: object, *, ints: Iterable[str] = (), bools: Iterable[str] = (),
+                 strs: Iterable[str] = ()) -> None:
+    """The type (and ``>= 1`` for ints) of a config's named fields; errors name the field."""
+    for name in ints:
+        check_int(getattr(config, name), name)
+    for name in bools:
+        check_bool(getattr(config, name), name)
+    for name in strs:
+        check_type(getattr(config, name), name, (str,), "a str")
 
 
 @dataclass(frozen=True)
@@ -31,11 +94,11 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        _check_type(self.temperature, "temperature", (int, float), "a number >= 0")
-        _check_type(self.top_k, "top_k", (int,), "an integer >= 0")
-        _check_type(self.top_p, "top_p", (int, float), "a number in (0, 1]")
+        check_type(self.temperature, "temperature", (int, float), "a number >= 0")
+        check_type(self.top_k, "top_k", (int,), "an integer >= 0")
+        check_type(self.top_p, "top_p", (int, float), "a number in (0, 1]")
         if self.seed is not None:
-            _check_type(self.seed, "seed", (int,), "an integer or None")
+            check_type(self.seed, "seed", (int,), "an integer or None")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
         _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
@@ -49,20 +112,20 @@ class SamplingConfig:
 class GenerationConfig:
     """Limits of one generation: how many tokens, and where to stop."""
 
-    max_new_tokens: int = 256
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: tuple[str, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
 
     def __post_init__(self) -> None:
-        _check_type(self.max_new_tokens, "max_new_tokens", (int,), "an integer >= 1")
+        check_type(self.max_new_tokens, "max_new_tokens", (int,), "an integer >= 1")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings")
 
     @classmethod
-    def build(cls, max_new_tokens: int = 256, *, stop: Sequence[str] | str | None = None,
-              temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-              seed: int | None = None) -> GenerationConfig:
+    def build(cls, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+              stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
+              top_p: float = 1.0, seed: int | None = None) -> GenerationConfig:
         """Validate loose keyword arguments into a config (the engines' public entry point)."""
         if isinstance(stop, str):
             stop = (stop,)

@@ -10,7 +10,6 @@ where the speculated top document was wrong, so the caller can roll back to that
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
@@ -18,21 +17,14 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator
 
-from shared_core.retrieval.base import check_retriever_like
+from shared_core.config import check_int
+from shared_core.rag_adapters import RetrieverSession, check_retriever, hit_metadata, hit_score
+from shared_core.rag_config import SpeculativeRetrievalConfig
 
 
 def _to_lc(hit: Any) -> LCDocument:
-    metadata = {**hit.document.metadata, "score": hit.score, "rank": hit.rank}
+    metadata = {**hit_metadata(hit), "score": hit_score(hit)}
     return LCDocument(page_content=hit.document.text, metadata=metadata, id=hit.document.id)
-
-
-def _check_k(k: Any, name: str = "k") -> None:
-    if isinstance(k, bool) or not isinstance(k, int):
-        msg = f"{name} must be an integer >= 1, got {type(k).__name__} {k!r}"
-        raise TypeError(msg)
-    if k < 1:
-        msg = f"{name} must be an integer >= 1, got {k!r}"
-        raise ValueError(msg)
 
 
 class SpeculativeRetriever(BaseRetriever):
@@ -40,42 +32,39 @@ class SpeculativeRetriever(BaseRetriever):
 
     Args:
         retriever: the retriever whose results must be preserved.
-        k: documents returned per query.
+        k: documents returned per query (LlamaIndex: ``similarity_top_k``).
         prefetch_k: documents fetched per verified query into the local cache (RaLMSpec's
             prefetching); the wrapped retriever decides how many it returns.
         retrieval_timeout_s: seconds one call of the wrapped retriever may take before the call
             fails with ``TimeoutError`` (the cache is left as it was); ``None``: no limit.
 
+    A document's ``metadata`` gets its ``rank`` and ``score`` (the retriever's; ``None`` for a
+    speculated document). The session (cache + verification queue) opens on first use and is
+    reopened when a setting changes or after :meth:`reset`, as in the LlamaIndex wrapper.
     Thread-safe: many threads may ``invoke`` one wrapper (the results are exact either way).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
 
     retriever: Any
-    k: int = Field(default=4, ge=1)
-    prefetch_k: int = Field(default=20, ge=1)
-    retrieval_timeout_s: float | None = Field(default=None, gt=0.0)
-    _session: Any = PrivateAttr(default=None)
-    _session_lock: threading.Lock = PrivateAttr(default_factory=threading.Lock)
+    k: int = Field(default=SpeculativeRetrievalConfig.k, ge=1)
+    prefetch_k: int = Field(default=SpeculativeRetrievalConfig.prefetch_k, ge=1)
+    retrieval_timeout_s: float | None = Field(
+        default=SpeculativeRetrievalConfig.retrieval_timeout_s, gt=0.0)
+    _sessions: RetrieverSession = PrivateAttr(default_factory=RetrieverSession)
 
-    _check_retriever = field_validator("retriever")(check_retriever_like)
+    _check_retriever = field_validator("retriever")(check_retriever)
 
     @property
     def session(self) -> Any:
         """The per-wrapper cache and verification state (create a new wrapper per request)."""
-        with self._session_lock:
-            if self._session is None:
-                from shared_core.engines.ralmspec import SpeculativeRetrieval
-
-                self._session = SpeculativeRetrieval(
-                    self.retriever, k=self.k, prefetch_k=self.prefetch_k,
-                    retrieval_timeout_s=self.retrieval_timeout_s)
-            return self._session
+        return self._sessions.get(self.retriever, self.k, self.prefetch_k,
+                                  self.retrieval_timeout_s)
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 k: int | None = None) -> list[LCDocument]:
         if k is not None:
-            _check_k(k)
+            check_int(k, "k")
         hits = self.session.retrieve(query)
         return [_to_lc(h) for h in hits[: k or self.k]]
 
@@ -89,5 +78,4 @@ class SpeculativeRetriever(BaseRetriever):
 
     def reset(self) -> None:
         """Forget the cache (start a new request)."""
-        with self._session_lock:
-            self._session = None
+        self._sessions.reset()

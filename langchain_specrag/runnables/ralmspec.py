@@ -16,10 +16,21 @@ from typing import Any
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import TypedDict
 
-from shared_core.retrieval.base import check_retriever_like
+from shared_core.config import DEFAULT_LM, SamplingConfig
+from shared_core.rag_adapters import (
+    RALMSPEC_KNOBS,
+    RaLMSpecEngines,
+    check_engine,
+    check_retriever,
+    engine_settings,
+    question_input,
+    ralmspec_details,
+    ralmspec_documents,
+)
+from shared_core.rag_config import RALMSPEC_MAX_NEW_TOKENS, RaLMSpecConfig
 from shared_core.serving import iterate_in_thread
 
 
@@ -28,29 +39,6 @@ class RaLMSpecInput(TypedDict):
 
 
 RaLMSpecOutput = str | dict[str, Any]
-
-
-def _question(value: Any) -> str:
-    if isinstance(value, dict) and "question" in value:
-        value = value["question"]
-    if not isinstance(value, str):
-        msg = "input must be a question string or a dict with a 'question' key"
-        raise TypeError(msg)
-    if not value.strip():
-        msg = "question must be a non-empty string"
-        raise ValueError(msg)
-    return value
-
-
-def check_retriever(value: Any) -> Any:
-    return value if value is None else check_retriever_like(value)
-
-
-def check_engine(value: Any) -> Any:
-    if value is not None and not all(hasattr(value, a) for a in ("lm", "backend", "config")):
-        msg = f"engine must be a shared_core RaLMSpec engine or None, got {type(value).__name__}"
-        raise TypeError(msg)
-    return value
 
 
 class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]):
@@ -64,66 +52,60 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
         retrieval_timeout_s: seconds one retriever call may take before the call fails with
             ``TimeoutError`` (``None``: the engine's setting, by default no limit).
         baseline: run RaLMSeq instead (for comparisons).
-        engine: a prebuilt :class:`shared_core.engines.ralmspec.RaLMSpec` (shares its model).
+        with_details: return a dict (answer, documents, doc_ids, token_ids, stats).
+        engine: a prebuilt :class:`shared_core.engines.ralmspec.RaLMSpec` (shares its model and
+            retriever); the knobs above not passed are its config's.
 
-    Settings are validated strictly (a bool or a float is not an int); a bad value raises
-    pydantic's ``ValidationError`` (a ``ValueError``) naming the field.
+    The settings and their defaults are those of :class:`RaLMSpecQueryEngine` (LlamaIndex) and
+    :class:`~shared_core.rag_config.RaLMSpecConfig`; a changed setting takes effect at the next
+    call (see :mod:`shared_core.rag_adapters`). Settings are validated strictly (a bool or a
+    float is not an int); a bad value raises pydantic's ``ValidationError`` (a ``ValueError``)
+    naming the field.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
 
     retriever: Any = None
-    model: str = "smollm2-135m-instruct"
-    max_new_tokens: int = Field(default=128, ge=1)
-    temperature: float = Field(default=0.0, ge=0.0)
-    seed: int | None = None
-    retrieval_stride: int = Field(default=4, ge=1)
-    speculation_stride: int = Field(default=3, ge=1)
-    prefetch: bool = True
-    scheduler: bool = True
-    async_verify: bool = True
-    retrieval_timeout_s: float | None = Field(default=None, gt=0.0)
+    model: str = DEFAULT_LM
+    max_new_tokens: int = Field(default=RALMSPEC_MAX_NEW_TOKENS, ge=1)
+    temperature: float = Field(default=SamplingConfig.temperature, ge=0.0)
+    seed: int | None = SamplingConfig.seed
+    retrieval_stride: int = Field(default=RaLMSpecConfig.retrieval_stride, ge=1)
+    speculation_stride: int = Field(default=RaLMSpecConfig.speculation_stride, ge=1)
+    prefetch: bool = RaLMSpecConfig.prefetch
+    scheduler: bool = RaLMSpecConfig.scheduler
+    async_verify: bool = RaLMSpecConfig.async_verify
+    retrieval_timeout_s: float | None = Field(default=RaLMSpecConfig.retrieval_timeout_s, gt=0.0)
     baseline: bool = False
     with_details: bool = False
     engine: Any = Field(default=None, exclude=True)
-    _engines: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
+    _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
+
+    _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
+                                                                      RALMSPEC_KNOBS))
 
     _check_retriever = field_validator("retriever")(check_retriever)
-    _check_engine = field_validator("engine")(check_engine)
+
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, value: Any) -> Any:
+        return check_engine(value, "RaLMSpec")
 
     def _engine(self) -> Any:
-        from shared_core.serving import ralmspec_engine
+        return self._engines.get(self)
 
-        knobs = {"retrieval_stride": self.retrieval_stride, "prefetch": self.prefetch,
-                 "speculation_stride": self.speculation_stride, "scheduler": self.scheduler,
-                 "async_verify": self.async_verify}
-        if self.retrieval_timeout_s is not None:
-            knobs["retrieval_timeout_s"] = self.retrieval_timeout_s
-        key = tuple(knobs.values())
-        if key not in self._engines and self.engine is None:
-            from shared_core.engines.ralmspec import RaLMSpecConfig
-
-            RaLMSpecConfig(**knobs)  # refuse bad knobs before a model is loaded
-        if key not in self._engines:
-            self._engines[key] = ralmspec_engine(self.model, self.retriever, self.engine, **knobs)
-        return self._engines[key]
-
-    def _stream(self, question: str) -> Any:
-        engine = self._engine()
-        start = engine.stream_baseline if self.baseline else engine.stream
-        return start(question, self.max_new_tokens, temperature=self.temperature, seed=self.seed)
+    def _stream(self, value: Any) -> Any:
+        return self._engines.stream(self, question_input(value)[0])
 
     def _output(self, result: Any) -> RaLMSpecOutput:
         if not self.with_details:
             return result.text
-        extra = result.stats.extra
         docs = [LCDocument(page_content=d["text"], metadata=d["metadata"], id=d["id"])
-                for d in extra.get("documents", [])]
-        return {"answer": result.text, "documents": docs, "doc_ids": extra.get("doc_ids", []),
-                "token_ids": list(result.token_ids), "stats": result.stats.as_dict()}
+                for d in ralmspec_documents(result)]
+        return {"answer": result.text, "documents": docs, **ralmspec_details(result)}
 
     def _run(self, value: Any) -> RaLMSpecOutput:
-        return self._output(self._stream(_question(value)).run())
+        return self._output(self._stream(value).run())
 
     def invoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> RaLMSpecOutput:
@@ -138,7 +120,7 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
 
     def _deltas(self, inputs: Iterator[Any]) -> Iterator[str]:
         for value in inputs:
-            yield from self._stream(_question(value))
+            yield from self._stream(value)
 
     def stream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> Iterator[str]:

@@ -19,8 +19,19 @@ from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_cu
 from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import TypedDict
+
+from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
+from shared_core.rag_adapters import (
+    SPECRAG_KNOBS,
+    SpeculativeRAGEngines,
+    check_engine,
+    engine_settings,
+    question_input,
+    specrag_details,
+)
+from shared_core.rag_config import SpeculativeRAGConfig
 
 if TYPE_CHECKING:
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
@@ -36,27 +47,6 @@ class SpeculativeRAGInput(TypedDict, total=False):
 SpeculativeRAGOutput = str | dict[str, Any]
 
 
-def _split_input(value: str | SpeculativeRAGInput) -> tuple[str, list[Any] | None]:
-    """(question, documents or None), checked before any retrieval or model work."""
-    if isinstance(value, str):
-        question, docs = value, None
-    elif isinstance(value, dict) and "question" in value:
-        question, docs = value["question"], value.get("documents")
-    else:
-        msg = "input must be a question string or a dict with a 'question' key"
-        raise TypeError(msg)
-    if not isinstance(question, str):
-        msg = f"question must be a str, got {type(question).__name__}"
-        raise TypeError(msg)
-    if not question.strip():
-        msg = "question must be a non-empty string"
-        raise ValueError(msg)
-    if docs is not None and (isinstance(docs, (str, bytes, dict)) or not isinstance(docs, (list, tuple))):
-        msg = f"documents must be a list of documents, got {type(docs).__name__}"
-        raise TypeError(msg)
-    return question, docs
-
-
 def _to_lc(doc: Any) -> LCDocument:
     return LCDocument(page_content=doc.text, metadata=dict(doc.metadata), id=doc.id)
 
@@ -67,68 +57,49 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     Args:
         retriever: any LangChain retriever (called with child callbacks, so its run nests).
         drafter / verifier: model names for :func:`shared_core.load_lm` (or pass ``engine``).
-        num_drafts / docs_per_draft / retrieve_k: m, k and the number of retrieved documents.
+        num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved documents are used.
         dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
         with_details: return a dict (answer, rationale, drafts, scores, documents, stats).
-        engine: a prebuilt :class:`shared_core.engines.SpeculativeRAG` (shares loaded models).
+        engine: a prebuilt :class:`shared_core.engines.SpeculativeRAG` (shares its models);
+            ``num_drafts`` / ``docs_per_draft`` / ``retrieve_k`` not passed are its config's.
+
+    The settings and their defaults are those of :class:`SpeculativeRAGQueryEngine` (LlamaIndex)
+    and :class:`~shared_core.rag_config.SpeculativeRAGConfig`; a changed setting takes effect at
+    the next call (see :mod:`shared_core.rag_adapters`).
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
 
     retriever: BaseRetriever | None = None
-    drafter: str = "smollm2-135m-instruct"
-    verifier: str | None = "gemma-3-270m"
+    drafter: str = DEFAULT_LM
+    verifier: str | None = DEFAULT_VERIFIER
     dtype: str | None = None
-    num_drafts: int = Field(default=5, ge=1)
-    docs_per_draft: int = Field(default=2, ge=1)
-    retrieve_k: int = Field(default=10, ge=1)
+    num_drafts: int = Field(default=SpeculativeRAGConfig.num_drafts, ge=1)
+    docs_per_draft: int = Field(default=SpeculativeRAGConfig.docs_per_draft, ge=1)
+    retrieve_k: int = Field(default=SpeculativeRAGConfig.retrieve_k, ge=1)
     with_details: bool = False
     engine: Any = Field(default=None, exclude=True)
+    _engines: SpeculativeRAGEngines = PrivateAttr(default_factory=SpeculativeRAGEngines)
+
+    _engine_settings = model_validator(mode="before")(
+        engine_settings(SpeculativeRAGConfig, SPECRAG_KNOBS))
 
     @field_validator("engine")
     @classmethod
     def _check_engine(cls, value: Any) -> Any:
-        if value is not None and not callable(getattr(value, "with_config", None)):
-            msg = f"engine must be a shared_core SpeculativeRAG or None, got {type(value).__name__}"
-            raise TypeError(msg)
-        return value
-    _engines: dict[tuple[Any, ...], Any] = PrivateAttr(default_factory=dict)
+        return check_engine(value, "SpeculativeRAG")
 
     def _engine(self) -> SpeculativeRAG:
-        """The engine for the current knobs (built lazily, cached; shares models if given)."""
-        from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
-
-        key = (self.drafter, self.verifier, self.dtype, self.num_drafts, self.docs_per_draft,
-               self.retrieve_k)
-        if key not in self._engines:
-            base = self.engine
-            config = SpeculativeRAGConfig(num_drafts=self.num_drafts,
-                                          docs_per_draft=self.docs_per_draft,
-                                          retrieve_k=self.retrieve_k)
-            if base is not None:
-                from dataclasses import replace
-
-                config = replace(base.config, num_drafts=self.num_drafts,
-                                 docs_per_draft=self.docs_per_draft, retrieve_k=self.retrieve_k)
-                self._engines[key] = base.with_config(config)
-            else:
-                self._engines[key] = SpeculativeRAG(self.drafter, self.verifier, config=config,
-                                                    dtype=self.dtype)
-        return self._engines[key]
+        return self._engines.get(self)
 
     def _output(self, result: SpeculativeRAGResult) -> SpeculativeRAGOutput:
         if not self.with_details:
             return result.text
-        return {
-            "answer": result.text, "rationale": result.rationale, "best": result.best,
-            "drafts": [d.as_dict() for d in result.drafts],
-            "scores": [d.score for d in result.drafts],
-            "documents": [_to_lc(d) for d in result.documents],
-            "stats": result.stats.as_dict(),
-        }
+        return {"answer": result.text, **specrag_details(result),
+                "documents": [_to_lc(d) for d in result.documents]}
 
     def _question_and_docs(self, value: Any) -> tuple[str, list[Any] | None]:
-        question, docs = _split_input(value)
+        question, docs = question_input(value)
         if docs is None and self.retriever is None:
             msg = "retriever is None and the input has no 'documents': pass one or the other"
             raise ValueError(msg)

@@ -13,8 +13,7 @@ scores, the chosen draft and the engine stats. A subclass of ``BaseQueryEngine``
 from __future__ import annotations
 
 import asyncio
-import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
@@ -23,93 +22,85 @@ from llama_index.core.callbacks import CallbackManager
 from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llamaindex_specrag.query_engines.ralmspec import query_text
+from llamaindex_specrag._query import CheckedQuery
+from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
+from shared_core.rag_adapters import (
+    SPECRAG_KNOBS,
+    SpeculativeRAGEngines,
+    resolve_settings,
+    specrag_details,
+)
+from shared_core.rag_config import SpeculativeRAGConfig
 
 if TYPE_CHECKING:
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
 
 
-class SpeculativeRAGQueryEngine(BaseQueryEngine):
+class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
     """Speculative RAG over a LlamaIndex retriever.
 
     Args:
         retriever: any LlamaIndex retriever (use ``similarity_top_k >= num_drafts *
             docs_per_draft``; 10 in the paper's setting).
-        drafter / verifier: model names for :func:`shared_core.load_lm`.
-        num_drafts / docs_per_draft: m and k.
+        drafter / verifier: model names for :func:`shared_core.load_lm` (or pass ``engine``).
+        num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved nodes are used
+            (``None``: the engine's config value, else the
+            :class:`~shared_core.rag_config.SpeculativeRAGConfig` default).
         dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
-        engine: a prebuilt :class:`shared_core.engines.speculative_rag.SpeculativeRAG`
-            (overrides drafter/verifier/num_drafts/docs_per_draft).
+        engine: a prebuilt :class:`shared_core.engines.speculative_rag.SpeculativeRAG` (shares
+            its models).
         callback_manager: LlamaIndex callback manager.
+
+    The settings and their defaults are those of ``SpeculativeRAGRunnable`` (LangChain) and
+    :class:`~shared_core.rag_config.SpeculativeRAGConfig`; they are checked here, and a setting
+    changed later takes effect at the next query (see :mod:`shared_core.rag_adapters`).
     """
 
-    def __init__(self, retriever: BaseRetriever, *, drafter: str = "smollm2-135m-instruct",
-                 verifier: str | None = "gemma-3-270m", num_drafts: int = 5,
-                 docs_per_draft: int = 2, dtype: str | None = None,
-                 engine: SpeculativeRAG | None = None,
+    def __init__(self, retriever: BaseRetriever, *, drafter: str = DEFAULT_LM,
+                 verifier: str | None = DEFAULT_VERIFIER, dtype: str | None = None,
+                 num_drafts: int | None = None, docs_per_draft: int | None = None,
+                 retrieve_k: int | None = None, engine: SpeculativeRAG | None = None,
                  callback_manager: CallbackManager | None = None) -> None:
         if not callable(getattr(retriever, "retrieve", None)):
             msg = f"retriever must be a LlamaIndex retriever, got {type(retriever).__name__}"
             raise TypeError(msg)
-        if engine is not None and not callable(getattr(engine, "answer", None)):
-            msg = f"engine must be a shared_core SpeculativeRAG or None, got {type(engine).__name__}"
-            raise TypeError(msg)
-        if engine is None:
-            from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
-
-            config = SpeculativeRAGConfig(num_drafts=num_drafts, docs_per_draft=docs_per_draft)
-            engine = SpeculativeRAG(drafter, verifier, config=config, dtype=dtype)
-        self._retriever = retriever
-        self._engine = engine
-        self._lock = threading.Lock()
+        self.retriever = retriever
+        self.drafter, self.verifier, self.dtype = drafter, verifier, dtype
+        given = {"num_drafts": num_drafts, "docs_per_draft": docs_per_draft,
+                 "retrieve_k": retrieve_k}
+        self.engine = engine
+        knobs = resolve_settings(engine, SpeculativeRAGConfig, SPECRAG_KNOBS,
+                                 {k: v for k, v in given.items() if v is not None})
+        self.num_drafts, self.docs_per_draft, self.retrieve_k = knobs.values()
+        self._engines = SpeculativeRAGEngines()
+        self._engine()  # every setting is checked now; no model is loaded before the first query
         super().__init__(callback_manager=callback_manager)
 
-    @property
-    def retriever(self) -> BaseRetriever:
-        return self._retriever
-
-    @property
-    def engine(self) -> SpeculativeRAG:
-        return self._engine
+    def _engine(self) -> SpeculativeRAG:
+        return self._engines.get(self)
 
     def _get_prompt_modules(self) -> PromptMixinType:
         return {}
 
-    def query(self, str_or_query_bundle: str | QueryBundle) -> Any:
-        query_text(str_or_query_bundle)
-        return super().query(str_or_query_bundle)
-
-    async def aquery(self, str_or_query_bundle: str | QueryBundle) -> Any:
-        query_text(str_or_query_bundle)
-        return await super().aquery(str_or_query_bundle)
-
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return self._retriever.retrieve(query_bundle)
+        return self.retriever.retrieve(query_bundle)[: self.retrieve_k]
 
     async def aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return await self._retriever.aretrieve(query_bundle)
-
-    def _answer(self, question: str, nodes: list[NodeWithScore]) -> SpeculativeRAGResult:
-        with self._lock:
-            return self._engine.answer(question, nodes)
+        return (await self.retriever.aretrieve(query_bundle))[: self.retrieve_k]
 
     @staticmethod
     def _response(result: SpeculativeRAGResult, nodes: list[NodeWithScore]) -> Response:
-        metadata = {
-            "rationale": result.rationale, "best": result.best,
-            "drafts": [d.as_dict() for d in result.drafts],
-            "scores": [d.score for d in result.drafts],
-            "stats": result.stats.as_dict(),
-        }
-        return Response(response=result.text, source_nodes=nodes, metadata=metadata)
+        return Response(response=result.text, source_nodes=nodes, metadata=specrag_details(result))
 
     def _query(self, query_bundle: QueryBundle) -> Response:
+        engine = self._engine()
         nodes = self.retrieve(query_bundle)
-        return self._response(self._answer(query_bundle.query_str, nodes), nodes)
+        return self._response(engine.answer(query_bundle.query_str, nodes), nodes)
 
     async def _aquery(self, query_bundle: QueryBundle) -> Response:
+        engine = self._engine()
         nodes = await self.aretrieve(query_bundle)
-        result = await asyncio.to_thread(self._answer, query_bundle.query_str, nodes)
+        result = await asyncio.to_thread(engine.answer, query_bundle.query_str, nodes)
         return self._response(result, nodes)
 
 

@@ -8,22 +8,22 @@ results when possible); ``speculate(query)`` answers from the per-session cache 
 
 from __future__ import annotations
 
-import threading
+import asyncio
 from typing import Any
 
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
-from llamaindex_specrag.query_engines.ralmspec import query_text
-from shared_core.retrieval._common import check_int
+from llamaindex_specrag._query import query_text
+from shared_core.config import check_int
+from shared_core.rag_adapters import RetrieverSession, check_retriever, hit_metadata, hit_score
+from shared_core.rag_config import SpeculativeRetrievalConfig
 
 
 def _to_node(hit: Any) -> NodeWithScore:
-    node = TextNode(text=hit.document.text, id_=hit.document.id,
-                    metadata={**hit.document.metadata, "rank": hit.rank})
-    score = None if hit.score != hit.score else hit.score  # NaN (speculated) -> None
-    return NodeWithScore(node=node, score=score)
+    node = TextNode(text=hit.document.text, id_=hit.document.id, metadata=hit_metadata(hit))
+    return NodeWithScore(node=node, score=hit_score(hit))
 
 
 class SpeculativeRetriever(BaseRetriever):
@@ -31,28 +31,36 @@ class SpeculativeRetriever(BaseRetriever):
 
     Args:
         retriever: the retriever whose results must be preserved.
-        similarity_top_k: nodes returned per query.
+        similarity_top_k: nodes returned per query (LangChain: ``k``).
         prefetch_k: documents fetched per verified query into the local cache.
         retrieval_timeout_s: seconds one call of the wrapped retriever may take before the call
             fails with ``TimeoutError`` (the cache is left as it was); ``None``: no limit.
 
-    Thread-safe: many threads may ``retrieve`` through one wrapper (the results are exact).
+    A node's score is the retriever's (``None`` for a speculated node) and its metadata gets its
+    ``rank``. The session (cache + verification queue) opens on first use and is reopened when
+    a setting changes or after :meth:`reset`, as in the LangChain wrapper. Thread-safe: many
+    threads may ``retrieve`` through one wrapper (the results are exact).
     """
 
-    def __init__(self, retriever: Any, similarity_top_k: int = 4, prefetch_k: int = 20,
+    def __init__(self, retriever: Any, similarity_top_k: int = SpeculativeRetrievalConfig.k,
+                 prefetch_k: int = SpeculativeRetrievalConfig.prefetch_k,
                  callback_manager: CallbackManager | None = None, *,
-                 retrieval_timeout_s: float | None = None) -> None:
-        from shared_core.engines.ralmspec import SpeculativeRetrieval
-
+                 retrieval_timeout_s: float | None = SpeculativeRetrievalConfig.retrieval_timeout_s
+                 ) -> None:
         check_int(similarity_top_k, "similarity_top_k")
-        self.session = SpeculativeRetrieval(retriever, k=similarity_top_k, prefetch_k=prefetch_k,
-                                            retrieval_timeout_s=retrieval_timeout_s)
-        self.retriever = retriever
+        SpeculativeRetrievalConfig(similarity_top_k, prefetch_k, retrieval_timeout_s)
+        self.retriever = check_retriever(retriever)
         self.similarity_top_k = similarity_top_k
         self.prefetch_k = prefetch_k
         self.retrieval_timeout_s = retrieval_timeout_s
-        self._session_lock = threading.Lock()
+        self._sessions = RetrieverSession()
         super().__init__(callback_manager=callback_manager)
+
+    @property
+    def session(self) -> Any:
+        """The per-wrapper cache and verification state (create a new wrapper per request)."""
+        return self._sessions.get(self.retriever, self.similarity_top_k, self.prefetch_k,
+                                  self.retrieval_timeout_s)
 
     def retrieve(self, str_or_query_bundle: str | QueryBundle) -> list[NodeWithScore]:
         query_text(str_or_query_bundle)
@@ -63,13 +71,9 @@ class SpeculativeRetriever(BaseRetriever):
         return await super().aretrieve(str_or_query_bundle)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        with self._session_lock:
-            session = self.session
-        return [_to_node(h) for h in session.retrieve(query_text(query_bundle))]
+        return [_to_node(h) for h in self.session.retrieve(query_text(query_bundle))]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        import asyncio
-
         return await asyncio.to_thread(self._retrieve, query_bundle)
 
     def speculate(self, query: str) -> list[NodeWithScore]:
@@ -82,9 +86,4 @@ class SpeculativeRetriever(BaseRetriever):
 
     def reset(self) -> None:
         """Forget the cache (start a new request)."""
-        from shared_core.engines.ralmspec import SpeculativeRetrieval
-
-        with self._session_lock:
-            self.session = SpeculativeRetrieval(
-                self.retriever, k=self.similarity_top_k, prefetch_k=self.prefetch_k,
-                retrieval_timeout_s=self.retrieval_timeout_s)
+        self._sessions.reset()

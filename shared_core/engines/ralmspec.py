@@ -47,82 +47,26 @@ from typing import Any, Protocol
 import torch
 
 from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.config import check_timeout as check_timeout  # re-exported
 from shared_core.engines.baseline import TokenStream
 from shared_core.kv import CacheKind, KVSession
 from shared_core.models import LM
 from shared_core.output import GenerationResult, OutputTracker
-from shared_core.retrieval._common import check_int, check_number
+from shared_core.rag_config import DEFAULT_INSTRUCTION as DEFAULT_INSTRUCTION  # re-exported
+from shared_core.rag_config import (
+    RALMSPEC_MAX_NEW_TOKENS,
+    RaLMSpecConfig,
+    SpeculativeRetrievalConfig,
+)
+from shared_core.retrieval._common import check_int
 from shared_core.retrieval.base import Document, Hit
 from shared_core.stats import DecodeStats
 from shared_core.verify import greedy_accept_length, warp_probs
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_INSTRUCTION = "Answer the question using the passage."
 _SENTINEL = "\u2063RALM_DOC\u2063"
 _SEED_MIX = 1_000_003
-
-
-# ----------------------------------------------------------------------------- configuration
-
-
-@dataclass(frozen=True)
-class RaLMSpecConfig:
-    """Iterative RaLM settings (paper defaults) and RaLMSpec's switches.
-
-    ``prefetch``, ``scheduler`` and ``async_verify`` are the paper's P, S and A; with all three
-    off ("base") every round speculates ``speculation_stride`` steps and the cache is updated
-    with the top-1 document of each verified query. ``overlap_steps > 1`` goes past the paper's
-    A: while a verification is still running after one overlapped step, up to that many steps
-    are speculated (all verified in the next round), so a retriever slower than a step no
-    longer leaves the LM idle.
-    """
-
-    retrieval_stride: int = 4  # generated tokens between retrievals
-    query_tokens: int = 32  # the query is the last this-many tokens of question + output
-    max_doc_tokens: int = 256  # a retrieved document is cut to this many tokens
-    max_prompt_tokens: int = 512  # question + instruction limit (document excluded)
-    speculation_stride: int = 3  # s when the scheduler is off; the scheduler starts at s = 1
-    max_speculation_stride: int = 8  # upper bound of the OS³ search
-    prefetch: bool = True  # P: add the top-k of every verification query to the cache
-    prefetch_k: int = 20
-    scheduler: bool = True  # S: OS³ optimal speculation stride scheduler
-    async_verify: bool = True  # A: verification on a worker thread, overlapping speculation
-    overlap_steps: int = 1  # A: speculation steps while a verification runs (paper: 1)
-    window: int = 5  # OS³ estimation window w (rounds)
-    gamma_max: float = 0.6  # OS³ cap on the estimated speculation accuracy γ̂
-    instruction: str = DEFAULT_INSTRUCTION
-    cache: CacheKind = "prealloc"
-    # Seconds one retriever search may take (None: wait forever). On expiry the call raises
-    # TimeoutError and is abandoned: the search thread is left to finish on its own.
-    retrieval_timeout_s: float | None = None
-
-    def __post_init__(self) -> None:
-        for name in ("retrieval_stride", "query_tokens", "max_doc_tokens", "max_prompt_tokens",
-                     "max_speculation_stride", "speculation_stride", "overlap_steps",
-                     "prefetch_k", "window"):
-            check_int(getattr(self, name), name)
-        for name in ("prefetch", "scheduler", "async_verify"):
-            if not isinstance(getattr(self, name), bool):
-                msg = f"{name} must be a bool, got {getattr(self, name)!r}"
-                raise TypeError(msg)
-        checks = {
-            "speculation_stride": self.speculation_stride <= self.max_speculation_stride,
-            "gamma_max": 0.0 < check_number(self.gamma_max, "gamma_max", 0.0, 1.0) < 1.0,
-            "cache": self.cache in ("prealloc", "dynamic"),
-        }
-        for name, ok in checks.items():
-            if not ok:
-                msg = f"{name}={getattr(self, name)!r} is out of range"
-                raise ValueError(msg)
-        if not isinstance(self.instruction, str):
-            msg = f"instruction must be a str, got {type(self.instruction).__name__}"
-            raise TypeError(msg)
-        check_timeout(self.retrieval_timeout_s)
-
-    @property
-    def verify_k(self) -> int:
-        return self.prefetch_k if self.prefetch else 1
 
 
 # ----------------------------------------------------------------------------- retriever backends
@@ -307,18 +251,6 @@ def retriever_name(backend: Any) -> str:
     return type(backend).__name__
 
 
-def check_timeout(timeout_s: Any, name: str = "retrieval_timeout_s") -> None:
-    """None or a positive, finite number of seconds."""
-    if timeout_s is None:
-        return
-    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)):
-        msg = f"{name} must be None or a number of seconds > 0, got {timeout_s!r}"
-        raise TypeError(msg)
-    if not 0 < timeout_s < math.inf:
-        msg = f"{name} must be None or a number of seconds > 0, got {timeout_s!r}"
-        raise ValueError(msg)
-
-
 _EXPECTED = "list[list[Hit]] (one list of Hit(document, score, rank) per query, best first)"
 
 
@@ -453,11 +385,10 @@ class SpeculativeRetrieval:
     queue, so it can be retried.
     """
 
-    def __init__(self, retriever: Any, *, k: int = 4, prefetch_k: int = 20,
+    def __init__(self, retriever: Any, *, k: int = SpeculativeRetrievalConfig.k,
+                 prefetch_k: int = SpeculativeRetrievalConfig.prefetch_k,
                  retrieval_timeout_s: float | None = None):
-        check_int(k, "k")
-        check_int(prefetch_k, "prefetch_k")
-        check_timeout(retrieval_timeout_s)
+        SpeculativeRetrievalConfig(k, prefetch_k, retrieval_timeout_s)  # named errors
         self.backend = as_backend(retriever)
         self.k = k
         self.prefetch_k = max(k, prefetch_k)
@@ -976,24 +907,26 @@ class RaLMSpec:
         generation = GenerationConfig.build(max_new_tokens, **sampling)
         return _Call(self.lm, self.backend, question, self.config, generation)
 
-    def stream(self, question: str, max_new_tokens: int = 128, **sampling: Any) -> TokenStream:
+    def stream(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
+               **sampling: Any) -> TokenStream:
         """RaLMSpec as a stream of verified text deltas; ``.result`` once exhausted."""
         call = self._call(question, max_new_tokens, sampling)
         return call.stream(_ralmspec_blocks(call))
 
-    def stream_baseline(self, question: str, max_new_tokens: int = 128, **sampling: Any
-                        ) -> TokenStream:
+    def stream_baseline(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
+                        **sampling: Any) -> TokenStream:
         """RaLMSeq (retrieve every stride, no speculation) as a stream."""
         call = self._call(question, max_new_tokens, sampling)
         return call.stream(_ralmseq_blocks(call))
 
-    def generate(self, question: str, max_new_tokens: int = 128, *, temperature: float = 0.0,
-                 top_k: int = 0, top_p: float = 1.0, stop: Sequence[str] | str | None = None,
-                 seed: int | None = None) -> GenerationResult:
+    def generate(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 stop: Sequence[str] | str | None = None, seed: int | None = None
+                 ) -> GenerationResult:
         return self.stream(question, max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, stop=stop, seed=seed).run()
 
-    def generate_baseline(self, question: str, max_new_tokens: int = 128, *,
+    def generate_baseline(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
                           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                           stop: Sequence[str] | str | None = None, seed: int | None = None
                           ) -> GenerationResult:
@@ -1001,7 +934,8 @@ class RaLMSpec:
                                     top_k=top_k, top_p=top_p, stop=stop, seed=seed).run()
 
 
-def ralmseq_generate(lm: LM, retriever: Any, question: str, max_new_tokens: int = 128, *,
+def ralmseq_generate(lm: LM, retriever: Any, question: str,
+                     max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
                      config: RaLMSpecConfig | None = None, **sampling: Any) -> GenerationResult:
     """The iterative RaLM baseline (RaLMSeq) as a function."""
     return RaLMSpec(lm, retriever, config).generate_baseline(question, max_new_tokens, **sampling)

@@ -50,6 +50,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal
 
+from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER, check_int
+from shared_core.rag_config import EMBED_INSTRUCTION as EMBED_INSTRUCTION  # re-exported
+from shared_core.rag_config import DraftOrder, Selection, SpeculativeRAGConfig
+from shared_core.rag_config import SubsetStrategy as SubsetStrategy  # re-exported
 from shared_core.retrieval.base import Document
 
 if TYPE_CHECKING:
@@ -60,9 +64,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SubsetStrategy = Literal["cluster", "random", "same_cluster"]
-Selection = Literal["score", "vote", "random"]
-DraftOrder = Literal["rationale_first", "answer_first"]
 EventHook = Callable[[str, dict[str, Any]], None]
 
 DRAFT_INSTRUCTION = (
@@ -78,71 +79,8 @@ DRAFT_INSTRUCTION_ANSWER_FIRST = (
 )
 RAG_INSTRUCTION = "Answer the question using the documents. Give a short answer of a few words."
 REFLECTION = "Do you think the rationale supports the answer, yes or no?"
-EMBED_INSTRUCTION = "Represent this document for answering the question: {question}\nDocument: "
 MAX_ENUMERATED_SUBSETS = 4096  # enumerate all one-per-cluster subsets up to this many
 _LM_HEAD_CHUNK = 64  # positions per LM-head call when scoring spans (bounds memory)
-
-
-def check_positive_int(value: Any, name: str) -> None:
-    """TypeError for a non-integer (bool, float, str), ValueError below 1."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = f"{name} must be a positive integer, got {type(value).__name__} {value!r}"
-        raise TypeError(msg)
-    if value < 1:
-        msg = f"{name} must be a positive integer, got {value!r}"
-        raise ValueError(msg)
-
-
-@dataclass(frozen=True)
-class SpeculativeRAGConfig:
-    """Knobs of :class:`SpeculativeRAG` (paper defaults: 10 documents, m = 5, k = 2)."""
-
-    num_drafts: int = 5  # m: drafts, one per document subset
-    docs_per_draft: int = 2  # k: documents per subset = K-means clusters
-    retrieve_k: int = 10  # documents fetched when a retriever is given
-    max_draft_tokens: int = 64  # drafter budget for rationale + answer
-    max_answer_tokens: int = 24  # standard-RAG budget (answer only)
-    subset_strategy: SubsetStrategy = "cluster"  # "random"/"same_cluster" are Table-2 ablations
-    use_draft_score: bool = True  # ρ_draft
-    use_self_contain: bool = True  # ρ_SC
-    use_self_reflect: bool = True  # ρ_SR
-    selection: Selection = "score"  # "vote": most common answer; "random": ablation
-    length_normalize: bool = False  # mean instead of summed log ρ_draft and log ρ_SC
-    force_answer_line: bool = False  # continue drafts that stop without "Answer:" (2nd generate)
-    draft_order: DraftOrder = "rationale_first"  # the paper's; "answer_first" prefills "Answer:"
-    embed_instruction: str = EMBED_INSTRUCTION  # {question} is filled in
-    kmeans_iters: int = 25
-    seed: int = 1399
-
-    def __post_init__(self) -> None:
-        for name in ("num_drafts", "docs_per_draft", "retrieve_k", "max_draft_tokens",
-                     "max_answer_tokens", "kmeans_iters"):
-            check_positive_int(getattr(self, name), name)
-        for name in ("use_draft_score", "use_self_contain", "use_self_reflect",
-                     "length_normalize", "force_answer_line"):
-            if not isinstance(getattr(self, name), bool):
-                msg = f"{name} must be a bool, got {getattr(self, name)!r}"
-                raise TypeError(msg)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            msg = f"seed must be an int, got {self.seed!r}"
-            raise TypeError(msg)
-        if not isinstance(self.embed_instruction, str):
-            msg = f"embed_instruction must be a str, got {type(self.embed_instruction).__name__}"
-            raise TypeError(msg)
-        if self.subset_strategy not in ("cluster", "random", "same_cluster"):
-            msg = ("subset_strategy must be 'cluster', 'random' or 'same_cluster', "
-                   f"got {self.subset_strategy!r}")
-            raise ValueError(msg)
-        if self.draft_order not in ("rationale_first", "answer_first"):
-            msg = f"draft_order must be 'rationale_first' or 'answer_first', got {self.draft_order!r}"
-            raise ValueError(msg)
-        if self.selection not in ("score", "vote", "random"):
-            msg = f"selection must be 'score', 'vote' or 'random', got {self.selection!r}"
-            raise ValueError(msg)
-
-    @property
-    def needs_verifier(self) -> bool:
-        return self.selection != "random" and (self.use_self_contain or self.use_self_reflect)
 
 
 @dataclass
@@ -273,7 +211,7 @@ def check_retriever(retriever: Any) -> None:
 def retrieve(retriever: Any, question: str, k: int) -> list[Document]:
     """Top-k documents from our Retriever, a LangChain retriever or a LlamaIndex retriever."""
     check_retriever(retriever)
-    check_positive_int(k, "k")
+    check_int(k, "k")
     name = type(retriever).__name__
     if callable(getattr(retriever, "search", None)):
         rows = retriever.search([question], k)
@@ -773,8 +711,8 @@ class SpeculativeRAG:
     Models load lazily on first use; names are validated immediately.
     """
 
-    def __init__(self, drafter: LM | str = "smollm2-135m-instruct",
-                 verifier: LM | str | None = "gemma-3-270m", *, embedder: Any = "all-minilm-l6-v2",
+    def __init__(self, drafter: LM | str = DEFAULT_LM, verifier: LM | str | None = DEFAULT_VERIFIER,
+                 *, embedder: Any = DEFAULT_EMBEDDER,
                  retriever: Any = None, config: SpeculativeRAGConfig | None = None,
                  dtype: str | None = None) -> None:
         _check_model_arg(drafter, "drafter", optional=False)
@@ -1017,7 +955,7 @@ def standard_rag(lm: LM, question: str, documents: Sequence[Any],
                  max_new_tokens: int = SpeculativeRAGConfig.max_answer_tokens) -> StandardRAGResult:
     """Standard RAG with one model: every document in the prompt, answer parsed as drafts are."""
     question = check_inputs(question, documents, SpeculativeRAGConfig(), need_subsets=False)
-    check_positive_int(max_new_tokens, "max_new_tokens")
+    check_int(max_new_tokens, "max_new_tokens")
     docs, _ = drop_blank(to_documents(documents))
     prompt = rag_prompt(lm, question, docs)
     _check_length(lm, prompt, max_new_tokens, "the standard-RAG prompt")

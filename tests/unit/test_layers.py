@@ -25,6 +25,8 @@ PACKAGES = ("shared_core", "langchain_specrag", "llamaindex_specrag")
 LAYERS: dict[str, tuple[int, str]] = {
     "shared_core._lazy": (0, "PEP 562 lazy-attribute helper, standard library only"),
     "shared_core.config": (0, "frozen, torch-free configs"),
+    "shared_core.rag_config": (0, "the RAG engines' frozen, torch-free configs (adapters read "
+                                  "their defaults here)"),
     "shared_core.stats": (0, "stats dataclasses"),
     "shared_core.device": (0, "device and dtype resolution"),
     "shared_core.draft_length": (0, "pure arithmetic on measured costs; no models, no torch"),
@@ -42,6 +44,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.retrieval": (2, "documents, chunking, retrieval backends"),
     "shared_core.engines": (3, "the engines and their shared round loop"),
     "shared_core.serving": (4, "model cache + locks for the adapters; builds engines"),
+    "shared_core.rag_adapters": (4, "framework-neutral code both frameworks' RAG adapters share"),
     "shared_core.remote": (4, "served-model clients"),
     "shared_core.bench": (4, "benchmarks and probes"),
     "shared_core.train_drafter": (4, "drafter tuning (uses the engine's draft prompt)"),
