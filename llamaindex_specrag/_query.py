@@ -6,7 +6,7 @@ from typing import Any
 
 from llama_index.core.schema import QueryBundle
 
-from shared_core.rag_adapters import check_question
+from shared_core.config import check_text
 
 
 def query_text(query: Any) -> str:
@@ -15,7 +15,7 @@ def query_text(query: Any) -> str:
     if not isinstance(text, str):
         msg = f"query must be a question string or a QueryBundle, got {type(query).__name__}"
         raise TypeError(msg)
-    return check_question(text, "query")
+    return check_text(text, "query")
 
 
 class CheckedQuery:

@@ -47,6 +47,15 @@ def check_bool(value: Any, name: str) -> None:
         raise TypeError(msg)
 
 
+def check_text(value: Any, name: str) -> str:
+    """A non-empty string (TypeError for another type, ValueError for blank), returned as is."""
+    if not isinstance(value, str):
+        msg = f"{name} must be a str, got {type(value).__name__}"
+        raise TypeError(msg)
+    _check(bool(value.strip()), f"{name} must be a non-empty string")
+    return value
+
+
 def check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
     """ValueError naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:

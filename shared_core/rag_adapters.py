@@ -27,7 +27,10 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from shared_core.rag_config import RaLMSpecConfig, SpeculativeRAGConfig
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+
+from shared_core.config import DEFAULT_LM, SamplingConfig, check_text
+from shared_core.rag_config import RALMSPEC_MAX_NEW_TOKENS, RaLMSpecConfig, SpeculativeRAGConfig
 from shared_core.retrieval.base import Hit, check_retriever_like
 
 if TYPE_CHECKING:
@@ -51,17 +54,6 @@ RETRIEVER_SETTINGS = ("retriever", "prefetch_k", "retrieval_timeout_s")
 # ----------------------------------------------------------------------------- input checks
 
 
-def check_question(value: Any, name: str = "question") -> str:
-    """A non-empty question string (TypeError / ValueError naming ``name``)."""
-    if not isinstance(value, str):
-        msg = f"{name} must be a str, got {type(value).__name__}"
-        raise TypeError(msg)
-    if not value.strip():
-        msg = f"{name} must be a non-empty string"
-        raise ValueError(msg)
-    return value
-
-
 def question_input(value: Any) -> tuple[str, Any]:
     """(question, documents or None) of a question string or a ``{"question", "documents"}``
     dict, checked before any retrieval or model work."""
@@ -76,7 +68,7 @@ def question_input(value: Any) -> tuple[str, Any]:
                              or not isinstance(docs, (list, tuple))):
         msg = f"documents must be a list of documents, got {type(docs).__name__}"
         raise TypeError(msg)
-    return check_question(question), docs
+    return check_text(question, "question"), docs
 
 
 def check_retriever(value: Any) -> Any:
@@ -210,6 +202,47 @@ class RaLMSpecEngines:
         start = engine.stream_baseline if settings.baseline else engine.stream
         return start(question, settings.max_new_tokens, temperature=settings.temperature,
                      seed=settings.seed)
+
+
+class RaLMSpecSettings(BaseModel):
+    """The settings of both RaLMSpec adapters, declared once (pydantic: strict, so a bool or a
+    float is not an int; a bad value raises ``ValidationError``, a ``ValueError``, naming it).
+
+    ``RaLMSpecRunnable`` (LangChain) and ``RaLMSpecQueryEngine`` (LlamaIndex) inherit these
+    fields, their checks and the engine they build; the defaults are the configs'.
+    """
+
+    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
+
+    retriever: Any = None
+    model: str = DEFAULT_LM
+    max_new_tokens: int = Field(default=RALMSPEC_MAX_NEW_TOKENS, ge=1)
+    temperature: float = Field(default=SamplingConfig.temperature, ge=0.0)
+    seed: int | None = SamplingConfig.seed
+    retrieval_stride: int = Field(default=RaLMSpecConfig.retrieval_stride, ge=1)
+    speculation_stride: int = Field(default=RaLMSpecConfig.speculation_stride, ge=1)
+    prefetch: bool = RaLMSpecConfig.prefetch
+    scheduler: bool = RaLMSpecConfig.scheduler
+    async_verify: bool = RaLMSpecConfig.async_verify
+    retrieval_timeout_s: float | None = Field(default=RaLMSpecConfig.retrieval_timeout_s, gt=0.0)
+    baseline: bool = False
+    engine: Any = Field(default=None, exclude=True)
+    _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
+
+    _check_retriever = field_validator("retriever")(check_retriever)
+    _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
+                                                                      RALMSPEC_KNOBS))
+
+    @field_validator("engine")
+    @classmethod
+    def _check_engine(cls, value: Any) -> Any:
+        return check_engine(value, "RaLMSpec")
+
+    def _engine(self) -> RaLMSpec:
+        return self._engines.get(self)
+
+    def _stream(self, question: str) -> TokenStream:
+        return self._engines.stream(self, question)
 
 
 class RetrieverSession:

@@ -16,21 +16,14 @@ from typing import Any
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import TypedDict
 
-from shared_core.config import DEFAULT_LM, SamplingConfig
 from shared_core.rag_adapters import (
-    RALMSPEC_KNOBS,
-    RaLMSpecEngines,
-    check_engine,
-    check_retriever,
-    engine_settings,
+    RaLMSpecSettings,
     question_input,
     ralmspec_details,
     ralmspec_documents,
 )
-from shared_core.rag_config import RALMSPEC_MAX_NEW_TOKENS, RaLMSpecConfig
 from shared_core.serving import iterate_in_thread
 
 
@@ -41,7 +34,8 @@ class RaLMSpecInput(TypedDict):
 RaLMSpecOutput = str | dict[str, Any]
 
 
-class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]):
+class RaLMSpecRunnable(RaLMSpecSettings,
+                       RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]):
     """RaLMSpec (speculative retrieval + batched verification) as a Runnable.
 
     Args:
@@ -56,46 +50,13 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
         engine: a prebuilt :class:`shared_core.engines.ralmspec.RaLMSpec` (shares its model and
             retriever); the knobs above not passed are its config's.
 
-    The settings and their defaults are those of :class:`RaLMSpecQueryEngine` (LlamaIndex) and
-    :class:`~shared_core.rag_config.RaLMSpecConfig`; a changed setting takes effect at the next
-    call (see :mod:`shared_core.rag_adapters`). Settings are validated strictly (a bool or a
-    float is not an int); a bad value raises pydantic's ``ValidationError`` (a ``ValueError``)
-    naming the field.
+    The settings (declared once in :class:`~shared_core.rag_adapters.RaLMSpecSettings`, shared
+    with the LlamaIndex ``RaLMSpecQueryEngine``) default to the configs' values; a changed
+    setting takes effect at the next call. A bad value raises pydantic's ``ValidationError`` (a
+    ``ValueError``) naming the field.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
-
-    retriever: Any = None
-    model: str = DEFAULT_LM
-    max_new_tokens: int = Field(default=RALMSPEC_MAX_NEW_TOKENS, ge=1)
-    temperature: float = Field(default=SamplingConfig.temperature, ge=0.0)
-    seed: int | None = SamplingConfig.seed
-    retrieval_stride: int = Field(default=RaLMSpecConfig.retrieval_stride, ge=1)
-    speculation_stride: int = Field(default=RaLMSpecConfig.speculation_stride, ge=1)
-    prefetch: bool = RaLMSpecConfig.prefetch
-    scheduler: bool = RaLMSpecConfig.scheduler
-    async_verify: bool = RaLMSpecConfig.async_verify
-    retrieval_timeout_s: float | None = Field(default=RaLMSpecConfig.retrieval_timeout_s, gt=0.0)
-    baseline: bool = False
     with_details: bool = False
-    engine: Any = Field(default=None, exclude=True)
-    _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
-
-    _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
-                                                                      RALMSPEC_KNOBS))
-
-    _check_retriever = field_validator("retriever")(check_retriever)
-
-    @field_validator("engine")
-    @classmethod
-    def _check_engine(cls, value: Any) -> Any:
-        return check_engine(value, "RaLMSpec")
-
-    def _engine(self) -> Any:
-        return self._engines.get(self)
-
-    def _stream(self, value: Any) -> Any:
-        return self._engines.stream(self, question_input(value)[0])
 
     def _output(self, result: Any) -> RaLMSpecOutput:
         if not self.with_details:
@@ -105,7 +66,7 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
         return {"answer": result.text, "documents": docs, **ralmspec_details(result)}
 
     def _run(self, value: Any) -> RaLMSpecOutput:
-        return self._output(self._stream(value).run())
+        return self._output(self._stream(question_input(value)[0]).run())
 
     def invoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> RaLMSpecOutput:
@@ -120,7 +81,7 @@ class RaLMSpecRunnable(RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]
 
     def _deltas(self, inputs: Iterator[Any]) -> Iterator[str]:
         for value in inputs:
-            yield from self._stream(value)
+            yield from self._stream(question_input(value)[0])
 
     def stream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> Iterator[str]:

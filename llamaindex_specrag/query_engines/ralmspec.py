@@ -11,28 +11,16 @@ the token ids and the engine stats.
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 from llama_index.core.base.response.schema import Response
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from llamaindex_specrag._query import CheckedQuery, query_text
-from shared_core.config import DEFAULT_LM, SamplingConfig
-from shared_core.rag_adapters import (
-    RALMSPEC_KNOBS,
-    RaLMSpecEngines,
-    check_engine,
-    check_retriever,
-    engine_settings,
-    ralmspec_details,
-    ralmspec_documents,
-)
-from shared_core.rag_config import RALMSPEC_MAX_NEW_TOKENS, RaLMSpecConfig
+from shared_core.rag_adapters import RaLMSpecSettings, ralmspec_details, ralmspec_documents
 
 
-class RaLMSpecQueryEngine(CheckedQuery, CustomQueryEngine):
+class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
     """RaLMSpec as a query engine.
 
     Args:
@@ -46,45 +34,14 @@ class RaLMSpecQueryEngine(CheckedQuery, CustomQueryEngine):
         engine: a prebuilt :class:`shared_core.engines.ralmspec.RaLMSpec` (shares its model and
             retriever); the knobs above not passed are its config's.
 
-    The settings and their defaults are those of ``RaLMSpecRunnable`` (LangChain) and
-    :class:`~shared_core.rag_config.RaLMSpecConfig`; a changed setting takes effect at the next
-    query (see :mod:`shared_core.rag_adapters`). Settings are validated strictly (a bool or a
-    float is not an int); a bad value raises pydantic's ``ValidationError`` (a ``ValueError``)
-    naming the field.
+    The settings (declared once in :class:`~shared_core.rag_adapters.RaLMSpecSettings`, shared
+    with the LangChain ``RaLMSpecRunnable``) default to the configs' values; a changed setting
+    takes effect at the next query. A bad value raises pydantic's ``ValidationError`` (a
+    ``ValueError``) naming the field.
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
-
-    retriever: Any = None
-    model: str = DEFAULT_LM
-    max_new_tokens: int = Field(default=RALMSPEC_MAX_NEW_TOKENS, ge=1)
-    temperature: float = Field(default=SamplingConfig.temperature, ge=0.0)
-    seed: int | None = SamplingConfig.seed
-    retrieval_stride: int = Field(default=RaLMSpecConfig.retrieval_stride, ge=1)
-    speculation_stride: int = Field(default=RaLMSpecConfig.speculation_stride, ge=1)
-    prefetch: bool = RaLMSpecConfig.prefetch
-    scheduler: bool = RaLMSpecConfig.scheduler
-    async_verify: bool = RaLMSpecConfig.async_verify
-    retrieval_timeout_s: float | None = Field(default=RaLMSpecConfig.retrieval_timeout_s, gt=0.0)
-    baseline: bool = False
-    engine: Any = Field(default=None, exclude=True)
-    _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
-
-    _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
-                                                                      RALMSPEC_KNOBS))
-
-    _check_retriever = field_validator("retriever")(check_retriever)
-
-    @field_validator("engine")
-    @classmethod
-    def _check_engine(cls, value: Any) -> Any:
-        return check_engine(value, "RaLMSpec")
-
-    def _engine(self) -> Any:
-        return self._engines.get(self)
-
     def custom_query(self, query_str: str) -> Response:
-        result = self._engines.stream(self, query_text(query_str)).run()
+        result = self._stream(query_text(query_str)).run()
         nodes = [NodeWithScore(node=TextNode(text=d["text"], id_=d["id"], metadata=d["metadata"]),
                                score=None) for d in ralmspec_documents(result)]
         return Response(response=result.text, source_nodes=nodes,

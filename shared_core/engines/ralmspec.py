@@ -46,7 +46,7 @@ from typing import Any, Protocol
 
 import torch
 
-from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.config import GenerationConfig, SamplingConfig, check_text
 from shared_core.config import check_timeout as check_timeout  # re-exported
 from shared_core.engines.baseline import TokenStream
 from shared_core.kv import CacheKind, KVSession
@@ -448,12 +448,7 @@ class SpeculativeRetrieval:
 
 
 def check_query(query: Any, name: str = "query") -> None:
-    if not isinstance(query, str):
-        msg = f"{name} must be a str, got {type(query).__name__}"
-        raise TypeError(msg)
-    if not query.strip():
-        msg = f"{name} must be a non-empty string"
-        raise ValueError(msg)
+    check_text(query, name)
 
 
 # ----------------------------------------------------------------------------- OS³ scheduler
@@ -484,9 +479,9 @@ class OS3Scheduler:
     """
 
     async_verify: bool
-    window: int = 5
-    gamma_max: float = 0.6
-    max_stride: int = 8
+    window: int = RaLMSpecConfig.window
+    gamma_max: float = RaLMSpecConfig.gamma_max
+    max_stride: int = RaLMSpecConfig.max_speculation_stride
     allow_plain: bool = True
     _rounds: deque[tuple[float, float, int, int, int]] = field(default_factory=deque)
 
