@@ -109,6 +109,11 @@ def engine_settings(config_type: type, names: Iterable[str]) -> Callable[[Any], 
     return validate
 
 
+def engine_check(kind: str) -> Callable[[Any], Any]:
+    """:func:`check_engine` for ``kind`` as a one-argument pydantic field validator."""
+    return lambda value: check_engine(value, kind)
+
+
 # ----------------------------------------------------------------------------- built from settings
 
 
@@ -233,10 +238,7 @@ class RaLMSpecSettings(BaseModel):
     _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
                                                                       RALMSPEC_KNOBS))
 
-    @field_validator("engine")
-    @classmethod
-    def _check_engine(cls, value: Any) -> Any:
-        return check_engine(value, "RaLMSpec")
+    _check_engine = field_validator("engine")(engine_check("RaLMSpec"))
 
     def _engine(self) -> RaLMSpec:
         return self._engines.get(self)

@@ -26,7 +26,7 @@ from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
 from shared_core.rag_adapters import (
     SPECRAG_KNOBS,
     SpeculativeRAGEngines,
-    check_engine,
+    engine_check,
     engine_settings,
     question_input,
     specrag_details,
@@ -84,10 +84,7 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     _engine_settings = model_validator(mode="before")(
         engine_settings(SpeculativeRAGConfig, SPECRAG_KNOBS))
 
-    @field_validator("engine")
-    @classmethod
-    def _check_engine(cls, value: Any) -> Any:
-        return check_engine(value, "SpeculativeRAG")
+    _check_engine = field_validator("engine")(engine_check("SpeculativeRAG"))
 
     def _engine(self) -> SpeculativeRAG:
         return self._engines.get(self)

@@ -3,10 +3,10 @@ config's), same rebuild-on-change, same locking, same scores (issue 15, items 2 
 
 from __future__ import annotations
 
+import functools
 import inspect
 from typing import Any
 
-import numpy as np
 import pytest
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document as LCDocument
@@ -46,24 +46,28 @@ LLAMAINDEX_ONLY = {"callback_manager"}  # LlamaIndex's own instrumentation argum
 RENAMED = {"k": "similarity_top_k"}  # each framework's name for "results per query"
 
 
+@functools.cache
+def _index() -> BM25Retriever:
+    index = BM25Retriever()
+    index.add(DOCS)
+    return index
+
+
+def _ranked(query: str) -> list[Document]:
+    """Every document, best first by BM25: the framework retrievers below wrap the same ranking."""
+    return [hit.document for hit in _index().search([query], len(DOCS))[0]]
+
+
 class LCRetriever(LCBaseRetriever):
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
                                 ) -> list[LCDocument]:
-        return [LCDocument(page_content=d.text, id=d.id) for d in DOCS]
+        return [LCDocument(page_content=d.text, id=d.id) for d in _ranked(query)]
 
 
 class LIRetriever(LIBaseRetriever):
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=1.0) for d in DOCS]
-
-
-class HashEmbedder:
-    def encode(self, texts: list[str], **_: Any) -> np.ndarray:
-        out = np.full((len(texts), 16), 1e-3, dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                out[i, sum(map(ord, word)) % 16] += 1.0
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
+        docs = _ranked(query_bundle.query_str)
+        return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=None) for d in docs]
 
 
 def _pydantic_settings(cls: type, base: type) -> set[str]:
@@ -80,17 +84,15 @@ def _default(function: Any, name: str) -> Any:
 
 @pytest.fixture(scope="module")
 def bm25() -> BM25Retriever:
-    retriever = BM25Retriever()
-    retriever.add(DOCS)
-    return retriever
+    return _index()
 
 
 @pytest.fixture(scope="module")
 def specrag() -> SpeculativeRAG:
+    """Random subsets: no embedder is loaded (the adapters' behaviour does not depend on it)."""
     config = SpeculativeRAGConfig(num_drafts=2, docs_per_draft=2, max_draft_tokens=4,
-                                  retrieve_k=6)
-    return SpeculativeRAG(tiny_lm(1, seed=1), tiny_lm(1, seed=2), embedder=HashEmbedder(),
-                          config=config)
+                                  retrieve_k=6, subset_strategy="random")
+    return SpeculativeRAG(tiny_lm(1, seed=1), tiny_lm(1, seed=2), config=config)
 
 
 # ----------------------------------------------------------------------------- same setting names
