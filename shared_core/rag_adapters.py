@@ -31,13 +31,14 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator,
 
 from shared_core.config import DEFAULT_LM, SamplingConfig, check_text
 from shared_core.rag_config import RALMSPEC_MAX_NEW_TOKENS, RaLMSpecConfig, SpeculativeRAGConfig
-from shared_core.retrieval.base import Hit, check_retriever_like
+from shared_core.retrieval.base import check_retriever_like
 
 if TYPE_CHECKING:
     from shared_core.engines.baseline import TokenStream
     from shared_core.engines.ralmspec import RaLMSpec, SpeculativeRetrieval
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
     from shared_core.output import GenerationResult
+    from shared_core.retrieval.base import Hit
 
 T = TypeVar("T")
 
@@ -147,6 +148,9 @@ class SettingsCache:
         with self._lock:
             self._key = self._value = None
 
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(self), ()  # a copy (pickle, deepcopy) starts empty: what is cached is no state
+
 
 class SpeculativeRAGEngines:
     """The :class:`~shared_core.engines.speculative_rag.SpeculativeRAG` for an adapter's settings.
@@ -210,11 +214,24 @@ class RaLMSpecEngines:
 
 
 class RaLMSpecSettings(BaseModel):
-    """The settings of both RaLMSpec adapters, declared once (pydantic: strict, so a bool or a
-    float is not an int; a bad value raises ``ValidationError``, a ``ValueError``, naming it).
+    """The settings of both RaLMSpec adapters, declared once: ``RaLMSpecRunnable`` (LangChain)
+    and ``RaLMSpecQueryEngine`` (LlamaIndex) inherit these fields, their checks and the engine
+    they build. Defaults are the configs'; a changed setting takes effect at the next call.
 
-    ``RaLMSpecRunnable`` (LangChain) and ``RaLMSpecQueryEngine`` (LlamaIndex) inherit these
-    fields, their checks and the engine they build; the defaults are the configs'.
+    Args:
+        retriever: a LangChain / LlamaIndex retriever or a specrag retriever.
+        model: a :func:`shared_core.load_lm` alias or path (ignored when ``engine`` is given).
+        max_new_tokens / temperature / seed: generation settings.
+        retrieval_stride, speculation_stride, prefetch, scheduler, async_verify: RaLMSpec knobs
+            (:class:`~shared_core.rag_config.RaLMSpecConfig`).
+        retrieval_timeout_s: seconds one retriever call may take before the call fails with
+            ``TimeoutError`` (``None``: the engine's setting, by default no limit).
+        baseline: run RaLMSeq instead (for comparisons).
+        engine: a prebuilt :class:`~shared_core.engines.ralmspec.RaLMSpec` (shares its model and
+            retriever); the knobs above that are not passed are its config's.
+
+    Validation is strict (a bool or a float is not an int): a bad value raises pydantic's
+    ``ValidationError`` (a ``ValueError``) naming the field.
     """
 
     model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
@@ -235,10 +252,9 @@ class RaLMSpecSettings(BaseModel):
     _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
 
     _check_retriever = field_validator("retriever")(check_retriever)
+    _check_engine = field_validator("engine")(engine_check("RaLMSpec"))
     _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
                                                                       RALMSPEC_KNOBS))
-
-    _check_engine = field_validator("engine")(engine_check("RaLMSpec"))
 
     def _engine(self) -> RaLMSpec:
         return self._engines.get(self)

@@ -38,22 +38,9 @@ class RaLMSpecRunnable(RaLMSpecSettings,
                        RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]):
     """RaLMSpec (speculative retrieval + batched verification) as a Runnable.
 
-    Args:
-        retriever: any LangChain retriever or specrag retriever.
-        model: a :func:`shared_core.load_lm` alias or path (ignored when ``engine`` is given).
-        max_new_tokens / temperature / seed: generation settings.
-        retrieval_stride, speculation_stride, prefetch, scheduler, async_verify: RaLMSpec knobs.
-        retrieval_timeout_s: seconds one retriever call may take before the call fails with
-            ``TimeoutError`` (``None``: the engine's setting, by default no limit).
-        baseline: run RaLMSeq instead (for comparisons).
-        with_details: return a dict (answer, documents, doc_ids, token_ids, stats).
-        engine: a prebuilt :class:`shared_core.engines.ralmspec.RaLMSpec` (shares its model and
-            retriever); the knobs above not passed are its config's.
-
-    The settings (declared once in :class:`~shared_core.rag_adapters.RaLMSpecSettings`, shared
-    with the LlamaIndex ``RaLMSpecQueryEngine``) default to the configs' values; a changed
-    setting takes effect at the next call. A bad value raises pydantic's ``ValidationError`` (a
-    ``ValueError``) naming the field.
+    The settings are :class:`~shared_core.rag_adapters.RaLMSpecSettings` (the same as the
+    LlamaIndex ``RaLMSpecQueryEngine``'s; ``retriever`` is any LangChain or specrag retriever),
+    plus ``with_details``: return a dict (answer, documents, doc_ids, token_ids, stats).
     """
 
     with_details: bool = False

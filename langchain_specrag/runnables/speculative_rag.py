@@ -81,10 +81,9 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     engine: Any = Field(default=None, exclude=True)
     _engines: SpeculativeRAGEngines = PrivateAttr(default_factory=SpeculativeRAGEngines)
 
+    _check_engine = field_validator("engine")(engine_check("SpeculativeRAG"))
     _engine_settings = model_validator(mode="before")(
         engine_settings(SpeculativeRAGConfig, SPECRAG_KNOBS))
-
-    _check_engine = field_validator("engine")(engine_check("SpeculativeRAG"))
 
     def _engine(self) -> SpeculativeRAG:
         return self._engines.get(self)

@@ -23,21 +23,8 @@ from shared_core.rag_adapters import RaLMSpecSettings, ralmspec_details, ralmspe
 class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
     """RaLMSpec as a query engine.
 
-    Args:
-        retriever: a LlamaIndex retriever or a specrag retriever.
-        model: a :func:`shared_core.load_lm` alias or path (ignored when ``engine`` is given).
-        max_new_tokens / temperature / seed: generation settings.
-        retrieval_stride, speculation_stride, prefetch, scheduler, async_verify: RaLMSpec knobs.
-        retrieval_timeout_s: seconds one retriever call may take before the query fails with
-            ``TimeoutError`` (``None``: the engine's setting, by default no limit).
-        baseline: run RaLMSeq instead (for comparisons).
-        engine: a prebuilt :class:`shared_core.engines.ralmspec.RaLMSpec` (shares its model and
-            retriever); the knobs above not passed are its config's.
-
-    The settings (declared once in :class:`~shared_core.rag_adapters.RaLMSpecSettings`, shared
-    with the LangChain ``RaLMSpecRunnable``) default to the configs' values; a changed setting
-    takes effect at the next query. A bad value raises pydantic's ``ValidationError`` (a
-    ``ValueError``) naming the field.
+    The settings are :class:`~shared_core.rag_adapters.RaLMSpecSettings` (the same as the
+    LangChain ``RaLMSpecRunnable``'s; ``retriever`` is any LlamaIndex or specrag retriever).
     """
 
     def custom_query(self, query_str: str) -> Response:

@@ -3,6 +3,7 @@ config's), same rebuild-on-change, same locking, same scores (issue 15, items 2 
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 from typing import Any
@@ -211,6 +212,9 @@ def test_ralmspec_adapters_rebuild_when_a_setting_changes(tiny_target, bm25) -> 
     assert details["token_ids"] == response.metadata["token_ids"] == after.token_ids
     assert runnable._engine() is not built[0] and query_engine._engine() is not built[1]
     assert runnable._engine().config.prefetch is query_engine._engine().config.prefetch is False
+    for adapter in (runnable, query_engine):  # a copy keeps the settings, not the built engine
+        twin = copy.deepcopy(adapter)
+        assert twin.retrieval_stride == 1 and twin._engine() is not adapter._engine()
     assert engine.config.retrieval_stride == 4  # the prebuilt engine itself is untouched
 
 
