@@ -1,12 +1,14 @@
 """Frozen configuration dataclasses shared by the engines (each default is defined once here).
 
 Torch-free and numpy-free, so the framework adapters can read their defaults from the configs
-(``Field(default=XConfig.field)``). The RAG engines' configs live in :mod:`shared_core.rag_config`
-and validate with the same helpers (:func:`check_fields` and friends).
+(``Field(default=XConfig.field)``). The RAG engines' configs live in :mod:`shared_core.rag_config`,
+the token engines' in :mod:`shared_core.token_config`; all validate with the one set of helpers
+below (:func:`check_int`, :func:`check_real`, :func:`check_fields`, :func:`check_config_types`...).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from collections.abc import Iterable, Sequence
@@ -19,6 +21,7 @@ DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedded sentence embedder
 DEFAULT_MAX_NEW_TOKENS = 256
 
 CacheKind = Literal["prealloc", "dynamic"]
+CACHE_KINDS: tuple[CacheKind, ...] = ("prealloc", "dynamic")
 
 
 def _check(condition: bool, message: str) -> None:
@@ -33,12 +36,26 @@ def check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> 
         raise TypeError(msg)
 
 
-def check_int(value: Any, name: str, minimum: int = 1) -> None:
-    """TypeError for a non-integer (bool, float, str; numpy integers pass), ValueError below
-    ``minimum``."""
-    what = f"an integer >= {minimum}"
+def require(ok: bool, name: str, requirement: str, value: Any) -> None:
+    """ValueError ``"<name> must be <requirement>, got <value>"`` unless ``ok``."""
+    _check(ok, f"{name} must be {requirement}, got {value!r}")
+
+
+def check_int(value: Any, name: str, minimum: int | None = 1) -> int:
+    """``value`` as an int: TypeError for a non-integer (bool, float, str; numpy integers pass),
+    ValueError below ``minimum`` (``None``: any integer)."""
+    what = "an integer" if minimum is None else f"an integer >= {minimum}"
     check_type(value, name, (numbers.Integral,), what)
-    _check(value >= minimum, f"{name} must be {what}, got {value!r}")
+    require(minimum is None or value >= minimum, name, what, value)
+    return int(value)
+
+
+def check_real(value: Any, name: str) -> float:
+    """``value`` as a finite float: TypeError for bool, str and other non-reals (numpy floats
+    pass), ValueError for inf / nan."""
+    check_type(value, name, (numbers.Real,), "a number")
+    require(math.isfinite(value), name, "finite", value)
+    return float(value)
 
 
 def check_bool(value: Any, name: str) -> None:
@@ -88,6 +105,26 @@ def check_fields(config: object, *, ints: Iterable[str] = (), bools: Iterable[st
         check_bool(getattr(config, name), name)
     for name in strs:
         check_type(getattr(config, name), name, (str,), "a str")
+
+
+def check_config_types(config: Any) -> None:
+    """Type-check a config dataclass's fields against their defaults' types (bool, int, float,
+    str; a ``None`` default allows None or an int), naming the field and the config class."""
+    owner = type(config).__name__
+    for f in dataclasses.fields(config):
+        value, default = getattr(config, f.name), f.default
+        name = f"{f.name} ({owner})"
+        if default is None:
+            if value is not None:
+                check_int(value, name, None)
+        elif isinstance(default, bool):
+            check_bool(value, name)
+        elif isinstance(default, int):
+            check_int(value, name, None)
+        elif isinstance(default, float):
+            check_real(value, name)
+        elif isinstance(default, str):
+            check_type(value, name, (str,), "a str")
 
 
 @dataclass(frozen=True)

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
+from shared_core.config import CacheKind
 from shared_core.models import LM
 
-CacheKind = Literal["prealloc", "dynamic"]
 _MIN_CAPACITY = 256
 
 

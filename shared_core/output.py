@@ -7,14 +7,17 @@ is a ``TypeError`` and a wrong value a ``ValueError``, each naming the parameter
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import numbers
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared_core.config import GenerationConfig
+from shared_core.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GenerationConfig,
+    check_int,
+    check_real,
+)
 from shared_core.models import LM
 from shared_core.stats import DecodeStats
 
@@ -115,54 +118,10 @@ class OutputTracker:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def check_int(value: Any, name: str, *, minimum: int | None = None) -> int:
-    """``value`` as an int; bools, floats and strings are refused (TypeError naming ``name``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        msg = f"{name} must be an int, got {type(value).__name__} {value!r}"
-        raise TypeError(msg)
-    if minimum is not None and value < minimum:
-        msg = f"{name} must be >= {minimum}, got {value}"
-        raise ValueError(msg)
-    return int(value)
-
-
-def check_real(value: Any, name: str) -> float:
-    """``value`` as a finite float; bools and strings are refused (TypeError naming ``name``)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        msg = f"{name} must be a number, got {type(value).__name__} {value!r}"
-        raise TypeError(msg)
-    if not math.isfinite(value):
-        msg = f"{name} must be finite, got {value}"
-        raise ValueError(msg)
-    return float(value)
-
-
-def check_config_types(config: Any) -> None:
-    """Type-check a config dataclass's fields against their defaults' types (bool, int, float,
-    str; a ``None`` default allows None or an int), naming the field and the config class."""
-    owner = type(config).__name__
-    for f in dataclasses.fields(config):
-        value, default = getattr(config, f.name), f.default
-        name = f"{f.name} ({owner})"
-        if default is None:
-            if value is not None:
-                check_int(value, name)
-        elif isinstance(default, bool):
-            if not isinstance(value, bool):
-                msg = f"{name} must be a bool, got {type(value).__name__} {value!r}"
-                raise TypeError(msg)
-        elif isinstance(default, int):
-            check_int(value, name)
-        elif isinstance(default, float):
-            check_real(value, name)
-        elif isinstance(default, str) and not isinstance(value, str):
-            msg = f"{name} must be a str, got {type(value).__name__} {value!r}"
-            raise TypeError(msg)
-
-
-def generation_config(max_new_tokens: Any = 256, *, name: str = "max_new_tokens",
-                      stop: Any = None, temperature: Any = 0.0, top_k: Any = 0,
-                      top_p: Any = 1.0, seed: Any = None) -> GenerationConfig:
+def generation_config(max_new_tokens: Any = DEFAULT_MAX_NEW_TOKENS, *,
+                      name: str = "max_new_tokens", stop: Any = None,
+                      temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+                      seed: Any = None) -> GenerationConfig:
     """:meth:`GenerationConfig.build` after type checks; ``name`` is the caller's word for
     ``max_new_tokens`` (``"max_tokens"`` in LangChain), so the error names what was passed."""
     max_new_tokens = check_int(max_new_tokens, name, minimum=1)
@@ -170,7 +129,7 @@ def generation_config(max_new_tokens: Any = 256, *, name: str = "max_new_tokens"
     top_k = check_int(top_k, "top_k", minimum=0)
     top_p = check_real(top_p, "top_p")
     if seed is not None:
-        seed = check_int(seed, "seed")
+        seed = check_int(seed, "seed", None)
     if stop is not None and not isinstance(stop, str):
         if not isinstance(stop, Iterable) or isinstance(stop, bytes | dict):
             msg = f"stop must be a string or a list of strings, got {type(stop).__name__}"

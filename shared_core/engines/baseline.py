@@ -18,11 +18,11 @@ from typing import Any
 
 import torch
 
-from shared_core.config import GenerationConfig
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, CacheKind, GenerationConfig
 from shared_core.device import synchronize
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
-from shared_core.kv import CacheKind, KVSession
+from shared_core.kv import KVSession
 from shared_core.models import LM
 from shared_core.output import (
     GenerationResult,
@@ -177,14 +177,14 @@ def _autoregressive_blocks(run: _Run) -> Iterator[list[int]]:
         yield [pending]
 
 
-def stream_autoregressive(lm: LM, prompt: Prompt, max_new_tokens: int = 256, *,
+def stream_autoregressive(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                           cache: CacheKind = "prealloc", **sampling: Any) -> TokenStream:
     """Plain decoding, one token per forward, as a stream of text deltas."""
     config = generation_config(max_new_tokens, **sampling)
     return _Run(lm, prompt, config, cache).stream(_autoregressive_blocks)
 
 
-def autoregressive_generate(lm: LM, prompt: Prompt, max_new_tokens: int = 256, *,
+def autoregressive_generate(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                             temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                             stop: Sequence[str] | str | None = None, seed: int | None = None,
                             cache: CacheKind = "prealloc") -> GenerationResult:
@@ -229,8 +229,9 @@ def _speculative_blocks(run: _Run, drafter: Drafter, k: int) -> Iterator[list[in
         yield [*draft.tokens[: verdict.n_accepted], pending]
 
 
-def stream_speculative(lm: LM, drafter: Drafter | LM, prompt: Prompt, max_new_tokens: int = 256,
-                       *, k: int = DEFAULT_DRAFT_TOKENS, cache: CacheKind = "prealloc",
+def stream_speculative(lm: LM, drafter: Drafter | LM, prompt: Prompt,
+                       max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+                       k: int = DEFAULT_DRAFT_TOKENS, cache: CacheKind = "prealloc",
                        **sampling: Any) -> TokenStream:
     """Speculative decoding as a stream of text deltas (one per verified block)."""
     k = check_int(k, "k (draft tokens per round)", minimum=1)
@@ -254,9 +255,9 @@ def stream_speculative(lm: LM, drafter: Drafter | LM, prompt: Prompt, max_new_to
 
 
 def speculative_generate(lm: LM, drafter: Drafter | LM, prompt: Prompt,
-                         max_new_tokens: int = 256, *, k: int = DEFAULT_DRAFT_TOKENS,
-                         temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-                         stop: Sequence[str] | str | None = None, seed: int | None = None,
+                         max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+                         k: int = DEFAULT_DRAFT_TOKENS, temperature: float = 0.0, top_k: int = 0,
+                         top_p: float = 1.0, stop: Sequence[str] | str | None = None, seed: int | None = None,
                          cache: CacheKind = "prealloc") -> GenerationResult:
     """Classic speculative decoding with any drafter; lossless (greedy and sampled)."""
     return stream_speculative(lm, drafter, prompt, max_new_tokens, k=k, cache=cache,

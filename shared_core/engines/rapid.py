@@ -48,22 +48,24 @@ from typing import Any
 
 import torch
 
-from shared_core.config import GenerationConfig
+from shared_core.config import (
+    DEFAULT_EMBEDDER,
+    DEFAULT_MAX_NEW_TOKENS,
+    CacheKind,
+    GenerationConfig,
+    check_text,
+)
 from shared_core.device import synchronize
 from shared_core.draft_length import CostModel, best_draft_length
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.baseline import Prompt, TokenStream, _autoregressive_blocks, _Run
-from shared_core.kv import CacheKind, KVSession
+from shared_core.kv import KVSession
 from shared_core.models import LM
-from shared_core.output import (
-    GenerationResult,
-    check_config_types,
-    check_real,
-    generation_config,
-    validate_messages,
-)
+from shared_core.output import GenerationResult, generation_config, validate_messages
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
+from shared_core.token_config import DRAFTER_KV as DRAFTER_KV  # re-exported
+from shared_core.token_config import RapidConfig, check_eta
 from shared_core.verify import (
     Verdict,
     choose_token,
@@ -75,71 +77,8 @@ from shared_core.verify import (
 logger = logging.getLogger(__name__)
 
 METHODS = ("rapid", "sd", "long_context", "rag")
-DRAFTER_KV = ("own", "target")
 _SENTINEL = "\x00RAPID-CONTENT\x00"
 _INDEX_CACHE_SIZE = 8
-
-
-@dataclass(frozen=True)
-class RapidConfig:
-    """RAPID's knobs (defaults from the paper / reference code, scaled to small windows).
-
-    ``drafter_kv="target"`` (self-speculation only) goes past the paper: instead of prefilling
-    ``[retrieved context; query]`` for every question, the drafter attends to the target's own
-    cached keys/values at the retrieved chunks' positions (plus the chat head and the query),
-    so a question costs no drafter prefill. Its drafts, hence its q and RAPID's p̂ at η > 0,
-    differ from the paper's drafter; at η = 0 the output is the target's either way.
-
-    ``adaptive_gamma=True`` also goes past the paper (which keeps γ constant): each round drafts
-    the ``n ≤ gamma`` tokens that maximise expected committed tokens per second, from the
-    measured verification cost, drafter seconds per token and per-token acceptance
-    (:mod:`shared_core.draft_length`); ``n = 0`` is a plain target step. At η = 0 the output is
-    still the target's. At η > 0 it changes: a position verified without a draft takes the
-    target's own token, not p̂'s, and the lengths follow wall-clock timings, so the output is no
-    longer a function of the seed alone.
-    """
-
-    gamma: int = 10  # γ: draft tokens per round (reference: num_assistant_tokens = 10)
-    eta: float = 1.0  # η: retrieval-augmentation strength; 0 = lossless (reference default 1)
-    alpha: float = 0.1  # α: tail threshold of p̂ (reference spec_alpha)
-    head: str = "p_hat"  # where α applies: "p_hat" (tail rule of the issue) or "q" (reference)
-    chunk_tokens: int = 512  # chunk size in target tokens
-    similarity_threshold: float = 0.3  # cosine floor for retrieved chunks (the top one is kept)
-    min_rag_tokens: int | None = None  # retrieval floor; None = drafter window // 8
-    rag_fraction: float = 24.0  # λ: retrieve at least context / λ tokens
-    truncate: str = "error"  # "error" or "middle" (LongBench-style middle truncation, opt-in)
-    drafter_kv: str = "own"  # "own": drafter prefills its RAG prompt (paper); "target": see below
-    adaptive_gamma: bool = False  # cost-aware draft length ≤ gamma (see below); paper: constant
-    cache: CacheKind = "prealloc"
-    context_template: str = "<Context>\n{context}\n</Context>\n\n"
-    rag_template: str = "<Retrieved Context>\n{context}\n</Retrieved Context>\n\n"
-    query_template: str = "{query}"
-
-    def __post_init__(self) -> None:
-        check_config_types(self)
-        checks = [
-            (isinstance(self.gamma, int) and 1 <= self.gamma <= 64, "gamma must be an int in [1, 64]"),
-            (math.isfinite(self.eta) and self.eta >= 0, "eta must be a finite number >= 0"),
-            (0 < self.alpha <= 1, "alpha must be in (0, 1]"),
-            (self.head in ("p_hat", "q"), "head must be 'p_hat' or 'q'"),
-            (isinstance(self.chunk_tokens, int) and self.chunk_tokens >= 16,
-             "chunk_tokens must be an int >= 16"),
-            (-1 <= self.similarity_threshold <= 1, "similarity_threshold must be in [-1, 1]"),
-            (self.min_rag_tokens is None or self.min_rag_tokens >= 1,
-             "min_rag_tokens must be None or >= 1"),
-            (self.rag_fraction >= 1, "rag_fraction must be >= 1"),
-            (self.truncate in ("error", "middle"), "truncate must be 'error' or 'middle'"),
-            (self.drafter_kv in DRAFTER_KV, f"drafter_kv must be one of {DRAFTER_KV}"),
-            (isinstance(self.adaptive_gamma, bool), "adaptive_gamma must be a bool"),
-            (self.cache in ("prealloc", "dynamic"), "cache must be 'prealloc' or 'dynamic'"),
-            ("{context}" in self.context_template and "{context}" in self.rag_template,
-             "context_template and rag_template must contain {context}"),
-            ("{query}" in self.query_template, "query_template must contain {query}"),
-        ]
-        for ok, message in checks:
-            if not ok:
-                msg = f"{message} (RapidConfig)"
-                raise ValueError(msg)
 
 
 @dataclass(frozen=True)
@@ -355,7 +294,7 @@ class RapidDecoder:
 
     max_idle_slots = 1  # finished slots kept for prefix reuse (each holds the context's KV)
 
-    def __init__(self, lm: LM, *, draft_lm: LM | None = None, embedder: Any = "all-minilm-l6-v2",
+    def __init__(self, lm: LM, *, draft_lm: LM | None = None, embedder: Any = DEFAULT_EMBEDDER,
                  config: RapidConfig | None = None):
         if config is not None and not isinstance(config, RapidConfig):
             msg = f"config must be a RapidConfig, got {type(config).__name__}"
@@ -487,8 +426,8 @@ class RapidDecoder:
 
         ``shared_positions`` is filled only for ``drafter_kv="target"`` (default: the config's).
         """
-        _check_text(context, "context")
-        _check_text(query, "query")
+        check_text(context, "context")
+        check_text(query, "query")
         with self._lock:  # the context / index caches are shared
             return self._prepare(context, query, max_new_tokens, drafter_kv)
 
@@ -544,7 +483,7 @@ class RapidDecoder:
         Optional: the first question on a context does the same. Every later question on the
         same context reuses this prefix (only the query and answer tokens are computed).
         """
-        _check_text(context, "context")
+        check_text(context, "context")
         with self._lock:
             context, _ = self._fit_context(context, [], 1)
             ids = self._encode_context(context).prefix_ids
@@ -572,10 +511,11 @@ class RapidDecoder:
 
     # ------------------------------------------------------------------ generation
 
-    def stream(self, context: str, query: str, max_new_tokens: int = 256, *, method: str = "rapid",
-               eta: float | None = None, gamma: int | None = None, drafter_kv: str | None = None,
-               adaptive_gamma: bool | None = None, stop: Sequence[str] | str | None = None,
-               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int | None = None
+    def stream(self, context: str, query: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+               method: str = "rapid", eta: float | None = None, gamma: int | None = None,
+               drafter_kv: str | None = None, adaptive_gamma: bool | None = None,
+               stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None
                ) -> TokenStream:
         """Answer ``query`` over ``context`` as a stream of text deltas.
 
@@ -590,10 +530,7 @@ class RapidDecoder:
         if method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
             raise ValueError(msg)
-        eta = self.config.eta if eta is None else check_real(eta, "eta")
-        if not (math.isfinite(eta) and eta >= 0):
-            msg = f"eta must be a finite number >= 0, got {eta}"
-            raise ValueError(msg)
+        eta = self.config.eta if eta is None else check_eta(eta)
         overrides = {name: value for name, value in (("gamma", gamma), ("drafter_kv", drafter_kv),
                                                      ("adaptive_gamma", adaptive_gamma))
                      if value is not None}
@@ -605,7 +542,7 @@ class RapidDecoder:
         with self._lock:
             return self._start(method, 0.0 if method == "sd" else eta, prompt, gen, config)
 
-    def generate(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
+    def generate(self, context: str, query: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any
                  ) -> GenerationResult:
         """:meth:`stream`, consumed; returns text, token ids and stats.
 
@@ -615,17 +552,19 @@ class RapidDecoder:
         with self._lock:
             return self.stream(context, query, max_new_tokens, **options).run()
 
-    def long_context(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
+    def long_context(self, context: str, query: str,
+                     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any
                      ) -> GenerationResult:
         """Baseline: the target alone on the full context (its prefix KV cached)."""
         return self.generate(context, query, max_new_tokens, method="long_context", **options)
 
-    def rag(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
+    def rag(self, context: str, query: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any
             ) -> GenerationResult:
         """Baseline: the target on the retrieved context only."""
         return self.generate(context, query, max_new_tokens, method="rag", **options)
 
-    def speculative(self, context: str, query: str, max_new_tokens: int = 256, **options: Any
+    def speculative(self, context: str, query: str,
+                    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any
                     ) -> GenerationResult:
         """Baseline: naive speculative decoding with the RAG drafter (η = 0, lossless)."""
         return self.generate(context, query, max_new_tokens, method="sd", **options)
@@ -712,15 +651,6 @@ def _prompt_stats(method: str, eta: float, config: RapidConfig, prompt: RapidPro
             "context_tokens": prompt.context_tokens, "retrieved_tokens": prompt.retrieved_tokens,
             "retrieved_chunks": list(prompt.retrieved_chunks), "truncated": prompt.truncated,
             "retrieval_s": round(prompt.retrieval_s, 4)}
-
-
-def _check_text(value: Any, name: str) -> None:
-    if not isinstance(value, str):
-        msg = f"{name} must be a str, got {type(value).__name__}"
-        raise TypeError(msg)
-    if not value.strip():
-        msg = f"{name} must be a non-empty string"
-        raise ValueError(msg)
 
 
 def _chat_parts(lm: LM) -> tuple[str, str]:
@@ -821,7 +751,7 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                  documents: Sequence[str] | None = None, stop: Sequence[str] | str | None = None,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
-                 draft_lm: LM | None = None, embedder: Any = "all-minilm-l6-v2",
+                 draft_lm: LM | None = None, embedder: Any = DEFAULT_EMBEDDER,
                  engine_state: dict[str, Any] | None = None, **config_options: Any
                  ) -> TokenStream:
     """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention.

@@ -35,100 +35,27 @@ import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
-from shared_core.config import GenerationConfig
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from shared_core.draft_length import CostModel, best_draft_length
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.drafters.suffix_automaton import DynamicIndex, Match, StaticIndex, StaticMatcher
 from shared_core.engines.baseline import Prompt, TokenStream, _Run, accept_draft
-from shared_core.kv import CacheKind
 from shared_core.models import LM
-from shared_core.output import GenerationResult, check_config_types, generation_config
+from shared_core.output import GenerationResult, generation_config
 from shared_core.stats import DecodeStats
+from shared_core.token_config import Fallback as Fallback  # re-exported
+from shared_core.token_config import ReSpecConfig
+from shared_core.token_config import Selection as Selection  # re-exported
+from shared_core.token_config import Verification as Verification  # re-exported
 from shared_core.verify import verify_tree, verify_tree_relaxed
 
 logger = logging.getLogger(__name__)
-
-Verification = Literal["strict", "relaxed"]
-Selection = Literal["ema", "first"]
-Fallback = Literal["auto", "model", "prompt_lookup", "none"]
-
-
-def _check(ok: bool, name: str, requirement: str, value: Any) -> None:
-    if not ok:
-        msg = f"{name} must be {requirement}, got {value!r}"
-        raise ValueError(msg)
-
-
-@dataclass(frozen=True)
-class ReSpecConfig:
-    """ReSpec knobs; the paper's symbols in comments. Engines read it, never write it."""
-
-    # When: entropy-guided trigger
-    use_trigger: bool = True  # False = retrieve whenever a key matches (ablation)
-    entropy_threshold: float = 1.5  # θ, nats
-    entropy_lambda: float = 0.1  # λ_e, favours longer windows: C_k = H_k + λ_e / k
-    lookback: int = 3  # l
-    min_match_len: int = 2  # shortest suffix key worth retrieving with
-    # What: feedback-driven candidate selection
-    selection: Selection = "ema"  # "first" = first match position only (ablation)
-    ema_alpha: float = 0.5  # α
-    ema_init: float = 0.5  # score of a new position
-    score_threshold: float = 0.1  # θ_score
-    num_candidates: int = 3  # top candidates verified together as a tree
-    max_positions: int = 64  # cap on end positions listed per key
-    max_draft_len: int = 60  # SAM-Decoding's retrieval draft length (the cap; trimmed below)
-    token_cost: float = 0.1  # c: extra verified token / 1-token forward (prior; then measured)
-    measure_cost: bool = True  # refit c from timed forwards (seeded sampling then depends on
-    # timing through the draft lengths: set False for token-exact reruns of a seeded sample)
-    max_tree_tokens: int = 64  # draft tokens per verification forward (after prefix merging)
-    len_bias: int = 5  # static-corpus match length penalty (SAM-Decoding)
-    # How: verification
-    verification: Verification = "strict"
-    relaxed_top_k: int = 3  # rejected token must be in the target's top-k ...
-    relaxed_tau: float = 1.0  # ... with log p(top1) - log p(x) <= τ
-    relaxed_lookahead: int = 2  # m greedy matches must follow
-    max_relaxed: int = 1  # Φ relaxed tokens per round
-    # Fallback when retrieval is not triggered
-    fallback: Fallback = "auto"  # auto = draft model if given, else prompt lookup
-    fallback_draft_len: int = 4  # cap for the fallback drafter
-    fallback_recovery: float = 0.02  # per plain round, the fallback score drifts back to ema_init
-    cache: CacheKind = "prealloc"
-
-    def __post_init__(self) -> None:
-        check_config_types(self)
-        _check(self.entropy_threshold >= 0, "entropy_threshold", ">= 0", self.entropy_threshold)
-        _check(self.entropy_lambda >= 0, "entropy_lambda", ">= 0", self.entropy_lambda)
-        _check(self.lookback >= 1, "lookback", ">= 1", self.lookback)
-        _check(self.min_match_len >= 1, "min_match_len", ">= 1", self.min_match_len)
-        _check(self.selection in ("ema", "first"), "selection", "'ema' or 'first'", self.selection)
-        _check(0 < self.ema_alpha <= 1, "ema_alpha", "in (0, 1]", self.ema_alpha)
-        _check(0 <= self.ema_init <= 1, "ema_init", "in [0, 1]", self.ema_init)
-        _check(0 <= self.score_threshold <= 1, "score_threshold", "in [0, 1]", self.score_threshold)
-        _check(self.num_candidates >= 1, "num_candidates", ">= 1", self.num_candidates)
-        _check(self.max_positions >= 1, "max_positions", ">= 1", self.max_positions)
-        _check(self.max_draft_len >= 1, "max_draft_len", ">= 1", self.max_draft_len)
-        _check(0 < self.token_cost < 1, "token_cost", "in (0, 1)", self.token_cost)
-        _check(self.max_tree_tokens >= 1, "max_tree_tokens", ">= 1", self.max_tree_tokens)
-        _check(self.len_bias >= 0, "len_bias", ">= 0", self.len_bias)
-        _check(self.verification in ("strict", "relaxed"), "verification",
-               "'strict' or 'relaxed'", self.verification)
-        _check(self.relaxed_top_k >= 1, "relaxed_top_k", ">= 1", self.relaxed_top_k)
-        _check(self.relaxed_tau >= 0, "relaxed_tau", ">= 0", self.relaxed_tau)
-        _check(self.relaxed_lookahead >= 0, "relaxed_lookahead", ">= 0", self.relaxed_lookahead)
-        _check(self.max_relaxed >= 0, "max_relaxed", ">= 0", self.max_relaxed)
-        _check(self.fallback in ("auto", "model", "prompt_lookup", "none"), "fallback",
-               "'auto', 'model', 'prompt_lookup' or 'none'", self.fallback)
-        _check(self.fallback_draft_len >= 1, "fallback_draft_len", ">= 1", self.fallback_draft_len)
-        _check(0 <= self.fallback_recovery <= 1, "fallback_recovery", "in [0, 1]",
-               self.fallback_recovery)
-        _check(self.cache in ("prealloc", "dynamic"), "cache", "'prealloc' or 'dynamic'", self.cache)
-
 
 @dataclass(frozen=True)
 class Candidate:
@@ -353,7 +280,7 @@ class ReSpecDecoder:
             return PromptLookupDrafter(max_ngram=3)
         return None
 
-    def stream(self, prompt: Prompt, max_new_tokens: int = 256, *,
+    def stream(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                documents: Sequence[str | Sequence[int]] | None = None,
                stop: Sequence[str] | str | None = None, temperature: float = 0.0,
                top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> TokenStream:
@@ -381,7 +308,7 @@ class ReSpecDecoder:
 
         return run.stream(lambda r: _respec_blocks(r, request), on_close)
 
-    def generate(self, prompt: Prompt, max_new_tokens: int = 256, **kwargs: Any
+    def generate(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
                  ) -> GenerationResult:
         """Like :meth:`stream`, consumed: ``.text``, ``.token_ids``, ``.stats``."""
         return self.stream(prompt, max_new_tokens, **kwargs).run()
@@ -543,7 +470,7 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
 
 
-def respec_generate(lm: LM, prompt: Prompt, max_new_tokens: int = 256, **kwargs: Any
+def respec_generate(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
                     ) -> GenerationResult:
     """One-call convenience: :func:`stream_respec` consumed."""
     return stream_respec(lm, prompt, max_new_tokens=max_new_tokens, **kwargs).run()

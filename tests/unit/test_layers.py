@@ -27,6 +27,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.config": (0, "frozen, torch-free configs"),
     "shared_core.rag_config": (0, "the RAG engines' frozen, torch-free configs (adapters read "
                                   "their defaults here)"),
+    "shared_core.token_config": (0, "the token engines' (RAPID, ReSpec) frozen, torch-free configs "
+                                    "(chat/LLM adapters and the bench read their defaults here)"),
     "shared_core.stats": (0, "stats dataclasses"),
     "shared_core.device": (0, "device and dtype resolution"),
     "shared_core.draft_length": (0, "pure arithmetic on measured costs; no models, no torch"),
