@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
+
 logger = logging.getLogger(__name__)
 
 KNOWLEDGE_BASE = {
@@ -102,7 +104,7 @@ def pick_verifier() -> str:
     """The 1.5B Qwen when its extra is installed (the papers' regime), else Gemma-3-270M."""
     from shared_core.embedded import is_installed
 
-    return "qwen2.5-coder-1.5b-instruct" if is_installed("qwen2.5-coder-1.5b-instruct") else "gemma-3-270m"
+    return "qwen2.5-coder-1.5b-instruct" if is_installed("qwen2.5-coder-1.5b-instruct") else DEFAULT_VERIFIER
 
 
 def speculative_rag_section(retriever, verifier: str, write: Callable[[str], None]) -> dict:
@@ -111,7 +113,7 @@ def speculative_rag_section(retriever, verifier: str, write: Callable[[str], Non
 
     write(f"\n== Speculative RAG: SmolLM2-135M drafts, {verifier} verifies; standard RAG = "
           f"{verifier} reading every passage ==")
-    engine = SpeculativeRAG("smollm2-135m-instruct", verifier, embedder=retriever.embedder)
+    engine = SpeculativeRAG(DEFAULT_LM, verifier, embedder=retriever.embedder)
     docs = [hit.document for hit in retriever.search([QUESTIONS[0]], len(KNOWLEDGE_BASE))[0]]
     engine.answer(QUESTIONS[0], docs)  # warm-up (loads both models)
     engine.standard_rag(QUESTIONS[0], docs)
@@ -203,10 +205,10 @@ def run_demo(max_new_tokens: int = 64, write: Callable[[str], None] = logger.inf
 
     start = time.perf_counter()
     write(machine_line(cpu_facts()))
-    retriever = DenseRetriever("all-minilm-l6-v2")
+    retriever = DenseRetriever(DEFAULT_EMBEDDER)
     retriever.add([Document(key, text) for key, text in KNOWLEDGE_BASE.items()])
     specrag = speculative_rag_section(retriever, verifier or pick_verifier(), write)
-    lm = load_lm("smollm2-135m-instruct")
+    lm = load_lm(DEFAULT_LM)
     tokens = token_engines_section(lm, retriever, max_new_tokens, write)
     explain_token_speedups(lm, tokens, write)
     write(f"\ndemo finished in {time.perf_counter() - start:.0f} s")

@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from shared_core.bench.common import MethodResult, identical_count, make_report, timed_loop
 from shared_core.bench.datasets import SPEC_BENCH_TASKS, SpecBenchPrompt, spec_bench
+from shared_core.config import DEFAULT_LM
 from shared_core.device import cpu_facts
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
@@ -32,7 +33,7 @@ Method = Callable[[list[int]], tuple[list[int], dict[str, Any]]]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_LM)
     parser.add_argument("--limit", type=int, default=10, help="prompts per Spec-Bench task")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--draft-tokens", type=int, default=8)
@@ -171,7 +172,7 @@ def _per_task(prompts: list[SpecBenchPrompt],
 
 
 def add_kv_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_LM)
     parser.add_argument("--contexts", type=int, nargs="*", default=[256, 2048, 8000])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=4, help="alternating rounds per cache kind")

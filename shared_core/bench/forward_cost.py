@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 
+from shared_core.config import DEFAULT_LM
 from shared_core.device import cpu_facts
 from shared_core.models import LM, load_lm
 
@@ -41,7 +42,7 @@ VARIANTS = ("fp32", "bf16", "fp16w_dynamic", "int8_dynamic", "onednn_packed", "c
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", nargs="+", default=["smollm2-135m-instruct"])
+    parser.add_argument("--models", nargs="+", default=[DEFAULT_LM])
     parser.add_argument("--variants", nargs="+", default=list(VARIANTS[:5]), choices=VARIANTS)
     parser.add_argument("--ks", nargs="+", type=int, default=list(KS))
     parser.add_argument("--context", type=int, default=256, help="cached tokens before the forward")

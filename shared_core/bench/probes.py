@@ -22,9 +22,10 @@ import threading
 from typing import Any
 
 from shared_core.bench.common import mean_ms
+from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
 from shared_core.models import LM, load_lm
 
-DEFAULT_MODEL = "smollm2-135m-instruct"
+DEFAULT_MODEL = DEFAULT_LM
 
 
 def _threads(args: argparse.Namespace, default: int) -> int:
@@ -65,7 +66,7 @@ def _forward_ms(session: Any, tokens: list[int], repeats: int, warmup: int = 3) 
 
 
 def add_dtype_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--models", default=f"{DEFAULT_MODEL},gemma-3-270m",
+    parser.add_argument("--models", default=f"{DEFAULT_MODEL},{DEFAULT_VERIFIER}",
                         help="comma-separated model aliases or paths")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--prompt-tokens", type=int, default=1200)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 
 from shared_core.bench.common import MethodResult, data_dir, make_report, read_jsonl
+from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
 
 logger = logging.getLogger(__name__)
 
@@ -50,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--suite", choices=("doc", "knnlm"), default="doc")
     parser.add_argument("--limit", type=int, default=10, help="questions (after 1 warm-up)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_LM)
     parser.add_argument("--dtype", default=None, help="LM dtype (default fp32 on CPU)")
     parser.add_argument("--retrievers", default="exact,hnsw,bm25")
     parser.add_argument("--methods", default="base,+P,+S,+A,+PSA")
@@ -111,7 +112,7 @@ def build_retriever(kind: str, corpus: list[Any], args: argparse.Namespace) -> t
         pad = _synthetic_docs(corpus, args.bm25_pad) if args.bm25_pad else []
         bm25.add(corpus + pad)
         return bm25, f"BM25 (bm25s lucene) over {len(corpus)} passages + {len(pad)} synthetic"
-    embedder = load_embedder("all-minilm-l6-v2")
+    embedder = load_embedder(DEFAULT_EMBEDDER)
     common = {"num_threads": args.faiss_threads, "query_batch_size": 1}
     if kind == "exact":
         dense = DenseRetriever(embedder, index="exact", gemm_min_batch=args.gemm_min_batch,
@@ -212,7 +213,7 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     identical = {m: [f"{m.split('/')[0]}/RaLMSeq"] for m in methods if "RaLMSeq" not in m}
     report = make_report(engine="ralmspec", dataset="nq_open_oracle", device=str(lm.device),
                          models={"lm": lm.name, "dtype": str(lm.dtype),
-                                 "embedder": "all-minilm-l6-v2"}, methods=methods,
+                                 "embedder": DEFAULT_EMBEDDER}, methods=methods,
                          primary_baseline=f"{args.retrievers.split(',')[0]}/RaLMSeq",
                          identical_to=identical,
                          extra={"retrievers": setups, "questions": len(questions),

@@ -41,6 +41,8 @@ from shared_core.bench.common import (
     read_jsonl,
     write_report,
 )
+from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
+from shared_core.token_config import RapidConfig
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +83,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=30, help="questions (quality / nq_long)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--etas", default="1,5,20", help="η values of the rapid methods")
-    parser.add_argument("--gamma", type=int, default=10)
+    parser.add_argument("--gamma", type=int, default=RapidConfig.gamma)
     parser.add_argument("--drafter-kv", default="own",
                         help="drafter KV modes to run (own,target): 'target' adds sd/rapid "
                              "rows whose drafter reuses the target's KV (suffix _shared)")
@@ -96,7 +98,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sweep-gammas", default="10,4", help="γ values of the sweep's rapid")
     parser.add_argument("--sweep-query", choices=("short", "long"), default="short",
                         help="sweep prompt: a short-phrase answer, or an answer + explanation")
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_LM)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--sweep-plot", default=None,
@@ -305,7 +307,7 @@ def _machine() -> dict[str, Any]:
 
 
 def run_accuracy(args: argparse.Namespace, task: str) -> dict[str, Any]:
-    from shared_core.engines.rapid import RapidConfig, RapidDecoder
+    from shared_core.engines.rapid import RapidDecoder
 
     machine = _machine()
     root = Path(args.data_dir) if args.data_dir else data_dir()
@@ -324,7 +326,7 @@ def run_accuracy(args: argparse.Namespace, task: str) -> dict[str, Any]:
     machine["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     report = make_report(
         engine="rapid", dataset=task, models={"target": lm.name, "drafter": lm.name + " (self)",
-                                              "embedder": "all-minilm-l6-v2"},
+                                              "embedder": DEFAULT_EMBEDDER},
         device=str(lm.device), methods=results, primary_baseline="long_context",
         identical_to=identical,
         extra={"config": {"gamma": args.gamma, "max_new_tokens": args.max_new_tokens,
@@ -338,7 +340,7 @@ def run_accuracy(args: argparse.Namespace, task: str) -> dict[str, Any]:
 
 
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
-    from shared_core.engines.rapid import RapidConfig, RapidDecoder
+    from shared_core.engines.rapid import RapidDecoder
 
     machine = _machine()
     root = Path(args.data_dir) if args.data_dir else data_dir()

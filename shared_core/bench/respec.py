@@ -26,6 +26,7 @@ from shared_core.bench.common import (
     read_jsonl,
     write_report,
 )
+from shared_core.config import DEFAULT_LM
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ ABLATIONS: dict[str, dict[str, Any]] = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--model", default=DEFAULT_LM)
     parser.add_argument("--limit", type=int, default=10, help="prompts per category")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--categories", default=",".join(SPEC_BENCH_CATEGORIES))

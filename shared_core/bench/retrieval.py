@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from shared_core.bench.common import data_dir, read_jsonl
+from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval import BM25Retriever, DenseRetriever, Document, Hit
 
 logger = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--passages", type=int, default=None,
                         help="first N passages only, keeping questions whose gold is among them "
                              "(a quick smoke run; default all)")
-    parser.add_argument("--embedder", default="all-minilm-l6-v2")
+    parser.add_argument("--embedder", default=DEFAULT_EMBEDDER)
     parser.add_argument("--hnsw-m", type=int, default=32)
     parser.add_argument("--ef-construction", type=int, default=200)
     parser.add_argument("--ef-search", type=int, default=128)

@@ -54,6 +54,7 @@ from shared_core.bench.common import (
     read_jsonl,
     write_report,
 )
+from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
 from shared_core.data_splits import NQ_EVAL_ROWS, SQUAD_EVAL_TITLES
 from shared_core.engines.speculative_rag import (
     SpeculativeRAG,
@@ -260,9 +261,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=30, help="questions per dataset")
     parser.add_argument("--max-new-tokens", type=int, default=SpeculativeRAGConfig.max_draft_tokens,
                         help="drafter token budget for rationale + answer")
-    parser.add_argument("--drafter", default="smollm2-135m-instruct")
-    parser.add_argument("--verifier", default="gemma-3-270m")
-    parser.add_argument("--embedder", default="all-minilm-l6-v2")
+    parser.add_argument("--drafter", default=DEFAULT_LM)
+    parser.add_argument("--verifier", default=DEFAULT_VERIFIER)
+    parser.add_argument("--embedder", default=DEFAULT_EMBEDDER)
     parser.add_argument("--dtype", default=None,
                         help="dtype of every model (all methods alike); default fp32 on CPU")
     parser.add_argument("--num-drafts", type=int, default=SpeculativeRAGConfig.num_drafts)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval import _common
 from shared_core.retrieval.base import Document, Hit
 
@@ -165,7 +166,7 @@ class DenseRetriever:
     metadata={"padding": True})``. Corpus ids may therefore not start with ``"pad-"``.
     """
 
-    def __init__(self, embedder: Any = "all-minilm-l6-v2", *, index: IndexKind = "exact",
+    def __init__(self, embedder: Any = DEFAULT_EMBEDDER, *, index: IndexKind = "exact",
                  hnsw_m: int = 32, ef_construction: int = 200, ef_search: int = 128,
                  batch_size: int = 64, show_progress: bool = False,
                  num_threads: int | None = None, gemm_min_batch: int | None = None,
@@ -247,7 +248,7 @@ class DenseRetriever:
         if self._embedder is None:
             from shared_core.models import load_embedder
 
-            self._embedder = load_embedder(self._embedder_name or "all-minilm-l6-v2")
+            self._embedder = load_embedder(self._embedder_name or DEFAULT_EMBEDDER)
         return self._embedder
 
     # ------------------------------------------------------------------ embedding

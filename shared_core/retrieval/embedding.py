@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.embedded import EMBEDDED_EMBEDDERS
 from shared_core.retrieval._common import check_int
 
@@ -111,7 +112,7 @@ class EmbeddingConfig:
         show_progress: a tqdm bar per call (off by default in library calls).
     """
 
-    model: str = "all-minilm-l6-v2"
+    model: str = DEFAULT_EMBEDDER
     device: str | None = None
     batch_size: int = 32
     normalize: bool = True
