@@ -19,7 +19,7 @@ never replaced by a default).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
@@ -27,21 +27,21 @@ from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
-from pydantic import ConfigDict, Field, PrivateAttr, ValidationInfo, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr
 
-from shared_core.config import GenerationConfig
-from shared_core.engines.registry import check_engine, stream_engine
-from shared_core.output import (
-    GenerationResult,
-    check_generation_field,
-    generation_config,
-    validate_messages,
+from shared_core.chat_adapters import (
+    ChatCall,
+    ChatSettings,
+    call_report,
+    prepare_call,
+    resolve_model,
 )
-from shared_core.serving import FairLock, iterate_in_thread, loaded_model, lock_for, step_locked
+from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
+from shared_core.output import GenerationResult, validate_messages
+from shared_core.serving import FairLock, iterate_in_thread
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
           "function": "tool", "developer": "system", "user": "user", "assistant": "assistant"}
-_DEFAULT_MAX_TOKENS = GenerationConfig().max_new_tokens
 
 
 def _message_text(index: int, message: BaseMessage) -> str:
@@ -72,14 +72,12 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
     return validate_messages(out)
 
 
-def _document_texts(documents: Sequence[Any] | None) -> list[str] | None:
-    if documents is None:
-        return None
-    return [getattr(d, "page_content", d) for d in documents]
-
-
-class ChatSpeculative(BaseChatModel):
+class ChatSpeculative(ChatSettings, BaseChatModel):
     """Chat model running a speculative engine on a local model (default: ReSpec on SmolLM2).
+
+    Settings: :class:`~shared_core.chat_adapters.ChatSettings` (the same as ``SpeculativeLLM``'s)
+    plus ``max_tokens`` (LangChain's name for the token limit; ``None`` = the default),
+    ``streaming`` and a preloaded ``lm``.
 
     Example:
         ``ChatSpeculative(model="smollm2-135m-instruct", max_tokens=128).invoke("Hi")``
@@ -87,32 +85,11 @@ class ChatSpeculative(BaseChatModel):
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
 
-    model: str = Field(default="smollm2-135m-instruct", alias="model_name")
-    engine: str = "respec"
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_tokens: int | None = 256
-    stop: list[str] | None = None
+    model: str = Field(default=DEFAULT_LM, alias="model_name")
+    max_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     streaming: bool = False
-    documents: list[str] | None = None
-    device: str | None = None
-    dtype: str | None = None
     lm: Any = Field(default=None, exclude=True)  # a preloaded shared_core LM (optional)
     _engine_state: dict[str, Any] = PrivateAttr(default_factory=dict)  # e.g. RAPID's decoders
-
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, value: str) -> str:
-        return check_engine(value)
-
-    @field_validator("max_tokens", "temperature", "top_k", "top_p", "seed", mode="before")
-    @classmethod
-    def _generation_field(cls, value: Any, info: ValidationInfo) -> Any:
-        check_generation_field(info.field_name, value)  # TypeError / ValueError naming it
-        return value
 
     @property
     def _llm_type(self) -> str:
@@ -136,56 +113,31 @@ class ChatSpeculative(BaseChatModel):
         return params
 
     def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
-        if override is not None and override != self.model:
-            return loaded_model(override, self.device, self.dtype)
-        if self.lm is not None:
-            return self.lm, lock_for(self.lm)
-        return loaded_model(self.model, self.device, self.dtype)
+        return resolve_model(self, self.lm, override)
 
     def _call(self, messages: list[BaseMessage], stop: list[str] | None,
-              kwargs: dict[str, Any]) -> tuple[FairLock, Callable[[], Any], str]:
-        """Validate one call (before any model work); return the lock and a stream starter."""
-        chat = to_chat_messages(messages)
-        engine = check_engine(kwargs.pop("engine", self.engine))
-        # the configured options belong to the configured engine; a per-call engine gets its own
-        base = self.engine_options if engine == self.engine else {}
-        options = {**base, **kwargs.pop("engine_options", {})}
-        documents = kwargs.pop("documents", None)
-        max_tokens = kwargs.pop("max_tokens", None)
-        max_tokens = self.max_tokens if max_tokens is None else max_tokens
-        sampling = {"stop": stop if stop is not None else self.stop,
-                    "temperature": kwargs.pop("temperature", self.temperature),
-                    "top_k": kwargs.pop("top_k", self.top_k),
-                    "top_p": kwargs.pop("top_p", self.top_p),
-                    "seed": kwargs.pop("seed", self.seed)}
-        max_tokens = _DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
-        generation_config(max_tokens, name="max_tokens", **sampling)
-        lm, lock = self._model(kwargs.pop("model", None))
-        texts = _document_texts(documents if documents is not None else self.documents)
+              kwargs: dict[str, Any]) -> ChatCall:
+        """Validate one call (before any model work)."""
+        return prepare_call(self, to_chat_messages(messages), {**kwargs, "stop": stop},
+                            lm=self.lm, engine_state=self._engine_state,
+                            limit_name="max_tokens", text_of="page_content")
 
-        def start() -> Any:
-            return stream_engine(engine, lm, chat, max_new_tokens=max_tokens, documents=texts,
-                                 engine_state=self._engine_state, **sampling, **options)
-
-        return lock, start, engine
-
-    def _final_chunk(self, result: GenerationResult | None, engine: str) -> ChatGenerationChunk:
-        assert result is not None
-        stats = result.stats
-        usage = UsageMetadata(input_tokens=stats.prompt_tokens, output_tokens=stats.new_tokens,
-                              total_tokens=stats.prompt_tokens + stats.new_tokens)
-        metadata = {"model_name": self.model, "finish_reason": stats.finish_reason,
-                    "engine": engine, "speculative_stats": stats.as_dict()}
+    def _final_chunk(self, result: GenerationResult, engine: str) -> ChatGenerationChunk:
+        report = call_report(result, engine, self.model)
+        usage = UsageMetadata(input_tokens=report["prompt_tokens"],
+                              output_tokens=report["completion_tokens"],
+                              total_tokens=report["prompt_tokens"] + report["completion_tokens"])
+        metadata = {"model_name": self.model, "finish_reason": report["finish_reason"],
+                    "engine": engine, "speculative_stats": report["speculative_stats"]}
         return ChatGenerationChunk(message=AIMessageChunk(
             content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last"))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
                   ) -> ChatResult:
-        lock, start, engine = self._call(messages, stop, dict(kwargs))
-        with lock:  # the whole generation: nothing is yielded to the caller in between
-            result = start().run()
-        final = self._final_chunk(result, engine).message
+        call = self._call(messages, stop, kwargs)
+        result = call.run()
+        final = self._final_chunk(result, call.engine).message
         message = AIMessage(content=result.text, usage_metadata=final.usage_metadata,
                             response_metadata=final.response_metadata)
         return ChatResult(generations=[ChatGeneration(message=message)])
@@ -193,15 +145,15 @@ class ChatSpeculative(BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
                 ) -> Iterator[ChatGenerationChunk]:
-        lock, start, engine = self._call(messages, stop, dict(kwargs))
-        with lock:
-            stream = start()
-        for delta in step_locked(lock, stream):  # the lock is free while the caller reads
+        call = self._call(messages, stop, kwargs)
+        for delta, result in call.steps():
+            if result is not None:
+                yield self._final_chunk(result, call.engine)
+                return
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager is not None and delta:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
-        yield self._final_chunk(stream.result, engine)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any

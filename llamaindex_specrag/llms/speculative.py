@@ -19,7 +19,7 @@ before the model is loaded: text blocks only (``ImageBlock`` and other media rai
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -33,18 +33,20 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import (
-    Field,
-    PrivateAttr,
-    ValidationInfo,
-    field_validator,
-)
+from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 
-from shared_core.engines.registry import check_engine, stream_engine
-from shared_core.output import check_generation_field, generation_config, validate_messages
-from shared_core.serving import FairLock, iterate_in_thread, loaded_model, lock_for, step_locked
+from shared_core.chat_adapters import (
+    ChatCall,
+    ChatSettings,
+    call_report,
+    prepare_call,
+    resolve_model,
+)
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS
+from shared_core.output import validate_messages
+from shared_core.serving import FairLock, iterate_in_thread
 
 
 async def _last(items: AsyncIterator[Any]) -> Any:
@@ -75,22 +77,16 @@ def _chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
     return validate_messages(out)
 
 
-class SpeculativeLLM(CustomLLM):
-    """LlamaIndex LLM running a speculative engine on a local model (default: ReSpec, SmolLM2)."""
+class SpeculativeLLM(ChatSettings, CustomLLM):
+    """LlamaIndex LLM running a speculative engine on a local model (default: ReSpec, SmolLM2).
 
-    model: str = Field(default="smollm2-135m-instruct", description="alias, hub id or path")
-    engine: str = Field(default="respec", description="a shared_core token engine name")
-    engine_options: dict[str, Any] = Field(default_factory=dict)
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    max_new_tokens: int = 256
-    stop: list[str] | None = None
-    documents: list[str] | None = None
+    Settings: :class:`~shared_core.chat_adapters.ChatSettings` (the same as
+    ``ChatSpeculative``'s) plus ``max_new_tokens`` (the token limit; per call ``max_tokens`` is
+    accepted too), ``context_window`` and a preloaded ``lm`` (first positional argument).
+    """
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     context_window: int | None = Field(default=None, description="None = the model's window")
-    device: str | None = None
-    dtype: str | None = None
     _lm: Any = PrivateAttr(default=None)  # a preloaded shared_core LM (else the shared cache)
     _engine_state: dict[str, Any] = PrivateAttr(default_factory=dict)  # e.g. RAPID's decoders
 
@@ -98,27 +94,14 @@ class SpeculativeLLM(CustomLLM):
         super().__init__(**kwargs)
         self._lm = lm
 
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, value: str) -> str:
-        return check_engine(value)
-
-    @field_validator("max_new_tokens", "temperature", "top_k", "top_p", "seed", mode="before")
-    @classmethod
-    def _generation_field(cls, value: Any, info: ValidationInfo) -> Any:
-        check_generation_field(info.field_name, value)  # TypeError / ValueError naming it
-        return value
-
     @classmethod
     def class_name(cls) -> str:
         return "SpeculativeLLM"
 
-    def _model(self) -> tuple[Any, FairLock]:
+    def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
         """The preloaded LM, else the shared cache's (looked up per call, so
         ``serving.release`` frees it)."""
-        if self._lm is not None:
-            return self._lm, lock_for(self._lm)
-        return loaded_model(self.model, self.device, self.dtype)
+        return resolve_model(self, self._lm, override)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -128,63 +111,32 @@ class SpeculativeLLM(CustomLLM):
                            model_name=self.model, system_role=MessageRole.SYSTEM)
 
     # -- one generation path ----------------------------------------------------------------
-    def _call(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
-              ) -> tuple[FairLock, Callable[[], Any], str]:
-        """Validate one call (before any model work); return the lock and a stream starter."""
-        engine = check_engine(kwargs.pop("engine", self.engine))
-        # the configured options belong to the configured engine; a per-call engine gets its own
-        base = self.engine_options if engine == self.engine else {}
-        options = {**base, **kwargs.pop("engine_options", {})}
-        documents = kwargs.pop("documents", None)
-        documents = self.documents if documents is None else documents
-        name = "max_tokens" if "max_tokens" in kwargs else "max_new_tokens"
-        max_new_tokens = kwargs.pop(name, self.max_new_tokens)
-        sampling = {"stop": kwargs.pop("stop", self.stop),
-                    "temperature": kwargs.pop("temperature", self.temperature),
-                    "top_k": kwargs.pop("top_k", self.top_k),
-                    "top_p": kwargs.pop("top_p", self.top_p),
-                    "seed": kwargs.pop("seed", self.seed)}
-        generation_config(max_new_tokens, name=name, **sampling)
-        lm, lock = self._model()
-        texts = [getattr(d, "text", d) for d in documents] if documents else None
-
-        def start() -> Any:
-            return stream_engine(engine, lm, prompt, max_new_tokens=max_new_tokens,
-                                 documents=texts, engine_state=self._engine_state, **sampling,
-                                 **options)
-
-        return lock, start, engine
-
-    def _raw(self, result: Any, engine: str) -> dict[str, Any]:
-        stats = result.stats
-        return {"engine": engine, "model": self.model, "finish_reason": stats.finish_reason,
-                "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
-                "speculative_stats": stats.as_dict()}
+    def _call(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]) -> ChatCall:
+        """Validate one call (before any model work)."""
+        return prepare_call(self, prompt, kwargs, lm=self._lm, engine_state=self._engine_state,
+                            limit_name="max_new_tokens", text_of="text")
 
     def _run(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
              ) -> tuple[str, dict[str, Any]]:
         """The whole generation under the lock: ``(text, raw stats)``."""
-        lock, start, engine = self._call(prompt, kwargs)
-        with lock:
-            result = start().run()
-        return result.text, self._raw(result, engine)
+        call = self._call(prompt, kwargs)
+        result = call.run()
+        return result.text, call_report(result, call.engine, self.model)
 
     def _run_stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
                     ) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
         """Validate now; then iterate ``(cumulative text, delta, None)`` and finally
         ``(text, "", raw stats)``. The lock is taken per step, never while the caller reads."""
-        return self._steps(*self._call(prompt, kwargs))
+        return self._steps(self._call(prompt, kwargs))
 
-    def _steps(self, lock: FairLock, start: Callable[[], Any], engine: str
-               ) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
-        with lock:
-            stream = start()
+    def _steps(self, call: ChatCall) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
         text = ""
-        for delta in step_locked(lock, stream):
+        for delta, result in call.steps():
+            if result is not None:
+                yield result.text, "", call_report(result, call.engine, self.model)
+                return
             text += delta
             yield text, delta, None
-        assert stream.result is not None
-        yield stream.result.text, "", self._raw(stream.result, engine)
 
     def _messages(self, prompt: str, formatted: bool) -> str | list[dict[str, str]]:
         if formatted:

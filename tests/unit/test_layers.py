@@ -47,6 +47,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.engines": (3, "the engines and their shared round loop"),
     "shared_core.serving": (4, "model cache + locks for the adapters; builds engines"),
     "shared_core.rag_adapters": (4, "framework-neutral code both frameworks' RAG adapters share"),
+    "shared_core.chat_adapters": (4, "framework-neutral code both frameworks' chat/LLM adapters "
+                                     "share (settings, one call, stream loop, usage)"),
     "shared_core.remote": (4, "served-model clients"),
     "shared_core.bench": (4, "benchmarks and probes"),
     "shared_core.train_drafter": (4, "drafter tuning (uses the engine's draft prompt)"),

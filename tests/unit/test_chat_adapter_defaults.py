@@ -1,0 +1,93 @@
+"""ChatSpeculative (LangChain) and SpeculativeLLM (LlamaIndex): the same settings, with the
+config constants as defaults, and the same per-call options giving the same generation
+(issue 15, items 2 and 7)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.messages import HumanMessage
+from llama_index.core.base.llms.types import ChatMessage, MessageRole
+from llama_index.core.llms.custom import CustomLLM
+
+from langchain_specrag.chat_models.speculative import ChatSpeculative
+from llamaindex_specrag.llms.speculative import SpeculativeLLM
+from shared_core.chat_adapters import CHAT_SETTINGS, DEFAULT_ENGINE, ChatSettings
+from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, SamplingConfig
+from shared_core.engines.baseline import autoregressive_generate
+
+# Settings only one framework has, each for a documented reason.
+LANGCHAIN_ONLY = {"max_tokens", "streaming", "lm"}  # LangChain's names; lm is a field there
+LLAMAINDEX_ONLY = {"max_new_tokens", "context_window"}  # lm is __init__'s first argument there
+PROMPT = "0 1 2 3 4 5 6 7"
+
+
+def _own_fields(cls: type, base: type) -> set[str]:
+    return set(cls.model_fields) - set(base.model_fields)
+
+
+def test_both_adapters_inherit_the_one_settings_model() -> None:
+    assert issubclass(ChatSpeculative, ChatSettings) and issubclass(SpeculativeLLM, ChatSettings)
+    assert set(CHAT_SETTINGS) == set(ChatSettings.model_fields)
+    assert _own_fields(ChatSpeculative, BaseChatModel) == set(CHAT_SETTINGS) | LANGCHAIN_ONLY
+    assert _own_fields(SpeculativeLLM, CustomLLM) == set(CHAT_SETTINGS) | LLAMAINDEX_ONLY
+
+
+def test_defaults_are_the_config_constants() -> None:
+    sampling = SamplingConfig()
+    expected = {"model": DEFAULT_LM, "engine": DEFAULT_ENGINE, "engine_options": {},
+                "temperature": sampling.temperature, "top_k": sampling.top_k,
+                "top_p": sampling.top_p, "seed": sampling.seed, "stop": None, "documents": None,
+                "device": None, "dtype": None}
+    assert set(expected) == set(CHAT_SETTINGS)
+    chat, llm = ChatSpeculative(), SpeculativeLLM()
+    for name, value in expected.items():
+        assert getattr(chat, name) == value, name
+        assert getattr(llm, name) == value, name
+    assert chat.max_tokens == llm.max_new_tokens == DEFAULT_MAX_NEW_TOKENS
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_k", "top_p", "seed"])
+def test_bad_settings_are_refused_the_same_way(field: str) -> None:
+    for cls in (ChatSpeculative, SpeculativeLLM):
+        with pytest.raises(TypeError, match=field):
+            cls(**{field: "1"})
+    for cls, name in ((ChatSpeculative, "max_tokens"), (SpeculativeLLM, "max_new_tokens")):
+        with pytest.raises(ValueError, match=name):
+            cls(**{name: 0})
+
+
+@pytest.fixture(scope="module")
+def pair(tiny_target: Any) -> tuple[ChatSpeculative, SpeculativeLLM]:
+    options: dict[str, Any] = {"engine_options": {"use_trigger": False}}
+    return (ChatSpeculative(lm=tiny_target, model="tiny", max_tokens=6, **options),
+            SpeculativeLLM(tiny_target, model="tiny", max_new_tokens=6, **options))
+
+
+@pytest.mark.parametrize("per_call", [
+    {}, {"max_tokens": 3}, {"max_new_tokens": 4}, {"max_tokens": None},
+    {"engine": "autoregressive", "max_tokens": 5}, {"stop": None},
+])
+def test_same_per_call_options_give_the_same_generation(pair: Any, tiny_target: Any,
+                                                        per_call: dict[str, Any]) -> None:
+    chat, llm = pair
+    limit = next((v for k, v in per_call.items() if k.startswith("max") and v), 6)
+    ref = autoregressive_generate(tiny_target, [{"role": "user", "content": PROMPT}], limit)
+    lc = chat.invoke([HumanMessage(PROMPT)], **per_call)
+    li = llm.chat([ChatMessage(role=MessageRole.USER, content=PROMPT)], **per_call)
+    assert lc.content == li.message.content == ref.text
+    assert lc.usage_metadata["output_tokens"] == li.raw["completion_tokens"] == len(ref.token_ids)
+    assert lc.usage_metadata["input_tokens"] == li.raw["prompt_tokens"]
+    assert lc.response_metadata["engine"] == li.raw["engine"] == per_call.get("engine", "respec")
+
+
+def test_streams_report_the_same_stats(pair: Any) -> None:
+    chat, llm = pair
+    chunks = list(chat.stream([HumanMessage(PROMPT)]))
+    parts = list(llm.stream_chat([ChatMessage(role=MessageRole.USER, content=PROMPT)]))
+    assert "".join(str(c.content) for c in chunks) == parts[-1].message.content
+    lc_stats = chunks[-1].response_metadata["speculative_stats"]
+    li_stats = parts[-1].raw["speculative_stats"]
+    assert lc_stats["new_tokens"] == li_stats["new_tokens"] > 0
