@@ -58,10 +58,12 @@ def check_real(value: Any, name: str) -> float:
     return float(value)
 
 
-def check_bool(value: Any, name: str) -> None:
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a bool, else a TypeError naming ``name``."""
     if not isinstance(value, bool):
         msg = f"{name} must be a bool, got {type(value).__name__} {value!r}"
         raise TypeError(msg)
+    return value
 
 
 def check_text(value: Any, name: str) -> str:

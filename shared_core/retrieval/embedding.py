@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
-from shared_core.config import DEFAULT_EMBEDDER
+from shared_core.config import DEFAULT_EMBEDDER, check_bool
 from shared_core.embedded import EMBEDDED_EMBEDDERS
 from shared_core.retrieval._common import check_int
 
@@ -69,13 +69,6 @@ def check_device(device: Any, name: str = "device") -> str | None:
         msg = f"{name}={device!r} is not a device (use 'cpu', 'cuda', 'cuda:1', 'mps' or None)"
         raise ValueError(msg)
     return device
-
-
-def check_bool(value: Any, name: str) -> bool:
-    if not isinstance(value, bool):
-        msg = f"{name} must be a bool, got {type(value).__name__} {value!r}"
-        raise TypeError(msg)
-    return value
 
 
 def check_text(text: Any, name: str = "text") -> str:

@@ -14,14 +14,12 @@ import gc
 import threading
 import time
 import weakref
-import zlib
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from tiny import CORPUS, tiny_lm
+from tiny import CORPUS, HashEmbedder, tiny_lm
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
@@ -37,17 +35,6 @@ QUESTIONS = ["Who wrote the report?", "What is the capital of France?", "Who is 
              "What does a suffix automaton find?"]
 PROMPTS = ["0 1 2 3 4 5 6 7", "Paris is the capital of", "The quick brown fox", "hello there"]
 
-
-class HashEmbedder:
-    """Deterministic bag-of-words embedder (no model files)."""
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        out = np.zeros((len(texts), 32), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().replace(".", " ").replace("?", " ").split():
-                rng = np.random.default_rng(zlib.crc32(word.encode()))
-                out[i] += rng.standard_normal(32).astype(np.float32)
-        return out
 
 
 def run_threads(fn: Callable[[int], Any], n: int = N, deadline_s: float = 120) -> list[Any]:

@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import signal
 import threading
-import zlib
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import pytest
 import torch
-from tiny import CORPUS
+from tiny import CORPUS, HashEmbedder
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from shared_core.engines.baseline import (
@@ -38,17 +36,6 @@ DOCS = ["Paris is the capital of France. Berlin is the capital of Germany."]
 N_NEW = 24
 AT_FORWARD = [1, 2, 3, 5, 8, 13]
 
-
-class HashEmbedder:
-    """Deterministic bag-of-words embedder (no model files)."""
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        out = np.zeros((len(texts), 32), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().replace(".", " ").replace("?", " ").split():
-                rng = np.random.default_rng(zlib.crc32(word.encode()))
-                out[i] += rng.standard_normal(32).astype(np.float32)
-        return out
 
 
 class Boom(RuntimeError):

@@ -12,14 +12,12 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from tiny import CORPUS
+from tiny import CORPUS, HashEmbedder
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
@@ -30,17 +28,6 @@ RAPID = {"embedder": None, "chunk_tokens": 32, "min_rag_tokens": 64, "eta": 0.0,
 ENGINES = ["respec", "autoregressive", "rapid"]
 Q1, Q2 = "0 1 2 3 4 5 6 7", "Say hello."
 
-
-class HashEmbedder:
-    """Deterministic bag-of-words embedder (no model files)."""
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        out = np.zeros((len(texts), 32), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().replace(".", " ").replace("?", " ").split():
-                rng = np.random.default_rng(zlib.crc32(word.encode()))
-                out[i] += rng.standard_normal(32).astype(np.float32)
-        return out
 
 
 def within(seconds: float, scenario: Callable[[], Any]) -> Any:

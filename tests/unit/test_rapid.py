@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import zlib
-
 import numpy as np
 import pytest
 import torch
-from tiny import CORPUS
+from tiny import CORPUS, HashEmbedder
 
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.engines.rapid import RapidConfig, RapidDecoder, _GammaSchedule, split_prompt
@@ -25,17 +23,6 @@ CONTEXT = " ".join(CORPUS[:8])  # ~310 tiny tokens: fits the 512-position tiny m
 QUERIES = ["Who wrote the report?", "What is the capital of France?"]
 TINY = RapidConfig(chunk_tokens=32, min_rag_tokens=64, gamma=4, eta=0.0)
 
-
-class HashEmbedder:
-    """Deterministic bag-of-words embedder (no model files)."""
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        out = np.zeros((len(texts), 32), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().replace(".", " ").replace("?", " ").split():
-                rng = np.random.default_rng(zlib.crc32(word.encode()))
-                out[i] += rng.standard_normal(32).astype(np.float32)
-        return out
 
 
 @pytest.fixture(scope="module")

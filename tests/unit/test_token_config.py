@@ -2,22 +2,16 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
+from tiny import heavy_imports
 
 from shared_core import config
 from shared_core.token_config import RapidConfig, ReSpecConfig, check_eta
 
 
 def test_token_configs_import_without_torch_or_numpy() -> None:
-    code = ("import sys; import shared_core.token_config; "
-            "heavy = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; "
-            "assert not heavy, heavy")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            timeout=60, check=False)
-    assert result.returncode == 0, result.stderr[-2000:]
+    assert heavy_imports("shared_core.token_config") == []
+    assert heavy_imports("shared_core.engines.rapid") != []  # the check can fail
 
 
 def test_engines_re_export_the_token_configs() -> None:
