@@ -24,6 +24,7 @@ from shared_core.config import DEFAULT_LM
 from shared_core.device import cpu_facts
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+from shared_core.engines.respec import respec_generate
 from shared_core.kv import KVSession
 from shared_core.models import LM, load_lm
 
@@ -39,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-tokens", type=int, default=8)
     parser.add_argument("--tasks", nargs="*", default=list(SPEC_BENCH_TASKS))
     parser.add_argument("--methods", nargs="*", default=None, help="subset of methods to run")
+    parser.add_argument("--cpu-linears", default="dtype", choices=("dtype", "fp16"),
+                        help="fp16: decoder linears with fp16 weights (every method runs that model)")
     parser.add_argument("--drafter", default=None,
                         help="a same-vocabulary draft model: adds speculative_model (ours) and "
                              "hf_assisted (transformers assisted generation) with that pair")
@@ -70,8 +73,13 @@ def methods_for(lm: LM, max_new: int, k: int) -> dict[str, Method]:
         result = speculative_generate(lm, PromptLookupDrafter(), ids, max_new, k=k)
         return result.token_ids, result.stats.as_dict()
 
+    def respec(ids: list[int]) -> tuple[list[int], dict[str, Any]]:
+        result = respec_generate(lm, ids, max_new)
+        return result.token_ids, result.stats.as_dict()
+
     return {"hf_generate": hf({}), "autoregressive": ours,
-            "hf_prompt_lookup": hf({"prompt_lookup_num_tokens": 10}), "speculative": speculative}
+            "hf_prompt_lookup": hf({"prompt_lookup_num_tokens": 10}), "speculative": speculative,
+            "respec": respec}
 
 
 def model_drafter_methods(lm: LM, drafter: LM, max_new: int, k: int) -> dict[str, Method]:
@@ -107,14 +115,15 @@ def _aggregate_stats(stats: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    lm = load_lm(args.model)
+    lm = load_lm(args.model, cpu_linears=args.cpu_linears)
     prompts = spec_bench(args.limit, args.tasks)
     encoded = [lm.prompt_ids([{"role": "user", "content": p.turns[0]}]) for p in prompts]
     methods = methods_for(lm, args.max_new_tokens, args.draft_tokens)
     if args.methods:
         methods = {name: fn for name, fn in methods.items() if name in args.methods}
     if args.drafter:  # asked for explicitly, so not subject to --methods
-        methods.update(model_drafter_methods(lm, load_lm(args.drafter), args.max_new_tokens,
+        methods.update(model_drafter_methods(lm, load_lm(args.drafter, cpu_linears=args.cpu_linears),
+                                             args.max_new_tokens,
                                              args.draft_tokens))
     if args.bf16:  # asked for explicitly, so not subject to --methods
         lm_bf16 = load_lm(args.model, dtype="bfloat16")
@@ -137,7 +146,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for name, result in results.items():
         logger.info("%s: %.2f tok/s", name, result.tokens_per_s)
     compare = {name: ["autoregressive", "hf_generate"] for name in methods}
-    models = {"target": args.model, **({"drafter": args.drafter} if args.drafter else {})}
+    models = {"target": args.model, **({"drafter": args.drafter} if args.drafter else {}),
+              "cpu_linears": args.cpu_linears}
     report = make_report(engine="core", dataset="spec_bench", models=models,
                          device=str(lm.device), methods=results, primary_baseline="hf_generate",
                          identical_to=compare)
