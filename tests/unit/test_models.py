@@ -8,6 +8,7 @@ from tiny import tiny_llama, tiny_tokenizer
 
 from shared_core import models
 from shared_core.device import resolve_device, resolve_dtype
+from shared_core.weights_cache import cache_is_valid, write_cache
 
 
 def test_unknown_alias_and_missing_paths_are_clear_errors(tmp_path):
@@ -41,14 +42,14 @@ def test_cache_is_atomic_and_verified(tmp_path, monkeypatch):
 
     monkeypatch.setattr(model, "save_pretrained", crash)
     with pytest.raises(RuntimeError, match="disk full"):
-        models._write_cache(model, tokenizer, target)
+        write_cache(model, tokenizer, target)
     assert not target.exists() and list(target.parent.iterdir()) == []  # nothing half-written
     monkeypatch.undo()
-    models._write_cache(model, tokenizer, target)
-    assert models._cache_is_valid(target)
+    write_cache(model, tokenizer, target)
+    assert cache_is_valid(target)
     weights = next(target.glob("*.safetensors"))
     weights.write_bytes(weights.read_bytes()[:-10])  # truncated by a crash or a bad disk
-    assert not models._cache_is_valid(target)
+    assert not cache_is_valid(target)
 
 
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
