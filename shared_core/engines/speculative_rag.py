@@ -306,12 +306,15 @@ def kmeans_labels(vectors: np.ndarray, k: int, seed: int, iters: int = 25) -> li
 
 
 def _pick_least_used(candidates: list[tuple[int, ...]], m: int) -> list[tuple[int, ...]]:
-    """Greedily take m candidates, each time the one whose documents were used least so far."""
+    """Greedily take m candidates, each time the one whose documents were used least so far;
+    ties go to the better-ranked documents (lower indices: documents arrive in retrieval order),
+    so the retriever's top document is never the one left out of every draft."""
     uses: dict[int, int] = {}
     chosen: list[tuple[int, ...]] = []
     pool = list(candidates)
     while pool and len(chosen) < m:
-        best = min(range(len(pool)), key=lambda i: sum(uses.get(d, 0) for d in pool[i]))
+        best = min(range(len(pool)),
+                   key=lambda i: (sum(uses.get(d, 0) for d in pool[i]), sorted(pool[i])))
         subset = pool.pop(best)
         chosen.append(subset)
         for d in subset:

@@ -475,3 +475,14 @@ def test_drafter_lora_recipe_runs_on_a_tiny_model():
     assert len(losses) == 6 and losses[-1] < losses[0]
     with pytest.raises(ValueError, match="no tuned adapter"):
         load_tuned_drafter("tiny+specrag")
+
+
+def test_top_ranked_documents_are_covered_before_lower_ones():
+    # the top document (index 0) sits in the big cluster: some subsets must leave docs out,
+    # and the ones left out are the lowest-ranked, never the retriever's best
+    labels = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1]
+    for seed in range(20):
+        subsets, _ = one_per_cluster_subsets(labels, 2, 5, random.Random(seed))
+        used = {d for s in subsets for d in s}
+        assert subsets[0] == (0, 8)
+        assert {0, 1, 2, 3, 4} <= used and not used & {5, 6, 7}
