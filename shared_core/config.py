@@ -41,10 +41,14 @@ def require(ok: bool, name: str, requirement: str, value: Any) -> None:
     _check(ok, f"{name} must be {requirement}, got {value!r}")
 
 
-def check_int(value: Any, name: str, minimum: int | None = 1) -> int:
+def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool = False
+              ) -> int | None:
     """``value`` as an int: TypeError for a non-integer (bool, float, str; numpy integers pass),
-    ValueError below ``minimum`` (``None``: any integer)."""
-    what = "an integer" if minimum is None else f"an integer >= {minimum}"
+    ValueError below ``minimum`` (``None``: any integer); ``optional`` also lets None through."""
+    if optional and value is None:
+        return None
+    what = ("an integer" if minimum is None else f"an integer >= {minimum}") + \
+        (" or None" if optional else "")
     check_type(value, name, (numbers.Integral,), what)
     require(minimum is None or value >= minimum, name, what, value)
     return int(value)

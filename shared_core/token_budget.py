@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared_core.config import check_int
+
 if TYPE_CHECKING:
     import tiktoken
 
@@ -120,22 +122,12 @@ def count_tokens(text: str | Sequence[str], *, encoding: str = DEFAULT_ENCODING)
     return sum(len(ids) for ids in enc.encode_batch(texts, disallowed_special=()))
 
 
-def _check_int(value: Any, name: str, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        msg = f"{name} must be an integer >= {minimum}, got {type(value).__name__} {value!r}"
-        raise TypeError(msg)
-    if value < minimum:
-        msg = f"{name} must be an integer >= {minimum}, got {value!r}"
-        raise ValueError(msg)
-    return value
-
-
 def check_prompt_size(prompt: str | Sequence[str], *, max_tokens: int, reserve: int = 0,
                       encoding: str = DEFAULT_ENCODING) -> int:
     """The prompt's token count, or ValueError if it leaves fewer than ``reserve`` tokens (for the
     answer) of a ``max_tokens`` window. A list (e.g. retrieved documents) is counted summed."""
-    _check_int(max_tokens, "max_tokens", 1)
-    _check_int(reserve, "reserve", 0)
+    check_int(max_tokens, "max_tokens", 1)
+    check_int(reserve, "reserve", 0)
     if reserve >= max_tokens:
         msg = f"reserve ({reserve}) must be smaller than max_tokens ({max_tokens})"
         raise ValueError(msg)

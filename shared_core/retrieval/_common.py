@@ -13,25 +13,13 @@ from typing import Any
 
 import numpy as np
 
+from shared_core.config import check_int
 from shared_core.retrieval.base import Document, Hit, check_document_fields
 
 FORMAT_VERSION = 1
 CONFIG_FILE = "config.json"
 DOCS_FILE = "docs.jsonl"
 PROGRESS_MIN_TEXTS = 256  # show a progress bar (if asked) only above this many texts
-
-
-def check_int(value: Any, name: str, minimum: int = 1, *, optional: bool = False) -> None:
-    """TypeError for a non-integer (bool, float, str), ValueError below ``minimum``."""
-    if optional and value is None:
-        return
-    expected = f"an integer >= {minimum}" + (" or None" if optional else "")
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        msg = f"{name} must be {expected}, got {type(value).__name__} {value!r}"
-        raise TypeError(msg)
-    if value < minimum:
-        msg = f"{name} must be {expected}, got {value!r}"
-        raise ValueError(msg)
 
 
 def check_number(value: Any, name: str, low: float, high: float = float("inf")) -> float:
