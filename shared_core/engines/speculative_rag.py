@@ -66,16 +66,15 @@ logger = logging.getLogger(__name__)
 
 EventHook = Callable[[str, dict[str, Any]], None]
 
+# No "<placeholder>" formats: a 135M drafter copied "<short answer>" verbatim into 1 draft in 4
 DRAFT_INSTRUCTION = (
     "Answer the question using the documents. First write a one-sentence rationale based on the "
-    "documents, then a short answer of a few words.\nFormat:\nRationale: <one sentence>\n"
-    "Answer: <short answer>"
+    "documents after 'Rationale:', then a short answer of a few words after 'Answer:'."
 )
 # answer_first drafts (draft_order="answer_first"): the answer line cannot go missing
 DRAFT_INSTRUCTION_ANSWER_FIRST = (
-    "Answer the question using the documents. First write a short answer of a few words, then a "
-    "one-sentence rationale based on the documents.\nFormat:\nAnswer: <short answer>\n"
-    "Rationale: <one sentence>"
+    "Answer the question using the documents. First write a short answer of a few words after "
+    "'Answer:', then a one-sentence rationale based on the documents after 'Rationale:'."
 )
 RAG_INSTRUCTION = "Answer the question using the documents. Give a short answer of a few words."
 REFLECTION = "Do you think the rationale supports the answer, yes or no?"
