@@ -46,12 +46,20 @@ LAYERS: dict[str, tuple[int, str]] = {
                               "used by every engine"),
     "shared_core.drafters": (2, "one module per drafter"),
     "shared_core.retrieval": (2, "documents, chunking, retrieval backends"),
+    "shared_core.retrieval.frameworks": (2, "LangChain / LlamaIndex / our documents and retrievers "
+                                           "as Documents and Hits (duck-typed, no framework import)"),
     "shared_core.engines": (3, "the engines and their shared round loop"),
+    "shared_core.engines.speculative_rag": (3, "Speculative RAG package: subsets, prompts, "
+                                              "generation, scoring, inputs, results, engine"),
     "shared_core.serving": (4, "model cache + locks for the adapters; builds engines"),
     "shared_core.rag_adapters": (4, "framework-neutral code both frameworks' RAG adapters share"),
+    "shared_core.rag_streams": (4, "framework-neutral streaming both frameworks' RAG adapters "
+                                   "share"),
     "shared_core.chat_adapters": (4, "framework-neutral code both frameworks' chat/LLM adapters "
                                      "share (settings, one call, stream loop, usage)"),
-    "shared_core.remote": (4, "served-model clients"),
+    "shared_core.remote": (1, "served-model clients: RemoteLM beside LM (models layer), so engines "
+                              "can take either"),
+    "shared_core.integrations": (4, "plug-ins for other systems' hooks (vLLM custom_class proposer)"),
     "shared_core.bench": (4, "benchmarks and probes"),
     "shared_core.train_drafter": (4, "drafter tuning (uses the engine's draft prompt)"),
     "shared_core.demo": (4, "runs every engine end to end"),

@@ -1,0 +1,1 @@
+"""Plug-ins for other systems' extension hooks (e.g. vLLM's ``custom_class`` proposer)."""

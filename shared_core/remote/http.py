@@ -1,0 +1,123 @@
+"""Pooled sync + async HTTP with timeouts, retries with exponential back-off and auth headers."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import httpx
+
+from shared_core.remote.config import API_KEY_ENV, RETRY_STATUSES, RemoteConfig
+
+logger = logging.getLogger(__name__)
+
+
+class RemoteError(RuntimeError):
+    """A request failed for good (after its retries) or the server refused it."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _headers(api_key: str | None) -> dict[str, str]:
+    key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def _retryable(exc: Exception | None, response: httpx.Response | None) -> bool:
+    if exc is not None:
+        return isinstance(exc, httpx.TransportError)  # connect/read errors and timeouts
+    return response is not None and response.status_code in RETRY_STATUSES
+
+
+def _result(method: str, url: str, response: httpx.Response) -> Any:
+    if response.status_code >= 400:
+        msg = f"{method} {url} -> HTTP {response.status_code}: {response.text[:500]}"
+        raise RemoteError(msg, response.status_code)
+    if "json" in response.headers.get("content-type", ""):
+        return response.json()
+    return response.text
+
+
+def _failure(method: str, url: str, attempts: int, exc: Exception | None,
+             response: httpx.Response | None) -> RemoteError:
+    why = f"{type(exc).__name__}: {exc}" if exc is not None else \
+        f"HTTP {response.status_code}: {response.text[:300]}"  # type: ignore[union-attr]
+    return RemoteError(f"{method} {url} failed after {attempts} attempt(s): {why}",
+                       None if response is None else response.status_code)
+
+
+class Transport:
+    """One server's connection pools (a sync and, on first use, an async one)."""
+
+    def __init__(self, base_url: str, *, api_key: str | None, config: RemoteConfig,
+                 transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.config = config
+        self._kwargs: dict[str, Any] = {
+            "base_url": self.base_url, "headers": _headers(api_key),
+            "timeout": httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
+            "limits": httpx.Limits(max_connections=config.max_connections,
+                                   max_keepalive_connections=config.max_connections),
+        }
+        self._transport = transport
+        self._client = httpx.Client(**self._kwargs, transport=transport)  # type: ignore[arg-type]
+        self._aclient: httpx.AsyncClient | None = None
+
+    def request(self, method: str, path: str, json: Any = None, *, retries: int | None = None
+                ) -> Any:
+        attempts = 1 + (self.config.max_retries if retries is None else retries)
+        exc: Exception | None = None
+        response: httpx.Response | None = None
+        for attempt in range(attempts):
+            exc, response = None, None
+            try:
+                response = self._client.request(method, path, json=json)
+            except httpx.HTTPError as e:
+                exc = e
+            if not _retryable(exc, response):
+                if exc is not None:
+                    raise RemoteError(f"{method} {self.base_url}{path}: {exc}") from exc
+                return _result(method, f"{self.base_url}{path}", response)  # type: ignore[arg-type]
+            if attempt + 1 < attempts:
+                logger.info("retrying %s %s (attempt %d): %s", method, path, attempt + 1,
+                            exc or response.status_code)  # type: ignore[union-attr]
+                time.sleep(self.config.backoff(attempt))
+        raise _failure(method, f"{self.base_url}{path}", attempts, exc, response)
+
+    def _async_client(self) -> httpx.AsyncClient:
+        if self._aclient is None:
+            self._aclient = httpx.AsyncClient(**self._kwargs, transport=self._transport)  # type: ignore[arg-type]
+        return self._aclient
+
+    async def arequest(self, method: str, path: str, json: Any = None, *,
+                       retries: int | None = None) -> Any:
+        client = self._async_client()
+        attempts = 1 + (self.config.max_retries if retries is None else retries)
+        exc: Exception | None = None
+        response: httpx.Response | None = None
+        for attempt in range(attempts):
+            exc, response = None, None
+            try:
+                response = await client.request(method, path, json=json)
+            except httpx.HTTPError as e:
+                exc = e
+            if not _retryable(exc, response):
+                if exc is not None:
+                    raise RemoteError(f"{method} {self.base_url}{path}: {exc}") from exc
+                return _result(method, f"{self.base_url}{path}", response)  # type: ignore[arg-type]
+            if attempt + 1 < attempts:
+                await asyncio.sleep(self.config.backoff(attempt))
+        raise _failure(method, f"{self.base_url}{path}", attempts, exc, response)
+
+    def close(self) -> None:
+        self._client.close()
+
+    async def aclose(self) -> None:
+        if self._aclient is not None:
+            await self._aclient.aclose()
+            self._aclient = None
