@@ -19,21 +19,35 @@ same; each keeps only its framework's message and response conversion:
 
 from __future__ import annotations
 
+import json
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, Field, PrivateAttr, ValidationInfo, field_validator
 
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, SamplingConfig
+from shared_core.constrained import Constraint, grammar_mask, xgrammar_available
 from shared_core.engines.registry import check_engine, stream_engine
-from shared_core.output import check_generation_field, generation_config
+from shared_core.output import check_generation_field, generation_config, validate_messages
 from shared_core.serving import FairLock, loaded_model, lock_for, step_locked
+from shared_core.tool_calls import (
+    InvalidToolCall,
+    ToolCall,
+    check_tool_choice,
+    check_tools,
+    forced_call,
+    parse_tool_calls,
+    render_prompt,
+    tool_names,
+)
 
 if TYPE_CHECKING:
     from shared_core.engines.baseline import Prompt, TokenStream
     from shared_core.output import GenerationResult
 
+logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
@@ -68,10 +82,24 @@ class ChatSettings(BaseModel):
     device: str | None = None
     dtype: str | None = None
 
+    _reload_as: tuple[str, str | None, str | None] | None = PrivateAttr(default=None)
+
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return check_engine(value)
+
+    def _preloaded_lm(self) -> Any:
+        """The LM passed in by the caller (None: the shared cache's)."""
+        return None
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickle the settings, never the weights: an instance built with a preloaded ``lm``
+        reloads that model by name through the shared model cache on first use."""
+        fields = {name: getattr(self, name) for name in self.model_fields_set if name != "lm"}
+        lm = self._preloaded_lm()
+        reload_as = (lm.name, self.device, self.dtype) if lm is not None else self._reload_as
+        return _rebuild, (type(self), fields, reload_as)
 
     @field_validator(*MAX_TOKEN_NAMES, "temperature", "top_k", "top_p", "seed", mode="before",
                      check_fields=False)
@@ -81,15 +109,61 @@ class ChatSettings(BaseModel):
         return value
 
 
+def _rebuild(cls: type[ChatSettings], fields: dict[str, Any],
+             reload_as: tuple[str, str | None, str | None] | None) -> ChatSettings:
+    instance = cls(**fields)
+    instance._reload_as = reload_as
+    return instance
+
+
 def resolve_model(settings: Any, lm: Any, override: str | None = None) -> tuple[Any, FairLock]:
     """The model of one call and its lock: a per-call ``model`` other than the setting, else the
-    preloaded ``lm``, else the shared cache's (looked up per call, so ``serving.release`` frees
-    it)."""
+    preloaded ``lm`` (after unpickling: the model it was, by name), else the shared cache's
+    (looked up per call, so ``serving.release`` frees it)."""
     if override is not None and override != settings.model:
         return loaded_model(override, settings.device, settings.dtype)
     if lm is not None:
         return lm, lock_for(lm)
+    if settings._reload_as is not None:
+        return loaded_model(*settings._reload_as)
     return loaded_model(settings.model, settings.device, settings.dtype)
+
+
+def check_response_format(response_format: Any) -> Constraint | None:
+    """``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema", "schema":
+    {...}}`` (also OpenAI's ``{"json_schema": {"schema": {...}}}``) as a :class:`Constraint`."""
+    if response_format is None or isinstance(response_format, Constraint):
+        return response_format
+    kind = response_format.get("type") if isinstance(response_format, dict) else None
+    if kind == "json_object":
+        return Constraint("json")
+    if kind == "json_schema":
+        schema = response_format.get("schema") or (response_format.get("json_schema") or {}
+                                                   ).get("schema")
+        return Constraint("json_schema", schema)
+    msg = ("response_format must be {'type': 'json_object'} or {'type': 'json_schema', "
+           f"'schema': {{...}}}}, got {response_format!r:.80}")
+    raise ValueError(msg)
+
+
+def _with_format_instruction(turns: list[dict[str, Any]], constraint: Constraint
+                             ) -> list[dict[str, Any]]:
+    """The conversation with the expected JSON named in its system turn."""
+    if constraint.kind == "json_schema":
+        text = ("Respond only with a JSON object that matches this JSON schema:\n"
+                + json.dumps(constraint.schema, ensure_ascii=False))
+    else:
+        text = "Respond only with a JSON object."
+    if turns and turns[0]["role"] == "system":
+        return [{**turns[0], "content": f"{turns[0]['content']}\n\n{text}".strip()}, *turns[1:]]
+    return [{"role": "system", "content": text}, *turns]
+
+
+def validate_turns(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`~shared_core.output.validate_messages`, keeping ``tool_calls`` / ``tool_call_id``."""
+    checked = validate_messages(turns)
+    return [{**c, **{k: t[k] for k in ("tool_calls", "tool_call_id") if t.get(k)}}
+            for c, t in zip(checked, turns, strict=True)]
 
 
 @dataclass
@@ -105,11 +179,23 @@ class ChatCall:
     engine_state: dict[str, Any]
     sampling: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
+    tools: list[str] = field(default_factory=list)  # names parsed from the reply ([]: none)
+    prefill: str = ""  # the forced beginning of the reply (a tool call), already in the prompt
+    constraint: Constraint | None = None  # the grammar every engine row is masked with
 
     def start(self) -> TokenStream:
+        options = dict(self.options)
+        if self.constraint is not None:
+            options["logits_mask"] = grammar_mask(self.lm, self.constraint)  # one per generation
         return stream_engine(self.engine, self.lm, self.prompt,
                              max_new_tokens=self.max_new_tokens, documents=self.documents,
-                             engine_state=self.engine_state, **self.sampling, **self.options)
+                             engine_state=self.engine_state, **self.sampling, **options)
+
+    def parse(self, text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
+        """``(content, tool calls, invalid tool calls)`` of a reply."""
+        if not self.tools:
+            return text, [], []
+        return parse_tool_calls(text, self.tools, self.prefill)
 
     def run(self) -> GenerationResult:
         """The whole generation under the lock (nothing is yielded to the caller in between)."""
@@ -150,9 +236,42 @@ def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: A
                 **{k: kwargs.pop(k, getattr(settings, k))
                    for k in ("temperature", "top_k", "top_p", "seed")}}
     generation_config(limit, name=name, **sampling)
+    tools = check_tools(kwargs.pop("tools", None) or ())
+    choice = check_tool_choice(kwargs.pop("tool_choice", None), tools) if tools else "none"
+    constraint = check_response_format(kwargs.pop("response_format", None))
     model, lock = resolve_model(settings, lm, kwargs.pop("model", None))
     texts = None if documents is None else [getattr(d, text_of, d) for d in documents]
-    return ChatCall(engine, model, lock, prompt, limit, texts, engine_state, sampling, options)
+    call = ChatCall(engine, model, lock, prompt, limit, texts, engine_state, sampling, options)
+    if not tools and constraint is None and not _has_tool_turns(prompt):
+        return call
+    return _tool_call(call, tools, choice, constraint)
+
+
+def _has_tool_turns(prompt: Prompt) -> bool:
+    return isinstance(prompt, list) and any(
+        isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool") for m in prompt)
+
+
+def _tool_call(call: ChatCall, tools: list[dict[str, Any]], choice: str,
+               constraint: Constraint | None) -> ChatCall:
+    """The call with tools shown, a forced call prefilled and the grammar to mask with."""
+    if not isinstance(call.prompt, list):
+        msg = "tools / response_format need chat messages, not a formatted prompt string"
+        raise TypeError(msg)
+    prefill, forced = forced_call(choice, tools)
+    turns = call.prompt if constraint is None else _with_format_instruction(call.prompt, constraint)
+    call.constraint = forced or constraint
+    if call.constraint is not None and not xgrammar_available():
+        if forced is None:
+            msg = "response_format needs constrained decoding: pip install 'specrag[constrained]'"
+            raise ImportError(msg)
+        logger.warning("xgrammar is not installed: the forced tool call is prefilled, not "
+                       "constrained ('specrag[constrained]' constrains it)")
+        call.constraint = None
+    shown = tools if choice != "none" else []
+    call.prompt = render_prompt(call.lm, turns, shown, prefill)
+    call.tools, call.prefill = tool_names(shown), prefill
+    return call
 
 
 def call_report(result: GenerationResult, engine: str, model: str) -> dict[str, Any]:

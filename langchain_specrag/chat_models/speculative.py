@@ -12,6 +12,10 @@ Sharing: ``invoke`` holds the model's lock for its whole generation; ``stream`` 
 take it for one step at a time and never across a ``yield`` (see ``shared_core.serving``), so a
 half-read stream never blocks another call, in this thread or another. ``ainvoke`` and
 ``astream`` run on worker threads that stop within one step when cancelled or abandoned.
+Tools: ``bind_tools`` (the model's chat template renders them, or the Hermes/Qwen format is
+written into the system turn), replies parsed into ``tool_calls`` / ``invalid_tool_calls``;
+``with_structured_output`` constrains decoding to the schema (xgrammar). Pickling keeps the
+settings only (a preloaded model is reloaded by name through the shared cache on first use).
 Inputs are validated before the model is loaded: text content only (image and other media
 parts raise ``NotImplementedError``), known roles, ``max_tokens`` an int >= 1 (0 is refused,
 never replaced by a default).
@@ -19,26 +23,39 @@ never replaced by a default).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+import json
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
+from langchain_core.language_models import LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel
-from langchain_core.messages import AIMessage, AIMessageChunk, BaseMessage, ChatMessage
+from langchain_core.messages import (
+    AIMessage,
+    AIMessageChunk,
+    BaseMessage,
+    ChatMessage,
+    ToolMessage,
+)
 from langchain_core.messages.ai import UsageMetadata
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
 from pydantic import ConfigDict, Field, PrivateAttr
 
+from langchain_specrag.chat_models.structured import structured_output
 from shared_core.chat_adapters import (
     ChatCall,
     ChatSettings,
     call_report,
     prepare_call,
     resolve_model,
+    validate_turns,
 )
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
-from shared_core.output import GenerationResult, validate_messages
+from shared_core.output import GenerationResult
 from shared_core.serving import FairLock, iterate_in_thread
+from shared_core.tool_calls import check_tool_choice, check_tools
 
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
           "function": "tool", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -63,13 +80,32 @@ def _message_text(index: int, message: BaseMessage) -> str:
     return "".join(parts)
 
 
-def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, str]]:
-    """LangChain messages as validated ``{"role", "content"}`` dicts for the chat template."""
-    out = []
-    for i, m in enumerate(messages):
-        role = m.role if isinstance(m, ChatMessage) else m.type
-        out.append({"role": _ROLES.get(role, role), "content": _message_text(i, m)})
-    return validate_messages(out)
+def _turn(index: int, message: BaseMessage) -> dict[str, Any]:
+    role = message.role if isinstance(message, ChatMessage) else message.type
+    turn: dict[str, Any] = {"role": _ROLES.get(role, role), "content": _message_text(index, message)}
+    if isinstance(message, AIMessage) and message.tool_calls:
+        turn["tool_calls"] = [{"name": c["name"], "arguments": c["args"], "id": c.get("id")}
+                              for c in message.tool_calls]
+    if isinstance(message, ToolMessage):
+        turn["tool_call_id"] = message.tool_call_id
+    return turn
+
+
+def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
+    """LangChain messages as validated ``{"role", "content"}`` dicts for the chat template (an
+    AI message's tool calls and a tool message's call id kept)."""
+    return validate_turns([_turn(i, m) for i, m in enumerate(messages)])
+
+
+def _tool_fields(call: ChatCall, text: str) -> dict[str, Any]:
+    """The message fields of a reply: content, tool calls, invalid tool calls."""
+    content, calls, invalid = call.parse(text)
+    return {"content": content,
+            "tool_calls": [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"}
+                           for c in calls],
+            "invalid_tool_calls": [{"name": c.name, "args": c.arguments, "id": c.id,
+                                    "error": c.error, "type": "invalid_tool_call"}
+                                   for c in invalid]}
 
 
 class ChatSpeculative(ChatSettings, BaseChatModel):
@@ -90,6 +126,9 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     streaming: bool = False
     lm: Any = Field(default=None, exclude=True)  # a preloaded shared_core LM (optional)
     _engine_state: dict[str, Any] = PrivateAttr(default_factory=dict)  # e.g. RAPID's decoders
+
+    def _preloaded_lm(self) -> Any:
+        return self.lm
 
     @property
     def _llm_type(self) -> str:
@@ -122,25 +161,27 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
                             lm=self.lm, engine_state=self._engine_state,
                             limit_name="max_tokens", text_of="page_content")
 
-    def _final_chunk(self, result: GenerationResult, engine: str) -> ChatGenerationChunk:
-        report = call_report(result, engine, self.model)
+    def _final(self, result: GenerationResult, call: ChatCall) -> dict[str, Any]:
+        """Usage and metadata of a finished call (tool calls, if any, count as the finish)."""
+        report = call_report(result, call.engine, self.model)
         usage = UsageMetadata(input_tokens=report["prompt_tokens"],
                               output_tokens=report["completion_tokens"],
                               total_tokens=report["prompt_tokens"] + report["completion_tokens"])
         metadata = {"model_name": self.model, "finish_reason": report["finish_reason"],
-                    "engine": engine, "speculative_stats": report["speculative_stats"]}
-        return ChatGenerationChunk(message=AIMessageChunk(
-            content="", usage_metadata=usage, response_metadata=metadata, chunk_position="last"))
+                    "engine": call.engine, "speculative_stats": report["speculative_stats"]}
+        return {"usage_metadata": usage, "response_metadata": metadata}
+
+    def _message(self, result: GenerationResult, call: ChatCall) -> AIMessage:
+        fields = {**_tool_fields(call, result.text), **self._final(result, call)}
+        if fields["tool_calls"]:
+            fields["response_metadata"]["finish_reason"] = "tool_calls"
+        return AIMessage(**fields)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
                   ) -> ChatResult:
         call = self._call(messages, stop, kwargs)
-        result = call.run()
-        final = self._final_chunk(result, call.engine).message
-        message = AIMessage(content=result.text, usage_metadata=final.usage_metadata,
-                            response_metadata=final.response_metadata)
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        return ChatResult(generations=[ChatGeneration(message=self._message(call.run(), call))])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
@@ -148,24 +189,39 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         call = self._call(messages, stop, kwargs)
         for delta, result in call.steps():
             if result is not None:
-                yield self._final_chunk(result, call.engine)
+                yield self._last_chunk(result, call)
                 return
+            if call.tools:  # a reply with tools is parsed once it is complete
+                continue
             chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
             if run_manager is not None and delta:
                 run_manager.on_llm_new_token(delta, chunk=chunk)
             yield chunk
 
+    def _last_chunk(self, result: GenerationResult, call: ChatCall) -> ChatGenerationChunk:
+        """The final chunk: usage and metadata, plus content and tool calls when tools are bound
+        (their text is not streamed, so it is not repeated here otherwise)."""
+        message = self._message(result, call)
+        fields: dict[str, Any] = {"content": message.content if call.tools else ""}
+        if message.tool_calls or message.invalid_tool_calls:
+            fields["tool_call_chunks"] = [
+                {"name": c["name"], "args": json.dumps(c["args"]) if "error" not in c
+                 else c["args"], "id": c["id"], "index": i, "type": "tool_call_chunk"}
+                for i, c in enumerate([*message.tool_calls, *message.invalid_tool_calls])]
+        return ChatGenerationChunk(message=AIMessageChunk(
+            **fields, usage_metadata=message.usage_metadata,
+            response_metadata=message.response_metadata, chunk_position="last"))
+
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
                          ) -> ChatResult:
         # step by step on a worker thread: a cancelled call stops within one step
-        chunks = [c async for c in iterate_in_thread(self._stream(messages, stop, None,
-                                                                   **kwargs))]
-        final = chunks[-1].message
-        message = AIMessage(content="".join(str(c.message.content) for c in chunks),
-                            usage_metadata=final.usage_metadata,
-                            response_metadata=final.response_metadata)
-        return ChatResult(generations=[ChatGeneration(message=message)])
+        call = self._call(messages, stop, kwargs)
+        result = None
+        async for _, result in iterate_in_thread(call.steps()):  # noqa: B007 - the last is the result
+            pass
+        assert result is not None
+        return ChatResult(generations=[ChatGeneration(message=self._message(result, call))])
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
@@ -174,3 +230,28 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
             if run_manager is not None and chunk.text:
                 await run_manager.on_llm_new_token(chunk.text, chunk=chunk)
             yield chunk
+
+    # -- tools and structured output -------------------------------------------------------------
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+                   tool_choice: str | dict[str, Any] | bool | None = None, **kwargs: Any
+                   ) -> Runnable[LanguageModelInput, AIMessage]:
+        """Bind tools (any form ``convert_to_openai_tool`` takes). ``tool_choice``: ``"auto"``
+        (default), ``"none"``, ``"any"`` / ``"required"`` / ``True`` or a tool's name; a forced
+        call is prefilled and (with ``specrag[constrained]``) grammar-constrained."""
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        formatted = check_tools([convert_to_openai_tool(t) for t in tools])
+        check_tool_choice(tool_choice, formatted)
+        return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)
+
+    def with_structured_output(self, schema: dict[str, Any] | type, *,
+                               method: str = "json_schema", include_raw: bool = False,
+                               **kwargs: Any) -> Runnable[LanguageModelInput, Any]:
+        """Output parsed into ``schema`` (pydantic class, TypedDict or JSON-schema dict).
+
+        ``method``: ``"json_schema"`` (decoding constrained to the schema), ``"json_mode"``
+        (constrained to any JSON object; say in the prompt what it should hold) or
+        ``"function_calling"`` (a forced call of a tool named after the schema).
+        ``include_raw=True`` returns ``{"raw", "parsed", "parsing_error"}``.
+        """
+        return structured_output(self, schema, method=method, include_raw=include_raw, **kwargs)

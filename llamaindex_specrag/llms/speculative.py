@@ -36,7 +36,14 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.bridge.pydantic import Field, PrivateAttr
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
+from llama_index.core.llms.function_calling import FunctionCallingLLM
 
+from llamaindex_specrag.llms.tools import (
+    chat_dicts,
+    prepare_chat_with_tools,
+    reply_message,
+    tool_selections,
+)
 from shared_core.chat_adapters import (
     ChatCall,
     ChatSettings,
@@ -45,8 +52,8 @@ from shared_core.chat_adapters import (
     resolve_model,
 )
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS
-from shared_core.output import validate_messages
 from shared_core.serving import FairLock, iterate_in_thread
+from shared_core.tool_calls import template_takes_tools
 
 
 async def _last(items: AsyncIterator[Any]) -> Any:
@@ -56,33 +63,17 @@ async def _last(items: AsyncIterator[Any]) -> Any:
     return last
 
 
-# LlamaIndex roles the chat templates know under another name
-_ROLES = {"developer": "system", "function": "tool", "chatbot": "assistant", "model": "assistant"}
-
-
-def _chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, str]]:
-    """Validated ``{"role", "content"}`` dicts; non-text blocks are refused, never dropped."""
-    out = []
-    for i, m in enumerate(messages):
-        if not isinstance(m, ChatMessage):
-            msg = f"message {i} must be a llama_index ChatMessage, got {type(m).__name__}"
-            raise TypeError(msg)
-        media = [type(b).__name__ for b in m.blocks if type(b).__name__ != "TextBlock"]
-        if media:
-            msg = (f"message {i} has a {media[0]} content block; SpeculativeLLM handles text "
-                   "only (images and other media are not supported)")
-            raise NotImplementedError(msg)
-        role = m.role.value
-        out.append({"role": _ROLES.get(role, role), "content": m.content})
-    return validate_messages(out)
-
-
-class SpeculativeLLM(ChatSettings, CustomLLM):
+class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     """LlamaIndex LLM running a speculative engine on a local model (default: ReSpec, SmolLM2).
 
     Settings: :class:`~shared_core.chat_adapters.ChatSettings` (the same as
     ``ChatSpeculative``'s) plus ``max_new_tokens`` (the token limit; per call ``max_tokens`` is
     accepted too), ``context_window`` and a preloaded ``lm`` (first positional argument).
+
+    A ``FunctionCallingLLM``: ``chat_with_tools`` / ``predict_and_call`` / ``FunctionAgent`` /
+    ``structured_predict`` (a forced, grammar-constrained call of the output class's tool).
+    ``is_function_calling_model`` is True when the model's chat template renders tools (Qwen2.5)
+    and also for templates without (SmolLM2), whose prompts get the same tool format written in.
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
@@ -93,6 +84,9 @@ class SpeculativeLLM(ChatSettings, CustomLLM):
     def __init__(self, lm: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self._lm = lm
+
+    def _preloaded_lm(self) -> Any:
+        return self._lm
 
     @classmethod
     def class_name(cls) -> str:
@@ -107,8 +101,12 @@ class SpeculativeLLM(ChatSettings, CustomLLM):
     def metadata(self) -> LLMMetadata:
         window = self.context_window or self._model()[0].max_context
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
-                           is_chat_model=True, is_function_calling_model=False,
+                           is_chat_model=True, is_function_calling_model=True,
                            model_name=self.model, system_role=MessageRole.SYSTEM)
+
+    def template_takes_tools(self) -> bool:
+        """True if the model's own chat template renders tools (else the format is written in)."""
+        return template_takes_tools(self._model()[0])
 
     # -- one generation path ----------------------------------------------------------------
     def _call(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]) -> ChatCall:
@@ -157,16 +155,36 @@ class SpeculativeLLM(ChatSettings, CustomLLM):
                 for text, delta, raw in steps)
 
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        text, raw = self._run(_chat_dicts(messages), kwargs)
-        return ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                            raw=raw, additional_kwargs=dict(raw))
+        call = self._call(chat_dicts(messages), kwargs)
+        result = call.run()
+        raw = call_report(result, call.engine, self.model)
+        return ChatResponse(message=reply_message(call, result.text), raw=raw,
+                            additional_kwargs=dict(raw))
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
                      ) -> ChatResponseGen:
-        steps = self._run_stream(_chat_dicts(messages), kwargs)
-        return (ChatResponse(message=ChatMessage(role=MessageRole.ASSISTANT, content=text),
-                             delta=delta, raw=raw, additional_kwargs=dict(raw or {}))
-                for text, delta, raw in steps)
+        call = self._call(chat_dicts(messages), kwargs)  # validated now, not when iterated
+        return self._chat_steps(call)
+
+    def _chat_steps(self, call: ChatCall) -> ChatResponseGen:
+        for text, delta, raw in self._steps(call):
+            if call.tools and raw is None:  # a reply with tools is parsed once it is complete
+                continue
+            yield ChatResponse(message=reply_message(call, text),
+                               delta=text if call.tools else delta, raw=raw,
+                               additional_kwargs=dict(raw or {}))
+
+    # -- FunctionCallingLLM ---------------------------------------------------------------------
+    def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
+                                 chat_history: list[ChatMessage] | None = None,
+                                 verbose: bool = False, allow_parallel_tool_calls: bool = False,
+                                 tool_required: bool = False, **kwargs: Any) -> dict[str, Any]:
+        return prepare_chat_with_tools(tools, user_msg, chat_history, tool_required, kwargs)
+
+    def get_tool_calls_from_response(self, response: ChatResponse,
+                                     error_on_no_tool_call: bool = True, **kwargs: Any
+                                     ) -> list[Any]:
+        return tool_selections(response, error_on_no_tool_call)
 
     # -- public API: sync, streaming, and async on worker threads ---------------------------
     @llm_completion_callback()

@@ -42,6 +42,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.kv": (1, "KV sessions over a loaded LM"),
     "shared_core.verify": (1, "pure verification functions"),
     "shared_core.constrained": (1, "xgrammar logits masks (schema-constrained decoding) for the engines"),
+    "shared_core.tool_calls": (1, "tool schemas into chat prompts, forced calls, tool-call parsing"),
     "shared_core.output": (1, "committed tokens -> returned text (needs the LM's tokenizer); "
                               "used by every engine"),
     "shared_core.drafters": (2, "one module per drafter"),
