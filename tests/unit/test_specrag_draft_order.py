@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from shared_core.engines.speculative_rag import (
-    _RATIONALE_DONE,
     SpeculativeRAG,
     SpeculativeRAGConfig,
     draft_prompt,
     parse_answer_first,
 )
+from shared_core.engines.speculative_rag.prompts import RATIONALE_DONE
 from shared_core.retrieval.base import Document
 from tests.tiny import tiny_lm
 from tests.unit.test_speculative_rag import DOCS, FakeEmbedder
@@ -34,7 +34,7 @@ def test_parse_answer_first(text, rationale, answer, ok):
     ("Answer: Paris\n", False),
 ])
 def test_stop_rule_waits_for_the_rationale_sentence(text, done):
-    assert bool(_RATIONALE_DONE.search(text)) is done
+    assert bool(RATIONALE_DONE.search(text)) is done
 
 
 def test_prompt_prefills_the_answer_marker():

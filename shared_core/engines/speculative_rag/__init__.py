@@ -1,0 +1,123 @@
+"""Speculative RAG (Wang et al. 2024, arXiv 2407.08223): drafts from a small model, one verifier pass.
+
+The pipeline for one question, with the paper's symbols:
+
+1. **Multi-perspective sampling.** The retrieved documents are embedded with an
+   instruction-aware embedding (the question is prepended as an instruction, which is how a plain
+   sentence embedder such as MiniLM can be made question-aware), clustered with K-means into
+   ``k = docs_per_draft`` clusters, and ``m = num_drafts`` distinct subsets are built, each taking
+   one document from every cluster (least-used documents first, seeded ties).
+2. **Drafting.** The drafter writes a rationale β and an answer α for every subset; the m drafts
+   are generated as ONE left-padded batch with a per-row stop (the end of the ``Answer:`` line).
+   ρ_draft = P_drafter(β, α | Q, subset), the drafter's probability of its own greedy output.
+3. **Verification.** The verifier (any causal LM; its tokenizer may differ from the drafter's)
+   scores every draft in ONE right-padded forward over the sequences
+   ``Question: Q / Answer: α / Rationale: β / R / Yes``:
+   ρ_SC = P(α, β | Q) (self-containment) and ρ_SR = P("Yes" | Q, α, β, R) (self-reflection, R =
+   "Do you think the rationale supports the answer, yes or no?"). Only the two scored spans go
+   through the LM head. The question prefix is a handful of tokens, so it is recomputed per row
+   rather than shared through a KV cache (no measurable gain at this size).
+4. **Selection.** score = log ρ_draft + log ρ_SC + log ρ_SR (the product in log space, not
+   length-normalised, as in the paper); the best draft's answer is returned with every draft,
+   its subset and its three scores. Switches turn each score off or select at random (ablation).
+   Two options go beyond the paper (both off by default): ``length_normalize`` divides log ρ_draft
+   and log ρ_SC by their token counts (a sum of log-probabilities favours short, evasive drafts),
+   and ``selection="vote"`` returns the answer that most drafts agree on (self-consistency, Wang
+   et al. 2023; normalised as SQuAD does), ties broken by the score.
+
+:meth:`SpeculativeRAG.standard_rag` is the paper's "Standard RAG" baseline: one model, every
+retrieved document in its prompt, the same answer parsing.
+
+**Parsing.** A draft should read ``Rationale: … Answer: …``. A 135M model sometimes slips, so
+:func:`parse_draft` falls back in a fixed order, and each result records whether it needed to
+(counted in ``stats.parse_fallbacks``): (a) an ``Answer:`` marker with text after it is the normal
+case; (b) a marker followed by an empty line takes the next non-empty line; (c) with no marker the
+first sentence of the text is the answer and the whole text is the rationale.
+"""
+
+from __future__ import annotations
+
+# One module per step; every public name is re-exported here (the package's API).
+from shared_core.engines.speculative_rag.engine import EventHook, SpeculativeRAG, standard_rag
+from shared_core.engines.speculative_rag.generation import generate_batch
+from shared_core.engines.speculative_rag.inputs import check_inputs, check_model_name, drop_blank
+from shared_core.engines.speculative_rag.prompts import (
+    DRAFT_INSTRUCTION,
+    DRAFT_INSTRUCTION_ANSWER_FIRST,
+    RAG_INSTRUCTION,
+    REFLECTION,
+    draft_prompt,
+    parse_answer_first,
+    parse_draft,
+    rag_prompt,
+    render_prompt,
+)
+from shared_core.engines.speculative_rag.results import (
+    Draft,
+    SpeculativeRAGResult,
+    SpeculativeRAGStats,
+    StandardRAGResult,
+    StandardRAGStats,
+)
+from shared_core.engines.speculative_rag.scoring import (
+    combined_score,
+    normalize_answer,
+    select_best,
+    verifier_rows,
+    verify_batch,
+)
+from shared_core.engines.speculative_rag.subsets import (
+    MAX_ENUMERATED_SUBSETS,
+    embed_for_question,
+    kmeans_labels,
+    one_per_cluster_subsets,
+    same_cluster_subsets,
+)
+from shared_core.rag_config import EMBED_INSTRUCTION, SpeculativeRAGConfig, SubsetStrategy
+from shared_core.retrieval.frameworks import (
+    check_document_list,
+    check_retriever,
+    retrieve,
+    to_documents,
+)
+
+__all__ = [
+    "DRAFT_INSTRUCTION",
+    "DRAFT_INSTRUCTION_ANSWER_FIRST",
+    "EMBED_INSTRUCTION",
+    "MAX_ENUMERATED_SUBSETS",
+    "RAG_INSTRUCTION",
+    "REFLECTION",
+    "Draft",
+    "EventHook",
+    "SpeculativeRAG",
+    "SpeculativeRAGConfig",
+    "SpeculativeRAGResult",
+    "SpeculativeRAGStats",
+    "StandardRAGResult",
+    "StandardRAGStats",
+    "SubsetStrategy",
+    "check_document_list",
+    "check_inputs",
+    "check_model_name",
+    "check_retriever",
+    "combined_score",
+    "draft_prompt",
+    "drop_blank",
+    "embed_for_question",
+    "generate_batch",
+    "kmeans_labels",
+    "normalize_answer",
+    "one_per_cluster_subsets",
+    "parse_answer_first",
+    "parse_draft",
+    "rag_prompt",
+    "render_prompt",
+    "retrieve",
+    "same_cluster_subsets",
+    "select_best",
+    "standard_rag",
+    "to_documents",
+    "verifier_rows",
+    "verify_batch",
+]

@@ -1,0 +1,116 @@
+"""Speculative RAG prompts (drafting, standard RAG, reflection) and draft parsing.
+
+A draft should read ``Rationale: … Answer: …``; the parsing fallbacks are described in the
+package docstring (:mod:`shared_core.engines.speculative_rag`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from shared_core.rag_config import DraftOrder
+from shared_core.retrieval.base import Document
+
+if TYPE_CHECKING:
+
+    from shared_core.models import LM
+
+
+# No "<placeholder>" formats: a 135M drafter copied "<short answer>" verbatim into 1 draft in 4
+DRAFT_INSTRUCTION = (
+    "Answer the question using the documents. First write a one-sentence rationale based on the "
+    "documents after 'Rationale:', then a short answer of a few words after 'Answer:'."
+)
+# answer_first drafts (draft_order="answer_first"): the answer line cannot go missing
+DRAFT_INSTRUCTION_ANSWER_FIRST = (
+    "Answer the question using the documents. First write a short answer of a few words after "
+    "'Answer:', then a one-sentence rationale based on the documents after 'Rationale:'."
+)
+RAG_INSTRUCTION = "Answer the question using the documents. Give a short answer of a few words."
+REFLECTION = "Do you think the rationale supports the answer, yes or no?"
+
+
+_ANSWER_MARK = re.compile(r"\banswer\s*(?:is)?\s*[:：]", re.IGNORECASE)
+_RATIONALE_MARK = re.compile(r"^\s*rationale\s*[:：]\s*", re.IGNORECASE)
+ANSWER_LINE_DONE = re.compile(r"\banswer\s*(?:is)?\s*[:：][^\n]*\S[^\n]*\n", re.IGNORECASE)
+# answer-first drafts end with their one rationale sentence (a newline or a sentence end)
+RATIONALE_DONE = re.compile(r"\brationale\s*[:：]\s*\S[^\n]*?(?:\n|[.!?]$)", re.IGNORECASE)
+
+
+def _clean_answer(text: str) -> str:
+    text = re.sub(r"^\s*(?:the\s+)?answer\s+is\s*[:：]?", "", text, flags=re.IGNORECASE)
+    text = text.strip().strip("\"'“”*").strip()
+    return text.rstrip(".").strip()
+
+
+def _first_sentence(text: str) -> str:
+    line = next((ln for ln in text.splitlines() if ln.strip()), "")
+    return re.split(r"(?<=[.!?])\s", line.strip(), maxsplit=1)[0]
+
+
+def parse_answer_first(text: str) -> tuple[str, str, bool]:
+    """(rationale, answer, parsed_cleanly) from ``Answer: … Rationale: …`` (answer-first drafts).
+
+    The answer is the first non-empty line after ``Answer:`` (always present: it is prefilled);
+    the rationale follows a ``Rationale:`` marker, else it is the rest of the text (not clean).
+    """
+    body = _ANSWER_MARK.sub("", text, count=1)
+    lines = [ln for ln in body.splitlines() if ln.strip()]
+    answer = _clean_answer(lines[0]) if lines else ""
+    rest = "\n".join(lines[1:])
+    marked = re.search(r"\brationale\s*[:：]", rest, re.IGNORECASE)
+    if marked is not None:
+        return rest[marked.end():].strip(), answer, bool(answer)
+    return rest.strip(), answer, False
+
+
+def parse_draft(text: str) -> tuple[str, str, bool]:
+    """(rationale, answer, parsed_cleanly) from ``Rationale: … Answer: …`` (fallbacks: module doc)."""
+    match = _ANSWER_MARK.search(text)
+    if match is not None:
+        rationale = _RATIONALE_MARK.sub("", text[:match.start()]).strip()
+        after = text[match.end():]
+        lines = [ln for ln in after.splitlines()]
+        if lines and lines[0].strip():
+            return rationale, _clean_answer(lines[0]), True
+        rest = next((ln for ln in lines if ln.strip()), "")
+        return rationale, _clean_answer(rest or rationale), False
+    rationale = _RATIONALE_MARK.sub("", text).strip()
+    return rationale, _clean_answer(_first_sentence(rationale)), False
+
+
+# --------------------------------------------------------------------------- prompts
+
+
+def _format_docs(docs: Sequence[Document]) -> str:
+    return "\n".join(f"Document [{i + 1}]: {' '.join(d.text.split())}" for i, d in enumerate(docs))
+
+
+def render_prompt(lm: LM, body: str, prefill: str) -> list[int]:
+    """Token ids of ``body`` as a user turn (chat models) or plain text (base models) + prefill."""
+    if lm.has_chat_template:
+        text = lm.chat_prompt([{"role": "user", "content": body}]) + prefill
+        return lm.encode(text, add_special_tokens=False)
+    return lm.prompt_ids(f"{body}\n\n{prefill}")
+
+
+def draft_prompt(lm: LM, question: str, docs: Sequence[Document],
+                 order: DraftOrder = "rationale_first") -> list[int]:
+    instruction, prefill = ((DRAFT_INSTRUCTION, "Rationale:") if order == "rationale_first"
+                            else (DRAFT_INSTRUCTION_ANSWER_FIRST, "Answer:"))
+    return render_prompt(lm, f"{_format_docs(docs)}\n\nQuestion: {question}\n\n{instruction}",
+                         prefill)
+
+
+def rag_prompt(lm: LM, question: str, docs: Sequence[Document]) -> list[int]:
+    return render_prompt(lm, f"{RAG_INSTRUCTION}\n\n{_format_docs(docs)}\n\nQuestion: {question}",
+                         "Answer:")
+
+
+def check_length(lm: LM, ids: Sequence[int], budget: int, what: str) -> None:
+    if len(ids) + budget > lm.max_context:
+        msg = (f"{what} has {len(ids)} tokens + {budget} new tokens, more than {lm.name}'s "
+               f"{lm.max_context}-token window; pass fewer or shorter documents")
+        raise ValueError(msg)

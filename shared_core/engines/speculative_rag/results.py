@@ -1,0 +1,100 @@
+"""Speculative RAG results: drafts with their scores, stats, the selected answer (no tensors)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from shared_core.retrieval.base import Document
+
+if TYPE_CHECKING:
+
+    pass
+
+
+@dataclass
+class SpeculativeRAGStats:
+    """Counters and stage timings of one answer (plain numbers only)."""
+
+    num_documents: int = 0
+    num_drafts: int = 0
+    docs_per_draft: int = 0
+    cluster_sizes: list[int] = field(default_factory=list)
+    relaxed_subsets: int = 0  # subsets that could not take one document per cluster
+    skipped_documents: int = 0  # documents without text, left out of every subset
+    answer_continuations: int = 0  # drafts that needed a forced "Answer:" step
+    parse_fallbacks: int = 0
+    draft_prompt_tokens: int = 0
+    draft_new_tokens: int = 0
+    verify_tokens: int = 0
+    retrieve_s: float = 0.0
+    sample_s: float = 0.0
+    draft_s: float = 0.0
+    verify_s: float = 0.0
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Draft:
+    """One drafted (rationale, answer) with its subset and log-scores (``None`` = not computed)."""
+
+    answer: str
+    rationale: str
+    raw: str
+    doc_ids: tuple[str, ...]
+    doc_indices: tuple[int, ...]
+    parsed: bool
+    log_draft: float
+    log_self_contain: float | None = None
+    log_self_reflect: float | None = None
+    score: float = 0.0
+    draft_tokens: int = 0  # tokens under log ρ_draft
+    self_contain_tokens: int = 0  # verifier tokens under log ρ_SC
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class SpeculativeRAGResult:
+    """The selected answer, every draft and the documents (no tensors)."""
+
+    text: str
+    rationale: str
+    best: int
+    drafts: tuple[Draft, ...]
+    documents: tuple[Document, ...]
+    stats: SpeculativeRAGStats
+
+    @property
+    def answer(self) -> str:
+        return self.text
+
+
+@dataclass
+class StandardRAGStats:
+    num_documents: int = 0
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    parse_fallbacks: int = 0
+    retrieve_s: float = 0.0
+    generate_s: float = 0.0
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StandardRAGResult:
+    text: str
+    raw: str
+    documents: tuple[Document, ...]
+    stats: StandardRAGStats
+
+    @property
+    def answer(self) -> str:
+        return self.text

@@ -1,0 +1,116 @@
+"""Step 1, multi-perspective sampling: instruction-aware embeddings, K-means, document subsets."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from shared_core.retrieval.base import Document
+
+if TYPE_CHECKING:
+    import numpy as np
+
+
+MAX_ENUMERATED_SUBSETS = 4096  # enumerate all one-per-cluster subsets up to this many
+
+
+def embed_for_question(embedder: Any, question: str, docs: Sequence[Document],
+                       instruction: str) -> np.ndarray:
+    """Instruction-aware document embeddings: the question is the instruction prefix."""
+    import numpy as np
+
+    prefix = instruction.format(question=question)
+    vectors = embedder.encode([prefix + d.text for d in docs], normalize_embeddings=True,
+                              show_progress_bar=False)
+    return np.ascontiguousarray(vectors, dtype=np.float32)
+
+
+def kmeans_labels(vectors: np.ndarray, k: int, seed: int, iters: int = 25) -> list[int]:
+    """K-means cluster ids (faiss, seeded; a single cluster needs no clustering)."""
+    if k == 1:
+        return [0] * len(vectors)
+    import faiss
+
+    km = faiss.Kmeans(vectors.shape[1], k, niter=iters, seed=seed, nredo=3, verbose=False,
+                      min_points_per_centroid=1, spherical=True)
+    km.train(vectors)
+    _, labels = km.index.search(vectors, 1)
+    return [int(x) for x in labels[:, 0]]
+
+
+def _pick_least_used(candidates: list[tuple[int, ...]], m: int) -> list[tuple[int, ...]]:
+    """Greedily take m candidates, each time the one whose documents were used least so far;
+    ties go to the better-ranked documents (lower indices: documents arrive in retrieval order),
+    so the retriever's top document is never the one left out of every draft."""
+    uses: dict[int, int] = {}
+    chosen: list[tuple[int, ...]] = []
+    pool = list(candidates)
+    while pool and len(chosen) < m:
+        best = min(range(len(pool)),
+                   key=lambda i: (sum(uses.get(d, 0) for d in pool[i]), sorted(pool[i])))
+        subset = pool.pop(best)
+        chosen.append(subset)
+        for d in subset:
+            uses[d] = uses.get(d, 0) + 1
+    return chosen
+
+
+def random_subsets(n: int, k: int, m: int, rng: random.Random,
+                    exclude: set[tuple[int, ...]]) -> list[tuple[int, ...]]:
+    """Up to m distinct sorted k-subsets of range(n), none in ``exclude``."""
+    total = math.comb(n, k)
+    out: list[tuple[int, ...]] = []
+    seen = set(exclude)
+    if total <= MAX_ENUMERATED_SUBSETS:
+        pool = [c for c in itertools.combinations(range(n), k) if c not in seen]
+        rng.shuffle(pool)
+        return _pick_least_used(pool, m)
+    while len(out) < m:
+        subset = tuple(sorted(rng.sample(range(n), k)))
+        if subset not in seen:
+            seen.add(subset)
+            out.append(subset)
+    return out
+
+
+def one_per_cluster_subsets(labels: Sequence[int], k: int, m: int,
+                            rng: random.Random) -> tuple[list[tuple[int, ...]], int]:
+    """m distinct subsets, each one document per cluster; returns (subsets, relaxed count).
+
+    When the clusters allow fewer than m distinct one-per-cluster subsets (e.g. a cluster of one
+    document), the rest are distinct random subsets, counted as relaxed.
+    """
+    clusters = [[i for i, c in enumerate(labels) if c == cid] for cid in sorted(set(labels))]
+    n_combos = math.prod(len(c) for c in clusters)
+    if len(clusters) < k:
+        n_combos = 0
+    if 0 < n_combos <= MAX_ENUMERATED_SUBSETS:
+        pool = [tuple(sorted(c)) for c in itertools.product(*clusters)]
+    elif n_combos:
+        pool = list({tuple(sorted(rng.choice(c) for c in clusters))
+                     for _ in range(MAX_ENUMERATED_SUBSETS)})
+    else:
+        pool = []
+    rng.shuffle(pool)
+    subsets = _pick_least_used(pool, m)
+    relaxed = m - len(subsets)
+    if relaxed:
+        subsets += random_subsets(len(labels), k, relaxed, rng, set(subsets))
+    return subsets, relaxed
+
+
+def same_cluster_subsets(labels: Sequence[int], k: int, m: int,
+                         rng: random.Random) -> tuple[list[tuple[int, ...]], int]:
+    """Ablation: every subset drawn from inside a single cluster (the opposite of diversity)."""
+    clusters = [[i for i, c in enumerate(labels) if c == cid] for cid in sorted(set(labels))]
+    pool = [tuple(sorted(s)) for c in clusters if len(c) >= k
+            for s in itertools.combinations(c, k)]
+    rng.shuffle(pool)
+    subsets = _pick_least_used(pool, m)
+    relaxed = m - len(subsets)
+    if relaxed:
+        subsets += random_subsets(len(labels), k, relaxed, rng, set(subsets))
+    return subsets, relaxed
