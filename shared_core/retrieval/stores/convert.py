@@ -1,0 +1,126 @@
+"""Batched backends built from a framework's vector-store object (the client inside it).
+
+LangChain's vector stores (and their ``as_retriever()``) search one query per call, so RaLMSpec's
+batched verification through them is N calls. :func:`from_store` reaches the database client and
+the collection layout inside the wrapper and returns the batched backend over the same data and
+the same embeddings. Recognised by module and class name, so no framework is imported here.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shared_core.retrieval.stores.base import StoreBackend
+
+SUPPORTED = ("langchain_qdrant.QdrantVectorStore", "langchain_milvus.Milvus",
+             "langchain_postgres.PGVector", "langchain_elasticsearch.ElasticsearchStore")
+
+
+def _wrapped_store(obj: Any) -> Any:
+    """The vector store behind a LangChain ``VectorStoreRetriever`` (``store.as_retriever()``)."""
+    inner = getattr(obj, "vectorstore", None)
+    return inner if inner is not None and type(obj).__name__ == "VectorStoreRetriever" else obj
+
+
+def is_framework_store(obj: Any) -> bool:
+    """Whether :func:`from_store` knows how to reach the client inside ``obj``."""
+    obj = _wrapped_store(obj)
+    return isinstance(obj, StoreBackend) or _kind(obj) is not None
+
+
+def _kind(obj: Any) -> str | None:
+    module, name = type(obj).__module__, type(obj).__name__
+    for qualified in SUPPORTED:
+        package, cls = qualified.split(".")
+        if module.startswith(package) and name == cls:
+            return package
+    return None
+
+
+def from_store(obj: Any, embedder: Any = None) -> StoreBackend:
+    """The batched backend for a LangChain vector store (or its ``as_retriever()``).
+
+    Args:
+        obj: ``langchain_qdrant.QdrantVectorStore``, ``langchain_milvus.Milvus``,
+            ``langchain_postgres.PGVector`` (sync engine), ``langchain_elasticsearch.
+            ElasticsearchStore``, a ``VectorStoreRetriever`` over one of them, or one of our
+            backends (returned as it is).
+        embedder: the query embedder; default the store's own embeddings object.
+    """
+    obj = _wrapped_store(obj)
+    if isinstance(obj, StoreBackend):
+        return obj
+    kind = _kind(obj)
+    if kind is None:
+        msg = (f"from_store: {type(obj).__module__}.{type(obj).__name__} is not a supported "
+               f"vector store ({', '.join(SUPPORTED)}); build a QdrantStore, MilvusStore, "
+               "PgVectorStore or ElasticsearchStore from its client instead")
+        raise TypeError(msg)
+    return _BUILDERS[kind](obj, embedder)
+
+
+def _embeddings(obj: Any, embedder: Any, *names: str) -> Any:
+    if embedder is not None:
+        return embedder
+    for name in names:
+        value = getattr(obj, name, None)
+        if value is not None and not isinstance(value, list):
+            return value
+    msg = (f"{type(obj).__name__} has no single embeddings object (names: {names}); pass "
+           "embedder= explicitly")
+    raise ValueError(msg)
+
+
+def _qdrant(obj: Any, embedder: Any) -> StoreBackend:
+    from shared_core.retrieval.stores.qdrant import QdrantStore
+
+    return QdrantStore(obj.client, obj.collection_name, _embeddings(obj, embedder, "embeddings"),
+                       vector_name=obj.vector_name or None, id_key=None,
+                       text_key=obj.content_payload_key, metadata_key=obj.metadata_payload_key)
+
+
+def _milvus(obj: Any, embedder: Any) -> StoreBackend:
+    from shared_core.retrieval.stores.milvus import MilvusStore
+
+    vector_field = obj._vector_field
+    if isinstance(vector_field, list):
+        if len(vector_field) != 1:
+            msg = f"Milvus store has several vector fields {vector_field}; pass a MilvusStore"
+            raise ValueError(msg)
+        vector_field = vector_field[0]
+    return MilvusStore(obj.client, obj.collection_name,
+                       _embeddings(obj, embedder, "embedding_func"),
+                       id_field=obj._primary_field, vector_field=vector_field,
+                       text_field=obj._text_field, metadata_field=obj._metadata_field)
+
+
+def _postgres(obj: Any, embedder: Any) -> StoreBackend:
+    from shared_core.retrieval.stores.pgvector import PgVectorStore
+
+    engine = getattr(obj, "_engine", None)
+    if engine is None:
+        msg = "from_store: PGVector with an async engine is not supported; use a sync connection"
+        raise ValueError(msg)
+    connection = engine.raw_connection().driver_connection
+    connection.autocommit = True
+    collection = obj.CollectionStore.__tablename__
+    where = (f"collection_id = (SELECT uuid FROM {collection} WHERE name = %s)")
+    return PgVectorStore(connection, obj.EmbeddingStore.__tablename__,
+                         _embeddings(obj, embedder, "embedding_function"), id_column="id",
+                         text_column="document", embedding_column="embedding",
+                         metadata_column="cmetadata", where=where,
+                         where_params=(obj.collection_name,))
+
+
+def _elasticsearch(obj: Any, embedder: Any) -> StoreBackend:
+    from shared_core.retrieval.stores.elasticsearch import ElasticsearchStore
+
+    inner = obj._store  # elasticsearch.helpers.vectorstore.VectorStore
+    return ElasticsearchStore(inner.client, inner.index,
+                              _embeddings(obj, embedder, "embedding", "embeddings"),
+                              vector_field=inner.vector_field, text_field=inner.text_field,
+                              metadata_field="metadata")
+
+
+_BUILDERS = {"langchain_qdrant": _qdrant, "langchain_milvus": _milvus,
+             "langchain_postgres": _postgres, "langchain_elasticsearch": _elasticsearch}

@@ -1,0 +1,136 @@
+"""PostgreSQL + pgvector: all queries of a verification in ONE SQL statement.
+
+``unnest(queries) WITH ORDINALITY CROSS JOIN LATERAL (... ORDER BY embedding <=> q LIMIT n)``:
+the lateral subquery is a per-query nearest-neighbour scan (an HNSW/IVFFlat index on the column is
+used per query when one exists), and the whole batch is one round trip.
+
+Setup (any DB-API connection with ``%s`` parameters: psycopg 3 or psycopg2)::
+
+    import psycopg
+    from shared_core.retrieval.stores import PgVectorStore
+
+    store = PgVectorStore(psycopg.connect(uri, autocommit=True), "docs")
+    store.add(documents)  # CREATE EXTENSION vector / CREATE TABLE if needed
+    hits = store.search(["capital of France?"], k=3)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from shared_core.config import DEFAULT_EMBEDDER
+from shared_core.retrieval.base import Document
+from shared_core.retrieval.stores.base import Row, StoreBackend
+
+_IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def quote_ident(name: str, param: str) -> str:
+    """``"schema"."table"`` from ``schema.table`` (plain identifiers only: no injection)."""
+    parts = name.split(".") if isinstance(name, str) else [None]
+    if not all(isinstance(p, str) and _IDENT.fullmatch(p) for p in parts) or len(parts) > 2:
+        msg = f"{param} must be a plain SQL identifier (letters, digits, _; optional schema.), got {name!r}"
+        raise ValueError(msg)
+    return ".".join(f'"{p}"' for p in parts)
+
+
+def vector_literal(vector: np.ndarray) -> str:
+    """pgvector's text form; ``repr`` of float32 values round-trips exactly."""
+    return "[" + ",".join(repr(float(x)) for x in vector.astype(np.float32)) + "]"
+
+
+class PgVectorStore(StoreBackend):
+    """A pgvector table searched with one batched statement (cosine distance ``<=>``).
+
+    Args:
+        connection: a DB-API connection with ``%s`` parameters (psycopg 3 / psycopg2), in
+            autocommit mode or committed by the caller; shared by calls under a lock.
+        table: table name (``schema.table`` allowed).
+        embedder: the embedder the stored vectors come from (see ``StoreBackend``).
+        id_column / text_column / embedding_column / metadata_column: column names
+            (``metadata_column=None``: no metadata; LangChain's ``PGVector`` uses ``id`` /
+            ``document`` / ``embedding`` / ``cmetadata`` in ``langchain_pg_embedding``).
+        where: an SQL condition restricting the rows (e.g. a collection id), with ``where_params``.
+    """
+
+    batch_method = "execute"
+
+    def __init__(self, connection: Any, table: str = "specrag_documents",
+                 embedder: Any = DEFAULT_EMBEDDER, *, id_column: str = "id",
+                 text_column: str = "text", embedding_column: str = "embedding",
+                 metadata_column: str | None = "metadata", where: str | None = None,
+                 where_params: Sequence[Any] = (), **options: Any):
+        super().__init__(embedder, **options)
+        if not callable(getattr(connection, "cursor", None)):
+            msg = f"connection must be a DB-API connection (psycopg), got {type(connection).__name__}"
+            raise TypeError(msg)
+        self.connection = connection
+        self.table = quote_ident(table, "table")
+        self.columns = {name: quote_ident(value, name) for name, value in (
+            ("id_column", id_column), ("text_column", text_column),
+            ("embedding_column", embedding_column))}
+        self.metadata_column = (None if metadata_column is None
+                                else quote_ident(metadata_column, "metadata_column"))
+        self.where = where
+        self.where_params = tuple(where_params)
+        self._db_lock = threading.Lock()
+
+    def statement(self) -> str:
+        """The batched statement: parameters are the query vectors (text[]) and the limit."""
+        c = self.columns
+        metadata = f"{self.metadata_column}::text" if self.metadata_column else "NULL::text"
+        where = f"WHERE {self.where}" if self.where else ""
+        return (f"SELECT q.n, h.id, h.text, h.meta, h.emb "
+                f"FROM unnest(%s::text[]) WITH ORDINALITY AS q(v, n) CROSS JOIN LATERAL ("
+                f"SELECT {c['id_column']}::text AS id, {c['text_column']} AS text, "
+                f"{metadata} AS meta, {c['embedding_column']}::text AS emb FROM {self.table} "
+                f"{where} ORDER BY {c['embedding_column']} <=> q.v::vector LIMIT %s) AS h "
+                f"ORDER BY q.n")
+
+    def _query(self, vectors: np.ndarray, n: int) -> list[list[Row]]:
+        params = ([vector_literal(v) for v in vectors], *self.where_params, n)
+        with self._db_lock, self.connection.cursor() as cursor:
+            cursor.execute(self.statement(), params)
+            records = cursor.fetchall()
+        rows: list[list[Row]] = [[] for _ in vectors]
+        for n_query, doc_id, text, meta, emb in records:
+            doc = Document(str(doc_id), str(text or ""), json.loads(meta) if meta else {})
+            rows[int(n_query) - 1].append((doc, np.array(json.loads(emb), dtype=np.float32)))
+        return rows
+
+    def create(self, dim: int) -> None:
+        """``CREATE EXTENSION vector`` and the table (id, text, metadata, embedding vector(dim))."""
+        c = self.columns
+        metadata = f", {self.metadata_column} jsonb" if self.metadata_column else ""
+        with self._db_lock, self.connection.cursor() as cursor:
+            cursor.execute("CREATE EXTENSION IF NOT EXISTS vector")
+            cursor.execute(f"CREATE TABLE IF NOT EXISTS {self.table} ({c['id_column']} text "
+                           f"PRIMARY KEY, {c['text_column']} text{metadata}, "
+                           f"{c['embedding_column']} vector({int(dim)}))")
+        self._commit()
+
+    def _write(self, docs: list[Document], vectors: np.ndarray) -> None:
+        self.create(vectors.shape[1])
+        c = self.columns
+        names = [c["id_column"], c["text_column"], c["embedding_column"]]
+        values = ["%s", "%s", "%s::vector"]
+        if self.metadata_column:
+            names.append(self.metadata_column)
+            values.append("%s::jsonb")
+        sql = (f"INSERT INTO {self.table} ({', '.join(names)}) VALUES ({', '.join(values)})")
+        rows = [(d.id, d.text, vector_literal(v),
+                 *([json.dumps(d.metadata)] if self.metadata_column else []))
+                for d, v in zip(docs, vectors, strict=True)]
+        with self._db_lock, self.connection.cursor() as cursor:
+            cursor.executemany(sql, rows)
+        self._commit()
+
+    def _commit(self) -> None:
+        if not getattr(self.connection, "autocommit", False):
+            self.connection.commit()
