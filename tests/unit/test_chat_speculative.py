@@ -94,3 +94,39 @@ def test_constructor_loads_nothing():
     for _ in range(10):
         ChatSpeculative(model="smollm2-135m-instruct")
     assert time.perf_counter() - start < 1.0
+
+
+def test_pickles_settings_not_weights_and_reloads_by_name(tiny_model_folder):
+    import pickle
+
+    from shared_core.serving import loaded_model
+
+    lm, _ = loaded_model(tiny_model_folder)
+    chat = ChatSpeculative(lm=lm, model="tiny", max_tokens=8, engine_options={"use_trigger": False})
+    answer = chat.invoke(MESSAGES)
+    weights = len(pickle.dumps(lm.model.state_dict()))
+    data = pickle.dumps(chat)
+    copy = pickle.loads(data)
+    assert len(data) < 4096 < weights
+    assert copy.lm is None and copy.model == "tiny" and copy.max_tokens == 8
+    assert copy.invoke(MESSAGES).content == answer.content  # reloaded through the shared cache
+    assert len(pickle.dumps(copy)) < 4096
+
+
+def test_tool_messages_keep_their_calls_and_bad_tool_choice_is_named(chat):
+    from langchain_core.messages import ToolMessage
+
+    call = {"name": "add", "args": {"a": 1}, "id": "c1", "type": "tool_call"}
+    turns = to_chat_messages([HumanMessage("1+2?"), AIMessage("", tool_calls=[call]),
+                              ToolMessage("3", tool_call_id="c1")])
+    assert turns[1]["tool_calls"] == [{"name": "add", "arguments": {"a": 1}, "id": "c1"}]
+    assert turns[2] == {"role": "tool", "content": "3", "tool_call_id": "c1"}
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    with pytest.raises(ValueError, match="tool_choice='sub'"):
+        chat.bind_tools([add], tool_choice="sub")
+    with pytest.raises(ValueError, match="method='xml'"):
+        chat.with_structured_output({"title": "x", "type": "object"}, method="xml")

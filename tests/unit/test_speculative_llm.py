@@ -72,3 +72,41 @@ def test_metadata_and_options(llm, tiny_target):
     with pytest.raises(ValueError, match="engine"):
         SpeculativeLLM(engine="nope")
     assert SpeculativeLLM.class_name() == "SpeculativeLLM"
+
+
+def test_pickles_settings_not_weights_and_reloads_by_name(tiny_model_folder):
+    import pickle
+
+    from shared_core.serving import loaded_model
+
+    lm, _ = loaded_model(tiny_model_folder)
+    llm = SpeculativeLLM(lm, model="tiny", max_new_tokens=6)
+    answer = llm.complete(PROMPT).text
+    data = pickle.dumps(llm)
+    copy = pickle.loads(data)
+    assert len(data) < 4096 < len(pickle.dumps(lm.model.state_dict()))
+    assert copy._lm is None and copy.max_new_tokens == 6
+    assert copy.complete(PROMPT).text == answer
+
+
+def test_function_calling_llm_interface(llm):
+    from llama_index.core.tools import FunctionTool
+
+    from llamaindex_specrag.llms.tools import chat_dicts, tool_selections
+
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return a + b
+
+    tool = FunctionTool.from_defaults(fn=add)
+    assert llm.metadata.is_function_calling_model
+    kwargs = llm._prepare_chat_with_tools([tool], "1+2?", tool_required=True)
+    assert kwargs["tool_choice"] == "add" and kwargs["tools"][0]["function"]["name"] == "add"
+    history = [ChatMessage(role=MessageRole.ASSISTANT, content="", additional_kwargs={
+                   "tool_calls": [{"id": "c1", "function": {"name": "add", "arguments": '{"a": 1}'}}]}),
+               ChatMessage(role=MessageRole.TOOL, content="3", additional_kwargs={"tool_call_id": "c1"})]
+    turns = chat_dicts(history)
+    assert turns[0]["tool_calls"] == [{"name": "add", "arguments": {"a": 1}, "id": "c1"}]
+    assert turns[1]["tool_call_id"] == "c1"
+    with pytest.raises(ValueError, match="expected at least one tool call"):
+        tool_selections(llm.chat([ChatMessage(role=MessageRole.USER, content="hi")]), True)

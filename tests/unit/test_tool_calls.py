@@ -1,0 +1,88 @@
+"""shared_core.tool_calls: tool choice and tool checks, prompts with tools, forced calls, parsing."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from shared_core.tool_calls import (
+    TOOLS_SYSTEM,
+    check_tool_choice,
+    check_tools,
+    forced_call,
+    parse_tool_calls,
+    render_prompt,
+    template_takes_tools,
+)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}
+NAMES = ["get_weather", "add"]
+
+
+def test_tool_checks_and_choices():
+    tools = check_tools([WEATHER, {"type": "function", "function": {"name": "now"}}])
+    assert tools[1]["function"]["parameters"] == {"type": "object", "properties": {}}
+    assert [check_tool_choice(c, tools) for c in (None, "auto", "none", False, "any",
+                                                  "required", True, "now")] == [
+        "auto", "auto", "none", "none", "required", "required", "required", "now"]
+    assert check_tool_choice({"type": "function", "function": {"name": "now"}}, tools) == "now"
+    with pytest.raises(ValueError, match="tool_choice='later'"):
+        check_tool_choice("later", tools)
+    with pytest.raises(ValueError, match=r"tools\[1\].*unique"):
+        check_tools([WEATHER, WEATHER])
+    with pytest.raises(TypeError, match=r"tools\[0\]"):
+        check_tools([{"name": "x"}])
+
+
+def test_parse_tagged_bare_multiple_and_invalid_calls():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}'
+            '\n</tool_call>\n<tool_call>\n{"name": "add", "arguments": "{\\"a\\": 1, \\"b\\": 2}"}'
+            '\n</tool_call>')
+    content, calls, invalid = parse_tool_calls(text, NAMES)
+    assert content == "Let me check." and not invalid
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Paris"}),
+                                                      ("add", {"a": 1, "b": 2})]
+    assert len({c.id for c in calls}) == 2 and all(c.id.startswith("call_") for c in calls)
+    _, calls, _ = parse_tool_calls(' {"name": "add", "arguments": {"a": 3}} ', NAMES)
+    assert [(c.name, c.arguments) for c in calls] == [("add", {"a": 3})]
+    _, calls, invalid = parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 3',
+                                         NAMES)
+    assert not calls and "not JSON" in invalid[0].error and invalid[0].arguments.endswith('3')
+    _, calls, invalid = parse_tool_calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
+                                         NAMES)
+    assert not calls and invalid[0].name == "rm" and "unknown tool" in invalid[0].error
+    assert parse_tool_calls("Paris is sunny.", NAMES) == ("Paris is sunny.", [], [])
+
+
+def test_parse_continues_a_prefilled_call():
+    prefill, constraint = forced_call("get_weather", check_tools([WEATHER, ADD]))
+    assert prefill.endswith('"arguments": ') and constraint.suffix == "}\n</tool_call>"
+    assert constraint.schema["required"] == ["city"]
+    _, calls, _ = parse_tool_calls('{"city": "Oslo"}}\n</tool_call>', NAMES, prefill)
+    assert [(c.name, c.arguments) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    prefill, constraint = forced_call("required", check_tools([WEATHER, ADD]))
+    names = [s["properties"]["name"]["const"] for s in constraint.schema["anyOf"]]
+    assert prefill == "<tool_call>\n" and names == NAMES
+    assert forced_call("auto", [WEATHER]) == ("", None)
+
+
+def test_render_without_template_support_writes_the_tool_format(tiny_target):
+    assert not template_takes_tools(tiny_target)
+    turns = [{"role": "system", "content": "Be brief."},
+             {"role": "user", "content": "Weather in Paris?"},
+             {"role": "assistant", "content": "", "tool_calls": [
+                 {"name": "get_weather", "arguments": {"city": "Paris"}, "id": "c1"}]},
+             {"role": "tool", "content": "sunny", "tool_call_id": "c1"}]
+    ids = render_prompt(tiny_target, turns, check_tools([WEATHER]), prefill="<tool_call>\n")
+    text = tiny_target.tokenizer.decode(ids)
+    listed = "\n" + json.dumps(check_tools([WEATHER])[0])
+    assert "Be brief.\n\n" + TOOLS_SYSTEM.format(tools=listed) in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<|user|><tool_response>\nsunny\n</tool_response>" in text
+    assert text.endswith("<|assistant|><tool_call>\n")
