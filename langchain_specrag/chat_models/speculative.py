@@ -57,6 +57,7 @@ from shared_core.output import GenerationResult
 from shared_core.serving import FairLock, iterate_in_thread
 from shared_core.tool_calls import check_tool_choice, check_tools
 
+_CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
           "function": "tool", "developer": "system", "user": "user", "assistant": "assistant"}
 
@@ -72,6 +73,8 @@ def _message_text(index: int, message: BaseMessage) -> str:
             parts.append(part)
         elif isinstance(part, dict) and part.get("type") == "text":
             parts.append(str(part.get("text", "")))
+        elif isinstance(part, dict) and part.get("type") in _CALL_PARTS:
+            continue  # the message's tool_calls carry these
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             msg = (f"message {index} has a {kind!r} content part; ChatSpeculative handles text "
