@@ -33,7 +33,7 @@ import torch
 
 from shared_core.config import GenerationConfig
 from shared_core.engines.baseline import Prompt, TokenStream, encode_prompt
-from shared_core.engines.ralmspec import OS3Scheduler
+from shared_core.engines.os3 import OS3Scheduler
 from shared_core.kv import KVSession
 from shared_core.models import LM
 from shared_core.output import GenerationResult, OutputTracker, validate_prompt_ids

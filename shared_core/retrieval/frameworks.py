@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared_core.config import check_int
-from shared_core.retrieval.base import Document
+from shared_core.retrieval.base import Document, Hit
 
 if TYPE_CHECKING:
 
@@ -79,3 +80,94 @@ def check_document_list(documents: Any) -> None:
         msg = (f"documents must be a list of documents (strings, Documents, LangChain Documents "
                f"or LlamaIndex nodes), got {type(documents).__name__}")
         raise TypeError(msg)
+
+
+# ----------------------------------------------------------------- retrievers answering queries
+
+EXPECTED_HITS = "list[list[Hit]] (one list of Hit(document, score, rank) per query, best first)"
+
+
+def check_rows(rows: Any, n_queries: int, where: str) -> Any:
+    """A sequence with one row per query (the rows themselves are checked by the caller)."""
+    if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Sequence):
+        msg = f"retriever {where} returned {type(rows).__name__}; expected {EXPECTED_HITS}"
+        raise TypeError(msg)
+    if len(rows) != n_queries:
+        msg = (f"retriever {where} returned {len(rows)} rows for {n_queries} queries; expected "
+               f"{EXPECTED_HITS} with exactly {n_queries} rows")
+        raise ValueError(msg)
+    return rows
+
+
+def _doc_id(text: str, given: Any) -> str:
+    return str(given) if given else "sha1-" + hashlib.sha1(text.encode()).hexdigest()[:16]
+
+
+def _converted(items: Any, name: str, kind: str, row: int, convert: Callable[[Any], Hit],
+               k: int) -> list[Hit]:
+    """One row of a framework retriever's answer as Hits, or an error naming what was wrong."""
+    if isinstance(items, (str, bytes, dict)) or not isinstance(items, Sequence):
+        msg = f"retriever {name} returned {type(items).__name__} for query {row}; expected {kind}"
+        raise TypeError(msg)
+    hits = []
+    for r, item in enumerate(items[:k]):
+        try:
+            hits.append(convert(item))
+        except AttributeError:
+            msg = (f"retriever {name} returned {type(item).__name__} at row {row}, position {r};"
+                   f" expected {kind}")
+            raise TypeError(msg) from None
+    return [Hit(h.document, h.score, r) for r, h in enumerate(hits)]
+
+
+def _from_langchain(d: Any) -> Hit:
+    doc = Document(_doc_id(d.page_content, d.id), d.page_content, dict(d.metadata))
+    return Hit(doc, float(d.metadata.get("score", 0.0)), 0)
+
+
+def _from_llamaindex(n: Any) -> Hit:
+    text = n.node.get_content()
+    return Hit(Document(_doc_id(text, n.node.node_id), text, dict(n.node.metadata)),
+               float(n.score or 0.0), 0)
+
+
+def _langchain_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
+    """LangChain ``BaseRetriever``: one ``batch`` call per verification (its thread pool)."""
+    name = type(retriever).__name__
+
+    def search(queries: list[str], k: int) -> list[list[Hit]]:
+        results = check_rows(retriever.batch(queries), len(queries), f"{name}.batch")
+        return [_converted(docs, name, "a list of LangChain Documents", i, _from_langchain, k)
+                for i, docs in enumerate(results)]
+
+    return search
+
+
+def _llamaindex_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
+    """LlamaIndex ``BaseRetriever``: queries answered in order (it has no batch API)."""
+    name = type(retriever).__name__
+
+    def retrieve(query: str) -> Any:
+        try:
+            return retriever.retrieve(query)
+        except AttributeError as e:  # LlamaIndex post-processes the rows: n.node of a non-node
+            msg = (f"retriever {name}.retrieve failed on its own result ({e}); expected "
+                   "_retrieve to return a list of NodeWithScore")
+            raise TypeError(msg) from e
+
+    def search(queries: list[str], k: int) -> list[list[Hit]]:
+        return [_converted(retrieve(query), name, "a list of NodeWithScore", i,
+                           _from_llamaindex, k) for i, query in enumerate(queries)]
+
+    return search
+
+
+def framework_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]] | None:
+    """``search(queries, k) -> list[list[Hit]]`` over a LangChain or LlamaIndex retriever, or
+    None when ``retriever`` is neither (recognised by duck typing: no framework is imported)."""
+    module = type(retriever).__module__
+    if hasattr(retriever, "_get_relevant_documents") or module.startswith("langchain"):
+        return _langchain_search(retriever)
+    if hasattr(retriever, "_retrieve") and hasattr(retriever, "retrieve"):
+        return _llamaindex_search(retriever)
+    return None

@@ -50,6 +50,9 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.retrieval.frameworks": (2, "LangChain / LlamaIndex / our documents and retrievers "
                                            "as Documents and Hits (duck-typed, no framework import)"),
     "shared_core.engines": (3, "the engines and their shared round loop"),
+    "shared_core.engines.ralmspec": (3, "RaLMSpec package: backends, cache + speculative "
+                                       "retrieval, decoding, engine"),
+    "shared_core.engines.os3": (3, "the OS3 stride scheduler (RaLMSpec and KNN-LM)"),
     "shared_core.engines.speculative_rag": (3, "Speculative RAG package: subsets, prompts, "
                                               "generation, scoring, inputs, results, engine"),
     "shared_core.serving": (4, "model cache + locks for the adapters; builds engines"),

@@ -1,0 +1,214 @@
+"""What RaLMSpec needs from a retriever (encode once, batched search, rank a cache), the
+backends for our retrievers and any ``search(queries, k)``, and checked / time-limited calls.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, Protocol
+
+from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.frameworks import EXPECTED_HITS, check_rows, framework_search
+
+
+class SpeculativeBackend(Protocol):
+    """What RaLMSpec needs from a retriever: encode once, batched search, rank a cache."""
+
+    def encode(self, query: str) -> Any: ...
+
+    def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]: ...
+
+    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document: ...
+
+
+class DenseBackend:
+    """``DenseRetriever``: the query vector is computed once (speculation) and reused to verify."""
+
+    def __init__(self, retriever: Any):
+        self.retriever = retriever
+        self.name = type(retriever).__name__
+
+    def encode(self, query: str) -> Any:
+        return self.retriever.embed_queries([query])[0]
+
+    def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
+        import numpy as np
+
+        return self.retriever.search_vectors(np.stack(list(encoded)), k)
+
+    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+        hits = self.retriever.search_subset(encoded[None], [d.id for d in docs], 1)[0]
+        return hits[0].document
+
+
+class BM25Backend:
+    """``BM25Retriever``: the cache is ranked with the corpus-wide BM25 statistics."""
+
+    def __init__(self, retriever: Any):
+        self.retriever = retriever
+        self.name = type(retriever).__name__
+
+    def encode(self, query: str) -> Any:
+        return query
+
+    def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
+        return self.retriever.search(list(encoded), k)
+
+    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+        return self.retriever.search_subset([encoded], [d.id for d in docs], 1)[0][0].document
+
+
+_WORD = re.compile(r"\w\w+")
+
+
+def lexical_rank(query: str, docs: Sequence[Document]) -> Document:
+    """Fallback cache ranking (retrievers without a scoring API): word overlap, then cache order.
+
+    Only the hit rate depends on it: verification against the real retriever keeps outputs exact.
+    """
+    words = set(_WORD.findall(query.lower()))
+    scores = [len(words & set(_WORD.findall(d.text.lower()))) for d in docs]
+    return docs[max(range(len(docs)), key=lambda i: (scores[i], -i))]
+
+
+class SearchBackend:
+    """Any object with ``search(queries, k) -> list[list[Hit]]`` (the ``Retriever`` protocol)."""
+
+    def __init__(self, search: Callable[[list[str], int], list[list[Hit]]],
+                 rank: Callable[[str, Sequence[Document]], Document] = lexical_rank,
+                 name: str | None = None):
+        self._search = search
+        self._rank = rank
+        owner = getattr(search, "__self__", None)
+        self.name = name or (type(owner).__name__ if owner is not None else
+                             getattr(search, "__qualname__", "search"))
+
+    def encode(self, query: str) -> Any:
+        return query
+
+    def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
+        return self._search(list(encoded), k)
+
+    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+        return self._rank(encoded, docs)
+
+
+def as_backend(retriever: Any) -> SpeculativeBackend:
+    """Wrap our retrievers, any ``Retriever``, or a LangChain / LlamaIndex retriever.
+
+    Framework classes are recognised by duck typing, so this module imports neither framework.
+    """
+    if all(hasattr(retriever, a) for a in ("encode", "search", "rank")):
+        return retriever
+    if hasattr(retriever, "search_vectors") and hasattr(retriever, "search_subset"):
+        return DenseBackend(retriever)
+    if hasattr(retriever, "tokenize") and hasattr(retriever, "search_subset"):
+        return BM25Backend(retriever)
+    name = type(retriever).__name__
+    search = framework_search(retriever)
+    if search is not None:
+        return SearchBackend(search, name=name)
+    if callable(getattr(retriever, "search", None)):
+        return SearchBackend(retriever.search, name=name)
+    msg = (f"retriever must be a DenseRetriever, BM25Retriever, an object with search(queries, k),"
+           f" or a LangChain/LlamaIndex retriever; got {type(retriever).__name__}")
+    raise TypeError(msg)
+
+
+def retriever_name(backend: Any) -> str:
+    """The name error messages use for the retriever behind ``backend``."""
+    if isinstance(backend, (DenseBackend, BM25Backend, SearchBackend)):
+        return backend.name
+    return type(backend).__name__
+
+
+def check_hits(hits: Any, n_queries: int, name: str) -> list[list[Hit]]:
+    """The retriever's answer to ``n_queries`` queries, or an error naming what is wrong.
+
+    Runs where a result enters an engine, before anything (cache, verified results, decoder)
+    is updated, so a malformed answer leaves no partial state.
+    """
+    where = f"retriever {name}.search"
+    check_rows(hits, n_queries, f"{name}.search")
+    for i, row in enumerate(hits):
+        if isinstance(row, (str, bytes, dict)) or not isinstance(row, Sequence):
+            msg = f"{where} returned {type(row).__name__} as row {i}; expected {EXPECTED_HITS}"
+            raise TypeError(msg)
+        if not row:
+            msg = f"{where} returned no document for query {i}; expected at least one Hit per row"
+            raise ValueError(msg)
+        for j, hit in enumerate(row):
+            if not isinstance(hit, Hit):
+                msg = (f"{where} returned {type(hit).__name__} at row {i}, position {j}; "
+                       f"expected {EXPECTED_HITS}")
+                raise TypeError(msg)
+    return [list(row) for row in hits]
+
+
+def check_ranked(doc: Any, name: str) -> Document:
+    if not isinstance(doc, Document):
+        msg = f"retriever {name}.rank returned {type(doc).__name__}; expected a Document"
+        raise TypeError(msg)
+    return doc
+
+
+_THREAD_IDS = itertools.count()
+
+
+def start_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
+                 ) -> Future[tuple[Any, float]]:
+    """Run ``backend.search`` on a new daemon thread; the future holds (raw hits, seconds).
+
+    A daemon thread (not a pool) so that a retriever that never returns can be abandoned: the
+    caller stops waiting, nothing joins the thread, and its late answer only reaches this
+    future, which nobody reads any more.
+    """
+    future: Future[tuple[Any, float]] = Future()
+    future.set_running_or_notify_cancel()
+
+    def run() -> None:
+        start = time.perf_counter()
+        try:
+            hits = backend.search(encoded, k)
+        except BaseException as e:  # delivered to the waiting caller
+            future.set_exception(e)
+        else:
+            future.set_result((hits, time.perf_counter() - start))
+
+    threading.Thread(target=run, name=f"ralmspec-verify-{next(_THREAD_IDS)}",
+                     daemon=True).start()
+    return future
+
+
+def await_search(future: Future[tuple[Any, float]], backend: SpeculativeBackend,
+                 n_queries: int, deadline: float | None, timeout_s: float | None
+                 ) -> tuple[list[list[Hit]], float]:
+    """The validated hits of a started search, or TimeoutError at ``deadline`` (perf_counter)."""
+    wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
+    try:
+        hits, seconds = future.result(timeout=wait)
+    except FutureTimeout:
+        if future.done():  # the retriever's own TimeoutError, not our deadline
+            raise
+        name = retriever_name(backend)
+        msg = (f"retriever {name}.search did not answer {n_queries} queries within "
+               f"retrieval_timeout_s={timeout_s} s; the call was abandoned (raise "
+               "retrieval_timeout_s or fix the retriever)")
+        raise TimeoutError(msg) from None
+    return check_hits(hits, n_queries, retriever_name(backend)), seconds
+
+
+def checked_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int,
+                   timeout_s: float | None) -> list[list[Hit]]:
+    """A checked, optionally time-limited retriever call (inline when there is no limit)."""
+    if timeout_s is None:
+        return check_hits(backend.search(encoded, k), len(encoded), retriever_name(backend))
+    future = start_search(backend, encoded, k)
+    return await_search(future, backend, len(encoded), time.perf_counter() + timeout_s,
+                        timeout_s)[0]

@@ -1,0 +1,180 @@
+"""One RaLM generation: the prompt around the swapped document, the decoder (KV session, one
+RNG draw per output position) and the per-call state."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+
+from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.engines.baseline import TokenStream
+from shared_core.engines.ralmspec.backends import SpeculativeBackend, checked_search
+from shared_core.kv import CacheKind, KVSession
+from shared_core.models import LM
+from shared_core.output import OutputTracker
+from shared_core.rag_config import (
+    RaLMSpecConfig,
+)
+from shared_core.retrieval.base import Document, Hit
+from shared_core.stats import DecodeStats
+from shared_core.verify import warp_probs
+
+_SENTINEL = "\u2063RALM_DOC\u2063"
+_SEED_MIX = 1_000_003
+
+
+class RaLMPrompt:
+    """Token ids ``head + document + tail + generated`` and the retrieval query.
+
+    The head/tail come from the chat template rendered around a sentinel; each segment is
+    tokenized on its own so a document swap keeps the head's KV cache valid.
+    """
+
+    def __init__(self, lm: LM, question: str, config: RaLMSpecConfig):
+        if not isinstance(question, str) or not question.strip():
+            msg = "question must be a non-empty string"
+            raise ValueError(msg)
+        content = f"{config.instruction}\n\nPassage: {_SENTINEL}\n\nQuestion: {question.strip()}"
+        rendered = lm.chat_prompt([{"role": "user", "content": content}])
+        head, tail = rendered.split(_SENTINEL)
+        self.lm = lm
+        self.config = config
+        self.head = lm.encode(head)
+        self.tail = lm.encode(tail)
+        self.question = lm.encode(question.strip())
+        if len(self.head) + len(self.tail) > config.max_prompt_tokens:
+            msg = (f"question prompt has {len(self.head) + len(self.tail)} tokens, more than "
+                   f"max_prompt_tokens={config.max_prompt_tokens}; shorten the question")
+            raise ValueError(msg)
+        self._doc_ids: dict[str, list[int]] = {}
+
+    def doc_ids(self, doc: Document) -> list[int]:
+        if doc.id not in self._doc_ids:
+            self._doc_ids[doc.id] = self.lm.encode(doc.text)[: self.config.max_doc_tokens]
+        return self._doc_ids[doc.id]
+
+    def ids(self, doc: Document, generated: Sequence[int]) -> list[int]:
+        return [*self.head, *self.doc_ids(doc), *self.tail, *generated]
+
+    def query(self, generated: Sequence[int]) -> str:
+        """The latest context: the last ``query_tokens`` tokens of question + output."""
+        return self.lm.decode([*self.question, *generated][-self.config.query_tokens :])
+
+
+class RaLMDecoder:
+    """A KV session that generates under a given document; one RNG draw per output position."""
+
+    def __init__(self, lm: LM, prompt: RaLMPrompt, generation: GenerationConfig,
+                 stats: DecodeStats, cache: CacheKind):
+        self.lm = lm
+        self.prompt = prompt
+        self.sampling: SamplingConfig = generation.sampling
+        self.max_new_tokens = generation.max_new_tokens
+        self.session = KVSession(lm, cache=cache)
+        self.stats = stats
+        self.doc: Document | None = None
+        self.generated: list[int] = []
+        self.pending = -1
+        seed = self.sampling.seed
+        self._seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
+        self.lm_s = 0.0
+
+    @property
+    def finished(self) -> bool:
+        g = self.generated
+        return len(g) >= self.max_new_tokens or bool(g and g[-1] in self.lm.eos_token_ids)
+
+    def reset_to(self, doc: Document, length: int) -> None:
+        """State: output ``generated[:length]`` under ``doc`` (KV rolled back, not recomputed)."""
+        start = time.perf_counter()
+        del self.generated[length:]
+        ids = self.prompt.ids(doc, self.generated)
+        feed = self.session.sync(ids[:-1])
+        if feed:
+            self.session.prefill(feed)
+            self.stats.target_forwards += 1
+            self.stats.extra["prefill_tokens"] = self.stats.extra.get("prefill_tokens", 0) + len(
+                feed)
+        self.doc, self.pending = doc, ids[-1]
+        self.lm_s += time.perf_counter() - start
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        if self.sampling.greedy:
+            return int(logits.argmax().item())
+        generator = torch.Generator().manual_seed(self._seed * _SEED_MIX + len(self.generated))
+        probs = warp_probs(logits, self.sampling)
+        return int(torch.multinomial(probs, 1, generator=generator).item())
+
+    def step(self, doc: Document) -> int:
+        """Generate up to ``retrieval_stride`` tokens under ``doc``; return how many."""
+        if doc is not self.doc and (self.doc is None or doc.id != self.doc.id):
+            self.reset_to(doc, len(self.generated))
+        start = time.perf_counter()
+        n = 0
+        while n < self.prompt.config.retrieval_stride and not self.finished:
+            logits = self.session.extend([self.pending])[-1]
+            self.stats.target_forwards += 1
+            self.pending = self._choose(logits)
+            self.generated.append(self.pending)
+            n += 1
+        self.lm_s += time.perf_counter() - start
+        return n
+
+
+# ----------------------------------------------------------------------------- shared run state
+
+
+class RaLMCall:
+    """One generation: prompt, decoder, tracker, stats, backend and retrieval timing."""
+
+    def __init__(self, lm: LM, backend: SpeculativeBackend, question: str,
+                 config: RaLMSpecConfig, generation: GenerationConfig):
+        self.config = config
+        self.backend = backend
+        self.prompt = RaLMPrompt(lm, question, config)
+        budget = len(self.prompt.head) + config.max_doc_tokens + len(self.prompt.tail)
+        if budget + generation.max_new_tokens > lm.max_context:
+            msg = (f"prompt (up to {budget} tokens with the document) + max_new_tokens="
+                   f"{generation.max_new_tokens} exceeds the {lm.max_context}-token window of "
+                   f"{lm.name}; lower max_doc_tokens or max_new_tokens")
+            raise ValueError(msg)
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
+        self.tracker = OutputTracker(lm, generation)
+        self.decoder = RaLMDecoder(lm, self.prompt, generation, self.stats, config.cache)
+        self.doc_trace: list[str] = []
+        self.used: dict[str, Document] = {}
+        self.retrieval_s = 0.0
+        self.retrieval_calls = 0
+
+    def use(self, docs: Sequence[Document]) -> None:
+        """Record the documents committed steps were generated under (in step order)."""
+        for doc in docs:
+            self.doc_trace.append(doc.id)
+            self.used.setdefault(doc.id, doc)
+
+    def retrieve(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
+        """A blocking retriever call (checked, time-limited by ``retrieval_timeout_s``), timed."""
+        start = time.perf_counter()
+        hits = checked_search(self.backend, encoded, k, self.config.retrieval_timeout_s)
+        self.retrieval_s += time.perf_counter() - start
+        self.retrieval_calls += 1
+        return hits
+
+    def encode(self, query: str) -> Any:
+        start = time.perf_counter()
+        encoded = self.backend.encode(query)
+        self.retrieval_s += time.perf_counter() - start
+        return encoded
+
+    def stream(self, blocks: Iterator[list[int]]) -> TokenStream:
+        def close(stats: DecodeStats) -> None:
+            stats.extra.update(
+                retrieval_s=round(self.retrieval_s, 4), retrieval_calls=self.retrieval_calls,
+                generation_s=round(self.decoder.lm_s, 4), doc_ids=list(self.doc_trace),
+                documents=[{"id": d.id, "text": d.text, "metadata": dict(d.metadata)}
+                           for d in self.used.values()])
+
+        return TokenStream(blocks, self.tracker, self.stats, close)
