@@ -21,11 +21,13 @@ import importlib.util
 import logging
 import os
 import shutil
+import socket
 import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import urlsplit
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +38,46 @@ _TMP_MARK = ".tmp-"
 def cache_dir() -> Path:
     """Root of specrag's on-disk cache (``$SPECRAG_CACHE`` or ``~/.cache/specrag``)."""
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specrag").expanduser()
+
+
+_PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+HUB_PROBE_TIMEOUT_S = 3.0
+
+
+def hub_offline() -> bool:
+    """``HF_HUB_OFFLINE`` or ``TRANSFORMERS_OFFLINE`` is set (read now, not at import)."""
+    return any(os.environ.get(name, "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+               for name in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def hub_endpoint() -> str:
+    return os.environ.get("HF_ENDPOINT") or "https://huggingface.co"
+
+
+def hub_reachable(timeout: float = HUB_PROBE_TIMEOUT_S) -> bool:
+    """One TCP connection to the hub endpoint, no retries. Behind a proxy nothing is probed
+    (True): the proxy decides, and transformers goes through it."""
+    if any(os.environ.get(name) for name in _PROXY_VARS):
+        return True
+    url = urlsplit(hub_endpoint())
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        with socket.create_connection((url.hostname or "", port), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def hub_unavailable() -> str | None:
+    """Why a hub id can come only from the local Hugging Face cache, or None if the hub is up.
+
+    Without this, an unreachable hub costs about a minute of transformers' retries per load.
+    """
+    if hub_offline():
+        return "HF_HUB_OFFLINE is set"
+    if not hub_reachable():
+        return f"the hub at {hub_endpoint()} is unreachable"
+    return None
 
 
 @dataclass(frozen=True)

@@ -38,6 +38,7 @@ from shared_core.embedded import (
     build_lock,
     cache_dir,
     embedded_gguf,
+    hub_unavailable,
     package_dir,
 )
 from shared_core.weights_cache import cache_is_valid, gguf_cache_key, write_cache
@@ -129,6 +130,10 @@ def _load_pretrained(source: str | Path, gguf_file: str | None, dtype: torch.dty
     kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
     if gguf_file is not None:
         kwargs["gguf_file"] = gguf_file
+    hub_id = isinstance(source, str) and not Path(source).exists()
+    why = hub_unavailable() if hub_id else None
+    if why is not None:
+        kwargs["local_files_only"] = True  # the local HF cache or an error now, no retries
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
@@ -138,17 +143,19 @@ def _load_pretrained(source: str | Path, gguf_file: str | None, dtype: torch.dty
             raise ValueError(msg) from e
         raise
     except OSError as e:
-        if isinstance(source, str) and not Path(source).exists():
-            raise OSError(_hub_unreachable_message(source)) from e
+        if hub_id:
+            raise OSError(_hub_unreachable_message(str(source), why)) from e
         raise
     return model, tokenizer
 
 
-def _hub_unreachable_message(hub_id: str) -> str:
-    known = ", ".join(sorted(EMBEDDED_LMS))
-    return (f"model {hub_id!r} could not be loaded from the Hugging Face hub (offline, or not "
-            f"cached). Use an embedded alias that loads offline ({known}), a local folder saved with "
-            "save_pretrained, or a .gguf file; or set HF_HUB_OFFLINE=0 with network access.")
+def _hub_unreachable_message(hub_id: str, why: str | None = None,
+                             known: Sequence[str] = tuple(EMBEDDED_LMS), local: str = "a local "
+                             "folder saved with save_pretrained, or a .gguf file") -> str:
+    reason = f"{why} and it is not in the local Hugging Face cache" if why else "offline, or not cached"
+    return (f"model {hub_id!r} could not be loaded from the Hugging Face hub ({reason}). Use an "
+            f"embedded alias that loads offline ({', '.join(sorted(known))}), {local}; or unset "
+            "HF_HUB_OFFLINE with network access.")
 
 
 def _check_gguf_magic(gguf: Path) -> None:
@@ -376,12 +383,21 @@ def load_embedder(name: str = "all-minilm-l6-v2", *, device: str | torch.device 
         entry = EMBEDDED_EMBEDDERS[name]
         if entry.package and package_dir(entry.package) is not None:
             module = importlib.import_module(entry.package)
-            return SentenceTransformer(str(module.get_model_path()), device=torch_device)
-        logger.warning("package %s is not installed; trying %s", entry.package, entry.hub_id)
-        return SentenceTransformer(entry.hub_id, device=torch_device)
-    if "/" not in name and not Path(name).exists():
+            name = str(module.get_model_path())
+        else:
+            logger.warning("package %s is not installed; trying %s", entry.package, entry.hub_id)
+            name = entry.hub_id
+    elif "/" not in name and not Path(name).exists():
         known = ", ".join(sorted(EMBEDDED_EMBEDDERS))
         msg = f"unknown embedder alias {name!r}; use one of {known}, a hub id or a local folder"
         raise ValueError(msg)
-    return SentenceTransformer(name, device=torch_device)
+    why = None if Path(name).exists() else hub_unavailable()
+    try:
+        with _quiet_progress_bars():  # no "Loading weights" bar on every load
+            return SentenceTransformer(name, device=torch_device, local_files_only=why is not None)
+    except OSError as e:
+        if Path(name).exists():
+            raise
+        raise OSError(_hub_unreachable_message(name, why, tuple(EMBEDDED_EMBEDDERS),
+                                               "or a sentence-transformers folder")) from e
 

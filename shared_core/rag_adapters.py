@@ -23,14 +23,20 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from shared_core.config import DEFAULT_LM, SamplingConfig, check_text
-from shared_core.rag_config import RALMSPEC_MAX_NEW_TOKENS, RaLMSpecConfig, SpeculativeRAGConfig
+from shared_core.rag_config import (
+    RALMSPEC_MAX_NEW_TOKENS,
+    PromptMessages,
+    RaLMSpecConfig,
+    SpeculativeRAGConfig,
+    check_prompt,
+)
 from shared_core.retrieval.base import check_retriever_like
 
 if TYPE_CHECKING:
@@ -42,10 +48,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-SPECRAG_KNOBS = ("num_drafts", "docs_per_draft", "retrieve_k")
+SPECRAG_KNOBS = ("num_drafts", "docs_per_draft", "retrieve_k", "prompt")
 SPECRAG_SETTINGS = ("retriever", "drafter", "verifier", "dtype", *SPECRAG_KNOBS, "engine")
 RALMSPEC_KNOBS = ("retrieval_stride", "speculation_stride", "prefetch", "scheduler",
-                  "async_verify", "retrieval_timeout_s")
+                  "async_verify", "retrieval_timeout_s", "prompt")
 RALMSPEC_SETTINGS = ("retriever", "model", "max_new_tokens", "temperature", "seed",
                      *RALMSPEC_KNOBS, "baseline", "engine")
 # plus the number of documents returned: ``k`` (LangChain) / ``similarity_top_k`` (LlamaIndex)
@@ -70,6 +76,34 @@ def question_input(value: Any) -> tuple[str, Any]:
         msg = f"documents must be a list of documents, got {type(docs).__name__}"
         raise TypeError(msg)
     return check_text(question, "question"), docs
+
+
+# A framework's prompt template is rendered with these in place of its two variables, then turned
+# back into a format string (rendered_prompt): any template syntax (f-string, jinja2, mustache,
+# chat messages) reaches the engines as (role, format string) pairs.
+QUESTION_SENTINEL = "\x00specrag-question\x00"
+DOCUMENTS_SENTINEL = "\x00specrag-documents\x00"
+PROMPT_SENTINELS = {"question": QUESTION_SENTINEL, "documents": DOCUMENTS_SENTINEL}
+
+
+def check_prompt_variables(variables: Iterable[str], name: str = "prompt") -> None:
+    """ValueError naming ``name`` unless a template's input variables are question + documents."""
+    variables = set(variables)
+    if variables != {"question", "documents"}:
+        msg = (f"{name} must take exactly the input variables 'question' and 'documents'; "
+               f"missing: {sorted({'question', 'documents'} - variables)}, "
+               f"unknown: {sorted(variables - {'question', 'documents'})}")
+        raise ValueError(msg)
+
+
+def rendered_prompt(messages: Sequence[tuple[str, str]], name: str = "prompt") -> PromptMessages:
+    """(role, text) pairs rendered with :data:`PROMPT_SENTINELS` as a checked engine prompt."""
+    out = []
+    for role, text in messages:
+        text = text.replace("{", "{{").replace("}", "}}")
+        text = text.replace(QUESTION_SENTINEL, "{question}")
+        out.append((role, text.replace(DOCUMENTS_SENTINEL, "{documents}")))
+    return cast("PromptMessages", check_prompt(tuple(out), name))
 
 
 def check_retriever(value: Any) -> Any:
@@ -118,10 +152,15 @@ def engine_check(kind: str) -> Callable[[Any], Any]:
 # ----------------------------------------------------------------------------- built from settings
 
 
+def _plain(x: Any) -> bool:
+    return isinstance(x, (str, int, float)) or (isinstance(x, tuple) and all(map(_plain, x)))
+
+
 def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
-    """Equal settings: plain values by value (and type), objects (retrievers, engines) by identity."""
+    """Equal settings: plain values (and tuples of them) by value and type, objects (retrievers,
+    engines) by identity."""
     return len(a) == len(b) and all(
-        x is y or (type(x) is type(y) and isinstance(x, (str, int, float)) and x == y)
+        x is y or (type(x) is type(y) and _plain(x) and x == y)
         for x, y in zip(a, b, strict=True))
 
 
@@ -166,6 +205,7 @@ class SpeculativeRAGEngines:
     def get(self, settings: Any) -> SpeculativeRAG:
         check_engine(settings.engine, "SpeculativeRAG")
         knobs = {name: getattr(settings, name) for name in SPECRAG_KNOBS}
+        knobs["prompt"] = settings._prompt_of(settings.prompt)
         models = (settings.drafter, settings.verifier, settings.dtype, settings.engine)
         base = self._models.get(models, lambda: self._base(settings, knobs))
         return self._engines.get((base, *knobs.values()),
@@ -192,6 +232,7 @@ class RaLMSpecEngines:
 
     def get(self, settings: Any) -> RaLMSpec:
         knobs = {name: getattr(settings, name) for name in RALMSPEC_KNOBS}
+        knobs["prompt"] = settings._prompt_of(settings.prompt)
         if knobs["retrieval_timeout_s"] is None:
             del knobs["retrieval_timeout_s"]
         key = (settings.model, settings.retriever, settings.engine, *knobs.values())
@@ -226,6 +267,9 @@ class RaLMSpecSettings(BaseModel):
             (:class:`~shared_core.rag_config.RaLMSpecConfig`).
         retrieval_timeout_s: seconds one retriever call may take before the call fails with
             ``TimeoutError`` (``None``: the engine's setting, by default no limit).
+        prompt: the answering prompt, with ``{question}`` and ``{documents}`` (the retrieved
+            passage): a format string, or the framework's prompt template (``None``: the
+            engine's default, built from ``RaLMSpecConfig.instruction``).
         baseline: run RaLMSeq instead (for comparisons).
         engine: a prebuilt :class:`~shared_core.engines.ralmspec.RaLMSpec` (shares its model and
             retriever); the knobs above that are not passed are its config's.
@@ -247,6 +291,7 @@ class RaLMSpecSettings(BaseModel):
     scheduler: bool = RaLMSpecConfig.scheduler
     async_verify: bool = RaLMSpecConfig.async_verify
     retrieval_timeout_s: float | None = Field(default=RaLMSpecConfig.retrieval_timeout_s, gt=0.0)
+    prompt: Any = RaLMSpecConfig.prompt
     baseline: bool = False
     engine: Any = Field(default=None, exclude=True)
     _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
@@ -255,6 +300,17 @@ class RaLMSpecSettings(BaseModel):
     _check_engine = field_validator("engine")(engine_check("RaLMSpec"))
     _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
                                                                       RALMSPEC_KNOBS))
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        cls._prompt_of(value)
+        return value
+
+    @staticmethod
+    def _prompt_of(value: Any) -> PromptMessages | None:
+        """The engine form of a ``prompt`` setting (each framework's adapter adds its templates)."""
+        return check_prompt(value)
 
     def _engine(self) -> RaLMSpec:
         return self._engines.get(self)

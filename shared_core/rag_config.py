@@ -10,8 +10,9 @@ the field).
 from __future__ import annotations
 
 import numbers
+import string
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from shared_core.config import (
     CacheKind,
@@ -29,6 +30,56 @@ DraftOrder = Literal["rationale_first", "answer_first"]
 EMBED_INSTRUCTION = "Represent this document for answering the question: {question}\nDocument: "
 DEFAULT_INSTRUCTION = "Answer the question using the passage."  # RaLMSpec's prompt instruction
 RALMSPEC_MAX_NEW_TOKENS = 128  # RaLMSpec's per-call default (short, retrieval-grounded answers)
+
+# A prompt setting as the engines take it: (role, format string) pairs, e.g.
+# (("system", "Be brief."), ("user", "{documents}\n\nQuestion: {question}"))
+PromptMessages = tuple[tuple[str, str], ...]
+PROMPT_VARIABLES = ("question", "documents")
+PROMPT_ROLES = ("system", "user", "assistant")
+
+
+def _fields(template: str, name: str) -> list[str]:
+    try:
+        return [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
+    except ValueError as e:  # a lone "{" or "}"
+        msg = f"{name} is not a valid format string ({e}); write literal braces as {{{{ }}}}"
+        raise ValueError(msg) from None
+
+
+def check_prompt(prompt: Any, name: str = "prompt") -> PromptMessages | None:
+    """None, or a prompt as (role, format string) pairs: a format string is one user message.
+
+    Every variable must be ``{question}`` or ``{documents}``; both must appear, ``{documents}``
+    exactly once (RaLMSpec swaps the document in place). TypeError for a wrong type, ValueError
+    for a wrong template, both naming ``name``.
+    """
+    if prompt is None:
+        return None
+    messages = (("user", prompt),) if isinstance(prompt, str) else prompt
+    if (not isinstance(messages, (tuple, list)) or not messages
+            or not all(isinstance(m, (tuple, list)) and len(m) == 2 for m in messages)):
+        msg = (f"{name} must be a format string with {{question}} and {{documents}} or "
+               f"(role, format string) pairs, got {type(prompt).__name__}")
+        raise TypeError(msg)
+    fields: list[str] = []
+    for role, text in messages:
+        check_choice(role, f"{name} role", PROMPT_ROLES)
+        check_type(text, f"{name} message", (str,), "a str")
+        fields += _fields(text, name)
+    unknown = sorted(set(fields) - set(PROMPT_VARIABLES))
+    missing = [v for v in PROMPT_VARIABLES if v not in fields]
+    if unknown or missing or fields.count("documents") != 1:
+        msg = (f"{name} must use the variables {{question}} and {{documents}} (documents exactly "
+               f"once) and no others; missing: {missing}, unknown: {unknown}, {{documents}} "
+               f"{fields.count('documents')} times")
+        raise ValueError(msg)
+    return tuple((role, text) for role, text in messages)
+
+
+def format_prompt(prompt: PromptMessages, question: str, documents: str) -> list[dict[str, str]]:
+    """Chat messages (``{"role", "content"}``) of a checked prompt for one question."""
+    values = {"question": question, "documents": documents}
+    return [{"role": role, "content": text.format_map(values)} for role, text in prompt]
 
 
 @dataclass(frozen=True)
@@ -52,6 +103,9 @@ class SpeculativeRAGConfig:
     embed_instruction: str = EMBED_INSTRUCTION  # {question} is filled in
     kmeans_iters: int = 25
     seed: int = 1399
+    # The drafting prompt (see check_prompt); None: the paper-style default. The engine appends
+    # its "Rationale:/Answer:" format line, which the draft parser relies on.
+    prompt: str | PromptMessages | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, ints=("num_drafts", "docs_per_draft", "retrieve_k", "max_draft_tokens",
@@ -63,6 +117,7 @@ class SpeculativeRAGConfig:
         check_choice(self.subset_strategy, "subset_strategy", ("cluster", "random", "same_cluster"))
         check_choice(self.draft_order, "draft_order", ("rationale_first", "answer_first"))
         check_choice(self.selection, "selection", ("score", "vote", "random"))
+        object.__setattr__(self, "prompt", check_prompt(self.prompt))
 
     @property
     def needs_verifier(self) -> bool:
@@ -99,6 +154,8 @@ class RaLMSpecConfig:
     # Seconds one retriever search may take (None: wait forever). On expiry the call raises
     # TimeoutError and is abandoned: the search thread is left to finish on its own.
     retrieval_timeout_s: float | None = None
+    # The answering prompt (see check_prompt; replaces ``instruction``); None: the default.
+    prompt: str | PromptMessages | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, ints=("retrieval_stride", "query_tokens", "max_doc_tokens",
@@ -112,6 +169,7 @@ class RaLMSpecConfig:
         check_number(self.gamma_max, "gamma_max", 0.0, 1.0)
         check_choice(self.cache, "cache", ("prealloc", "dynamic"))
         check_timeout(self.retrieval_timeout_s)
+        object.__setattr__(self, "prompt", check_prompt(self.prompt))
 
     @property
     def verify_k(self) -> int:
@@ -136,11 +194,16 @@ class SpeculativeRetrievalConfig:
 __all__ = [
     "DEFAULT_INSTRUCTION",
     "EMBED_INSTRUCTION",
+    "PROMPT_ROLES",
+    "PROMPT_VARIABLES",
     "RALMSPEC_MAX_NEW_TOKENS",
     "DraftOrder",
+    "PromptMessages",
     "RaLMSpecConfig",
     "Selection",
     "SpeculativeRAGConfig",
     "SpeculativeRetrievalConfig",
     "SubsetStrategy",
+    "check_prompt",
+    "format_prompt",
 ]

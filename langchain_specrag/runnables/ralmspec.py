@@ -1,10 +1,14 @@
 """``RaLMSpecRunnable``: iterative retrieval-augmented generation with RaLMSpec (adapter only).
 
-Input: a question string (or ``{"question": ...}``). Output: the answer string, or with
+Input: a question string, ``{"question": ...}`` or a prompt's output (``PromptValue`` or a list of
+messages: the last human message is the question). Output: the answer string, or with
 ``with_details=True`` a dict with the answer, the documents the answer was generated under, the
 per-step document ids and the engine stats. ``stream`` yields verified text deltas. The retriever
 is any LangChain ``BaseRetriever`` (queried with ``batch`` for verification) or a specrag
 retriever (``DenseRetriever`` / ``BM25Retriever``: cache ranked with their own metric).
+``prompt=`` sets the answering prompt (a ``PromptTemplate`` / ``ChatPromptTemplate`` or a format
+string over ``question`` and ``documents``, the passage retrieved every ``retrieval_stride``
+tokens).
 Output is identical to plain iterative retrieval (RaLMSeq) with the same retriever.
 """
 
@@ -18,12 +22,9 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from typing_extensions import TypedDict
 
-from shared_core.rag_adapters import (
-    RaLMSpecSettings,
-    question_input,
-    ralmspec_details,
-    ralmspec_documents,
-)
+from langchain_specrag.runnables._inputs import as_question_input, prompt_messages
+from shared_core.rag_adapters import RaLMSpecSettings, ralmspec_details, ralmspec_documents
+from shared_core.rag_config import PromptMessages
 from shared_core.serving import iterate_in_thread
 
 
@@ -45,6 +46,10 @@ class RaLMSpecRunnable(RaLMSpecSettings,
 
     with_details: bool = False
 
+    @staticmethod
+    def _prompt_of(value: Any) -> PromptMessages | None:
+        return prompt_messages(value)
+
     def _output(self, result: Any) -> RaLMSpecOutput:
         if not self.with_details:
             return result.text
@@ -53,7 +58,7 @@ class RaLMSpecRunnable(RaLMSpecSettings,
         return {"answer": result.text, "documents": docs, **ralmspec_details(result)}
 
     def _run(self, value: Any) -> RaLMSpecOutput:
-        return self._output(self._stream(question_input(value)[0]).run())
+        return self._output(self._stream(as_question_input(value)[0]).run())
 
     def invoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> RaLMSpecOutput:
@@ -68,7 +73,7 @@ class RaLMSpecRunnable(RaLMSpecSettings,
 
     def _deltas(self, inputs: Iterator[Any]) -> Iterator[str]:
         for value in inputs:
-            yield from self._stream(question_input(value)[0])
+            yield from self._stream(as_question_input(value)[0])
 
     def stream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> Iterator[str]:

@@ -1,12 +1,18 @@
 """``SpeculativeRAGRunnable``: Speculative RAG as a LangChain Runnable (adapter only).
 
-Replaces the ``retriever | prompt | llm | parser`` part of a chain: input a question (a string or
-``{"question": ..., "documents": [...]}``), output the answer string, or with
+Replaces the ``retriever | prompt | llm | parser`` part of a chain. Input: a question string, a
+prompt's output (``PromptValue`` or a list of messages: the last human message is the
+question), or ``{"question": ..., "documents": [...]}`` (so ``{"question": RunnablePassthrough(),
+"documents": retriever} | runnable`` composes). Output: the answer string, or with
 ``with_details=True`` a dict with the answer, rationale, every draft with its scores, the
-documents and the engine stats. Draft/verify progress is sent as custom callback events
-(``specrag_retrieved``, ``specrag_subsets``, ``specrag_drafted``, ``specrag_verified``), visible
-in ``astream_events``. The answer is known only after verification, so ``stream`` yields it as
-one chunk.
+documents and the engine stats. ``prompt=`` sets the drafting prompt (a ``PromptTemplate`` /
+``ChatPromptTemplate`` or a format string over ``question`` and ``documents``).
+
+Draft/verify progress is sent as custom callback events (``specrag_retrieved``,
+``specrag_subsets``, ``specrag_drafted``, ``specrag_verified``), visible in ``astream_events``.
+``stream`` yields the answer in word chunks once the verifier has chosen it; with
+``with_details=True`` it first yields each stage as it happens (``{event name: data}``) and the
+chosen draft's details, all as ``AddableDict`` chunks whose sum holds ``invoke``'s dict.
 """
 
 from __future__ import annotations
@@ -19,19 +25,22 @@ from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_cu
 from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.runnables.utils import AddableDict
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 from typing_extensions import TypedDict
 
+from langchain_specrag.runnables._inputs import as_question_input, prompt_messages
 from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
 from shared_core.rag_adapters import (
     SPECRAG_KNOBS,
     SpeculativeRAGEngines,
     engine_check,
     engine_settings,
-    question_input,
     specrag_details,
 )
-from shared_core.rag_config import SpeculativeRAGConfig
+from shared_core.rag_config import PromptMessages, SpeculativeRAGConfig
+from shared_core.rag_streams import StageEvent, StreamItem, speculative_rag_stream
+from shared_core.serving import iterate_in_thread
 
 if TYPE_CHECKING:
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
@@ -59,6 +68,9 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         drafter / verifier: model names for :func:`shared_core.load_lm` (or pass ``engine``).
         num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved documents are used.
         dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
+        prompt: the drafting prompt over ``{question}`` and ``{documents}`` (a LangChain
+            ``PromptTemplate`` / ``ChatPromptTemplate`` or a format string; ``None``: the
+            engine's). The engine appends its "Rationale: ... Answer: ..." format line.
         with_details: return a dict (answer, rationale, drafts, scores, documents, stats).
         engine: a prebuilt :class:`shared_core.engines.SpeculativeRAG` (shares its models);
             ``num_drafts`` / ``docs_per_draft`` / ``retrieve_k`` not passed are its config's.
@@ -77,6 +89,7 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     num_drafts: int = Field(default=SpeculativeRAGConfig.num_drafts, ge=1)
     docs_per_draft: int = Field(default=SpeculativeRAGConfig.docs_per_draft, ge=1)
     retrieve_k: int = Field(default=SpeculativeRAGConfig.retrieve_k, ge=1)
+    prompt: Any = SpeculativeRAGConfig.prompt
     with_details: bool = False
     engine: Any = Field(default=None, exclude=True)
     _engines: SpeculativeRAGEngines = PrivateAttr(default_factory=SpeculativeRAGEngines)
@@ -84,6 +97,16 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     _check_engine = field_validator("engine")(engine_check("SpeculativeRAG"))
     _engine_settings = model_validator(mode="before")(
         engine_settings(SpeculativeRAGConfig, SPECRAG_KNOBS))
+
+    @staticmethod
+    def _prompt_of(value: Any) -> PromptMessages | None:
+        return prompt_messages(value)
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        prompt_messages(value)  # a wrong template fails here, naming ``prompt``
+        return value
 
     def _engine(self) -> SpeculativeRAG:
         return self._engines.get(self)
@@ -95,18 +118,30 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
                 "documents": [_to_lc(d) for d in result.documents]}
 
     def _question_and_docs(self, value: Any) -> tuple[str, list[Any] | None]:
-        question, docs = question_input(value)
+        """Input and settings checked before retrieval and any model work."""
+        question, docs = as_question_input(value)
         if docs is None and self.retriever is None:
             msg = "retriever is None and the input has no 'documents': pass one or the other"
             raise ValueError(msg)
+        self._engine()
+        return question, docs
+
+    def _inputs(self, value: Any, config: RunnableConfig) -> tuple[str, list[Any]]:
+        question, docs = self._question_and_docs(value)
+        if docs is None:
+            docs = self.retriever.invoke(question, config=config)[: self.retrieve_k]
+        return question, docs
+
+    async def _ainputs(self, value: Any, config: RunnableConfig) -> tuple[str, list[Any]]:
+        question, docs = self._question_and_docs(value)
+        if docs is None:
+            docs = (await self.retriever.ainvoke(question, config=config))[: self.retrieve_k]
         return question, docs
 
     # -- sync
     def _run(self, value: Any, run_manager: Any, config: RunnableConfig) -> SpeculativeRAGOutput:
-        question, docs = self._question_and_docs(value)
+        question, docs = self._inputs(value, config)
         engine = self._engine()
-        if docs is None:
-            docs = self.retriever.invoke(question, config=config)[: self.retrieve_k]
 
         def on_event(name: str, data: dict[str, Any]) -> None:
             dispatch_custom_event(name, data, config=config)
@@ -120,10 +155,8 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     # -- async: retrieval natively async, model work on a worker thread (engine holds a lock)
     async def _arun(self, value: Any, run_manager: Any, config: RunnableConfig
                     ) -> SpeculativeRAGOutput:
-        question, docs = self._question_and_docs(value)
+        question, docs = await self._ainputs(value, config)
         engine = self._engine()
-        if docs is None:
-            docs = (await self.retriever.ainvoke(question, config=config))[: self.retrieve_k]
         loop = asyncio.get_running_loop()
         pending: list[Any] = []
 
@@ -141,11 +174,33 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         return await self._acall_with_config(self._arun, input, config, run_type="chain",
                                              **kwargs)
 
-    # -- streaming: the answer exists only after verification, so it is one chunk
+    # -- streaming: stage events as they happen, then the chosen answer in chunks
+    def _stream_items(self, question: str, docs: list[Any]) -> Iterator[StreamItem]:
+        engine = self._engine()
+        return speculative_rag_stream(
+            lambda on_event: engine.answer(question, docs, on_event=on_event))
+
+    def _chunks(self, item: StreamItem) -> Iterator[SpeculativeRAGOutput]:
+        if isinstance(item, StageEvent):
+            if self.with_details:
+                yield AddableDict({item.name: item.data})
+            return
+        if not self.with_details:
+            yield item.text
+            return
+        if item.result is not None:
+            details = self._output(item.result)
+            del details["answer"]
+            yield AddableDict(details)
+        yield AddableDict(answer=item.text)
+
     def _transform(self, inputs: Iterator[Any], run_manager: Any, config: RunnableConfig
                    ) -> Iterator[SpeculativeRAGOutput]:
         for value in inputs:
-            yield self._run(value, run_manager, config)
+            for item in self._stream_items(*self._inputs(value, config)):
+                if isinstance(item, StageEvent):
+                    dispatch_custom_event(item.name, item.data, config=config)
+                yield from self._chunks(item)
 
     def stream(self, input: str | SpeculativeRAGInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> Iterator[SpeculativeRAGOutput]:
@@ -155,7 +210,12 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     async def _atransform(self, inputs: AsyncIterator[Any], run_manager: Any,
                           config: RunnableConfig) -> AsyncIterator[SpeculativeRAGOutput]:
         async for value in inputs:
-            yield await self._arun(value, run_manager, config)
+            question, docs = await self._ainputs(value, config)
+            async for item in iterate_in_thread(self._stream_items(question, docs)):
+                if isinstance(item, StageEvent):
+                    await adispatch_custom_event(item.name, item.data, config=config)
+                for chunk in self._chunks(item):
+                    yield chunk
 
     async def astream(self, input: str | SpeculativeRAGInput,
                       config: RunnableConfig | None = None, **kwargs: Any

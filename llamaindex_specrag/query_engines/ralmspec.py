@@ -5,34 +5,85 @@ Every ``retrieval_stride`` tokens the latest context is sent to it and its top d
 the one in the prompt; RaLMSpec answers those retrievals from a local cache and verifies them in
 batches, with output identical to plain iterative retrieval. ``Response.source_nodes`` are the
 documents the answer was generated under; ``Response.metadata`` holds the per-step document ids,
-the token ids and the engine stats.
+the token ids and the engine stats. With ``streaming=True`` a query returns a
+``StreamingResponse`` (``AsyncStreamingResponse`` from ``aquery``) of verified text deltas; its
+``source_nodes`` and ``metadata`` are filled in once the stream is exhausted. ``prompt=`` sets the
+answering prompt (a LlamaIndex ``PromptTemplate`` / ``ChatPromptTemplate`` or a format string
+over ``question`` and ``documents``).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
 
-from llama_index.core.base.response.schema import Response
+from llama_index.core.base.response.schema import (
+    AsyncStreamingResponse,
+    Response,
+    StreamingResponse,
+)
 from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore, TextNode
 
-from llamaindex_specrag._query import CheckedQuery, query_text
+from llamaindex_specrag._query import CheckedQuery, prompt_messages, query_text
 from shared_core.rag_adapters import RaLMSpecSettings, ralmspec_details, ralmspec_documents
+from shared_core.rag_config import PromptMessages
+from shared_core.serving import iterate_in_thread
+
+if TYPE_CHECKING:
+    from shared_core.engines.baseline import TokenStream
+    from shared_core.output import GenerationResult
+
+
+def _nodes(result: GenerationResult) -> list[NodeWithScore]:
+    return [NodeWithScore(node=TextNode(text=d["text"], id_=d["id"], metadata=d["metadata"]),
+                          score=None) for d in ralmspec_documents(result)]
+
+
+def _deltas(stream: TokenStream, response: Any) -> Iterator[str]:
+    """The stream's deltas; at its end the result's nodes and details go into ``response``."""
+    yield from stream
+    if stream.result is not None:
+        response.source_nodes = _nodes(stream.result)
+        response.metadata = ralmspec_details(stream.result)
 
 
 class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
     """RaLMSpec as a query engine.
 
     The settings are :class:`~shared_core.rag_adapters.RaLMSpecSettings` (the same as the
-    LangChain ``RaLMSpecRunnable``'s; ``retriever`` is any LlamaIndex or specrag retriever).
+    LangChain ``RaLMSpecRunnable``'s; ``retriever`` is any LlamaIndex or specrag retriever),
+    plus ``streaming``: return a (async) streaming response of verified deltas.
     """
 
-    def custom_query(self, query_str: str) -> Response:
-        result = self._stream(query_text(query_str)).run()
-        nodes = [NodeWithScore(node=TextNode(text=d["text"], id_=d["id"], metadata=d["metadata"]),
-                               score=None) for d in ralmspec_documents(result)]
-        return Response(response=result.text, source_nodes=nodes,
-                        metadata=ralmspec_details(result))
+    streaming: bool = False
 
-    async def acustom_query(self, query_str: str) -> Response:
-        return await asyncio.to_thread(self.custom_query, query_str)
+    @staticmethod
+    def _prompt_of(value: Any) -> PromptMessages | None:
+        return prompt_messages(value)
+
+    def custom_query(self, query_str: str) -> Response | StreamingResponse:
+        stream = self._stream(query_text(query_str))  # settings and model checked here
+        if not self.streaming:
+            result = stream.run()
+            return Response(response=result.text, source_nodes=_nodes(result),
+                            metadata=ralmspec_details(result))
+
+        def deltas() -> Iterator[str]:  # runs once ``response`` exists
+            yield from _deltas(stream, response)
+
+        response = StreamingResponse(response_gen=deltas())
+        return response
+
+    async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
+        if not self.streaming:
+            return await asyncio.to_thread(self.custom_query, query_str)
+        stream = await asyncio.to_thread(self._stream, query_text(query_str))
+
+        async def deltas() -> AsyncIterator[str]:
+            async for delta in iterate_in_thread(_deltas(stream, response)):
+                yield delta
+
+        response = AsyncStreamingResponse(response_gen=deltas())
+        return response

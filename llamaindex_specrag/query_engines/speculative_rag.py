@@ -8,21 +8,32 @@ scores, the chosen draft and the engine stats. A subclass of ``BaseQueryEngine``
     engine = SpeculativeRAGQueryEngine(retriever=index.as_retriever(similarity_top_k=10))
     response = engine.query("who wrote the report?")
     response.metadata["drafts"]
+
+With ``streaming=True`` a query returns a ``StreamingResponse`` (``AsyncStreamingResponse`` from
+``aquery``) whose generator runs the engine and yields the chosen answer in word chunks (joined:
+the non-streaming answer); ``metadata`` is filled in when the answer is chosen. ``prompt=`` sets
+the drafting prompt (a LlamaIndex ``PromptTemplate`` / ``ChatPromptTemplate`` or a format string
+over ``question`` and ``documents``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING
+from collections.abc import AsyncIterator, Iterator
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.base_retriever import BaseRetriever
-from llama_index.core.base.response.schema import Response
+from llama_index.core.base.response.schema import (
+    AsyncStreamingResponse,
+    Response,
+    StreamingResponse,
+)
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llamaindex_specrag._query import CheckedQuery
+from llamaindex_specrag._query import CheckedQuery, prompt_messages
 from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
 from shared_core.rag_adapters import (
     SPECRAG_KNOBS,
@@ -30,7 +41,9 @@ from shared_core.rag_adapters import (
     resolve_settings,
     specrag_details,
 )
-from shared_core.rag_config import SpeculativeRAGConfig
+from shared_core.rag_config import PromptMessages, SpeculativeRAGConfig
+from shared_core.rag_streams import AnswerChunk, speculative_rag_stream
+from shared_core.serving import iterate_in_thread
 
 if TYPE_CHECKING:
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
@@ -47,6 +60,9 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
             (``None``: the engine's config value, else the
             :class:`~shared_core.rag_config.SpeculativeRAGConfig` default).
         dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
+        prompt: the drafting prompt over ``{question}`` and ``{documents}`` (``None``: the
+            engine's); the engine appends its "Rationale: ... Answer: ..." format line.
+        streaming: return a streaming response (the answer in chunks once chosen).
         engine: a prebuilt :class:`shared_core.engines.speculative_rag.SpeculativeRAG` (shares
             its models).
         callback_manager: LlamaIndex callback manager.
@@ -59,22 +75,31 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
     def __init__(self, retriever: BaseRetriever, *, drafter: str = DEFAULT_LM,
                  verifier: str | None = DEFAULT_VERIFIER, dtype: str | None = None,
                  num_drafts: int | None = None, docs_per_draft: int | None = None,
-                 retrieve_k: int | None = None, engine: SpeculativeRAG | None = None,
+                 retrieve_k: int | None = None, prompt: Any = None, streaming: bool = False,
+                 engine: SpeculativeRAG | None = None,
                  callback_manager: CallbackManager | None = None) -> None:
         if not callable(getattr(retriever, "retrieve", None)):
             msg = f"retriever must be a LlamaIndex retriever, got {type(retriever).__name__}"
             raise TypeError(msg)
         self.retriever = retriever
         self.drafter, self.verifier, self.dtype = drafter, verifier, dtype
+        if not isinstance(streaming, bool):
+            msg = f"streaming must be a bool, got {type(streaming).__name__}"
+            raise TypeError(msg)
+        self.streaming = streaming
         given = {"num_drafts": num_drafts, "docs_per_draft": docs_per_draft,
-                 "retrieve_k": retrieve_k}
+                 "retrieve_k": retrieve_k, "prompt": prompt}
         self.engine = engine
         knobs = resolve_settings(engine, SpeculativeRAGConfig, SPECRAG_KNOBS,
                                  {k: v for k, v in given.items() if v is not None})
-        self.num_drafts, self.docs_per_draft, self.retrieve_k = knobs.values()
+        self.num_drafts, self.docs_per_draft, self.retrieve_k, self.prompt = knobs.values()
         self._engines = SpeculativeRAGEngines()
         self._engine()  # every setting is checked now; no model is loaded before the first query
         super().__init__(callback_manager=callback_manager)
+
+    @staticmethod
+    def _prompt_of(value: Any) -> PromptMessages | None:
+        return prompt_messages(value)
 
     def _engine(self) -> SpeculativeRAG:
         return self._engines.get(self)
@@ -92,16 +117,43 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
     def _response(result: SpeculativeRAGResult, nodes: list[NodeWithScore]) -> Response:
         return Response(response=result.text, source_nodes=nodes, metadata=specrag_details(result))
 
-    def _query(self, query_bundle: QueryBundle) -> Response:
+    def _chunks(self, question: str, nodes: list[NodeWithScore], response: Any
+                ) -> Iterator[str]:
+        """The answer's chunks; the chosen draft's details go into ``response.metadata``."""
+        engine = self._engine()
+        for item in speculative_rag_stream(
+                lambda on_event: engine.answer(question, nodes, on_event=on_event)):
+            if isinstance(item, AnswerChunk):
+                if item.result is not None:
+                    response.metadata = specrag_details(item.result)
+                yield item.text
+
+    def _query(self, query_bundle: QueryBundle) -> Response | StreamingResponse:
         engine = self._engine()
         nodes = self.retrieve(query_bundle)
-        return self._response(engine.answer(query_bundle.query_str, nodes), nodes)
+        if not self.streaming:
+            return self._response(engine.answer(query_bundle.query_str, nodes), nodes)
 
-    async def _aquery(self, query_bundle: QueryBundle) -> Response:
+        def chunks() -> Iterator[str]:  # runs once ``response`` exists
+            yield from self._chunks(query_bundle.query_str, nodes, response)
+
+        response = StreamingResponse(response_gen=chunks(), source_nodes=nodes)
+        return response
+
+    async def _aquery(self, query_bundle: QueryBundle) -> Response | AsyncStreamingResponse:
         engine = self._engine()
         nodes = await self.aretrieve(query_bundle)
-        result = await asyncio.to_thread(engine.answer, query_bundle.query_str, nodes)
-        return self._response(result, nodes)
+        if not self.streaming:
+            result = await asyncio.to_thread(engine.answer, query_bundle.query_str, nodes)
+            return self._response(result, nodes)
+
+        async def chunks() -> AsyncIterator[str]:
+            async for chunk in iterate_in_thread(
+                    self._chunks(query_bundle.query_str, nodes, response)):
+                yield chunk
+
+        response = AsyncStreamingResponse(response_gen=chunks(), source_nodes=nodes)
+        return response
 
 
 __all__ = ["SpeculativeRAGQueryEngine"]

@@ -43,7 +43,9 @@ DOCS = [Document(f"d{i}", text) for i, text in enumerate([
 
 # Settings only one framework has, each for a documented reason.
 LANGCHAIN_ONLY = {"with_details"}  # a Runnable returns a str or a dict; a Response has both
-LLAMAINDEX_ONLY = {"callback_manager"}  # LlamaIndex's own instrumentation argument
+# LlamaIndex's own instrumentation argument, and its query engines' streaming switch (a Runnable
+# has stream() instead)
+LLAMAINDEX_ONLY = {"callback_manager", "streaming"}
 RENAMED = {"k": "similarity_top_k"}  # each framework's name for "results per query"
 
 
