@@ -1,0 +1,296 @@
+"""The RAG adapters compose and stream (issue 16 items 4 and 6), on tiny models.
+
+- inputs: a prompt's output (``StringPromptValue``, ``ChatPromptValue``, a message list), a string
+  or a dict answer the same question; ``prompt | runnable`` and the
+  ``{"question": ..., "documents": retriever} | runnable`` recipe work;
+- ``prompt=``: LangChain / LlamaIndex templates and format strings, checked at construction with
+  errors naming ``prompt``, reaching the engine as the same (role, format string) pairs;
+- streaming: Speculative RAG's stage events then the answer in chunks (sum = ``invoke``), the
+  LlamaIndex ``streaming=True`` responses (joined = the non-streaming text) for both engines.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from langchain_core.documents import Document as LCDocument
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
+from langchain_core.prompts import ChatPromptTemplate
+from langchain_core.prompts import PromptTemplate as LCPromptTemplate
+from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
+from langchain_core.runnables import RunnablePassthrough
+from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
+from llama_index.core.llms import ChatMessage
+from llama_index.core.prompts import ChatPromptTemplate as LIChatPromptTemplate
+from llama_index.core.prompts import PromptTemplate as LIPromptTemplate
+from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from tiny import tiny_lm
+
+from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
+from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
+from shared_core.engines.ralmspec import RaLMSpec
+from shared_core.engines.speculative_rag import SpeculativeRAG
+from shared_core.rag_config import RaLMSpecConfig, SpeculativeRAGConfig
+from shared_core.rag_streams import answer_chunks
+from shared_core.retrieval import BM25Retriever, Document
+
+DOCS = [Document(f"d{i}", text) for i, text in enumerate([
+    "Paris is the capital of France.", "Berlin is the capital of Germany.",
+    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps all day.",
+    "Speculative decoding drafts tokens and the target verifies them.",
+    "Question: who wrote the report? Answer: the committee wrote the report.",
+])]
+QUESTION = "What is the capital of France?"
+EVENTS = ["specrag_retrieved", "specrag_subsets", "specrag_drafted", "specrag_verified"]
+
+
+@functools.cache
+def _index() -> BM25Retriever:
+    index = BM25Retriever()
+    index.add(DOCS)
+    return index
+
+
+def _ranked(query: str) -> list[Document]:
+    return [hit.document for hit in _index().search([query], len(DOCS))[0]]
+
+
+class LCRetriever(LCBaseRetriever):
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+                                ) -> list[LCDocument]:
+        return [LCDocument(page_content=d.text, id=d.id) for d in _ranked(query)]
+
+
+class LIRetriever(LIBaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=None)
+                for d in _ranked(query_bundle.query_str)]
+
+
+@pytest.fixture(scope="module")
+def specrag() -> SpeculativeRAG:
+    config = SpeculativeRAGConfig(num_drafts=2, docs_per_draft=2, max_draft_tokens=12,
+                                  retrieve_k=6, subset_strategy="random")
+    return SpeculativeRAG(tiny_lm(1, seed=1), tiny_lm(1, seed=2), config=config)
+
+
+@pytest.fixture(scope="module")
+def ralmspec(tiny_target) -> RaLMSpec:
+    config = RaLMSpecConfig(max_doc_tokens=32, query_tokens=8, prefetch_k=3)
+    return RaLMSpec(tiny_target, _index(), config)
+
+
+def _runnables(specrag: SpeculativeRAG, ralmspec: RaLMSpec) -> list:
+    return [SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag),
+            RaLMSpecRunnable(engine=ralmspec, max_new_tokens=12)]
+
+
+# ----------------------------------------------------------------------------- inputs
+
+
+def test_a_prompts_output_is_a_question(specrag, ralmspec) -> None:
+    chat = ChatPromptTemplate.from_messages([
+        ("system", "You answer briefly."), ("human", "Hello"), ("ai", "Hi, ask away."),
+        ("human", "{question}")])
+    as_text = LCPromptTemplate.from_template("{question}")
+    for runnable in _runnables(specrag, ralmspec):
+        reference = runnable.invoke(QUESTION)
+        messages = [SystemMessage("Be brief."), HumanMessage("hi"), AIMessage("hello"),
+                    HumanMessage(QUESTION)]
+        inputs = [as_text.invoke({"question": QUESTION}), chat.invoke({"question": QUESTION}),
+                  messages, {"question": QUESTION}]
+        assert [runnable.invoke(value) for value in inputs] == [reference] * len(inputs)
+        assert (chat | runnable).invoke({"question": QUESTION}) == reference
+        assert "".join((chat | runnable).stream({"question": QUESTION})) == reference
+
+
+@pytest.mark.parametrize("value", [[SystemMessage("no question here")], 42, [1, 2]])
+def test_inputs_without_a_question_are_named_errors(specrag, ralmspec, value) -> None:
+    for runnable in _runnables(specrag, ralmspec):
+        with pytest.raises((TypeError, ValueError), match=r"input|human message"):
+            runnable.invoke(value)
+
+
+def test_retrieved_documents_recipe_equals_the_retriever_setting(specrag) -> None:
+    given = {"question": RunnablePassthrough(), "documents": LCRetriever()} | \
+        SpeculativeRAGRunnable(engine=specrag, with_details=True)
+    built_in = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, with_details=True)
+    a, b = given.invoke(QUESTION), built_in.invoke(QUESTION)
+    assert [d.id for d in a["documents"]] == [d.id for d in b["documents"]] == [
+        d.id for d in _ranked(QUESTION)]
+    assert (a["answer"], a["scores"], a["best"]) == (b["answer"], b["scores"], b["best"])
+
+
+# ----------------------------------------------------------------------------- prompt=
+
+PROMPT_TEXT = "Passages:\n{documents}\n\nAnswer {{briefly}}: {question}"
+EXPECTED = (("user", PROMPT_TEXT),)
+PLAIN_TEXT = "Passages:\n{documents}\n\nAnswer briefly: {question}"  # LlamaIndex reads {{x}} as x
+CHAT_EXPECTED = (("system", "Use only the passages."), ("user", "{documents}\n\nQ: {question}"))
+
+
+def _lc_chat() -> ChatPromptTemplate:
+    return ChatPromptTemplate.from_messages([("system", "Use only the passages."),
+                                             ("human", "{documents}\n\nQ: {question}")])
+
+
+def _li_chat() -> LIChatPromptTemplate:
+    return LIChatPromptTemplate(message_templates=[
+        ChatMessage(role="system", content="Use only the passages."),
+        ChatMessage(role="user", content="{documents}\n\nQ: {question}")])
+
+
+def _adapters(specrag: SpeculativeRAG, ralmspec: RaLMSpec, prompt: object, framework: str) -> list:
+    if framework == "langchain":
+        return [SpeculativeRAGRunnable(engine=specrag, prompt=prompt),
+                RaLMSpecRunnable(engine=ralmspec, prompt=prompt)]
+    return [SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, prompt=prompt),
+            RaLMSpecQueryEngine(engine=ralmspec, prompt=prompt)]
+
+
+@pytest.mark.parametrize(("framework", "prompt", "expected"), [
+    ("langchain", PROMPT_TEXT, EXPECTED), ("llamaindex", PROMPT_TEXT, EXPECTED),
+    ("langchain", LCPromptTemplate.from_template(PROMPT_TEXT), EXPECTED),
+    ("llamaindex", LIPromptTemplate(PLAIN_TEXT), (("user", PLAIN_TEXT),)),
+    ("langchain", LCPromptTemplate.from_template(
+        "Passages:\n{{ documents }}\n\nAnswer {briefly}: {{ question }}",
+        template_format="jinja2"), EXPECTED),
+    ("langchain", _lc_chat(), CHAT_EXPECTED), ("llamaindex", _li_chat(), CHAT_EXPECTED),
+])
+def test_prompt_templates_reach_the_engine_as_the_same_messages(specrag, ralmspec, framework,
+                                                                  prompt, expected) -> None:
+    for adapter in _adapters(specrag, ralmspec, prompt, framework):
+        assert adapter._engine().config.prompt == expected
+        assert adapter.prompt is prompt  # the adapter shows what was passed
+
+
+@pytest.mark.parametrize("framework", ["langchain", "llamaindex"])
+@pytest.mark.parametrize(("prompt", "error"), [
+    ("Question: {question}", ValueError), ("{documents} {question} {extra}", ValueError),
+    ("{documents} {documents} {question}", ValueError), ("{documents {question}", ValueError),
+    (42, TypeError), ((("robot", "{documents} {question}"),), ValueError),
+])
+def test_a_bad_prompt_fails_at_construction_naming_prompt(specrag, ralmspec, framework, prompt,
+                                                          error) -> None:
+    makers = [lambda p: _adapters(specrag, ralmspec, p, framework)[0],
+              lambda p: _adapters(specrag, ralmspec, p, framework)[1]]
+    for make in makers:
+        with pytest.raises(error, match="prompt"):
+            make(prompt)
+
+
+@pytest.mark.parametrize("template", [
+    LCPromptTemplate.from_template("Only {question}"),
+    LCPromptTemplate.from_template("{documents} {question} {tone}"),
+    LIPromptTemplate("Only {question}"),
+])
+def test_a_template_with_other_variables_is_refused(specrag, template) -> None:
+    framework = "langchain" if isinstance(template, LCPromptTemplate) else "llamaindex"
+    with pytest.raises(ValueError, match="prompt must take exactly the input variables"):
+        _adapters(specrag, None, template, framework)[0]
+
+
+def test_a_changed_prompt_rebuilds_the_engine_sharing_its_models(specrag) -> None:
+    runnable = SpeculativeRAGRunnable(engine=specrag)
+    before = runnable._engine()
+    assert before.config.prompt is None
+    runnable.prompt = PROMPT_TEXT
+    after = runnable._engine()
+    assert after is not before and after.config.prompt == EXPECTED
+    assert after.drafter is specrag.drafter and runnable._engine() is after  # built once
+
+
+# ----------------------------------------------------------------------------- streaming
+
+
+@pytest.mark.parametrize(("text", "chunks"), [
+    ("Paris is the capital", ["Paris ", "is ", "the ", "capital"]), ("", []),
+    ("  two\nlines ", ["  ", "two\n", "lines "]), ("one", ["one"])])
+def test_answer_chunks_join_to_the_answer(text, chunks) -> None:
+    assert answer_chunks(text) == chunks and "".join(chunks) == text
+
+
+def test_speculative_rag_stream_yields_stages_then_answer_chunks(specrag) -> None:
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, with_details=True)
+    full = runnable.invoke(QUESTION)
+    chunks = list(runnable.stream(QUESTION))
+    assert [next(iter(c)) for c in chunks[:4]] == EVENTS  # one stage per chunk, in order
+    assert chunks[1]["specrag_subsets"]["subsets"] == [list(d["doc_indices"])
+                                                       for d in full["drafts"]]
+    assert chunks[3]["specrag_verified"] == {"scores": full["scores"], "best": full["best"]}
+    answers = [c["answer"] for c in chunks[5:]]
+    assert answers == (answer_chunks(full["answer"]) or [""])
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total = total + chunk
+    for key in ("answer", "rationale", "best", "drafts", "scores"):
+        assert total[key] == full[key], key
+    assert [d.id for d in total["documents"]] == [d.id for d in full["documents"]]
+
+    plain = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag)
+    pieces = list(plain.stream(QUESTION))
+    assert all(isinstance(p, str) for p in pieces) and "".join(pieces) == full["answer"]
+
+
+async def test_speculative_rag_astream_and_its_events(specrag) -> None:
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag)
+    answer = await runnable.ainvoke(QUESTION)
+    assert "".join([c async for c in runnable.astream(QUESTION)]) == answer
+    names = [e["name"] async for e in runnable.astream_events(QUESTION, version="v2")
+             if e["event"] == "on_custom_event"]
+    assert names == EVENTS
+    detailed = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, with_details=True)
+    chunks = [c async for c in detailed.astream(QUESTION)]
+    assert [next(iter(c)) for c in chunks[:4]] == EVENTS
+    assert "".join(c["answer"] for c in chunks if "answer" in c) == answer
+
+
+def test_speculative_rag_stream_error_reaches_the_consumer(specrag) -> None:
+    runnable = SpeculativeRAGRunnable(engine=specrag)
+    with pytest.raises(ValueError, match="documents"):
+        list(runnable.stream({"question": QUESTION, "documents": ["only one"]}))
+    assert runnable.invoke({"question": QUESTION, "documents": [d.text for d in DOCS]})
+
+
+async def test_llamaindex_speculative_rag_streaming_response(specrag) -> None:
+    plain = SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag).query(QUESTION)
+    engine = SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, streaming=True)
+    response = engine.query(QUESTION)
+    assert isinstance(response, StreamingResponse)
+    assert [n.node.node_id for n in response.source_nodes] == [
+        n.node.node_id for n in plain.source_nodes]
+    pieces = list(response.response_gen)
+    assert "".join(pieces) == str(plain) and pieces == (answer_chunks(str(plain)) or [""])
+    assert response.metadata["scores"] == plain.metadata["scores"]
+    assert response.metadata["best"] == plain.metadata["best"]
+    streamed = await engine.aquery(QUESTION)
+    assert isinstance(streamed, AsyncStreamingResponse)
+    assert "".join([t async for t in streamed.async_response_gen()]) == str(plain)
+    assert streamed.metadata["scores"] == plain.metadata["scores"]
+
+
+async def test_ralmspec_query_engine_streams_verified_deltas(ralmspec) -> None:
+    plain = RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=16).query(QUESTION)
+    engine = RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=16, streaming=True)
+    response = engine.query(QUESTION)
+    assert isinstance(response, StreamingResponse) and response.metadata is None
+    deltas = list(response.response_gen)
+    assert len(deltas) > 1 and "".join(deltas) == plain.response
+    assert response.metadata["token_ids"] == plain.metadata["token_ids"]
+    assert response.metadata["doc_ids"] == plain.metadata["doc_ids"]
+    assert [n.node.node_id for n in response.source_nodes] == [
+        n.node.node_id for n in plain.source_nodes]
+    streamed = await engine.aquery(QUESTION)
+    assert isinstance(streamed, AsyncStreamingResponse)
+    assert "".join([t async for t in streamed.async_response_gen()]) == plain.response
+    assert streamed.metadata["doc_ids"] == plain.metadata["doc_ids"]
+
+
+def test_streaming_must_be_a_bool(specrag) -> None:
+    with pytest.raises(TypeError, match="streaming"):
+        SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, streaming="yes")
+    with pytest.raises(ValueError, match="streaming"):
+        RaLMSpecQueryEngine(streaming="yes")
