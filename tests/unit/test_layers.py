@@ -53,6 +53,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.engines.ralmspec": (3, "RaLMSpec package: backends, cache + speculative "
                                        "retrieval, decoding, engine"),
     "shared_core.engines.os3": (3, "the OS3 stride scheduler (RaLMSpec and KNN-LM)"),
+    "shared_core.engines.rapid": (3, "RAPID package: prompts, context (retrieval), rounds, "
+                                    "engine (RapidDecoder), registry entry"),
     "shared_core.engines.speculative_rag": (3, "Speculative RAG package: subsets, prompts, "
                                               "generation, scoring, inputs, results, engine"),
     "shared_core.serving": (4, "model cache + locks for the adapters; builds engines"),

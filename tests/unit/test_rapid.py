@@ -8,7 +8,8 @@ import torch
 from tiny import CORPUS, HashEmbedder
 
 from shared_core.engines.baseline import autoregressive_generate
-from shared_core.engines.rapid import RapidConfig, RapidDecoder, _GammaSchedule, split_prompt
+from shared_core.engines.rapid import RapidConfig, RapidDecoder, split_prompt
+from shared_core.engines.rapid.rounds import GammaSchedule
 from shared_core.engines.registry import stream_engine
 from shared_core.verify import (
     rapid_residual,
@@ -207,8 +208,8 @@ def test_adaptive_gamma_is_exact_at_eta_zero(tiny_target, drafter_kv):
 
 
 def test_gamma_schedule_follows_costs_and_acceptance():
-    def trained(draft_s_per_token: float, accepted: int, gamma: int = 8) -> _GammaSchedule:
-        schedule = _GammaSchedule(gamma, probe_every=3)
+    def trained(draft_s_per_token: float, accepted: int, gamma: int = 8) -> GammaSchedule:
+        schedule = GammaSchedule(gamma, probe_every=3)
         assert schedule.next() == gamma  # no measurements yet: the configured γ
         for _ in range(4):  # verification: 10 ms + 1 ms per token
             schedule.observe(gamma, accepted, draft_s_per_token * gamma, 0.010 + 0.001 * (gamma + 1))

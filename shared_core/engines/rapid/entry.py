@@ -1,0 +1,125 @@
+"""The registry entry of RAPID (``engine="rapid"``): prompt splitting and decoders kept in the
+caller's engine state."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections import OrderedDict
+from collections.abc import Sequence
+from typing import Any
+
+from shared_core.config import (
+    DEFAULT_EMBEDDER,
+)
+from shared_core.engines.baseline import Prompt, TokenStream
+from shared_core.engines.rapid.engine import RapidDecoder
+from shared_core.models import LM
+from shared_core.output import validate_messages
+from shared_core.token_config import RapidConfig
+
+
+def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, str]:
+    """(long context, query) from a registry call.
+
+    The query is the last user message. The long context is ``documents`` joined by blank lines
+    or, without documents, the prompt's context section: the text before the last
+    ``"Question:"`` / ``"Query:"`` in the last user message (LlamaIndex's QA prompt), else the
+    other messages' contents.
+    """
+    if isinstance(prompt, str):
+        messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        messages = validate_messages(prompt)
+    else:
+        msg = ("RAPID needs a text prompt or chat messages as the prompt (not token ids), got "
+               f"{type(prompt).__name__}")
+        raise TypeError(msg)
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if not users:
+        msg = "prompt has no user message to take the query from"
+        raise ValueError(msg)
+    last = messages[users[-1]]["content"]
+    if documents is not None:
+        if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
+            msg = "documents must be a list of strings (the long context)"
+            raise TypeError(msg)
+        docs = [d for d in documents if d.strip()]
+        if not docs:
+            msg = "documents must contain at least one non-empty text (the long context)"
+            raise ValueError(msg)
+        return "\n\n".join(docs), last
+    lowered = last.lower()
+    cut = max(lowered.rfind("question:"), lowered.rfind("query:"))
+    if cut > 0 and last[:cut].strip():
+        context = last[:cut].strip()
+        if context.lower().startswith("context:"):
+            context = context[len("context:"):].strip()
+        return context, last[cut:].strip()
+    others = "\n\n".join(m["content"] for i, m in enumerate(messages)
+                         if i != users[-1] and m["content"].strip())
+    if not others:
+        msg = ("RAPID needs a long context: pass documents=[...] or put the context before "
+               "'Question:' in the user message (or in a system message)")
+        raise ValueError(msg)
+    return others, last
+
+
+_STATE_LOCK = threading.Lock()
+
+
+def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidConfig,
+                    engine_state: dict[str, Any] | None) -> RapidDecoder:
+    """A decoder kept in the caller's ``engine_state`` (two per state, most recent first), so
+    follow-up questions on one document reuse its KV; without a state, a new decoder.
+
+    The cache lives in the caller's object (an adapter instance), never in this module, so it
+    cannot keep a caller's model alive after the caller is gone.
+    """
+    if engine_state is None:
+        return RapidDecoder(lm, draft_lm=draft_lm, embedder=embedder, config=config)
+    embedder_key = embedder if isinstance(embedder, str) else id(embedder)
+    key = (id(lm), id(draft_lm), embedder_key, config)  # the decoder keeps these objects alive
+    with _STATE_LOCK:
+        decoders: OrderedDict[tuple[Any, ...], RapidDecoder] = engine_state.setdefault(
+            "rapid_decoders", OrderedDict())
+        decoder = decoders.get(key)
+        if decoder is None:
+            decoder = RapidDecoder(lm, draft_lm=draft_lm, embedder=embedder, config=config)
+            decoders[key] = decoder
+            while len(decoders) > 2:
+                decoders.popitem(last=False)
+        decoders.move_to_end(key)
+        return decoder
+
+
+def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
+                 documents: Sequence[str] | None = None, stop: Sequence[str] | str | None = None,
+                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
+                 draft_lm: LM | None = None, embedder: Any = DEFAULT_EMBEDDER,
+                 engine_state: dict[str, Any] | None = None, **config_options: Any
+                 ) -> TokenStream:
+    """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention.
+
+    Engine options: ``method`` (``"rapid"``, ``"sd"``, ``"long_context"``, ``"rag"``), a ready
+    ``decoder``, ``draft_lm``, ``embedder`` and any :class:`RapidConfig` field (``eta``,
+    ``gamma``, ``alpha``, ...). Without ``decoder``, a decoder kept in ``engine_state`` (the
+    adapters pass one dict per instance) is reused across calls with the same models and
+    options, so follow-up questions on one document skip its prefill.
+    """
+    fields = {f.name for f in dataclasses.fields(RapidConfig)}
+    unknown = sorted(set(config_options) - fields)
+    if unknown:
+        msg = f"unknown RAPID option(s) {unknown}; RapidConfig fields are {sorted(fields)}"
+        raise TypeError(msg)
+    context, query = split_prompt(prompt, documents)
+    if decoder is None:
+        decoder = _shared_decoder(lm, draft_lm, embedder, RapidConfig(**config_options),
+                                  engine_state)
+    elif decoder.lm is not lm:
+        msg = "decoder was built for another target model than lm"
+        raise ValueError(msg)
+    eta = config_options.get("eta")
+    return decoder.stream(context, query, max_new_tokens, method=method, eta=eta, stop=stop,
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)

@@ -1,0 +1,163 @@
+"""The RAPID round as named steps (draft, verify, accept against p̂, commit, adapt), the run on
+a kept session and the cost-aware γ schedule."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from shared_core.config import (
+    CacheKind,
+    GenerationConfig,
+)
+from shared_core.device import synchronize
+from shared_core.draft_length import CostModel, best_draft_length
+from shared_core.drafters.base import EMPTY_DRAFT, Draft
+from shared_core.drafters.retrieved_context import RetrievedContextDrafter
+from shared_core.engines.baseline import _Run
+from shared_core.engines.rapid.prompts import RapidPrompt
+from shared_core.models import LM
+from shared_core.token_config import RapidConfig
+from shared_core.verify import (
+    Verdict,
+    choose_token,
+    verify_rapid_greedy,
+    verify_rapid_sampled,
+    warp_probs,
+)
+
+
+class CachedRun(_Run):
+    """A `_Run` on a kept session: prefill only what differs from the cached token prefix.
+
+    The session is the checked-out slot's, set when the generation's first step runs.
+    """
+
+    def __init__(self, lm: LM, prompt_ids: Sequence[int], config: GenerationConfig,
+                 cache: CacheKind):
+        super().__init__(lm, list(prompt_ids), config, cache)
+
+    def prefill(self) -> int:
+        start = time.perf_counter()
+        feed = self.session.sync(self.prompt_ids[:-1])
+        self.session.prefill(feed)
+        self.stats.prefill_s = time.perf_counter() - start
+        self.stats.extra["reused_prefix_tokens"] = len(self.prompt_ids) - 1 - len(feed)
+        return self.prompt_ids[-1]
+
+
+def _pad_vocab(q: torch.Tensor | None, size: int) -> torch.Tensor | None:
+    if q is None or q.shape[-1] == size:
+        return q
+    return torch.nn.functional.pad(q, (0, size - q.shape[-1]))
+
+
+def _accept(run: _Run, draft: Draft, logits: torch.Tensor, eta: float, config: RapidConfig
+            ) -> Verdict:
+    """Step 3: greedy or sampled verification against p̂ (η = 0: exactly lossless)."""
+    sampling = run.config.sampling
+    draft_ids = torch.tensor(draft.tokens, dtype=torch.long)
+    q = _pad_vocab(draft.probs, logits.shape[-1])
+    if sampling.greedy:
+        return verify_rapid_greedy(draft_ids, logits, q, eta, alpha=config.alpha, head=config.head)
+    if not draft.tokens or q is None:
+        return Verdict(0, choose_token(logits[0], sampling, run.generator))
+    p = warp_probs(logits, sampling)
+    return verify_rapid_sampled(draft_ids, p, q, eta, alpha=config.alpha, head=config.head,
+                                generator=run.generator)
+
+
+class GammaSchedule:
+    """Cost-aware draft length for ``RapidConfig.adaptive_gamma`` (one per decoder setting,
+    kept across calls).
+
+    Starts with the configured γ, then a plain round to time a one-token step; afterwards
+    :func:`best_draft_length` decides from per-token acceptance (the geometric MLE over recent
+    rounds), the fitted verification cost and the drafter's seconds per token relative to a
+    one-token target step. After ``probe_every`` plain rounds one token is drafted again, so a
+    drafter that became worth it is noticed.
+    """
+
+    def __init__(self, gamma: int, *, window: int = 16, probe_every: int = 16):
+        self.gamma = gamma
+        self.probe_every = probe_every
+        self.verify = CostModel(prior=0.1, min_samples=3)
+        self.rounds: deque[tuple[int, int]] = deque(maxlen=window)  # (drafted, accepted)
+        self.draft_s_per_token: float | None = None
+        self.plain_rounds = 0
+
+    def acceptance(self) -> float:
+        accepted = sum(a for _, a in self.rounds)
+        rejected = sum(a < d for d, a in self.rounds)
+        return accepted / (accepted + rejected) if accepted + rejected else 0.0
+
+    def next(self) -> int:
+        if not self.rounds:
+            return self.gamma
+        step = self.verify.step_seconds()
+        if step is None or self.draft_s_per_token is None:
+            return 0
+        n = best_draft_length(self.acceptance(), self.verify.token_cost, self.gamma,
+                              self.draft_s_per_token / step)
+        self.plain_rounds = self.plain_rounds + 1 if n == 0 else 0
+        if self.plain_rounds > self.probe_every:
+            self.plain_rounds = 0
+            return 1
+        return n
+
+    def observe(self, drafted: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        self.verify.add(drafted + 1, verify_s)
+        if drafted:
+            self.rounds.append((drafted, accepted))
+            per_token = draft_s / drafted
+            self.draft_s_per_token = (per_token if self.draft_s_per_token is None
+                                      else 0.7 * self.draft_s_per_token + 0.3 * per_token)
+
+
+def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: RapidPrompt,
+                  eta: float, config: RapidConfig, schedule: GammaSchedule | None
+                  ) -> Iterator[list[int]]:
+    """The RAPID round, written as named steps (one committed block per round)."""
+    pending = run.prefill()
+    session, stats = run.session, run.stats
+    greedy_probs = run.config.sampling.greedy and eta > 0
+    if config.drafter_kv == "target":
+        assert prompt.shared_positions is not None  # prepare() fills it for "target"
+        draft_prefill = drafter.start_shared(session, prompt.shared_positions, pending,
+                                             run.config.sampling, greedy_probs=greedy_probs)
+    else:
+        draft_prefill = drafter.start(prompt.draft_ids, len(run.prompt_ids), run.config.sampling,
+                                      greedy_probs=greedy_probs)
+    stats.prefill_s += draft_prefill
+    stats.extra["draft_prefill_s"] = round(draft_prefill, 4)
+    stats.extra["plain_rounds"] = 0
+    while True:
+        context = [*session.tokens, pending]
+        budget = min(schedule.next() if schedule else config.gamma, run.tracker.remaining - 1)
+        # 1. draft γ tokens on [retrieved context; query; generated]
+        start = time.perf_counter()
+        draft = drafter.propose(context, budget) if budget > 0 else EMPTY_DRAFT
+        drafted = synced_clock(run.lm.device)
+        # 2. verify: one target forward over [pending, *draft] on [full context; query; generated]
+        logits = session.extend([pending, *draft.tokens])
+        verified = synced_clock(run.lm.device)
+        stats.target_forwards += 1
+        # 3. accept against p̂ (min(1, p̂/q); adjusted residual on rejection)
+        verdict = _accept(run, draft, logits, eta, config)
+        # 4. commit the accepted prefix, roll back the rejected tail
+        session.rollback(len(context) + verdict.n_accepted)
+        stats.record_round(len(draft), verdict.n_accepted)
+        stats.extra["plain_rounds"] += not draft.tokens
+        # 5. adapt: the paper keeps γ constant; adaptive_gamma sizes the next draft by cost
+        if schedule is not None:
+            schedule.observe(len(draft), verdict.n_accepted, drafted - start, verified - drafted)
+        pending = verdict.next_token
+        yield [*draft.tokens[: verdict.n_accepted], pending]
+
+
+def synced_clock(device: torch.device) -> float:
+    synchronize(device)
+    return time.perf_counter()
