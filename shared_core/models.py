@@ -111,7 +111,7 @@ class LM:
 
 @contextlib.contextmanager
 def _quiet_progress_bars() -> Iterator[None]:
-    """No "Loading weights" bars for a warm load from the cache (the build logs its own line)."""
+    """No "Loading weights" bars for a warm load (a cache build logs its own line instead)."""
     from transformers.utils import logging as hf_logging
 
     was_enabled = hf_logging.is_progress_bar_enabled()
@@ -363,7 +363,8 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             digest=entry.sha256 or None if entry else None,
             approx_s=entry.approx_build_s if entry else 60)
     else:
-        model, tokenizer = _load_pretrained(source.path, None, torch_dtype, trust_remote_code)
+        with _quiet_progress_bars():
+            model, tokenizer = _load_pretrained(source.path, None, torch_dtype, trust_remote_code)
     model.to(torch_device)
     lm = wrap_lm(model, tokenizer, name=name_or_path)
     if cpu_linears == "fp16":

@@ -37,6 +37,7 @@ from shared_core.rag_config import (
     SpeculativeRAGConfig,
     check_prompt,
 )
+from shared_core.rag_pickle import portable_state
 from shared_core.retrieval.base import check_retriever_like
 
 if TYPE_CHECKING:
@@ -314,6 +315,11 @@ class RaLMSpecSettings(BaseModel):
 
     def _engine(self) -> RaLMSpec:
         return self._engines.get(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings only: a prebuilt ``engine`` pickles as its model name (reloaded on use)."""
+        state = super().__getstate__()
+        return {**state, "__dict__": portable_state(state["__dict__"])}
 
     def _stream(self, question: str) -> TokenStream:
         return self._engines.stream(self, question)

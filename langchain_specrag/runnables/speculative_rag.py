@@ -39,6 +39,7 @@ from shared_core.rag_adapters import (
     specrag_details,
 )
 from shared_core.rag_config import PromptMessages, SpeculativeRAGConfig
+from shared_core.rag_pickle import portable_state
 from shared_core.rag_streams import StageEvent, StreamItem, speculative_rag_stream
 from shared_core.serving import iterate_in_thread
 
@@ -110,6 +111,11 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
 
     def _engine(self) -> SpeculativeRAG:
         return self._engines.get(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings only: a prebuilt ``engine`` pickles as its model names (reloaded on use)."""
+        state = super().__getstate__()
+        return {**state, "__dict__": portable_state(state["__dict__"])}
 
     def _output(self, result: SpeculativeRAGResult) -> SpeculativeRAGOutput:
         if not self.with_details:

@@ -42,6 +42,7 @@ from shared_core.rag_adapters import (
     specrag_details,
 )
 from shared_core.rag_config import PromptMessages, SpeculativeRAGConfig
+from shared_core.rag_pickle import portable_state
 from shared_core.rag_streams import AnswerChunk, speculative_rag_stream
 from shared_core.serving import iterate_in_thread
 
@@ -103,6 +104,10 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
 
     def _engine(self) -> SpeculativeRAG:
         return self._engines.get(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Settings only: a prebuilt ``engine`` pickles as its model names (reloaded on use)."""
+        return portable_state(dict(self.__dict__))
 
     def _get_prompt_modules(self) -> PromptMixinType:
         return {}

@@ -50,6 +50,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.retrieval.frameworks": (2, "LangChain / LlamaIndex / our documents and retrievers "
                                            "as Documents and Hits (duck-typed, no framework import)"),
     "shared_core.engines": (3, "the engines and their shared round loop"),
+    "shared_core.engines.loop": (3, "the shared round scaffolding: Run, TokenStream, LogitsMask, "
+                                   "timed"),
     "shared_core.engines.ralmspec": (3, "RaLMSpec package: backends, cache + speculative "
                                        "retrieval, decoding, engine"),
     "shared_core.engines.os3": (3, "the OS3 stride scheduler (RaLMSpec and KNN-LM)"),
@@ -61,6 +63,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.rag_adapters": (4, "framework-neutral code both frameworks' RAG adapters share"),
     "shared_core.rag_streams": (4, "framework-neutral streaming both frameworks' RAG adapters "
                                    "share"),
+    "shared_core.rag_pickle": (4, "RAG adapters pickle settings: a prebuilt engine as its model "
+                                  "names"),
     "shared_core.chat_adapters": (4, "framework-neutral code both frameworks' chat/LLM adapters "
                                      "share (settings, one call, stream loop, usage)"),
     "shared_core.remote": (1, "served-model clients: RemoteLM beside LM (models layer), so engines "

@@ -1,0 +1,98 @@
+"""Pickling the RAG adapters without weights (framework-neutral, torch-free at import).
+
+An adapter built from model names pickles its settings only (its engine cache starts empty, see
+:class:`~shared_core.rag_adapters.SettingsCache`). An adapter given a prebuilt ``engine=`` holds
+loaded models; :func:`portable_state` swaps that engine for a :class:`ReloadingEngine`: the
+engine's model names, config and retriever, rebuilt through the shared model cache on first use.
+A model that has no loadable name (built in memory and wrapped) cannot be pickled this way:
+that is a ``TypeError`` naming the engine, never a silent copy of the weights.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from shared_core.embedded import EMBEDDED_LMS
+
+
+def _model_name(model: Any, role: str) -> str | None:
+    """A name :func:`shared_core.load_lm` can load for ``model`` (a name or a loaded LM)."""
+    if model is None or isinstance(model, str):
+        return model
+    name = getattr(model, "name", None)
+    loadable = isinstance(name, str) and (
+        name.removesuffix("+specrag") in EMBEDDED_LMS or Path(name).expanduser().exists()
+        or name.count("/") == 1)
+    if not loadable:
+        msg = (f"engine: its {role} {name!r} was built in memory and has no name load_lm can "
+               "reload, so the adapter cannot be pickled without its weights; build the engine "
+               "from a model alias, hub id or saved folder")
+        raise TypeError(msg)
+    return name
+
+
+def _build_speculative_rag(recipe: dict[str, Any], config: Any) -> Any:
+    from shared_core.engines.speculative_rag import SpeculativeRAG
+
+    return SpeculativeRAG(recipe["drafter"], recipe["verifier"], embedder=recipe["embedder"],
+                          retriever=recipe["retriever"], config=config, dtype=recipe["dtype"])
+
+
+def _build_ralmspec(recipe: dict[str, Any], config: Any) -> Any:
+    from shared_core.engines.ralmspec import RaLMSpec
+    from shared_core.serving import loaded_model
+
+    return RaLMSpec(loaded_model(recipe["model"])[0], recipe["backend"], config)
+
+
+_BUILDERS = {"SpeculativeRAG": _build_speculative_rag, "RaLMSpec": _build_ralmspec}
+
+
+class ReloadingEngine:
+    """A prebuilt engine as it pickles: model names, config and retriever; the engine is
+    rebuilt (models from the shared cache) when first used, and pickles as this again."""
+
+    def __init__(self, kind: str, recipe: dict[str, Any], config: Any) -> None:
+        self.kind, self.recipe, self.config = kind, recipe, config
+        self._build_lock = threading.Lock()
+        self._engine: Any = None
+
+    def built(self) -> Any:
+        with self._build_lock:
+            if self._engine is None:
+                self._engine = _BUILDERS[self.kind](self.recipe, self.config)
+            return self._engine
+
+    def __getattr__(self, name: str) -> Any:  # only for what this object does not have itself
+        if name.startswith("_") or name in ("kind", "recipe", "config"):
+            raise AttributeError(name)
+        return getattr(self.built(), name)
+
+    def __reduce__(self) -> tuple[type, tuple[Any, ...]]:
+        return ReloadingEngine, (self.kind, self.recipe, self.config)
+
+
+def portable_engine(engine: Any) -> Any:
+    """``engine`` as it should pickle: None, or a :class:`ReloadingEngine`."""
+    if engine is None or isinstance(engine, ReloadingEngine):
+        return engine
+    if hasattr(engine, "answer") and hasattr(engine, "with_config"):  # SpeculativeRAG
+        recipe = {"drafter": _model_name(engine._drafter_src, "drafter"),
+                  "verifier": _model_name(engine._verifier_src, "verifier"),
+                  "embedder": engine._embedder_src, "retriever": engine.retriever,
+                  "dtype": engine.dtype}
+        return ReloadingEngine("SpeculativeRAG", recipe, engine.config)
+    recipe = {"model": _model_name(engine.lm, "model"), "backend": engine.backend}
+    return ReloadingEngine("RaLMSpec", recipe, engine.config)
+
+
+def portable_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An adapter's ``__dict__`` with its ``engine`` made portable (the rest unchanged)."""
+    if state.get("engine") is None:
+        return state
+    return {**state, "engine": portable_engine(state["engine"])}
+
+
+__all__ = ["ReloadingEngine", "portable_engine", "portable_state"]
