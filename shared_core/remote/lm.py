@@ -71,6 +71,7 @@ class RemoteLM:
         transport: an ``httpx`` transport (tests: ``httpx.MockTransport``).
     """
 
+    served = True  # engines branch on this: requests instead of local forwards
     encode = LM.encode
     decode = LM.decode
     chat_prompt = LM.chat_prompt

@@ -61,13 +61,15 @@ def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int
     Log-probabilities come from the model's raw (unprocessed) distribution, for the row's own
     tokens up to and including its stop token.
     """
+    pattern = (RATIONALE_DONE if answer_first else ANSWER_LINE_DONE) if stop_on_answer_line else None
+    if getattr(lm, "served", False):
+        return _served_batch(lm, prompts, max_new_tokens, prefill, pattern)
     import torch
 
     pad_id = lm.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else next(iter(lm.eos_token_ids), 0)
     ids, mask = _left_pad(prompts, pad_id)
     lengths = [-1] * len(prompts)
-    pattern = (RATIONALE_DONE if answer_first else ANSWER_LINE_DONE) if stop_on_answer_line else None
     stop = _stop_criteria(lm, ids.shape[1], prefill, pattern, lengths)
     with torch.inference_mode():
         out = lm.model.generate(
@@ -82,4 +84,19 @@ def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int
     for row in range(len(prompts)):
         n = lengths[row] if lengths[row] >= 0 else new.shape[1]
         results.append((new[row, :n].tolist(), logp[row, :n].tolist()))
+    return results
+
+
+def _served_batch(lm: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, prefill: str,
+                  pattern: re.Pattern[str] | None) -> list[tuple[list[int], list[float]]]:
+    """A served drafter (:class:`~shared_core.remote.RemoteLM`): ONE request for all rows, each
+    row cut where the in-process stop criterion would have stopped it (the server only knows EOS)."""
+    lm.require("token_ids_io", by="Speculative RAG's drafter")
+    eos = set(lm.eos_token_ids)
+    results = []
+    for [gen] in lm.generate(prompts, max_new_tokens):
+        ids, logps = gen.token_ids, gen.logprobs or []
+        n = next((t for t in range(1, len(ids) + 1) if ids[t - 1] in eos or (
+            pattern is not None and pattern.search(prefill + lm.decode(ids[:t])))), len(ids))
+        results.append((ids[:n], logps[:n]))
     return results

@@ -57,6 +57,10 @@ def check_inputs(question: Any, documents: Sequence[Any] | None, config: Specula
 def load_model(model: LM | str, dtype: str | None) -> LM:
     if not isinstance(model, str):
         return model
+    if model.startswith(("http://", "https://")):  # a served model (vLLM / SGLang)
+        from shared_core.remote import RemoteLM
+
+        return RemoteLM(model)  # type: ignore[return-value]
     if model.endswith("+specrag"):
         from shared_core.drafters.lora import load_tuned_drafter
 

@@ -73,9 +73,16 @@ def verify_batch(lm: LM, question: str, drafts: Sequence[tuple[str, str]]
                  ) -> tuple[list[tuple[float, float, int]], int]:
     """(log ρ_SC, log ρ_SR, tokens under ρ_SC) per (rationale, answer) draft from ONE forward;
     also the number of tokens scored."""
+    rows, sc_spans, yes_spans = verifier_rows(lm, question, drafts)
+    if getattr(lm, "served", False):  # a RemoteLM: ONE scoring request, no generation
+        lm.require("batched_scoring", by="Speculative RAG's verifier")
+        scored = lm.score_rows(rows)
+        sums = [[sum(lp[t] for t in range(max(start, 1), end)) for start, end in (sc, yes)]
+                for lp, sc, yes in zip(scored, sc_spans, yes_spans, strict=True)]
+        return ([(s[0], s[1], end - start) for s, (start, end) in zip(sums, sc_spans, strict=True)],
+                sum(len(r) for r in rows))
     import torch
 
-    rows, sc_spans, yes_spans = verifier_rows(lm, question, drafts)
     width = max(len(r) for r in rows)
     pad_id = lm.tokenizer.pad_token_id or 0
     ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
