@@ -110,6 +110,10 @@ def as_backend(retriever: Any) -> SpeculativeBackend:
         return DenseBackend(retriever)
     if hasattr(retriever, "tokenize") and hasattr(retriever, "search_subset"):
         return BM25Backend(retriever)
+    from shared_core.retrieval.stores.convert import from_store, is_framework_store
+
+    if is_framework_store(retriever):  # a vector store's client: one call per verification
+        return from_store(retriever)
     name = type(retriever).__name__
     search = framework_search(retriever)
     if search is not None:

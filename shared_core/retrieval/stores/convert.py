@@ -17,9 +17,17 @@ SUPPORTED = ("langchain_qdrant.QdrantVectorStore", "langchain_milvus.Milvus",
 
 
 def _wrapped_store(obj: Any) -> Any:
-    """The vector store behind a LangChain ``VectorStoreRetriever`` (``store.as_retriever()``)."""
+    """The vector store behind a plain similarity ``VectorStoreRetriever`` (``as_retriever()``).
+
+    A retriever with another search type (MMR, score threshold) or search options (filters) is
+    left as it is: the batched backend would not apply them.
+    """
     inner = getattr(obj, "vectorstore", None)
-    return inner if inner is not None and type(obj).__name__ == "VectorStoreRetriever" else obj
+    if inner is None or type(obj).__name__ != "VectorStoreRetriever":
+        return obj
+    plain = (getattr(obj, "search_type", "similarity") == "similarity"
+             and set(getattr(obj, "search_kwargs", None) or {}) <= {"k"})
+    return inner if plain else obj
 
 
 def is_framework_store(obj: Any) -> bool:
