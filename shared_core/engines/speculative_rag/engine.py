@@ -198,7 +198,8 @@ class SpeculativeRAG:
         lm, cfg = self.drafter, self.config
         answer_first = cfg.draft_order == "answer_first"
         prefill, parse = ("Answer:", parse_answer_first) if answer_first else ("Rationale:", parse_draft)
-        prompts = [draft_prompt(lm, question, [docs[i] for i in s], cfg.draft_order) for s in subsets]
+        prompts = [draft_prompt(lm, question, [docs[i] for i in s], cfg.draft_order, cfg.prompt)
+                   for s in subsets]
         for p in prompts:
             check_length(lm, p, cfg.max_draft_tokens + cfg.max_answer_tokens, "a draft prompt")
         rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill=prefill,

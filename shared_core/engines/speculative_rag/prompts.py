@@ -10,7 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shared_core.rag_config import DraftOrder
+from shared_core.rag_config import DraftOrder, PromptMessages, format_prompt
 from shared_core.retrieval.base import Document
 
 if TYPE_CHECKING:
@@ -18,16 +18,15 @@ if TYPE_CHECKING:
     from shared_core.models import LM
 
 
-# No "<placeholder>" formats: a 135M drafter copied "<short answer>" verbatim into 1 draft in 4
-DRAFT_INSTRUCTION = (
-    "Answer the question using the documents. First write a one-sentence rationale based on the "
-    "documents after 'Rationale:', then a short answer of a few words after 'Answer:'."
-)
+# No "<placeholder>" formats: a 135M drafter copied "<short answer>" verbatim into 1 draft in 4.
+# The format lines are also appended to a caller's ``prompt`` (the draft parser needs them).
+DRAFT_FORMAT = ("First write a one-sentence rationale based on the documents after 'Rationale:', "
+                "then a short answer of a few words after 'Answer:'.")
+DRAFT_INSTRUCTION = f"Answer the question using the documents. {DRAFT_FORMAT}"
 # answer_first drafts (draft_order="answer_first"): the answer line cannot go missing
-DRAFT_INSTRUCTION_ANSWER_FIRST = (
-    "Answer the question using the documents. First write a short answer of a few words after "
-    "'Answer:', then a one-sentence rationale based on the documents after 'Rationale:'."
-)
+DRAFT_FORMAT_ANSWER_FIRST = ("First write a short answer of a few words after 'Answer:', then a "
+                             "one-sentence rationale based on the documents after 'Rationale:'.")
+DRAFT_INSTRUCTION_ANSWER_FIRST = f"Answer the question using the documents. {DRAFT_FORMAT_ANSWER_FIRST}"
 RAG_INSTRUCTION = "Answer the question using the documents. Give a short answer of a few words."
 REFLECTION = "Do you think the rationale supports the answer, yes or no?"
 
@@ -97,11 +96,34 @@ def render_prompt(lm: LM, body: str, prefill: str) -> list[int]:
 
 
 def draft_prompt(lm: LM, question: str, docs: Sequence[Document],
-                 order: DraftOrder = "rationale_first") -> list[int]:
+                 order: DraftOrder = "rationale_first", prompt: PromptMessages | None = None
+                 ) -> list[int]:
+    """A draft prompt; a caller's ``prompt`` (see ``rag_config.check_prompt``) replaces the
+    default body, and the order's format line is appended to its last user turn."""
+    if prompt is not None:
+        return render_messages(lm, format_prompt(prompt, question, _format_docs(docs)),
+                               DRAFT_FORMAT if order == "rationale_first"
+                               else DRAFT_FORMAT_ANSWER_FIRST,
+                               "Rationale:" if order == "rationale_first" else "Answer:")
     instruction, prefill = ((DRAFT_INSTRUCTION, "Rationale:") if order == "rationale_first"
                             else (DRAFT_INSTRUCTION_ANSWER_FIRST, "Answer:"))
     return render_prompt(lm, f"{_format_docs(docs)}\n\nQuestion: {question}\n\n{instruction}",
                          prefill)
+
+
+def render_messages(lm: LM, messages: list[dict[str, str]], format_line: str, prefill: str
+                    ) -> list[int]:
+    """Token ids of chat ``messages`` + ``format_line`` (closing the last user turn, or a turn of
+    its own) + prefill; a base model gets the turns' text joined by blank lines."""
+    if messages[-1]["role"] == "user":
+        messages = [*messages[:-1], {**messages[-1],
+                                     "content": f"{messages[-1]['content']}\n\n{format_line}"}]
+    else:
+        messages = [*messages, {"role": "user", "content": format_line}]
+    if lm.has_chat_template:
+        text = lm.chat_prompt(messages) + prefill
+        return lm.encode(text, add_special_tokens=False)
+    return lm.prompt_ids("\n\n".join([*(m["content"] for m in messages), prefill]))
 
 
 def rag_prompt(lm: LM, question: str, docs: Sequence[Document]) -> list[int]:
