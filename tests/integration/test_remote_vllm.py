@@ -186,3 +186,34 @@ def _accepted(lm) -> float:
     text = lm.http.request("GET", "/metrics")
     return parse_metrics(text, ["vllm:spec_decode_num_accepted_tokens_total"]).get(
         "vllm:spec_decode_num_accepted_tokens_total", 0.0)
+
+
+@pytest.fixture(scope="module")
+def nq_bm25():
+    from shared_core.retrieval import BM25Retriever
+
+    root = data_dir()
+    if root is None:
+        pytest.skip("../shared/data not found (set SPECRAG_DATA_DIR)")
+    folder = root / "nq_open_oracle"
+    with (folder / "corpus.jsonl").open() as fh:
+        rows = [json.loads(line) for _, line in zip(range(3000), fh, strict=False)]
+    bm25 = BM25Retriever()
+    bm25.add([Document(r["pid"], f"{r['title']}: {r['text']}") for r in rows])
+    with (folder / "questions.jsonl").open() as fh:
+        questions = [json.loads(line)["question"] for _, line in zip(range(2), fh, strict=False)]
+    return bm25, questions
+
+
+def test_ralmspec_remote_equals_ralmseq_remote_and_in_process(remote, smol, nq_bm25):
+    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+
+    bm25, questions = nq_bm25
+    config = RaLMSpecConfig(max_doc_tokens=128)
+    for question in questions:
+        seq = RaLMSpec(remote, bm25, config).generate_baseline(question, 24)
+        spec = RaLMSpec(remote, bm25, config).generate(question, 24)
+        assert spec.token_ids == seq.token_ids, question
+        assert seq.stats.extra["served_requests"] >= 24 // config.retrieval_stride
+        local = RaLMSpec(smol, bm25, config).generate_baseline(question, 24)
+        assert seq.token_ids == local.token_ids, question  # same model in-process: same output

@@ -12,6 +12,7 @@ import torch
 from shared_core.config import GenerationConfig, SamplingConfig
 from shared_core.engines.baseline import TokenStream
 from shared_core.engines.ralmspec.backends import SpeculativeBackend, checked_search
+from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.kv import CacheKind, KVSession
 from shared_core.models import LM
 from shared_core.output import OutputTracker
@@ -143,7 +144,8 @@ class RaLMCall:
             raise ValueError(msg)
         self.stats = DecodeStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
         self.tracker = OutputTracker(lm, generation)
-        self.decoder = RaLMDecoder(lm, self.prompt, generation, self.stats, config.cache)
+        decoder = ServedRaLMDecoder if getattr(lm, "served", False) else RaLMDecoder
+        self.decoder = decoder(lm, self.prompt, generation, self.stats, config.cache)
         self.doc_trace: list[str] = []
         self.used: dict[str, Document] = {}
         self.retrieval_s = 0.0

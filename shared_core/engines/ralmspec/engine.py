@@ -220,8 +220,8 @@ class RaLMSpec:
     """
 
     def __init__(self, lm: LM, retriever: Any, config: RaLMSpecConfig | None = None):
-        if not isinstance(lm, LM):
-            msg = f"lm must be an LM (from load_lm or wrap_lm), got {type(lm).__name__}"
+        if not isinstance(lm, LM) and not getattr(lm, "served", False):
+            msg = f"lm must be an LM (from load_lm or wrap_lm) or a RemoteLM, got {type(lm).__name__}"
             raise TypeError(msg)
         if config is not None and not isinstance(config, RaLMSpecConfig):
             msg = f"config must be a RaLMSpecConfig or None, got {type(config).__name__}"
