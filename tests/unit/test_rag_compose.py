@@ -294,3 +294,27 @@ def test_streaming_must_be_a_bool(specrag) -> None:
         SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, streaming="yes")
     with pytest.raises(ValueError, match="streaming"):
         RaLMSpecQueryEngine(streaming="yes")
+
+
+def test_the_engine_drafts_with_the_prompt_setting(specrag) -> None:
+    """The drafter sees the caller's turns (format line appended, same prefill), not the default."""
+    from shared_core.engines.speculative_rag.prompts import DRAFT_FORMAT, draft_prompt
+
+    runnable = SpeculativeRAGRunnable(engine=specrag, prompt=_lc_chat(), with_details=True)
+    docs = [d.text for d in DOCS]
+    custom = runnable.invoke({"question": QUESTION, "documents": docs})
+    default = SpeculativeRAGRunnable(engine=specrag, with_details=True).invoke(
+        {"question": QUESTION, "documents": docs})
+    lm = specrag.drafter
+    rendered = draft_prompt(lm, QUESTION, DOCS[:2], prompt=CHAT_EXPECTED)
+    expected = lm.chat_prompt([
+        {"role": "system", "content": "Use only the passages."},
+        {"role": "user", "content": "Document [1]: Paris is the capital of France.\n"
+                                    "Document [2]: Berlin is the capital of Germany.\n\n"
+                                    f"Q: {QUESTION}\n\n{DRAFT_FORMAT}"}]) + "Rationale:"
+    assert rendered == lm.encode(expected)
+    subsets = [d["doc_indices"] for d in custom["drafts"]]
+    assert custom["stats"]["draft_prompt_tokens"] == sum(
+        len(draft_prompt(lm, QUESTION, [DOCS[i] for i in s], prompt=CHAT_EXPECTED))
+        for s in subsets)
+    assert custom["stats"]["draft_prompt_tokens"] != default["stats"]["draft_prompt_tokens"]
