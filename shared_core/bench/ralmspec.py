@@ -12,6 +12,10 @@ NQ-open questions with the ``nq_open_oracle`` corpus (2,600 real passages) and S
   compared token for token with RaLMSeq; latency split into generation (LM forwards) and
   blocking retrieval (query embedding, cache lookups, retriever calls, waits on verification).
 
+``--store qdrant,milvus,pgvector,faiss`` runs the same comparison on vector databases started
+in-process (:mod:`shared_core.bench.ralmspec_stores`: start time, ingest of a ``--store-pad``
+corpus, per-call latency of 1/4/8 batched queries, search calls per question).
+
 ``--suite knnlm`` runs the KNN-LM comparison instead (see :mod:`shared_core.bench.knnlm`).
 The host load average is recorded with each method because the machine may be shared.
 """
@@ -27,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from shared_core.bench import ralmspec_stores
 from shared_core.bench.common import MethodResult, data_dir, make_report, read_jsonl
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
 
@@ -72,6 +77,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--knn-fixed-stride", type=int, default=0,
                         help="KNN-LM speculation stride without OS³ (0: use OS³)")
     parser.add_argument("--cache-dir", default=os.path.join(os.sep, "tmp", "specrag-ralmspec"))
+    ralmspec_stores.add_arguments(parser)
 
 
 def _load(limit: int) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -184,6 +190,37 @@ def _run_methods(engines: dict[str, Any], questions: list[str], max_new_tokens: 
     return {name: tally.finish(load) for name, tally in tallies.items()}
 
 
+def _open_store(kind: str, corpus: list[Any], args: argparse.Namespace
+                ) -> tuple[Any, str, dict[str, Any], Any]:
+    """(retriever, description, setup numbers, close) for one ``--store`` kind."""
+    from shared_core.models import load_embedder
+    from shared_core.retrieval import DenseRetriever
+
+    if kind == "faiss":
+        start = time.perf_counter()
+        retriever, setup = build_retriever("exact", corpus, replace_pad(args))
+        return retriever, setup, {"start_s": 0.0, "ingest_s": round(
+            time.perf_counter() - start, 2), "vectors": retriever.ntotal}, lambda: None
+    dense = DenseRetriever(load_embedder(DEFAULT_EMBEDDER), query_batch_size=1)
+    store = ralmspec_stores.OpenStore(kind, corpus, _doc_vectors(dense, corpus, args.cache_dir),
+                                      dense.embedder, args.store_pad, args.store_dir)
+    numbers = {"start_s": round(store.start_s, 2), "ingest_s": round(store.ingest_s, 2),
+               "vectors": store.size}
+    return store.backend, store.describe(), numbers, store.close
+
+
+def replace_pad(args: argparse.Namespace) -> argparse.Namespace:
+    return argparse.Namespace(**{**vars(args), "pad": args.store_pad})
+
+
+def _search_latency(retriever: Any, questions: list[str], repeats: int) -> dict[str, float]:
+    from shared_core.engines.ralmspec import as_backend
+
+    backend = as_backend(retriever)
+    queries = [backend.encode(q) for q in (questions * 8)[:8]]
+    return ralmspec_stores.latency(backend, np.asarray(queries, dtype=object), repeats)
+
+
 def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
     from shared_core.models import load_lm
@@ -195,8 +232,17 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     methods: dict[str, MethodResult] = {}
     setups: dict[str, str] = {}
     speedup: dict[str, float] = {}
-    for kind in args.retrievers.split(","):
-        retriever, setups[kind] = build_retriever(kind, corpus, args)
+    stores: dict[str, dict[str, Any]] = {}
+    kinds = (ralmspec_stores.check_stores(args.store) if args.store
+             else args.retrievers.split(","))
+    for kind in kinds:
+        close = None
+        if args.store:
+            retriever, setups[kind], stores[kind], close = _open_store(kind, corpus, args)
+            stores[kind]["latency_s"] = _search_latency(retriever, questions,
+                                                        args.latency_repeats)
+        else:
+            retriever, setups[kind] = build_retriever(kind, corpus, args)
         logger.info("%s: %s", kind, setups[kind])
         engines = {"RaLMSeq": RaLMSpec(lm, retriever, base).generate_baseline}
         for name in args.methods.split(","):
@@ -209,21 +255,42 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
         ref = methods[f"{kind}/RaLMSeq"].wall_s
         for name in engines:
             speedup[f"{kind}/{name}"] = round(ref / methods[f"{kind}/{name}"].wall_s, 3)
+            calls = methods[f"{kind}/{name}"].stats["retrieval_calls"]
+            if kind in stores:
+                stores[kind].setdefault("search_calls_per_question", {})[name] = round(
+                    calls / max(1, len(questions)), 2)
         del retriever, engines
+        if close is not None:
+            close()
     identical = {m: [f"{m.split('/')[0]}/RaLMSeq"] for m in methods if "RaLMSeq" not in m}
     report = make_report(engine="ralmspec", dataset="nq_open_oracle", device=str(lm.device),
                          models={"lm": lm.name, "dtype": str(lm.dtype),
                                  "embedder": DEFAULT_EMBEDDER}, methods=methods,
-                         primary_baseline=f"{args.retrievers.split(',')[0]}/RaLMSeq",
+                         primary_baseline=f"{kinds[0]}/RaLMSeq",
                          identical_to=identical,
                          extra={"retrievers": setups, "questions": len(questions),
                                 "max_new_tokens": args.max_new_tokens,
+                                "stores": stores or None, "host": _host(),
                                 "config": {"retrieval_stride": base.retrieval_stride,
                                            "speculation_stride": base.speculation_stride,
                                            "prefetch_k": base.prefetch_k,
                                            "window": base.window, "gamma_max": base.gamma_max}})
     report["speedup"] = speedup  # each method against RaLMSeq on the same retriever
     return report
+
+
+def _host() -> dict[str, Any]:
+    """Load average, CPU flags that matter for the GEMMs, torch threads (the machine is shared)."""
+    import torch
+
+    flags: list[str] = []
+    if os.path.exists("/proc/cpuinfo"):
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            line = next((x for x in fh if x.startswith("flags")), "")
+        flags = sorted(f for f in line.split() if f in {"avx2", "avx512f", "avx512_bf16",
+                                                          "avx512_vnni", "fma", "amx_tile"})
+    return {"load_avg": [round(x, 2) for x in os.getloadavg()], "cpu_flags": flags,
+            "torch_threads": torch.get_num_threads(), "cpus": os.cpu_count()}
 
 
 def plot(report: dict[str, Any], out: str) -> None:

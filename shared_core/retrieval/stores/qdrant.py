@@ -104,15 +104,16 @@ class QdrantStore(StoreBackend):
         from qdrant_client import models
 
         self._ensure(vectors.shape[1])
-        points = []
-        for doc, vector in zip(docs, vectors, strict=True):
+        payloads = []
+        for doc in docs:
             payload: dict[str, Any] = {self.text_key: doc.text}
             if self.metadata_key:
                 payload[self.metadata_key] = doc.metadata
             if self.id_key:
                 payload[self.id_key] = doc.id
-            points.append(models.PointStruct(
-                id=point_id(doc.id) if self.id_key else doc.id,
-                vector={self.vector_name: vector.tolist()} if self.vector_name
-                else vector.tolist(), payload=payload))
-        self.client.upsert(self.collection, points=points, wait=True)
+            payloads.append(payload)
+        rows = vectors.tolist()
+        batch = models.Batch(ids=[point_id(d.id) if self.id_key else d.id for d in docs],
+                             vectors={self.vector_name: rows} if self.vector_name else rows,
+                             payloads=payloads)
+        self.client.upsert(self.collection, points=batch, wait=True)
