@@ -32,7 +32,7 @@ import numpy as np
 import torch
 
 from shared_core.config import GenerationConfig
-from shared_core.engines.baseline import Prompt, TokenStream, encode_prompt
+from shared_core.engines.loop import Prompt, TokenStream, encode_prompt
 from shared_core.engines.os3 import OS3Scheduler
 from shared_core.kv import KVSession
 from shared_core.models import LM

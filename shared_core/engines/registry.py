@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from shared_core.engines.baseline import Prompt, TokenStream
+    from shared_core.engines.loop import Prompt, TokenStream
     from shared_core.models import LM
 
 TOKEN_ENGINES: dict[str, str] = {

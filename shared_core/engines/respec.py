@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +44,8 @@ from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.drafters.suffix_automaton import DynamicIndex, Match, StaticIndex, StaticMatcher
-from shared_core.engines.baseline import Prompt, TokenStream, _Run, accept_draft
+from shared_core.engines.baseline import accept_draft
+from shared_core.engines.loop import LogitsMask, Prompt, Run, TokenStream, timed
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
 from shared_core.stats import DecodeStats
@@ -283,11 +283,13 @@ class ReSpecDecoder:
     def stream(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                documents: Sequence[str | Sequence[int]] | None = None,
                stop: Sequence[str] | str | None = None, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None) -> TokenStream:
+               top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               logits_mask: LogitsMask | None = None) -> TokenStream:
         """Start a generation; iterate the stream for text deltas, then read ``.result``.
 
         ``documents``: retrieved texts (or token-id lists) indexed into the automaton next to
-        the prompt, so their spans can be drafted.
+        the prompt, so their spans can be drafted. ``logits_mask``: a constraint applied to
+        every verification row (branch by branch for draft trees) before acceptance.
         """
         config = generation_config(max_new_tokens, stop=stop, temperature=temperature,
                                    top_k=top_k, top_p=top_p, seed=seed)
@@ -296,7 +298,7 @@ class ReSpecDecoder:
                    "temperature=0 or verification='strict'")
             raise ValueError(msg)
         docs = _document_ids(self.lm, documents)
-        run = _Run(self.lm, prompt, config, self.config.cache)
+        run = Run(self.lm, prompt, config, self.config.cache, logits_mask)
         request = _Request(self.config, docs, self.static, self._fallback(config))
         drafter = request.fallback
 
@@ -342,7 +344,7 @@ def _document_ids(lm: LM, documents: Sequence[str | Sequence[int]] | str | None
 
 # -- the round, as named steps ----------------------------------------------------------------
 
-def _respec_blocks(run: _Run, request: _Request) -> Iterator[list[int]]:
+def _respec_blocks(run: Run, request: _Request) -> Iterator[list[int]]:
     pending = run.prefill()
     request.add(run.prompt_ids)
     session = run.session
@@ -352,16 +354,20 @@ def _respec_blocks(run: _Run, request: _Request) -> Iterator[list[int]]:
         draft = _draft(request, [*session.tokens, pending], budget)
         # 2. verify: one target forward over [pending, *tree]
         logits = _verify_forward(run, request, pending, draft)
-        # 3. accept
-        path, next_token = _accept(run, request, draft, logits)
+        # 3. accept (on the masked logits when a mask is given)
+        path, next_token = _accept(run, request, draft,
+                                   run.masked_tree(logits, draft.tokens, draft.parents))
         # 4. commit the accepted path, roll back the rest
         _commit(run, draft, path)
         accepted = tuple(draft.tokens[i] for i in path)
         block = [*accepted, next_token]
+        emitted, done = run.commit(block)
         # 5. adapt: EMA scores, draft length, entropy history, automaton, fallback back-off
         _adapt(run, request, draft, path, logits, accepted, block)
         pending = next_token
-        yield block
+        yield emitted
+        if done:
+            return
 
 
 def _draft(request: _Request, context: list[int], budget: int) -> TreeDraft:
@@ -384,21 +390,22 @@ def _draft(request: _Request, context: list[int], budget: int) -> TreeDraft:
     return TreeDraft(draft.tokens, chain, draft.source, linear=draft)
 
 
-def _verify_forward(run: _Run, request: _Request, pending: int, draft: TreeDraft
+def _verify_forward(run: Run, request: _Request, pending: int, draft: TreeDraft
                     ) -> torch.Tensor:
     """``[n + 1, V]`` logits; row 0 follows ``pending``, row ``i + 1`` follows node ``i``."""
     run.stats.target_forwards += 1
-    start = time.perf_counter()
-    if draft.is_chain:
-        logits = run.session.extend([pending, *draft.tokens])
-    else:
-        parents = [-1, *(p + 1 for p in draft.parents)]
-        logits = run.session.extend_tree([pending, *draft.tokens], parents)
-    request.cost.add(len(draft.tokens) + 1, time.perf_counter() - start)
+    seconds = {"verify": 0.0}
+    with timed(seconds, "verify"):
+        if draft.is_chain:
+            logits = run.session.extend([pending, *draft.tokens])
+        else:
+            parents = [-1, *(p + 1 for p in draft.parents)]
+            logits = run.session.extend_tree([pending, *draft.tokens], parents)
+    request.cost.add(len(draft.tokens) + 1, seconds["verify"])
     return logits
 
 
-def _accept(run: _Run, request: _Request, draft: TreeDraft, logits: torch.Tensor
+def _accept(run: Run, request: _Request, draft: TreeDraft, logits: torch.Tensor
             ) -> tuple[tuple[int, ...], int]:
     """Accepted node path and the next token (correction or bonus)."""
     sampling = run.config.sampling
@@ -417,7 +424,7 @@ def _accept(run: _Run, request: _Request, draft: TreeDraft, logits: torch.Tensor
     return verdict.path, verdict.next_token
 
 
-def _commit(run: _Run, draft: TreeDraft, path: tuple[int, ...]) -> None:
+def _commit(run: Run, draft: TreeDraft, path: tuple[int, ...]) -> None:
     session = run.session
     if draft.is_chain:
         session.rollback(len(session.tokens) - len(draft.tokens) + len(path))
@@ -425,7 +432,7 @@ def _commit(run: _Run, draft: TreeDraft, path: tuple[int, ...]) -> None:
         session.keep_path([0, *(i + 1 for i in path)])
 
 
-def _adapt(run: _Run, request: _Request, draft: TreeDraft, path: tuple[int, ...],
+def _adapt(run: Run, request: _Request, draft: TreeDraft, path: tuple[int, ...],
            logits: torch.Tensor, accepted: tuple[int, ...], block: list[int]) -> None:
     counters = request.counters
     counters.record(draft.source, len(draft.tokens), len(path))
@@ -456,7 +463,8 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                   temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                   seed: int | None = None, draft_lm: LM | None = None,
                   corpus: Sequence[str] | StaticIndex | None = None,
-                  engine_state: dict[str, Any] | None = None, **options: Any) -> TokenStream:
+                  engine_state: dict[str, Any] | None = None,
+                  logits_mask: LogitsMask | None = None, **options: Any) -> TokenStream:
     """Registry entry (``engines/registry.py``): ``options`` are :class:`ReSpecConfig` fields;
     ReSpec keeps nothing between calls, so ``engine_state`` is unused."""
     del engine_state
@@ -467,7 +475,8 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
         raise TypeError(msg)
     decoder = ReSpecDecoder(lm, ReSpecConfig(**options), draft_lm=draft_lm, corpus=corpus)
     return decoder.stream(prompt, max_new_tokens, documents=documents, stop=stop,
-                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          logits_mask=logits_mask)
 
 
 def respec_generate(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any

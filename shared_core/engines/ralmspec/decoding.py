@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from shared_core.config import GenerationConfig, SamplingConfig
-from shared_core.engines.baseline import TokenStream
+from shared_core.engines.loop import TokenStream
 from shared_core.engines.ralmspec.backends import SpeculativeBackend, checked_search
 from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.kv import CacheKind, KVSession

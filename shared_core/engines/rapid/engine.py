@@ -20,7 +20,7 @@ from shared_core.config import (
     check_text,
 )
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
-from shared_core.engines.baseline import TokenStream, _autoregressive_blocks
+from shared_core.engines.loop import LogitsMask, TokenStream, autoregressive_blocks
 from shared_core.engines.rapid.context import RapidContext
 from shared_core.engines.rapid.prompts import (
     METHODS,
@@ -158,7 +158,7 @@ class RapidDecoder(RapidContext):
                method: str = "rapid", eta: float | None = None, gamma: int | None = None,
                drafter_kv: str | None = None, adaptive_gamma: bool | None = None,
                stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None
+               top_p: float = 1.0, seed: int | None = None, logits_mask: LogitsMask | None = None
                ) -> TokenStream:
         """Answer ``query`` over ``context`` as a stream of text deltas.
 
@@ -169,6 +169,8 @@ class RapidDecoder(RapidContext):
             gamma: per-call override of ``config.gamma`` (draft tokens per round).
             drafter_kv: per-call override of ``config.drafter_kv`` (``"own"`` / ``"target"``).
             adaptive_gamma: per-call override of ``config.adaptive_gamma``.
+            logits_mask: a constraint applied to the target logits before acceptance (every
+                method), see :class:`~shared_core.engines.loop.LogitsMask`.
         """
         if method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
@@ -183,7 +185,8 @@ class RapidDecoder(RapidContext):
                                 top_k=top_k, top_p=top_p, seed=seed)
         prompt = self.prepare(context, query, max_new_tokens, drafter_kv=config.drafter_kv)
         with self._lock:
-            return self._start(method, 0.0 if method == "sd" else eta, prompt, gen, config)
+            return self._start(method, 0.0 if method == "sd" else eta, prompt, gen, config,
+                               logits_mask)
 
     def generate(self, context: str, query: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **options: Any
                  ) -> GenerationResult:
@@ -213,9 +216,9 @@ class RapidDecoder(RapidContext):
         return self.generate(context, query, max_new_tokens, method="sd", **options)
 
     def _start(self, method: str, eta: float, prompt: RapidPrompt, gen: GenerationConfig,
-               config: RapidConfig) -> TokenStream:
+               config: RapidConfig, logits_mask: LogitsMask | None = None) -> TokenStream:
         ids = prompt.rag_ids if method == "rag" else prompt.target_ids
-        run = CachedRun(self.lm, ids, gen, config.cache)
+        run = CachedRun(self.lm, ids, gen, config.cache, logits_mask)
         run.stats.extra.update(prompt_stats(method, eta, config, prompt))
         schedule = self._schedule(method, eta, config) if config.adaptive_gamma else None
         return run.stream(lambda r: self._slot_blocks(r, method, eta, prompt, config, schedule))
@@ -231,7 +234,7 @@ class RapidDecoder(RapidContext):
             run.session = slot.session(method)
             if method in ("long_context", "rag"):
                 drafter = None
-                blocks = _autoregressive_blocks(run)
+                blocks = autoregressive_blocks(run)
             else:
                 drafter = slot.shared if config.drafter_kv == "target" else slot.drafter
                 before = drafter.forwards

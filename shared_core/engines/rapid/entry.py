@@ -12,7 +12,7 @@ from typing import Any
 from shared_core.config import (
     DEFAULT_EMBEDDER,
 )
-from shared_core.engines.baseline import Prompt, TokenStream
+from shared_core.engines.loop import LogitsMask, Prompt, TokenStream
 from shared_core.engines.rapid.engine import RapidDecoder
 from shared_core.models import LM
 from shared_core.output import validate_messages
@@ -98,8 +98,8 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                  seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
                  draft_lm: LM | None = None, embedder: Any = DEFAULT_EMBEDDER,
-                 engine_state: dict[str, Any] | None = None, **config_options: Any
-                 ) -> TokenStream:
+                 engine_state: dict[str, Any] | None = None,
+                 logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:
     """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention.
 
     Engine options: ``method`` (``"rapid"``, ``"sd"``, ``"long_context"``, ``"rag"``), a ready
@@ -122,4 +122,5 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
         raise ValueError(msg)
     eta = config_options.get("eta")
     return decoder.stream(context, query, max_new_tokens, method=method, eta=eta, stop=stop,
-                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                          logits_mask=logits_mask)

@@ -17,7 +17,7 @@ from shared_core.device import synchronize
 from shared_core.draft_length import CostModel, best_draft_length
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
-from shared_core.engines.baseline import _Run
+from shared_core.engines.loop import LogitsMask, Run, timed
 from shared_core.engines.rapid.prompts import RapidPrompt
 from shared_core.models import LM
 from shared_core.token_config import RapidConfig
@@ -30,21 +30,21 @@ from shared_core.verify import (
 )
 
 
-class CachedRun(_Run):
-    """A `_Run` on a kept session: prefill only what differs from the cached token prefix.
+class CachedRun(Run):
+    """A `Run` on a kept session: prefill only what differs from the cached token prefix.
 
     The session is the checked-out slot's, set when the generation's first step runs.
     """
 
     def __init__(self, lm: LM, prompt_ids: Sequence[int], config: GenerationConfig,
-                 cache: CacheKind):
-        super().__init__(lm, list(prompt_ids), config, cache)
+                 cache: CacheKind, logits_mask: LogitsMask | None = None):
+        super().__init__(lm, list(prompt_ids), config, cache, logits_mask)
 
     def prefill(self) -> int:
-        start = time.perf_counter()
-        feed = self.session.sync(self.prompt_ids[:-1])
-        self.session.prefill(feed)
-        self.stats.prefill_s = time.perf_counter() - start
+        self.stats.prefill_s = 0.0
+        with timed(self.stats, "prefill_s"):
+            feed = self.session.sync(self.prompt_ids[:-1])
+            self.session.prefill(feed)
         self.stats.extra["reused_prefix_tokens"] = len(self.prompt_ids) - 1 - len(feed)
         return self.prompt_ids[-1]
 
@@ -55,7 +55,7 @@ def _pad_vocab(q: torch.Tensor | None, size: int) -> torch.Tensor | None:
     return torch.nn.functional.pad(q, (0, size - q.shape[-1]))
 
 
-def _accept(run: _Run, draft: Draft, logits: torch.Tensor, eta: float, config: RapidConfig
+def _accept(run: Run, draft: Draft, logits: torch.Tensor, eta: float, config: RapidConfig
             ) -> Verdict:
     """Step 3: greedy or sampled verification against p̂ (η = 0: exactly lossless)."""
     sampling = run.config.sampling
@@ -145,17 +145,20 @@ def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: Rapid
         logits = session.extend([pending, *draft.tokens])
         verified = synced_clock(run.lm.device)
         stats.target_forwards += 1
-        # 3. accept against p̂ (min(1, p̂/q); adjusted residual on rejection)
-        verdict = _accept(run, draft, logits, eta, config)
+        # 3. accept against p̂ (min(1, p̂/q); adjusted residual on rejection), masked logits
+        verdict = _accept(run, draft, run.masked(logits, draft.tokens), eta, config)
         # 4. commit the accepted prefix, roll back the rejected tail
         session.rollback(len(context) + verdict.n_accepted)
+        block, done = run.commit([*draft.tokens[: verdict.n_accepted], verdict.next_token])
         stats.record_round(len(draft), verdict.n_accepted)
         stats.extra["plain_rounds"] += not draft.tokens
         # 5. adapt: the paper keeps γ constant; adaptive_gamma sizes the next draft by cost
         if schedule is not None:
             schedule.observe(len(draft), verdict.n_accepted, drafted - start, verified - drafted)
         pending = verdict.next_token
-        yield [*draft.tokens[: verdict.n_accepted], pending]
+        yield block
+        if done:
+            return
 
 
 def synced_clock(device: torch.device) -> float:

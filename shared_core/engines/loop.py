@@ -1,0 +1,266 @@
+"""The round scaffolding every token engine shares: run state, token stream, masks, timing.
+
+A generation is a :class:`Run` (prompt ids, KV session, output tracker, stats, RNG and an optional
+:class:`LogitsMask`) plus a generator of committed token blocks, one per round; :class:`TokenStream`
+turns the blocks into text deltas and, at the end, a :class:`GenerationResult`. Each engine writes
+its round as named steps (draft, verify, accept, commit / roll back, adapt) over these helpers:
+
+- :meth:`Run.masked` / :meth:`Run.masked_tree`: the verification logits with the mask applied
+  (no-op without a mask), before acceptance, greedy or sampled;
+- :meth:`Run.commit`: the block a round emits, advanced through the mask (and cut where its
+  grammar terminates); the engine stops once it returns ``done``;
+- :func:`timed`: the one timing helper (adds wall seconds to a stats field or dict key).
+
+Cache invariant of the loops: the session holds every committed token except the newest one
+(``pending``); each target forward starts with ``pending``, so its first logits row predicts the
+first drafted token and no logits are carried between rounds.
+"""
+
+from __future__ import annotations
+
+import numbers
+import time
+from collections.abc import Callable, Iterator, MutableMapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from shared_core.config import CacheKind, GenerationConfig
+from shared_core.device import synchronize
+from shared_core.kv import KVSession
+from shared_core.models import LM
+from shared_core.output import GenerationResult, OutputTracker, validate_messages, validate_prompt_ids
+from shared_core.stats import DecodeStats
+from shared_core.verify import choose_token, make_generator
+
+Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+
+
+@runtime_checkable
+class LogitsMask(Protocol):
+    """A constraint on the target's next-token distribution (e.g. a grammar), applied by every
+    engine to the target logits before acceptance; without one nothing is masked.
+
+    ``mask(logits, drafted)``: ``logits`` is ``[len(drafted) + 1, vocab]`` from one verification
+    forward; row ``i`` scores the token after ``committed + drafted[:i]``. Returns the logits with
+    the tokens the constraint forbids at ``-inf`` per row (rows after the first drafted token it
+    rejects may come back unmasked: they are never used). Must not change the committed state.
+
+    ``commit(tokens)``: advance by the tokens a round emitted. ``is_terminated()``: the
+    constraint is complete; the generation stops there.
+    """
+
+    def mask(self, logits: torch.Tensor, drafted: Sequence[int]) -> torch.Tensor: ...
+
+    def commit(self, tokens: Sequence[int]) -> None: ...
+
+    def is_terminated(self) -> bool: ...
+
+
+def check_logits_mask(mask: Any) -> LogitsMask | None:
+    """``mask`` if it is None or has ``mask``/``commit``/``is_terminated``, else a TypeError."""
+    if mask is not None and not isinstance(mask, LogitsMask):
+        msg = ("logits_mask must be None or a LogitsMask (mask(logits, drafted), commit(tokens), "
+               f"is_terminated()), got {type(mask).__name__}")
+        raise TypeError(msg)
+    return mask
+
+
+@contextmanager
+def timed(target: Any, name: str) -> Iterator[None]:
+    """Add the wall seconds of the ``with`` body to ``target.name`` (or ``target[name]`` for a
+    dict, starting at 0), also when the body raises."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        elapsed = time.perf_counter() - start
+        if isinstance(target, MutableMapping):
+            target[name] = target.get(name, 0.0) + elapsed
+        else:
+            setattr(target, name, getattr(target, name) + elapsed)
+
+
+def encode_prompt(lm: LM, prompt: Prompt) -> list[int]:
+    """Token ids of a prompt string, a list of chat messages, or ids passed through.
+
+    Ids are checked against the vocabulary (and the window) by :func:`validate_prompt_ids`.
+    """
+    if isinstance(prompt, str):
+        return lm.prompt_ids(prompt)
+    if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
+        items = list(prompt)
+        if items and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
+                         for t in items):
+            return [int(t) for t in items]
+        if items and all(isinstance(m, dict) for m in items):
+            return lm.prompt_ids(validate_messages(items))
+        if not items:
+            msg = "prompt must not be empty"
+            raise ValueError(msg)
+    msg = ("prompt must be a string, a list of {'role', 'content'} messages or a list of token "
+           f"ids, got {type(prompt).__name__}")
+    raise TypeError(msg)
+
+
+class TokenStream(Iterator[str]):
+    """Iterates text deltas (one per committed block); ``result`` is set once it ends.
+
+    A stream that failed (an exception or ``KeyboardInterrupt`` inside a step) or was closed
+    never resumes: iterating it again raises ``RuntimeError`` / ``StopIteration`` instead of
+    returning a truncated result. Each step runs to completion before the next ``next()``; the
+    stream holds no lock between steps (callers sharing a model lock per step, see
+    ``shared_core.serving``).
+    """
+
+    def __init__(self, blocks: Iterator[list[int]], tracker: OutputTracker, stats: DecodeStats,
+                 on_close: Callable[[DecodeStats], None] | None = None):
+        self._blocks = blocks
+        self._tracker = tracker
+        self._stats = stats
+        self._on_close = on_close
+        self._elapsed = 0.0
+        self._closed = False
+        self._error: str | None = None  # repr only: holding the exception would keep its frames
+        # alive in a reference cycle, and torch's inference-mode guards in them could then be
+        # restored by the garbage collector in the middle of a later forward
+        self.result: GenerationResult | None = None
+
+    def __iter__(self) -> TokenStream:
+        return self
+
+    def __next__(self) -> str:
+        if self._error is not None:
+            msg = f"this generation failed earlier ({self._error}); start a new call"
+            raise RuntimeError(msg)
+        while self.result is None and not self._closed:
+            start = time.perf_counter()
+            try:
+                block = next(self._blocks, None)
+            except BaseException as e:
+                self._error = repr(e)
+                self._blocks.close()
+                raise
+            self._elapsed += time.perf_counter() - start
+            if block is None:
+                return self._close("")
+            delta = self._tracker.push(block)
+            if self._tracker.done:
+                return self._close(delta)
+            if delta:
+                return delta
+        raise StopIteration
+
+    def close(self) -> None:
+        """Stop early (frees the engine's generator); ``result`` stays None."""
+        self._closed = True
+        self._blocks.close()
+
+    def _close(self, delta: str) -> str:
+        self._blocks.close()
+        self._stats.decode_s = max(0.0, self._elapsed - self._stats.prefill_s)
+        delta += self._tracker.finish()
+        result = self._tracker.result(self._stats)  # sets new_tokens / finish_reason first
+        if self._on_close is not None:
+            self._on_close(result.stats)
+        self.result = result
+        if delta:
+            return delta
+        raise StopIteration
+
+    def run(self) -> GenerationResult:
+        """Consume the stream and return the result."""
+        for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+class Run:
+    """Per-call state of a token engine: prompt ids, session, tracker, stats, RNG, mask."""
+
+    def __init__(self, lm: LM, prompt: Prompt, config: GenerationConfig, cache: CacheKind,
+                 logits_mask: LogitsMask | None = None):
+        self.lm = lm
+        self.config = config
+        self.logits_mask = check_logits_mask(logits_mask)
+        self.prompt_ids = encode_prompt(lm, prompt)
+        validate_prompt_ids(lm, self.prompt_ids, config.max_new_tokens)
+        self.session = KVSession(lm, cache=cache)
+        self.tracker = OutputTracker(lm, config)
+        self.stats = DecodeStats(prompt_tokens=len(self.prompt_ids))
+        self.generator = make_generator(config.sampling, "cpu")
+
+    def prefill(self) -> int:
+        """Cache all prompt tokens but the last; return the last one (the first ``pending``)."""
+        self.stats.prefill_s = 0.0
+        with timed(self.stats, "prefill_s"):
+            self.session.prefill(self.prompt_ids[:-1])
+            synchronize(self.lm.device)
+        return self.prompt_ids[-1]
+
+    def stream(self, blocks: Callable[[Run], Iterator[list[int]]],
+               on_close: Callable[[DecodeStats], None] | None = None) -> TokenStream:
+        return TokenStream(blocks(self), self.tracker, self.stats, on_close)
+
+    # -- the mask (every method is a no-op without one)
+
+    def masked(self, logits: torch.Tensor, drafted: Sequence[int] = ()) -> torch.Tensor:
+        """``[len(drafted) + 1, V]`` verification logits (or one ``[V]`` row) with the mask."""
+        if self.logits_mask is None:
+            return logits
+        if logits.dim() == 1:
+            return self.logits_mask.mask(logits[None], ())[0]
+        return self.logits_mask.mask(logits, list(drafted))
+
+    def masked_tree(self, logits: torch.Tensor, tokens: Sequence[int], parents: Sequence[int]
+                    ) -> torch.Tensor:
+        """Tree-verification logits (row 0: the root, row ``i + 1``: after node ``i``) masked
+        branch by branch: a row's mask depends only on its node's ancestors, so rows shared by
+        branches get the same mask from each."""
+        if self.logits_mask is None:
+            return logits
+        out = logits.float().clone()
+        has_child = set(parents)
+        for leaf in [i for i in range(len(tokens)) if i not in has_child] or [-1]:
+            path: list[int] = []
+            node = leaf
+            while node >= 0:
+                path.append(node)
+                node = parents[node]
+            path.reverse()
+            rows = [0, *(i + 1 for i in path)]
+            out[rows] = self.logits_mask.mask(logits[rows], [tokens[i] for i in path])
+        return out
+
+    def choose(self, logits: torch.Tensor) -> int:
+        """The next token from one ``[V]`` row (masked; greedy or sampled)."""
+        return choose_token(self.masked(logits), self.config.sampling, self.generator)
+
+    def commit(self, block: list[int]) -> tuple[list[int], bool]:
+        """``(block, done)``: the round's tokens advanced through the mask, cut after the token
+        that completes it (then ``done``; the tracker reports finish_reason "stop")."""
+        mask = self.logits_mask
+        if mask is None:
+            return block, False
+        for i, token in enumerate(block):
+            mask.commit([token])
+            if mask.is_terminated():
+                if not self.tracker.done:
+                    self.tracker.finish_reason = "stop"
+                return block[: i + 1], True
+        return block, False
+
+
+def autoregressive_blocks(run: Run) -> Iterator[list[int]]:
+    """Plain decoding: one target forward per token."""
+    pending = run.prefill()
+    while True:
+        logits = run.session.extend([pending])[-1]
+        run.stats.target_forwards += 1
+        pending = run.choose(logits)
+        block, done = run.commit([pending])
+        yield block
+        if done:
+            return
