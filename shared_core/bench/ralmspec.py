@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=10, help="questions (after 1 warm-up)")
     parser.add_argument("--max-new-tokens", type=int, default=32)
     parser.add_argument("--model", default=DEFAULT_LM)
+    parser.add_argument("--remote", default=None, metavar="URL",
+                        help="a vLLM/SGLang server URL serving the LM (RemoteLM; --model ignored)")
     parser.add_argument("--dtype", default=None, help="LM dtype (default fp32 on CPU)")
     parser.add_argument("--retrievers", default="exact,hnsw,bm25")
     parser.add_argument("--methods", default="base,+P,+S,+A,+PSA")

@@ -264,6 +264,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=DEFAULT_LM)
     parser.add_argument("--verifier", default=DEFAULT_VERIFIER)
     parser.add_argument("--embedder", default=DEFAULT_EMBEDDER)
+    parser.add_argument("--remote", default=None, metavar="URL",
+                        help="a vLLM/SGLang server URL used as drafter and verifier (RemoteLM)")
     parser.add_argument("--dtype", default=None,
                         help="dtype of every model (all methods alike); default fp32 on CPU")
     parser.add_argument("--num-drafts", type=int, default=SpeculativeRAGConfig.num_drafts)
@@ -394,6 +396,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if unknown or not names:
         msg = f"--dataset must be one or more of {', '.join(DATASETS)}, got {args.dataset!r}"
         raise ValueError(msg)
+    if args.remote:
+        args.drafter = args.verifier = args.remote
     config = SpeculativeRAGConfig(num_drafts=args.num_drafts, docs_per_draft=args.docs_per_draft,
                                   retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens)
     engine = SpeculativeRAG(args.drafter, args.verifier, embedder=load_embedder(args.embedder),

@@ -96,6 +96,8 @@ class RemoteLM:
         self.model, root, max_len, version = self._server_model(model)
         self.tokenizer = _load_tokenizer(tokenizer, root)
         self.name = f"{self.model}@{self.url}"
+        self.device = f"served:{self.engine}"  # reports only: nothing runs in this process
+        self.dtype = "server"
         self.max_context = max_len or int(getattr(self.tokenizer, "model_max_length", 0) or 2048)
         eos = self.tokenizer.eos_token_id
         self.eos_token_ids = frozenset() if eos is None else frozenset({int(eos)})
