@@ -227,7 +227,12 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
     from shared_core.models import load_lm
 
-    lm = load_lm(args.model, dtype=args.dtype)
+    if args.remote:
+        from shared_core.remote import RemoteLM
+
+        lm = RemoteLM(args.remote)
+    else:
+        lm = load_lm(args.model, dtype=args.dtype)
     corpus, rows = _load(args.limit)
     warmup, questions = rows[0]["question"], [r["question"] for r in rows[1:]]
     base = RaLMSpecConfig(speculation_stride=args.speculation_stride, prefetch_k=args.prefetch_k)
