@@ -32,11 +32,10 @@ import numpy as np
 import torch
 
 from shared_core.config import GenerationConfig
-from shared_core.engines.loop import Prompt, TokenStream, encode_prompt
+from shared_core.engines.loop import Prompt, Run, TokenStream, timed
 from shared_core.engines.os3 import OS3Scheduler
-from shared_core.kv import KVSession
 from shared_core.models import LM
-from shared_core.output import GenerationResult, OutputTracker, validate_prompt_ids
+from shared_core.output import GenerationResult
 from shared_core.retrieval.dense import blocked_top, paired_scores
 from shared_core.stats import DecodeStats
 
@@ -185,20 +184,16 @@ class KNNDatastore:
 # ----------------------------------------------------------------------------- decoding
 
 
-class _KNNRun:
-    """Per-call state: KV session with hidden-state capture, tracker, stats, timings."""
+class KNNRun(Run):
+    """The round loop's :class:`Run` with hidden-state queries, a datastore and retrieval timing."""
 
     def __init__(self, lm: LM, store: KNNDatastore, prompt: Prompt, config: KNNLMConfig,
                  generation: GenerationConfig):
         if not generation.sampling.greedy:
             msg = "KNN-LM serving supports greedy decoding only (temperature=0)"
             raise ValueError(msg)
-        self.lm, self.store, self.config = lm, store, config
-        self.prompt_ids = encode_prompt(lm, prompt)
-        validate_prompt_ids(lm, self.prompt_ids, generation.max_new_tokens)
-        self.session = KVSession(lm)
-        self.tracker = OutputTracker(lm, generation)
-        self.stats = DecodeStats(prompt_tokens=len(self.prompt_ids))
+        super().__init__(lm, prompt, generation, "prealloc")
+        self.store, self.knn = store, config
         self.max_new_tokens = generation.max_new_tokens
         self.generated: list[int] = []
         self.retrieval_s = 0.0
@@ -216,18 +211,17 @@ class _KNNRun:
         return torch.softmax(logits.double(), -1), hidden.pop()[-1].cpu().numpy()
 
     def choose(self, p_lm: torch.Tensor, query: np.ndarray, ids: np.ndarray) -> int:
-        p_knn = self.store.knn_probs(query, ids, p_lm.shape[-1], self.config.temperature)
-        lam = self.config.lmbda
+        p_knn = self.store.knn_probs(query, ids, p_lm.shape[-1], self.knn.temperature)
+        lam = self.knn.lmbda
         return int((lam * p_knn + (1 - lam) * p_lm).argmax().item())  # kNN-LM interpolation
 
     def search(self, queries: np.ndarray) -> np.ndarray:
-        start = time.perf_counter()
-        ids = self.store.search(queries, self.config.k)
-        self.retrieval_s += time.perf_counter() - start
+        with timed(self, "retrieval_s"):
+            ids = self.store.search(queries, self.knn.k)
         self.retrieval_calls += 1
         return ids
 
-    def stream(self, blocks: Iterator[list[int]]) -> TokenStream:
+    def stream_blocks(self, blocks: Iterator[list[int]]) -> TokenStream:
         def close(stats: DecodeStats) -> None:
             stats.extra.update(retrieval_s=round(self.retrieval_s, 4),
                                retrieval_calls=self.retrieval_calls)
@@ -235,7 +229,7 @@ class _KNNRun:
         return TokenStream(blocks, self.tracker, self.stats, close)
 
 
-def _baseline_blocks(run: _KNNRun) -> Iterator[list[int]]:
+def _baseline_blocks(run: KNNRun) -> Iterator[list[int]]:
     """Retrieve at every token."""
     with capture_hidden(run.lm) as hidden:
         run.session.prefill(run.prompt_ids[:-1])
@@ -250,9 +244,9 @@ def _baseline_blocks(run: _KNNRun) -> Iterator[list[int]]:
 class _KNNSpeculator:
     """Cache of datastore entries (+ the next n of each), speculation, batched verification."""
 
-    def __init__(self, run: _KNNRun):
+    def __init__(self, run: KNNRun):
         self.run = run
-        config = run.config
+        config = run.knn
         self.cache = np.zeros(0, dtype=np.int64)
         self.scheduler = OS3Scheduler(False, config.window, config.gamma_max,
                                       config.max_speculation_stride, allow_plain=False)
@@ -261,7 +255,7 @@ class _KNNSpeculator:
         self.step_times: list[float] = []
 
     def add(self, ids: np.ndarray) -> None:
-        n = self.run.config.next_entries
+        n = self.run.knn.next_entries
         spread = (ids.reshape(-1, 1) + np.arange(n + 1)).ravel()
         spread = spread[spread < len(self.run.store)]
         self.cache = np.union1d(self.cache, spread)
@@ -270,9 +264,8 @@ class _KNNSpeculator:
                   ) -> tuple[np.ndarray, int, torch.Tensor]:
         start = time.perf_counter()
         p_lm, query = self.run.forward(pending, hidden)
-        lookup = time.perf_counter()
-        ids = self.run.store.search_among(query, self.cache, self.run.config.k)
-        self.run.retrieval_s += time.perf_counter() - lookup
+        with timed(self.run, "retrieval_s"):
+            ids = self.run.store.search_among(query, self.cache, self.run.knn.k)
         token = self.run.choose(p_lm, query, ids)
         self.step_times.append(time.perf_counter() - start)
         return query, token, p_lm
@@ -311,12 +304,12 @@ class _KNNSpeculator:
         # 5. adapt
         self.strides.append(len(tokens))
         self.scheduler.observe(a, b, n_ok, int(n_ok < len(tokens)), len(tokens))
-        if run.config.scheduler:
+        if run.knn.scheduler:
             self.stride = self.scheduler.next_stride()
         return run.generated[-1]
 
 
-def _speculative_blocks(run: _KNNRun) -> Iterator[list[int]]:
+def _speculative_blocks(run: KNNRun) -> Iterator[list[int]]:
     spec = _KNNSpeculator(run)
     with capture_hidden(run.lm) as hidden:
         run.session.prefill(run.prompt_ids[:-1])
@@ -344,6 +337,6 @@ def knnlm_generate(lm: LM, store: KNNDatastore, prompt: Prompt, max_new_tokens: 
                    stop: Sequence[str] | str | None = None) -> GenerationResult:
     """KNN-LM greedy decoding: RaLMSpec (``speculative=True``) or retrieval at every token."""
     generation = GenerationConfig.build(max_new_tokens, stop=stop)
-    run = _KNNRun(lm, store, prompt, config or KNNLMConfig(), generation)
+    run = KNNRun(lm, store, prompt, config or KNNLMConfig(), generation)
     blocks = _speculative_blocks(run) if speculative else _baseline_blocks(run)
-    return run.stream(blocks).run()
+    return run.stream_blocks(blocks).run()

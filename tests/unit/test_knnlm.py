@@ -81,8 +81,8 @@ def test_bad_config() -> None:
 
 def test_sampling_is_refused(tiny_target, store) -> None:
     from shared_core.config import GenerationConfig
-    from shared_core.engines.knnlm import _KNNRun
+    from shared_core.engines.knnlm import KNNRun
 
     with pytest.raises(ValueError, match="greedy"):
-        _KNNRun(tiny_target, store, "x", KNNLMConfig(),
+        KNNRun(tiny_target, store, "x", KNNLMConfig(),
                 GenerationConfig.build(4, temperature=0.5))
