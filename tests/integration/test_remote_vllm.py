@@ -217,3 +217,15 @@ def test_ralmspec_remote_equals_ralmseq_remote_and_in_process(remote, smol, nq_b
         assert seq.stats.extra["served_requests"] >= 24 // config.retrieval_stride
         local = RaLMSpec(smol, bm25, config).generate_baseline(question, 24)
         assert seq.token_ids == local.token_ids, question  # same model in-process: same output
+
+
+def test_langchain_adapter_takes_server_urls(vllm_url):
+    from langchain_core.documents import Document as LCDocument
+
+    from langchain_specrag.runnables.speculative_rag import SpeculativeRAGRunnable
+
+    chain = SpeculativeRAGRunnable(drafter=vllm_url, verifier=vllm_url, num_drafts=2,
+                                   docs_per_draft=2, with_details=True)
+    out = chain.invoke({"question": "Which river flows through London?",
+                        "documents": [LCDocument(page_content=t) for t in RHINE]})
+    assert out["answer"] and len(out["drafts"]) == 2
