@@ -44,7 +44,7 @@ from shared_core.tool_calls import (
 )
 
 if TYPE_CHECKING:
-    from shared_core.engines.baseline import Prompt, TokenStream
+    from shared_core.engines.loop import Prompt, TokenStream
     from shared_core.output import GenerationResult
 
 logger = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class ChatCall:
 
     def start(self) -> TokenStream:
         options = dict(self.options)
-        if self.constraint is not None:
+        if self.constraint is not None:  # every registered engine masks drafts and targets
             options["logits_mask"] = grammar_mask(self.lm, self.constraint)  # one per generation
         return stream_engine(self.engine, self.lm, self.prompt,
                              max_new_tokens=self.max_new_tokens, documents=self.documents,

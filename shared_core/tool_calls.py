@@ -205,8 +205,8 @@ def parse_tool_calls(text: str, known: Sequence[str], prefill: str = ""
     calls: list[ToolCall] = []
     invalid: list[InvalidToolCall] = []
     for body in bodies:
-        try:
-            parsed = json.loads(body)
+        try:  # the first JSON value; text after it (e.g. a closing tag cut by max tokens) is not
+            parsed, _ = json.JSONDecoder().raw_decode(body)  # part of the call
         except json.JSONDecodeError as e:
             invalid.append(InvalidToolCall(None, body, _new_id(), f"not JSON: {e}"))
             continue

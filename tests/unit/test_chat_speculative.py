@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Literal
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
@@ -130,3 +131,74 @@ def test_tool_messages_keep_their_calls_and_bad_tool_choice_is_named(chat):
         chat.bind_tools([add], tool_choice="sub")
     with pytest.raises(ValueError, match="method='xml'"):
         chat.with_structured_output({"title": "x", "type": "object"}, method="xml")
+
+
+def _finite_tool():
+    from langchain_core.tools import tool
+
+    @tool
+    def pick_unit(unit: Literal["celsius", "fahrenheit"], precise: bool) -> str:
+        """Pick a temperature unit."""
+        return unit
+
+    return pick_unit
+
+
+@pytest.fixture(scope="module")
+def long_chat():
+    """The tiny model with room for tool schemas in the prompt (its BPE spends many tokens)."""
+    from tiny import tiny_lm
+
+    return ChatSpeculative(lm=tiny_lm(max_positions=2048), model="tiny", max_tokens=40,
+                           engine_options={"use_trigger": False})
+
+
+@pytest.mark.parametrize("tool_choice", ["any", "pick_unit"])
+def test_forced_tool_call_is_schema_valid_even_from_a_random_model(long_chat, tool_choice):
+    chat = long_chat
+    pytest.importorskip("xgrammar")
+    pick_unit = _finite_tool()
+    msg = chat.bind_tools([pick_unit], tool_choice=tool_choice).invoke(MESSAGES, max_tokens=120)
+    assert not msg.invalid_tool_calls and len(msg.tool_calls) == 1
+    call = msg.tool_calls[0]
+    assert call["name"] == "pick_unit" and call["id"].startswith("call_")
+    assert call["args"]["unit"] in ("celsius", "fahrenheit") and isinstance(call["args"]["precise"], bool)
+    assert pick_unit.invoke(call).content == call["args"]["unit"]  # a real ToolMessage
+    assert msg.response_metadata["finish_reason"] == "tool_calls"
+    streamed = None
+    for chunk in chat.bind_tools([pick_unit], tool_choice=tool_choice).stream(MESSAGES, max_tokens=120):
+        streamed = chunk if streamed is None else streamed + chunk
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [(call["name"], call["args"])]
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_structured_output_from_a_random_model_validates(long_chat, method):
+    chat = long_chat
+    pytest.importorskip("xgrammar")
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        label: Literal["yes", "no", "unsure"]
+        final: bool
+
+    out = chat.with_structured_output(Verdict, method=method).invoke(MESSAGES, max_tokens=120)
+    assert isinstance(out, Verdict)
+    raw = chat.with_structured_output(Verdict.model_json_schema(), method=method,
+                                      include_raw=True).invoke(MESSAGES, max_tokens=120)
+    assert raw["parsing_error"] is None and Verdict.model_validate(raw["parsed"]) is not None
+
+
+def test_constrained_speculation_equals_constrained_plain_decoding(long_chat):
+    pytest.importorskip("xgrammar")
+    from pydantic import BaseModel
+
+    class Note(BaseModel):
+        text: str
+        stars: int
+
+    out = {}
+    for engine in ("autoregressive", "respec"):
+        raw = long_chat.with_structured_output(Note, include_raw=True).invoke(
+            MESSAGES, engine=engine, max_tokens=60)["raw"]
+        out[engine] = (raw.content, raw.usage_metadata["output_tokens"])
+    assert out["respec"] == out["autoregressive"]

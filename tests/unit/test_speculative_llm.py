@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Literal
 
 import pytest
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
@@ -110,3 +111,35 @@ def test_function_calling_llm_interface(llm):
     assert turns[1]["tool_call_id"] == "c1"
     with pytest.raises(ValueError, match="expected at least one tool call"):
         tool_selections(llm.chat([ChatMessage(role=MessageRole.USER, content="hi")]), True)
+
+
+def test_structured_predict_and_forced_tool_call():
+    pytest.importorskip("xgrammar")
+    from tiny import tiny_lm
+
+    llm = SpeculativeLLM(lm=tiny_lm(max_positions=2048), model="tiny", max_new_tokens=120,
+                         engine_options={"use_trigger": False})
+    from llama_index.core.prompts import PromptTemplate
+    from llama_index.core.tools import FunctionTool
+    from pydantic import BaseModel
+
+    class Verdict(BaseModel):
+        """A verdict."""
+
+        label: Literal["yes", "no", "unsure"]
+        final: bool
+
+    out = llm.structured_predict(Verdict, PromptTemplate("Judge: {x}"), x=PROMPT)
+    assert isinstance(out, Verdict)
+    assert isinstance(llm.as_structured_llm(Verdict).complete(PROMPT).raw, Verdict)
+
+    def pick(flag: bool) -> str:
+        """Pick a flag."""
+        return str(flag)
+
+    tool = FunctionTool.from_defaults(fn=pick)
+    response = llm.chat_with_tools([tool], PROMPT, tool_required=True)
+    selections = llm.get_tool_calls_from_response(response)
+    assert [s.tool_name for s in selections] == ["pick"]
+    assert isinstance(selections[0].tool_kwargs["flag"], bool)
+    assert llm.predict_and_call([tool], PROMPT, tool_required=True).response in ("True", "False")
