@@ -3,6 +3,7 @@ public API."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Iterator, Sequence
@@ -17,6 +18,7 @@ from shared_core.engines.os3 import OS3Scheduler
 from shared_core.engines.ralmspec.backends import as_backend, await_search, start_search
 from shared_core.engines.ralmspec.cache import LocalCache, check_query
 from shared_core.engines.ralmspec.decoding import RaLMCall
+from shared_core.engines.ralmspec.pipeline import run_pipelined
 from shared_core.models import LM
 from shared_core.output import GenerationResult
 from shared_core.rag_config import (
@@ -60,7 +62,8 @@ class _Speculator:
         self.call = call
         self.cache = LocalCache()
         self.scheduler = OS3Scheduler(config.async_verify, config.window, config.gamma_max,
-                                      config.max_speculation_stride)
+                                      config.max_speculation_stride,
+                                      overlap_steps=config.overlap_steps)
         self.stride = 1 if config.scheduler else config.speculation_stride
         self.carried: list[_Step] = []
         self.committed = 0
@@ -257,6 +260,27 @@ class RaLMSpec:
                  ) -> GenerationResult:
         return self.stream(question, max_new_tokens, temperature=temperature, top_k=top_k,
                            top_p=top_p, stop=stop, seed=seed).run()
+
+    def batch(self, questions: Sequence[str], max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
+              **sampling: Any) -> list[GenerationResult]:
+        """RaLMSpec on each question in order, pipelined: question i+1's first retrieval rides in
+        question i's last batched search (see :mod:`.pipeline`); outputs as ``generate``'s."""
+        if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence):
+            msg = "questions must be a list of strings"
+            raise TypeError(msg)
+        if not questions:
+            msg = "questions must not be empty"
+            raise ValueError(msg)
+        for i, question in enumerate(questions):
+            check_query(question, f"questions[{i}]")
+        calls = [self._call(q, max_new_tokens, sampling) for q in questions]
+        return run_pipelined(calls, self.backend, _ralmspec_blocks)
+
+    async def abatch(self, questions: Sequence[str],
+                     max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, **sampling: Any
+                     ) -> list[GenerationResult]:
+        """:meth:`batch` on a worker thread (the event loop stays free)."""
+        return await asyncio.to_thread(self.batch, questions, max_new_tokens, **sampling)
 
     def generate_baseline(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
                           temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
