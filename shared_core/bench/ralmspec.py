@@ -80,6 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KNN-LM speculation stride without OS³ (0: use OS³)")
     parser.add_argument("--cache-dir", default=os.path.join(os.sep, "tmp", "specrag-ralmspec"))
     ralmspec_stores.add_arguments(parser)
+    parser.add_argument("--pipelined", action="store_true",
+                        help="also +PSA(pipe): RaLMSpec.batch over all questions (cross-question "
+                             "pipelining)")
 
 
 def _load(limit: int) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -223,6 +226,23 @@ def _search_latency(retriever: Any, questions: list[str], repeats: int) -> dict[
     return ralmspec_stores.latency(backend, np.asarray(queries, dtype=object), repeats)
 
 
+def _run_pipelined(engine: Any, warmup: str, questions: list[str], max_new_tokens: int
+                   ) -> MethodResult:
+    """``engine.batch`` over all questions (cross-question pipelining), timed as a whole."""
+    engine.batch([warmup, warmup], max_new_tokens)
+    tally, load = _Tally(), [_load_avg()]
+    start = time.perf_counter()
+    outs = engine.batch(questions, max_new_tokens)
+    wall = time.perf_counter() - start
+    for out in outs:
+        tally.add(out, wall / len(outs))
+    tally.totals["pipelined_questions"] = sum(
+        bool(o.stats.extra.get("first_retrieval_pipelined")) for o in outs)
+    tally.totals["retrieval_calls"] = sum(o.stats.extra["backend_searches"] for o in outs)
+    load.append(_load_avg())
+    return tally.finish(load)
+
+
 def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
     from shared_core.models import load_lm
@@ -259,8 +279,14 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
         for name, result in _run_methods(engines, questions, args.max_new_tokens).items():
             methods[f"{kind}/{name}"] = result
             logger.info("%s/%s: %.2f s", kind, name, result.wall_s)
+        names = list(engines)
+        if args.pipelined:
+            names.append("+PSA(pipe)")
+            methods[f"{kind}/+PSA(pipe)"] = _run_pipelined(
+                RaLMSpec(lm, retriever, replace(base, **ABLATION["+PSA"])), warmup, questions,
+                args.max_new_tokens)
         ref = methods[f"{kind}/RaLMSeq"].wall_s
-        for name in engines:
+        for name in names:
             speedup[f"{kind}/{name}"] = round(ref / methods[f"{kind}/{name}"].wall_s, 3)
             calls = methods[f"{kind}/{name}"].stats["retrieval_calls"]
             if kind in stores:
