@@ -24,7 +24,7 @@ from shared_core.retrieval import DenseRetriever, Document
 from shared_core.retrieval.stores import MilvusStore, PgVectorStore, QdrantStore
 
 pytestmark = pytest.mark.integration
-N_DOCS = 300
+N_DOCS = 200
 CONFIG = RaLMSpecConfig(max_doc_tokens=96, speculation_stride=3, async_verify=False,
                         scheduler=False)
 STORES = ("qdrant", "milvus", "pgvector")
@@ -172,8 +172,9 @@ def test_ralmspec_equals_ralmseq(store, exact, nq, smollm) -> None:
         counter = _counter(backend, client)
         ref = engine.generate_baseline(question, 24)
         assert counter.calls == ref.stats.extra["retrieval_calls"] == len(ref.stats.extra["doc_ids"])
-        assert ref.token_ids == RaLMSpec(smollm, dense, CONFIG).generate_baseline(
-            question, 24).token_ids
+        if question == nq[1][0]:  # RaLMSeq on the store == RaLMSeq on FAISS (same vectors)
+            assert ref.token_ids == RaLMSpec(smollm, dense, CONFIG).generate_baseline(
+                question, 24).token_ids
         counter = _counter(backend, client)
         out = engine.generate(question, 24)
         assert out.token_ids == ref.token_ids, question
@@ -182,5 +183,7 @@ def test_ralmspec_equals_ralmseq(store, exact, nq, smollm) -> None:
         assert counter.calls == out.stats.extra["retrieval_calls"]
         assert counter.calls == 1 + out.stats.rounds
         assert counter.calls < ref.stats.extra["retrieval_calls"]
-        defaults = RaLMSpecConfig(max_doc_tokens=CONFIG.max_doc_tokens)  # OS³, prefetch, async
-        assert RaLMSpec(smollm, backend, defaults).generate(question, 24).token_ids == ref.token_ids
+        if question == nq[1][0]:  # OS³, prefetching, asynchronous verification (defaults)
+            defaults = RaLMSpecConfig(max_doc_tokens=CONFIG.max_doc_tokens)
+            out = RaLMSpec(smollm, backend, defaults).generate(question, 24)
+            assert out.token_ids == ref.token_ids
