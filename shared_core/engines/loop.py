@@ -20,14 +20,14 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Callable, Iterator, MutableMapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import torch
 
 from shared_core.config import CacheKind, GenerationConfig
 from shared_core.device import synchronize
+from shared_core.engines.timing import timed
 from shared_core.kv import KVSession
 from shared_core.models import LM
 from shared_core.output import GenerationResult, OutputTracker, validate_messages, validate_prompt_ids
@@ -65,21 +65,6 @@ def check_logits_mask(mask: Any) -> LogitsMask | None:
                f"is_terminated()), got {type(mask).__name__}")
         raise TypeError(msg)
     return mask
-
-
-@contextmanager
-def timed(target: Any, name: str) -> Iterator[None]:
-    """Add the wall seconds of the ``with`` body to ``target.name`` (or ``target[name]`` for a
-    dict, starting at 0), also when the body raises."""
-    start = time.perf_counter()
-    try:
-        yield
-    finally:
-        elapsed = time.perf_counter() - start
-        if isinstance(target, MutableMapping):
-            target[name] = target.get(name, 0.0) + elapsed
-        else:
-            setattr(target, name, getattr(target, name) + elapsed)
 
 
 def encode_prompt(lm: LM, prompt: Prompt) -> list[int]:

@@ -103,7 +103,7 @@ def _doc_id(text: str, given: Any) -> str:
     return str(given) if given else "sha1-" + hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _converted(items: Any, name: str, kind: str, row: int, convert: Callable[[Any], Hit],
+def _converted_hits(items: Any, name: str, kind: str, row: int, convert: Callable[[Any], Hit],
                k: int) -> list[Hit]:
     """One row of a framework retriever's answer as Hits, or an error naming what was wrong."""
     if isinstance(items, (str, bytes, dict)) or not isinstance(items, Sequence):
@@ -137,7 +137,7 @@ def _langchain_search(retriever: Any) -> Callable[[list[str], int], list[list[Hi
 
     def search(queries: list[str], k: int) -> list[list[Hit]]:
         results = check_rows(retriever.batch(queries), len(queries), f"{name}.batch")
-        return [_converted(docs, name, "a list of LangChain Documents", i, _from_langchain, k)
+        return [_converted_hits(docs, name, "a list of LangChain Documents", i, _from_langchain, k)
                 for i, docs in enumerate(results)]
 
     return search
@@ -156,8 +156,8 @@ def _llamaindex_search(retriever: Any) -> Callable[[list[str], int], list[list[H
             raise TypeError(msg) from e
 
     def search(queries: list[str], k: int) -> list[list[Hit]]:
-        return [_converted(retrieve(query), name, "a list of NodeWithScore", i,
-                           _from_llamaindex, k) for i, query in enumerate(queries)]
+        return [_converted_hits(retrieve(query), name, "a list of NodeWithScore", i,
+                                _from_llamaindex, k) for i, query in enumerate(queries)]
 
     return search
 

@@ -3,7 +3,6 @@ RNG draw per output position) and the per-call state."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -13,6 +12,7 @@ from shared_core.config import GenerationConfig, SamplingConfig
 from shared_core.engines.loop import TokenStream
 from shared_core.engines.ralmspec.backends import SpeculativeBackend, checked_search
 from shared_core.engines.ralmspec.served import ServedRaLMDecoder
+from shared_core.engines.timing import timed
 from shared_core.kv import CacheKind, KVSession
 from shared_core.models import LM
 from shared_core.output import OutputTracker
@@ -90,17 +90,16 @@ class RaLMDecoder:
 
     def reset_to(self, doc: Document, length: int) -> None:
         """State: output ``generated[:length]`` under ``doc`` (KV rolled back, not recomputed)."""
-        start = time.perf_counter()
-        del self.generated[length:]
-        ids = self.prompt.ids(doc, self.generated)
-        feed = self.session.sync(ids[:-1])
-        if feed:
-            self.session.prefill(feed)
-            self.stats.target_forwards += 1
-            self.stats.extra["prefill_tokens"] = self.stats.extra.get("prefill_tokens", 0) + len(
-                feed)
-        self.doc, self.pending = doc, ids[-1]
-        self.lm_s += time.perf_counter() - start
+        with timed(self, "lm_s"):
+            del self.generated[length:]
+            ids = self.prompt.ids(doc, self.generated)
+            feed = self.session.sync(ids[:-1])
+            if feed:
+                self.session.prefill(feed)
+                self.stats.target_forwards += 1
+                extra = self.stats.extra
+                extra["prefill_tokens"] = extra.get("prefill_tokens", 0) + len(feed)
+            self.doc, self.pending = doc, ids[-1]
 
     def _choose(self, logits: torch.Tensor) -> int:
         if self.sampling.greedy:
@@ -113,15 +112,14 @@ class RaLMDecoder:
         """Generate up to ``retrieval_stride`` tokens under ``doc``; return how many."""
         if doc is not self.doc and (self.doc is None or doc.id != self.doc.id):
             self.reset_to(doc, len(self.generated))
-        start = time.perf_counter()
         n = 0
-        while n < self.prompt.config.retrieval_stride and not self.finished:
-            logits = self.session.extend([self.pending])[-1]
-            self.stats.target_forwards += 1
-            self.pending = self._choose(logits)
-            self.generated.append(self.pending)
-            n += 1
-        self.lm_s += time.perf_counter() - start
+        with timed(self, "lm_s"):
+            while n < self.prompt.config.retrieval_stride and not self.finished:
+                logits = self.session.extend([self.pending])[-1]
+                self.stats.target_forwards += 1
+                self.pending = self._choose(logits)
+                self.generated.append(self.pending)
+                n += 1
         return n
 
 
@@ -159,17 +157,14 @@ class RaLMCall:
 
     def retrieve(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
         """A blocking retriever call (checked, time-limited by ``retrieval_timeout_s``), timed."""
-        start = time.perf_counter()
-        hits = checked_search(self.backend, encoded, k, self.config.retrieval_timeout_s)
-        self.retrieval_s += time.perf_counter() - start
+        with timed(self, "retrieval_s"):
+            hits = checked_search(self.backend, encoded, k, self.config.retrieval_timeout_s)
         self.retrieval_calls += 1
         return hits
 
     def encode(self, query: str) -> Any:
-        start = time.perf_counter()
-        encoded = self.backend.encode(query)
-        self.retrieval_s += time.perf_counter() - start
-        return encoded
+        with timed(self, "retrieval_s"):
+            return self.backend.encode(query)
 
     def stream(self, blocks: Iterator[list[int]]) -> TokenStream:
         def close(stats: DecodeStats) -> None:

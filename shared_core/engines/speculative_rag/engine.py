@@ -40,6 +40,7 @@ from shared_core.engines.speculative_rag.subsets import (
     random_subsets,
     same_cluster_subsets,
 )
+from shared_core.engines.timing import timed
 from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import check_retriever, retrieve, to_documents
@@ -273,17 +274,14 @@ class SpeculativeRAG:
                                         docs_per_draft=cfg.docs_per_draft, retrieve_s=retrieve_s,
                                         skipped_documents=skipped)
             emit("specrag_retrieved", {"num_documents": len(docs)})
-            t = time.perf_counter()
-            subsets = self.sample_subsets(question, docs, stats)
-            stats.sample_s = time.perf_counter() - t
+            with timed(stats, "sample_s"):  # 1. multi-perspective subsets
+                subsets = self.sample_subsets(question, docs, stats)
             emit("specrag_subsets", {"subsets": [list(s) for s in subsets]})
-            t = time.perf_counter()
-            drafts = self.draft(question, docs, subsets, stats)
-            stats.draft_s = time.perf_counter() - t
+            with timed(stats, "draft_s"):  # 2. batched drafting
+                drafts = self.draft(question, docs, subsets, stats)
             emit("specrag_drafted", {"answers": [d.answer for d in drafts]})
-            t = time.perf_counter()
-            drafts = self.score(question, drafts, stats)
-            stats.verify_s = time.perf_counter() - t
+            with timed(stats, "verify_s"):  # 3. one verifier forward + scores
+                drafts = self.score(question, drafts, stats)
         best = select_best(drafts, cfg.selection, random.Random(f"{cfg.seed}:select:{question}"))
         emit("specrag_verified", {"scores": [d.score for d in drafts], "best": best})
         stats.total_s = time.perf_counter() - start
