@@ -30,8 +30,9 @@ def _lp(row: list[int], t: int) -> float:
 class FakeVLLM:
     """vLLM-shaped answers; records every request."""
 
-    def __init__(self, tok: Any, *, token_ids: bool = True, fail_first: int = 0) -> None:
-        self.tok, self.token_ids, self.fail_first = tok, token_ids, fail_first
+    def __init__(self, tok: Any, *, token_ids: bool = True, fail_first: int = 0,
+                 by_sum: bool = False) -> None:
+        self.tok, self.token_ids, self.fail_first, self.by_sum = tok, token_ids, fail_first, by_sum
         self.requests: list[httpx.Request] = []
 
     def bodies(self, path: str) -> list[dict[str, Any]]:
@@ -67,7 +68,8 @@ class FakeVLLM:
                                 "finish_reason": "length"})
                 continue
             for j in range(body["n"]):
-                ids = [(p[-1] + 1 + j + i) % 50 for i in range(body["max_tokens"])]
+                first = (sum(p) if self.by_sum else p[-1]) + 1 + j  # by_sum: the doc matters
+                ids = [3 + (first + i) % 47 for i in range(body["max_tokens"])]
                 choices.append({"index": len(choices), "token_ids": ids if self.token_ids else None,
                                 "logprobs": {"token_logprobs": [-0.5] * len(ids)},
                                 "finish_reason": "length"})
@@ -138,8 +140,8 @@ def test_vllm_generate_sends_token_ids_in_one_request(tok):
     [body] = server.bodies("/v1/completions")[before:]
     assert body["prompt"] == [[5, 6, 7], [9]] and body["n"] == 2 and body["return_token_ids"]
     assert (body["temperature"], body["top_k"], body["seed"], body["max_tokens"]) == (0.7, 5, 3, 3)
-    assert [[g.token_ids for g in row] for row in out] == [[[8, 9, 10], [9, 10, 11]],
-                                                           [[10, 11, 12], [11, 12, 13]]]
+    assert [[g.token_ids for g in row] for row in out] == [[[11, 12, 13], [12, 13, 14]],
+                                                           [[13, 14, 15], [14, 15, 16]]]
     assert out[0][0].logprobs == [-0.5] * 3
 
 
@@ -251,3 +253,44 @@ async def test_async_generate_and_score_match_sync(tok):
     assert await lm.ascore_rows([[3, 4, 5]]) == lm.score_rows([[3, 4, 5]])
     await lm.aclose()
     lm.close()
+
+
+def test_ralmspec_wiring_on_a_served_lm(tok):
+    """RaLMSpec / RaLMSeq take a RemoteLM: one token-id request per step, prompt = head + document
+    + tail + output so far, outputs equal (the fake answers depend on the whole prompt)."""
+    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+    from shared_core.retrieval import BM25Retriever, Document
+
+    lm, server = _vllm(tok, by_sum=True)
+    bm25 = BM25Retriever()
+    bm25.add([Document(f"d{i}", t) for i, t in enumerate(
+        ["the cat sat on the mat", "a dog ran in the park", "the sun is a star", "rivers flow"])])
+    config = RaLMSpecConfig(max_doc_tokens=16, max_prompt_tokens=256)
+    before = len(server.bodies("/v1/completions"))
+    seq = RaLMSpec(lm, bm25, config).generate_baseline("where did the cat sit", 12)
+    requests = server.bodies("/v1/completions")[before:]
+    assert len(requests) == 3 and all(b["max_tokens"] == 4 for b in requests)
+    assert requests[1]["prompt"][0][-4:] == list(seq.token_ids[:4])  # output so far is in the prompt
+    spec = RaLMSpec(lm, bm25, config).generate("where did the cat sit", 12)
+    assert spec.token_ids == seq.token_ids and seq.stats.extra["served_requests"] == 3
+
+
+def test_speculative_rag_on_served_models_sends_one_draft_and_one_score_request(tok):
+    from tiny import HashEmbedder
+
+    from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
+
+    lm, server = _vllm(tok, by_sum=True)
+    config = SpeculativeRAGConfig(num_drafts=3, docs_per_draft=1, max_draft_tokens=6,
+                                  subset_strategy="random")
+    before = len(server.bodies("/v1/completions"))
+    result = SpeculativeRAG(lm, lm, embedder=HashEmbedder(), config=config).answer(
+        "where did the cat sit", ["the cat sat on the mat", "a dog ran", "the sun is a star"])
+    draft_req, score_req = server.bodies("/v1/completions")[before:]
+    assert len(draft_req["prompt"]) == 3 and draft_req["max_tokens"] == 6 and not draft_req.get("echo")
+    assert len(score_req["prompt"]) == 3 and score_req["echo"] and score_req["max_tokens"] == 0
+    n_yes = len(tok.encode(" Yes", add_special_tokens=False))  # the scored "Yes" span ends each row
+    for d, row in zip(result.drafts, score_req["prompt"], strict=True):
+        yes = range(len(row) - n_yes, len(row))
+        assert d.log_self_reflect == pytest.approx(sum(_lp(row, t) for t in yes))
+    assert result.best == max(range(3), key=lambda i: (result.drafts[i].score, -i))
