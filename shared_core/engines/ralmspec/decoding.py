@@ -18,6 +18,7 @@ from shared_core.models import LM
 from shared_core.output import OutputTracker
 from shared_core.rag_config import (
     RaLMSpecConfig,
+    format_prompt,
 )
 from shared_core.retrieval.base import Document, Hit
 from shared_core.stats import DecodeStats
@@ -39,7 +40,9 @@ class RaLMPrompt:
             msg = "question must be a non-empty string"
             raise ValueError(msg)
         content = f"{config.instruction}\n\nPassage: {_SENTINEL}\n\nQuestion: {question.strip()}"
-        rendered = lm.chat_prompt([{"role": "user", "content": content}])
+        messages = ([{"role": "user", "content": content}] if config.prompt is None  # a caller's
+                    else format_prompt(config.prompt, question.strip(), _SENTINEL))  # prompt=
+        rendered = lm.chat_prompt(messages)
         head, tail = rendered.split(_SENTINEL)
         self.lm = lm
         self.config = config
