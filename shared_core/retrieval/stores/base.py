@@ -79,7 +79,7 @@ class Embedder:
         """
         model = self.model
         if callable(getattr(model, "encode", None)):
-            vectors = model.encode(texts)
+            vectors = self._encode(model, texts)
         elif callable(getattr(model, "embed_query", None)):
             vectors = [model.embed_query(text) for text in texts]
         else:
@@ -89,12 +89,18 @@ class Embedder:
     def documents(self, texts: list[str]) -> np.ndarray:
         model = self.model
         if callable(getattr(model, "encode", None)):
-            vectors = model.encode(texts)
+            vectors = self._encode(model, texts)
         elif callable(getattr(model, "embed_documents", None)):
             vectors = model.embed_documents(texts)
         else:
             vectors = model.get_text_embedding_batch(texts)
         return self._checked(vectors, len(texts))
+
+    @staticmethod
+    def _encode(model: Any, texts: list[str]) -> Any:
+        if type(model).__module__.startswith("sentence_transformers"):  # no progress bars
+            return model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
+        return model.encode(texts)
 
     @staticmethod
     def _checked(vectors: Any, n: int) -> np.ndarray:
