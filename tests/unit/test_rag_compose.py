@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
@@ -318,3 +319,25 @@ def test_the_engine_drafts_with_the_prompt_setting(specrag) -> None:
         len(draft_prompt(lm, QUESTION, [DOCS[i] for i in s], prompt=CHAT_EXPECTED))
         for s in subsets)
     assert custom["stats"]["draft_prompt_tokens"] != default["stats"]["draft_prompt_tokens"]
+
+
+def test_ralmspec_answers_with_the_prompt_setting(ralmspec) -> None:
+    """The default's own text as a prompt gives the same tokens; another prompt changes the
+    prompt and stays identical to RaLMSeq under it (both frameworks)."""
+    from shared_core.rag_config import DEFAULT_INSTRUCTION
+
+    as_default = DEFAULT_INSTRUCTION + "\n\nPassage: {documents}\n\nQuestion: {question}"
+    other = LCPromptTemplate.from_template("Q: {question}\nUse: {documents}")
+    default = RaLMSpecRunnable(engine=ralmspec, max_new_tokens=12, with_details=True)
+    same = RaLMSpecRunnable(engine=ralmspec, max_new_tokens=12, with_details=True,
+                            prompt=as_default)
+    assert same.invoke(QUESTION)["token_ids"] == default.invoke(QUESTION)["token_ids"]
+    custom = RaLMSpecRunnable(engine=ralmspec, max_new_tokens=12, with_details=True,
+                              prompt=other).invoke(QUESTION)
+    assert custom["stats"]["prompt_tokens"] != default.invoke(QUESTION)["stats"]["prompt_tokens"]
+    baseline = RaLMSpec(ralmspec.lm, _index(), replace(
+        ralmspec.config, prompt="Q: {question}\nUse: {documents}")).generate_baseline(QUESTION, 12)
+    assert custom["token_ids"] == baseline.token_ids
+    engine = RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=12,
+                                 prompt=LIPromptTemplate("Q: {question}\nUse: {documents}"))
+    assert engine.query(QUESTION).metadata["token_ids"] == baseline.token_ids
