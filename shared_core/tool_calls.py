@@ -17,6 +17,7 @@ Torch-free; the tokenizer is used only through the LM's chat template.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import uuid
 from collections.abc import Mapping, Sequence
@@ -28,6 +29,7 @@ from shared_core.constrained import Constraint
 if TYPE_CHECKING:
     from shared_core.models import LM
 
+logger = logging.getLogger(__name__)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 _CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 CHOICES = ("auto", "none", "required")
@@ -60,22 +62,27 @@ class InvalidToolCall:
 
 def check_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """OpenAI-format function tools, validated (unique names, object parameters)."""
-    out, names = [], set()
+    out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
         if tool.get("type", "function") != "function" or not isinstance(fn, Mapping):
             msg = f"tools[{i}] must be an OpenAI function tool {{'type': 'function', 'function': {{...}}}}"
             raise TypeError(msg)
         name = fn.get("name")
-        if not isinstance(name, str) or not name or name in names:
-            msg = f"tools[{i}] needs a unique, non-empty function name, got {name!r}"
+        if not isinstance(name, str) or not name:
+            msg = f"tools[{i}] needs a non-empty function name, got {name!r}"
             raise ValueError(msg)
-        names.add(name)
         params = dict(fn.get("parameters") or {})
         params.setdefault("type", "object")
         params.setdefault("properties", {})
-        out.append({"type": "function", "function": {**fn, "parameters": params}})
-    return out
+        spec = {"type": "function", "function": {**fn, "parameters": params}}
+        if name in out:  # the model could not tell two tools of one name apart: show one
+            if out[name] != spec:
+                logger.warning("tools[%d] has the name %r of an earlier tool; the first is "
+                               "kept", i, name)
+            continue
+        out[name] = spec
+    return list(out.values())
 
 
 def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -34,8 +34,9 @@ def test_tool_checks_and_choices():
     assert check_tool_choice({"type": "function", "function": {"name": "now"}}, tools) == "now"
     with pytest.raises(ValueError, match="tool_choice='later'"):
         check_tool_choice("later", tools)
-    with pytest.raises(ValueError, match=r"tools\[1\].*unique"):
-        check_tools([WEATHER, WEATHER])
+    assert check_tools([WEATHER, WEATHER]) == check_tools([WEATHER])
+    other = {"type": "function", "function": {**WEATHER["function"], "description": "other"}}
+    assert check_tools([WEATHER, other]) == check_tools([WEATHER])  # the first is kept
     with pytest.raises(TypeError, match=r"tools\[0\]"):
         check_tools([{"name": "x"}])
 
