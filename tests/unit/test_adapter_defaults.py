@@ -276,3 +276,28 @@ def test_speculative_retrievers_report_scores_the_same_way(bm25) -> None:
     assert guess_lc[0].metadata["score"] is None and guess_li[0].score is None  # not verified
     assert guess_lc[0].id == guess_li[0].node.node_id
     assert lc.verify() == li.verify()
+
+
+# ----------------------------------------------------------------------------- prompt (issue 16)
+
+
+def test_the_prompt_setting_is_shared_and_follows_a_prebuilt_engine(tiny_target, bm25,
+                                                                    specrag) -> None:
+    assert "prompt" in SPECRAG_SETTINGS and "prompt" in RALMSPEC_SETTINGS
+    for adapter in (SpeculativeRAGRunnable(), SpeculativeRAGQueryEngine(LIRetriever()),
+                    RaLMSpecRunnable(), RaLMSpecQueryEngine()):
+        assert adapter.prompt is None is SpeculativeRAGConfig.prompt is RaLMSpecConfig.prompt
+    text = "{documents}\n\nQ: {question}"
+    prebuilt = specrag.with_config(SpeculativeRAGConfig(**{
+        **{f: getattr(specrag.config, f) for f in ("num_drafts", "docs_per_draft",
+                                                    "max_draft_tokens", "retrieve_k",
+                                                    "subset_strategy")}, "prompt": text}))
+    for adapter in (SpeculativeRAGRunnable(engine=prebuilt),
+                    SpeculativeRAGQueryEngine(LIRetriever(), engine=prebuilt)):
+        assert adapter.prompt == (("user", text),) == adapter._engine().config.prompt
+    engine = RaLMSpec(tiny_target, bm25, RaLMSpecConfig(prompt=text))
+    for adapter in (RaLMSpecRunnable(engine=engine), RaLMSpecQueryEngine(engine=engine)):
+        assert adapter._engine().config.prompt == (("user", text),)
+    for adapter in (RaLMSpecRunnable(engine=engine, prompt="P {documents} {question}"),
+                    RaLMSpecQueryEngine(engine=engine, prompt="P {documents} {question}")):
+        assert adapter._engine().config.prompt == (("user", "P {documents} {question}"),)
