@@ -11,9 +11,15 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from shared_core import models
+
+LOGGED_LOAD = ("import logging, sys\n"
+               "logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')\n"
+               "from shared_core.models import load_lm\n"
+               "load_lm(sys.argv[1])\n")
 
 LOAD_BOTH = """
 import json, sys, time
@@ -86,3 +92,66 @@ def test_a_hub_probe_respects_a_proxy_and_the_endpoint(monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     assert embedded.hub_unavailable() == "HF_HUB_OFFLINE is set"
     assert models.cache_dir() == embedded.cache_dir()
+
+
+def _write_tiny_gguf(path) -> None:
+    """The one-layer tiny Llama as an f32 GGUF (tokenizer included), as llama.cpp lays it out."""
+    import gguf
+    from tiny import tiny_llama, tiny_tokenizer
+
+    model, tok = tiny_llama(num_layers=1), tiny_tokenizer()
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    spec = json.loads(tok.backend_tokenizer.to_str())
+    vocab = sorted(spec["model"]["vocab"], key=spec["model"]["vocab"].get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(vocab)
+    writer.add_token_types([1] * len(vocab))
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m)
+                             for m in spec["model"]["merges"]])
+    writer.add_eos_token_id(tok.eos_token_id)
+    top = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+    block = {"input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q",
+             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "post_attention_layernorm": "ffn_norm",
+             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    for name, tensor in model.state_dict().items():
+        stem = name.removesuffix(".weight")
+        if stem.startswith("model.layers."):
+            _, _, layer, rest = stem.split(".", 3)
+            out = f"blk.{layer}.{block[rest]}"
+        else:
+            out = top[stem]
+        writer.add_tensor(f"{out}.weight", tensor.detach().float().numpy().astype(np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_a_cold_load_logs_one_build_line_under_specrag_cache_and_a_warm_one_nothing(
+        tmp_path) -> None:
+    """The build line is a WARNING (the CLI's level); the cache lands under $SPECRAG_CACHE and
+    nothing under $HOME; the warm load prints no line and no progress bar."""
+    gguf_file = tmp_path / "tiny-model.gguf"
+    _write_tiny_gguf(gguf_file)
+    env = _env(tmp_path, HF_HUB_OFFLINE="1", HOME=str(tmp_path / "home"))
+    cold = subprocess.run([sys.executable, "-c", LOGGED_LOAD, str(gguf_file)], env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+    ours = [ln for ln in cold.stderr.splitlines() if ln.startswith("shared_core.")]
+    builds = [ln for ln in ours if "de-quantizing once" in ln]
+    cache = tmp_path / "specrag" / "models"
+    assert len(builds) == 1 and str(cache) in builds[0], cold.stderr
+    assert [p.name for p in cache.iterdir() if p.is_dir()] == [builds[0].rsplit("/", 1)[-1]]
+    assert not (tmp_path / "home" / ".cache" / "specrag").exists()
+    warm = subprocess.run([sys.executable, "-c", LOGGED_LOAD, str(gguf_file)], env=env,
+                          capture_output=True, text=True, timeout=300, check=True)
+    assert "shared_core." not in warm.stderr and "it/s]" not in warm.stderr, warm.stderr
