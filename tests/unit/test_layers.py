@@ -55,6 +55,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.engines.loop": (3, "the shared round scaffolding: Run, TokenStream, LogitsMask, "
                                    "timed"),
     "shared_core.engines.timing": (3, "the engines' one timing helper (torch-free)"),
+    "shared_core.engines.respec": (3, "ReSpec package: drafting (trees, trigger, request), engine"),
     "shared_core.engines.ralmspec": (3, "RaLMSpec package: backends, cache + speculative "
                                        "retrieval, decoding, engine"),
     "shared_core.engines.os3": (3, "the OS3 stride scheduler (RaLMSpec and KNN-LM)"),
