@@ -1,4 +1,5 @@
-"""Engines: one module per paper (DESIGN §1), resolved lazily so importing this is cheap."""
+"""Engines: one module or package per paper (DESIGN §1) over the shared round loop
+(:mod:`shared_core.engines.loop`), resolved lazily so importing this is cheap."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from shared_core._lazy import lazy_getattr
 
 if TYPE_CHECKING:
     from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+    from shared_core.engines.loop import LogitsMask
     from shared_core.engines.ralmspec import RaLMSpec
     from shared_core.engines.rapid import RapidDecoder
     from shared_core.engines.respec import ReSpecDecoder
@@ -20,8 +22,10 @@ _LAZY = {
     "ReSpecDecoder": "shared_core.engines.respec",
     "autoregressive_generate": "shared_core.engines.baseline",
     "speculative_generate": "shared_core.engines.baseline",
+    "LogitsMask": "shared_core.engines.loop",
 }
 __all__ = [
+    "LogitsMask",
     "RaLMSpec",
     "RapidDecoder",
     "ReSpecDecoder",
