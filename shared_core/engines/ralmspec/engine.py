@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from shared_core.config import GenerationConfig
-from shared_core.engines.baseline import TokenStream
+from shared_core.engines.loop import TokenStream
 from shared_core.engines.os3 import OS3Scheduler
 from shared_core.engines.ralmspec.backends import as_backend, await_search, start_search
 from shared_core.engines.ralmspec.cache import LocalCache, check_query
