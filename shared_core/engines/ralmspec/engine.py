@@ -19,6 +19,7 @@ from shared_core.engines.ralmspec.backends import as_backend, await_search, star
 from shared_core.engines.ralmspec.cache import LocalCache, check_query
 from shared_core.engines.ralmspec.decoding import RaLMCall
 from shared_core.engines.ralmspec.pipeline import run_pipelined
+from shared_core.engines.timing import timed
 from shared_core.models import LM
 from shared_core.output import GenerationResult
 from shared_core.rag_config import (
@@ -81,15 +82,14 @@ class _Speculator:
         return self._commit(len(decoder.generated))
 
     def speculate(self) -> _Step:
-        decoder = self.call.decoder
-        start = time.perf_counter()
-        encoded = self.call.encode(self.call.prompt.query(decoder.generated))
-        lookup = time.perf_counter()
-        doc = self.cache.top1(self.call.backend, encoded)
-        self.call.retrieval_s += time.perf_counter() - lookup
-        step = _Step(len(decoder.generated), encoded, doc)
-        decoder.step(doc)
-        self.step_times.append(time.perf_counter() - start)
+        decoder, seconds = self.call.decoder, {"step": 0.0}
+        with timed(seconds, "step"):
+            encoded = self.call.encode(self.call.prompt.query(decoder.generated))
+            with timed(self.call, "retrieval_s"):
+                doc = self.cache.top1(self.call.backend, encoded)
+            step = _Step(len(decoder.generated), encoded, doc)
+            decoder.step(doc)
+        self.step_times.append(seconds["step"])
         return step
 
     def round(self) -> list[int]:
@@ -132,17 +132,16 @@ class _Speculator:
         call, decoder = self.call, self.call.decoder
         encoded = call.encode(call.prompt.query(decoder.generated))
         guess = self.cache.top1(call.backend, encoded)
-        start = time.perf_counter()
-        hits = call.retrieve([encoded], call.config.verify_k)[0]
-        b = time.perf_counter() - start
+        seconds = {"a": 0.0, "b": 0.0}
+        with timed(seconds, "b"):
+            hits = call.retrieve([encoded], call.config.verify_k)[0]
         self._update_cache(hits if call.config.prefetch else hits[:1])
         call.use([hits[0].document])
-        start = time.perf_counter()
-        decoder.step(hits[0].document)
-        a = time.perf_counter() - start
+        with timed(seconds, "a"):
+            decoder.step(hits[0].document)
         hit = int(guess.id == hits[0].document.id)
         self.strides.append(0)
-        self.scheduler.observe(a, b, hit, 1 - hit, 1)
+        self.scheduler.observe(seconds["a"], seconds["b"], hit, 1 - hit, 1)
         self.stride = self.scheduler.next_stride()
         return self._commit(len(decoder.generated))
 
@@ -152,9 +151,10 @@ class _Speculator:
         call, decoder = self.call, self.call.decoder
         encoded = [st.encoded for st in steps]
         if not call.config.async_verify or decoder.finished or not overlap:
-            start = time.perf_counter()
-            hits = call.retrieve(encoded, call.config.verify_k)
-            return hits, [], time.perf_counter() - start
+            seconds = {"b": 0.0}
+            with timed(seconds, "b"):
+                hits = call.retrieve(encoded, call.config.verify_k)
+            return hits, [], seconds["b"]
         submitted = time.perf_counter()
         timeout = call.config.retrieval_timeout_s
         future = start_search(call.backend, encoded, call.config.verify_k)
