@@ -85,11 +85,10 @@ def compile_constraint(lm: LM, constraint: Constraint) -> Any:
     import xgrammar as xgr
 
     compiler = _compiler(lm)
-    if constraint.kind == "json":
-        body = xgr.Grammar.builtin_json_grammar()
-    else:
-        # compact separators: a fixed layout leaves a small model no whitespace to loop on
-        body = xgr.Grammar.from_json_schema(json.dumps(constraint.schema), any_whitespace=False)
+    # "json" is JSON mode (OpenAI's json_object): any object, never a bare array or scalar.
+    # Compact separators: a fixed layout leaves a small model no whitespace to loop on.
+    schema = {"type": "object"} if constraint.kind == "json" else constraint.schema
+    body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     if constraint.suffix:
         body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(
             f"root ::= {json.dumps(constraint.suffix)}"))
