@@ -82,16 +82,19 @@ class PgVectorStore(StoreBackend):
         self._db_lock = threading.Lock()
 
     def statement(self) -> str:
-        """The batched statement: parameters are the query vectors (text[]) and the limit."""
+        """The batched statement: parameters are the query vectors (text[]) and the limit.
+
+        Each query vector is parsed once (``vector[]``), and only the ``n`` rows kept per query
+        are cast to text (a cast in the sorted subquery would run on every row).
+        """
         c = self.columns
-        metadata = f"{self.metadata_column}::text" if self.metadata_column else "NULL::text"
+        metadata = self.metadata_column or "NULL"
         where = f"WHERE {self.where}" if self.where else ""
-        return (f"SELECT q.n, h.id, h.text, h.meta, h.emb "
-                f"FROM unnest(%s::text[]) WITH ORDINALITY AS q(v, n) CROSS JOIN LATERAL ("
-                f"SELECT {c['id_column']}::text AS id, {c['text_column']} AS text, "
-                f"{metadata} AS meta, {c['embedding_column']}::text AS emb FROM {self.table} "
-                f"{where} ORDER BY {c['embedding_column']} <=> q.v::vector LIMIT %s) AS h "
-                f"ORDER BY q.n")
+        return (f"SELECT q.n, h.id::text, h.text, h.meta::text, h.emb::text "
+                f"FROM unnest(%s::text[]::vector[]) WITH ORDINALITY AS q(v, n) CROSS JOIN LATERAL ("
+                f"SELECT {c['id_column']} AS id, {c['text_column']} AS text, {metadata} AS meta, "
+                f"{c['embedding_column']} AS emb FROM {self.table} {where} "
+                f"ORDER BY {c['embedding_column']} <=> q.v LIMIT %s) AS h ORDER BY q.n")
 
     def _query(self, vectors: np.ndarray, n: int) -> list[list[Row]]:
         params = ([vector_literal(v) for v in vectors], *self.where_params, n)
