@@ -51,9 +51,13 @@ def chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
                    "only (images and other media are not supported)")
             raise NotImplementedError(msg)
         role = m.role.value
+        calls = _calls_of(m)
+        if not calls and not any(isinstance(b, TextBlock) for b in m.blocks):
+            msg = f"message {i} content must be text, got None (only a tool-call turn may omit it)"
+            raise ValueError(msg)
         text = "".join(b.text for b in m.blocks if isinstance(b, TextBlock))
         turn: dict[str, Any] = {"role": _ROLES.get(role, role), "content": text}
-        if calls := _calls_of(m):
+        if calls:
             turn["tool_calls"] = calls
         if m.additional_kwargs.get("tool_call_id"):
             turn["tool_call_id"] = m.additional_kwargs["tool_call_id"]
