@@ -46,6 +46,20 @@ def normalise(vectors: Any) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
+def check_client(client: Any, methods: tuple[str, ...], expected: str) -> None:
+    """TypeError naming ``client`` unless it has every method a store calls on it."""
+    if not all(callable(getattr(client, m, None)) for m in methods):
+        msg = f"client must be {expected}, got {type(client).__name__}"
+        raise TypeError(msg)
+
+
+def check_name(value: Any, param: str) -> None:
+    """ValueError naming ``param`` unless ``value`` is a non-empty str (a collection / index)."""
+    if not isinstance(value, str) or not value:
+        msg = f"{param} must be a non-empty str, got {value!r}"
+        raise ValueError(msg)
+
+
 class Embedder:
     """One interface over a sentence-transformers model (or any ``encode(list[str])``), a LangChain
     ``Embeddings`` and a LlamaIndex ``BaseEmbedding``; a name loads the embedded model lazily."""

@@ -24,7 +24,7 @@ import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval.base import Document
-from shared_core.retrieval.stores.base import Row, StoreBackend
+from shared_core.retrieval.stores.base import Row, StoreBackend, check_client, check_name
 
 DEFAULT_NUM_CANDIDATES = 100
 
@@ -50,12 +50,8 @@ class ElasticsearchStore(StoreBackend):
                  num_candidates: int = DEFAULT_NUM_CANDIDATES, exact: bool = False,
                  **options: Any):
         super().__init__(embedder, **options)
-        if not callable(getattr(client, "msearch", None)):
-            msg = f"client must be an elasticsearch.Elasticsearch, got {type(client).__name__}"
-            raise TypeError(msg)
-        if not isinstance(index, str) or not index:
-            msg = f"index must be a non-empty str, got {index!r}"
-            raise ValueError(msg)
+        check_client(client, ("msearch",), "an elasticsearch.Elasticsearch")
+        check_name(index, "index")
         self.client = client
         self.index = index
         self.vector_field = vector_field

@@ -18,7 +18,7 @@ import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval.base import Document
-from shared_core.retrieval.stores.base import Row, StoreBackend
+from shared_core.retrieval.stores.base import Row, StoreBackend, check_client, check_name
 
 MAX_ID_LENGTH = 512
 
@@ -45,13 +45,8 @@ class MilvusStore(StoreBackend):
                  metadata_field: str | None = "metadata",
                  search_params: dict[str, Any] | None = None, **options: Any):
         super().__init__(embedder, **options)
-        if not callable(getattr(client, "search", None)) or not callable(
-                getattr(client, "has_collection", None)):
-            msg = f"client must be a pymilvus.MilvusClient, got {type(client).__name__}"
-            raise TypeError(msg)
-        if not isinstance(collection, str) or not collection:
-            msg = f"collection must be a non-empty str, got {collection!r}"
-            raise ValueError(msg)
+        check_client(client, ("search", "has_collection"), "a pymilvus.MilvusClient")
+        check_name(collection, "collection")
         self.client = client
         self.collection = collection
         self.id_field = id_field

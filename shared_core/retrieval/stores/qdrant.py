@@ -24,7 +24,7 @@ import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval.base import Document
-from shared_core.retrieval.stores.base import Row, StoreBackend
+from shared_core.retrieval.stores.base import Row, StoreBackend, check_client, check_name
 
 _NAMESPACE = uuid.UUID("5b2f1d1e-8c53-4c1e-9a55-0d6f1f6b5e10")
 
@@ -54,12 +54,8 @@ class QdrantStore(StoreBackend):
                  text_key: str = "text", metadata_key: str | None = "metadata",
                  exact: bool = False, **options: Any):
         super().__init__(embedder, **options)
-        if not callable(getattr(client, "query_batch_points", None)):
-            msg = f"client must be a qdrant_client.QdrantClient, got {type(client).__name__}"
-            raise TypeError(msg)
-        if not isinstance(collection, str) or not collection:
-            msg = f"collection must be a non-empty str, got {collection!r}"
-            raise ValueError(msg)
+        check_client(client, ("query_batch_points",), "a qdrant_client.QdrantClient")
+        check_name(collection, "collection")
         self.client = client
         self.collection = collection
         self.vector_name = vector_name or None
