@@ -14,6 +14,9 @@ same; each keeps only its framework's message and response conversion:
 - **locking** (see :mod:`shared_core.serving`): :meth:`ChatCall.run` holds the model's lock for
   the whole generation, :meth:`ChatCall.steps` takes it for one step at a time and never while
   the caller reads;
+- **replies with tools**: :meth:`ChatCall.reply_steps` streams content deltas and tool calls as
+  they complete (:class:`~shared_core.tool_calls.ReplyScanner`), :meth:`ChatCall.parse` splits a
+  whole reply the same way, so both adapters stream what they return when invoked;
 - **reporting**: :func:`call_report` is the usage and engine stats both attach to a response.
 """
 
@@ -31,10 +34,13 @@ from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, SamplingConfi
 from shared_core.constrained import Constraint, grammar_mask, xgrammar_available
 from shared_core.engines.registry import check_engine, stream_engine
 from shared_core.output import check_generation_field, generation_config, validate_messages
+from shared_core.retrieval.frameworks import to_documents
 from shared_core.serving import FairLock, loaded_model, lock_for, step_locked
 from shared_core.tool_calls import (
     InvalidToolCall,
+    ReplyScanner,
     ToolCall,
+    auto_calls,
     check_tool_choice,
     check_tools,
     forced_call,
@@ -197,6 +203,20 @@ class ChatCall:
             return text, [], []
         return parse_tool_calls(text, self.tools, self.prefill)
 
+    def reply_steps(self) -> Iterator[tuple[str, list[ToolCall | InvalidToolCall],
+                                            GenerationResult | None]]:
+        """:meth:`steps` as ``(content delta, tool calls completed, None)``, then the rest and
+        the result. With tools, the text of a call never shows in the content (a possible
+        partial ``<tool_call>`` is held back); without, the deltas pass unchanged."""
+        scanner = ReplyScanner(self.tools, self.prefill) if self.tools else None
+        for delta, result in self.steps():
+            if scanner is None:
+                yield delta, [], result
+            elif result is None:
+                yield *scanner.feed(delta), None
+            else:
+                yield *scanner.close(), result
+
     def run(self) -> GenerationResult:
         """The whole generation under the lock (nothing is yielded to the caller in between)."""
         with self.lock:
@@ -214,12 +234,15 @@ class ChatCall:
 
 
 def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: Any,
-                 engine_state: dict[str, Any], limit_name: str, text_of: str) -> ChatCall:
+                 engine_state: dict[str, Any], limit_name: str, text_of: str | None = None
+                 ) -> ChatCall:
     """Resolve and validate one call's options (``kwargs`` is consumed) before any model work.
 
     ``limit_name`` is the adapter's token-limit setting (its value ``None``: the config's
-    default); ``text_of`` the attribute holding a framework document's text (a string passes as
-    is). A per-call ``None`` for ``stop``, ``documents`` or the token limit means the setting.
+    default). ``documents`` may be strings, our documents or either framework's documents / nodes
+    (:func:`~shared_core.retrieval.frameworks.to_documents`); ``text_of`` is no longer read (that
+    conversion knows every framework) and stays only for older callers. A per-call ``None`` for
+    ``stop``, ``documents`` or the token limit means the setting.
     """
     engine = check_engine(kwargs.pop("engine", settings.engine))
     # the configured options belong to the configured engine; a per-call engine gets its own
@@ -240,7 +263,7 @@ def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: A
     choice = check_tool_choice(kwargs.pop("tool_choice", None), tools) if tools else "none"
     constraint = check_response_format(kwargs.pop("response_format", None))
     model, lock = resolve_model(settings, lm, kwargs.pop("model", None))
-    texts = None if documents is None else [getattr(d, text_of, d) for d in documents]
+    texts = None if documents is None else [d.text for d in to_documents(documents)]
     call = ChatCall(engine, model, lock, prompt, limit, texts, engine_state, sampling, options)
     if not tools and constraint is None and not _has_tool_turns(prompt):
         return call
@@ -260,13 +283,17 @@ def _tool_call(call: ChatCall, tools: list[dict[str, Any]], choice: str,
         raise TypeError(msg)
     prefill, forced = forced_call(choice, tools)
     turns = call.prompt if constraint is None else _with_format_instruction(call.prompt, constraint)
-    call.constraint = forced or constraint
+    # under "auto" (and no response_format) the calls the model chooses to write are constrained
+    auto = auto_calls(tools) if choice == "auto" and constraint is None else None
+    call.constraint = forced or constraint or auto
     if call.constraint is not None and not xgrammar_available():
-        if forced is None:
+        if call.constraint is constraint:
             msg = "response_format needs constrained decoding: pip install 'specrag[constrained]'"
             raise ImportError(msg)
-        logger.warning("xgrammar is not installed: the forced tool call is prefilled, not "
-                       "constrained ('specrag[constrained]' constrains it)")
+        # a forced call loses its grammar (warn); under "auto" calls are parsed as written
+        logger.log(logging.WARNING if forced else logging.DEBUG, "xgrammar is not installed: "
+                   "tool calls are %s, not constrained ('specrag[constrained]' constrains them)",
+                   "prefilled" if forced else "parsed as written")
         call.constraint = None
     shown = tools if choice != "none" else []
     call.prompt = render_prompt(call.lm, turns, shown, prefill)

@@ -1,7 +1,9 @@
 """Schema-constrained decoding with xgrammar, as a logits mask every engine applies alike.
 
 A :class:`Constraint` is the torch-free description an adapter builds (a JSON schema, any JSON
-value, optionally followed by fixed text such as the ``}`` that closes a prefilled tool call);
+value, optionally followed by fixed text such as the ``}`` that closes a prefilled tool call, or
+an xgrammar structural tag: free text in which each tagged region, e.g. a tool call, follows its
+own schema);
 :func:`grammar_mask` compiles it for one model's tokenizer into a :class:`GrammarMask`, the
 ``LogitsMask`` of the engines' round loop:
 
@@ -33,7 +35,7 @@ if TYPE_CHECKING:
 
     from shared_core.models import LM
 
-CONSTRAINT_KINDS = ("json_schema", "json")
+CONSTRAINT_KINDS = ("json_schema", "json", "structural_tag")
 _COMPILERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 _COMPILERS_LOCK = threading.Lock()
 
@@ -41,7 +43,8 @@ _COMPILERS_LOCK = threading.Lock()
 @dataclass(frozen=True)
 class Constraint:
     """What the output must be: ``kind="json_schema"`` with ``schema`` (a JSON-schema dict),
-    or ``kind="json"`` (any JSON object); then the literal ``suffix`` (may be empty)."""
+    ``kind="json"`` (any JSON object) or ``kind="structural_tag"`` with ``schema`` (an xgrammar
+    structural tag as a dict); then the literal ``suffix`` (may be empty)."""
 
     kind: str
     schema: dict[str, Any] | None = None
@@ -51,8 +54,9 @@ class Constraint:
         if self.kind not in CONSTRAINT_KINDS:
             msg = f"constraint kind={self.kind!r} is not one of {list(CONSTRAINT_KINDS)}"
             raise ValueError(msg)
-        if self.kind == "json_schema" and not isinstance(self.schema, dict):
-            msg = f"a json_schema constraint needs schema= as a dict, got {type(self.schema).__name__}"
+        if self.kind != "json" and not isinstance(self.schema, dict):
+            msg = (f"a {self.kind} constraint needs schema= as a dict, got "
+                   f"{type(self.schema).__name__}")
             raise TypeError(msg)
         if not isinstance(self.suffix, str):
             msg = f"constraint suffix must be a string, got {type(self.suffix).__name__}"
@@ -85,10 +89,13 @@ def compile_constraint(lm: LM, constraint: Constraint) -> Any:
     import xgrammar as xgr
 
     compiler = _compiler(lm)
-    # "json" is JSON mode (OpenAI's json_object): any object, never a bare array or scalar.
-    # Compact separators: a fixed layout leaves a small model no whitespace to loop on.
-    schema = {"type": "object"} if constraint.kind == "json" else constraint.schema
-    body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+    if constraint.kind == "structural_tag":
+        body = xgr.Grammar.from_structural_tag(json.dumps(constraint.schema))
+    else:
+        # "json" is JSON mode (OpenAI's json_object): any object, never a bare array or scalar.
+        # Compact separators: a fixed layout leaves a small model no whitespace to loop on.
+        schema = {"type": "object"} if constraint.kind == "json" else constraint.schema
+        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
     if constraint.suffix:
         body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(
             f"root ::= {json.dumps(constraint.suffix)}"))

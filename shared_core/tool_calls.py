@@ -7,10 +7,17 @@ The format is the Hermes / Qwen2.5 one: tool schemas (OpenAI ``{"type": "functio
 itself; for one that does not (SmolLM2) the same text is written into the system turn, the
 assistant turns and the user turns here, so both kinds of model see one format.
 
-``tool_choice`` (:func:`check_tool_choice`): ``"auto"`` (the model decides), ``"none"`` (no tools
-shown, nothing parsed), ``"required"`` (some call: ``<tool_call>`` is prefilled in the assistant
-turn and, with a grammar, the call is constrained to one of the tools' schemas) or a tool's name
-(the call is prefilled up to its arguments, which a grammar constrains to the tool's schema).
+``tool_choice`` (:func:`check_tool_choice`): ``"auto"`` (the model decides; with a grammar, free
+text in which every ``<tool_call>`` must hold a call of one of the tools with schema-valid
+arguments, :func:`auto_calls`), ``"none"`` (no tools shown, nothing parsed), ``"required"``
+(some call: ``<tool_call>`` is prefilled in the assistant turn and, with a grammar, the call is
+constrained to one of the tools' schemas) or a tool's name (the call is prefilled up to its
+arguments, which a grammar constrains to the tool's schema).
+
+Replies are split by :class:`ReplyScanner`, fed a reply in pieces as it streams: text outside
+the call tags as soon as it is safe to show, each call once its closing tag arrives;
+:func:`parse_tool_calls` is the same scanner fed a whole reply, so a streamed reply and an
+invoked one give the same content and calls.
 Torch-free; the tokenizer is used only through the LM's chat template.
 """
 
@@ -18,7 +25,6 @@ from __future__ import annotations
 
 import json
 import logging
-import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -31,7 +37,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
-_CALL = re.compile(r"<tool_call>\s*(.*?)\s*(?:</tool_call>|$)", re.DOTALL)
 CHOICES = ("auto", "none", "required")
 _ALIASES: dict[Any, str] = {None: "auto", "auto": "auto", "none": "none", False: "none",
                             "any": "required", "required": "required", True: "required"}
@@ -175,6 +180,20 @@ def forced_call(choice: str, tools: Sequence[Mapping[str, Any]]
     return prefill, Constraint("json_schema", by_name[choice], suffix=f"}}\n{CLOSE}")
 
 
+def auto_calls(tools: Sequence[Mapping[str, Any]]) -> Constraint:
+    """Free text, but each ``<tool_call>`` the model opens must continue as a call of one of
+    ``tools`` with arguments valid for its schema, then close (an xgrammar structural tag)."""
+    tags = [{"type": "tag",
+             "begin": f'{OPEN}\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
+             # one whitespace character at most between JSON tokens: no room to loop on
+             "content": {"type": "json_schema", "json_schema": t["function"]["parameters"],
+                         "max_whitespace_cnt": 1},
+             "end": f"}}\n{CLOSE}"} for t in tools]
+    tag = {"type": "structural_tag",
+           "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
+    return Constraint("structural_tag", tag)
+
+
 def _new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -196,28 +215,133 @@ def _one_call(item: Any, known: Sequence[str], raw: str) -> ToolCall | InvalidTo
     return ToolCall(name, dict(args), _new_id())
 
 
-def _bodies(text: str, known: Sequence[str]) -> tuple[str, list[str]]:
-    if OPEN in text:
-        return _CALL.sub("", text).strip(), _CALL.findall(text)
-    stripped = text.strip().removeprefix("```json").removeprefix("```").removesuffix("```").strip()
-    if stripped.startswith(("{", "[")) and any(f'"{n}"' in stripped for n in known):
-        return "", [stripped]  # a bare JSON call, as small models often write
-    return text, []
+def _parse_body(body: str, known: Sequence[str]) -> list[ToolCall | InvalidToolCall]:
+    """The calls in one ``<tool_call>`` body (a JSON object, or a list of them)."""
+    body = body.strip()
+    try:  # the first JSON value; text after it (e.g. a closing tag cut by max tokens) is not
+        parsed, _ = json.JSONDecoder().raw_decode(body)  # part of the call
+    except json.JSONDecodeError as e:
+        return [InvalidToolCall(None, body, _new_id(), f"not JSON: {e}")]
+    return [_one_call(item, known, body) for item in (parsed if isinstance(parsed, list)
+                                                      else [parsed])]
+
+
+def _partial_open(text: str) -> int:
+    """Length of the longest end of ``text`` that may begin an opening tag."""
+    return next((k for k in range(min(len(OPEN) - 1, len(text)), 0, -1)
+                 if OPEN.startswith(text[-k:])), 0)
+
+
+class ReplyScanner:
+    """A reply fed in pieces, split into content and tool calls as soon as each is certain.
+
+    Content is the text outside ``<tool_call>…</tool_call>`` blocks, without the reply's
+    leading and trailing whitespace; an unclosed block at the end runs to the end. A possible
+    partial opening tag, and whitespace that may turn out to be trailing, are held back until
+    the next piece decides them. A reply that begins like a bare JSON call (``{``, ``[``, a code
+    fence), as small models often write one, is held whole and decided at :meth:`close`. The
+    result does not depend on how the reply is split.
+    """
+
+    def __init__(self, known: Sequence[str], prefill: str = ""):
+        self._known = list(known)
+        self._raw = ""  # everything fed, for a held (bare) reply
+        self._buf = ""  # not yet decided
+        self._bare: bool | None = None  # None: nothing but whitespace so far
+        self._in_call = self._started = False
+        self._ws = ""  # whitespace held back (trailing unless more text follows)
+        self.content = ""
+        self.found: list[ToolCall | InvalidToolCall] = []
+        if prefill:
+            self.feed(prefill)
+
+    @property
+    def calls(self) -> list[ToolCall]:
+        return [c for c in self.found if isinstance(c, ToolCall)]
+
+    @property
+    def invalid(self) -> list[InvalidToolCall]:
+        return [c for c in self.found if isinstance(c, InvalidToolCall)]
+
+    def feed(self, piece: str) -> tuple[str, list[ToolCall | InvalidToolCall]]:
+        """The content delta and the calls completed by ``piece``."""
+        self._raw += piece
+        if self._bare is None:
+            start = self._raw.lstrip()
+            if not start:
+                return "", []
+            self._bare = start[0] in "{[`"
+            piece = self._raw
+        if self._bare:
+            return "", []
+        return self._scan(piece)
+
+    def close(self) -> tuple[str, list[ToolCall | InvalidToolCall]]:
+        """The rest, at the end of the reply."""
+        if self._bare:
+            return self._close_bare()
+        text, found = "", []
+        if self._in_call:
+            found = self._add(_parse_body(self._buf, self._known))
+        elif self._buf:
+            text = self._emit(self._buf)
+        self._buf = self._ws = ""
+        return text, found
+
+    def _add(self, calls: list[ToolCall | InvalidToolCall]) -> list[ToolCall | InvalidToolCall]:
+        self.found += calls
+        return calls
+
+    def _scan(self, piece: str) -> tuple[str, list[ToolCall | InvalidToolCall]]:
+        buf, text, found = self._buf + piece, "", []
+        while True:
+            tag = CLOSE if self._in_call else OPEN
+            i = buf.find(tag)
+            if i < 0:
+                break
+            if self._in_call:
+                found += self._add(_parse_body(buf[:i], self._known))
+            else:
+                text += self._emit(buf[:i])
+            buf, self._in_call = buf[i + len(tag):], not self._in_call
+        if not self._in_call:
+            keep = _partial_open(buf)
+            text += self._emit(buf[:len(buf) - keep])
+            buf = buf[len(buf) - keep:]
+        self._buf = buf
+        return text, found
+
+    def _emit(self, text: str) -> str:
+        """Content ready to show: leading whitespace of the reply dropped, trailing held."""
+        if not self._started:
+            text = text.lstrip()
+            self._started = bool(text)
+        text = self._ws + text
+        shown = text.rstrip()
+        self._ws = text[len(shown):]
+        self.content += shown
+        return shown
+
+    def _close_bare(self) -> tuple[str, list[ToolCall | InvalidToolCall]]:
+        if OPEN in self._raw:  # tagged calls after all: scan the whole reply as such
+            scanner = ReplyScanner(self._known)
+            scanner._bare = False
+            text, found = scanner._scan(self._raw)
+            rest, more = scanner.close()
+            self.content, self.found = scanner.content, scanner.found
+            return text + rest, found + more
+        stripped = self._raw.strip()
+        body = stripped.removeprefix("```json").removeprefix("```").removesuffix("```").strip()
+        if body.startswith(("{", "[")) and any(f'"{n}"' in body for n in self._known):
+            return "", self._add(_parse_body(body, self._known))
+        self.content = stripped
+        return stripped, []
 
 
 def parse_tool_calls(text: str, known: Sequence[str], prefill: str = ""
                      ) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
-    """``(content, calls, invalid calls)`` from a reply (``prefill`` is the forced beginning)."""
-    content, bodies = _bodies(prefill + text, known)
-    calls: list[ToolCall] = []
-    invalid: list[InvalidToolCall] = []
-    for body in bodies:
-        try:  # the first JSON value; text after it (e.g. a closing tag cut by max tokens) is not
-            parsed, _ = json.JSONDecoder().raw_decode(body)  # part of the call
-        except json.JSONDecodeError as e:
-            invalid.append(InvalidToolCall(None, body, _new_id(), f"not JSON: {e}"))
-            continue
-        for item in parsed if isinstance(parsed, list) else [parsed]:
-            call = _one_call(item, known, body)
-            (calls if isinstance(call, ToolCall) else invalid).append(call)
-    return content, calls, invalid
+    """``(content, calls, invalid calls)`` of a whole reply (``prefill``: its forced beginning)."""
+    scanner = ReplyScanner(known, prefill)
+    scanner.feed(text)
+    scanner.close()
+    return scanner.content, scanner.calls, scanner.invalid

@@ -38,6 +38,7 @@ from langchain_core.messages import (
     ToolMessage,
 )
 from langchain_core.messages.ai import UsageMetadata
+from langchain_core.messages.tool import ToolCallChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
@@ -55,7 +56,7 @@ from shared_core.chat_adapters import (
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
 from shared_core.output import GenerationResult
 from shared_core.serving import FairLock, iterate_in_thread
-from shared_core.tool_calls import check_tool_choice, check_tools
+from shared_core.tool_calls import InvalidToolCall, ToolCall, check_tool_choice, check_tools
 
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
@@ -98,6 +99,13 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
     """LangChain messages as validated ``{"role", "content"}`` dicts for the chat template (an
     AI message's tool calls and a tool message's call id kept)."""
     return validate_turns([_turn(i, m) for i, m in enumerate(messages)])
+
+
+def _call_chunk(call: ToolCall | InvalidToolCall, index: int) -> ToolCallChunk:
+    """One whole call as a chunk (an invalid call's arguments are its raw text)."""
+    args = call.arguments if isinstance(call, InvalidToolCall) else json.dumps(call.arguments)
+    return ToolCallChunk(name=call.name, args=args, id=call.id, index=index,
+                         type="tool_call_chunk")
 
 
 def _tool_fields(call: ChatCall, text: str) -> dict[str, Any]:
@@ -162,7 +170,7 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         """Validate one call (before any model work)."""
         return prepare_call(self, to_chat_messages(messages), {**kwargs, "stop": stop},
                             lm=self.lm, engine_state=self._engine_state,
-                            limit_name="max_tokens", text_of="page_content")
+                            limit_name="max_tokens")
 
     def _final(self, result: GenerationResult, call: ChatCall) -> dict[str, Any]:
         """Usage and metadata of a finished call (tool calls, if any, count as the finish)."""
@@ -189,31 +197,31 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
                 ) -> Iterator[ChatGenerationChunk]:
+        """Text deltas as they come; with tools, each call as a ``tool_call_chunks`` chunk once
+        complete (its text never in the content), so the chunks add up to ``invoke``'s message."""
         call = self._call(messages, stop, kwargs)
-        for delta, result in call.steps():
+        index = 0
+        for text, found, result in call.reply_steps():
+            if text or (not call.tools and result is None):
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
+                if run_manager is not None and text:
+                    run_manager.on_llm_new_token(text, chunk=chunk)
+                yield chunk
+            for c in found:
+                yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
+                    _call_chunk(c, index)]))
+                index += 1
             if result is not None:
-                yield self._last_chunk(result, call)
-                return
-            if call.tools:  # a reply with tools is parsed once it is complete
-                continue
-            chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta))
-            if run_manager is not None and delta:
-                run_manager.on_llm_new_token(delta, chunk=chunk)
-            yield chunk
+                yield self._last_chunk(result, call, called=index > 0)
 
-    def _last_chunk(self, result: GenerationResult, call: ChatCall) -> ChatGenerationChunk:
-        """The final chunk: usage and metadata, plus content and tool calls when tools are bound
-        (their text is not streamed, so it is not repeated here otherwise)."""
-        message = self._message(result, call)
-        fields: dict[str, Any] = {"content": message.content if call.tools else ""}
-        if message.tool_calls or message.invalid_tool_calls:
-            fields["tool_call_chunks"] = [
-                {"name": c["name"], "args": json.dumps(c["args"]) if "error" not in c
-                 else c["args"], "id": c["id"], "index": i, "type": "tool_call_chunk"}
-                for i, c in enumerate([*message.tool_calls, *message.invalid_tool_calls])]
-        return ChatGenerationChunk(message=AIMessageChunk(
-            **fields, usage_metadata=message.usage_metadata,
-            response_metadata=message.response_metadata, chunk_position="last"))
+    def _last_chunk(self, result: GenerationResult, call: ChatCall, called: bool
+                    ) -> ChatGenerationChunk:
+        """The final chunk: usage and metadata (``finish_reason`` "tool_calls" after a call)."""
+        final = self._final(result, call)
+        if called:
+            final["response_metadata"]["finish_reason"] = "tool_calls"
+        return ChatGenerationChunk(message=AIMessageChunk(content="", **final,
+                                                          chunk_position="last"))
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any

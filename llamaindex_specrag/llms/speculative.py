@@ -42,6 +42,7 @@ from llamaindex_specrag.llms.tools import (
     chat_dicts,
     prepare_chat_with_tools,
     reply_message,
+    tool_message,
     tool_selections,
 )
 from shared_core.chat_adapters import (
@@ -112,7 +113,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     def _call(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]) -> ChatCall:
         """Validate one call (before any model work)."""
         return prepare_call(self, prompt, kwargs, lm=self._lm, engine_state=self._engine_state,
-                            limit_name="max_new_tokens", text_of="text")
+                            limit_name="max_new_tokens")
 
     def _run(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
              ) -> tuple[str, dict[str, Any]]:
@@ -167,12 +168,20 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         return self._chat_steps(call)
 
     def _chat_steps(self, call: ChatCall) -> ChatResponseGen:
-        for text, delta, raw in self._steps(call):
-            if call.tools and raw is None:  # a reply with tools is parsed once it is complete
-                continue
-            yield ChatResponse(message=reply_message(call, text),
-                               delta=text if call.tools else delta, raw=raw,
-                               additional_kwargs=dict(raw or {}))
+        """Each response holds the message so far (with tools: content without the calls' text,
+        the calls completed so far) and its ``delta``; the last one equals ``chat``'s reply."""
+        if not call.tools:
+            for text, delta, raw in self._steps(call):
+                yield ChatResponse(message=reply_message(call, text), delta=delta, raw=raw,
+                                   additional_kwargs=dict(raw or {}))
+            return
+        content, found = "", []
+        for delta, calls, result in call.reply_steps():
+            content, found = content + delta, found + calls
+            raw = None if result is None else call_report(result, call.engine, self.model)
+            if delta or calls or raw is not None:
+                yield ChatResponse(message=tool_message(content, found), delta=delta, raw=raw,
+                                   additional_kwargs=dict(raw or {}))
 
     # -- FunctionCallingLLM ---------------------------------------------------------------------
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,

@@ -17,7 +17,7 @@ from llama_index.core.base.llms.types import (
 from llama_index.core.llms.llm import ToolSelection
 
 from shared_core.chat_adapters import ChatCall, validate_turns
-from shared_core.tool_calls import check_tools
+from shared_core.tool_calls import InvalidToolCall, ToolCall, check_tools
 
 # LlamaIndex roles the chat templates know under another name
 _ROLES = {"developer": "system", "function": "tool", "chatbot": "assistant", "model": "assistant"}
@@ -68,15 +68,24 @@ def chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
 def reply_message(call: ChatCall, text: str) -> ChatMessage:
     """The assistant message of a reply: text, plus ToolCallBlocks and OpenAI-style
     ``additional_kwargs["tool_calls"]`` when tools were offered."""
-    content, calls, invalid = call.parse(text)
     if not call.tools:
         return ChatMessage(role=MessageRole.ASSISTANT, content=text)
+    content, calls, invalid = call.parse(text)
+    return tool_message(content, [*calls, *invalid])
+
+
+def tool_message(content: str, found: Sequence[ToolCall | InvalidToolCall]) -> ChatMessage:
+    """The assistant message of a reply with tools offered: its content and calls (the same for
+    a whole reply and the end of a streamed one)."""
+    calls = [c for c in found if isinstance(c, ToolCall)]
+    invalid = [c for c in found if isinstance(c, InvalidToolCall)]
     blocks: list[Any] = [TextBlock(text=content)] if content else []
     blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
                for c in calls]
-    extra = {"tool_calls": [{"id": c.id, "type": "function",
-                             "function": {"name": c.name, "arguments": c.arguments}}
-                            for c in calls]}
+    extra: dict[str, Any] = {"tool_calls": [{"id": c.id, "type": "function",
+                                             "function": {"name": c.name,
+                                                          "arguments": c.arguments}}
+                                            for c in calls]}
     if invalid:
         extra["invalid_tool_calls"] = [{"id": c.id, "name": c.name, "arguments": c.arguments,
                                         "error": c.error} for c in invalid]

@@ -38,7 +38,7 @@ class _Settings(ChatSettings):
 
 def _run(lm, turns, options):
     call = prepare_call(_Settings(), turns, dict(options), lm=lm, engine_state={},
-                        limit_name="max_new_tokens", text_of="text")
+                        limit_name="max_new_tokens")
     return call, call.run()
 
 
