@@ -48,7 +48,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.drafters": (2, "one module per drafter"),
     "shared_core.retrieval": (2, "documents, chunking, retrieval backends"),
     "shared_core.retrieval.stores": (2, "batched vector-database backends (Qdrant, Milvus, pgvector, "
-                                        "Elasticsearch) and from_store"),
+                                        "Elasticsearch, OpenSearch) and from_store"),
     "shared_core.retrieval.frameworks": (2, "LangChain / LlamaIndex / our documents and retrievers "
                                            "as Documents and Hits (duck-typed, no framework import)"),
     "shared_core.engines": (3, "the engines and their shared round loop"),

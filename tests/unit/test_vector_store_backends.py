@@ -40,7 +40,8 @@ def test_importing_stores_loads_no_database_client() -> None:
     import sys
 
     code = ("import sys, shared_core.retrieval.stores; print(*[m for m in ('qdrant_client', "
-            "'pymilvus', 'psycopg', 'elasticsearch') if m in sys.modules])")
+            "'pymilvus', 'psycopg', 'elasticsearch', 'opensearchpy', 'langchain_community') "
+            "if m in sys.modules])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, timeout=60).stdout.split()
     assert out == []

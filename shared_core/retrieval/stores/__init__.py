@@ -7,6 +7,7 @@ backend                       client call per batch                  extra
 :class:`MilvusStore`          ``MilvusClient.search(data=[...])``    ``specrag[milvus]``
 :class:`PgVectorStore`        one ``unnest … CROSS JOIN LATERAL``    ``specrag[pgvector]``
 :class:`ElasticsearchStore`   ``Elasticsearch.msearch``              ``specrag[elasticsearch]``
+:class:`OpenSearchStore`      ``OpenSearch.msearch`` (k-NN plugin)   ``specrag[opensearch]``
 ============================  =====================================  ==================
 
 Each is a ``Retriever`` (``search(list[str], k)``, ``add(docs)``) and a RaLMSpec backend
@@ -20,6 +21,7 @@ from shared_core.retrieval.stores.base import Embedder, StoreBackend
 from shared_core.retrieval.stores.convert import from_store, is_framework_store
 from shared_core.retrieval.stores.elasticsearch import ElasticsearchStore
 from shared_core.retrieval.stores.milvus import MilvusStore
+from shared_core.retrieval.stores.opensearch import OpenSearchStore
 from shared_core.retrieval.stores.pgvector import PgVectorStore
 from shared_core.retrieval.stores.qdrant import QdrantStore
 
@@ -27,6 +29,7 @@ __all__ = [
     "ElasticsearchStore",
     "Embedder",
     "MilvusStore",
+    "OpenSearchStore",
     "PgVectorStore",
     "QdrantStore",
     "StoreBackend",

@@ -13,7 +13,8 @@ from typing import Any
 from shared_core.retrieval.stores.base import StoreBackend
 
 SUPPORTED = ("langchain_qdrant.QdrantVectorStore", "langchain_milvus.Milvus",
-             "langchain_postgres.PGVector", "langchain_elasticsearch.ElasticsearchStore")
+             "langchain_postgres.PGVector", "langchain_elasticsearch.ElasticsearchStore",
+             "langchain_community.OpenSearchVectorSearch")
 
 
 def _wrapped_store(obj: Any) -> Any:
@@ -51,8 +52,10 @@ def from_store(obj: Any, embedder: Any = None) -> StoreBackend:
     Args:
         obj: ``langchain_qdrant.QdrantVectorStore``, ``langchain_milvus.Milvus``,
             ``langchain_postgres.PGVector`` (sync engine), ``langchain_elasticsearch.
-            ElasticsearchStore``, a ``VectorStoreRetriever`` over one of them, or one of our
-            backends (returned as it is).
+            ElasticsearchStore``, ``langchain_community``'s ``OpenSearchVectorSearch`` (its
+            default fields ``vector_field`` / ``text`` / ``metadata``: LangChain passes other
+            names per call, not to the store), a ``VectorStoreRetriever`` over one of them, or
+            one of our backends (returned as it is).
         embedder: the query embedder; default the store's own embeddings object.
     """
     obj = _wrapped_store(obj)
@@ -62,7 +65,7 @@ def from_store(obj: Any, embedder: Any = None) -> StoreBackend:
     if kind is None:
         msg = (f"from_store: {type(obj).__module__}.{type(obj).__name__} is not a supported "
                f"vector store ({', '.join(SUPPORTED)}); build a QdrantStore, MilvusStore, "
-               "PgVectorStore or ElasticsearchStore from its client instead")
+               "PgVectorStore, ElasticsearchStore or OpenSearchStore from its client instead")
         raise TypeError(msg)
     return _BUILDERS[kind](obj, embedder)
 
@@ -130,5 +133,13 @@ def _elasticsearch(obj: Any, embedder: Any) -> StoreBackend:
                               metadata_field="metadata")
 
 
+def _opensearch(obj: Any, embedder: Any) -> StoreBackend:
+    from shared_core.retrieval.stores.opensearch import OpenSearchStore
+
+    return OpenSearchStore(obj.client, obj.index_name,
+                           _embeddings(obj, embedder, "embedding_function"))
+
+
 _BUILDERS = {"langchain_qdrant": _qdrant, "langchain_milvus": _milvus,
-             "langchain_postgres": _postgres, "langchain_elasticsearch": _elasticsearch}
+             "langchain_postgres": _postgres, "langchain_elasticsearch": _elasticsearch,
+             "langchain_community": _opensearch}

@@ -43,6 +43,7 @@ class ElasticsearchStore(StoreBackend):
     """
 
     batch_method = "msearch"
+    product = "Elasticsearch"  # named in errors (OpenSearchStore reuses this class)
 
     def __init__(self, client: Any, index: str, embedder: Any = DEFAULT_EMBEDDER, *,
                  vector_field: str = "vector", text_field: str = "text",
@@ -77,11 +78,11 @@ class ElasticsearchStore(StoreBackend):
         searches: list[dict[str, Any]] = []
         for vector in vectors:
             searches += [{"index": self.index}, self.request_body(vector, n)]
-        response = self.client.msearch(searches=searches)
+        response = self._msearch(searches)
         rows = []
         for i, answer in enumerate(response["responses"]):
             if "error" in answer:
-                msg = f"Elasticsearch failed on query {i} of the msearch: {answer['error']}"
+                msg = f"{self.product} failed on query {i} of the msearch: {answer['error']}"
                 raise RuntimeError(msg)
             rows.append([self._row(hit) for hit in answer["hits"]["hits"]])
         return rows
@@ -94,9 +95,14 @@ class ElasticsearchStore(StoreBackend):
         vector = source.get(self.vector_field)
         return doc, None if vector is None else np.asarray(vector, dtype=np.float32)
 
-    def _ensure(self, dim: int) -> None:
-        if self.client.indices.exists(index=self.index):
-            return
+    # the client calls that differ between Elasticsearch's and OpenSearch's Python clients
+    def _msearch(self, searches: list[dict[str, Any]]) -> Any:
+        return self.client.msearch(searches=searches)
+
+    def _bulk(self, operations: list[dict[str, Any]]) -> Any:
+        return self.client.bulk(operations=operations, refresh=True)
+
+    def _create(self, dim: int) -> None:
         properties: dict[str, Any] = {
             self.vector_field: {"type": "dense_vector", "dims": dim, "index": True,
                                 "similarity": "cosine"},
@@ -106,7 +112,8 @@ class ElasticsearchStore(StoreBackend):
         self.client.indices.create(index=self.index, mappings={"properties": properties})
 
     def _write(self, docs: list[Document], vectors: np.ndarray) -> None:
-        self._ensure(vectors.shape[1])
+        if not self.client.indices.exists(index=self.index):
+            self._create(vectors.shape[1])
         operations: list[dict[str, Any]] = []
         for doc, vector in zip(docs, vectors, strict=True):
             source: dict[str, Any] = {self.text_field: doc.text,
@@ -114,8 +121,8 @@ class ElasticsearchStore(StoreBackend):
             if self.metadata_field:
                 source[self.metadata_field] = doc.metadata
             operations += [{"index": {"_index": self.index, "_id": doc.id}}, source]
-        response = self.client.bulk(operations=operations, refresh=True)
+        response = self._bulk(operations)
         if response.get("errors"):
             failed = [item for item in response["items"] if item["index"].get("error")]
-            msg = f"Elasticsearch refused {len(failed)} documents, first: {failed[0]}"
+            msg = f"{self.product} refused {len(failed)} documents, first: {failed[0]}"
             raise RuntimeError(msg)
