@@ -83,9 +83,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--corpus-limit", type=int, default=None,
                         help="first N passages only (the first questions' gold passages come "
                              "first); embedding all 2,600 takes ~10 CPU-minutes")
-    parser.add_argument("--pipelined", action="store_true",
-                        help="also +PSA(pipe): RaLMSpec.batch over all questions (cross-question "
-                             "pipelining)")
+    parser.add_argument("--pipelined", nargs="?", const="+PSA", default=None,
+                        metavar="METHODS",
+                        help="also <method>(pipe) for each listed method (default +PSA): "
+                             "RaLMSpec.batch over all questions (cross-question pipelining)")
 
 
 def _load(limit: int) -> tuple[list[Any], list[dict[str, Any]]]:
@@ -246,6 +247,15 @@ def _run_pipelined(engine: Any, warmup: str, questions: list[str], max_new_token
     return tally.finish(load)
 
 
+def _pipelined_methods(value: str | None) -> list[str]:
+    names = [n.strip() for n in (value or "").split(",") if n.strip()]
+    unknown = [n for n in names if n not in ABLATION]
+    if unknown:
+        msg = f"--pipelined must name methods of {', '.join(ABLATION)}, got {unknown}"
+        raise ValueError(msg)
+    return names
+
+
 def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
     from shared_core.models import load_lm
@@ -256,6 +266,7 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
         lm = RemoteLM(args.remote)
     else:
         lm = load_lm(args.model, dtype=args.dtype)
+    _pipelined_methods(args.pipelined)  # bad names fail before the corpus is embedded
     corpus, rows = _load(args.limit)
     corpus = corpus[: args.corpus_limit] if args.corpus_limit else corpus
     warmup, questions = rows[0]["question"], [r["question"] for r in rows[1:]]
@@ -284,11 +295,12 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
             methods[f"{kind}/{name}"] = result
             logger.info("%s/%s: %.2f s", kind, name, result.wall_s)
         names = list(engines)
-        if args.pipelined:
-            names.append("+PSA(pipe)")
-            methods[f"{kind}/+PSA(pipe)"] = _run_pipelined(
-                RaLMSpec(lm, retriever, replace(base, **ABLATION["+PSA"])), warmup, questions,
+        for name in _pipelined_methods(args.pipelined):
+            names.append(f"{name}(pipe)")
+            methods[f"{kind}/{name}(pipe)"] = _run_pipelined(
+                RaLMSpec(lm, retriever, replace(base, **ABLATION[name])), warmup, questions,
                 args.max_new_tokens)
+            logger.info("%s/%s(pipe): %.2f s", kind, name, methods[f"{kind}/{name}(pipe)"].wall_s)
         ref = methods[f"{kind}/RaLMSeq"].wall_s
         for name in names:
             speedup[f"{kind}/{name}"] = round(ref / methods[f"{kind}/{name}"].wall_s, 3)
