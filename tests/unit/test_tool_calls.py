@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
 
 from shared_core.tool_calls import (
     TOOLS_SYSTEM,
+    ReplyScanner,
+    auto_calls,
     check_tool_choice,
     check_tools,
     forced_call,
@@ -87,3 +90,87 @@ def test_render_without_template_support_writes_the_tool_format(tiny_target):
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
     assert "<|user|><tool_response>\nsunny\n</tool_response>" in text
     assert text.endswith("<|assistant|><tool_call>\n")
+
+
+# Replies as small models write them: text around tagged calls, a "<tool_" that is not a call,
+# an unclosed call cut by max tokens, a bare JSON call, a code fence, whitespace at both ends.
+REPLIES = [
+    ' Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+    '</tool_call>\n<tool_call>{"name": "add", "arguments": {"a": 1, "b": 2}}</tool_call> Done. ',
+    "<tool_response>\n20°C\n</tool_response> and a < b <tool",
+    'Sure: <tool_call>\n{"name": "add", "arguments": {"a": 3',
+    '\n {"name": "add", "arguments": {"a": 3}} ',
+    "```python\nprint(1)\n```",
+    "  Paris is sunny.  \n",
+    "<tool_call>\n{\"name\": \"rm\", \"arguments\": {}}\n</tool_call>",
+]
+
+
+CONTENTS = ["Let me check.\n\n Done.", REPLIES[1], "Sure:", "", REPLIES[4], "Paris is sunny.", ""]
+
+
+@pytest.mark.parametrize(("text", "content"), list(zip(REPLIES, CONTENTS, strict=True)))
+def test_content_is_the_text_outside_the_calls_stripped(text, content):
+    assert parse_tool_calls(text, NAMES)[0] == content
+
+
+def _pieces(text: str, cuts: list[int]) -> list[str]:
+    bounds = [0, *cuts, len(text)]
+    return [text[a:b] for a, b in itertools.pairwise(bounds)]
+
+
+def _streamed(text: str, pieces: list[str]):
+    scanner = ReplyScanner(NAMES)
+    deltas, found = [], []
+    for piece in pieces:
+        delta, calls = scanner.feed(piece)
+        deltas.append(delta)
+        found += calls
+    delta, calls = scanner.close()
+    return [*deltas, delta], found + calls
+
+
+@pytest.mark.parametrize("text", REPLIES)
+def test_scanner_gives_the_same_reply_however_it_is_split(text):
+    content, calls, invalid = parse_tool_calls(text, NAMES)
+    whole = [(c.name, c.arguments) for c in [*calls, *invalid]]
+    splits = [[i] for i in range(1, len(text))] + [list(range(1, len(text)))]
+    for cuts in splits:
+        deltas, found = _streamed(text, _pieces(text, cuts))
+        assert "".join(deltas) == content, cuts
+        assert sorted((c.name, str(c.arguments)) for c in found) == sorted(
+            (n, str(a)) for n, a in whole), cuts
+        assert not any("<tool_call" in d or '"arguments"' in d for d in deltas), cuts
+
+
+def test_scanner_streams_text_before_a_call_and_holds_a_partial_tag():
+    scanner = ReplyScanner(NAMES)
+    assert scanner.feed("Let me check. <tool") == ("Let me check.", [])  # " <tool" held
+    assert scanner.feed("_call>\n{\"name\": \"add\", ") == ("", [])
+    delta, calls = scanner.feed('"arguments": {"a": 1}}\n</tool_call> ok')
+    assert delta == "  ok" and [(c.name, c.arguments) for c in calls] == [("add", {"a": 1})]
+    assert scanner.close() == ("", [])
+    assert scanner.content == "Let me check.  ok"
+    scanner = ReplyScanner(NAMES)
+    assert scanner.feed("a <tool") == ("a", [])
+    assert scanner.close() == (" <tool", [])  # not a call after all: the held text is content
+
+
+def test_auto_calls_grammar_lets_text_through_and_constrains_calls(tiny_target):
+    pytest.importorskip("xgrammar")
+    import xgrammar as xgr
+
+    from shared_core.constrained import compile_constraint
+
+    compiled = compile_constraint(tiny_target, auto_calls(check_tools([WEATHER, ADD])))
+
+    def accepted(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    call = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
+    assert accepted("It is sunny. ") and accepted(f"Sure. {call} Done.")
+    assert accepted(call + call)  # parallel calls
+    assert not accepted('<tool_call>\n{"name": "rm", "arguments": {}}\n</tool_call>')
+    assert not accepted('<tool_call>\n{"name": "add", "arguments": {"a": "one"}}\n</tool_call>')
+    assert not accepted('<tool_call>\n{"name": "get_weather", "arguments": {}}\n</tool_call>')
+    assert not accepted('<tool_call>\n{"name": "add", "description": "x"}')
