@@ -42,10 +42,10 @@ from shared_core.retrieval.base import check_retriever_like
 
 if TYPE_CHECKING:
     from shared_core.engines.baseline import TokenStream
-    from shared_core.engines.ralmspec import RaLMSpec, SpeculativeRetrieval
+    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecStats, SpeculativeRetrieval
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
     from shared_core.output import GenerationResult
-    from shared_core.retrieval.base import Hit
+    from shared_core.retrieval.base import Document, Hit
 
 T = TypeVar("T")
 
@@ -358,13 +358,23 @@ def specrag_details(result: SpeculativeRAGResult) -> dict[str, Any]:
 
 def ralmspec_details(result: GenerationResult) -> dict[str, Any]:
     """What both RaLMSpec adapters report beside the answer and the documents."""
-    return {"doc_ids": result.stats.extra.get("doc_ids", []),
+    return {"doc_ids": list(_ralm_stats(result).doc_ids),
             "token_ids": list(result.token_ids), "stats": result.stats.as_dict()}
 
 
-def ralmspec_documents(result: GenerationResult) -> list[dict[str, Any]]:
-    """The documents the answer was generated under (``id`` / ``text`` / ``metadata`` dicts)."""
-    return list(result.stats.extra.get("documents", []))
+def ralmspec_documents(result: GenerationResult) -> tuple[Document, ...]:
+    """The documents the answer was generated under, each once, in first-use order."""
+    return _ralm_stats(result).documents
+
+
+def _ralm_stats(result: GenerationResult) -> RaLMSpecStats:
+    from shared_core.engines.ralmspec.stats import RaLMSpecStats  # imported with the engine
+
+    stats = result.stats
+    if not isinstance(stats, RaLMSpecStats):
+        msg = f"not a RaLMSpec result: its stats are {type(stats).__name__}"
+        raise TypeError(msg)
+    return stats
 
 
 def hit_score(hit: Hit) -> float | None:

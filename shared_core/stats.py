@@ -1,12 +1,87 @@
-"""Statistics returned with every result (plain numbers only: no tensors, no caches)."""
+"""Statistics returned with every result (plain numbers only: no tensors, no caches).
+
+:class:`DecodeStats` holds the counters every token engine shares; an engine with counters of
+its own returns a subclass with them as typed fields (``RaLMSpecStats``, ``ReSpecStats``, ...,
+defined next to the engine). :meth:`DecodeStats.as_dict` reports the shared counters at the top
+level and a subclass's own fields under ``"extra"`` (the report schema the benchmarks write),
+next to :attr:`DecodeStats.extra`.
+
+``extra`` stays as a free dict for annotations made *outside* an engine: layers above it (the
+RaLMSpec batch pipeline's ``backend_searches``, a benchmark's labels, a user's tags) record
+numbers there without needing a stats subclass of their own. Engines never write to it.
+"""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+import weakref
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 from shared_core.device import current_threads
+
+
+class Annotations(dict[str, Any]):
+    """The ``extra`` dict: caller annotations.
+
+    Deprecated read path: a key that is not an annotation but names a typed field of the owning
+    stats (``stats.extra["retrieval_calls"]``) returns that field, so readers written before
+    the typed fields existed keep working until they move to ``stats.retrieval_calls``.
+    Copies and pickles are plain dicts.
+    """
+
+    def __init__(self, items: dict[str, Any], owner: DecodeStats) -> None:
+        super().__init__(items)
+        self._owner = weakref.ref(owner)
+
+    def _field(self, key: str) -> Any:
+        """The owner's typed field ``key`` (JSON-ready), or None if there is none."""
+        owner = self._owner()
+        if owner is None or key not in owner.engine_field_names():
+            return None
+        value = getattr(owner, key)
+        return None if value is None else plain(value)
+
+    def __missing__(self, key: str) -> Any:
+        value = self._field(key)
+        if value is None:
+            raise KeyError(key)
+        return value
+
+    def get(self, key: str, default: Any = None) -> Any:
+        if key in self:
+            return super().__getitem__(key)
+        value = self._field(key)
+        return default if value is None else value
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return dict, (dict(self),)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
+        return copy.deepcopy(dict(self), memo)
+
+    def copy(self) -> dict[str, Any]:
+        return dict(self)
+
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON-ready data: dataclasses (e.g. a ``Document``) as dicts, tuples as lists."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
+    return copy.deepcopy(value)
+
+
+RUN_SPECIFIC = MappingProxyType({"run_specific": True})
+"""Metadata of a stats field that only some runs of an engine set (RaLMSpec's ``strides``, not
+set by RaLMSeq): ``field(default=None, metadata=RUN_SPECIFIC)`` is reported only once set, so
+each run's report keeps the keys it always had."""
 
 
 @dataclass
@@ -29,6 +104,9 @@ class DecodeStats:
     finish_reason: str = ""
     accept_hist: Counter[int] = field(default_factory=Counter)
     extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.extra = Annotations(self.extra, self)
 
     @property
     def acceptance_rate(self) -> float:
@@ -55,12 +133,30 @@ class DecodeStats:
         self.accepted += accepted
         self.accept_hist[accepted] += 1
 
+    @classmethod
+    def engine_field_names(cls) -> frozenset[str]:
+        """The fields a subclass adds (none here)."""
+        return frozenset(f.name for f in dataclasses.fields(cls)) - _BASE_FIELDS
+
+    def engine_fields(self) -> dict[str, Any]:
+        """The subclass's own fields, JSON-ready; a :data:`RUN_SPECIFIC` field still at ``None``
+        does not apply to this run and is left out."""
+        names = self.engine_field_names()
+        return {f.name: plain(value) for f in dataclasses.fields(self)
+                if f.name in names and ((value := getattr(self, f.name)) is not None
+                                        or not f.metadata.get("run_specific"))}
+
     def as_dict(self) -> dict[str, Any]:
-        out = asdict(self)
+        out = {name: plain(getattr(self, name)) for name in _BASE_ORDER if name != "extra"}
         out["accept_hist"] = {str(k): v for k, v in sorted(self.accept_hist.items())}
+        out["extra"] = {**self.engine_fields(), **plain(dict(self.extra))}
         out["acceptance_rate"] = self.acceptance_rate
         out["mean_accepted"] = self.mean_accepted
         out["tokens_per_target_forward"] = self.tokens_per_target_forward
         out["decode_tokens_per_s"] = self.decode_tokens_per_s
         out["threads"] = current_threads()
         return out
+
+
+_BASE_ORDER = tuple(f.name for f in dataclasses.fields(DecodeStats))
+_BASE_FIELDS = frozenset(_BASE_ORDER)

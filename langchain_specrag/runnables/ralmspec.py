@@ -53,7 +53,7 @@ class RaLMSpecRunnable(RaLMSpecSettings,
     def _output(self, result: Any) -> RaLMSpecOutput:
         if not self.with_details:
             return result.text
-        docs = [LCDocument(page_content=d["text"], metadata=d["metadata"], id=d["id"])
+        docs = [LCDocument(page_content=d.text, metadata=dict(d.metadata), id=d.id)
                 for d in ralmspec_documents(result)]
         return {"answer": result.text, "documents": docs, **ralmspec_details(result)}
 

@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 
 
 def _nodes(result: GenerationResult) -> list[NodeWithScore]:
-    return [NodeWithScore(node=TextNode(text=d["text"], id_=d["id"], metadata=d["metadata"]),
+    return [NodeWithScore(node=TextNode(text=d.text, id_=d.id, metadata=dict(d.metadata)),
                           score=None) for d in ralmspec_documents(result)]
 
 

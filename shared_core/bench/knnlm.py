@@ -57,8 +57,8 @@ def measure(lm: LM, store: KNNDatastore, prompts: list[Any], max_new_tokens: int
     load = [round(os.getloadavg()[0], 2)]
     outs, wall = timed_loop(prompts[1:], generate, lm.device, "knnlm", progress=False)
     load.append(round(os.getloadavg()[0], 2))
-    stats = {"retrieval_s": sum(o.stats.extra["retrieval_s"] for o in outs),
-             "retrieval_calls": sum(o.stats.extra["retrieval_calls"] for o in outs),
+    stats = {"retrieval_s": sum(o.stats.retrieval_s for o in outs),
+             "retrieval_calls": sum(o.stats.retrieval_calls for o in outs),
              "drafted": sum(o.stats.drafted for o in outs),
              "accepted": sum(o.stats.accepted for o in outs),
              "load_avg_1m": load, "gamma_max": config.gamma_max, "scheduler": config.scheduler,

@@ -150,10 +150,9 @@ def _record(acc: _Acc, ids: list[int], stats: Any, elapsed: float) -> None:
     if stats is None:
         return
     acc.target_forwards += stats.target_forwards
-    extra = stats.extra
     for key in ("triggered", "retrieval_rounds", "fallback_rounds", "plain_rounds",
-                "relaxed_accepted"):
-        acc.counters[key] = acc.counters.get(key, 0) + extra.get(key, 0)
+                "relaxed_accepted"):  # ReSpecStats fields (absent from other engines' stats)
+        acc.counters[key] = acc.counters.get(key, 0) + getattr(stats, key, 0)
     acc.counters["rounds"] = acc.counters.get("rounds", 0) + stats.rounds
     acc.counters["drafted"] = acc.counters.get("drafted", 0) + stats.drafted
     acc.counters["accepted"] = acc.counters.get("accepted", 0) + stats.accepted

@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -37,7 +37,7 @@ from shared_core.engines.os3 import OS3Scheduler
 from shared_core.models import LM
 from shared_core.output import GenerationResult
 from shared_core.retrieval.dense import blocked_top, paired_scores
-from shared_core.stats import DecodeStats
+from shared_core.stats import RUN_SPECIFIC, DecodeStats
 
 logger = logging.getLogger(__name__)
 
@@ -184,6 +184,17 @@ class KNNDatastore:
 # ----------------------------------------------------------------------------- decoding
 
 
+@dataclass
+class KNNLMStats(DecodeStats):
+    """KNN-LM's datastore searches beside the shared counters."""
+
+    retrieval_s: float = 0.0
+    retrieval_calls: int = 0
+    strides: list[int] | None = field(default=None, metadata=RUN_SPECIFIC)  # speculative runs only
+    cache_size: int | None = field(default=None, metadata=RUN_SPECIFIC)
+    gamma_hat: float | None = field(default=None, metadata=RUN_SPECIFIC)
+
+
 class KNNRun(Run):
     """The round loop's :class:`Run` with hidden-state queries, a datastore and retrieval timing."""
 
@@ -192,12 +203,11 @@ class KNNRun(Run):
         if not generation.sampling.greedy:
             msg = "KNN-LM serving supports greedy decoding only (temperature=0)"
             raise ValueError(msg)
-        super().__init__(lm, prompt, generation, "prealloc")
+        super().__init__(lm, prompt, generation, "prealloc", stats_type=KNNLMStats)
+        self.stats: KNNLMStats
         self.store, self.knn = store, config
         self.max_new_tokens = generation.max_new_tokens
         self.generated: list[int] = []
-        self.retrieval_s = 0.0
-        self.retrieval_calls = 0
 
     @property
     def finished(self) -> bool:
@@ -216,15 +226,14 @@ class KNNRun(Run):
         return int((lam * p_knn + (1 - lam) * p_lm).argmax().item())  # kNN-LM interpolation
 
     def search(self, queries: np.ndarray) -> np.ndarray:
-        with timed(self, "retrieval_s"):
+        with timed(self.stats, "retrieval_s"):
             ids = self.store.search(queries, self.knn.k)
-        self.retrieval_calls += 1
+        self.stats.retrieval_calls += 1
         return ids
 
     def stream_blocks(self, blocks: Iterator[list[int]]) -> TokenStream:
         def close(stats: DecodeStats) -> None:
-            stats.extra.update(retrieval_s=round(self.retrieval_s, 4),
-                               retrieval_calls=self.retrieval_calls)
+            self.stats.retrieval_s = round(self.stats.retrieval_s, 4)
 
         return TokenStream(blocks, self.tracker, self.stats, close)
 
@@ -264,7 +273,7 @@ class _KNNSpeculator:
                   ) -> tuple[np.ndarray, int, torch.Tensor]:
         start = time.perf_counter()
         p_lm, query = self.run.forward(pending, hidden)
-        with timed(self.run, "retrieval_s"):
+        with timed(self.run.stats, "retrieval_s"):
             ids = self.run.store.search_among(query, self.cache, self.run.knn.k)
         token = self.run.choose(p_lm, query, ids)
         self.step_times.append(time.perf_counter() - start)
@@ -328,8 +337,8 @@ def _speculative_blocks(run: KNNRun) -> Iterator[list[int]]:
                     return
                 pending = spec.round(pending, hidden)
         finally:
-            run.stats.extra.update(strides=spec.strides, cache_size=int(spec.cache.size),
-                                   gamma_hat=spec.scheduler.gamma)
+            run.stats.strides, run.stats.cache_size = spec.strides, int(spec.cache.size)
+            run.stats.gamma_hat = spec.scheduler.gamma
 
 
 def knnlm_generate(lm: LM, store: KNNDatastore, prompt: Prompt, max_new_tokens: int = 64, *,

@@ -166,7 +166,8 @@ class Run:
     """Per-call state of a token engine: prompt ids, session, tracker, stats, RNG, mask."""
 
     def __init__(self, lm: LM, prompt: Prompt, config: GenerationConfig, cache: CacheKind,
-                 logits_mask: LogitsMask | None = None):
+                 logits_mask: LogitsMask | None = None, *,
+                 stats_type: type[DecodeStats] = DecodeStats):
         self.lm = lm
         self.config = config
         self.logits_mask = check_logits_mask(logits_mask)
@@ -174,7 +175,7 @@ class Run:
         validate_prompt_ids(lm, self.prompt_ids, config.max_new_tokens)
         self.session = KVSession(lm, cache=cache)
         self.tracker = OutputTracker(lm, config)
-        self.stats = DecodeStats(prompt_tokens=len(self.prompt_ids))
+        self.stats = stats_type(prompt_tokens=len(self.prompt_ids))
         self.generator = make_generator(config.sampling, "cpu")
 
     def prefill(self) -> int:

@@ -47,7 +47,7 @@ def test_eta_zero_is_identical_to_the_long_context_target(decoder, smollm):
         shared = decoder.speculative(DOCUMENT, question, 12, drafter_kv="target")
         assert sd.token_ids == lc.token_ids == shared.token_ids
         assert shared.stats.drafted > 0
-        assert sd.stats.extra["reused_prefix_tokens"] >= prompt.context_tokens
+        assert sd.stats.reused_prefix_tokens >= prompt.context_tokens
     reference = autoregressive_generate(smollm, list(prompt.target_ids), 12)
     with torch.inference_mode():
         hf = smollm.model.generate(torch.tensor([prompt.target_ids]), max_new_tokens=12,

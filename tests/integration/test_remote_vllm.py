@@ -214,7 +214,7 @@ def test_ralmspec_remote_equals_ralmseq_remote_and_in_process(remote, smol, nq_b
         seq = RaLMSpec(remote, bm25, config).generate_baseline(question, 24)
         spec = RaLMSpec(remote, bm25, config).generate(question, 24)
         assert spec.token_ids == seq.token_ids, question
-        assert seq.stats.extra["served_requests"] >= 24 // config.retrieval_stride
+        assert seq.stats.served_requests >= 24 // config.retrieval_stride
         local = RaLMSpec(smol, bm25, config).generate_baseline(question, 24)
         assert seq.token_ids == local.token_ids, question  # same model in-process: same output
 

@@ -55,7 +55,7 @@ def test_strict_is_lossless_on_smollm2(lm, prompts):
         assert ours.token_ids == ref
         stats = ours.stats
         assert stats.target_forwards <= len(ref)
-        assert 0 <= stats.extra["trigger_rate"] <= 1
+        assert 0 <= stats.trigger_rate <= 1
     # the made-up copy prompt is drafted from the prompt: fewer forwards than tokens
     assert ours.stats.tokens_per_target_forward > 1.5, ours.stats.as_dict()
 
@@ -83,7 +83,7 @@ def test_relaxed_keeps_the_retrieved_wording(lm):
                               relaxed_tau=1.0)
     assert " named " in lm.decode(greedy)
     assert RELAXED_CONTEXT.startswith(relaxed.text), relaxed.text
-    n_relaxed = relaxed.stats.extra["relaxed_accepted"]
+    n_relaxed = relaxed.stats.relaxed_accepted
     # independently: teacher-force the target over the relaxed output; every token is the argmax
     # except exactly the relaxed ones, which are in its top-3 and within τ = 1 of the argmax
     with torch.inference_mode():

@@ -202,15 +202,15 @@ def test_ralmspec_adapters_rebuild_when_a_setting_changes(tiny_target, bm25) -> 
     query_engine = RaLMSpecQueryEngine(engine=engine, max_new_tokens=8)
     before = ralmseq()
     assert (runnable.invoke(question)["doc_ids"] == query_engine.query(question).metadata["doc_ids"]
-            == before.stats.extra["doc_ids"])
+            == before.stats.doc_ids)
     built = (runnable._engine(), query_engine._engine())
     for adapter in (runnable, query_engine):
         adapter.retrieval_stride = 1
         adapter.prefetch = False
     after = ralmseq(retrieval_stride=1, prefetch=False)
-    assert len(after.stats.extra["doc_ids"]) > len(before.stats.extra["doc_ids"])
+    assert len(after.stats.doc_ids) > len(before.stats.doc_ids)
     details, response = runnable.invoke(question), query_engine.query(question)
-    assert details["doc_ids"] == response.metadata["doc_ids"] == after.stats.extra["doc_ids"]
+    assert details["doc_ids"] == response.metadata["doc_ids"] == after.stats.doc_ids
     assert details["token_ids"] == response.metadata["token_ids"] == after.token_ids
     assert runnable._engine() is not built[0] and query_engine._engine() is not built[1]
     assert runnable._engine().config.prefetch is query_engine._engine().config.prefetch is False

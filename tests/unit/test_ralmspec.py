@@ -89,8 +89,7 @@ def test_ralmspec_equals_ralmseq_greedy(tiny_target, name: str, sticky: int) -> 
         out = RaLMSpec(tiny_target, HashRetriever(DOCS, sticky), config).generate(question, 24)
         assert out.token_ids == ref.token_ids
         assert out.text == ref.text
-        assert out.stats.extra["doc_ids"] == ref.stats.extra["doc_ids"][: len(
-            out.stats.extra["doc_ids"])]
+        assert out.stats.doc_ids == ref.stats.doc_ids[: len(out.stats.doc_ids)]
 
 
 def test_mismatches_are_exercised_and_counted(tiny_target) -> None:
@@ -100,8 +99,8 @@ def test_mismatches_are_exercised_and_counted(tiny_target) -> None:
     stats = out.stats
     assert stats.rounds > 0 and stats.accepted < stats.drafted  # some speculation failed
     assert max(retriever.calls) > 1  # batched verification
-    assert stats.extra["retrieval_calls"] < 32 // config.retrieval_stride + 1
-    assert stats.extra["strides"] and stats.as_dict()["extra"]["doc_ids"]
+    assert stats.retrieval_calls < 32 // config.retrieval_stride + 1
+    assert stats.strides and stats.as_dict()["extra"]["doc_ids"]
 
 
 def test_ralmspec_equals_ralmseq_sampled(tiny_target) -> None:
@@ -184,7 +183,7 @@ def test_scheduler_falls_back_to_plain_steps_and_stays_exact(tiny_target, async_
     config = RaLMSpecConfig(prefetch=False, async_verify=async_verify, **SMALL)
     always_right = 10**6  # one top-1 for every query: speculation never mismatches
     out = RaLMSpec(tiny_target, HashRetriever(DOCS, always_right), config).generate(QUESTIONS[0], 40)
-    assert 0 in out.stats.extra["strides"]
+    assert 0 in out.stats.strides
     ref = ralmseq_generate(tiny_target, HashRetriever(DOCS, always_right), QUESTIONS[0], 40,
                            config=config)
     assert out.token_ids == ref.token_ids
@@ -224,9 +223,9 @@ def test_async_verification_overlaps_wall_clock(tiny_target, overlap_steps: int,
                             prefetch=sticky > 1, **SMALL)  # no prefetch: the cache misses
     out = RaLMSpec(tiny_target, slow, config).generate(QUESTIONS[0], 24)
     assert any(t.startswith("ralmspec-verify") for t in slow.threads)
-    assert out.stats.extra["overlap_s"] > 0
+    assert out.stats.overlap_s > 0
     if sticky > 1:  # steps speculated during a verification are verified next round
-        assert (max(out.stats.extra["strides"]) > 2) == (overlap_steps > 1)
+        assert (max(out.stats.strides) > 2) == (overlap_steps > 1)
     else:
         assert out.stats.accepted < out.stats.drafted  # mismatches roll back carried steps too
     ref = HashRetriever(DOCS, sticky=sticky)  # same hits as Slow, without the sleep
@@ -236,7 +235,7 @@ def test_async_verification_overlaps_wall_clock(tiny_target, overlap_steps: int,
 
 def test_no_tensors_in_results(tiny_target) -> None:
     out = RaLMSpec(tiny_target, HashRetriever(DOCS), CONFIGS["+PSA"]).generate(QUESTIONS[2], 12)
-    values = list(out.stats.as_dict().values()) + list(out.stats.extra.values())
+    values = list(out.stats.as_dict().values()) + list(out.stats.as_dict()["extra"].values())
     assert not any(isinstance(v, torch.Tensor) for v in values)
 
 

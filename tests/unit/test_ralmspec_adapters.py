@@ -117,9 +117,9 @@ def test_query_engine_equals_ralmseq(tiny_target) -> None:
     assert response.metadata["token_ids"] == ref.token_ids
     # RaLMSeq's document at every retrieval step (one step per retrieval_stride tokens); every
     # speculation round commits at least one step after the first, unspeculated one
-    assert (response.source_nodes and response.metadata["doc_ids"] == ref.stats.extra["doc_ids"]
-            and len(ref.stats.extra["doc_ids"]) == -(-len(ref.token_ids) // CONFIG.retrieval_stride)
-            and 1 <= response.metadata["stats"]["rounds"] < len(ref.stats.extra["doc_ids"]))
+    assert (response.source_nodes and response.metadata["doc_ids"] == ref.stats.doc_ids
+            and len(ref.stats.doc_ids) == -(-len(ref.token_ids) // CONFIG.retrieval_stride)
+            and 1 <= response.metadata["stats"]["rounds"] < len(ref.stats.doc_ids))
 
 
 def test_runnable_schemas() -> None:

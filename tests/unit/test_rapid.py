@@ -154,7 +154,7 @@ def test_eta_zero_equals_long_context_and_transformers(kind, self_decoder, weak_
         reference = autoregressive_generate(tiny_target, list(prompt.target_ids), 24)
         assert sd.token_ids == lc.token_ids == rapid0.token_ids == reference.token_ids
         assert reference.token_ids == hf_greedy(tiny_target, list(prompt.target_ids), 24)
-        assert sd.stats.extra["reused_prefix_tokens"] > prompt.context_tokens
+        assert sd.stats.reused_prefix_tokens > prompt.context_tokens
         assert sd.stats.rounds == sd.stats.target_forwards and sd.stats.draft_forwards > 0
     if kind == "weak":
         assert sd.stats.accepted < sd.stats.drafted  # rollback exercised
@@ -172,7 +172,7 @@ def test_shared_kv_drafter_is_exact_and_skips_the_drafter_prefill(self_decoder, 
         shared = self_decoder.speculative(CONTEXT, query, 24, drafter_kv="target")
         reference = autoregressive_generate(tiny_target, list(prompt.target_ids), 24)
         assert shared.token_ids == reference.token_ids
-        assert shared.stats.extra["drafter_kv"] == "target" and shared.stats.draft_forwards > 0
+        assert shared.stats.drafter_kv == "target" and shared.stats.draft_forwards > 0
         rapid = self_decoder.generate(CONTEXT, query, 12, eta=3.0, drafter_kv="target")
         assert rapid.stats.new_tokens == 12
 
@@ -199,8 +199,8 @@ def test_adaptive_gamma_is_exact_at_eta_zero(tiny_target, drafter_kv):
         result = decoder.speculative(CONTEXT, query, 32, drafter_kv=drafter_kv,
                                      adaptive_gamma=True)
         assert result.token_ids == reference.token_ids
-        assert result.stats.extra["adaptive_gamma"] is True
-        plain += result.stats.extra["plain_rounds"]
+        assert result.stats.adaptive_gamma is True
+        plain += result.stats.plain_rounds
     # the first round drafts γ, the second is a plain step that times a one-token forward
     assert plain >= 1
     [schedule] = decoder._schedules.values()  # one schedule, kept across the four calls
@@ -263,14 +263,14 @@ def test_context_cache_skips_the_prefill(tiny_target):
     assert decoder.load_context(CONTEXT) > 0
     result = decoder.long_context(CONTEXT, QUERIES[0], 4)
     prompt = decoder.prepare(CONTEXT, QUERIES[0], 4)
-    head_and_context = result.stats.extra["reused_prefix_tokens"]
+    head_and_context = result.stats.reused_prefix_tokens
     assert head_and_context >= prompt.context_tokens
     assert len(prompt.target_ids) - 1 - head_and_context < 40  # only the query was computed
     decoder.speculative(CONTEXT, QUERIES[0], 4)
     decoder.forget_queries()  # back to the context prefix; drafter emptied
     again = decoder.speculative(CONTEXT, QUERIES[0], 4)
-    assert again.stats.extra["reused_prefix_tokens"] == head_and_context
-    assert again.stats.extra["draft_prefill_s"] > 0
+    assert again.stats.reused_prefix_tokens == head_and_context
+    assert again.stats.draft_prefill_s > 0
 
 
 def test_guards(tiny_target, tiny_drafter, self_decoder):
@@ -313,7 +313,7 @@ def test_split_prompt_and_registry(tiny_target):
                            embedder=HashEmbedder(), chunk_tokens=32, min_rag_tokens=64, eta=0.0)
     text = "".join(stream)
     assert stream.result is not None and stream.result.text == text
-    assert stream.result.stats.extra["method"] == "rapid"
+    assert stream.result.stats.method == "rapid"
     with pytest.raises(TypeError, match="unknown RAPID option"):
         stream_engine("rapid", tiny_target, QUERIES[0], max_new_tokens=4, documents=[CONTEXT],
                       gama=3)

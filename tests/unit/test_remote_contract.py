@@ -272,7 +272,7 @@ def test_ralmspec_wiring_on_a_served_lm(tok):
     assert len(requests) == 3 and all(b["max_tokens"] == 4 for b in requests)
     assert requests[1]["prompt"][0][-4:] == list(seq.token_ids[:4])  # output so far is in the prompt
     spec = RaLMSpec(lm, bm25, config).generate("where did the cat sit", 12)
-    assert spec.token_ids == seq.token_ids and seq.stats.extra["served_requests"] == 3
+    assert spec.token_ids == seq.token_ids and seq.stats.served_requests == 3
 
 
 def test_speculative_rag_on_served_models_sends_one_draft_and_one_score_request(tok):

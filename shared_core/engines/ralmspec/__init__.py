@@ -56,6 +56,7 @@ from shared_core.engines.ralmspec.engine import (
     ralmseq_generate,
     stream_ralmspec,
 )
+from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.rag_config import DEFAULT_INSTRUCTION, RaLMSpecConfig, SpeculativeRetrievalConfig
 from shared_core.retrieval.frameworks import check_rows
 
@@ -70,6 +71,7 @@ __all__ = [
     "RaLMPrompt",
     "RaLMSpec",
     "RaLMSpecConfig",
+    "RaLMSpecStats",
     "SearchBackend",
     "SpeculativeBackend",
     "SpeculativeRetrieval",

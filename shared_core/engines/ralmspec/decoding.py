@@ -8,10 +8,12 @@ from typing import Any
 
 import torch
 
-from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.config import GenerationConfig
 from shared_core.engines.loop import TokenStream
 from shared_core.engines.ralmspec.backends import SpeculativeBackend, checked_search
+from shared_core.engines.ralmspec.position import RaLMDecoderState
 from shared_core.engines.ralmspec.served import ServedRaLMDecoder
+from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.kv import CacheKind, KVSession
 from shared_core.models import LM
@@ -25,7 +27,6 @@ from shared_core.stats import DecodeStats
 from shared_core.verify import warp_probs
 
 _SENTINEL = "\u2063RALM_DOC\u2063"
-_SEED_MIX = 1_000_003
 
 
 class RaLMPrompt:
@@ -68,55 +69,41 @@ class RaLMPrompt:
         return self.lm.decode([*self.question, *generated][-self.config.query_tokens :])
 
 
-class RaLMDecoder:
+class RaLMDecoder(RaLMDecoderState):
     """A KV session that generates under a given document; one RNG draw per output position."""
 
     def __init__(self, lm: LM, prompt: RaLMPrompt, generation: GenerationConfig,
-                 stats: DecodeStats, cache: CacheKind):
-        self.lm = lm
-        self.prompt = prompt
-        self.sampling: SamplingConfig = generation.sampling
-        self.max_new_tokens = generation.max_new_tokens
+                 stats: RaLMSpecStats, cache: CacheKind):
+        super().__init__(lm, prompt, generation, stats)
         self.session = KVSession(lm, cache=cache)
-        self.stats = stats
-        self.doc: Document | None = None
-        self.generated: list[int] = []
         self.pending = -1
-        seed = self.sampling.seed
-        self._seed = seed if seed is not None else int(torch.randint(0, 2**31 - 1, ()).item())
-        self.lm_s = 0.0
-
-    @property
-    def finished(self) -> bool:
-        g = self.generated
-        return len(g) >= self.max_new_tokens or bool(g and g[-1] in self.lm.eos_token_ids)
+        stats.prefill_tokens = 0
 
     def reset_to(self, doc: Document, length: int) -> None:
         """State: output ``generated[:length]`` under ``doc`` (KV rolled back, not recomputed)."""
-        with timed(self, "lm_s"):
+        with timed(self.stats, "generation_s"):
             del self.generated[length:]
             ids = self.prompt.ids(doc, self.generated)
             feed = self.session.sync(ids[:-1])
             if feed:
                 self.session.prefill(feed)
                 self.stats.target_forwards += 1
-                extra = self.stats.extra
-                extra["prefill_tokens"] = extra.get("prefill_tokens", 0) + len(feed)
+                self.stats.prefill_tokens += len(feed)
             self.doc, self.pending = doc, ids[-1]
 
     def _choose(self, logits: torch.Tensor) -> int:
         if self.sampling.greedy:
             return int(logits.argmax().item())
-        generator = torch.Generator().manual_seed(self._seed * _SEED_MIX + len(self.generated))
+        generator = torch.Generator().manual_seed(self.position_seed())
         probs = warp_probs(logits, self.sampling)
         return int(torch.multinomial(probs, 1, generator=generator).item())
 
     def step(self, doc: Document) -> int:
         """Generate up to ``retrieval_stride`` tokens under ``doc``; return how many."""
-        if doc is not self.doc and (self.doc is None or doc.id != self.doc.id):
+        if self.swaps_to(doc):
             self.reset_to(doc, len(self.generated))
         n = 0
-        with timed(self, "lm_s"):
+        with timed(self.stats, "generation_s"):
             while n < self.prompt.config.retrieval_stride and not self.finished:
                 logits = self.session.extend([self.pending])[-1]
                 self.stats.target_forwards += 1
@@ -143,38 +130,34 @@ class RaLMCall:
                    f"{generation.max_new_tokens} exceeds the {lm.max_context}-token window of "
                    f"{lm.name}; lower max_doc_tokens or max_new_tokens")
             raise ValueError(msg)
-        self.stats = DecodeStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
+        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
         self.tracker = OutputTracker(lm, generation)
         decoder = ServedRaLMDecoder if getattr(lm, "served", False) else RaLMDecoder
         self.decoder = decoder(lm, self.prompt, generation, self.stats, config.cache)
-        self.doc_trace: list[str] = []
         self.used: dict[str, Document] = {}
-        self.retrieval_s = 0.0
-        self.retrieval_calls = 0
 
     def use(self, docs: Sequence[Document]) -> None:
         """Record the documents committed steps were generated under (in step order)."""
         for doc in docs:
-            self.doc_trace.append(doc.id)
+            self.stats.doc_ids.append(doc.id)
             self.used.setdefault(doc.id, doc)
 
     def retrieve(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
         """A blocking retriever call (checked, time-limited by ``retrieval_timeout_s``), timed."""
-        with timed(self, "retrieval_s"):
+        with timed(self.stats, "retrieval_s"):
             hits = checked_search(self.backend, encoded, k, self.config.retrieval_timeout_s)
-        self.retrieval_calls += 1
+        self.stats.retrieval_calls += 1
         return hits
 
     def encode(self, query: str) -> Any:
-        with timed(self, "retrieval_s"):
+        with timed(self.stats, "retrieval_s"):
             return self.backend.encode(query)
 
     def stream(self, blocks: Iterator[list[int]]) -> TokenStream:
-        def close(stats: DecodeStats) -> None:
-            stats.extra.update(
-                retrieval_s=round(self.retrieval_s, 4), retrieval_calls=self.retrieval_calls,
-                generation_s=round(self.decoder.lm_s, 4), doc_ids=list(self.doc_trace),
-                documents=[{"id": d.id, "text": d.text, "metadata": dict(d.metadata)}
-                           for d in self.used.values()])
+        def close(_: DecodeStats) -> None:
+            stats = self.stats
+            stats.retrieval_s = round(stats.retrieval_s, 4)
+            stats.generation_s = round(stats.generation_s, 4)
+            stats.documents = tuple(self.used.values())
 
         return TokenStream(blocks, self.tracker, self.stats, close)

@@ -85,7 +85,7 @@ class _Speculator:
         decoder, seconds = self.call.decoder, {"step": 0.0}
         with timed(seconds, "step"):
             encoded = self.call.encode(self.call.prompt.query(decoder.generated))
-            with timed(self.call, "retrieval_s"):
+            with timed(self.call.stats, "retrieval_s"):
                 doc = self.cache.top1(self.call.backend, encoded)
             step = _Step(len(decoder.generated), encoded, doc)
             decoder.step(doc)
@@ -165,11 +165,9 @@ class _Speculator:
         wait = time.perf_counter()
         hits, b = await_search(future, call.backend, len(encoded),
                                None if timeout is None else submitted + timeout, timeout)
-        call.retrieval_s += time.perf_counter() - wait
-        call.retrieval_calls += 1
-        extra_stats = call.stats.extra  # overlapped speculation vs the worker's search time
-        extra_stats["overlap_s"] = extra_stats.get("overlap_s", 0.0) + (wait - submitted)
-        extra_stats["async_search_s"] = extra_stats.get("async_search_s", 0.0) + b
+        call.stats.retrieval_s += time.perf_counter() - wait
+        call.stats.retrieval_calls += 1
+        call.stats.add_overlap(wait - submitted, b)
         return hits, extra, b
 
     def _update_cache(self, hits: Sequence[Hit]) -> None:
@@ -196,12 +194,12 @@ def _ralmspec_blocks(call: RaLMCall) -> Iterator[list[int]]:
         while not call.decoder.finished or spec.carried:
             yield spec.round()
     finally:
-        stats = call.stats.extra
-        stats["strides"] = spec.strides
-        stats["mean_stride"] = sum(spec.strides) / len(spec.strides) if spec.strides else 0.0
-        stats["cache_size"] = len(spec.cache)
-        stats["gamma_hat"] = spec.scheduler.gamma
-        stats["speculation_s"] = round(sum(spec.step_times), 4)
+        stats = call.stats
+        stats.strides = spec.strides
+        stats.mean_stride = sum(spec.strides) / len(spec.strides) if spec.strides else 0.0
+        stats.cache_size = len(spec.cache)
+        stats.gamma_hat = spec.scheduler.gamma
+        stats.speculation_s = round(sum(spec.step_times), 4)
 
 
 # ----------------------------------------------------------------------------- public API

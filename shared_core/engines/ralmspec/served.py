@@ -1,7 +1,7 @@
 """RaLMSpec / RaLMSeq decoding on a served model (a :class:`~shared_core.remote.RemoteLM`).
 
 :class:`ServedRaLMDecoder` has :class:`~shared_core.engines.ralmspec.decoding.RaLMDecoder`'s
-interface (``generated``, ``finished``, ``step``, ``reset_to``, ``lm_s``); each step is ONE
+interface (``generated``, ``finished``, ``step``, ``reset_to``); each step is ONE
 generation request on token ids: prompt head + document + tail + the output so far, up to
 ``retrieval_stride`` new tokens. Speculation, the local cache, batched verification and rollback
 stay in the engine; a rollback just truncates ``generated`` (the server's prefix cache, on by
@@ -16,37 +16,22 @@ batch-invariant one (vLLM ``VLLM_BATCH_INVARIANT=1``, CUDA cc >= 8.0 / Intel XPU
 from __future__ import annotations
 
 import dataclasses
-import random
-import time
 from typing import Any
 
-from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.config import GenerationConfig
+from shared_core.engines.ralmspec.position import RaLMDecoderState
+from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document
 
-_SEED_MIX = 1_000_003  # as the in-process decoder: one seed per output position
 
-
-class ServedRaLMDecoder:
+class ServedRaLMDecoder(RaLMDecoderState):
     """Generates under a given document through a model server, ``retrieval_stride`` at a time."""
 
     def __init__(self, lm: Any, prompt: Any, generation: GenerationConfig, stats: Any,
                  cache: Any = None) -> None:
         lm.require("token_ids_io", by="RaLMSpec on a served model")
-        self.lm = lm
-        self.prompt = prompt
-        self.sampling: SamplingConfig = generation.sampling
-        self.max_new_tokens = generation.max_new_tokens
-        self.stats = stats
-        self.doc: Document | None = None
-        self.generated: list[int] = []
-        seed = self.sampling.seed
-        self._seed = seed if seed is not None else random.SystemRandom().randrange(2**31)
-        self.lm_s = 0.0
-
-    @property
-    def finished(self) -> bool:
-        g = self.generated
-        return len(g) >= self.max_new_tokens or bool(g and g[-1] in self.lm.eos_token_ids)
+        super().__init__(lm, prompt, generation, stats)
+        stats.served_requests = 0
 
     def reset_to(self, doc: Document, length: int) -> None:
         """State: output ``generated[:length]`` under ``doc`` (nothing to recompute locally)."""
@@ -55,20 +40,20 @@ class ServedRaLMDecoder:
 
     def step(self, doc: Document) -> int:
         """One request: up to ``retrieval_stride`` tokens under ``doc``; return how many."""
-        if doc is not self.doc and (self.doc is None or doc.id != self.doc.id):
+        if self.swaps_to(doc):
             self.reset_to(doc, len(self.generated))
         want = min(self.prompt.config.retrieval_stride, self.max_new_tokens - len(self.generated))
         if want <= 0 or self.finished:
             return 0
         sampling = self.sampling if self.sampling.greedy else dataclasses.replace(
-            self.sampling, seed=(self._seed * _SEED_MIX + len(self.generated)) % 2**31)
-        start = time.perf_counter()
-        [[gen]] = self.lm.generate([self.prompt.ids(doc, self.generated)], want, sampling=sampling)
-        self.lm_s += time.perf_counter() - start
+            self.sampling, seed=self.position_seed() % 2**31)
+        with timed(self.stats, "generation_s"):
+            [[gen]] = self.lm.generate([self.prompt.ids(doc, self.generated)], want,
+                                       sampling=sampling)
         new = list(gen.token_ids[:want])
         eos = next((i for i, t in enumerate(new) if t in self.lm.eos_token_ids), None)
         new = new if eos is None else new[: eos + 1]
         self.generated.extend(new)
         self.stats.target_forwards += 1
-        self.stats.extra["served_requests"] = self.stats.extra.get("served_requests", 0) + 1
+        self.stats.served_requests += 1
         return len(new)

@@ -40,7 +40,7 @@ from __future__ import annotations
 # (the registry's stream_rapid).
 from shared_core.engines.rapid.engine import RapidDecoder
 from shared_core.engines.rapid.entry import split_prompt, stream_rapid
-from shared_core.engines.rapid.prompts import METHODS, RapidPrompt
+from shared_core.engines.rapid.prompts import METHODS, RapidPrompt, RapidStats
 from shared_core.token_config import DRAFTER_KV, RapidConfig, check_eta
 
 __all__ = [
@@ -49,6 +49,7 @@ __all__ = [
     "RapidConfig",
     "RapidDecoder",
     "RapidPrompt",
+    "RapidStats",
     "check_eta",
     "split_prompt",
     "stream_rapid",

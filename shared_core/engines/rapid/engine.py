@@ -28,7 +28,6 @@ from shared_core.engines.rapid.prompts import (
     IndexedContext,
     RapidPrompt,
     chat_parts,
-    prompt_stats,
 )
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
 from shared_core.kv import KVSession
@@ -219,7 +218,7 @@ class RapidDecoder(RapidContext):
                config: RapidConfig, logits_mask: LogitsMask | None = None) -> TokenStream:
         ids = prompt.rag_ids if method == "rag" else prompt.target_ids
         run = CachedRun(self.lm, ids, gen, config.cache, logits_mask)
-        run.stats.extra.update(prompt_stats(method, eta, config, prompt))
+        run.stats.describe(method, eta, config, prompt)
         schedule = self._schedule(method, eta, config) if config.adaptive_gamma else None
         return run.stream(lambda r: self._slot_blocks(r, method, eta, prompt, config, schedule))
 

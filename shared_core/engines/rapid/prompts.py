@@ -4,11 +4,11 @@ stats a prompt contributes."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
 from shared_core.models import LM
 from shared_core.retrieval import DenseRetriever, Document
+from shared_core.stats import RUN_SPECIFIC, DecodeStats
 from shared_core.token_config import RapidConfig
 
 METHODS = ("rapid", "sd", "long_context", "rag")
@@ -45,16 +45,35 @@ class IndexedContext:
     n_tokens: int
 
 
-def prompt_stats(method: str, eta: float, config: RapidConfig, prompt: RapidPrompt
-                  ) -> dict[str, Any]:
-    speculative = method in ("rapid", "sd")
-    return {"method": method, "eta": eta if method == "rapid" else 0.0,
-            "gamma": config.gamma if speculative else 0,
-            "drafter_kv": config.drafter_kv if speculative else None,
-            "adaptive_gamma": config.adaptive_gamma and speculative,
-            "context_tokens": prompt.context_tokens, "retrieved_tokens": prompt.retrieved_tokens,
-            "retrieved_chunks": list(prompt.retrieved_chunks), "truncated": prompt.truncated,
-            "retrieval_s": round(prompt.retrieval_s, 4)}
+@dataclass
+class RapidStats(DecodeStats):
+    """RAPID's settings and context numbers beside the shared counters."""
+
+    method: str = ""
+    eta: float = 0.0
+    gamma: int = 0
+    drafter_kv: str | None = None
+    adaptive_gamma: bool = False
+    context_tokens: int = 0
+    retrieved_tokens: int = 0
+    retrieved_chunks: list[int] = field(default_factory=list)
+    truncated: bool = False
+    retrieval_s: float = 0.0
+    reused_prefix_tokens: int = 0
+    draft_prefill_s: float | None = field(default=None, metadata=RUN_SPECIFIC)  # speculative methods only
+    plain_rounds: int | None = field(default=None, metadata=RUN_SPECIFIC)
+
+    def describe(self, method: str, eta: float, config: RapidConfig, prompt: RapidPrompt
+                 ) -> None:
+        """Record the method, its settings and the prompt's context numbers."""
+        speculative = method in ("rapid", "sd")
+        self.method, self.eta = method, eta if method == "rapid" else 0.0
+        self.gamma = config.gamma if speculative else 0
+        self.drafter_kv = config.drafter_kv if speculative else None
+        self.adaptive_gamma = config.adaptive_gamma and speculative
+        self.context_tokens, self.retrieved_tokens = prompt.context_tokens, prompt.retrieved_tokens
+        self.retrieved_chunks, self.truncated = list(prompt.retrieved_chunks), prompt.truncated
+        self.retrieval_s = round(prompt.retrieval_s, 4)
 
 
 def chat_parts(lm: LM) -> tuple[str, str]:

@@ -18,7 +18,7 @@ from shared_core.draft_length import CostModel, best_draft_length
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.loop import LogitsMask, Run, timed
-from shared_core.engines.rapid.prompts import RapidPrompt
+from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
 from shared_core.models import LM
 from shared_core.token_config import RapidConfig
 from shared_core.verify import (
@@ -38,14 +38,15 @@ class CachedRun(Run):
 
     def __init__(self, lm: LM, prompt_ids: Sequence[int], config: GenerationConfig,
                  cache: CacheKind, logits_mask: LogitsMask | None = None):
-        super().__init__(lm, list(prompt_ids), config, cache, logits_mask)
+        super().__init__(lm, list(prompt_ids), config, cache, logits_mask, stats_type=RapidStats)
+        self.stats: RapidStats
 
     def prefill(self) -> int:
         self.stats.prefill_s = 0.0
         with timed(self.stats, "prefill_s"):
             feed = self.session.sync(self.prompt_ids[:-1])
             self.session.prefill(feed)
-        self.stats.extra["reused_prefix_tokens"] = len(self.prompt_ids) - 1 - len(feed)
+        self.stats.reused_prefix_tokens = len(self.prompt_ids) - 1 - len(feed)
         return self.prompt_ids[-1]
 
 
@@ -132,8 +133,8 @@ def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: Rapid
         draft_prefill = drafter.start(prompt.draft_ids, len(run.prompt_ids), run.config.sampling,
                                       greedy_probs=greedy_probs)
     stats.prefill_s += draft_prefill
-    stats.extra["draft_prefill_s"] = round(draft_prefill, 4)
-    stats.extra["plain_rounds"] = 0
+    stats.draft_prefill_s = round(draft_prefill, 4)
+    stats.plain_rounds = 0
     while True:
         context = [*session.tokens, pending]
         budget = min(schedule.next() if schedule else config.gamma, run.tracker.remaining - 1)
@@ -151,7 +152,7 @@ def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: Rapid
         session.rollback(len(context) + verdict.n_accepted)
         block, done = run.commit([*draft.tokens[: verdict.n_accepted], verdict.next_token])
         stats.record_round(len(draft), verdict.n_accepted)
-        stats.extra["plain_rounds"] += not draft.tokens
+        stats.plain_rounds += not draft.tokens
         # 5. adapt: the paper keeps γ constant; adaptive_gamma sizes the next draft by cost
         if schedule is not None:
             schedule.observe(len(draft), verdict.n_accepted, drafted - start, verified - drafted)

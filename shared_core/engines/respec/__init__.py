@@ -33,6 +33,7 @@ from __future__ import annotations
 from shared_core.engines.respec.drafting import (
     NO_DRAFT,
     Candidate,
+    ReSpecStats,
     TreeDraft,
     build_tree,
     entropy_trigger,
@@ -46,6 +47,7 @@ __all__ = [
     "Fallback",
     "ReSpecConfig",
     "ReSpecDecoder",
+    "ReSpecStats",
     "Selection",
     "TreeDraft",
     "Verification",

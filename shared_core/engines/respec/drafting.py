@@ -3,10 +3,10 @@ and fallback back-off (one :class:`Request` per generation)."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -93,8 +93,8 @@ def row_entropies(logits: torch.Tensor) -> list[float]:
 
 
 @dataclass
-class Counters:
-    """Engine-specific counters, copied into ``DecodeStats.extra``."""
+class ReSpecStats(DecodeStats):
+    """ReSpec's counters beside the shared ones (reported under ``"extra"``)."""
 
     triggered: int = 0
     retrieval_rounds: int = 0
@@ -104,25 +104,30 @@ class Counters:
     token_cost: float = 0.0  # the measured c at the end
     sources: dict[str, dict[str, int]] = field(default_factory=dict)
 
+    @property
+    def trigger_rate(self) -> float:
+        return self.triggered / max(self.rounds, 1)
+
+    @property
+    def retrieval_rate(self) -> float:
+        return self.retrieval_rounds / max(self.rounds, 1)
+
     def record(self, source: str, drafted: int, accepted: int) -> None:
         entry = self.sources.setdefault(source, {"rounds": 0, "drafted": 0, "accepted": 0})
         entry["rounds"] += 1
         entry["drafted"] += drafted
         entry["accepted"] += accepted
 
-    def export(self, stats: DecodeStats) -> None:
-        rounds = max(stats.rounds, 1)
-        stats.extra.update(dataclasses.asdict(self))
-        stats.extra["trigger_rate"] = self.triggered / rounds
-        stats.extra["retrieval_rate"] = self.retrieval_rounds / rounds
-        stats.extra["token_cost"] = self.token_cost
+    def engine_fields(self) -> dict[str, Any]:
+        return {**super().engine_fields(), "trigger_rate": self.trigger_rate,
+                "retrieval_rate": self.retrieval_rate}
 
 
 class Request:
     """Per-request state: automata, candidate scores, adaptive lengths, entropy history."""
 
     def __init__(self, config: ReSpecConfig, documents: Sequence[Sequence[int]],
-                 static: StaticIndex | None, fallback: Drafter | None):
+                 static: StaticIndex | None, fallback: Drafter | None, counters: ReSpecStats):
         self.config = config
         self.index = DynamicIndex(documents)
         self.static: StaticMatcher | None = static.matcher() if static is not None else None
@@ -132,7 +137,7 @@ class Request:
         self.fallback = fallback
         self.fallback_score = config.ema_init  # EMA of the fallback drafter's accepted/drafted
         self.cost = CostModel(config.token_cost)
-        self.counters = Counters()
+        self.counters = counters
 
     def add(self, tokens: Sequence[int]) -> None:
         self.index.add(tokens)

@@ -16,7 +16,14 @@ from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.drafters.suffix_automaton import StaticIndex
 from shared_core.engines.baseline import accept_draft
 from shared_core.engines.loop import LogitsMask, Prompt, Run, TokenStream, timed
-from shared_core.engines.respec.drafting import NO_DRAFT, Request, TreeDraft, build_tree, row_entropies
+from shared_core.engines.respec.drafting import (
+    NO_DRAFT,
+    Request,
+    ReSpecStats,
+    TreeDraft,
+    build_tree,
+    row_entropies,
+)
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
 from shared_core.stats import DecodeStats
@@ -76,15 +83,14 @@ class ReSpecDecoder:
                    "temperature=0 or verification='strict'")
             raise ValueError(msg)
         docs = _document_ids(self.lm, documents)
-        run = Run(self.lm, prompt, config, self.config.cache, logits_mask)
-        request = Request(self.config, docs, self.static, self._fallback(config))
+        run = Run(self.lm, prompt, config, self.config.cache, logits_mask, stats_type=ReSpecStats)
+        request = Request(self.config, docs, self.static, self._fallback(config), run.stats)
         drafter = request.fallback
 
         def on_close(stats: DecodeStats) -> None:
             if isinstance(drafter, ModelDrafter):
                 stats.draft_forwards = drafter.forwards
             request.counters.token_cost = request.token_cost
-            request.counters.export(stats)
 
         return run.stream(lambda r: _respec_blocks(r, request), on_close)
 

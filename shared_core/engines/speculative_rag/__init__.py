@@ -54,6 +54,7 @@ from shared_core.engines.speculative_rag.prompts import (
 )
 from shared_core.engines.speculative_rag.results import (
     Draft,
+    RAGStats,
     SpeculativeRAGResult,
     SpeculativeRAGStats,
     StandardRAGResult,
@@ -90,6 +91,7 @@ __all__ = [
     "REFLECTION",
     "Draft",
     "EventHook",
+    "RAGStats",
     "SpeculativeRAG",
     "SpeculativeRAGConfig",
     "SpeculativeRAGResult",

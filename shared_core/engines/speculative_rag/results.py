@@ -3,38 +3,40 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shared_core.retrieval.base import Document
 
-if TYPE_CHECKING:
 
-    pass
+@dataclass
+class RAGStats:
+    """What every answer from documents reports: how many, parsing failures, stage times."""
+
+    num_documents: int = 0
+    parse_fallbacks: int = 0
+    retrieve_s: float = 0.0
+    total_s: float = 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 @dataclass
-class SpeculativeRAGStats:
-    """Counters and stage timings of one answer (plain numbers only)."""
+class SpeculativeRAGStats(RAGStats):
+    """Counters and stage timings of one Speculative RAG answer (plain numbers only)."""
 
-    num_documents: int = 0
     num_drafts: int = 0
     docs_per_draft: int = 0
     cluster_sizes: list[int] = field(default_factory=list)
     relaxed_subsets: int = 0  # subsets that could not take one document per cluster
     skipped_documents: int = 0  # documents without text, left out of every subset
     answer_continuations: int = 0  # drafts that needed a forced "Answer:" step
-    parse_fallbacks: int = 0
     draft_prompt_tokens: int = 0
     draft_new_tokens: int = 0
     verify_tokens: int = 0
-    retrieve_s: float = 0.0
     sample_s: float = 0.0
     draft_s: float = 0.0
     verify_s: float = 0.0
-    total_s: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
@@ -75,17 +77,12 @@ class SpeculativeRAGResult:
 
 
 @dataclass
-class StandardRAGStats:
-    num_documents: int = 0
+class StandardRAGStats(RAGStats):
+    """One model, every document in one prompt: its prompt / output tokens and time."""
+
     prompt_tokens: int = 0
     new_tokens: int = 0
-    parse_fallbacks: int = 0
-    retrieve_s: float = 0.0
     generate_s: float = 0.0
-    total_s: float = 0.0
-
-    def as_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 @dataclass(frozen=True)
