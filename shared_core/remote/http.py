@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import os
 import time
@@ -51,6 +52,30 @@ def _failure(method: str, url: str, attempts: int, exc: Exception | None,
                        None if response is None else response.status_code)
 
 
+class _Retries:
+    """One request's retry policy (which outcomes retry, the back-off schedule, the errors);
+    the sync and async request methods only send, and sleep for as long as this says."""
+
+    def __init__(self, method: str, url: str, config: RemoteConfig, retries: int | None) -> None:
+        self.method, self.url = method, url
+        self.attempts = 1 + (config.max_retries if retries is None else retries)
+        self._backoff = config.backoff
+
+    def settle(self, attempt: int, exc: Exception | None, response: httpx.Response | None
+               ) -> tuple[bool, Any]:
+        """``(True, result)`` once the request is done, ``(False, seconds)`` to wait before the
+        next attempt; a RemoteError for an error that does not retry or the last attempt."""
+        if not _retryable(exc, response):
+            if exc is not None:
+                raise RemoteError(f"{self.method} {self.url}: {exc}") from exc
+            return True, _result(self.method, self.url, response)  # type: ignore[arg-type]
+        if attempt + 1 >= self.attempts:
+            raise _failure(self.method, self.url, self.attempts, exc, response)
+        logger.info("retrying %s %s (attempt %d): %s", self.method, self.url, attempt + 1,
+                    exc or response.status_code)  # type: ignore[union-attr]
+        return False, self._backoff(attempt)
+
+
 class Transport:
     """One server's connection pools (a sync and, on first use, an async one)."""
 
@@ -70,24 +95,17 @@ class Transport:
 
     def request(self, method: str, path: str, json: Any = None, *, retries: int | None = None
                 ) -> Any:
-        attempts = 1 + (self.config.max_retries if retries is None else retries)
-        exc: Exception | None = None
-        response: httpx.Response | None = None
-        for attempt in range(attempts):
+        plan = _Retries(method, f"{self.base_url}{path}", self.config, retries)
+        for attempt in itertools.count():  # settle returns or raises by plan.attempts
             exc, response = None, None
             try:
                 response = self._client.request(method, path, json=json)
             except httpx.HTTPError as e:
                 exc = e
-            if not _retryable(exc, response):
-                if exc is not None:
-                    raise RemoteError(f"{method} {self.base_url}{path}: {exc}") from exc
-                return _result(method, f"{self.base_url}{path}", response)  # type: ignore[arg-type]
-            if attempt + 1 < attempts:
-                logger.info("retrying %s %s (attempt %d): %s", method, path, attempt + 1,
-                            exc or response.status_code)  # type: ignore[union-attr]
-                time.sleep(self.config.backoff(attempt))
-        raise _failure(method, f"{self.base_url}{path}", attempts, exc, response)
+            done, value = plan.settle(attempt, exc, response)
+            if done:
+                return value
+            time.sleep(value)
 
     def _async_client(self) -> httpx.AsyncClient:
         if self._aclient is None:
@@ -97,22 +115,17 @@ class Transport:
     async def arequest(self, method: str, path: str, json: Any = None, *,
                        retries: int | None = None) -> Any:
         client = self._async_client()
-        attempts = 1 + (self.config.max_retries if retries is None else retries)
-        exc: Exception | None = None
-        response: httpx.Response | None = None
-        for attempt in range(attempts):
+        plan = _Retries(method, f"{self.base_url}{path}", self.config, retries)
+        for attempt in itertools.count():  # settle returns or raises by plan.attempts
             exc, response = None, None
             try:
                 response = await client.request(method, path, json=json)
             except httpx.HTTPError as e:
                 exc = e
-            if not _retryable(exc, response):
-                if exc is not None:
-                    raise RemoteError(f"{method} {self.base_url}{path}: {exc}") from exc
-                return _result(method, f"{self.base_url}{path}", response)  # type: ignore[arg-type]
-            if attempt + 1 < attempts:
-                await asyncio.sleep(self.config.backoff(attempt))
-        raise _failure(method, f"{self.base_url}{path}", attempts, exc, response)
+            done, value = plan.settle(attempt, exc, response)
+            if done:
+                return value
+            await asyncio.sleep(value)
 
     def close(self) -> None:
         self._client.close()

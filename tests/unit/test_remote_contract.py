@@ -193,6 +193,42 @@ def test_connection_errors_are_retried_with_backoff(tok):
     assert RemoteConfig(backoff_s=0.5, backoff_max_s=3).backoff(4) == 3
 
 
+async def test_sync_and_async_requests_share_one_retry_policy(tok):
+    """Same outcomes, same attempts, same errors from ``request`` and ``arequest``."""
+    from shared_core.remote.http import Transport
+
+    for fail_first, retries in ((2, None), (3, None), (1, 0)):
+        outcomes = []
+        for asynchronous in (False, True):
+            server = FakeVLLM(tok, fail_first=fail_first)
+            http = Transport("http://fake.test", api_key=None, config=FAST,
+                             transport=httpx.MockTransport(server))
+            try:
+                call = http.arequest if asynchronous else http.request
+                answer = call("GET", "/version", retries=retries)
+                outcomes.append((await answer if asynchronous else answer, len(server.requests)))
+            except RemoteError as e:
+                outcomes.append((str(e), e.status, len(server.requests)))
+            finally:
+                http.close()
+                await http.aclose()
+        assert outcomes[0] == outcomes[1], (fail_first, retries)
+    assert outcomes[0] == ("GET http://fake.test/version failed after 1 attempt(s): HTTP 503: "
+                           "loading", 503, 1)
+    for asynchronous in (False, True):  # a 404 does not retry and names the route
+        server = FakeVLLM(tok)
+        http = Transport("http://fake.test", api_key=None, config=FAST,
+                         transport=httpx.MockTransport(server))
+        with pytest.raises(RemoteError, match=r"GET http://fake.test/nowhere -> HTTP 404"):
+            if asynchronous:
+                await http.arequest("GET", "/nowhere")
+            else:
+                http.request("GET", "/nowhere")
+        assert len(server.requests) == 1
+        http.close()
+        await http.aclose()
+
+
 def test_missing_capability_names_what_the_engine_needs(tok):
     lm, _ = _vllm(tok, token_ids=False)
     assert not lm.capabilities.token_ids_io and "return_token_ids" in lm.capabilities.notes["token_ids_io"]
