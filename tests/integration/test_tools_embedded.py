@@ -75,3 +75,129 @@ def test_pickled_chat_model_is_small_and_answers_identically(smollm):
     copy = pickle.loads(data)
     assert copy.lm is None and copy.invoke("Name a colour.").content == answer
     assert json.loads(json.dumps(copy._reload_as)) == ["smollm2-135m-instruct", None, None]
+
+
+ADD = {"type": "function", "function": {
+    "name": "add", "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                    "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+# Under auto SmolLM2 writes this call itself; without the grammar it writes the tool's schema
+# instead of its arguments (an invalid call).
+ASKS_FOR_CALL = "Reply with a <tool_call> that calls get_weather for Lisbon."
+
+
+class WeatherArgs(BaseModel, extra="forbid"):
+    city: str
+
+
+@pytest.mark.parametrize("question", [ASKS_FOR_CALL, "What's the weather like in Lisbon?"])
+def test_auto_constrained_respec_equals_auto_constrained_greedy(smollm, question):
+    turns = [{"role": "user", "content": question}]
+    options = {"tools": [WEATHER, ADD], "tool_choice": "auto"}
+    call, plain = _run(smollm, turns, {**options, "engine": "autoregressive"})
+    _, fast = _run(smollm, turns, {**options, "engine": "respec"})
+    assert call.constraint is not None and call.constraint.kind == "structural_tag"
+    assert fast.token_ids == plain.token_ids
+
+
+def test_auto_call_is_valid_because_of_the_grammar(smollm, monkeypatch):
+    turns = [{"role": "user", "content": ASKS_FOR_CALL}]
+    options = {"tools": [WEATHER, ADD], "tool_choice": "auto", "engine": "respec"}
+    call, result = _run(smollm, turns, options)
+    _, calls, invalid = call.parse(result.text)
+    assert not invalid and [c.name for c in calls] == ["get_weather"]
+    WeatherArgs.model_validate(calls[0].arguments)
+    assert calls[0].arguments == {"city": "Lisbon"}
+    monkeypatch.setattr("shared_core.chat_adapters.xgrammar_available", lambda: False)
+    free, result = _run(smollm, turns, options)
+    assert free.constraint is None
+    _, calls, invalid = free.parse(result.text)
+    assert not calls and invalid  # the same model unconstrained: no valid call
+
+
+def _added(chunks):
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total = total + chunk
+    return total
+
+
+CASES = [("auto", ASKS_FOR_CALL), ("required", "What's the weather like in Lisbon right now?"),
+         ("get_weather", "How warm is it in Oslo?"), ("auto", "Say hello to Ana in one line."),
+         ("auto", "What is 17 plus 25? Explain.")]
+
+
+@pytest.mark.parametrize(("choice", "question"), CASES)
+def test_langchain_stream_with_tools_adds_up_to_invoke(smollm, choice, question):
+    from langchain_specrag.chat_models.speculative import ChatSpeculative
+
+    model = ChatSpeculative(lm=smollm, max_tokens=40).bind_tools([WEATHER, ADD],
+                                                                 tool_choice=choice)
+    invoked = model.invoke(question)
+    chunks = list(model.stream(question))
+    streamed = _added(chunks)
+    assert streamed.content == invoked.content
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [
+        (c["name"], c["args"]) for c in invoked.tool_calls]
+    assert streamed.response_metadata["finish_reason"] == invoked.response_metadata[
+        "finish_reason"]
+    texts = [c.content for c in chunks if c.content]
+    assert not any("<tool_call" in t or '"arguments"' in t for t in texts)
+    if len(invoked.content) > 20:  # text arrives in pieces, not at the end
+        assert len(texts) > 2
+    if choice != "auto" or question == ASKS_FOR_CALL:
+        assert [c["name"] for c in invoked.tool_calls][:1] == ["get_weather"]
+
+
+async def test_langchain_astream_with_tools_adds_up_to_ainvoke(smollm):
+    from langchain_specrag.chat_models.speculative import ChatSpeculative
+
+    model = ChatSpeculative(lm=smollm, max_tokens=40).bind_tools([WEATHER, ADD])
+    invoked = await model.ainvoke(ASKS_FOR_CALL)
+    streamed = _added([c async for c in model.astream(ASKS_FOR_CALL)])
+    assert streamed.content == invoked.content and invoked.content
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == [
+        (c["name"], c["args"]) for c in invoked.tool_calls] == [("get_weather", {"city": "Lisbon"})]
+
+
+def get_weather(city: str) -> str:
+    """Current weather in a city."""
+    return f"18°C in {city}"
+
+
+def _selections(llm, response):
+    return [(s.tool_name, s.tool_kwargs) for s in llm.get_tool_calls_from_response(
+        response, error_on_no_tool_call=False)]
+
+
+@pytest.mark.parametrize(("required", "question"), [
+    (False, ASKS_FOR_CALL), (True, "How warm is it in Oslo?"), (False, "Say hello to Ana.")])
+def test_llamaindex_stream_chat_with_tools_ends_as_chat_with_tools(smollm, required, question):
+    from llama_index.core.tools import FunctionTool
+
+    from llamaindex_specrag.llms.speculative import SpeculativeLLM
+
+    llm, tools = SpeculativeLLM(smollm, max_new_tokens=40), [FunctionTool.from_defaults(get_weather)]
+    chatted = llm.chat_with_tools(tools, user_msg=question, tool_required=required)
+    responses = list(llm.stream_chat_with_tools(tools, user_msg=question, tool_required=required))
+    last = responses[-1]
+    assert last.message.content == chatted.message.content
+    assert "".join(r.delta for r in responses) == (chatted.message.content or "")
+    assert _selections(llm, last) == _selections(llm, chatted)
+    assert not any("<tool_call" in (r.delta or "") for r in responses)
+    if required or question == ASKS_FOR_CALL:
+        assert [n for n, _ in _selections(llm, last)] == ["get_weather"]
+
+
+async def test_llamaindex_astream_chat_with_tools_ends_as_achat(smollm):
+    from llama_index.core.tools import FunctionTool
+
+    from llamaindex_specrag.llms.speculative import SpeculativeLLM
+
+    llm, tools = SpeculativeLLM(smollm, max_new_tokens=40), [FunctionTool.from_defaults(get_weather)]
+    chatted = await llm.achat_with_tools(tools, user_msg=ASKS_FOR_CALL)
+    last = [r async for r in await llm.astream_chat_with_tools(tools, user_msg=ASKS_FOR_CALL)][-1]
+    assert last.message.content == chatted.message.content
+    assert _selections(llm, last) == _selections(llm, chatted) == [
+        ("get_weather", {"city": "Lisbon"})]
