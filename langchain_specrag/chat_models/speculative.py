@@ -13,7 +13,11 @@ take it for one step at a time and never across a ``yield`` (see ``shared_core.s
 half-read stream never blocks another call, in this thread or another. ``ainvoke`` and
 ``astream`` run on worker threads that stop within one step when cancelled or abandoned.
 Tools: ``bind_tools`` (the model's chat template renders them, or the Hermes/Qwen format is
-written into the system turn), replies parsed into ``tool_calls`` / ``invalid_tool_calls``;
+written into the system turn), replies parsed into ``tool_calls`` / ``invalid_tool_calls``
+(under ``tool_choice="auto"`` any call the model opens is grammar-constrained to a bound tool
+and its schema); streamed with tools, text arrives as it is generated and each call as a
+``tool_call_chunks`` chunk once complete, adding up to what ``invoke`` returns (an invalid
+call's raw text arrives JSON-quoted, so that LangChain's re-parsing keeps it invalid);
 ``with_structured_output`` constrains decoding to the schema (xgrammar). Pickling keeps the
 settings only (a preloaded model is reloaded by name through the shared cache on first use).
 Inputs are validated before the model is loaded: text content only (image and other media
@@ -102,8 +106,9 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
 
 
 def _call_chunk(call: ToolCall | InvalidToolCall, index: int) -> ToolCallChunk:
-    """One whole call as a chunk (an invalid call's arguments are its raw text)."""
-    args = call.arguments if isinstance(call, InvalidToolCall) else json.dumps(call.arguments)
+    """One whole call as a chunk. LangChain re-parses chunk arguments when chunks are added, so
+    an invalid call's raw text goes as a JSON string: it stays invalid (never a runnable call)."""
+    args = json.dumps(call.arguments, ensure_ascii=False)  # an object, or a string if invalid
     return ToolCallChunk(name=call.name, args=args, id=call.id, index=index,
                          type="tool_call_chunk")
 

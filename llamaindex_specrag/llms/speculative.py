@@ -75,6 +75,9 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     ``structured_predict`` (a forced, grammar-constrained call of the output class's tool).
     ``is_function_calling_model`` is True when the model's chat template renders tools (Qwen2.5)
     and also for templates without (SmolLM2), whose prompts get the same tool format written in.
+    Streamed with tools (``stream_chat_with_tools``), text deltas arrive as generated (never a
+    call's text); each response carries the calls completed so far in ``additional_kwargs``, and
+    the last equals ``chat_with_tools``' reply.
     """
 
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS

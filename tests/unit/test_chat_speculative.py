@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from typing import Literal
 
@@ -202,3 +203,23 @@ def test_constrained_speculation_equals_constrained_plain_decoding(long_chat):
             MESSAGES, engine=engine, max_tokens=60)["raw"]
         out[engine] = (raw.content, raw.usage_metadata["output_tokens"])
     assert out["respec"] == out["autoregressive"]
+
+
+def test_streamed_call_chunks_add_up_to_the_parsed_calls():
+    from langchain_core.messages import AIMessageChunk
+
+    from langchain_specrag.chat_models.speculative import _call_chunk
+    from shared_core.tool_calls import parse_tool_calls
+
+    text = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
+            '<tool_call>{"name": "rm", "arguments": {"path": "/"}}</tool_call>'
+            '<tool_call>{"name": "add", "arguments": {"a": 3')
+    _, calls, invalid = parse_tool_calls(text, ["add"])
+    chunks = [AIMessageChunk(content="", tool_call_chunks=[_call_chunk(c, i)])
+              for i, c in enumerate([*calls, *invalid])]
+    total = chunks[0] + chunks[1] + chunks[2]
+    assert [(c["name"], c["args"]) for c in total.tool_calls] == [("add", {"a": 1})]
+    assert [c["name"] for c in total.invalid_tool_calls] == ["rm", None]
+    # the raw text of an invalid call, JSON-quoted so that LangChain does not re-parse it
+    assert [json.loads(c["args"]) for c in total.invalid_tool_calls] == [
+        c.arguments for c in invalid] == ['{"path": "/"}', '{"name": "add", "arguments": {"a": 3']
