@@ -8,12 +8,13 @@ generations live a layer up, in :mod:`shared_core.serving`.
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from shared_core.models import LM
 
 _LOADED: dict[tuple[str, str | None, str | None], LM] = {}
+_EMBEDDERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
@@ -44,3 +45,14 @@ def forget_all() -> int:
         n = len(_LOADED)
         _LOADED.clear()
         return n
+
+
+def cached_embedder(name: str) -> Any:
+    """The process-wide :func:`~shared_core.models.load_embedder` result for ``name`` (dense
+    retrievers built or unpickled with an embedder name share one copy)."""
+    with _LOCK:
+        if name not in _EMBEDDERS:
+            from shared_core.models import load_embedder
+
+            _EMBEDDERS[name] = load_embedder(name)
+        return _EMBEDDERS[name]

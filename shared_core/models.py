@@ -380,6 +380,7 @@ def load_embedder(name: str = "all-minilm-l6-v2", *, device: str | torch.device 
     from sentence_transformers import SentenceTransformer
 
     torch_device = str(resolve_device(device))
+    source = name
     if name in EMBEDDED_EMBEDDERS:
         entry = EMBEDDED_EMBEDDERS[name]
         if entry.package and package_dir(entry.package) is not None:
@@ -395,10 +396,13 @@ def load_embedder(name: str = "all-minilm-l6-v2", *, device: str | torch.device 
     why = None if Path(name).exists() else hub_unavailable()
     try:
         with _quiet_progress_bars():  # no "Loading weights" bar on every load
-            return SentenceTransformer(name, device=torch_device, local_files_only=why is not None)
+            model = SentenceTransformer(name, device=torch_device,
+                                        local_files_only=why is not None)
     except OSError as e:
         if Path(name).exists():
             raise
         raise OSError(_hub_unreachable_message(name, why, tuple(EMBEDDED_EMBEDDERS),
                                                "or a sentence-transformers folder")) from e
+    model.specrag_source = source  # what a pickled DenseRetriever reloads it by
+    return model
 

@@ -5,6 +5,9 @@ Besides text search, the retriever exposes its vectors (``embed_queries``, ``sea
 ``vectors_for``, ``score``) so that RaLMSpec can rank a per-request cache with the same
 embeddings and the same metric as the index.
 
+The module holds the retriever; exact scoring lives in :mod:`.exact_scores`, faiss calls in
+:mod:`.faiss_index`, save / load / pickling in :mod:`.dense_io` (names importable from here too).
+
 Setup::
 
     from shared_core.retrieval import DenseRetriever, Document
@@ -20,115 +23,44 @@ from __future__ import annotations
 
 import itertools
 import logging
-import os
-from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval import _common
 from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.dense_io import DensePersistence
+from shared_core.retrieval.exact_scores import (
+    RESCORE_MARGIN,
+    blocked_top,
+    normalise,
+    pair_scores,
+    paired_scores,
+)
+from shared_core.retrieval.faiss_index import (
+    INDEX_KINDS,
+    IndexKind,
+    faiss_candidates,
+    faiss_threads,
+    gemm_candidates,
+    new_index,
+)
 
 if TYPE_CHECKING:
     import faiss
 
 logger = logging.getLogger(__name__)
 
-IndexKind = Literal["exact", "hnsw"]
-INDEX_KINDS = ("exact", "hnsw")
 PAD_PREFIX = "pad-"
-_INDEX_FILE = "index.faiss"
-_SLOTS_FILE = "slots.npy"
 _PAD_CHUNK = 100_000
-_GEMM_BLOCK = 32_768  # stored vectors per matrix product in the gemm search path
-_GEMM_QUERIES = 64  # queries per matrix product ([64, 32768] float32 scores = 8 MB)
-_GEMM_DIRECT_ROWS = 3  # query batches up to this size go to the GEMM as they are
-_GEMM_PADDED_ROWS = 16  # larger batches are padded to at least this many rows (blocked_top)
-RESCORE_MARGIN = 8  # extra faiss candidates per query, re-ranked by exact float64 scores
-_PAIR_CHUNK = 8192  # (query, document) pairs per products array in paired_scores
+
+__all__ = ["INDEX_KINDS", "PAD_PREFIX", "RESCORE_MARGIN", "DenseRetriever", "IndexKind",
+           "blocked_top", "paired_scores"]  # the scoring / faiss names live in their modules
 
 
-def _normalise(vectors: np.ndarray) -> np.ndarray:
-    """Row-wise L2 normalisation to a new float32 array (zero rows stay zero).
-
-    Norms come from :func:`paired_scores`, so a row's result does not depend on the others.
-    """
-    vectors = np.asarray(vectors, dtype=np.float32)
-    norms = np.sqrt(paired_scores(vectors, vectors))[:, None]
-    out = np.zeros(vectors.shape, dtype=np.float64)
-    np.divide(vectors, norms, out=out, where=norms > 0)
-    return np.ascontiguousarray(out, dtype=np.float32)
-
-
-def paired_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
-    """``queries[i] . vectors[i]`` for every row i, in float64, in a fixed summation order.
-
-    float32 x float32 products are exact in float64; they are summed by a fixed binary tree of
-    elementwise adds (halving the width, zero-padded to a power of two), so a pair's score
-    depends on nothing but the pair. (numpy reductions and BLAS change their summation order
-    with the array shapes, and faiss' float32 scores change with the batch size.)
-    """
-    n, d = queries.shape
-    width = 1 << max(0, (d - 1).bit_length())
-    out = np.empty(n, dtype=np.float64)
-    for start in range(0, n, _PAIR_CHUNK):
-        q = queries[start:start + _PAIR_CHUNK]
-        products = np.zeros((q.shape[0], width), dtype=np.float64)
-        np.multiply(q, vectors[start:start + _PAIR_CHUNK], out=products[:, :d], dtype=np.float64)
-        w = width
-        while w > 1:
-            w //= 2
-            products = products[:, :w] + products[:, w:2 * w]
-        out[start:start + q.shape[0]] = products[:, 0]
-    return out
-
-
-def _pair_scores(queries: np.ndarray, vectors: np.ndarray) -> np.ndarray:
-    """Scores ``[nq, n]`` of every query with every vector (see :func:`paired_scores`)."""
-    nq, n = queries.shape[0], vectors.shape[0]
-    flat = paired_scores(np.repeat(queries, n, axis=0), np.tile(vectors, (nq, 1)))
-    return flat.reshape(nq, n)
-
-
-def blocked_top(queries: np.ndarray, stored: np.ndarray, n: int,
-                bias: np.ndarray | None = None, scale: float = 1.0) -> np.ndarray:
-    """Positions ``[nq, n]`` of the largest ``scale * q . stored[j] + bias[j]``, best first.
-
-    Float32, one matrix product per block of ``stored``, so candidates only: callers re-rank
-    them exactly (dense: float64 cosines; KNN-LM: float64 L2 with ``scale=2, bias=-|k|^2``).
-
-    The scan is memory-bound, so a batch should cost one read of ``stored``. PyTorch's (MKL)
-    float32 GEMM does that for 1-3 query rows and for 16+, but takes a slower kernel for 4-15
-    (4M x 384 vectors, one thread: 1 row 0.65 s, 3 rows 0.76 s, 4 rows 1.35 s, 8 rows 2.25 s,
-    16 rows 1.15 s), and numpy's OpenBLAS packs the block for every 3-row product (2.3 s).
-    Batches of 4-15 are therefore padded with zero rows to 16. Ties break arbitrarily.
-    """
-    import torch
-
-    nq = queries.shape[0]
-    rows = nq if nq <= _GEMM_DIRECT_ROWS else max(nq, _GEMM_PADDED_ROWS)
-    padded = np.zeros((rows, queries.shape[1]), dtype=np.float32)
-    padded[:nq] = queries
-    query_t, stored_t = torch.from_numpy(padded * scale), torch.from_numpy(stored)
-    bias_t = None if bias is None else torch.from_numpy(np.asarray(bias, dtype=np.float32))
-    best_scores, best_positions = [], []
-    with torch.no_grad():
-        for start in range(0, stored.shape[0], _GEMM_BLOCK):
-            block = query_t @ stored_t[start:start + _GEMM_BLOCK].T  # [rows, block]
-            if bias_t is not None:
-                block += bias_t[start:start + _GEMM_BLOCK]
-            top = torch.topk(block, min(n, block.shape[1]), dim=1)
-            best_scores.append(top.values)
-            best_positions.append(top.indices + start)
-        scores, positions = torch.cat(best_scores, 1), torch.cat(best_positions, 1)
-        order = torch.topk(scores, n, dim=1).indices
-        return torch.gather(positions, 1, order)[:nq].numpy()
-
-
-class DenseRetriever:
+class DenseRetriever(DensePersistence):
     """Cosine-similarity retrieval with faiss over an embedder's normalised vectors.
 
     Args:
@@ -246,9 +178,9 @@ class DenseRetriever:
     def embedder(self) -> Any:
         """The embedder, loaded on first use when it was given by name."""
         if self._embedder is None:
-            from shared_core.models import load_embedder
+            from shared_core.model_cache import cached_embedder
 
-            self._embedder = load_embedder(self._embedder_name or DEFAULT_EMBEDDER)
+            self._embedder = cached_embedder(self._embedder_name or DEFAULT_EMBEDDER)
         return self._embedder
 
     # ------------------------------------------------------------------ embedding
@@ -270,7 +202,7 @@ class DenseRetriever:
         if vectors.ndim != 2 or vectors.shape[0] != len(texts):
             msg = f"embedder returned shape {vectors.shape} for {len(texts)} texts"
             raise ValueError(msg)
-        return _normalise(vectors)
+        return normalise(vectors)
 
     def embed_documents(self, texts: Sequence[str]) -> np.ndarray:
         """Normalised float32 vectors ``[n, dim]`` for document texts."""
@@ -281,31 +213,7 @@ class DenseRetriever:
         return self._encode(_common.check_queries(queries), self.query_batch_size,
                             "embedding queries")
 
-    # ------------------------------------------------------------------ faiss plumbing
-
-    @contextmanager
-    def _threads(self) -> Iterator[None]:
-        if self.num_threads is None:
-            yield
-            return
-        import faiss
-
-        previous = faiss.omp_get_max_threads()
-        faiss.omp_set_num_threads(self.num_threads)
-        try:
-            yield
-        finally:
-            faiss.omp_set_num_threads(previous)
-
-    def _new_index(self, dim: int) -> faiss.Index:
-        import faiss
-
-        if self.index_kind == "exact":
-            return faiss.IndexFlatIP(dim)
-        index = faiss.IndexHNSWFlat(dim, self.hnsw_m, faiss.METRIC_INNER_PRODUCT)
-        index.hnsw.efConstruction = self.ef_construction
-        index.hnsw.efSearch = self.ef_search
-        return index
+    # ------------------------------------------------------------------ vectors
 
     def _check_vectors(self, vectors: np.ndarray, n: int | None, name: str) -> np.ndarray:
         vectors = np.asarray(vectors)
@@ -316,12 +224,13 @@ class DenseRetriever:
         if self.dim is not None and vectors.shape[1] != self.dim:
             msg = f"{name} has dimension {vectors.shape[1]}, the index has {self.dim}"
             raise ValueError(msg)
-        return _normalise(vectors)
+        return normalise(vectors)
 
     def _append(self, vectors: np.ndarray, slots: np.ndarray) -> None:
         if self._index is None:
-            self._index = self._new_index(vectors.shape[1])
-        with self._threads():
+            self._index = new_index(self.index_kind, vectors.shape[1], self.hnsw_m,
+                                    self.ef_construction, self.ef_search)
+        with faiss_threads(self.num_threads):
             self._index.add(vectors)
         self._slots = np.concatenate([self._slots, slots])
 
@@ -369,7 +278,7 @@ class DenseRetriever:
         first_pad = self.num_padding
         for start in range(0, n, _PAD_CHUNK):
             size = min(_PAD_CHUNK, n - start)
-            vectors = _normalise(rng.standard_normal((size, self.dim), dtype=np.float32))
+            vectors = normalise(rng.standard_normal((size, self.dim), dtype=np.float32))
             pad_numbers = np.arange(first_pad + start, first_pad + start + size, dtype=np.int64)
             positions = self.ntotal + np.arange(size, dtype=np.int64)
             self._append(vectors, -1 - pad_numbers)
@@ -417,30 +326,12 @@ class DenseRetriever:
                 for a, b in itertools.pairwise(bounds.tolist())]
 
     def _candidates(self, vectors: np.ndarray, n: int) -> np.ndarray:
-        """Index positions ``[n_queries, n]`` of the best-scoring entries by faiss' float32."""
-        import faiss
-
-        if self._use_gemm(vectors.shape[0]):
-            return self._gemm_candidates(vectors, n)
-        params = None
-        if self.index_kind == "hnsw":
-            params = faiss.SearchParametersHNSW(efSearch=max(self.ef_search, n))
-        with self._threads():
-            _, positions = self._index.search(vectors, n, params=params)
-        return positions
-
-    def _use_gemm(self, n_queries: int) -> bool:
-        return (self.index_kind == "exact" and self.gemm_min_batch is not None
-                and n_queries >= self.gemm_min_batch)
-
-    def _gemm_candidates(self, vectors: np.ndarray, n: int) -> np.ndarray:
-        """Top-``n`` positions by blocked matrix products over a zero-copy view of faiss' storage."""
-        import faiss
-
-        total, d = self.ntotal, self.dim or 0
-        stored = faiss.rev_swig_ptr(self._index.get_xb(), total * d).reshape(total, d)
-        return np.concatenate([blocked_top(vectors[i:i + _GEMM_QUERIES], stored, n)
-                               for i in range(0, vectors.shape[0], _GEMM_QUERIES)])
+        """Index positions ``[n_queries, n]`` of the best-scoring entries by float32 scores."""
+        if (self.index_kind == "exact" and self.gemm_min_batch is not None
+                and vectors.shape[0] >= self.gemm_min_batch):
+            return gemm_candidates(self._index, vectors, n)
+        return faiss_candidates(self._index, vectors, n, kind=self.index_kind,
+                                ef_search=self.ef_search, num_threads=self.num_threads)
 
     def _ranked_hits(self, positions: np.ndarray, scores: np.ndarray, k: int) -> list[Hit]:
         """The ``k`` best of ``positions`` by score, ties by index position."""
@@ -465,7 +356,7 @@ class DenseRetriever:
         (exact index; HNSW may miss the true top-1 itself).
         """
         queries = self._check_vectors(query_vectors, None, "query_vectors")
-        return _pair_scores(queries, self.vectors_for(doc_ids))
+        return pair_scores(queries, self.vectors_for(doc_ids))
 
     def search_subset(self, vectors: np.ndarray, doc_ids: Sequence[str], k: int
                       ) -> list[list[Hit]]:
@@ -473,63 +364,6 @@ class DenseRetriever:
         _common.check_k(k)
         queries = self._check_vectors(vectors, None, "vectors")
         positions = np.unique(self._positions(doc_ids))
-        scores = _pair_scores(queries, self.vectors_for([]) if positions.size == 0 else
+        scores = pair_scores(queries, self.vectors_for([]) if positions.size == 0 else
                               self._index.reconstruct_batch(positions))
         return [self._ranked_hits(positions, row, k) for row in scores]
-
-    # ------------------------------------------------------------------ persistence
-
-    def _config(self) -> dict[str, Any]:
-        return {"index": self.index_kind, "hnsw_m": self.hnsw_m,
-                "ef_construction": self.ef_construction, "ef_search": self.ef_search,
-                "batch_size": self.batch_size, "query_batch_size": self.query_batch_size,
-                "gemm_min_batch": self.gemm_min_batch,
-                "embedder": self._embedder_name, "dim": self.dim,
-                "num_docs": len(self._docs), "num_padding": self.num_padding}
-
-    def save(self, path: str | os.PathLike[str]) -> None:
-        """Write ``index.faiss`` (faiss' own format), ``slots.npy``, ``docs.jsonl`` and
-        ``config.json`` to ``path`` atomically (temporary folder + rename). No pickle."""
-        import faiss
-
-        with _common.atomic_dir(path) as tmp:
-            _common.write_config(tmp, "dense", self._config())
-            _common.write_docs(tmp, self._docs)
-            np.save(tmp / _SLOTS_FILE, self._slots, allow_pickle=False)
-            if self._index is not None:
-                faiss.write_index(self._index, str(tmp / _INDEX_FILE))
-        logger.info("saved dense index (%d vectors) to %s", self.ntotal, path)
-
-    @classmethod
-    def load(cls, path: str | os.PathLike[str], embedder: Any = None, *,
-             show_progress: bool = False, num_threads: int | None = None) -> DenseRetriever:
-        """Load what :meth:`save` wrote; ``embedder`` defaults to the saved embedder name.
-
-        When the retriever was built with an embedder object, pass the same embedder again.
-        """
-        import faiss
-
-        folder = Path(path)
-        config = _common.read_config(folder, "dense")
-        embedder = embedder if embedder is not None else config["embedder"]
-        if embedder is None:
-            msg = "embedder is required: the index was built with an embedder object, not a name"
-            raise ValueError(msg)
-        self = cls(embedder, index=config["index"], hnsw_m=config["hnsw_m"],
-                   ef_construction=config["ef_construction"], ef_search=config["ef_search"],
-                   batch_size=config["batch_size"], show_progress=show_progress,
-                   num_threads=num_threads, gemm_min_batch=config.get("gemm_min_batch"),
-                   query_batch_size=config.get("query_batch_size"))
-        self._docs = _common.read_docs(folder)
-        self._slots = np.load(folder / _SLOTS_FILE, allow_pickle=False)
-        if (folder / _INDEX_FILE).is_file():
-            self._index = faiss.read_index(str(folder / _INDEX_FILE))
-        is_doc = self._slots >= 0
-        doc_positions = np.flatnonzero(is_doc)
-        self._position = {self._docs[s].id: int(p)
-                          for s, p in zip(self._slots[doc_positions].tolist(), doc_positions,
-                                          strict=True)}
-        pad_positions = np.flatnonzero(~is_doc)
-        self._pad_positions = np.empty(pad_positions.size, dtype=np.int64)
-        self._pad_positions[-1 - self._slots[pad_positions]] = pad_positions
-        return self

@@ -40,7 +40,7 @@ def test_exact_search_matches_brute_force(store, monkeypatch) -> None:
     for g, w, row in zip(got, want, d, strict=True):
         assert np.allclose(np.sort(row[g]), np.sort(row[w]), atol=1e-3)
     assert (np.stack([store.search(q[None], 7)[0] for q in queries]) == got).all()  # batch-free
-    monkeypatch.setattr("shared_core.retrieval.dense._GEMM_BLOCK", 16)  # many blocks
+    monkeypatch.setattr("shared_core.retrieval.exact_scores._GEMM_BLOCK", 16)  # many blocks
     assert (store.search(queries, 7) == got).all()
 
 
