@@ -12,13 +12,18 @@ benchmark (not from the shared data):
   with constrained plain decoding.
 
 Every call goes through :func:`shared_core.chat_adapters.prepare_call` (what ``ChatSpeculative``
-and ``SpeculativeLLM`` run), greedy, one model, one process, after a warm-up.
+and ``SpeculativeLLM`` run), greedy, one model, one process, after a warm-up call per engine.
+The engines are interleaved: each prompt runs on every engine in turn before the next prompt,
+so on a shared machine they see the same load; the report has the total and the per-prompt
+median speed-up, prefill and decode seconds, drafted / accepted tokens and the load averages
+before and after each part.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Literal
@@ -28,6 +33,8 @@ from pydantic import BaseModel, ValidationError, create_model
 from shared_core.chat_adapters import ChatSettings, prepare_call
 from shared_core.config import DEFAULT_LM
 from shared_core.device import cpu_facts
+
+logger = logging.getLogger(__name__)
 
 
 class _Settings(ChatSettings):
@@ -146,6 +153,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--engines", nargs="+", default=["autoregressive", "respec"])
     parser.add_argument("--part", choices=["tools", "extraction", "both"], default="both")
+    parser.add_argument("--tool-choices", nargs="+", default=["auto", "required"],
+                        choices=["auto", "required"])
+    parser.add_argument("--extraction-modes", nargs="+", default=["free", "constrained"],
+                        choices=["free", "constrained"])
 
 
 def _generate(settings: _Settings, turns: list[dict[str, Any]], options: dict[str, Any]
@@ -173,19 +184,42 @@ def _expected(args: dict[str, Any], want: dict[str, Any]) -> bool:
     return all(same(args.get(k), v) for k, v in want.items())
 
 
-def _timed(items: list[Any], fn: Callable[[Any], tuple[Any, Any]]) -> tuple[list[Any], float]:
-    start = time.perf_counter()
-    out = [fn(item) for item in items]
-    return out, time.perf_counter() - start
+Run = tuple[Any, Any]  # (ChatCall, GenerationResult)
 
 
-def _tool_method(settings: _Settings, prompts: list[Any], engine: str, choice: str
-                 ) -> tuple[dict[str, Any], list[list[int]]]:
-    def one(item: tuple[str, str, dict[str, Any]]) -> tuple[Any, Any]:
-        return _generate(settings, [{"role": "user", "content": item[0]}],
-                         {"tools": TOOLS, "tool_choice": choice, "engine": engine})
+def _interleaved(cases: list[Any], engines: list[str], one: Callable[[Any, str], Run]
+                 ) -> tuple[dict[str, list[Run]], dict[str, list[float]]]:
+    """Every case through every engine in turn (case by case), so that the engines compared
+    share the machine's load; per-engine runs and per-case wall times."""
+    runs: dict[str, list[Run]] = {e: [] for e in engines}
+    walls: dict[str, list[float]] = {e: [] for e in engines}
+    for i, item in enumerate(cases):
+        for engine in engines:
+            start = time.perf_counter()
+            runs[engine].append(one(item, engine))
+            walls[engine].append(time.perf_counter() - start)
+        logger.info("case %d/%d: %s", i + 1, len(cases),
+                    " ".join(f"{e}={walls[e][-1]:.1f}s" for e in engines))
+    return runs, walls
 
-    runs, wall = _timed(prompts, one)
+
+def _speed(runs: list[Run], walls: list[float]) -> dict[str, Any]:
+    """Wall time, tokens per second and the engine's counters summed over the cases."""
+    stats = [r.stats for _, r in runs]
+    tokens = sum(s.new_tokens for s in stats)
+    wall = sum(walls)
+    decode = sum(s.decode_s for s in stats)
+    rounds = sum(s.rounds for s in stats)
+    accepted = sum(s.accepted for s in stats)
+    return {"wall_s": round(wall, 2), "new_tokens": tokens,
+            "tokens_per_s": round(tokens / wall, 2) if wall else None,
+            "prefill_s": round(sum(s.prefill_s for s in stats), 2), "decode_s": round(decode, 2),
+            "decode_tokens_per_s": round(tokens / decode, 2) if decode else None,
+            "drafted": sum(s.drafted for s in stats), "accepted": accepted, "rounds": rounds,
+            "accepted_per_round": round(accepted / rounds, 2) if rounds else None}
+
+
+def _tool_scores(runs: list[Run], prompts: list[Any]) -> dict[str, str]:
     counts = {"called": 0, "right_tool": 0, "right_tool_valid_args": 0, "expected_args": 0}
     for (call, result), (_, tool, want) in zip(runs, prompts, strict=True):
         _, calls, _ = call.parse(result.text)
@@ -195,23 +229,19 @@ def _tool_method(settings: _Settings, prompts: list[Any], engine: str, choice: s
         counts["right_tool"] += right
         counts["right_tool_valid_args"] += right and _args_valid(tool, first.arguments)
         counts["expected_args"] += right and _expected(first.arguments, want)
-    tokens = sum(r.stats.new_tokens for _, r in runs)
-    n = len(prompts)
-    return ({**{k: f"{v}/{n}" for k, v in counts.items()}, "wall_s": round(wall, 2),
-             "new_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
-             "accepted_per_round": _acceptance(runs)}, [r.token_ids for _, r in runs])
+    return {k: f"{v}/{len(prompts)}" for k, v in counts.items()}
 
 
-def _acceptance(runs: list[tuple[Any, Any]]) -> float | None:
-    stats = [r.stats.as_dict() for _, r in runs]
-    rounds = sum(s.get("rounds", 0) or 0 for s in stats)
-    accepted = sum(s.get("accepted", 0) or 0 for s in stats)
-    return round(accepted / rounds, 2) if rounds else None
+def _tool_case(settings: _Settings, choice: str) -> Callable[[Any, str], Run]:
+    def one(item: tuple[str, str, dict[str, Any]], engine: str) -> Run:
+        return _generate(settings, [{"role": "user", "content": item[0]}],
+                         {"tools": TOOLS, "tool_choice": choice, "engine": engine})
+
+    return one
 
 
-def _extraction_method(settings: _Settings, items: list[Any], engine: str, constrained: bool
-                       ) -> tuple[dict[str, Any], list[list[int]]]:
-    def one(item: tuple[str, type[BaseModel]]) -> tuple[Any, Any]:
+def _extraction_case(settings: _Settings, constrained: bool) -> Callable[[Any, str], Run]:
+    def one(item: tuple[str, type[BaseModel]], engine: str) -> Run:
         text, model = item
         schema = model.model_json_schema()
         user = f"Extract the fields from this text as JSON.\nText: {text}"
@@ -223,7 +253,10 @@ def _extraction_method(settings: _Settings, items: list[Any], engine: str, const
         return _generate(settings, [{"role": "system", "content": system},
                                     {"role": "user", "content": user}], {"engine": engine})
 
-    runs, wall = _timed(items, one)
+    return one
+
+
+def _extraction_scores(runs: list[Run], items: list[Any]) -> dict[str, str]:
     valid_json = valid_schema = 0
     for (_, result), (_, model) in zip(runs, items, strict=True):
         try:
@@ -233,15 +266,46 @@ def _extraction_method(settings: _Settings, items: list[Any], engine: str, const
             valid_schema += 1
         except (json.JSONDecodeError, ValidationError):
             pass
-    tokens = sum(r.stats.new_tokens for _, r in runs)
     n = len(items)
-    return ({"valid_json": f"{valid_json}/{n}", "schema_valid": f"{valid_schema}/{n}",
-             "wall_s": round(wall, 2), "new_tokens": tokens,
-             "tokens_per_s": round(tokens / wall, 2)}, [r.token_ids for _, r in runs])
+    return {"valid_json": f"{valid_json}/{n}", "schema_valid": f"{valid_schema}/{n}"}
 
 
 def _identical(a: list[list[int]], b: list[list[int]]) -> str:
     return f"{sum(x == y for x, y in zip(a, b, strict=True))}/{len(a)}"
+
+
+def _compare(name: str, engines: list[str], runs: dict[str, list[Run]],
+             walls: dict[str, list[float]], scores: Callable[[list[Run]], dict[str, str]]
+             ) -> dict[str, Any]:
+    """One method per engine: scores and speed; the others compared with the first engine
+    (token ids, total and per-case median speed-up: the cases ran side by side)."""
+    import statistics
+
+    base = engines[0]
+    out: dict[str, Any] = {}
+    for engine in engines:
+        row = {**scores(runs[engine]), **_speed(runs[engine], walls[engine])}
+        if engine != base:
+            ids = [[r.token_ids for _, r in runs[e]] for e in (engine, base)]
+            row["identical_to"] = {base: _identical(*ids)}
+            row["speedup"] = round(sum(walls[base]) / sum(walls[engine]), 2)
+            row["speedup_median_per_case"] = round(statistics.median(
+                b / e for b, e in zip(walls[base], walls[engine], strict=True)), 2)
+        out[f"{name}/{engine}"] = row
+    return out
+
+
+def _parts(args: argparse.Namespace, settings: _Settings) -> list[tuple[str, list[Any], Any, Any]]:
+    """(method prefix, cases, case runner, scorer) of each selected part and mode."""
+    prompts, items = TOOL_PROMPTS[: args.limit], EXTRACTION[: args.limit]
+    out = []
+    if args.part in ("tools", "both"):
+        out += [(f"tools/{choice}", prompts, _tool_case(settings, choice),
+                 lambda runs, p=prompts: _tool_scores(runs, p)) for choice in args.tool_choices]
+    if args.part in ("extraction", "both"):
+        out += [(f"extraction/{mode}", items, _extraction_case(settings, mode == "constrained"),
+                 lambda runs, i=items: _extraction_scores(runs, i)) for mode in args.extraction_modes]
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -250,27 +314,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     settings = _Settings(model=args.model, max_new_tokens=args.max_new_tokens)
-    prompts, items = TOOL_PROMPTS[: args.limit], EXTRACTION[: args.limit]
-    _generate(settings, [{"role": "user", "content": "Hi"}], {"tools": TOOLS,
-                                                                "tool_choice": "required"})
+    for engine in args.engines:  # warm-up: weights, kernels, the grammar compiler
+        _generate(settings, [{"role": "user", "content": "Hi"}],
+                  {"tools": TOOLS, "tool_choice": "required", "engine": engine})
     methods: dict[str, Any] = {}
-    for part, cases, modes, measure in (
-            ("tools", prompts, ("auto", "required"), _tool_method),
-            ("extraction", items, (False, True), _extraction_method)):
-        if args.part not in (part, "both"):
-            continue
-        for mode in modes:
-            ids: dict[str, list[list[int]]] = {}
-            for engine in args.engines:
-                name = f"{part}/{mode if part == 'tools' else ('constrained' if mode else 'free')}/{engine}"
-                methods[name], ids[engine] = measure(settings, cases, engine, mode)
-                base = args.engines[0]
-                if engine != base:
-                    methods[name]["identical_to"] = {base: _identical(ids[engine], ids[base])}
-                    methods[name]["speedup"] = round(
-                        methods[name.rsplit("/", 1)[0] + f"/{base}"]["wall_s"]
-                        / methods[name]["wall_s"], 2)
+    loads: dict[str, Any] = {}
+    n: dict[str, int] = {}
+    for name, cases, one, scores in _parts(args, settings):
+        before = os.getloadavg()
+        runs, walls = _interleaved(cases, args.engines, one)
+        loads[name] = {"before": before, "after": os.getloadavg()}
+        methods.update(_compare(name, args.engines, runs, walls, scores))
+        n[name.split("/")[0]] = len(cases)
     return {"engine": "tools", "dataset": "issue-16 tool-use and extraction prompts (in code)",
-            "n": {"tools": len(prompts), "extraction": len(items)}, "device": "cpu",
-            "threads": torch.get_num_threads(), "models": {"target": args.model},
-            "loadavg": os.getloadavg(), "cpu": cpu_facts(), "methods": methods}
+            "n": n, "device": "cpu", "order": "interleaved: each case runs on every engine in "
+            "turn, after one warm-up call per engine", "threads": torch.get_num_threads(),
+            "models": {"target": args.model}, "loadavg": loads, "cpu": cpu_facts(),
+            "methods": methods}

@@ -1,0 +1,268 @@
+"""Agents with the specrag chat components over a real retriever tool, fully offline.
+
+Three agent frameworks run the same task: answer a question about a small employee handbook,
+using a ``search_handbook`` tool that searches the handbook's passages with the embedded MiniLM
+(LangChain ``InMemoryVectorStore`` + ``SpecragEmbeddings``):
+
+1. LangGraph ``create_react_agent(ChatSpeculative(...), [tool])``;
+2. LangChain ``langchain.agents.create_agent(ChatSpeculative(...), [tool])``;
+3. LlamaIndex ``FunctionAgent(llm=SpeculativeLLM(...), tools=[FunctionTool])``.
+
+The chat model renders the tools with its own chat template (Qwen2.5's takes ``tools=``; for
+SmolLM2 the same Hermes format is written into its turns), parses ``<tool_call>`` replies into
+tool calls and runs the chosen engine (ReSpec by default) inside every turn. The transcript
+shows every message, and for each model turn its wall time and engine stats (prompt tokens,
+prefill / decode seconds, drafted / accepted tokens). Nothing stops an agent early: it ends
+when the model answers without a call, or at the framework's own step limit (reported as such).
+
+Run: python examples/agents.py [--model qwen2.5-coder-1.5b-instruct] [--engine respec]
+     [--agents langgraph langchain llamaindex] [--max-steps 4] [--show-prompts] [--out F.txt]
+(``--show-prompts`` prints the exact prompt each model turn sees, as rendered by the template.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+from uuid import UUID
+
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.tools import StructuredTool
+from langchain_core.vectorstores import InMemoryVectorStore
+
+from langchain_specrag import ChatSpeculative, SpecragEmbeddings
+
+logger = logging.getLogger("agents")
+HANDBOOK = [
+    "Veldmark Ltd employee handbook: every employee gets 27 days of paid vacation per year.",
+    "Veldmark Ltd expense policy: meals during travel are reimbursed up to 45 euros per day.",
+    "Veldmark Ltd working hours: the core hours are 10:00 to 15:00, Monday to Friday.",
+    "Veldmark Ltd parental leave: parents get 16 weeks of paid leave after a birth or adoption.",
+    "Veldmark Ltd equipment: every employee may choose a laptop and one external monitor.",
+    "Veldmark Ltd remote work: employees may work from home up to three days per week.",
+]
+QUESTION = "How many days of paid vacation do Veldmark employees get? Use the handbook search tool."
+SYSTEM = "You are a helpful assistant. Answer from the handbook search results."
+AGENTS = ("langgraph", "langchain", "llamaindex")
+
+
+def handbook_search(k: int = 2) -> Callable[[str], str]:
+    """The tool's function: the ``k`` handbook passages nearest to the query (embedded MiniLM)."""
+    store = InMemoryVectorStore.from_texts(HANDBOOK, SpecragEmbeddings())
+
+    def search_handbook(query: str) -> str:
+        """Search the Veldmark employee handbook and return the most relevant passages."""
+        return "\n".join(d.page_content for d in store.similarity_search(query, k=k))
+
+    return search_handbook
+
+
+@dataclass
+class Transcript:
+    """What one agent did: the printable lines, its messages (LangChain) or events (LlamaIndex),
+    the timed model turns and how it ended."""
+
+    lines: list[str]
+    items: list[Any]
+    turns: list[Turn]
+    outcome: str
+
+
+@dataclass
+class Turn:
+    """One model call: its wall time and the engine report the adapter attached."""
+
+    seconds: float
+    report: dict[str, Any] = field(default_factory=dict)
+
+
+def stats_line(turn: Turn) -> str:
+    report = turn.report or {}
+    s = report.get("speculative_stats") or {}
+    return (f"{turn.seconds:.1f}s; engine={report.get('engine')} prompt={s.get('prompt_tokens')} "
+            f"new={s.get('new_tokens')} prefill={s.get('prefill_s', 0):.1f}s "
+            f"decode={s.get('decode_s', 0):.1f}s drafted={s.get('drafted')} "
+            f"accepted={s.get('accepted')} rounds={s.get('rounds')} "
+            f"finish={report.get('finish_reason')}")
+
+
+def render(model: str, turns: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
+    """The exact prompt text a turn's model sees (the chat template with the tools)."""
+    from shared_core.serving import loaded_model
+    from shared_core.tool_calls import check_tools, render_prompt
+
+    lm, _ = loaded_model(model, None, None)
+    return lm.tokenizer.decode(render_prompt(lm, turns, check_tools(tools)))
+
+
+class TurnRecorder(BaseCallbackHandler):
+    """Times every chat-model call of a LangChain / LangGraph agent (and can print its prompt)."""
+
+    def __init__(self, show_prompt: Callable[[list[BaseMessage]], None] | None = None) -> None:
+        self.turns: list[Turn] = []
+        self._started: dict[UUID, float] = {}
+        self._show_prompt = show_prompt
+
+    def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[BaseMessage]],
+                            *, run_id: UUID, **kwargs: Any) -> None:
+        if self._show_prompt is not None:
+            self._show_prompt(messages[0])
+        self._started[run_id] = time.perf_counter()
+
+    def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
+        message = response.generations[0][0].message
+        self.turns.append(Turn(time.perf_counter() - self._started.pop(run_id),
+                               dict(message.response_metadata)))
+
+
+def _message_lines(messages: list[BaseMessage], turns: list[Turn]) -> list[str]:
+    lines, answered = [], iter(turns)
+    for m in messages:
+        if isinstance(m, AIMessage):
+            calls = [(c["name"], c["args"]) for c in m.tool_calls]
+            turn = next(answered, None)
+            lines.append(f"[ai] {m.content!r}" + (f" tool_calls={calls}" if calls else "")
+                         + (f" invalid={m.invalid_tool_calls}" if m.invalid_tool_calls else "")
+                         + (f"\n     ({stats_line(turn)})" if turn else ""))
+        elif isinstance(m, ToolMessage):
+            lines.append(f"[tool {m.name} id={m.tool_call_id}] {m.content!r}")
+        else:
+            lines.append(f"[{m.type}] {m.content!r}")
+    return lines
+
+
+def run_langchain(kind: str, llm: ChatSpeculative, tool: Callable[[str], str], max_steps: int,
+                  show_prompts: bool) -> Transcript:
+    """A LangGraph ReAct agent or a LangChain ``create_agent`` agent."""
+    from langgraph.errors import GraphRecursionError
+
+    lc_tool = StructuredTool.from_function(tool)
+    show = None
+    if show_prompts:
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        from langchain_specrag.chat_models.speculative import to_chat_messages
+
+        spec = [convert_to_openai_tool(lc_tool)]
+        show = lambda msgs: logger.info("prompt:\n%s", render(  # noqa: E731
+            llm.model, to_chat_messages(msgs), spec))
+    if kind == "langgraph":
+        from langgraph.prebuilt import create_react_agent
+
+        agent = create_react_agent(llm, [lc_tool], prompt=SYSTEM)
+    else:
+        from langchain.agents import create_agent
+
+        agent = create_agent(llm, [lc_tool], system_prompt=SYSTEM)
+    recorder = TurnRecorder(show)
+    config = {"callbacks": [recorder], "recursion_limit": 2 * max_steps + 1}
+    start = time.perf_counter()
+    messages: list[BaseMessage] = []
+    try:  # stream the state so the messages survive the step limit
+        for state in agent.stream({"messages": [("human", QUESTION)]}, config,
+                                  stream_mode="values"):
+            messages = state["messages"]
+        outcome = "finished" if messages and not getattr(messages[-1], "tool_calls", None) \
+            else "stopped"
+    except GraphRecursionError:
+        outcome = f"did not finish: step limit ({max_steps} model turns) reached"
+    lines = [*_message_lines(messages, recorder.turns),
+             f"-- {outcome} in {time.perf_counter() - start:.1f}s"]
+    return Transcript(lines, messages, recorder.turns, outcome)
+
+
+async def _llamaindex(llm: Any, tool: Callable[[str], str], max_steps: int,
+                      show_prompts: bool) -> Transcript:
+    from llama_index.core.agent.workflow import AgentInput, AgentOutput, FunctionAgent, ToolCallResult
+    from llama_index.core.tools import FunctionTool
+    from llama_index.core.workflow.errors import WorkflowRuntimeError
+
+    from llamaindex_specrag.llms.tools import chat_dicts
+
+    li_tool = FunctionTool.from_defaults(fn=tool)
+    agent = FunctionAgent(llm=llm, tools=[li_tool], system_prompt=SYSTEM)
+    lines = [f"[human] {QUESTION!r}"]
+    events: list[Any] = []
+    turns: list[Turn] = []
+    start = turn_start = time.perf_counter()
+    handler = agent.run(user_msg=QUESTION, max_iterations=max_steps)
+    try:
+        async for event in handler.stream_events():
+            if isinstance(event, AgentInput):
+                turn_start = time.perf_counter()
+                if show_prompts:
+                    spec = [li_tool.metadata.to_openai_tool(skip_length_check=True)]
+                    logger.info("prompt:\n%s", render(llm.model, chat_dicts(event.input), spec))
+            elif isinstance(event, AgentOutput):
+                turn = Turn(time.perf_counter() - turn_start, event.raw or {})
+                turns.append(turn)
+                events.append(event)
+                calls = [(c.tool_name, c.tool_kwargs) for c in event.tool_calls]
+                lines.append(f"[ai] {event.response.content!r}"
+                             + (f" tool_calls={calls}" if calls else "")
+                             + f"\n     ({stats_line(turn)})")
+            elif isinstance(event, ToolCallResult):
+                events.append(event)
+                lines.append(f"[tool {event.tool_name} id={event.tool_id}] "
+                             f"{event.tool_output.content!r}")
+        await handler
+        outcome = "finished"
+    except WorkflowRuntimeError as e:
+        outcome = f"did not finish: {e}"
+    lines.append(f"-- {outcome} in {time.perf_counter() - start:.1f}s")
+    return Transcript(lines, events, turns, outcome)
+
+
+def run_agents(model: str, engine: str = "respec", agents: tuple[str, ...] = AGENTS,
+               max_steps: int = 4, max_tokens: int = 128, show_prompts: bool = False
+               ) -> dict[str, Transcript]:
+    """Each agent's transcript (one model, loaded once through the shared cache)."""
+    from llamaindex_specrag import SpeculativeLLM
+
+    tool = handbook_search()
+    out: dict[str, Transcript] = {}
+    for kind in agents:
+        if kind == "llamaindex":
+            llm = SpeculativeLLM(model=model, engine=engine, max_new_tokens=max_tokens)
+            out[kind] = asyncio.run(_llamaindex(llm, tool, max_steps, show_prompts))
+        else:
+            chat = ChatSpeculative(model=model, engine=engine, max_tokens=max_tokens)
+            out[kind] = run_langchain(kind, chat, tool, max_steps, show_prompts)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--engine", default="respec")
+    parser.add_argument("--agents", nargs="+", choices=AGENTS, default=list(AGENTS))
+    parser.add_argument("--max-steps", type=int, default=4, help="model turns per agent")
+    parser.add_argument("--max-tokens", type=int, default=128, help="per model turn")
+    parser.add_argument("--show-prompts", action="store_true")
+    parser.add_argument("--out", default=None, help="also write the transcript here")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    header = (f"model={args.model} engine={args.engine} max_steps={args.max_steps} "
+              f"max_tokens={args.max_tokens} threads={os.environ.get('OMP_NUM_THREADS')}")
+    text = [header]
+    for kind in args.agents:
+        load = os.getloadavg()
+        lines = run_agents(args.model, args.engine, (kind,), args.max_steps, args.max_tokens,
+                           args.show_prompts)[kind].lines
+        text += [f"\n=== {kind} (load average before {load[0]:.2f}, after "
+                 f"{os.getloadavg()[0]:.2f}) ===", *lines]
+        logger.info("%s", "\n".join(text[-len(lines) - 1:]))
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            f.write("\n".join(text) + "\n")
+
+
+if __name__ == "__main__":
+    main()
