@@ -19,29 +19,30 @@ malformed or corrupt cache is rebuilt, and unfinished writes of dead processes a
 
 from __future__ import annotations
 
-import contextlib
 import importlib
 import logging
 import os
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shared_core.device import apply_thread_setting, resolve_device, resolve_dtype
 from shared_core.embedded import (
     CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
     EMBEDDED_EMBEDDERS,
-    EMBEDDED_LMS,
-    EmbeddedLM,
-    build_lock,
-    cache_dir,
-    embedded_gguf,
+    EMBEDDED_LMS,  # noqa: F401  (re-exported)
+    cache_dir,  # noqa: F401  (re-exported: tests read models.cache_dir)
     hub_unavailable,
     package_dir,
 )
-from shared_core.weights_cache import cache_is_valid, gguf_cache_key, write_cache
+from shared_core.model_sources import (
+    hub_unreachable_message,
+    load_gguf,
+    load_pretrained,
+    quiet_progress_bars,
+    resolve_lm_source,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -107,147 +108,6 @@ class LM:
         # not, so it gets BOS as any fresh sequence does (without it Gemma-3 base babbles).
         add_special = not self.has_chat_template
         return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
-
-
-@contextlib.contextmanager
-def _quiet_progress_bars() -> Iterator[None]:
-    """No "Loading weights" bars for a warm load (a cache build logs its own line instead)."""
-    from transformers.utils import logging as hf_logging
-
-    was_enabled = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            hf_logging.enable_progress_bar()
-
-
-def _load_pretrained(source: str | Path, gguf_file: str | None, dtype: torch.dtype,
-                     trust_remote_code: bool) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    kwargs: dict[str, Any] = {"trust_remote_code": trust_remote_code}
-    if gguf_file is not None:
-        kwargs["gguf_file"] = gguf_file
-    hub_id = isinstance(source, str) and not Path(source).exists()
-    why = hub_unavailable() if hub_id else None
-    if why is not None:
-        kwargs["local_files_only"] = True  # the local HF cache or an error now, no retries
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, **kwargs)
-    except ValueError as e:
-        if "does not recognize this architecture" in str(e) or "not supported" in str(e):
-            msg = f"model {source!r} has an architecture this transformers cannot load: {e}"
-            raise ValueError(msg) from e
-        raise
-    except OSError as e:
-        if hub_id:
-            raise OSError(_hub_unreachable_message(str(source), why)) from e
-        raise
-    return model, tokenizer
-
-
-def _hub_unreachable_message(hub_id: str, why: str | None = None,
-                             known: Sequence[str] = tuple(EMBEDDED_LMS), local: str = "a local "
-                             "folder saved with save_pretrained, or a .gguf file") -> str:
-    reason = f"{why} and it is not in the local Hugging Face cache" if why else "offline, or not cached"
-    return (f"model {hub_id!r} could not be loaded from the Hugging Face hub ({reason}). Use an "
-            f"embedded alias that loads offline ({', '.join(sorted(known))}), {local}; or unset "
-            "HF_HUB_OFFLINE with network access.")
-
-
-def _check_gguf_magic(gguf: Path) -> None:
-    with gguf.open("rb") as fh:
-        if fh.read(4) != b"GGUF":
-            msg = f"model file {str(gguf)!r} is not a GGUF file (no GGUF header)"
-            raise ValueError(msg)
-
-
-def _load_gguf(gguf: Path, dtype: torch.dtype, trust_remote_code: bool, *, title: str | None = None,
-               digest: str | None = None, approx_s: int = 60
-               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load a GGUF file through its safetensors cache, building the cache on first use."""
-    folder = cache_dir() / "models" / gguf_cache_key(gguf, digest)
-    if not cache_is_valid(folder):
-        with build_lock(folder):
-            if not cache_is_valid(folder):
-                return _build_gguf_cache(gguf, folder, dtype, trust_remote_code, title, approx_s)
-    with _quiet_progress_bars():
-        return _load_pretrained(folder, None, dtype, trust_remote_code)
-
-
-def _build_gguf_cache(gguf: Path, folder: Path, dtype: torch.dtype, trust_remote_code: bool,
-                      title: str | None, approx_s: int
-                      ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    import torch
-
-    _check_gguf_magic(gguf)
-    logger.warning("%s: de-quantizing once, about %d s on a CPU, cached in %s",
-                   title or gguf.name, approx_s, folder)
-    start = time.perf_counter()
-    model, tokenizer = _load_pretrained(gguf.parent, gguf.name, torch.float32, trust_remote_code)
-    write_cache(model, tokenizer, folder)
-    logger.warning("%s: cached in %.0f s", title or gguf.name, time.perf_counter() - start)
-    if dtype != torch.float32:
-        model = model.to(dtype)
-    return model, tokenizer
-
-
-@dataclass(frozen=True)
-class _Source:
-    """Where to load a model from: a hub id or folder, or a GGUF file (with its known digest)."""
-
-    path: str | Path
-    gguf: Path | None = None
-    entry: EmbeddedLM | None = None
-
-
-def _resolve_lm_source(name_or_path: str) -> _Source:
-    """The source of an alias, ``.gguf`` file, local folder or hub id.
-
-    Rules: an alias wins; a name starting with ``~``, ``.`` or ``/`` (or a ``.gguf`` name) is
-    always a local path; an ``org/name`` that is also a folder here loads that folder (as
-    transformers does) with a warning naming the hub id it shadows.
-    """
-    if name_or_path in EMBEDDED_LMS:
-        entry = EMBEDDED_LMS[name_or_path]
-        gguf = embedded_gguf(name_or_path)
-        if gguf is not None:
-            return _Source(gguf.parent, gguf, entry)
-        logger.warning("%s is not installed (`pip install 'specrag[%s]'`); trying the hub id %s",
-                       entry.title, entry.extra, entry.hub_id)
-        return _Source(entry.hub_id)
-    path = Path(name_or_path).expanduser()
-    explicit_local = name_or_path.startswith(("~", ".", "/")) or path.suffix == ".gguf"
-    if path.suffix == ".gguf":
-        if not path.is_file():
-            msg = f"GGUF file {str(path)!r} does not exist"
-            raise FileNotFoundError(msg)
-        return _Source(path.parent, path)
-    if path.exists() or explicit_local or name_or_path.count("/") > 1:
-        return _Source(_local_folder(path, name_or_path))
-    if "/" not in name_or_path:
-        known = ", ".join(sorted(EMBEDDED_LMS))
-        msg = (f"unknown model alias {name_or_path!r}; use one of {known}, "
-               "a Hugging Face id (org/name), a local folder or a .gguf file")
-        raise ValueError(msg)
-    return _Source(name_or_path)
-
-
-def _local_folder(path: Path, name_or_path: str) -> Path:
-    if not path.exists():
-        msg = f"model path {name_or_path!r} does not exist (resolved to {str(path.resolve())!r})"
-        raise FileNotFoundError(msg)
-    if not path.is_dir() or not (path / "config.json").is_file():
-        msg = (f"model path {name_or_path!r} is not a model folder (no config.json): pass a folder "
-               "written by save_pretrained or a .gguf file")
-        raise ValueError(msg)
-    if name_or_path.count("/") == 1 and not name_or_path.startswith(("~", ".", "/")):
-        logger.warning("loading the local folder %s, which shadows the hub id %r", path.resolve(),
-                       name_or_path)
-    return path
 
 
 def _max_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
@@ -355,16 +215,16 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         msg = f"cpu_linears='fp16' needs device='cpu' and dtype float32, got {torch_device} / {torch_dtype}"
         raise ValueError(msg)
     apply_thread_setting()
-    source = _resolve_lm_source(name_or_path.strip())
+    source = resolve_lm_source(name_or_path.strip())
     if source.gguf is not None:
         entry = source.entry
-        model, tokenizer = _load_gguf(
+        model, tokenizer = load_gguf(
             source.gguf, torch_dtype, trust_remote_code, title=entry.title if entry else None,
             digest=entry.sha256 or None if entry else None,
             approx_s=entry.approx_build_s if entry else 60)
     else:
-        with _quiet_progress_bars():
-            model, tokenizer = _load_pretrained(source.path, None, torch_dtype, trust_remote_code)
+        with quiet_progress_bars():
+            model, tokenizer = load_pretrained(source.path, None, torch_dtype, trust_remote_code)
     model.to(torch_device)
     lm = wrap_lm(model, tokenizer, name=name_or_path)
     if cpu_linears == "fp16":
@@ -395,13 +255,13 @@ def load_embedder(name: str = "all-minilm-l6-v2", *, device: str | torch.device 
         raise ValueError(msg)
     why = None if Path(name).exists() else hub_unavailable()
     try:
-        with _quiet_progress_bars():  # no "Loading weights" bar on every load
+        with quiet_progress_bars():  # no "Loading weights" bar on every load
             model = SentenceTransformer(name, device=torch_device,
                                         local_files_only=why is not None)
     except OSError as e:
         if Path(name).exists():
             raise
-        raise OSError(_hub_unreachable_message(name, why, tuple(EMBEDDED_EMBEDDERS),
+        raise OSError(hub_unreachable_message(name, why, tuple(EMBEDDED_EMBEDDERS),
                                                "or a sentence-transformers folder")) from e
     model.specrag_source = source  # what a pickled DenseRetriever reloads it by
     return model
