@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -42,7 +43,32 @@ def quote_ident(name: str, param: str) -> str:
 
 def vector_literal(vector: np.ndarray) -> str:
     """pgvector's text form; ``repr`` of float32 values round-trips exactly."""
-    return "[" + ",".join(repr(float(x)) for x in vector.astype(np.float32)) + "]"
+    return "[" + ",".join(map(repr, vector.astype(np.float32).tolist())) + "]"
+
+
+_COPY_HEADER = b"PGCOPY\n\xff\r\n\x00" + struct.pack(">ii", 0, 0)
+
+
+def copy_binary(docs: Sequence[Document], vectors: np.ndarray, metadata: bool) -> bytes:
+    """Rows (id text, text text, vector[, jsonb]) in PostgreSQL's binary COPY format.
+
+    Vectors go as pgvector's binary form (int16 dim, int16 0, big-endian float32s): formatting
+    them as text cost ~1-3 ms per 384-dim row here, the whole bulk-load time at 50k rows.
+    """
+    fields = struct.pack(">h", 4 if metadata else 3)
+    dim = vectors.shape[1]
+    vector_head = struct.pack(">ihh", 4 + 4 * dim, dim, 0)
+    big = np.ascontiguousarray(vectors, dtype=">f4")
+    parts = [_COPY_HEADER]
+    for doc, vector in zip(docs, big, strict=True):
+        doc_id, text = doc.id.encode(), doc.text.encode()
+        parts += [fields, struct.pack(">i", len(doc_id)), doc_id, struct.pack(">i", len(text)),
+                  text, vector_head, vector.tobytes()]
+        if metadata:
+            meta = b"\x01" + json.dumps(doc.metadata).encode()  # jsonb binary: version 1
+            parts += [struct.pack(">i", len(meta)), meta]
+    parts.append(struct.pack(">h", -1))
+    return b"".join(parts)
 
 
 class PgVectorStore(StoreBackend):
@@ -119,21 +145,25 @@ class PgVectorStore(StoreBackend):
         self._commit()
 
     def _write(self, docs: list[Document], vectors: np.ndarray) -> None:
-        """``COPY ... FROM STDIN`` with psycopg 3 (fast bulk load), else ``executemany``."""
+        """Binary ``COPY ... FROM STDIN`` with psycopg 3 (fast bulk load), else ``executemany``.
+
+        The binary COPY needs text-typed id / text columns (``text`` or ``varchar``), as the
+        table :meth:`create` makes has."""
         self.create(vectors.shape[1])
         c = self.columns
         names = [c["id_column"], c["text_column"], c["embedding_column"]]
         if self.metadata_column:
             names.append(self.metadata_column)
-        rows = [(d.id, d.text, vector_literal(v),
-                 *([json.dumps(d.metadata)] if self.metadata_column else []))
-                for d, v in zip(docs, vectors, strict=True)]
         with self._db_lock, self.connection.cursor() as cursor:
             if callable(getattr(cursor, "copy", None)):
-                with cursor.copy(f"COPY {self.table} ({', '.join(names)}) FROM STDIN") as copy:
-                    for row in rows:
-                        copy.write_row(row)
+                data = copy_binary(docs, vectors, bool(self.metadata_column))
+                with cursor.copy(f"COPY {self.table} ({', '.join(names)}) FROM STDIN "
+                                 "(FORMAT BINARY)") as copy:
+                    copy.write(data)
             else:
+                rows = [(d.id, d.text, vector_literal(v),
+                         *([json.dumps(d.metadata)] if self.metadata_column else []))
+                        for d, v in zip(docs, vectors, strict=True)]
                 values = ", ".join(["%s", "%s", "%s::vector", "%s::jsonb"][: len(names)])
                 cursor.executemany(
                     f"INSERT INTO {self.table} ({', '.join(names)}) VALUES ({values})", rows)
