@@ -262,8 +262,8 @@ def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: A
     tools = check_tools(kwargs.pop("tools", None) or ())
     choice = check_tool_choice(kwargs.pop("tool_choice", None), tools) if tools else "none"
     constraint = check_response_format(kwargs.pop("response_format", None))
-    model, lock = resolve_model(settings, lm, kwargs.pop("model", None))
     texts = None if documents is None else [d.text for d in to_documents(documents)]
+    model, lock = resolve_model(settings, lm, kwargs.pop("model", None))
     call = ChatCall(engine, model, lock, prompt, limit, texts, engine_state, sampling, options)
     if not tools and constraint is None and not _has_tool_turns(prompt):
         return call

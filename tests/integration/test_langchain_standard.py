@@ -25,6 +25,8 @@ MAX_TOKENS = 12  # instead of the suites' 100: keeps the integration suite insid
 # a tool call or a JSON object does not fit in 12 tokens; these tests get more
 LONG_TESTS = ("tool", "structured", "json", "agent")
 LONG_MAX_TOKENS = 64
+# langchain-tests requires an overridden standard test to carry its xfail at method level, so
+# the passing TypedDict / JSON-schema variants of the two parametrized tests report XPASS
 _LOOPS = ("SmolLM2-135M repeats itself inside the joke's 'setup' string ('The cat was a cat, and "
           "the cat was a cat, ...') until max_tokens, so the schema-constrained JSON is cut before "
           "'punchline' and the pydantic parser rejects it (the TypedDict / JSON-schema variants "
@@ -32,7 +34,6 @@ _LOOPS = ("SmolLM2-135M repeats itself inside the joke's 'setup' string ('The ca
 _JSON_LOOPS = ("json_mode: SmolLM2-135M repeats itself inside the 'setup' string ('... and the cat "
                "just sat on the cat-friendly home, and the cat just sat ...') until max_tokens, so "
                "the JSON object is cut before 'punchline' and the pydantic parser rejects it")
-_PYDANTIC = pytest.param("pydantic", marks=pytest.mark.xfail(reason=_LOOPS, strict=False))
 
 
 class TestChatSpeculativeUnit(ChatModelUnitTests):
@@ -85,11 +86,13 @@ class TestChatSpeculativeIntegration(ChatModelIntegrationTests):
         return ChatSpeculative(**{**self.standard_chat_model_params, **self.chat_model_params,
                                   "max_tokens": LONG_MAX_TOKENS if long else MAX_TOKENS, **extra})
 
-    @pytest.mark.parametrize("schema_type", [_PYDANTIC, "typeddict", "json_schema"])
+    @pytest.mark.xfail(reason=_LOOPS, strict=False)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
     def test_structured_output(self, model: ChatSpeculative, schema_type: str) -> None:
         super().test_structured_output(model, schema_type)
 
-    @pytest.mark.parametrize("schema_type", [_PYDANTIC, "typeddict", "json_schema"])
+    @pytest.mark.xfail(reason=_LOOPS, strict=False)
+    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
     async def test_structured_output_async(self, model: ChatSpeculative, schema_type: str
                                            ) -> None:
         await super().test_structured_output_async(model, schema_type)
