@@ -1,6 +1,7 @@
 """Speculative RAG benchmark: accuracy and end-to-end latency vs Standard RAG (paper Tables 1-2).
 
-Datasets (from ``$SPECRAG_DATA_DIR``, default ``../shared/data``), each with its own corpus:
+Datasets (from ``$SPECRAG_DATA_DIR``, default ``../shared/data``; loaded by
+:mod:`.specrag_data`), each with its own corpus:
 
 * ``nq``: NQ-open questions, top-10 dense retrieval from the 2,600-passage ``nq_open_oracle``
   corpus; metric = a gold answer contained in the answer (normalised as SQuAD does).
@@ -13,7 +14,7 @@ Datasets (from ``$SPECRAG_DATA_DIR``, default ``../shared/data``), each with its
   trains on the other six.
 * ``pubhealth``: the true/false PubHealth claims (test subset first, then dev), as in Self-RAG;
   retrieval from ~120-word chunks of all 172 PubHealth articles; metric = label match, the verdict
-  read by :func:`claim_label` (first cue wins: "false", "incorrect", "not correct", "no"… vs
+  read by :func:`~.specrag_data.claim_label` (first cue wins: "false", "incorrect", "not correct", "no"… vs
   "true", "correct", "yes"…), since small models answer "The statement is not correct" as often
   as "false". The report records the majority-label rate as the trivial baseline.
 
@@ -38,7 +39,6 @@ import argparse
 import logging
 import os
 import random
-import re
 import statistics
 import time
 from collections import Counter
@@ -47,30 +47,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from shared_core.bench.common import (
-    MethodResult,
-    data_dir,
-    make_report,
-    read_jsonl,
-    write_report,
-)
+from shared_core.bench.common import MethodResult, make_report, write_report
+from shared_core.bench.specrag_data import DATASETS, is_correct, load_dataset
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
-from shared_core.data_splits import NQ_EVAL_ROWS, SQUAD_EVAL_TITLES
 from shared_core.engines.speculative_rag import (
     SpeculativeRAG,
     SpeculativeRAGConfig,
     combined_score,
-    normalize_answer,
     select_best,
 )
 from shared_core.retrieval.base import Document
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("nq", "squad", "pubhealth")
-PUBHEALTH_CHUNK_WORDS = 120
-PUBHEALTH_QUESTION = ("Is the following statement correct or not? Say true if it's correct; "
-                      "otherwise, say false. Statement: {claim}")
 SUBSET_ABLATIONS: dict[str, dict[str, Any]] = {  # need their own drafting run
     "abl_random_subsets": {"subset_strategy": "random"},
     "abl_same_cluster": {"subset_strategy": "same_cluster"},
@@ -111,67 +100,6 @@ def reselect(result: Any, variant: str, config: SpeculativeRAGConfig) -> _Derive
         stats.total_s -= stats.verify_s
         stats.verify_s, stats.verify_tokens = 0.0, 0
     return _Derived(drafts[best].answer, stats)
-
-
-# --------------------------------------------------------------------------- data
-
-
-def load_dataset(name: str, limit: int, root: Path | None = None
-                 ) -> tuple[list[Document], list[dict[str, Any]]]:
-    """(corpus, questions) where each question has ``id``, ``question`` and ``gold``."""
-    root = root or data_dir()
-    if name == "nq":
-        corpus = [Document(r["pid"], f"{r['title']}: {r['text']}")
-                  for r in read_jsonl(root / "nq_open_oracle" / "corpus.jsonl")]
-        rows = read_jsonl(root / "nq_open_oracle" / "questions.jsonl", min(limit, NQ_EVAL_ROWS))
-        return corpus, [{"id": r["qid"], "question": r["question"], "gold": r["answers"]}
-                        for r in rows]
-    if name == "squad":
-        corpus = [Document(r["pid"], f"{r['title'].replace('_', ' ')}: {r['text']}")
-                  for r in read_jsonl(root / "squad_expmrc" / "corpus.jsonl")]
-        rows = [r for r in read_jsonl(root / "squad_expmrc" / "questions.jsonl")
-                if r["title"] in SQUAD_EVAL_TITLES][:limit]
-        return corpus, [{"id": r["id"], "question": r["question"], "gold": sorted(set(r["answers"]))}
-                        for r in rows]
-    if name == "pubhealth":
-        articles = (read_jsonl(root / "pubhealth" / "pubhealth_test_subset.jsonl")
-                    + read_jsonl(root / "pubhealth" / "pubhealth_dev_subset.jsonl"))
-        corpus = [Document(f"ph-{a['claim_id']}-{i}", chunk)
-                  for a in articles for i, chunk in enumerate(_chunks(a["main_text"]))]
-        rows = [a for a in articles if a["label"] in ("true", "false")][:limit]
-        return corpus, [{"id": f"ph-{r['claim_id']}", "gold": [r["label"]],
-                         "question": PUBHEALTH_QUESTION.format(claim=r["claim"])} for r in rows]
-    msg = f"dataset must be one of {', '.join(DATASETS)}, got {name!r}"
-    raise ValueError(msg)
-
-
-def _chunks(text: str, size: int = PUBHEALTH_CHUNK_WORDS) -> list[str]:
-    words = text.split()
-    return [" ".join(words[i:i + size]) for i in range(0, len(words), size)] or [""]
-
-
-# --------------------------------------------------------------------------- metrics
-
-
-_FALSE_WORDS = re.compile(r"\b(?:not\s+(?:true|correct|accurate)|incorrect|inaccurate|untrue|false|"
-                          r"no|misleading|wrong)\b")
-_TRUE_WORDS = re.compile(r"\b(?:true|correct|accurate|yes|right)\b")
-
-
-def claim_label(prediction: str) -> str | None:
-    """"true"/"false" from a free-text verdict: whichever cue comes first ("not correct",
-    "incorrect", "no", "false"… vs "correct", "yes", "true"…); None without any cue."""
-    text = prediction.lower()
-    cues = [(m.start(), "false") for m in [_FALSE_WORDS.search(text)] if m]
-    cues += [(m.start(), "true") for m in [_TRUE_WORDS.search(text)] if m]
-    return min(cues)[1] if cues else None
-
-
-def is_correct(dataset: str, prediction: str, gold: list[str]) -> bool:
-    if dataset == "pubhealth":
-        return claim_label(prediction) == gold[0]
-    pred = normalize_answer(prediction)
-    return any(normalize_answer(g) and normalize_answer(g) in pred for g in gold)
 
 
 # --------------------------------------------------------------------------- methods

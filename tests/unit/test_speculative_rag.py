@@ -446,7 +446,8 @@ def test_bench_metrics_and_reselection():
 
 
 def test_bench_split_keeps_training_out_of_evaluation():
-    from shared_core.bench.specrag import SQUAD_EVAL_TITLES, load_dataset
+    from shared_core.bench.specrag_data import load_dataset
+    from shared_core.data_splits import SQUAD_EVAL_TITLES
     from shared_core.train_drafter import build_examples
     from tests.tiny import data_dir
 
