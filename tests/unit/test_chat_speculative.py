@@ -223,3 +223,22 @@ def test_streamed_call_chunks_add_up_to_the_parsed_calls():
     # the raw text of an invalid call, JSON-quoted so that LangChain does not re-parse it
     assert [json.loads(c["args"]) for c in total.invalid_tool_calls] == [
         c.arguments for c in invalid] == ['{"path": "/"}', '{"name": "add", "arguments": {"a": 3']
+
+
+def test_framework_documents_draft_as_their_text(chat, tiny_target):
+    from langchain_core.documents import Document as LCDocument
+    from llama_index.core.schema import TextNode
+
+    ref = autoregressive_generate(tiny_target, to_chat_messages(MESSAGES), 16)
+    doc = tiny_target.decode(tiny_target.prompt_ids(to_chat_messages(MESSAGES))[-3:]
+                             + ref.token_ids)
+
+    def drafts(documents):  # ("drafted" varies: the engine adapts its draft lengths per call)
+        stats = chat.invoke(MESSAGES, documents=documents).response_metadata["speculative_stats"]
+        return stats["accepted"], stats["rounds"]
+
+    as_text = drafts([doc])
+    assert as_text[0] > 0 and drafts(["unrelated words only"])[0] == 0
+    assert drafts([LCDocument(page_content=doc)]) == drafts([TextNode(text=doc)]) == as_text
+    with pytest.raises(TypeError, match="documents"):
+        chat.invoke(MESSAGES, documents=doc)  # one string, not a list of documents
