@@ -138,6 +138,11 @@ def _message_lines(messages: list[BaseMessage], turns: list[Turn]) -> list[str]:
     return lines
 
 
+def _ending(answer: str) -> str:
+    """How an agent that stopped calling tools ended: an answer, or an empty reply."""
+    return "finished with an answer" if answer.strip() else "ended with an empty reply"
+
+
 def run_langchain(kind: str, llm: ChatSpeculative, tool: Callable[[str], str], max_steps: int,
                   show_prompts: bool) -> Transcript:
     """A LangGraph ReAct agent or a LangChain ``create_agent`` agent."""
@@ -169,8 +174,7 @@ def run_langchain(kind: str, llm: ChatSpeculative, tool: Callable[[str], str], m
         for state in agent.stream({"messages": [("human", QUESTION)]}, config,
                                   stream_mode="values"):
             messages = state["messages"]
-        outcome = "finished" if messages and not getattr(messages[-1], "tool_calls", None) \
-            else "stopped"
+        outcome = _ending(str(messages[-1].content) if messages else "")
     except GraphRecursionError:
         outcome = f"did not finish: step limit ({max_steps} model turns) reached"
     lines = [*_message_lines(messages, recorder.turns),
@@ -212,8 +216,8 @@ async def _llamaindex(llm: Any, tool: Callable[[str], str], max_steps: int,
                 events.append(event)
                 lines.append(f"[tool {event.tool_name} id={event.tool_id}] "
                              f"{event.tool_output.content!r}")
-        await handler
-        outcome = "finished"
+        response = await handler
+        outcome = _ending(str(response.response.content or ""))
     except WorkflowRuntimeError as e:
         outcome = f"did not finish: {e}"
     lines.append(f"-- {outcome} in {time.perf_counter() - start:.1f}s")

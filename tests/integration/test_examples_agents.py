@@ -54,9 +54,9 @@ def test_langchain_agents_messages_are_well_formed(transcripts, kind: str) -> No
             results = messages[i + 1: i + 1 + len(m.tool_calls)]
             assert [r.tool_call_id for r in results] == [c["id"] for c in m.tool_calls]
             assert all(isinstance(r, ToolMessage) and "Veldmark Ltd" in r.content for r in results)
-    if run.outcome == "finished":
+    if run.outcome.startswith(("finished", "ended")):
         assert isinstance(messages[-1], AIMessage) and not messages[-1].tool_calls
-        assert messages[-1].content.strip() or messages[-1].invalid_tool_calls
+        assert run.outcome.startswith("finished") == bool(messages[-1].content.strip())
     else:
         assert run.outcome.startswith("did not finish: step limit")
     assert run.lines[-1].startswith(f"-- {run.outcome}")
@@ -76,7 +76,8 @@ def test_llamaindex_function_agent_events_are_well_formed(transcripts) -> None:
             assert [r.tool_id for r in results] == [c.tool_id for c in event.tool_calls]
             assert all(isinstance(r, ToolCallResult) and "Veldmark Ltd" in r.tool_output.content
                        for r in results)
-    if run.outcome == "finished":
-        assert not outputs[-1].tool_calls and outputs[-1].response.content.strip()
+    if run.outcome.startswith(("finished", "ended")):
+        assert not outputs[-1].tool_calls
+        assert run.outcome.startswith("finished") == bool(outputs[-1].response.content.strip())
     else:
         assert "max" in run.outcome.lower()
