@@ -124,15 +124,15 @@ def _added(chunks):
 
 
 CASES = [("auto", ASKS_FOR_CALL), ("required", "What's the weather like in Lisbon right now?"),
-         ("get_weather", "How warm is it in Oslo?"), ("auto", "Say hello to Ana in one line."),
-         ("auto", "What is 17 plus 25? Explain.")]
+         ("get_weather", "How warm is it in Oslo?"), ("auto", "Say hello to Ana in one line.")]
+STREAM_TOKENS = 40  # room for a call and some text after it
 
 
 @pytest.mark.parametrize(("choice", "question"), CASES)
 def test_langchain_stream_with_tools_adds_up_to_invoke(smollm, choice, question):
     from langchain_specrag.chat_models.speculative import ChatSpeculative
 
-    model = ChatSpeculative(lm=smollm, max_tokens=40).bind_tools([WEATHER, ADD],
+    model = ChatSpeculative(lm=smollm, max_tokens=STREAM_TOKENS).bind_tools([WEATHER, ADD],
                                                                  tool_choice=choice)
     invoked = model.invoke(question)
     chunks = list(model.stream(question))
@@ -153,7 +153,7 @@ def test_langchain_stream_with_tools_adds_up_to_invoke(smollm, choice, question)
 async def test_langchain_astream_with_tools_adds_up_to_ainvoke(smollm):
     from langchain_specrag.chat_models.speculative import ChatSpeculative
 
-    model = ChatSpeculative(lm=smollm, max_tokens=40).bind_tools([WEATHER, ADD])
+    model = ChatSpeculative(lm=smollm, max_tokens=STREAM_TOKENS).bind_tools([WEATHER, ADD])
     invoked = await model.ainvoke(ASKS_FOR_CALL)
     streamed = _added([c async for c in model.astream(ASKS_FOR_CALL)])
     assert streamed.content == invoked.content and invoked.content
@@ -178,7 +178,8 @@ def test_llamaindex_stream_chat_with_tools_ends_as_chat_with_tools(smollm, requi
 
     from llamaindex_specrag.llms.speculative import SpeculativeLLM
 
-    llm, tools = SpeculativeLLM(smollm, max_new_tokens=40), [FunctionTool.from_defaults(get_weather)]
+    llm = SpeculativeLLM(smollm, max_new_tokens=STREAM_TOKENS)
+    tools = [FunctionTool.from_defaults(get_weather)]
     chatted = llm.chat_with_tools(tools, user_msg=question, tool_required=required)
     responses = list(llm.stream_chat_with_tools(tools, user_msg=question, tool_required=required))
     last = responses[-1]
@@ -195,7 +196,8 @@ async def test_llamaindex_astream_chat_with_tools_ends_as_achat(smollm):
 
     from llamaindex_specrag.llms.speculative import SpeculativeLLM
 
-    llm, tools = SpeculativeLLM(smollm, max_new_tokens=40), [FunctionTool.from_defaults(get_weather)]
+    llm = SpeculativeLLM(smollm, max_new_tokens=STREAM_TOKENS)
+    tools = [FunctionTool.from_defaults(get_weather)]
     chatted = await llm.achat_with_tools(tools, user_msg=ASKS_FOR_CALL)
     last = [r async for r in await llm.astream_chat_with_tools(tools, user_msg=ASKS_FOR_CALL)][-1]
     assert last.message.content == chatted.message.content
