@@ -242,3 +242,20 @@ def test_framework_documents_draft_as_their_text(chat, tiny_target):
     assert drafts([LCDocument(page_content=doc)]) == drafts([TextNode(text=doc)]) == as_text
     with pytest.raises(TypeError, match="documents"):
         chat.invoke(MESSAGES, documents=doc)  # one string, not a list of documents
+
+
+@pytest.mark.parametrize("max_tokens", [6, 120])
+def test_streamed_forced_call_adds_up_to_invoke_even_when_cut(long_chat, max_tokens):
+    """Cut by max_tokens, the call is still open at the end: it is decided (invalid) at close."""
+    pytest.importorskip("xgrammar")
+    bound = long_chat.bind_tools([_finite_tool()], tool_choice="pick_unit")
+    invoked = bound.invoke(MESSAGES, max_tokens=max_tokens)
+    chunks = list(bound.stream(MESSAGES, max_tokens=max_tokens))
+    streamed = chunks[0]
+    for chunk in chunks[1:]:
+        streamed += chunk
+    calls = [(c["name"], c["args"]) for c in invoked.tool_calls]
+    assert [(c["name"], c["args"]) for c in streamed.tool_calls] == calls
+    assert len(streamed.invalid_tool_calls) == len(invoked.invalid_tool_calls)
+    assert (len(calls), len(invoked.invalid_tool_calls)) == ((0, 1) if max_tokens == 6 else (1, 0))
+    assert streamed.content == invoked.content == ""
