@@ -143,3 +143,35 @@ def test_structured_predict_and_forced_tool_call():
     assert [s.tool_name for s in selections] == ["pick"]
     assert isinstance(selections[0].tool_kwargs["flag"], bool)
     assert llm.predict_and_call([tool], PROMPT, tool_required=True).response in ("True", "False")
+
+
+@pytest.mark.parametrize("max_new_tokens", [4, 120])
+def test_streamed_forced_call_ends_as_chat_with_tools(max_new_tokens):
+    """The last streamed response carries the calls ``chat_with_tools`` returns (a call cut by
+    the token limit: the same invalid call, decided when the stream closes)."""
+    pytest.importorskip("xgrammar")
+    from llama_index.core.tools import FunctionTool
+    from tiny import tiny_lm
+
+    llm = SpeculativeLLM(lm=tiny_lm(max_positions=2048), model="tiny",
+                         max_new_tokens=max_new_tokens, engine_options={"use_trigger": False})
+
+    def pick(flag: bool) -> str:
+        """Pick a flag."""
+        return str(flag)
+
+    tools = [FunctionTool.from_defaults(fn=pick)]
+    chatted = llm.chat_with_tools(tools, PROMPT, tool_required=True)
+    responses = list(llm.stream_chat_with_tools(tools, PROMPT, tool_required=True))
+    last = responses[-1]
+
+    def calls(response, key):
+        return [(c["function"]["name"], c["function"]["arguments"]) if key == "tool_calls"
+                else c["error"][:20] for c in response.message.additional_kwargs.get(key, [])]
+
+    for key in ("tool_calls", "invalid_tool_calls"):
+        assert calls(last, key) == calls(chatted, key)
+    selections = llm.get_tool_calls_from_response(last, error_on_no_tool_call=False)
+    assert [s.tool_name for s in selections] == (["pick"] if max_new_tokens == 120 else [])
+    assert len(calls(last, "invalid_tool_calls")) == (0 if max_new_tokens == 120 else 1)
+    assert last.raw["completion_tokens"] == chatted.raw["completion_tokens"]
