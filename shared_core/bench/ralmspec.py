@@ -260,13 +260,13 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
     from shared_core.models import load_lm
 
+    _pipelined_methods(args.pipelined)  # bad names fail before any model or corpus work
     if args.remote:
         from shared_core.remote import RemoteLM
 
         lm = RemoteLM(args.remote)
     else:
         lm = load_lm(args.model, dtype=args.dtype)
-    _pipelined_methods(args.pipelined)  # bad names fail before the corpus is embedded
     corpus, rows = _load(args.limit)
     corpus = corpus[: args.corpus_limit] if args.corpus_limit else corpus
     warmup, questions = rows[0]["question"], [r["question"] for r in rows[1:]]

@@ -89,3 +89,19 @@ def test_os3_overlap_steps_model() -> None:
         assert four.expected_rate(s, a, b, gamma) > one.expected_rate(s, a, b, gamma)
     # a search shorter than a step leaves room for one overlapped step only
     assert four.expected_rate(2, 1.0, 0.5, 0.8) == pytest.approx(one.expected_rate(2, 1.0, 0.5, 0.8))
+
+
+def test_bench_pipelined_methods_are_checked_before_model_work() -> None:
+    import argparse
+
+    from shared_core.bench import ralmspec as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    assert bench._pipelined_methods(parser.parse_args([]).pipelined) == []
+    assert bench._pipelined_methods(parser.parse_args(["--pipelined"]).pipelined) == ["+PSA"]
+    args = parser.parse_args(["--pipelined", "+A(o4),+PSA"])
+    assert bench._pipelined_methods(args.pipelined) == ["+A(o4)", "+PSA"]
+    args = parser.parse_args(["--pipelined", "+PSA,nope", "--model", "not-a-model"])
+    with pytest.raises(ValueError, match="--pipelined"):
+        bench.run_doc(args)  # fails on the name, before loading the (unknown) model
