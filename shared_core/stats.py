@@ -6,65 +6,20 @@ defined next to the engine). :meth:`DecodeStats.as_dict` reports the shared coun
 level and a subclass's own fields under ``"extra"`` (the report schema the benchmarks write),
 next to :attr:`DecodeStats.extra`.
 
-``extra`` stays as a free dict for annotations made *outside* an engine: layers above it (the
-RaLMSpec batch pipeline's ``backend_searches``, a benchmark's labels, a user's tags) record
-numbers there without needing a stats subclass of their own. Engines never write to it.
+``extra`` stays as a free dict for annotations made *outside* the engines (a benchmark's labels,
+a user's tags), reported under ``"extra"`` next to the typed fields. Engines never write to it.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import weakref
 from collections import Counter
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
 from shared_core.device import current_threads
-
-
-class Annotations(dict[str, Any]):
-    """The ``extra`` dict: caller annotations.
-
-    Deprecated read path: a key that is not an annotation but names a typed field of the owning
-    stats (``stats.extra["retrieval_calls"]``) returns that field, so readers written before
-    the typed fields existed keep working until they move to ``stats.retrieval_calls``.
-    Copies and pickles are plain dicts.
-    """
-
-    def __init__(self, items: dict[str, Any], owner: DecodeStats) -> None:
-        super().__init__(items)
-        self._owner = weakref.ref(owner)
-
-    def _field(self, key: str) -> Any:
-        """The owner's typed field ``key`` (JSON-ready), or None if there is none."""
-        owner = self._owner()
-        if owner is None or key not in owner.engine_field_names():
-            return None
-        value = getattr(owner, key)
-        return None if value is None else plain(value)
-
-    def __missing__(self, key: str) -> Any:
-        value = self._field(key)
-        if value is None:
-            raise KeyError(key)
-        return value
-
-    def get(self, key: str, default: Any = None) -> Any:
-        if key in self:
-            return super().__getitem__(key)
-        value = self._field(key)
-        return default if value is None else value
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return dict, (dict(self),)
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> dict[str, Any]:
-        return copy.deepcopy(dict(self), memo)
-
-    def copy(self) -> dict[str, Any]:
-        return dict(self)
 
 
 def plain(value: Any) -> Any:
@@ -104,9 +59,6 @@ class DecodeStats:
     finish_reason: str = ""
     accept_hist: Counter[int] = field(default_factory=Counter)
     extra: dict[str, Any] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        self.extra = Annotations(self.extra, self)
 
     @property
     def acceptance_rate(self) -> float:

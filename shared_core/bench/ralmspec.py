@@ -167,10 +167,10 @@ class _Tally:
         self.result.outputs.append(out.token_ids)
         for key in ("retrieval_s", "generation_s", "retrieval_calls", "overlap_s",
                     "async_search_s"):
-            self.totals[key] += out.stats.extra.get(key, 0)
+            self.totals[key] += getattr(out.stats, key) or 0
         for key in ("rounds", "drafted", "accepted"):
             self.totals[key] += getattr(out.stats, key)
-        self.strides += out.stats.extra.get("strides", [])
+        self.strides += out.stats.strides or []
 
     def finish(self, load: list[float]) -> MethodResult:
         totals, strides = self.totals, self.strides
@@ -241,8 +241,8 @@ def _run_pipelined(engine: Any, warmup: str, questions: list[str], max_new_token
     for out in outs:
         tally.add(out, wall / len(outs))
     tally.totals["pipelined_questions"] = sum(
-        bool(o.stats.extra.get("first_retrieval_pipelined")) for o in outs)
-    tally.totals["retrieval_calls"] = sum(o.stats.extra["backend_searches"] for o in outs)
+        bool(o.stats.first_retrieval_pipelined) for o in outs)
+    tally.totals["retrieval_calls"] = sum(o.stats.backend_searches for o in outs)
     load.append(_load_avg())
     return tally.finish(load)
 

@@ -171,18 +171,18 @@ def test_ralmspec_equals_ralmseq(store, exact, nq, smollm) -> None:
     for question in nq[1][:2]:
         counter = _counter(backend, client)
         ref = engine.generate_baseline(question, 24)
-        assert counter.calls == ref.stats.extra["retrieval_calls"] == len(ref.stats.extra["doc_ids"])
+        assert counter.calls == ref.stats.retrieval_calls == len(ref.stats.doc_ids)
         if question == nq[1][0]:  # RaLMSeq on the store == RaLMSeq on FAISS (same vectors)
             assert ref.token_ids == RaLMSpec(smollm, dense, CONFIG).generate_baseline(
                 question, 24).token_ids
         counter = _counter(backend, client)
         out = engine.generate(question, 24)
         assert out.token_ids == ref.token_ids, question
-        assert out.stats.extra["doc_ids"] == ref.stats.extra["doc_ids"]
+        assert out.stats.doc_ids == ref.stats.doc_ids
         # one client call per retrieval: the first one and one per verification round
-        assert counter.calls == out.stats.extra["retrieval_calls"]
+        assert counter.calls == out.stats.retrieval_calls
         assert counter.calls == 1 + out.stats.rounds
-        assert counter.calls < ref.stats.extra["retrieval_calls"]
+        assert counter.calls < ref.stats.retrieval_calls
         if question == nq[1][0]:  # OS³, prefetching, asynchronous verification (defaults)
             defaults = RaLMSpecConfig(max_doc_tokens=CONFIG.max_doc_tokens)
             out = RaLMSpec(smollm, backend, defaults).generate(question, 24)

@@ -132,4 +132,4 @@ def test_from_langchain_store(kind, cls, passages, embeddings, tmp_path, request
     calls[0] = 0
     out = engine.generate(QUERIES[0], 16)
     assert out.token_ids == ref.token_ids
-    assert calls[0] == out.stats.extra["retrieval_calls"] == 1 + out.stats.rounds
+    assert calls[0] == out.stats.retrieval_calls == 1 + out.stats.rounds

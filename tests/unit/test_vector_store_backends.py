@@ -219,13 +219,13 @@ def test_ralmspec_through_elasticsearch_transport_equals_ralmseq(es_client, tiny
     for question in ("Who wrote the report?", "What is the capital of France?"):
         before = len(_msearch_requests(cluster))
         ref = engine.generate_baseline(question, 24)
-        assert len(_msearch_requests(cluster)) - before == ref.stats.extra["retrieval_calls"]
+        assert len(_msearch_requests(cluster)) - before == ref.stats.retrieval_calls
         before = len(_msearch_requests(cluster))
         out = engine.generate(question, 24)
         assert out.token_ids == ref.token_ids
         calls = len(_msearch_requests(cluster)) - before
-        assert calls == out.stats.extra["retrieval_calls"] == 1 + out.stats.rounds
-        assert calls < ref.stats.extra["retrieval_calls"]
+        assert calls == out.stats.retrieval_calls == 1 + out.stats.rounds
+        assert calls < ref.stats.retrieval_calls
         # with OS³, prefetching and asynchronous verification (the defaults): still identical
         assert RaLMSpec(tiny_target, store).generate(question, 24).token_ids == ref.token_ids
 

@@ -51,11 +51,11 @@ def test_batch_equals_ralmseq_per_question_with_fewer_searches(retriever, tiny_t
     batched = engine.batch(QUESTIONS, 20)
     assert [r.token_ids for r in batched] == [r.token_ids for r in refs]
     assert [r.token_ids for r in alone] == [r.token_ids for r in refs]
-    pipelined = [r.stats.extra["first_retrieval_pipelined"] for r in batched]
+    pipelined = [r.stats.first_retrieval_pipelined for r in batched]
     assert pipelined[0] is False and sum(pipelined) >= 1
     # every pipelined question saved its own first search; none was added
     assert len(retriever.batches) == calls_alone - sum(pipelined)
-    assert sum(r.stats.extra["backend_searches"] for r in batched) == len(retriever.batches)
+    assert sum(r.stats.backend_searches for r in batched) == len(retriever.batches)
 
 
 async def test_abatch_equals_batch(retriever, tiny_target) -> None:

@@ -98,9 +98,8 @@ def run_pipelined(calls: list[RaLMCall], backend: SpeculativeBackend,
         view = PipelinedBackend(backend, call, served, rider)
         call.backend = view
         result = call.stream(blocks(call)).run()
-        result.stats.extra["backend_searches"] = view.searches
-        result.stats.extra["first_retrieval_pipelined"] = served is not None and (
-            view.served is None)
+        result.stats.backend_searches = view.searches
+        result.stats.first_retrieval_pipelined = served is not None and view.served is None
         results.append(result)
         served = rider if rider is not None and rider.hits is not None else None
     return results

@@ -34,6 +34,10 @@ class RaLMSpecStats(DecodeStats):
     speculation_s: float | None = field(default=None, metadata=RUN_SPECIFIC)
     overlap_s: float | None = field(default=None, metadata=RUN_SPECIFIC)
     async_search_s: float | None = field(default=None, metadata=RUN_SPECIFIC)
+    # RaLMSpec.batch (cross-question pipelining): searches this question's backend made, and
+    # whether its first retrieval rode in the previous question's last batched search
+    backend_searches: int | None = field(default=None, metadata=RUN_SPECIFIC)
+    first_retrieval_pipelined: bool | None = field(default=None, metadata=RUN_SPECIFIC)
 
     def add_overlap(self, overlap_s: float, search_s: float) -> None:
         """One asynchronous verification: speculation time beside the worker's search time."""
