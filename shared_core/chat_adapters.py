@@ -234,15 +234,13 @@ class ChatCall:
 
 
 def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: Any,
-                 engine_state: dict[str, Any], limit_name: str, text_of: str | None = None
-                 ) -> ChatCall:
+                 engine_state: dict[str, Any], limit_name: str) -> ChatCall:
     """Resolve and validate one call's options (``kwargs`` is consumed) before any model work.
 
     ``limit_name`` is the adapter's token-limit setting (its value ``None``: the config's
     default). ``documents`` may be strings, our documents or either framework's documents / nodes
-    (:func:`~shared_core.retrieval.frameworks.to_documents`); ``text_of`` is no longer read (that
-    conversion knows every framework) and stays only for older callers. A per-call ``None`` for
-    ``stop``, ``documents`` or the token limit means the setting.
+    (:func:`~shared_core.retrieval.frameworks.to_documents`). A per-call ``None`` for ``stop``,
+    ``documents`` or the token limit means the setting.
     """
     engine = check_engine(kwargs.pop("engine", settings.engine))
     # the configured options belong to the configured engine; a per-call engine gets its own

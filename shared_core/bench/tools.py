@@ -162,7 +162,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _generate(settings: _Settings, turns: list[dict[str, Any]], options: dict[str, Any]
               ) -> tuple[Any, Any]:
     call = prepare_call(settings, turns, dict(options), lm=None, engine_state={},
-                        limit_name="max_new_tokens", text_of="text")
+                        limit_name="max_new_tokens")
     return call, call.run()
 
 
