@@ -28,7 +28,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     from shared_core.demo import run_demo
 
-    _write("specrag demo: embedded SmolLM2-135M-Instruct + MiniLM, all offline")
+    _write("specrag demo: embedded offline models (SmolLM2-135M-Instruct, MiniLM and, when "
+           "specrag[qwen] is installed, the Qwen2.5-Coder pair)")
     run_demo(args.max_new_tokens, write=_write)
     return 0
 
