@@ -210,7 +210,18 @@ def test_kv_session_heals_an_interrupted_forward(tiny_target, at, cache):
 # ---------------------------------------------------------------------------- real signals
 
 
-def test_sigint_during_a_forward_is_a_keyboard_interrupt_and_heals(tiny_target, rapid_reference):
+@pytest.fixture
+def default_sigint() -> Iterator[None]:
+    """Python's own SIGINT handler (KeyboardInterrupt) for the test. A process started as a
+    background job of a non-interactive shell (``make test &``) inherits SIGINT ignored, and
+    Python then installs no handler: ``raise_signal(SIGINT)`` would do nothing."""
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
+def test_sigint_during_a_forward_is_a_keyboard_interrupt_and_heals(tiny_target, rapid_reference,
+                                                                   default_sigint):
     """SIGINT delivered to this (main) thread in the middle of a forward."""
     assert threading.current_thread() is threading.main_thread()
     decoder = rapid_decoder(tiny_target)
