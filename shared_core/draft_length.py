@@ -3,45 +3,79 @@
 Shared by the engines that size their drafts as they run (ReSpec trims suffix-automaton drafts,
 RAPID's opt-in ``adaptive_gamma``). A draft of ``n`` tokens with per-token acceptance ``a``
 commits ``1 + a + ... + a^n`` tokens in expectation (the last one is the target's own token);
-it costs one verification forward ``t(n + 1) = t0 + t1 (n + 1)`` plus ``n`` drafter steps.
-Costs are measured on this machine at this context length, so the chosen length follows them.
+it costs one verification forward over ``n + 1`` tokens plus ``n`` drafter steps. The
+verification cost is either linear, ``t(n + 1) = t0 + t1 (n + 1)`` fitted online, or a curve
+measured once per machine and model (:class:`CostModel` ``curve``): on a CPU the curve is not
+linear (llama.cpp on Zen 4: 4 tokens cost 3.0 one-token steps, on a Xeon with AMX 1.5; Q4_0's
+repacked kernel made 4 tokens cheaper than 3), and it decides whether a draft pays at all.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
+from collections.abc import Callable, Sequence
+
+VerifyCost = float | Callable[[int], float]
 
 
-def best_draft_length(accept: float, token_cost: float, max_len: int, draft_cost: float = 0.0
+def best_draft_length(accept: float, cost: VerifyCost, max_len: int, draft_cost: float = 0.0
                       ) -> int:
     """Draft length ``n`` maximising expected committed tokens per unit of cost.
 
-    Costs are in one-token target steps: a verification of ``n`` drafted tokens costs
-    ``1 + c n`` (``c = token_cost``), and each drafted token ``draft_cost`` more (0 for drafts
+    Costs are in one-token target steps. ``cost`` is either ``c``, so that verifying ``n`` drafted
+    tokens costs ``1 + c n``, or a function giving the steps of a forward over ``n + 1`` tokens
+    (:meth:`CostModel.verify_steps`); each drafted token costs ``draft_cost`` more (0 for drafts
     that cost nothing to make, such as prompt lookup). 0 means drafting does not pay.
     """
+    steps = cost if callable(cost) else (lambda n: 1 + cost * n)
     best_n, best, gain, term = 0, 1.0, 1.0, 1.0
     for n in range(1, max_len + 1):
         term *= accept
         gain += term
-        ratio = gain / (1 + (token_cost + draft_cost) * n)
+        ratio = gain / (steps(n) + draft_cost * n)
         if ratio > best:
             best_n, best = n, ratio
     return best_n
 
 
+def curve_steps(curve: Sequence[tuple[int, float]], tokens: int) -> float:
+    """Steps of a ``tokens``-token forward from measured ``(tokens, steps)`` points (ascending,
+    starting at one token): linear between points, the last slope beyond the last one (a single
+    point: each token a full step)."""
+    if tokens <= curve[0][0]:
+        return curve[0][1]
+    for (n0, s0), (n1, s1) in itertools.pairwise(curve):
+        if tokens <= n1:
+            return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
+    if len(curve) == 1:
+        return curve[0][1] * tokens / curve[0][0]
+    (n0, s0), (n1, s1) = curve[-2], curve[-1]
+    return s1 + (s1 - s0) / (n1 - n0) * (tokens - n1)
+
+
 class CostModel:
-    """Verification cost ``t(n) = t0 + t1 n`` fitted by least squares on recent forwards.
+    """Verification cost ``t(n) = t0 + t1 n`` fitted by least squares on recent forwards, or the
+    model's measured ``curve`` of ``(tokens, steps)`` points when its runtime gives one.
 
     ``token_cost`` is ``c = t1 / (t0 + t1)``: what one more drafted token costs relative to a
     plain one-token step, on this machine and at this context length (the prior until the
-    forwards seen so far span at least two sizes).
+    forwards seen so far span at least two sizes). :meth:`verify_steps` is what draft lengths are
+    chosen by: the curve where there is one, else ``1 + c n``.
     """
 
-    def __init__(self, prior: float, window: int = 48, min_samples: int = 6):
+    def __init__(self, prior: float, window: int = 48, min_samples: int = 6,
+                 curve: Sequence[tuple[int, float]] | None = None):
         self.prior = prior
         self.min_samples = min_samples
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
+        self.curve = tuple(curve) if curve else None
+
+    def verify_steps(self, drafted: int) -> float:
+        """One-token steps of verifying ``drafted`` tokens (a forward over ``drafted + 1``)."""
+        if self.curve is not None:
+            return curve_steps(self.curve, drafted + 1)
+        return 1 + self.token_cost * drafted
 
     def add(self, n_tokens: int, seconds: float) -> None:
         self.samples.append((n_tokens, seconds))

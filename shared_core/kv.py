@@ -18,7 +18,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from shared_core.config import CacheKind
-from shared_core.models import LM
+from shared_core.lm import LM
 
 _MIN_CAPACITY = 256
 
@@ -326,3 +326,17 @@ class KVSession:
             common += 1
         self.rollback(common)
         return list(ids[common:])
+
+
+def open_session(lm: LM, *, cache: CacheKind = "prealloc") -> KVSession:
+    """A new KV session on ``lm``: a :class:`KVSession` for torch models, the runtime's own
+    session (same methods) for a model of another backend (``lm.open_session``)."""
+    own = getattr(lm, "open_session", None)
+    return own() if own is not None else KVSession(lm, cache=cache)
+
+
+def forward_cost_curve(lm: LM) -> tuple[tuple[int, float], ...] | None:
+    """``(tokens, one-token steps)`` of a forward, measured once per machine and model, where the
+    runtime measures one (llama.cpp); None on torch, whose engines fit the cost as they run."""
+    measure = getattr(lm, "forward_cost_curve", None)
+    return measure() if measure is not None else None

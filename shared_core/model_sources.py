@@ -20,6 +20,7 @@ from shared_core.embedded import (
     cache_dir,
     embedded_gguf,
     hub_unavailable,
+    temp_sibling,
 )
 from shared_core.weights_cache import cache_is_valid, gguf_cache_key, write_cache
 
@@ -114,6 +115,35 @@ def _build_gguf_cache(gguf: Path, folder: Path, dtype: torch.dtype, trust_remote
     if dtype != torch.float32:
         model = model.to(dtype)
     return model, tokenizer
+
+
+def load_gguf_tokenizer(gguf: Path, trust_remote_code: bool, *, digest: str | None = None
+                        ) -> PreTrainedTokenizerBase:
+    """The Hugging Face tokenizer of a GGUF (the one the torch backend uses), without its weights.
+
+    Read from the weights cache when the torch backend built one, else from the GGUF's metadata
+    and kept under ``$SPECRAG_CACHE/tokenizers`` (building a fast tokenizer from a 150k-token
+    vocabulary takes seconds).
+    """
+    from transformers import AutoTokenizer
+
+    key = gguf_cache_key(gguf, digest)
+    for folder in (cache_dir() / "models" / key, cache_dir() / "tokenizers" / key):
+        if (folder / "tokenizer_config.json").is_file():
+            try:
+                return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+            except (OSError, ValueError) as e:
+                logger.warning("tokenizer cache %s unreadable (%s); rebuilding", folder, e)
+    _check_gguf_magic(gguf)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
+                                              trust_remote_code=trust_remote_code)
+    target = cache_dir() / "tokenizers" / key
+    with build_lock(target):
+        if not (target / "tokenizer_config.json").is_file():
+            tmp = temp_sibling(target, directory=True)
+            tokenizer.save_pretrained(tmp)
+            tmp.rename(target)
+    return tokenizer
 
 
 @dataclass(frozen=True)

@@ -22,8 +22,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
-from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -36,9 +35,12 @@ from shared_core.embedded import (
     hub_unavailable,
     package_dir,
 )
+from shared_core.lm import FALLBACK_CHAT_TEMPLATE, LM  # noqa: F401  (re-exported)
 from shared_core.model_sources import (
+    ModelSource,
     hub_unreachable_message,
     load_gguf,
+    load_gguf_tokenizer,
     load_pretrained,
     quiet_progress_bars,
     resolve_lm_source,
@@ -50,65 +52,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
-
-# A plain chat format for base models that ship no chat template (e.g. Gemma-3-270M base).
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'] | capitalize }}: {{ m['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-
-
-@dataclass
-class LM:
-    """A causal LM, its tokenizer and the facts engines need about them."""
-
-    model: PreTrainedModel
-    tokenizer: PreTrainedTokenizerBase
-    name: str
-    device: torch.device
-    dtype: torch.dtype
-    max_context: int
-    eos_token_ids: frozenset[int] = field(default_factory=frozenset)
-    linear_weights: str = "dtype"  # "fp16": decoder linears run fp16 weights (use_fp16_linears)
-
-    @property
-    def vocab_size(self) -> int:
-        """Rows of the output embedding (may exceed ``len(tokenizer)`` by padding)."""
-        return int(self.model.get_output_embeddings().weight.shape[0])
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
-        """Render chat messages with the model's template (plain fallback for base models)."""
-        template = None if self.has_chat_template else FALLBACK_CHAT_TEMPLATE
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True, chat_template=template
-        )
-
-    def prompt_ids(self, prompt: str | Sequence[dict[str, str]]) -> list[int]:
-        """Token ids for a raw prompt string or a list of chat messages."""
-        if isinstance(prompt, str):
-            if not prompt:
-                msg = "prompt must be a non-empty string or a list of messages"
-                raise ValueError(msg)
-            # BOS-style special tokens as the tokenizer adds them for a fresh sequence.
-            return list(self.tokenizer.encode(prompt))
-        if not prompt:
-            msg = "messages must not be empty"
-            raise ValueError(msg)
-        # A chat template writes its own special tokens; the plain fallback of a base model does
-        # not, so it gets BOS as any fresh sequence does (without it Gemma-3 base babbles).
-        add_special = not self.has_chat_template
-        return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
-
 
 def _max_context(model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> int:
     config = model.config
@@ -187,9 +130,59 @@ def use_fp16_linears(lm: LM) -> LM:
     return lm
 
 
+BACKENDS = ("auto", "torch", "llama.cpp")
+
+
+@dataclass(frozen=True)
+class BackendChoice:
+    """Which runtime runs a model, and why (reported in stats and benchmark reports)."""
+
+    backend: str
+    reason: str
+
+
+def choose_backend(backend: str, source: ModelSource, device: str | torch.device | None,
+                   dtype: str | torch.dtype | None, cpu_linears: str) -> BackendChoice:
+    """Validate ``backend`` and resolve ``"auto"``.
+
+    ``"auto"``: a GPU (asked for, or found when no device is named) runs torch; a GGUF on a CPU runs
+    llama.cpp when it is installed. The rule is measured, not assumed: on the three CPUs seen
+    (AVX2, AVX-512, AVX-512 + AMX) llama.cpp's quantized one-token step of the same GGUF was
+    3-12x faster than torch's best dtype (``results/s9/forward_cost*.json``, DESIGN §7), and it
+    needs no de-quantizing. A dtype or ``cpu_linears`` choice is a torch setting, so it keeps torch.
+    """
+    if backend not in BACKENDS:
+        msg = f"backend={backend!r} must be one of {BACKENDS}"
+        raise ValueError(msg)
+    if backend == "torch":
+        return BackendChoice("torch", "asked for")
+    if backend == "llama.cpp":
+        if source.gguf is None:
+            msg = (f"backend='llama.cpp' runs GGUF files; {source.path!s} is not one (pass a .gguf "
+                   "file or an embedded alias, or use backend='torch')")
+            raise ValueError(msg)
+        if device is not None and resolve_device(device).type != "cpu":
+            msg = f"backend='llama.cpp' runs on the CPU here; device={device!r} needs backend='torch'"
+            raise ValueError(msg)
+        return BackendChoice("llama.cpp", "asked for")
+    torch_device = resolve_device(device)
+    if torch_device.type != "cpu":
+        return BackendChoice("torch", f"{torch_device.type} device")
+    if source.gguf is None:
+        return BackendChoice("torch", "not a GGUF model")
+    if dtype is not None or cpu_linears != "dtype":
+        return BackendChoice("torch", "a torch dtype / cpu_linears setting was given")
+    from shared_core.backends.llamacpp import available
+
+    if not available():
+        return BackendChoice("torch", "llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
+    return BackendChoice("llama.cpp", "GGUF on a CPU: llama.cpp's quantized step is the fastest measured")
+
+
 def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
-            cpu_linears: str = "dtype") -> LM:
+            cpu_linears: str = "dtype", backend: str = "torch", n_ctx: int | None = None,
+            exact: bool = False) -> LM:
     """Load a causal LM by embedded alias, Hugging Face id, local folder or GGUF file.
 
     Args:
@@ -202,6 +195,12 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         cpu_linears: ``"dtype"`` (default) runs linear layers in ``dtype``; ``"fp16"`` runs the
             decoder's linears with fp16 weights on a CPU (:func:`use_fp16_linears`): faster
             decoding and cheaper multi-token verification, slightly different outputs.
+        backend: ``"torch"`` (default), ``"llama.cpp"`` (a GGUF run by llama.cpp's quantized
+            kernels, CPU) or ``"auto"`` (:func:`choose_backend`). ``lm.backend`` and
+            ``lm.backend_reason`` say which ran and why.
+        n_ctx: llama.cpp only: positions per session (default: min(trained context, 8192)).
+        exact: llama.cpp only: load without weight repacking, so a k-token verification gives the
+            same logits as k one-token steps (speculative output equals greedy bit for bit).
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         msg = "name_or_path must be a non-empty string"
@@ -214,8 +213,14 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     if cpu_linears == "fp16" and (torch_device.type != "cpu" or str(torch_dtype) != "torch.float32"):
         msg = f"cpu_linears='fp16' needs device='cpu' and dtype float32, got {torch_device} / {torch_dtype}"
         raise ValueError(msg)
-    apply_thread_setting()
     source = resolve_lm_source(name_or_path.strip())
+    choice = choose_backend(backend, source, device, dtype, cpu_linears)
+    if choice.backend == "llama.cpp":
+        return _load_llamacpp(name_or_path, source, choice, trust_remote_code, n_ctx, exact)
+    if n_ctx is not None or exact:
+        msg = "n_ctx and exact are llama.cpp settings; they need backend='llama.cpp' (or 'auto')"
+        raise ValueError(msg)
+    apply_thread_setting()
     if source.gguf is not None:
         entry = source.entry
         model, tokenizer = load_gguf(
@@ -229,8 +234,29 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     lm = wrap_lm(model, tokenizer, name=name_or_path)
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
+    lm.backend_reason = choice.reason
     logger.info("loaded %s on %s (%s, %d positions)", name_or_path, lm.device, lm.dtype,
                 lm.max_context)
+    return lm
+
+
+def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_remote_code: bool,
+                   n_ctx: int | None, exact: bool) -> LM:
+    from shared_core.backends.llamacpp import LlamaCppLM, LlamaCppModel, LlamaCppSettings
+
+    assert source.gguf is not None
+    settings = LlamaCppSettings(n_ctx=n_ctx, exact=exact)
+    tokenizer = load_gguf_tokenizer(source.gguf, trust_remote_code,
+                                    digest=source.entry.sha256 or None if source.entry else None)
+    if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = LlamaCppModel(source.gguf, settings)
+    lm = LlamaCppLM(model=model, tokenizer=tokenizer, name=name, device=resolve_device("cpu"),
+                    dtype=resolve_dtype(None, resolve_device("cpu")), max_context=model.n_ctx,
+                    eos_token_ids=model.end_of_generation_ids(tokenizer))
+    lm.backend_reason = choice.reason
+    logger.info("loaded %s on llama.cpp (%s, %d positions, %d threads%s)", name, model.describe(),
+                model.n_ctx, model.threads, ", exact" if exact else "")
     return lm
 
 

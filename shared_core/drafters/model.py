@@ -9,7 +9,7 @@ import torch
 
 from shared_core.config import SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, DrafterBase, check_same_vocabulary
-from shared_core.kv import CacheKind, KVSession
+from shared_core.kv import CacheKind, open_session
 from shared_core.models import LM
 from shared_core.verify import make_generator, sample, warp_probs
 
@@ -28,7 +28,7 @@ class ModelDrafter(DrafterBase):
             check_same_vocabulary(target, lm)
         self.lm = lm
         self.sampling = sampling or SamplingConfig()
-        self.session = KVSession(lm, cache=cache)
+        self.session = open_session(lm, cache=cache)
         self.generator = make_generator(self.sampling)
         self.vocab_size = target.vocab_size if target is not None else lm.vocab_size
 

@@ -28,7 +28,7 @@ import torch
 from shared_core.config import CacheKind, GenerationConfig
 from shared_core.device import synchronize
 from shared_core.engines.timing import timed
-from shared_core.kv import KVSession
+from shared_core.kv import open_session
 from shared_core.models import LM
 from shared_core.output import GenerationResult, OutputTracker, validate_messages, validate_prompt_ids
 from shared_core.stats import DecodeStats
@@ -173,7 +173,7 @@ class Run:
         self.logits_mask = check_logits_mask(logits_mask)
         self.prompt_ids = encode_prompt(lm, prompt)
         validate_prompt_ids(lm, self.prompt_ids, config.max_new_tokens)
-        self.session = KVSession(lm, cache=cache)
+        self.session = open_session(lm, cache=cache)
         self.tracker = OutputTracker(lm, config)
         self.stats = stats_type(prompt_tokens=len(self.prompt_ids))
         self.generator = make_generator(config.sampling, "cpu")

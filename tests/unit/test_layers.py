@@ -40,6 +40,8 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.weights_cache": (1, "safetensors cache of de-quantized GGUF weights (layout, manifest)"),
     "shared_core.model_cache": (1, "process-wide cache of loaded LMs and embedders (models.load_*)"),
     "shared_core.model_sources": (1, "model name resolution, GGUF safetensors cache, HF loading"),
+    "shared_core.lm": (1, "the LM record every engine takes (runtime-neutral)"),
+    "shared_core.backends": (1, "runtimes other than torch (llama.cpp): LM subclass + KV session"),
     "shared_core.kv": (1, "KV sessions over a loaded LM"),
     "shared_core.verify": (1, "pure verification functions"),
     "shared_core.constrained": (1, "xgrammar logits masks (schema-constrained decoding) for the engines"),

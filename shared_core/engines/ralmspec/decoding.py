@@ -15,7 +15,7 @@ from shared_core.engines.ralmspec.position import RaLMDecoderState
 from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
-from shared_core.kv import CacheKind, KVSession
+from shared_core.kv import CacheKind, open_session
 from shared_core.models import LM
 from shared_core.output import OutputTracker
 from shared_core.rag_config import (
@@ -75,7 +75,7 @@ class RaLMDecoder(RaLMDecoderState):
     def __init__(self, lm: LM, prompt: RaLMPrompt, generation: GenerationConfig,
                  stats: RaLMSpecStats, cache: CacheKind):
         super().__init__(lm, prompt, generation, stats)
-        self.session = KVSession(lm, cache=cache)
+        self.session = open_session(lm, cache=cache)
         self.pending = -1
         stats.prefill_tokens = 0
 

@@ -30,7 +30,7 @@ from shared_core.engines.rapid.prompts import (
     chat_parts,
 )
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
-from shared_core.kv import KVSession
+from shared_core.kv import KVSession, open_session
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
 from shared_core.token_config import RapidConfig, check_eta
@@ -42,12 +42,12 @@ class Slot:
     """One generation's sessions: the target, both drafters, the RAG baseline's."""
 
     def __init__(self, lm: LM, draft_lm: LM, cache: CacheKind):
-        self.target = KVSession(lm, cache=cache)
+        self.target = open_session(lm, cache=cache)
         self.drafter = RetrievedContextDrafter(draft_lm, target=lm, cache=cache)
         # drafter_kv="target": its session is rebuilt from the target's KV every question
         self.shared = RetrievedContextDrafter(lm, target=lm, cache=cache)
         # Self-speculation: the RAG baseline's prompt is the drafter's, so they share a session.
-        self.rag = self.drafter.session if draft_lm is lm else KVSession(lm, cache=cache)
+        self.rag = self.drafter.session if draft_lm is lm else open_session(lm, cache=cache)
 
     def session(self, method: str) -> KVSession:
         return self.rag if method == "rag" else self.target

@@ -127,7 +127,8 @@ class Request:
     """Per-request state: automata, candidate scores, adaptive lengths, entropy history."""
 
     def __init__(self, config: ReSpecConfig, documents: Sequence[Sequence[int]],
-                 static: StaticIndex | None, fallback: Drafter | None, counters: ReSpecStats):
+                 static: StaticIndex | None, fallback: Drafter | None, counters: ReSpecStats,
+                 cost_curve: Sequence[tuple[int, float]] | None = None):
         self.config = config
         self.index = DynamicIndex(documents)
         self.static: StaticMatcher | None = static.matcher() if static is not None else None
@@ -136,7 +137,7 @@ class Request:
         self.entropies: deque[float] = deque(maxlen=config.lookback)
         self.fallback = fallback
         self.fallback_score = config.ema_init  # EMA of the fallback drafter's accepted/drafted
-        self.cost = CostModel(config.token_cost)
+        self.cost = CostModel(config.token_cost, curve=cost_curve)
         self.counters = counters
 
     def add(self, tokens: Sequence[int]) -> None:
@@ -172,7 +173,7 @@ class Request:
             keyed.sort(key=lambda x: (self.scores[x[0]], x[0][1]), reverse=True)
         pool = []
         for key, end in keyed[: cfg.num_candidates]:
-            n = min(k, best_draft_length(self.scores[key], self.token_cost, cfg.max_draft_len))
+            n = min(k, best_draft_length(self.scores[key], self.verify_cost, cfg.max_draft_len))
             tokens = source.continuation(end, n) if n else ()
             if tokens:
                 pool.append(Candidate(key, tokens))
@@ -199,9 +200,16 @@ class Request:
     def token_cost(self) -> float:
         return self.cost.token_cost if self.config.measure_cost else self.config.token_cost
 
+    def verify_cost(self, drafted: int) -> float:
+        """Steps of verifying ``drafted`` tokens: the model's measured curve when its runtime
+        has one (llama.cpp), else ``1 + c n`` with the measured (or configured) ``c``."""
+        if self.cost.curve is not None:
+            return self.cost.verify_steps(drafted)
+        return 1 + self.token_cost * drafted
+
     def fallback_length(self, budget: int) -> int:
         cfg = self.config
-        n = best_draft_length(self.fallback_score, self.token_cost, cfg.fallback_draft_len)
+        n = best_draft_length(self.fallback_score, self.verify_cost, cfg.fallback_draft_len)
         if n == 0:  # drafting does not pay now; drift back so it is tried again later
             self.fallback_score += cfg.fallback_recovery * (cfg.ema_init - self.fallback_score)
         return min(n, budget)

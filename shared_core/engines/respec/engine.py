@@ -24,6 +24,7 @@ from shared_core.engines.respec.drafting import (
     build_tree,
     row_entropies,
 )
+from shared_core.kv import forward_cost_curve
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
 from shared_core.stats import DecodeStats
@@ -84,7 +85,8 @@ class ReSpecDecoder:
             raise ValueError(msg)
         docs = _document_ids(self.lm, documents)
         run = Run(self.lm, prompt, config, self.config.cache, logits_mask, stats_type=ReSpecStats)
-        request = Request(self.config, docs, self.static, self._fallback(config), run.stats)
+        request = Request(self.config, docs, self.static, self._fallback(config), run.stats,
+                          cost_curve=forward_cost_curve(self.lm))
         drafter = request.fallback
 
         def on_close(stats: DecodeStats) -> None:

