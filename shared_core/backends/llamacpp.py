@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -229,6 +229,21 @@ class LlamaCppLM(LM):
 
     def open_session(self) -> LlamaCppSession:
         return LlamaCppSession(self)
+
+    def generate_parallel(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                          stop: Callable[[int, list[int]], bool]) -> list[tuple[list[int], list[float]]]:
+        """Greedy continuations of all prompts as sequences of one context, one decode per step
+        (:func:`shared_core.backends.llamacpp_batch.generate_parallel`)."""
+        from shared_core.backends.llamacpp_batch import generate_parallel
+
+        return generate_parallel(self, prompts, max_new_tokens, stop)
+
+    def span_logprobs(self, rows: Sequence[Sequence[int]],
+                      spans: Sequence[Sequence[tuple[int, int]]]) -> list[list[float]]:
+        """Summed log P over each span of each row, all rows in one pass (``token_logprobs``)."""
+        from shared_core.backends.llamacpp_batch import token_logprobs
+
+        return token_logprobs(self, rows, spans)
 
     def forward_cost_curve(self) -> tuple[tuple[int, float], ...]:
         """``(tokens, one-token steps)`` of a decode with logits for every token, measured once per

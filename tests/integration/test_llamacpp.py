@@ -247,3 +247,49 @@ def test_constrained_respec_equals_constrained_greedy_on_llama_cpp(exact_lm):
     assert outputs[1].token_ids == outputs[0].token_ids
     parsed = json.loads(outputs[0].text)  # schema-valid (what SmolLM2 reads into it is its own)
     assert isinstance(parsed["name"], str) and isinstance(parsed["age"], int)
+
+
+def test_parallel_drafts_equal_one_at_a_time_greedy(exact_lm):
+    """Speculative RAG's drafts on llama.cpp: every prompt a sequence, one decode per step, the
+    shared prefix decoded once; each row equals greedy decoding of its prompt alone."""
+    prompts = [exact_lm.prompt_ids([{"role": "user", "content": f"{CONTEXT}\n\nQuestion {i}: "
+                                                                f"{q}"}])
+               for i, q in enumerate(["Who built the weir?", "How many gates are there?",
+                                      "What colour is the cottage?"])]
+    eos = exact_lm.eos_token_ids
+    rows = exact_lm.generate_parallel(prompts, 16, lambda r, ids: ids[-1] in eos)
+    for prompt, (ids, logps) in zip(prompts, rows, strict=True):
+        alone = list(autoregressive_generate(exact_lm, prompt, 16).token_ids)
+        assert [t for t in ids if t not in eos] == alone
+        assert len(logps) == len(ids) and all(lp <= 0 for lp in logps)
+
+
+def test_span_logprobs_equal_the_sessions_logits(exact_lm):
+    rows = [exact_lm.encode(f"Question: who built it?\nAnswer: {a}") for a in ("Marta Quell",
+                                                                              "a beaver")]
+    spans = [[(5, len(r)), (len(r) - 1, len(r))] for r in rows]
+    sums = exact_lm.span_logprobs(rows, spans)
+    for row, row_spans, got in zip(rows, spans, sums, strict=True):
+        logits = exact_lm.open_session().extend(row).double().log_softmax(-1)
+        want = [sum(float(logits[t - 1, row[t]]) for t in range(start, end))
+                for start, end in row_spans]
+        assert got == pytest.approx(want, abs=1e-4)
+
+
+def test_speculative_rag_runs_on_llama_cpp(lm):
+    """Drafts as parallel sequences, the verifier's ρ_SC / ρ_SR from one batched pass, and
+    standard RAG through the same path, all on llama.cpp (the same GGUF drafts and verifies)."""
+    from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
+    from shared_core.retrieval.base import Document
+
+    facts = [s.strip() + "." for s in CONTEXT.split(".") if s.strip()]
+    docs = [Document(f"f{i}", fact) for i, fact in enumerate(facts * 2)]
+    config = SpeculativeRAGConfig(num_drafts=3, docs_per_draft=2, max_draft_tokens=40)
+    engine = SpeculativeRAG(lm, lm, config=config)
+    result = engine.answer("Who built the Hollin Weir?", docs)
+    assert len(result.drafts) == 3 and result.text
+    for d in result.drafts:
+        assert d.log_draft < 0 and d.log_self_contain < 0 and d.log_self_reflect < 0
+    assert result.stats.verify_tokens > 0 and result.stats.draft_new_tokens > 0
+    rag = engine.standard_rag("Who built the Hollin Weir?", docs, model="verifier")
+    assert rag.text and rag.stats.prompt_tokens > 50

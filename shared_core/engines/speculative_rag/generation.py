@@ -64,6 +64,11 @@ def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int
     pattern = (RATIONALE_DONE if answer_first else ANSWER_LINE_DONE) if stop_on_answer_line else None
     if getattr(lm, "served", False):
         return _served_batch(lm, prompts, max_new_tokens, prefill, pattern)
+    parallel = getattr(lm, "generate_parallel", None)
+    if parallel is not None:  # llama.cpp: the rows are sequences of one context, one decode a step
+        eos = set(lm.eos_token_ids)
+        return parallel(prompts, max_new_tokens, lambda row, ids: ids[-1] in eos or (
+            pattern is not None and bool(pattern.search(prefill + lm.decode(ids)))))
     import torch
 
     pad_id = lm.tokenizer.pad_token_id

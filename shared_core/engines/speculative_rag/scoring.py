@@ -81,6 +81,12 @@ def verify_batch(lm: LM, question: str, drafts: Sequence[tuple[str, str]]
                 for lp, sc, yes in zip(scored, sc_spans, yes_spans, strict=True)]
         return ([(s[0], s[1], end - start) for s, (start, end) in zip(sums, sc_spans, strict=True)],
                 sum(len(r) for r in rows))
+    spans = [[sc, yes] for sc, yes in zip(sc_spans, yes_spans, strict=True)]
+    by_spans = getattr(lm, "span_logprobs", None)
+    if by_spans is not None:  # llama.cpp: every row a sequence, logits only where scored
+        sums = by_spans(rows, spans)
+        return ([(s[0], s[1], end - start) for s, (start, end) in zip(sums, sc_spans, strict=True)],
+                sum(len(r) for r in rows))
     import torch
 
     width = max(len(r) for r in rows)
@@ -93,7 +99,6 @@ def verify_batch(lm: LM, question: str, drafts: Sequence[tuple[str, str]]
     with torch.inference_mode():
         hidden = lm.model.get_decoder()(input_ids=ids.to(lm.device),
                                         attention_mask=mask.to(lm.device)).last_hidden_state
-        spans = [[sc, yes] for sc, yes in zip(sc_spans, yes_spans, strict=True)]
         sums = _span_logprobs(lm, hidden, ids.to(lm.device), spans)
     return ([(s[0], s[1], end - start) for s, (start, end) in zip(sums, sc_spans, strict=True)],
             int(mask.sum()))

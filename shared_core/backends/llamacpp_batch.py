@@ -1,0 +1,157 @@
+"""Several sequences in one llama.cpp context: parallel greedy drafts and batched scoring.
+
+Speculative RAG drafts ``m`` answers from ``m`` prompts and scores them with the verifier; on
+llama.cpp each prompt is a sequence of one context, so each decoding step is ONE ``llama_decode``
+over one token per unfinished draft, and the prompts' common prefix is decoded once and shared
+(``llama_memory_seq_cp``). Scoring decodes every row as its own sequence, with logits only at the
+positions that are scored.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from shared_core.backends.llamacpp import LlamaCppLM, _Slot
+
+
+def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
+    first = rows[0]
+    n = min(len(r) for r in rows)
+    i = 0
+    while i < n and all(r[i] == first[i] for r in rows):
+        i += 1
+    return i
+
+
+class _Batch:
+    """Fill a llama_batch from ``(token, position, sequence, wants_logits)`` entries and decode it."""
+
+    def __init__(self, lm: LlamaCppLM, slot: _Slot):
+        self.lm, self.slot = lm, slot
+
+    def decode(self, entries: Sequence[tuple[int, int, int, bool]]) -> Any:
+        """Decode; return the logits of the entries that asked for them, as a ``[n, V]`` array."""
+        import numpy as np
+
+        batch, llama = self.slot.batch, self.lm.model.llama
+        batch.n_tokens = len(entries)
+        wanted = 0
+        for i, (token, pos, seq, logits) in enumerate(entries):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0] = seq
+            batch.logits[i] = logits
+            wanted += logits
+        code = llama.llama_decode(self.slot.ctx, batch)
+        if code != 0:
+            msg = f"llama_decode failed with code {code} ({len(entries)} tokens)"
+            raise RuntimeError(msg)
+        if not wanted:
+            return None
+        ptr = llama.llama_get_logits(self.slot.ctx)
+        return np.ctypeslib.as_array(ptr, shape=(wanted, self.lm.model.n_vocab)).copy()
+
+    def feed(self, rows: Sequence[Sequence[int]], starts: Sequence[int],
+             want: Callable[[int, int], bool]) -> dict[tuple[int, int], Any]:
+        """Decode ``rows[r][starts[r]:]`` as sequence ``r + 1`` in chunks of n_batch tokens;
+        ``want(r, t)`` asks for the logits after token ``t`` of row ``r``. Returns them by (r, t)."""
+        pending = [(rows[r][t], t, r + 1, want(r, t), (r, t))
+                   for r in range(len(rows)) for t in range(starts[r], len(rows[r]))]
+        out: dict[tuple[int, int], Any] = {}
+        step = self.slot.n_batch
+        for begin in range(0, len(pending), step):
+            chunk = pending[begin : begin + step]
+            logits = self.decode([(tok, pos, seq, w) for tok, pos, seq, w, _ in chunk])
+            keys = [key for *_, w, key in chunk if w]
+            for row, key in enumerate(keys):
+                out[key] = logits[row]
+        return out
+
+
+def _log_softmax_at(logits: Any, token: int) -> float:
+    import numpy as np
+
+    top = float(logits.max())
+    return float(logits[token] - top - np.log(np.exp(logits - top).sum()))
+
+
+def _share_prefix(lm: LlamaCppLM, slot: _Slot, rows: Sequence[Sequence[int]], limit: int) -> int:
+    """Decode the rows' common prefix (at most ``limit`` tokens, and never a row's last token)
+    once, as sequence 1, and share its cells with sequences 2..n; return its length."""
+    shared = min(_common_prefix(rows), min(len(r) for r in rows) - 1, limit)
+    if shared > 0:
+        _Batch(lm, slot).feed([rows[0][:shared]], [0], lambda r, t: False)
+        for seq in range(2, len(rows) + 1):
+            lm.model.llama.llama_memory_seq_cp(slot.memory, 1, seq, -1, -1)
+    return max(shared, 0)
+
+
+def _check_rows(lm: LlamaCppLM, rows: Sequence[Sequence[int]], extra: int) -> None:
+    from shared_core.backends.llamacpp import MAX_TREE_LEAVES
+
+    if not rows or any(not r for r in rows):
+        msg = "every row needs at least one token"
+        raise ValueError(msg)
+    if len(rows) > MAX_TREE_LEAVES:
+        msg = f"{len(rows)} rows exceed the {MAX_TREE_LEAVES} sequences of a llama.cpp context"
+        raise ValueError(msg)
+    longest = max(len(r) for r in rows) + extra
+    if longest > lm.max_context:
+        msg = (f"a row of {longest} tokens exceeds this llama.cpp context of {lm.max_context} "
+               "positions; load the model with a larger n_ctx")
+        raise ValueError(msg)
+
+
+def generate_parallel(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                      stop: Callable[[int, list[int]], bool]) -> list[tuple[list[int], list[float]]]:
+    """Greedy continuations of every prompt, decoded together; per row (new ids, log P of each).
+
+    ``stop(row, ids)`` ends a row after its newest token (EOS is the caller's rule too). Log-
+    probabilities are of the raw distribution, as ``transformers.generate(output_logits=True)``.
+    """
+    _check_rows(lm, prompts, max_new_tokens)
+    slot = lm.model.acquire()
+    try:
+        shared = _share_prefix(lm, slot, prompts, max_new_tokens + max(map(len, prompts)))
+        batch = _Batch(lm, slot)
+        last = batch.feed(prompts, [shared] * len(prompts),
+                          lambda r, t: t == len(prompts[r]) - 1)
+        rows: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
+        logits = {r: last[(r, len(p) - 1)] for r, p in enumerate(prompts)}
+        for _ in range(max_new_tokens):
+            entries = []
+            for r in sorted(logits):
+                token = int(logits[r].argmax())
+                ids, logps = rows[r]
+                ids.append(token)
+                logps.append(_log_softmax_at(logits[r], token))
+                if not stop(r, ids) and len(ids) < max_new_tokens:
+                    entries.append((token, len(prompts[r]) + len(ids) - 1, r + 1, True))
+            if not entries:
+                break
+            out = batch.decode(entries)
+            logits = {seq - 1: out[i] for i, (_, _, seq, _) in enumerate(entries)}
+        return rows
+    finally:
+        lm.model.release(slot)
+
+
+def token_logprobs(lm: LlamaCppLM, rows: Sequence[Sequence[int]],
+                   spans: Sequence[Sequence[tuple[int, int]]]) -> list[list[float]]:
+    """Sum of log P(token) over each ``(start, end)`` span of each row, from one pass over all
+    rows as separate sequences (logits only before the scored tokens)."""
+    _check_rows(lm, rows, 0)
+    needed = [{t - 1 for start, end in row_spans for t in range(max(start, 1), end)}
+              for row_spans in spans]
+    slot = lm.model.acquire()
+    try:
+        first_scored = min((min(n) for n in needed if n), default=max(map(len, rows)))
+        shared = _share_prefix(lm, slot, rows, first_scored)  # scored positions are not shared
+        logits = _Batch(lm, slot).feed(rows, [shared] * len(rows), lambda r, t: t in needed[r])
+    finally:
+        lm.model.release(slot)
+    return [[sum(_log_softmax_at(logits[(r, t - 1)], rows[r][t])
+                 for t in range(max(start, 1), end)) for start, end in row_spans]
+            for r, row_spans in enumerate(spans)]
+
