@@ -30,7 +30,13 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, Field, PrivateAttr, ValidationInfo, field_validator
 
-from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, SamplingConfig
+from shared_core.config import (
+    DEFAULT_BACKEND,
+    DEFAULT_LM,
+    DEFAULT_MAX_NEW_TOKENS,
+    SamplingConfig,
+    check_backend,
+)
 from shared_core.constrained import Constraint, grammar_mask, xgrammar_available
 from shared_core.engines.registry import check_engine, stream_engine
 from shared_core.output import check_generation_field, generation_config, validate_messages
@@ -57,7 +63,7 @@ logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
-                 "stop", "documents", "device", "dtype")  # plus one of MAX_TOKEN_NAMES
+                 "stop", "documents", "device", "dtype", "backend")  # + one of MAX_TOKEN_NAMES
 
 
 class ChatSettings(BaseModel):
@@ -73,7 +79,9 @@ class ChatSettings(BaseModel):
         temperature / top_k / top_p / seed: sampling (:class:`~shared_core.config.SamplingConfig`).
         stop: stop strings, cut from the returned text.
         documents: texts the engine may draft from (ReSpec) or read as the long context (RAPID).
-        device / dtype: where and how the model loads.
+        device / dtype: where and how the model loads (a dtype is a torch setting).
+        backend: ``"auto"`` (llama.cpp for a GGUF on a CPU when installed, else torch),
+            ``"torch"`` or ``"llama.cpp"`` (:func:`shared_core.models.choose_backend`).
     """
 
     model: str = Field(default=DEFAULT_LM, description="alias, hub id or path")
@@ -87,13 +95,19 @@ class ChatSettings(BaseModel):
     documents: list[str] | None = None
     device: str | None = None
     dtype: str | None = None
+    backend: str = DEFAULT_BACKEND
 
-    _reload_as: tuple[str, str | None, str | None] | None = PrivateAttr(default=None)
+    _reload_as: tuple[str, str | None, str | None, str] | None = PrivateAttr(default=None)
 
     @field_validator("engine")
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return check_engine(value)
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, value: str) -> str:
+        return check_backend(value)
 
     def _preloaded_lm(self) -> Any:
         """The LM passed in by the caller (None: the shared cache's)."""
@@ -104,7 +118,8 @@ class ChatSettings(BaseModel):
         reloads that model by name through the shared model cache on first use."""
         fields = {name: getattr(self, name) for name in self.model_fields_set if name != "lm"}
         lm = self._preloaded_lm()
-        reload_as = (lm.name, self.device, self.dtype) if lm is not None else self._reload_as
+        reload_as = ((lm.name, self.device, self.dtype, getattr(lm, "backend", "torch"))
+                     if lm is not None else self._reload_as)
         return _rebuild, (type(self), fields, reload_as)
 
     @field_validator(*MAX_TOKEN_NAMES, "temperature", "top_k", "top_p", "seed", mode="before",
@@ -116,7 +131,7 @@ class ChatSettings(BaseModel):
 
 
 def _rebuild(cls: type[ChatSettings], fields: dict[str, Any],
-             reload_as: tuple[str, str | None, str | None] | None) -> ChatSettings:
+             reload_as: tuple[str, str | None, str | None, str] | None) -> ChatSettings:
     instance = cls(**fields)
     instance._reload_as = reload_as
     return instance
@@ -127,12 +142,12 @@ def resolve_model(settings: Any, lm: Any, override: str | None = None) -> tuple[
     preloaded ``lm`` (after unpickling: the model it was, by name), else the shared cache's
     (looked up per call, so ``serving.release`` frees it)."""
     if override is not None and override != settings.model:
-        return loaded_model(override, settings.device, settings.dtype)
+        return loaded_model(override, settings.device, settings.dtype, settings.backend)
     if lm is not None:
         return lm, lock_for(lm)
     if settings._reload_as is not None:
         return loaded_model(*settings._reload_as)
-    return loaded_model(settings.model, settings.device, settings.dtype)
+    return loaded_model(settings.model, settings.device, settings.dtype, settings.backend)
 
 
 def check_response_format(response_format: Any) -> Constraint | None:

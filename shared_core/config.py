@@ -19,9 +19,22 @@ DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
 DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedded sentence embedder
 DEFAULT_MAX_NEW_TOKENS = 256
+# Runtimes (shared_core.models.load_lm): "auto" picks llama.cpp for a GGUF on a CPU when it is
+# installed (measured 3-12x faster per step than torch there), torch on a GPU. The adapters and
+# the demo default to it; load_lm itself defaults to "torch", whose LM exposes a transformers model.
+BACKENDS = ("auto", "torch", "llama.cpp")
+DEFAULT_BACKEND = "auto"
 
 CacheKind = Literal["prealloc", "dynamic"]
 CACHE_KINDS: tuple[CacheKind, ...] = ("prealloc", "dynamic")
+
+
+def check_backend(backend: object, name: str = "backend") -> str:
+    """``backend`` if it names a runtime, else a ValueError naming the choices."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        msg = f"{name}={backend!r} must be one of {BACKENDS}"
+        raise ValueError(msg)
+    return backend
 
 
 def _check(condition: bool, message: str) -> None:

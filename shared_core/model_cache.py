@@ -13,30 +13,32 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from shared_core.models import LM
 
-_LOADED: dict[tuple[str, str | None, str | None], LM] = {}
+_LOADED: dict[tuple[str, str | None, str | None, str], LM] = {}
 _EMBEDDERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
 
 
-def cached_lm(name: str, device: str | None = None, dtype: str | None = None) -> LM:
+def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
+              backend: str = "torch") -> LM:
     """The process-wide :func:`~shared_core.models.load_lm` result for these arguments.
 
     Loading happens under a lock, so concurrent first calls load once; a failed load caches
     nothing and the next call tries again.
     """
-    key = (name, device, dtype)
+    key = (name, device, dtype, backend)
     with _LOCK:
         if key not in _LOADED:
             from shared_core.models import load_lm
 
-            _LOADED[key] = load_lm(name, device=device, dtype=dtype)
+            _LOADED[key] = load_lm(name, device=device, dtype=dtype, backend=backend)
         return _LOADED[key]
 
 
-def forget(name: str, device: str | None = None, dtype: str | None = None) -> bool:
+def forget(name: str, device: str | None = None, dtype: str | None = None,
+           backend: str = "torch") -> bool:
     """Drop one cached model (running users keep their reference); True if it was cached."""
     with _LOCK:
-        return _LOADED.pop((name, device, dtype), None) is not None
+        return _LOADED.pop((name, device, dtype, backend), None) is not None
 
 
 def forget_all() -> int:

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from shared_core.config import check_backend
 from shared_core.device import apply_thread_setting, resolve_device, resolve_dtype
 from shared_core.embedded import (
     CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
@@ -130,9 +131,6 @@ def use_fp16_linears(lm: LM) -> LM:
     return lm
 
 
-BACKENDS = ("auto", "torch", "llama.cpp")
-
-
 @dataclass(frozen=True)
 class BackendChoice:
     """Which runtime runs a model, and why (reported in stats and benchmark reports)."""
@@ -151,10 +149,7 @@ def choose_backend(backend: str, source: ModelSource, device: str | torch.device
     3-12x faster than torch's best dtype (``results/s9/forward_cost*.json``, DESIGN §7), and it
     needs no de-quantizing. A dtype or ``cpu_linears`` choice is a torch setting, so it keeps torch.
     """
-    if backend not in BACKENDS:
-        msg = f"backend={backend!r} must be one of {BACKENDS}"
-        raise ValueError(msg)
-    if backend == "torch":
+    if check_backend(backend) == "torch":
         return BackendChoice("torch", "asked for")
     if backend == "llama.cpp":
         if source.gguf is None:

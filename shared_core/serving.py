@@ -95,29 +95,30 @@ _LOAD_LOCK = threading.Lock()
 _INSTANCE_LOCKS: dict[int, tuple[weakref.ref[Any], FairLock]] = {}
 
 
-def loaded_model(model: str, device: str | None = None, dtype: str | None = None
-                 ) -> tuple[Any, FairLock]:
+def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
+                 backend: str = "torch") -> tuple[Any, FairLock]:
     """The shared ``(LM, lock)`` for a model config, loaded on first use.
 
     The weights come from :func:`shared_core.model_cache.cached_lm`, the one copy that engines
     loading a model by name (e.g. Speculative RAG's drafter) use too.
     """
-    key = (model, device, dtype)
+    key = (model, device, dtype, backend)
     with _LOAD_LOCK:
         if key not in _LOADED:
-            _LOADED[key] = (cached_lm(model, device, dtype), FairLock())
+            _LOADED[key] = (cached_lm(model, device, dtype, backend), FairLock())
         return _LOADED[key]
 
 
-def release(model: str, device: str | None = None, dtype: str | None = None) -> bool:
+def release(model: str, device: str | None = None, dtype: str | None = None,
+            backend: str = "torch") -> bool:
     """Drop a loaded model from the cache; True if it was loaded.
 
     Generations already running keep their reference until they end; the next call that names
     the model loads it again. Adapters look the model up on every call, so they do not pin it.
     """
     with _LOAD_LOCK:
-        model_cache.forget(model, device, dtype)
-        return _LOADED.pop((model, device, dtype), None) is not None
+        model_cache.forget(model, device, dtype, backend)
+        return _LOADED.pop((model, device, dtype, backend), None) is not None
 
 
 def release_all() -> int:

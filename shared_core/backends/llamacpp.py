@@ -170,6 +170,7 @@ class LlamaCppModel:
         self.n_ctx = settings.n_ctx or min(self.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
         self.threads = settings.n_threads or default_threads()
         self.settings = settings
+        self.max_sequences = MAX_TREE_LEAVES  # besides sequence 0: tree leaves, parallel rows
         self._lock = threading.Lock()
         self._idle: list[_Slot] = []
         self._keep = keep

@@ -10,10 +10,12 @@ positions that are scored.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from shared_core.backends.llamacpp import LlamaCppLM, _Slot
+# ``lm`` is a shared_core.backends.llamacpp.LlamaCppLM and ``slot`` one of its contexts; not
+# imported here, because that module imports this one.
+LlamaCppLM = Any
+_Slot = Any
 
 
 def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
@@ -88,13 +90,11 @@ def _share_prefix(lm: LlamaCppLM, slot: _Slot, rows: Sequence[Sequence[int]], li
 
 
 def _check_rows(lm: LlamaCppLM, rows: Sequence[Sequence[int]], extra: int) -> None:
-    from shared_core.backends.llamacpp import MAX_TREE_LEAVES
-
     if not rows or any(not r for r in rows):
         msg = "every row needs at least one token"
         raise ValueError(msg)
-    if len(rows) > MAX_TREE_LEAVES:
-        msg = f"{len(rows)} rows exceed the {MAX_TREE_LEAVES} sequences of a llama.cpp context"
+    if len(rows) > lm.model.max_sequences:
+        msg = f"{len(rows)} rows exceed the {lm.model.max_sequences} sequences of a llama.cpp context"
         raise ValueError(msg)
     longest = max(len(r) for r in rows) + extra
     if longest > lm.max_context:

@@ -74,7 +74,7 @@ def test_pickled_chat_model_is_small_and_answers_identically(smollm):
     assert len(data) < 4096
     copy = pickle.loads(data)
     assert copy.lm is None and copy.invoke("Name a colour.").content == answer
-    assert json.loads(json.dumps(copy._reload_as)) == ["smollm2-135m-instruct", None, None]
+    assert json.loads(json.dumps(copy._reload_as)) == ["smollm2-135m-instruct", None, None, "torch"]
 
 
 ADD = {"type": "function", "function": {

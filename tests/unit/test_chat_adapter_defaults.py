@@ -15,7 +15,7 @@ from llama_index.core.llms.custom import CustomLLM
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
 from shared_core.chat_adapters import CHAT_SETTINGS, DEFAULT_ENGINE, ChatSettings
-from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, SamplingConfig
+from shared_core.config import DEFAULT_BACKEND, DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, SamplingConfig
 from shared_core.engines.baseline import autoregressive_generate
 
 # Settings only one framework has, each for a documented reason.
@@ -40,7 +40,7 @@ def test_defaults_are_the_config_constants() -> None:
     expected = {"model": DEFAULT_LM, "engine": DEFAULT_ENGINE, "engine_options": {},
                 "temperature": sampling.temperature, "top_k": sampling.top_k,
                 "top_p": sampling.top_p, "seed": sampling.seed, "stop": None, "documents": None,
-                "device": None, "dtype": None}
+                "device": None, "dtype": None, "backend": DEFAULT_BACKEND}
     assert set(expected) == set(CHAT_SETTINGS)
     chat, llm = ChatSpeculative(), SpeculativeLLM()
     for name, value in expected.items():
