@@ -57,6 +57,8 @@ class DecodeStats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     finish_reason: str = ""
+    backend: str = ""  # the runtime that ran the target ("torch", "llama.cpp") and why it was chosen
+    backend_reason: str = ""
     accept_hist: Counter[int] = field(default_factory=Counter)
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -175,7 +175,8 @@ class Run:
         validate_prompt_ids(lm, self.prompt_ids, config.max_new_tokens)
         self.session = open_session(lm, cache=cache)
         self.tracker = OutputTracker(lm, config)
-        self.stats = stats_type(prompt_tokens=len(self.prompt_ids))
+        self.stats = stats_type(prompt_tokens=len(self.prompt_ids), backend=lm.backend,
+                                backend_reason=lm.backend_reason)
         self.generator = make_generator(config.sampling, "cpu")
 
     def prefill(self) -> int:

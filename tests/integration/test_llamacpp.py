@@ -293,3 +293,27 @@ def test_speculative_rag_runs_on_llama_cpp(lm):
     assert result.stats.verify_tokens > 0 and result.stats.draft_new_tokens > 0
     rag = engine.standard_rag("Who built the Hollin Weir?", docs, model="verifier")
     assert rag.text and rag.stats.prompt_tokens > 50
+
+
+def test_both_chat_adapters_run_on_llama_cpp_and_agree():
+    """``backend="llama.cpp"`` on the LangChain and LlamaIndex chat adapters: the same model
+    from the one cache, the same text, and the runtime named in the stats."""
+    pytest.importorskip("langchain_core")
+    pytest.importorskip("llama_index.core")
+    from llama_index.core.llms import ChatMessage
+
+    from langchain_specrag import ChatSpeculative
+    from llamaindex_specrag import SpeculativeLLM
+    from shared_core.serving import loaded_model
+
+    question = "Name three colours of the rainbow."
+    chat = ChatSpeculative(backend="llama.cpp", engine="autoregressive", max_tokens=16)
+    llm = SpeculativeLLM(backend="llama.cpp", engine="autoregressive", max_new_tokens=16)
+    message = chat.invoke(question)
+    response = llm.chat([ChatMessage(role="user", content=question)])
+    assert message.content == response.message.content
+    stats = message.response_metadata["speculative_stats"]
+    assert stats["backend"] == "llama.cpp"
+    lm, _ = loaded_model("smollm2-135m-instruct", None, None, "llama.cpp")
+    greedy = autoregressive_generate(lm, [{"role": "user", "content": question}], 16)
+    assert message.content == greedy.text

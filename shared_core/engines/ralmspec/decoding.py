@@ -130,7 +130,9 @@ class RaLMCall:
                    f"{generation.max_new_tokens} exceeds the {lm.max_context}-token window of "
                    f"{lm.name}; lower max_doc_tokens or max_new_tokens")
             raise ValueError(msg)
-        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
+        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail),
+                                   backend=getattr(lm, "backend", "served"),
+                                   backend_reason=getattr(lm, "backend_reason", ""))
         self.tracker = OutputTracker(lm, generation)
         decoder = ServedRaLMDecoder if getattr(lm, "served", False) else RaLMDecoder
         self.decoder = decoder(lm, self.prompt, generation, self.stats, config.cache)
