@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
+from shared_core.config import DEFAULT_BACKEND, DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
 
 logger = logging.getLogger(__name__)
 
@@ -113,7 +113,8 @@ def speculative_rag_section(retriever, verifier: str, write: Callable[[str], Non
 
     write(f"\n== Speculative RAG: SmolLM2-135M drafts, {verifier} verifies; standard RAG = "
           f"{verifier} reading every passage ==")
-    engine = SpeculativeRAG(DEFAULT_LM, verifier, embedder=retriever.embedder)
+    engine = SpeculativeRAG(DEFAULT_LM, verifier, embedder=retriever.embedder, backend=DEFAULT_BACKEND)
+    write(f"   runtime: {engine.verifier.backend} ({engine.verifier.backend_reason})")
     docs = [hit.document for hit in retriever.search([QUESTIONS[0]], len(KNOWLEDGE_BASE))[0]]
     engine.answer(QUESTIONS[0], docs)  # warm-up (loads both models)
     engine.standard_rag(QUESTIONS[0], docs)
@@ -153,13 +154,18 @@ def speculative_rag_section(retriever, verifier: str, write: Callable[[str], Non
 
 
 def explain_token_speedups(lm, table: dict[str, dict[str, float]], write: Callable[[str], None]) -> None:
-    """One line on why token-level speculation does or does not pay on this machine, measured now."""
-    from shared_core.bench.forward_cost import measure_forward_costs
+    """One line on why token-level speculation does or does not pay on this machine, measured now
+    (llama.cpp: the cost curve the engines size their drafts by)."""
+    if lm.backend == "llama.cpp":
+        ratio = dict(lm.forward_cost_curve())
+        step = "the curve ReSpec sizes its drafts by"
+    else:
+        from shared_core.bench.forward_cost import measure_forward_costs
 
-    costs = measure_forward_costs(lm, [1, 4, 8], context=256, repeats=3)
-    ratio = costs["ratio"]
-    write(f"\nOn this CPU a 4-token verification forward costs {ratio[4]:.1f}x a one-token step and "
-          f"an 8-token one {ratio[8]:.1f}x (measured just now, {costs['ms'][1]:.0f} ms per step).")
+        costs = measure_forward_costs(lm, [1, 4, 8], context=256, repeats=3)
+        ratio, step = costs["ratio"], f"{costs['ms'][1]:.0f} ms per step"
+    write(f"\nOn this CPU ({lm.backend}) a 4-token verification forward costs {ratio[4]:.1f}x a "
+          f"one-token step and an 8-token one {ratio[8]:.1f}x (measured here, {step}).")
     if any(row.get("speedup", 1.0) < 1.0 for row in table.values()):
         write("   Where a speed-up is below 1x: a draft of n tokens saves time only if more than "
               f"about {ratio[4]:.1f} of 4 drafted tokens are accepted, and this small model is "
@@ -190,6 +196,9 @@ def token_engines_section(lm, retriever, max_new_tokens: int, write: Callable[[s
             write(f"   [{name:>14}] {answer.tokens_per_s:6.1f} tok/s  identical={same}  "
                   f"{answer.text.strip()[:160]!r}")
     base = table["autoregressive"]["tokens"] / table["autoregressive"]["seconds"]
+    if lm.backend == "llama.cpp":
+        write("(autoregressive on llama.cpp is plain llama.cpp decoding of the same GGUF: within 10% "
+              "of llama-cpp-python's own greedy, results/s9/respec_llamacpp_*.json)")
     write("\nengine          tok/s   speed-up  identical-to-greedy")
     for name, row in table.items():
         rate = row["tokens"] / row["seconds"] if row["seconds"] else 0.0
@@ -214,7 +223,8 @@ def run_demo(max_new_tokens: int = 64, write: Callable[[str], None] = logger.inf
     retriever = DenseRetriever(DEFAULT_EMBEDDER)
     retriever.add([Document(key, text) for key, text in KNOWLEDGE_BASE.items()])
     specrag = speculative_rag_section(retriever, verifier or pick_verifier(), write)
-    lm = load_lm(DEFAULT_LM)
+    lm = load_lm(DEFAULT_LM, backend=DEFAULT_BACKEND)
+    write(f"\nruntime of the token engines: {lm.backend} ({lm.backend_reason})")
     tokens = token_engines_section(lm, retriever, max_new_tokens, write)
     explain_token_speedups(lm, tokens, write)
     write(f"\ndemo finished in {time.perf_counter() - start:.0f} s")

@@ -50,7 +50,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 SPECRAG_KNOBS = ("num_drafts", "docs_per_draft", "retrieve_k", "prompt")
-SPECRAG_SETTINGS = ("retriever", "drafter", "verifier", "dtype", *SPECRAG_KNOBS, "engine")
+SPECRAG_SETTINGS = ("retriever", "drafter", "verifier", "dtype", "backend", *SPECRAG_KNOBS, "engine")
 RALMSPEC_KNOBS = ("retrieval_stride", "speculation_stride", "prefetch", "scheduler",
                   "async_verify", "retrieval_timeout_s", "prompt")
 RALMSPEC_SETTINGS = ("retriever", "model", "max_new_tokens", "temperature", "seed",
@@ -207,7 +207,8 @@ class SpeculativeRAGEngines:
         check_engine(settings.engine, "SpeculativeRAG")
         knobs = {name: getattr(settings, name) for name in SPECRAG_KNOBS}
         knobs["prompt"] = settings._prompt_of(settings.prompt)
-        models = (settings.drafter, settings.verifier, settings.dtype, settings.engine)
+        models = (settings.drafter, settings.verifier, settings.dtype, settings.backend,
+                  settings.engine)
         base = self._models.get(models, lambda: self._base(settings, knobs))
         return self._engines.get((base, *knobs.values()),
                                  lambda: base.with_config(replace(base.config, **knobs)))
@@ -219,7 +220,8 @@ class SpeculativeRAGEngines:
         if settings.engine is not None:
             return settings.engine
         SpeculativeRAGConfig(**knobs)  # bad settings fail before the model names are looked at
-        return SpeculativeRAG(settings.drafter, settings.verifier, dtype=settings.dtype)
+        return SpeculativeRAG(settings.drafter, settings.verifier, dtype=settings.dtype,
+                              backend=settings.backend)
 
 
 class RaLMSpecEngines:

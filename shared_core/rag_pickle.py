@@ -37,7 +37,8 @@ def _build_speculative_rag(recipe: dict[str, Any], config: Any) -> Any:
     from shared_core.engines.speculative_rag import SpeculativeRAG
 
     return SpeculativeRAG(recipe["drafter"], recipe["verifier"], embedder=recipe["embedder"],
-                          retriever=recipe["retriever"], config=config, dtype=recipe["dtype"])
+                          retriever=recipe["retriever"], config=config, dtype=recipe["dtype"],
+                          backend=recipe.get("backend", "torch"))
 
 
 def _build_ralmspec(recipe: dict[str, Any], config: Any) -> Any:
@@ -82,7 +83,7 @@ def portable_engine(engine: Any) -> Any:
         recipe = {"drafter": _model_name(engine._drafter_src, "drafter"),
                   "verifier": _model_name(engine._verifier_src, "verifier"),
                   "embedder": engine._embedder_src, "retriever": engine.retriever,
-                  "dtype": engine.dtype}
+                  "dtype": engine.dtype, "backend": engine.backend}
         return ReloadingEngine("SpeculativeRAG", recipe, engine.config)
     recipe = {"model": _model_name(engine.lm, "model"), "backend": engine.backend}
     return ReloadingEngine("RaLMSpec", recipe, engine.config)

@@ -30,7 +30,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 from typing_extensions import TypedDict
 
 from langchain_specrag.runnables._inputs import as_question_input, prompt_messages
-from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
+from shared_core.config import DEFAULT_LM, DEFAULT_SPECRAG_BACKEND, DEFAULT_VERIFIER
 from shared_core.rag_adapters import (
     SPECRAG_KNOBS,
     SpeculativeRAGEngines,
@@ -69,6 +69,8 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         drafter / verifier: model names for :func:`shared_core.load_lm` (or pass ``engine``).
         num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved documents are used.
         dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
+        backend: runtime of the models (``"torch"``, ``"llama.cpp"`` or ``"auto"``; see
+            :class:`shared_core.engines.speculative_rag.SpeculativeRAG`).
         prompt: the drafting prompt over ``{question}`` and ``{documents}`` (a LangChain
             ``PromptTemplate`` / ``ChatPromptTemplate`` or a format string; ``None``: the
             engine's). The engine appends its "Rationale: ... Answer: ..." format line.
@@ -87,6 +89,7 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     drafter: str = DEFAULT_LM
     verifier: str | None = DEFAULT_VERIFIER
     dtype: str | None = None
+    backend: str = DEFAULT_SPECRAG_BACKEND
     num_drafts: int = Field(default=SpeculativeRAGConfig.num_drafts, ge=1)
     docs_per_draft: int = Field(default=SpeculativeRAGConfig.docs_per_draft, ge=1)
     retrieve_k: int = Field(default=SpeculativeRAGConfig.retrieve_k, ge=1)

@@ -34,7 +34,7 @@ from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llamaindex_specrag._query import CheckedQuery, prompt_messages
-from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
+from shared_core.config import DEFAULT_LM, DEFAULT_SPECRAG_BACKEND, DEFAULT_VERIFIER
 from shared_core.rag_adapters import (
     SPECRAG_KNOBS,
     SpeculativeRAGEngines,
@@ -61,6 +61,8 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
             (``None``: the engine's config value, else the
             :class:`~shared_core.rag_config.SpeculativeRAGConfig` default).
         dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
+        backend: runtime of the models (``"torch"``, ``"llama.cpp"`` or ``"auto"``; see
+            :class:`shared_core.engines.speculative_rag.SpeculativeRAG`).
         prompt: the drafting prompt over ``{question}`` and ``{documents}`` (``None``: the
             engine's); the engine appends its "Rationale: ... Answer: ..." format line.
         streaming: return a streaming response (the answer in chunks once chosen).
@@ -75,7 +77,8 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
 
     def __init__(self, retriever: BaseRetriever, *, drafter: str = DEFAULT_LM,
                  verifier: str | None = DEFAULT_VERIFIER, dtype: str | None = None,
-                 num_drafts: int | None = None, docs_per_draft: int | None = None,
+                 backend: str = DEFAULT_SPECRAG_BACKEND, num_drafts: int | None = None,
+                 docs_per_draft: int | None = None,
                  retrieve_k: int | None = None, prompt: Any = None, streaming: bool = False,
                  engine: SpeculativeRAG | None = None,
                  callback_manager: CallbackManager | None = None) -> None:
@@ -83,7 +86,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
             msg = f"retriever must be a LlamaIndex retriever, got {type(retriever).__name__}"
             raise TypeError(msg)
         self.retriever = retriever
-        self.drafter, self.verifier, self.dtype = drafter, verifier, dtype
+        self.drafter, self.verifier, self.dtype, self.backend = drafter, verifier, dtype, backend
         if not isinstance(streaming, bool):
             msg = f"streaming must be a bool, got {type(streaming).__name__}"
             raise TypeError(msg)

@@ -51,6 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="torch thread counts to measure (default: the current one)")
     parser.add_argument("--wait-policies", nargs="*", default=[],
                         help="rerun in child processes with OMP_WAIT_POLICY set to each value")
+    parser.add_argument("--llamacpp", action="store_true",
+                        help="also measure the same GGUF on llama.cpp (repacked and exact)")
 
 
 def _variant(lm: LM, name: str) -> Callable[..., Any] | None:
@@ -156,6 +158,40 @@ def _table(models: list[str], variants: list[str], ks: list[int], context: int, 
     return table
 
 
+def _llamacpp_table(models: list[str], ks: list[int], context: int, repeats: int
+                    ) -> dict[str, Any]:
+    """The same table on llama.cpp: each model's GGUF with weight repacking (default) and without
+    (``exact``); milliseconds of a k-token decode with logits for all k, and the ratio."""
+    from shared_core.backends.llamacpp import measure_cost_curve
+
+    table: dict[str, Any] = {}
+    for name in models:
+        table[name] = {}
+        for exact in (False, True):
+            lm = load_lm(name, backend="llama.cpp", exact=exact)
+            step_ms = _llamacpp_step_ms(lm, context, repeats)
+            curve = dict(measure_cost_curve(lm, context=context, repeats=repeats, sizes=ks))
+            table[name]["llamacpp_exact" if exact else "llamacpp"] = {
+                "quant": lm.model.describe(), "threads": lm.model.threads,
+                "ms": {k: round(step_ms * curve[k], 2) for k in ks}, "ratio": curve}
+            logger.info("%s llama.cpp%s: %s", name, " exact" if exact else "", curve)
+            del lm
+    return table
+
+
+def _llamacpp_step_ms(lm: LM, context: int, repeats: int) -> float:
+    session = lm.open_session()
+    ids = [(i * 7919) % (lm.vocab_size - 1000) + 500 for i in range(context + 1)]
+    session.prefill(ids[:context])
+    times = []
+    for _ in range(repeats + 1):
+        begin = time.perf_counter()
+        session.extend(ids[context:])
+        times.append(time.perf_counter() - begin)
+        session.rollback(context)
+    return 1000 * sorted(times[1:])[len(times[1:]) // 2]
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     thread_counts = args.thread_counts or [torch.get_num_threads()]
     report: dict[str, Any] = {
@@ -165,6 +201,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "table": _table(args.models, args.variants, args.ks, args.context, args.repeats,
                         thread_counts),
     }
+    if args.llamacpp:
+        report["llamacpp"] = _llamacpp_table(args.models, args.ks, args.context, args.repeats)
     report["load_avg_after"] = os.getloadavg()
     report["children"] = {p: _child_report(args, p) for p in args.wait_policies}
     return report

@@ -72,6 +72,10 @@ class KNNLMConfig:
 
 
 def _final_norm(lm: LM) -> torch.nn.Module:
+    if lm.backend != "torch":
+        msg = (f"KNN-LM keys are the model's final hidden states, read with a torch hook; load "
+               f"{lm.name!r} with backend='torch' (it is on {lm.backend})")
+        raise ValueError(msg)
     decoder = lm.model.get_decoder() if hasattr(lm.model, "get_decoder") else lm.model.model
     for name in ("norm", "final_layernorm", "ln_f"):
         if hasattr(decoder, name):

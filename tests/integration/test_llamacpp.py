@@ -2,7 +2,7 @@
 greedy loop equal to llama-cpp-python's own greedy decoding, the session's rollback / tree / fork
 against plain decoding, and every token engine lossless on the same backend.
 
-Exactness per backend (docs/architecture.md): with ``exact=True`` (no weight repacking) a k-token
+Exactness per backend (docs/backends.md): with ``exact=True`` (no weight repacking) a k-token
 decode gives the logits of k one-token steps bit for bit, so every lossless engine must equal
 greedy decoding token for token; with repacking (the default) a batched row may differ in the last
 bits, which the benchmark counts (identical-output rate) instead of a test.

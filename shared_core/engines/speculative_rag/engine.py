@@ -9,7 +9,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal
 
-from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER, check_int
+from shared_core.config import (
+    DEFAULT_EMBEDDER,
+    DEFAULT_LM,
+    DEFAULT_SPECRAG_BACKEND,
+    DEFAULT_VERIFIER,
+    check_backend,
+    check_int,
+)
 from shared_core.engines.speculative_rag.generation import generate_batch
 from shared_core.engines.speculative_rag.inputs import (
     check_inputs,
@@ -68,6 +75,10 @@ class SpeculativeRAG:
         dtype: dtype for models given by name (``None``: the device default, fp32 on CPU).
             ``"bfloat16"`` roughly halves latency on CPUs with AMX/AVX-512-BF16, because drafting
             and verification are mostly prompt processing (measured in the benchmark).
+        backend: runtime for models given by name (:func:`shared_core.models.load_lm`):
+            ``"torch"`` (``DEFAULT_SPECRAG_BACKEND``), ``"llama.cpp"`` (drafts decoded as
+            parallel sequences of one context, verifier spans scored in one pass) or ``"auto"``.
+            A dtype keeps torch.
 
     Models load lazily on first use; names are validated immediately.
     """
@@ -75,7 +86,8 @@ class SpeculativeRAG:
     def __init__(self, drafter: LM | str = DEFAULT_LM, verifier: LM | str | None = DEFAULT_VERIFIER,
                  *, embedder: Any = DEFAULT_EMBEDDER,
                  retriever: Any = None, config: SpeculativeRAGConfig | None = None,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = None, backend: str = DEFAULT_SPECRAG_BACKEND) -> None:
+        check_backend(backend)
         check_model_arg(drafter, "drafter", optional=False)
         check_model_arg(verifier, "verifier", optional=True)
         check_model_name(drafter, "drafter")
@@ -94,6 +106,7 @@ class SpeculativeRAG:
 
             resolve_dtype(dtype, resolve_device("cpu"))  # a bad dtype fails before any loading
         self.dtype = dtype
+        self.backend = backend
         self.config = config or SpeculativeRAGConfig()
         self.retriever = retriever
         self._drafter_src, self._verifier_src, self._embedder_src = drafter, verifier, embedder
@@ -124,7 +137,7 @@ class SpeculativeRAG:
 
                     self._models[role] = load_embedder(src) if isinstance(src, str) else src
                 else:
-                    self._models[role] = load_model(src, self.dtype)
+                    self._models[role] = load_model(src, self.dtype, self.backend)
             return self._models[role]
 
     @property

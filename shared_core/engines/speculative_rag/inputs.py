@@ -54,7 +54,7 @@ def check_inputs(question: Any, documents: Sequence[Any] | None, config: Specula
     return question.strip()
 
 
-def load_model(model: LM | str, dtype: str | None) -> LM:
+def load_model(model: LM | str, dtype: str | None, backend: str = "torch") -> LM:
     if not isinstance(model, str):
         return model
     if model.startswith(("http://", "https://")):  # a served model (vLLM / SGLang)
@@ -67,7 +67,8 @@ def load_model(model: LM | str, dtype: str | None) -> LM:
         return load_tuned_drafter(model, dtype)
     from shared_core.model_cache import cached_lm
 
-    return cached_lm(model, dtype=dtype)  # one copy per process, shared with other engines
+    # one copy per process, shared with other engines; a dtype is a torch setting
+    return cached_lm(model, dtype=dtype, backend="torch" if dtype else backend)
 
 
 def check_model_name(name: Any, param: str) -> None:
