@@ -125,6 +125,11 @@ class ReSpecConfig:
     fallback: Fallback = "auto"  # auto = draft model if given, else prompt lookup
     fallback_draft_len: int = 4  # cap for the fallback drafter
     fallback_recovery: float = 0.02  # per plain round, the fallback score drifts back to ema_init
+    # Probe: a one-token draft after this many rounds in which drafting did not pay, so a score
+    # that says "skip" is measured again (doubling while probes fail; 0 = never). Needed where a
+    # check costs most of a step per token (CPU llama.cpp: 2 tokens = 1.6 steps), or the scores
+    # would never leave ema_init.
+    probe_every: int = 16
     cache: CacheKind = "prealloc"
 
     def __post_init__(self) -> None:
@@ -132,7 +137,7 @@ class ReSpecConfig:
         for name, minimum in (("lookback", 1), ("min_match_len", 1), ("num_candidates", 1),
                               ("max_positions", 1), ("max_draft_len", 1), ("max_tree_tokens", 1),
                               ("len_bias", 0), ("relaxed_top_k", 1), ("relaxed_lookahead", 0),
-                              ("max_relaxed", 0), ("fallback_draft_len", 1)):
+                              ("max_relaxed", 0), ("fallback_draft_len", 1), ("probe_every", 0)):
             value = getattr(self, name)
             require(value >= minimum, name, f">= {minimum}", value)
         for name in ("entropy_threshold", "entropy_lambda", "relaxed_tau"):

@@ -43,7 +43,8 @@ VARIANTS = ("fp32", "bf16", "fp16w_dynamic", "int8_dynamic", "onednn_packed", "c
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", nargs="+", default=[DEFAULT_LM])
-    parser.add_argument("--variants", nargs="+", default=list(VARIANTS[:5]), choices=VARIANTS)
+    parser.add_argument("--variants", nargs="*", default=list(VARIANTS[:5]), choices=VARIANTS,
+                        help="torch variants (none: only --llamacpp)")
     parser.add_argument("--ks", nargs="+", type=int, default=list(KS))
     parser.add_argument("--context", type=int, default=256, help="cached tokens before the forward")
     parser.add_argument("--repeats", type=int, default=5, help="timed forwards per k (median)")
@@ -133,7 +134,7 @@ def _measure_variant(run: Callable[..., Any], prompt: torch.Tensor, ks: list[int
 def _table(models: list[str], variants: list[str], ks: list[int], context: int, repeats: int,
            thread_counts: list[int]) -> dict[str, Any]:
     table: dict[str, Any] = {}
-    for name in models:
+    for name in models if variants else ():
         lm = load_lm(name, dtype="float32")
         table[name] = {}
         for variant in variants:

@@ -109,6 +109,10 @@ def _llamacpp_methods(lm: Any, max_new: int) -> dict[str, Callable[[list[int]], 
 
     def theirs(llm: Any) -> Callable[[list[int]], Any]:
         def call(ids: list[int]) -> tuple[list[int], None]:
+            # Llama.generate reuses the KV of the longest prefix shared with its previous call (the
+            # warm-up prompt is the first timed one, and chat templates share a system prefix);
+            # every method here prefills the whole prompt, so it starts empty too.
+            llm.reset()
             out: list[int] = []
             for token in llm.generate(ids, top_k=1, temp=0.0, reset=True):
                 if token in lm.eos_token_ids or len(out) >= max_new:

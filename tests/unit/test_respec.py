@@ -208,6 +208,39 @@ def test_best_draft_length_trims_by_acceptance() -> None:
     assert best_draft_length(0.75, 0.1, 60, draft_cost=0.2) > 0
 
 
+# A CPU curve (llama.cpp, SmolLM2 Q4_1 on an AVX2 EPYC): 2 tokens cost 1.64 steps, 4 cost 2.56.
+CPU_CURVE = ((1, 1.0), (2, 1.64), (3, 2.27), (4, 2.56), (8, 4.53), (16, 8.73))
+
+
+def test_a_measured_curve_decides_the_draft_length() -> None:
+    from shared_core.draft_length import CostModel, curve_steps
+
+    assert curve_steps(CPU_CURVE, 1) == 1.0 and curve_steps(CPU_CURVE, 6) == pytest.approx(3.545)
+    assert curve_steps(CPU_CURVE, 20) > curve_steps(CPU_CURVE, 16)  # the last slope, beyond
+    steps = CostModel(0.1, curve=CPU_CURVE).verify_steps
+    assert best_draft_length(0.5, steps, 60) == 0  # a coin-flip draft never pays on this CPU
+    assert best_draft_length(0.5, 0.1, 60) > 0  # ... but does with a flat (GPU-like) cost
+    assert 0 < best_draft_length(0.9, steps, 60) < best_draft_length(0.9, 0.1, 60)
+
+
+def test_probes_measure_again_what_the_scores_skip() -> None:
+    """With the CPU curve, a new suffix match (score 0.5) is never drafted; every probe_every
+    rounds one token is drafted anyway, and failed probes double the interval."""
+    from shared_core.engines.respec.drafting import ReSpecStats, Request
+
+    config = ReSpecConfig(probe_every=4, use_trigger=False)
+    doc = list(range(10, 40))
+    request = Request(config, [doc], None, None, ReSpecStats(), cost_curve=CPU_CURVE)
+    request.add(doc[:6])  # the context ends with a span of the document: a match
+    drafted = [bool(request.candidates(8)) for _ in range(8)]
+    assert drafted == [False, False, False, True, False, False, False, True]
+    assert request.probe is not None  # the key being probed
+    request.probe_result(pays=False)
+    assert request.probe_interval == 8 and request.probe is None
+    request.probe_result(pays=True)
+    assert request.probe_interval == 4
+
+
 def test_build_tree_merges_prefixes_and_caps() -> None:
     cands = [Candidate(("d", 1), (1, 2, 3)), Candidate(("d", 2), (1, 2, 4)),
              Candidate(("d", 3), (5,))]

@@ -139,6 +139,9 @@ class Request:
         self.fallback_score = config.ema_init  # EMA of the fallback drafter's accepted/drafted
         self.cost = CostModel(config.token_cost, curve=cost_curve)
         self.counters = counters
+        self.idle_rounds = 0  # rounds since a draft, while drafting did not pay
+        self.probe_interval = config.probe_every
+        self.probe: tuple[str, int] | str | None = None  # the key (or "fallback") being probed
 
     def add(self, tokens: Sequence[int]) -> None:
         self.index.add(tokens)
@@ -177,7 +180,32 @@ class Request:
             tokens = source.continuation(end, n) if n else ()
             if tokens:
                 pool.append(Candidate(key, tokens))
+        if not pool and keyed and self.probe_due():
+            key, end = keyed[0]
+            tokens = tuple(source.continuation(end, 1))
+            if tokens:
+                self.probe = key
+                pool = [Candidate(key, tokens)]
         return pool
+
+    # -- probes: measure again what the scores say does not pay -------------------------------
+    def probe_due(self) -> bool:
+        """Count a round in which drafting did not pay; True (and restart the count) when a
+        one-token probe is due."""
+        if not self.probe_interval:
+            return False
+        self.idle_rounds += 1
+        if self.idle_rounds < self.probe_interval:
+            return False
+        self.idle_rounds = 0
+        return True
+
+    def probe_result(self, pays: bool) -> None:
+        """Back off (double the interval, at most 64x) while probes show drafting still does not
+        pay; start over once one does."""
+        self.probe = None
+        base = self.config.probe_every
+        self.probe_interval = base if pays else min(2 * self.probe_interval, 64 * base)
 
     def update_scores(self, draft: TreeDraft, accepted: tuple[int, ...]) -> None:
         """EMA feedback S <- (1 - α) S + α R; R = accepted/drafted for the winner, else 0."""
@@ -187,6 +215,9 @@ class Request:
         for c in draft.candidates:
             reward = len(accepted) / len(c.tokens) if c is winner else 0.0
             self.scores[c.key] = (1 - alpha) * self.scores[c.key] + alpha * reward
+        if self.probe is not None and self.probe in self.scores:
+            score = self.scores[self.probe]
+            self.probe_result(best_draft_length(score, self.verify_cost, 1) > 0)
 
     # -- when: trigger ----------------------------------------------------------------------
     def triggered(self) -> bool:
@@ -212,8 +243,12 @@ class Request:
         n = best_draft_length(self.fallback_score, self.verify_cost, cfg.fallback_draft_len)
         if n == 0:  # drafting does not pay now; drift back so it is tried again later
             self.fallback_score += cfg.fallback_recovery * (cfg.ema_init - self.fallback_score)
+            if self.probe_due():
+                self.probe, n = "fallback", 1
         return min(n, budget)
 
     def fallback_result(self, drafted: int, accepted: int) -> None:
         alpha = self.config.ema_alpha
         self.fallback_score = (1 - alpha) * self.fallback_score + alpha * accepted / drafted
+        if self.probe == "fallback":
+            self.probe_result(best_draft_length(self.fallback_score, self.verify_cost, 1) > 0)
