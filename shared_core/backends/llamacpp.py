@@ -154,7 +154,7 @@ class LlamaCppModel:
     collected; at most ``keep`` idle contexts are kept.
     """
 
-    def __init__(self, path: Path, settings: LlamaCppSettings, *, keep: int = 4):
+    def __init__(self, path: Path, settings: LlamaCppSettings, *, keep: int = 2):
         llama = llama_cpp_module()
         params = llama.llama_model_default_params()
         params.use_extra_bufts = not settings.exact
