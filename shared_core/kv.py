@@ -80,6 +80,14 @@ class GrowingLayer(DynamicLayer):
             self._publish()
 
 
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share (what a session keeps when it syncs)."""
+    common, limit = 0, min(len(a), len(b))
+    while common < limit and a[common] == b[common]:
+        common += 1
+    return common
+
+
 def make_cache(kind: CacheKind) -> Cache:
     if kind == "prealloc":
         return Cache(layer_class_to_replicate=GrowingLayer)
@@ -320,10 +328,7 @@ class KVSession:
 
     def sync(self, ids: Sequence[int]) -> list[int]:
         """Roll back to the longest common prefix with ``ids``; return the ids still to feed."""
-        common = 0
-        limit = min(len(self.tokens), len(ids))
-        while common < limit and self.tokens[common] == ids[common]:
-            common += 1
+        common = common_prefix_length(self.tokens, ids)
         self.rollback(common)
         return list(ids[common:])
 

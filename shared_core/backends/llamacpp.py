@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from shared_core.device import THREADS_ENV
+from shared_core.kv import common_prefix_length
 from shared_core.lm import LM
 
 if TYPE_CHECKING:
@@ -455,10 +456,7 @@ class LlamaCppSession:
 
     def sync(self, ids: Sequence[int]) -> list[int]:
         """Roll back to the longest common prefix with ``ids``; return the ids still to feed."""
-        common = 0
-        limit = min(len(self.tokens), len(ids))
-        while common < limit and self.tokens[common] == ids[common]:
-            common += 1
+        common = common_prefix_length(self.tokens, ids)
         self.rollback(common)
         return list(ids[common:])
 

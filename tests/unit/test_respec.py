@@ -226,7 +226,7 @@ def test_a_measured_curve_decides_the_draft_length() -> None:
 def test_probes_measure_again_what_the_scores_skip() -> None:
     """With the CPU curve, a new suffix match (score 0.5) is never drafted; every probe_every
     rounds one token is drafted anyway, and failed probes double the interval."""
-    from shared_core.engines.respec.drafting import ReSpecStats, Request
+    from shared_core.engines.respec.drafting import Request, ReSpecStats
 
     config = ReSpecConfig(probe_every=4, use_trigger=False)
     doc = list(range(10, 40))
