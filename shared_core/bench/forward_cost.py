@@ -163,7 +163,7 @@ def _llamacpp_table(models: list[str], ks: list[int], context: int, repeats: int
                     ) -> dict[str, Any]:
     """The same table on llama.cpp: each model's GGUF with weight repacking (default) and without
     (``exact``); milliseconds of a k-token decode with logits for all k, and the ratio."""
-    from shared_core.backends.llamacpp import measure_cost_curve
+    from shared_core.backends.llamacpp_cost import measure_cost_curve
 
     table: dict[str, Any] = {}
     for name in models:

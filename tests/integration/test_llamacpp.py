@@ -17,7 +17,8 @@ import os
 import pytest
 import torch
 
-from shared_core.backends.llamacpp import LlamaCppSession, available
+from shared_core.backends.llamacpp import available
+from shared_core.backends.llamacpp_session import LlamaCppSession
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.models import load_lm
 
