@@ -74,8 +74,8 @@ class LlamaCppSession:
                                      shape=(n_logits, self.lm.model.n_vocab))
         return torch.from_numpy(rows.copy())
 
-    def _positions(self, count: int, start: int | None = None) -> list[int]:
-        first = len(self.tokens) + self.position_offset if start is None else start
+    def _positions(self, count: int) -> list[int]:
+        first = len(self.tokens) + self.position_offset
         return list(range(first, first + count))
 
     def _append(self, ids: Sequence[int], n_logits: int) -> torch.Tensor | None:
