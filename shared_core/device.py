@@ -84,22 +84,28 @@ _FLAGS_OF_INTEREST = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "a
                       "amx_int8", "avx_vnni")
 
 
-def cpu_facts() -> dict[str, object]:
-    """What decides CPU speed here, for every benchmark report: model, SIMD flags, threads, load."""
+def cpu_model_and_flags() -> tuple[str, frozenset[str]]:
+    """The CPU's model name and its instruction-set flags (``/proc/cpuinfo``; empty elsewhere)."""
     import platform
 
-    import torch
-
-    model, flags = platform.processor(), set()
+    model, flags = platform.processor(), frozenset[str]()
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as fh:
             for line in fh:
                 if line.startswith("model name"):
                     model = line.split(":", 1)[1].strip()
                 elif line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
+                    flags = frozenset(line.split(":", 1)[1].split())
     except OSError:
         pass
+    return model, flags
+
+
+def cpu_facts() -> dict[str, object]:
+    """What decides CPU speed here, for every benchmark report: model, SIMD flags, threads, load."""
+    import torch
+
+    model, flags = cpu_model_and_flags()
     capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: "unknown")()
     return {
         "cpu": model, "flags": sorted(f for f in _FLAGS_OF_INTEREST if f in flags),
@@ -133,20 +139,27 @@ def apply_thread_setting() -> int | None:
     Without it torch keeps its own default (one thread per physical core), which is right on a
     quiet machine; on a shared one, ``SPECRAG_NUM_THREADS=1`` avoids contention altogether.
     """
-    value = os.environ.get(THREADS_ENV)
+    count = threads_from_env()
     import torch
 
-    if value:
-        try:
-            count = int(value)
-        except ValueError:
-            count = 0
-        if count < 1:
-            msg = f"{THREADS_ENV}={value!r} must be a positive integer"
-            raise ValueError(msg)
-        if torch.get_num_threads() != count:
-            torch.set_num_threads(count)
+    if count is not None and torch.get_num_threads() != count:
+        torch.set_num_threads(count)
     return torch.get_num_threads()
+
+
+def threads_from_env() -> int | None:
+    """``$SPECRAG_NUM_THREADS`` as a positive integer (None when unset), for torch and llama.cpp."""
+    value = os.environ.get(THREADS_ENV)
+    if not value:
+        return None
+    try:
+        count = int(value)
+    except ValueError:
+        count = 0
+    if count < 1:
+        msg = f"{THREADS_ENV}={value!r} must be a positive integer"
+        raise ValueError(msg)
+    return count
 
 
 def current_threads() -> int | None:

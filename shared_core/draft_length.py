@@ -71,11 +71,12 @@ class CostModel:
         self.samples: deque[tuple[int, float]] = deque(maxlen=window)
         self.curve = tuple(curve) if curve else None
 
-    def verify_steps(self, drafted: int) -> float:
-        """One-token steps of verifying ``drafted`` tokens (a forward over ``drafted + 1``)."""
+    def verify_steps(self, drafted: int, token_cost: float | None = None) -> float:
+        """One-token steps of verifying ``drafted`` tokens (a forward over ``drafted + 1``): the
+        curve, else ``1 + c n`` with ``c = token_cost`` (default: the fitted one)."""
         if self.curve is not None:
             return curve_steps(self.curve, drafted + 1)
-        return 1 + self.token_cost * drafted
+        return 1 + (self.token_cost if token_cost is None else token_cost) * drafted
 
     def add(self, n_tokens: int, seconds: float) -> None:
         self.samples.append((n_tokens, seconds))

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from shared_core.backends.llamacpp_session import MAX_TREE_LEAVES, LlamaCppSession
-from shared_core.device import THREADS_ENV
+from shared_core.device import threads_from_env
 from shared_core.lm import LM
 
 logger = logging.getLogger(__name__)
@@ -73,12 +73,9 @@ def available() -> bool:
 
 
 def default_threads() -> int:
-    value = os.environ.get(THREADS_ENV)
-    if value:
-        count = int(value) if value.isdigit() else 0
-        if count < 1:
-            msg = f"{THREADS_ENV}={value!r} must be a positive integer"
-            raise ValueError(msg)
+    """``$SPECRAG_NUM_THREADS``, else the CPUs this process may run on."""
+    count = threads_from_env()
+    if count is not None:
         return count
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 

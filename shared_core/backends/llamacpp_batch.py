@@ -12,6 +12,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from shared_core.backends.llamacpp_session import decode
+
 # ``lm`` is a shared_core.backends.llamacpp.LlamaCppLM and ``slot`` one of its contexts; not
 # imported here, because that module imports this one.
 LlamaCppLM = Any
@@ -34,25 +36,8 @@ class _Batch:
         self.lm, self.slot = lm, slot
 
     def decode(self, entries: Sequence[tuple[int, int, int, bool]]) -> Any:
-        """Decode; return the logits of the entries that asked for them, as a ``[n, V]`` array."""
-        import numpy as np
-
-        batch, llama = self.slot.batch, self.lm.model.llama
-        batch.n_tokens = len(entries)
-        wanted = 0
-        for i, (token, pos, seq, logits) in enumerate(entries):
-            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = logits
-            wanted += logits
-        code = llama.llama_decode(self.slot.ctx, batch)
-        if code != 0:
-            msg = f"llama_decode failed with code {code} ({len(entries)} tokens)"
-            raise RuntimeError(msg)
-        if not wanted:
-            return None
-        ptr = llama.llama_get_logits(self.slot.ctx)
-        return np.ctypeslib.as_array(ptr, shape=(wanted, self.lm.model.n_vocab)).copy()
+        """Decode ``(token, position, sequence, wants logits)``; the logits that were asked for."""
+        return decode(self.lm, self.slot, [(tok, pos, (seq,), w) for tok, pos, seq, w in entries])
 
     def feed(self, rows: Sequence[Sequence[int]], starts: Sequence[int],
              want: Callable[[int, int], bool]) -> dict[tuple[int, int], Any]:

@@ -11,12 +11,12 @@ import hashlib
 import json
 import logging
 import os
-import platform
 import statistics
 import time
 from collections.abc import Sequence
 from typing import Any
 
+from shared_core.device import cpu_model_and_flags
 from shared_core.embedded import cache_dir
 
 logger = logging.getLogger(__name__)
@@ -25,13 +25,10 @@ LlamaCppLM = Any
 COST_CURVE_SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
-def measure_cost_curve(lm: LlamaCppLM, *, context: int = 256, repeats: int = 5,
-                       sizes: Sequence[int] = COST_CURVE_SIZES) -> tuple[tuple[int, float], ...]:
+def measure_decode_seconds(lm: LlamaCppLM, *, context: int = 256, repeats: int = 5,
+                           sizes: Sequence[int] = COST_CURVE_SIZES) -> dict[int, float]:
     """Median seconds of a ``k``-token decode (logits for all ``k``) after ``context`` tokens,
-    over the median one-token step: the machine's verification cost curve for this model.
-
-    Sizes are interleaved round by round, so a load change hits every size alike.
-    """
+    per ``k``. Sizes are interleaved round by round, so a load change hits every size alike."""
     session = lm.open_session()
     filler = [(i * 7919) % (lm.vocab_size - 1000) + 500 for i in range(context + max(sizes))]
     session.prefill(filler[:context])
@@ -44,8 +41,16 @@ def measure_cost_curve(lm: LlamaCppLM, *, context: int = 256, repeats: int = 5,
             session.extend(filler[context : context + k])
             seconds[k].append(time.perf_counter() - begin)
             session.rollback(context)
-    step = statistics.median(seconds[sizes[0]])
-    return tuple((k, round(statistics.median(seconds[k]) / step, 3)) for k in sizes)
+    return {k: statistics.median(times) for k, times in seconds.items()}
+
+
+def measure_cost_curve(lm: LlamaCppLM, *, context: int = 256, repeats: int = 5,
+                       sizes: Sequence[int] = COST_CURVE_SIZES) -> tuple[tuple[int, float], ...]:
+    """:func:`measure_decode_seconds` over the first size's (a one-token step): the machine's
+    verification cost curve for this model."""
+    seconds = measure_decode_seconds(lm, context=context, repeats=repeats, sizes=sizes)
+    step = seconds[sizes[0]]
+    return tuple((k, round(seconds[k] / step, 3)) for k in sizes)
 
 
 def cached_cost_curve(lm: LlamaCppLM) -> tuple[tuple[int, float], ...]:
@@ -53,13 +58,8 @@ def cached_cost_curve(lm: LlamaCppLM) -> tuple[tuple[int, float], ...]:
     kept as JSON under ``$SPECRAG_CACHE/cost_curves`` (about 1 s for SmolLM2, 5-15 s for 1.5B)."""
     model = lm.model
     stat = model.path.stat()
-    flags = ""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as fh:
-            flags = next((line for line in fh if line.startswith("flags")), "")
-    except OSError:
-        pass
-    raw = json.dumps([platform.processor(), flags, model.threads, str(model.path.resolve()),
+    cpu, flags = cpu_model_and_flags()
+    raw = json.dumps([cpu, sorted(flags), model.threads, str(model.path.resolve()),
                       stat.st_size, int(stat.st_mtime), model.settings.exact,
                       getattr(model.llama, "__version__", "?"), COST_CURVE_SIZES])
     path = cache_dir() / "cost_curves" / f"{hashlib.sha256(raw.encode()).hexdigest()[:16]}.json"

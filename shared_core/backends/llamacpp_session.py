@@ -27,6 +27,31 @@ if TYPE_CHECKING:
 MAX_TREE_LEAVES = 32  # branches of one tree forward (sequences 1..m of a context)
 
 
+def decode(lm: Any, slot: Any, entries: Sequence[tuple[int, int, Sequence[int], bool]]) -> Any:
+    """One ``llama_decode`` of ``(token, position, sequences, wants logits)`` entries in ``slot``'s
+    batch; the logits of the entries that asked, in order, as a ``[n, V]`` float32 array (a copy),
+    or None if none did."""
+    import numpy as np
+
+    batch, llama = slot.batch, lm.model.llama
+    batch.n_tokens = len(entries)
+    wanted = 0
+    for i, (token, pos, seqs, logits) in enumerate(entries):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, len(seqs)
+        for j, seq in enumerate(seqs):
+            batch.seq_id[i][j] = seq
+        batch.logits[i] = logits
+        wanted += bool(logits)
+    code = llama.llama_decode(slot.ctx, batch)
+    if code != 0:
+        msg = f"llama_decode failed with code {code} ({len(entries)} tokens at position {entries[0][1]})"
+        raise RuntimeError(msg)
+    if not wanted:
+        return None
+    rows = np.ctypeslib.as_array(llama.llama_get_logits(slot.ctx), shape=(wanted, lm.model.n_vocab))
+    return rows.copy()
+
+
 class LlamaCppSession:
     """:class:`shared_core.kv.KVSession`'s methods on one llama.cpp context (see the module doc)."""
 
@@ -49,30 +74,14 @@ class LlamaCppSession:
     def _decode(self, ids: Sequence[int], positions: Sequence[int], seqs: Sequence[Sequence[int]],
                 n_logits: int) -> torch.Tensor | None:
         """Decode ``ids`` (logits for the last ``n_logits``); ``[n_logits, V]`` float32 or None."""
-        import numpy as np
         import torch
 
         n = len(ids)
         self._check_window(max(positions) + 1 - len(self.tokens) - self.position_offset)
-        batch, llama = self.slot.batch, self.lm.model.llama
-        batch.n_tokens = n
-        for i, (token, pos, own) in enumerate(zip(ids, positions, seqs, strict=True)):
-            batch.token[i] = token
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = len(own)
-            for j, seq in enumerate(own):
-                batch.seq_id[i][j] = seq
-            batch.logits[i] = i >= n - n_logits
-        code = llama.llama_decode(self.slot.ctx, batch)
-        if code != 0:
-            msg = f"llama_decode failed with code {code} ({n} tokens at position {positions[0]})"
-            raise RuntimeError(msg)
+        rows = decode(self.lm, self.slot, [(token, pos, own, i >= n - n_logits) for i, (token, pos, own)
+                                           in enumerate(zip(ids, positions, seqs, strict=True))])
         self.forwards += 1
-        if not n_logits:
-            return None
-        rows = np.ctypeslib.as_array(llama.llama_get_logits(self.slot.ctx),
-                                     shape=(n_logits, self.lm.model.n_vocab))
-        return torch.from_numpy(rows.copy())
+        return None if rows is None else torch.from_numpy(rows)
 
     def _positions(self, count: int) -> list[int]:
         first = len(self.tokens) + self.position_offset
@@ -215,7 +224,7 @@ class LlamaCppSession:
 
     def heal(self, limit: int | None = None) -> None:
         """Cut back to ``limit`` tokens (the cells are kept in step with ``tokens`` already)."""
-        self.rollback(min(len(self.tokens), len(self.tokens) if limit is None else limit))
+        self.rollback(len(self.tokens) if limit is None else min(limit, len(self.tokens)))
 
     def reset(self) -> None:
         self._tree = None

@@ -162,35 +162,22 @@ def _table(models: list[str], variants: list[str], ks: list[int], context: int, 
 def _llamacpp_table(models: list[str], ks: list[int], context: int, repeats: int
                     ) -> dict[str, Any]:
     """The same table on llama.cpp: each model's GGUF with weight repacking (default) and without
-    (``exact``); milliseconds of a k-token decode with logits for all k, and the ratio."""
-    from shared_core.backends.llamacpp_cost import measure_cost_curve
+    (``exact``); milliseconds of a k-token decode with logits for all k, and the ratio to k[0]."""
+    from shared_core.backends.llamacpp_cost import measure_decode_seconds
 
     table: dict[str, Any] = {}
     for name in models:
         table[name] = {}
         for exact in (False, True):
             lm = load_lm(name, backend="llama.cpp", exact=exact)
-            step_ms = _llamacpp_step_ms(lm, context, repeats)
-            curve = dict(measure_cost_curve(lm, context=context, repeats=repeats, sizes=ks))
+            seconds = measure_decode_seconds(lm, context=context, repeats=repeats, sizes=ks)
+            ratio = {k: round(seconds[k] / seconds[ks[0]], 3) for k in ks}
             table[name]["llamacpp_exact" if exact else "llamacpp"] = {
                 "quant": lm.model.describe(), "threads": lm.model.threads,
-                "ms": {k: round(step_ms * curve[k], 2) for k in ks}, "ratio": curve}
-            logger.info("%s llama.cpp%s: %s", name, " exact" if exact else "", curve)
+                "ms": {k: round(1000 * seconds[k], 2) for k in ks}, "ratio": ratio}
+            logger.info("%s llama.cpp%s: %s", name, " exact" if exact else "", ratio)
             del lm
     return table
-
-
-def _llamacpp_step_ms(lm: LM, context: int, repeats: int) -> float:
-    session = lm.open_session()
-    ids = [(i * 7919) % (lm.vocab_size - 1000) + 500 for i in range(context + 1)]
-    session.prefill(ids[:context])
-    times = []
-    for _ in range(repeats + 1):
-        begin = time.perf_counter()
-        session.extend(ids[context:])
-        times.append(time.perf_counter() - begin)
-        session.rollback(context)
-    return 1000 * sorted(times[1:])[len(times[1:]) // 2]
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -234,9 +234,7 @@ class Request:
     def verify_cost(self, drafted: int) -> float:
         """Steps of verifying ``drafted`` tokens: the model's measured curve when its runtime
         has one (llama.cpp), else ``1 + c n`` with the measured (or configured) ``c``."""
-        if self.cost.curve is not None:
-            return self.cost.verify_steps(drafted)
-        return 1 + self.token_cost * drafted
+        return self.cost.verify_steps(drafted, self.token_cost)
 
     def fallback_length(self, budget: int) -> int:
         cfg = self.config
