@@ -219,12 +219,14 @@ class LlamaCppLM(LM):
         return LlamaCppSession(self)
 
     def generate_parallel(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                          stop: Callable[[int, list[int]], bool]) -> list[tuple[list[int], list[float]]]:
+                          stop: Callable[[int, list[int]], bool],
+                          on_prefilled: Callable[[], None] | None = None
+                          ) -> list[tuple[list[int], list[float]]]:
         """Greedy continuations of all prompts as sequences of one context, one decode per step
         (:func:`shared_core.backends.llamacpp_batch.generate_parallel`)."""
         from shared_core.backends.llamacpp_batch import generate_parallel
 
-        return generate_parallel(self, prompts, max_new_tokens, stop)
+        return generate_parallel(self, prompts, max_new_tokens, stop, on_prefilled)
 
     def span_logprobs(self, rows: Sequence[Sequence[int]],
                       spans: Sequence[Sequence[tuple[int, int]]]) -> list[list[float]]:

@@ -89,11 +89,14 @@ def _check_rows(lm: LlamaCppLM, rows: Sequence[Sequence[int]], extra: int) -> No
 
 
 def generate_parallel(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                      stop: Callable[[int, list[int]], bool]) -> list[tuple[list[int], list[float]]]:
+                      stop: Callable[[int, list[int]], bool],
+                      on_prefilled: Callable[[], None] | None = None
+                      ) -> list[tuple[list[int], list[float]]]:
     """Greedy continuations of every prompt, decoded together; per row (new ids, log P of each).
 
     ``stop(row, ids)`` ends a row after its newest token (EOS is the caller's rule too). Log-
     probabilities are of the raw distribution, as ``transformers.generate(output_logits=True)``.
+    ``on_prefilled()`` is called once every prompt has been read (the prefill/decode split).
     """
     _check_rows(lm, prompts, max_new_tokens)
     slot = lm.model.acquire()
@@ -104,6 +107,8 @@ def generate_parallel(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_
                           lambda r, t: t == len(prompts[r]) - 1)
         rows: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         logits = {r: last[(r, len(p) - 1)] for r, p in enumerate(prompts)}
+        if on_prefilled is not None:
+            on_prefilled()
         for _ in range(max_new_tokens):
             entries = []
             for r in sorted(logits):

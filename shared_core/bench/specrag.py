@@ -37,24 +37,31 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import random
-import statistics
 import time
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from shared_core.bench.common import MethodResult, make_report, write_report
-from shared_core.bench.specrag_data import DATASETS, is_correct, load_dataset
-from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
+from shared_core.bench.common import write_report
+from shared_core.bench.specrag_data import DATASETS, load_dataset
+from shared_core.bench.specrag_records import (
+    append_record,
+    load_records,
+    records_path,
+    start_records,
+)
+from shared_core.bench.specrag_report import build_report, plot_accuracy_latency
+from shared_core.config import (
+    BACKENDS,
+    DEFAULT_EMBEDDER,
+    DEFAULT_LM,
+    DEFAULT_SPECRAG_BACKEND,
+    DEFAULT_VERIFIER,
+)
 from shared_core.engines.speculative_rag import (
     SpeculativeRAG,
     SpeculativeRAGConfig,
-    combined_score,
-    select_best,
 )
 from shared_core.retrieval.base import Document
 
@@ -64,43 +71,6 @@ SUBSET_ABLATIONS: dict[str, dict[str, Any]] = {  # need their own drafting run
     "abl_random_subsets": {"subset_strategy": "random"},
     "abl_same_cluster": {"subset_strategy": "same_cluster"},
 }
-# Re-selections of the specrag drafts (drafting is greedy, so the drafts and scores are the same
-# as a separate run would give): name -> the SpeculativeRAGConfig fields that differ. The sel_*
-# variants are this project's selection options (length normalisation, answer vote), not the paper's.
-SCORE_VARIANTS: dict[str, dict[str, Any]] = {
-    "drafter_only": {"use_self_contain": False, "use_self_reflect": False},
-    "abl_no_draft_score": {"use_draft_score": False},
-    "abl_no_self_contain": {"use_self_contain": False},
-    "abl_no_self_reflect": {"use_self_reflect": False},
-    "abl_random_selection": {"use_draft_score": False, "use_self_contain": False,
-                             "use_self_reflect": False, "selection": "random"},
-    "sel_mean_logprob": {"length_normalize": True},
-    "sel_vote": {"selection": "vote"},
-    "sel_vote_mean_logprob": {"selection": "vote", "length_normalize": True},
-    "sel_vote_drafter_only": {"selection": "vote", "use_self_contain": False,
-                              "use_self_reflect": False},
-}
-
-
-@dataclass(frozen=True)
-class _Derived:
-    text: str
-    stats: Any
-
-
-def reselect(result: Any, variant: str, config: SpeculativeRAGConfig) -> _Derived:
-    """The answer a score variant picks from ``result.drafts``; latency drops the verifier
-    when the variant does not need it."""
-    cfg = replace(config, **SCORE_VARIANTS[variant])
-    drafts = [replace(d, score=combined_score(d, cfg)) for d in result.drafts]
-    rng = random.Random(f"{cfg.seed}:select:{variant}:{result.documents[0].id}")
-    best = select_best(drafts, cfg.selection, rng)
-    stats = replace(result.stats)
-    if not cfg.needs_verifier:
-        stats.total_s -= stats.verify_s
-        stats.verify_s, stats.verify_tokens = 0.0, 0
-    return _Derived(drafts[best].answer, stats)
-
 
 # --------------------------------------------------------------------------- methods
 
@@ -119,6 +89,10 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
         tuned = SpeculativeRAG(args.drafter + "+specrag", engine.verifier,
                                embedder=engine.embedder, config=cfg, dtype=engine.dtype)
         methods["specrag_tuned"] = (tuned.answer, n_docs)
+    for drafter in _names(args.drafters):  # the oracle-per-drafter study, same verifier
+        other = SpeculativeRAG(drafter, engine.verifier, embedder=engine.embedder, config=cfg,
+                               dtype=engine.dtype, backend=engine.backend)
+        methods[f"specrag@{drafter}"] = (other.answer, n_docs)
     if getattr(args, "answer_first", False):
         answer_first = engine.with_config(replace(cfg, draft_order="answer_first"))
         methods["specrag_answer_first"] = (answer_first.answer, n_docs)
@@ -133,23 +107,11 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
                     methods[f"grid_m{m}_k{k}"] = (variant.answer, max(n_docs, m * k))
     keep = [m.strip() for m in args.methods.split(",")] if args.methods else None
     return {k: v for k, v in methods.items() if keep is None or k in keep or k.startswith(
-        ("abl_", "grid_", "specrag_tuned", "specrag_answer_first"))}
+        ("abl_", "grid_", "specrag_tuned", "specrag_answer_first", "specrag@"))}
 
 
-def _summary(dataset: str, questions: list[dict[str, Any]], outputs: list[Any],
-             latencies: list[float]) -> MethodResult:
-    correct = [is_correct(dataset, o.text, q["gold"]) for q, o in zip(questions, outputs,
-                                                                       strict=True)]
-    stats = [o.stats.as_dict() for o in outputs]
-    numeric = {k for k, v in stats[0].items() if isinstance(v, (int, float))}
-    mean_stats = {f"mean_{k}": round(statistics.fmean(s[k] for s in stats), 4) for k in numeric}
-    new_tokens = sum(s.get("new_tokens", s.get("draft_new_tokens", 0)) for s in stats)
-    return MethodResult(
-        wall_s=sum(latencies), new_tokens=new_tokens, outputs=[o.text for o in outputs],
-        quality={"accuracy": round(sum(correct) / len(correct), 4), "correct": sum(correct),
-                 "latency_mean_s": round(statistics.fmean(latencies), 3),
-                 "latency_p50_s": round(statistics.median(latencies), 3)},
-        stats=mean_stats)
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
 
 
 def _retrieve_all(retriever: Any, questions: list[dict[str, Any]], k: int
@@ -195,7 +157,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--remote", default=None, metavar="URL",
                         help="a vLLM/SGLang server URL used as drafter and verifier (RemoteLM)")
     parser.add_argument("--dtype", default=None,
-                        help="dtype of every model (all methods alike); default fp32 on CPU")
+                        help="dtype of every model (all methods alike); keeps torch")
+    parser.add_argument("--backend", default=DEFAULT_SPECRAG_BACKEND, choices=BACKENDS,
+                        help="runtime of every model (all methods alike)")
+    parser.add_argument("--drafters", default="",
+                        help="comma list of more drafters, each a method specrag@NAME with the "
+                             "same verifier (oracle accuracy per drafter)")
+    parser.add_argument("--resume", action="store_true",
+                        help="continue the run recorded beside --out (same settings) instead of "
+                             "starting over")
     parser.add_argument("--num-drafts", type=int, default=SpeculativeRAGConfig.num_drafts)
     parser.add_argument("--docs-per-draft", type=int, default=SpeculativeRAGConfig.docs_per_draft)
     parser.add_argument("--retrieve-k", type=int, default=SpeculativeRAGConfig.retrieve_k)
@@ -221,6 +191,7 @@ class _DatasetRun:
     docs: list[list[Document]]
     retrieve_s: list[float]
     outputs: dict[str, list[Any]]
+    done: dict[str, dict[str, Any]] = field(default_factory=dict)  # resumed: id -> results
 
 
 def _prepare(name: str, args: argparse.Namespace, engine: SpeculativeRAG,
@@ -238,71 +209,6 @@ def _prepare(name: str, args: argparse.Namespace, engine: SpeculativeRAG,
     return _DatasetRun(name, len(corpus), questions, docs, retrieve_s, {m: [] for m in methods})
 
 
-def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG) -> dict[str, Any]:
-    """The DESIGN §3 report over the questions measured so far."""
-    n = len(next(iter(state.outputs.values())))
-    questions, retrieve_s = state.questions[:n], state.retrieve_s[:n]
-    outputs = dict(state.outputs)
-    variants = list(SCORE_VARIANTS)  # free: re-selections of the specrag drafts
-    if "specrag" in outputs:
-        for variant in variants:
-            outputs[variant] = [reselect(o, variant, engine.config) for o in outputs["specrag"]]
-    results = {name: _summary(state.name, questions, outs,
-                              [o.stats.total_s + r for o, r in zip(outs, retrieve_s, strict=True)])
-               for name, outs in outputs.items()}
-    cfg = engine.config
-    report = make_report(
-        engine="specrag", dataset=state.name, device=str(engine.drafter.device), methods=results,
-        models={"drafter": args.drafter, "verifier": args.verifier, "embedder": args.embedder,
-                "dtype": str(engine.drafter.dtype)},
-        primary_baseline="rag_verifier" if "rag_verifier" in results else next(iter(results)),
-        extra={"config": {"num_drafts": cfg.num_drafts, "docs_per_draft": cfg.docs_per_draft,
-                          "retrieve_k": cfg.retrieve_k, "max_draft_tokens": cfg.max_draft_tokens},
-               "limit": args.limit, "corpus_size": state.corpus_size,
-               "mean_retrieve_s": statistics.fmean(retrieve_s),
-               "latency_note": "per question: method wall time + shared retrieval time",
-               "majority_label_rate": _majority_rate(questions),
-               "draft_oracle_accuracy": _draft_oracle(state.name, questions, outputs),
-               "load_average": [round(x, 2) for x in os.getloadavg()],
-               "examples": [{"id": q["id"], "question": q["question"], "gold": q["gold"],
-                             **{m: r.outputs[i] for m, r in results.items()},
-                             **_drafts_of(state.outputs, i)}
-                            for i, q in enumerate(questions)]})
-    base = report["methods"].get("rag_verifier")
-    if base:  # speed-up = latency ratio (answers have different lengths: tokens/s misleads)
-        report["speedup"] = {m: round(base["wall_s"] / r["wall_s"], 3)
-                             for m, r in report["methods"].items() if r["wall_s"] > 0}
-    return report
-
-
-_DRAFT_FIELDS = ("answer", "parsed", "log_draft", "draft_tokens", "log_self_contain",
-                 "self_contain_tokens", "log_self_reflect")
-
-
-def _drafts_of(outputs: dict[str, list[Any]], i: int) -> dict[str, list[dict[str, Any]]]:
-    """Question ``i``'s drafts and scores per drafting method, so selections can be re-run offline."""
-    return {f"{name}_drafts": [{f: getattr(d, f) for f in _DRAFT_FIELDS} for d in outs[i].drafts]
-            for name, outs in outputs.items() if hasattr(outs[i], "drafts")}
-
-
-def _draft_oracle(dataset: str, questions: list[dict[str, Any]], outputs: dict[str, list[Any]]
-                  ) -> dict[str, float]:
-    """Share of questions where at least one draft is right: the ceiling of any selection."""
-    oracle = {}
-    for name, outs in outputs.items():
-        if outs and hasattr(outs[0], "drafts"):
-            hits = [any(is_correct(dataset, d.answer, q["gold"]) for d in o.drafts)
-                    for q, o in zip(questions, outs, strict=True)]
-            oracle[name] = round(sum(hits) / len(hits), 4)
-    return oracle
-
-
-def _majority_rate(questions: list[dict[str, Any]]) -> float:
-    """Accuracy of always giving the most common first gold answer (the trivial baseline)."""
-    counts = Counter(q["gold"][0] for q in questions)
-    return round(max(counts.values()) / len(questions), 4)
-
-
 def _path(pattern: str | None, dataset: str, several: bool) -> str | None:
     if pattern is None or "{dataset}" in pattern or not several:
         return pattern.format(dataset=dataset) if pattern else None
@@ -315,63 +221,79 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     Methods run interleaved (all methods on question i before question i+1) and several
     datasets run round-robin, so load drift on a shared machine hits every method alike. The
-    reports are rewritten after every question, so an interrupted run still leaves numbers.
+    reports are rewritten and every question's results appended to the records file beside
+    ``--out`` after every question, so an interrupted run keeps its numbers and ``--resume``
+    continues it (:mod:`.specrag_records`).
     """
-    from shared_core.models import load_embedder
-
-    names = [d.strip() for d in args.dataset.split(",") if d.strip()]
+    names = _names(args.dataset)
     unknown = [d for d in names if d not in DATASETS]
     if unknown or not names:
         msg = f"--dataset must be one or more of {', '.join(DATASETS)}, got {args.dataset!r}"
         raise ValueError(msg)
-    if args.remote:
-        args.drafter = args.verifier = args.remote
-    config = SpeculativeRAGConfig(num_drafts=args.num_drafts, docs_per_draft=args.docs_per_draft,
-                                  retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens)
-    engine = SpeculativeRAG(args.drafter, args.verifier, embedder=load_embedder(args.embedder),
-                            config=config, dtype=args.dtype)
+    if args.resume and not args.out:
+        msg = "--resume needs --out (the records file lies beside the report)"
+        raise ValueError(msg)
+    engine = _engine(args)
     methods = build_methods(engine, args)
     states = [_prepare(name, args, engine, methods, warm_up=i == 0) for i, name in enumerate(names)]
-    reports: dict[str, dict[str, Any]] = {}
     several = len(states) > 1
+    reports: dict[str, dict[str, Any]] = {}
     for i in range(max(len(s.questions) for s in states)):
         for state in states:
-            if i >= len(state.questions):
-                continue
-            q, q_docs = state.questions[i], state.docs[i]
-            for name, (fn, k) in methods.items():
-                state.outputs[name].append(fn(q["question"], q_docs[:k]))
-            reports[state.name] = _report(state, args, engine)
-            write_report(reports[state.name], _path(args.out, state.name, several))
-            logger.info("%s %d/%d: %s", state.name, i + 1, len(state.questions), {
-                m: (r["quality"]["accuracy"], r["quality"]["latency_mean_s"])
-                for m, r in reports[state.name]["methods"].items()})
+            if i < len(state.questions):
+                reports[state.name] = _measure(state, i, methods, args, engine, several)
     for name, report in reports.items():
         plot_accuracy_latency(report, _path(args.plot, name, several))
     return reports[names[0]] if not several else {"engine": "specrag", "reports": reports}
 
 
-def plot_accuracy_latency(report: dict[str, Any], out: str | Path | None) -> None:
-    """Scatter of accuracy vs mean latency per question, one labelled point per method."""
-    if out is None:
-        return
-    import matplotlib
+def _engine(args: argparse.Namespace) -> SpeculativeRAG:
+    from shared_core.models import load_embedder
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    if args.remote:
+        args.drafter = args.verifier = args.remote
+    config = SpeculativeRAGConfig(num_drafts=args.num_drafts, docs_per_draft=args.docs_per_draft,
+                                  retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens)
+    return SpeculativeRAG(args.drafter, args.verifier, embedder=load_embedder(args.embedder),
+                          config=config, dtype=args.dtype, backend=args.backend)
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in report["methods"].items():
-        x, y = r["quality"]["latency_mean_s"], 100 * r["quality"]["accuracy"]
-        ax.scatter(x, y, color="tab:red" if name.startswith("specrag") else "tab:blue")
-        ax.annotate(name, (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("latency per question (s)")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"Speculative RAG on {report['dataset']} (n={report['n']})")
-    fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+
+def _signature(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG
+               ) -> dict[str, Any]:
+    cfg = engine.config
+    return {"dataset": state.name, "drafter": args.drafter, "verifier": args.verifier,
+            "embedder": args.embedder, "backend": args.backend, "dtype": args.dtype,
+            "config": [cfg.num_drafts, cfg.docs_per_draft, cfg.retrieve_k,
+                       cfg.max_draft_tokens, cfg.max_answer_tokens],
+            "methods": sorted(state.outputs)}
+
+
+def _measure(state: _DatasetRun, i: int, methods: dict[str, Any], args: argparse.Namespace,
+             engine: SpeculativeRAG, several: bool) -> dict[str, Any]:
+    """Question ``i`` of one dataset: every method in turn (or its earlier record), then the
+    report rewritten and the record appended."""
+    out = _path(args.out, state.name, several)
+    records = records_path(out)
+    if records is not None and i == 0:
+        signature = _signature(state, args, engine)
+        state.done = load_records(records, signature) if args.resume else {}
+        if not args.resume and records.is_file():
+            records.unlink()
+        start_records(records, signature)
+    q, q_docs = state.questions[i], state.docs[i]
+    earlier = state.done.get(q["id"])
+    results = earlier or {name: fn(q["question"], q_docs[:k]) for name, (fn, k) in methods.items()}
+    for name, result in results.items():
+        state.outputs[name].append(result)
+    if records is not None and earlier is None:
+        append_record(records, q["id"], results)
+    report = build_report(state, args, engine)
+    write_report(report, out)
+    logger.info("%s %d/%d%s: %s", state.name, i + 1, len(state.questions),
+                " (recorded earlier)" if earlier else "",
+                {m: (r["quality"]["accuracy"], r["quality"]["latency_mean_s"])
+                 for m, r in report["methods"].items()})
+    return report
 
 
 if __name__ == "__main__":

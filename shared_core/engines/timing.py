@@ -21,3 +21,23 @@ def timed(target: Any, name: str) -> Iterator[None]:
             target[name] = target.get(name, 0.0) + elapsed
         else:
             setattr(target, name, getattr(target, name) + elapsed)
+
+
+class PhaseClock:
+    """Wall time of one generate call split where the prompt's first logits exist: prefill
+    (reading the prompt) and decode (every later step). The runtime calls :meth:`prefilled`
+    once its prompt pass is done; a call that never reaches it counts as all prefill."""
+
+    def __init__(self) -> None:
+        self.start = time.perf_counter()
+        self.first: float | None = None
+
+    def prefilled(self) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+
+    def split(self) -> tuple[float, float]:
+        """(prefill seconds, decode seconds) up to now."""
+        end = time.perf_counter()
+        first = end if self.first is None else self.first
+        return first - self.start, end - first

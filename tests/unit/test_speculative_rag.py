@@ -409,7 +409,9 @@ def test_engine_retrieve_accepts_langchain_and_llamaindex_retrievers():
 # ---------------------------------------------------------------- benchmark helpers (no models)
 
 def test_bench_metrics_and_reselection():
-    from shared_core.bench.specrag import _draft_oracle, _drafts_of, _path, is_correct, reselect
+    from shared_core.bench.specrag import _path
+    from shared_core.bench.specrag_data import is_correct
+    from shared_core.bench.specrag_report import _draft_oracle, _drafts_of, reselect
     from shared_core.engines.speculative_rag import SpeculativeRAGResult, SpeculativeRAGStats
 
     assert is_correct("nq", "It was Wilhelm Conrad Röntgen.", ["Wilhelm Conrad Röntgen"])

@@ -47,7 +47,7 @@ from shared_core.engines.speculative_rag.subsets import (
     random_subsets,
     same_cluster_subsets,
 )
-from shared_core.engines.timing import timed
+from shared_core.engines.timing import PhaseClock, timed
 from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import check_retriever, retrieve, to_documents
@@ -216,8 +216,10 @@ class SpeculativeRAG:
                    for s in subsets]
         for p in prompts:
             check_length(lm, p, cfg.max_draft_tokens + cfg.max_answer_tokens, "a draft prompt")
+        clock = PhaseClock()
         rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill=prefill,
-                              answer_first=answer_first)
+                              answer_first=answer_first, clock=clock)
+        stats.draft_prefill_s, stats.draft_decode_s = clock.split()
         texts = [prefill + lm.decode(ids) for ids, _ in rows]
         todo = [i for i, t in enumerate(texts) if not parse(t)[2]]
         if todo and cfg.force_answer_line and not answer_first:
@@ -331,11 +333,13 @@ def standard_rag(lm: LM, question: str, documents: Sequence[Any],
     docs, _ = drop_blank(to_documents(documents))
     prompt = rag_prompt(lm, question, docs)
     check_length(lm, prompt, max_new_tokens, "the standard-RAG prompt")
-    start = time.perf_counter()
-    [(ids, _)] = generate_batch(lm, [prompt], max_new_tokens, prefill="Answer:")
+    clock = PhaseClock()
+    [(ids, _)] = generate_batch(lm, [prompt], max_new_tokens, prefill="Answer:", clock=clock)
+    prefill_s, decode_s = clock.split()
     raw = "Answer:" + lm.decode(ids)
     _, answer, ok = parse_draft(raw)
     stats = StandardRAGStats(num_documents=len(docs), prompt_tokens=len(prompt),
                              new_tokens=len(ids), parse_fallbacks=int(not ok),
-                             generate_s=time.perf_counter() - start)
+                             generate_s=prefill_s + decode_s, prefill_s=prefill_s,
+                             decode_s=decode_s)
     return StandardRAGResult(text=answer, raw=raw, documents=tuple(docs), stats=stats)

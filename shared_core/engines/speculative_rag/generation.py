@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared_core.engines.speculative_rag.prompts import ANSWER_LINE_DONE, RATIONALE_DONE
+from shared_core.engines.timing import PhaseClock
 
 if TYPE_CHECKING:
     import torch
@@ -27,9 +28,10 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 def _stop_criteria(lm: LM, prompt_len: int, prefill: str, done_pattern: re.Pattern[str] | None,
-                   lengths: list[int]) -> Any:
+                   lengths: list[int], clock: PhaseClock | None) -> Any:
     """Per-row stop: EOS, or ``done_pattern`` found in the text (e.g. a completed ``Answer: …``
-    line); records each row's length."""
+    line); records each row's length, and the end of the prompt pass on ``clock`` (the first
+    call follows the forward that read the prompts)."""
     import torch
     from transformers import StoppingCriteria
 
@@ -37,6 +39,8 @@ def _stop_criteria(lm: LM, prompt_len: int, prefill: str, done_pattern: re.Patte
 
     class _Stop(StoppingCriteria):
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            if clock is not None:
+                clock.prefilled()
             new = input_ids[:, prompt_len:]
             done = []
             for row in range(new.shape[0]):
@@ -54,12 +58,13 @@ def _stop_criteria(lm: LM, prompt_len: int, prefill: str, done_pattern: re.Patte
 
 def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int, *,
                    prefill: str = "", stop_on_answer_line: bool = True,
-                   answer_first: bool = False
+                   answer_first: bool = False, clock: PhaseClock | None = None
                    ) -> list[tuple[list[int], list[float]]]:
     """Greedy-generate all rows in ONE left-padded batch; per row (new ids, log P of each).
 
     Log-probabilities come from the model's raw (unprocessed) distribution, for the row's own
-    tokens up to and including its stop token.
+    tokens up to and including its stop token. ``clock`` learns when the prompts were read (in
+    process only: a served model's call is one request, left unsplit).
     """
     pattern = (RATIONALE_DONE if answer_first else ANSWER_LINE_DONE) if stop_on_answer_line else None
     if getattr(lm, "served", False):
@@ -68,14 +73,15 @@ def generate_batch(lm: LM, prompts: Sequence[Sequence[int]], max_new_tokens: int
     if parallel is not None:  # llama.cpp: the rows are sequences of one context, one decode a step
         eos = set(lm.eos_token_ids)
         return parallel(prompts, max_new_tokens, lambda row, ids: ids[-1] in eos or (
-            pattern is not None and bool(pattern.search(prefill + lm.decode(ids)))))
+            pattern is not None and bool(pattern.search(prefill + lm.decode(ids)))),
+            None if clock is None else clock.prefilled)
     import torch
 
     pad_id = lm.tokenizer.pad_token_id
     pad_id = pad_id if pad_id is not None else next(iter(lm.eos_token_ids), 0)
     ids, mask = _left_pad(prompts, pad_id)
     lengths = [-1] * len(prompts)
-    stop = _stop_criteria(lm, ids.shape[1], prefill, pattern, lengths)
+    stop = _stop_criteria(lm, ids.shape[1], prefill, pattern, lengths, clock)
     with torch.inference_mode():
         out = lm.model.generate(
             input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),

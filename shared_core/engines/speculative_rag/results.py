@@ -36,6 +36,8 @@ class SpeculativeRAGStats(RAGStats):
     verify_tokens: int = 0
     sample_s: float = 0.0
     draft_s: float = 0.0
+    draft_prefill_s: float = 0.0  # the drafter reading its m prompts (in draft_s)
+    draft_decode_s: float = 0.0  # the drafter's decoding steps (in draft_s)
     verify_s: float = 0.0
 
 
@@ -83,6 +85,8 @@ class StandardRAGStats(RAGStats):
     prompt_tokens: int = 0
     new_tokens: int = 0
     generate_s: float = 0.0
+    prefill_s: float = 0.0  # reading the prompt with every document (in generate_s)
+    decode_s: float = 0.0  # the answer's decoding steps (in generate_s)
 
 
 @dataclass(frozen=True)

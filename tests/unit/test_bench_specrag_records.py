@@ -1,0 +1,77 @@
+"""The Speculative RAG benchmark's records: a question's results survive a round trip, a run
+with other settings is refused, and a line cut off by an interrupted write is dropped."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shared_core.bench.specrag_records import (
+    append_record,
+    load_records,
+    record_of,
+    records_path,
+    start_records,
+)
+from shared_core.engines.speculative_rag import (
+    Draft,
+    SpeculativeRAGResult,
+    SpeculativeRAGStats,
+    StandardRAGResult,
+    StandardRAGStats,
+)
+from shared_core.retrieval.base import Document
+
+SIGNATURE = {"dataset": "nq", "methods": ["rag_verifier", "specrag"]}
+
+
+def _results() -> dict:
+    docs = (Document("d0", "text zero"), Document("d1", "text one"))
+    draft = Draft("Paris", "because", "Rationale: because\nAnswer: Paris", ("d0", "d1"), (0, 1),
+                  True, log_draft=-1.5, log_self_contain=-3.25, log_self_reflect=-0.5,
+                  score=-5.25, draft_tokens=7, self_contain_tokens=9)
+    spec = SpeculativeRAGResult("Paris", "because", 0, (draft,), docs,
+                                SpeculativeRAGStats(num_documents=2, draft_prefill_s=0.25,
+                                                    draft_decode_s=0.5, verify_s=0.125,
+                                                    cluster_sizes=[1, 1]))
+    std = StandardRAGResult("Lyon", "Answer: Lyon", docs,
+                            StandardRAGStats(prompt_tokens=40, prefill_s=1.0, decode_s=0.5))
+    return {"specrag": spec, "rag_verifier": std}
+
+
+def test_records_round_trip(tmp_path: Path) -> None:
+    path = records_path(str(tmp_path / "r.json"))
+    assert path == tmp_path / "r.records.jsonl"
+    start_records(path, SIGNATURE)
+    results = _results()
+    append_record(path, "q1", results)
+    [restored] = load_records(path, SIGNATURE).values()
+    spec, std = restored["specrag"], restored["rag_verifier"]
+    assert spec.drafts == results["specrag"].drafts  # every score, index and id
+    assert spec.stats == results["specrag"].stats and std.stats == results["rag_verifier"].stats
+    assert (spec.text, spec.best, std.text, std.raw) == ("Paris", 0, "Lyon", "Answer: Lyon")
+    assert [d.id for d in spec.documents] == ["d0", "d1"]
+    assert record_of(spec) == record_of(results["specrag"]) | {
+        "doc_ids": ["d0", "d1"]}  # texts are not stored, ids are
+
+
+def test_records_refuse_other_settings(tmp_path: Path) -> None:
+    path = tmp_path / "r.records.jsonl"
+    start_records(path, SIGNATURE)
+    with pytest.raises(ValueError, match="other settings"):
+        load_records(path, {**SIGNATURE, "dataset": "squad"})
+    assert load_records(tmp_path / "none.jsonl", SIGNATURE) == {}
+
+
+def test_records_drop_a_line_cut_mid_write(tmp_path: Path) -> None:
+    path = tmp_path / "r.records.jsonl"
+    start_records(path, SIGNATURE)
+    append_record(path, "q1", _results())
+    full = path.read_text()
+    path.write_text(full + json.dumps({"id": "q2", "methods": {}})[:15])  # killed mid-line
+    assert list(load_records(path, SIGNATURE)) == ["q1"]
+    assert path.read_text() == full  # the next append starts on a line of its own
+    append_record(path, "q2", _results())
+    assert list(load_records(path, SIGNATURE)) == ["q1", "q2"]
