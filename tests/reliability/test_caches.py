@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 from tiny import tiny_llama, tiny_tokenizer
 
-from shared_core import embedded, models
-from shared_core.embedded import EmbeddedLM, assembled_gguf, build_lock
+from shared_core import embedded, models, weights_cache
+from shared_core.embedded import EmbeddedLM, assembled_gguf, build_lock, file_stamp
 from shared_core.weights_cache import MANIFEST, cache_is_valid, write_cache
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +54,58 @@ def test_written_cache_is_valid_and_a_changed_file_is_detected(cache):
     assert not cache_is_valid(folder)
     (folder / "config.json").unlink()
     assert not cache_is_valid(folder)
+
+
+def _after_a_clock_tick(path: Path) -> None:
+    """Return once the file system's (coarse) change-time clock has moved past ``path``'s."""
+    probe = path.with_name("clock-probe")
+    while True:
+        probe.write_bytes(b"")
+        if probe.stat().st_ctime_ns > path.stat().st_ctime_ns:
+            probe.unlink()
+            return
+
+
+def test_overwritten_in_place_with_size_and_mtime_restored_is_rebuilt(cache, caplog):
+    """Row 2: size and mtime kept (``os.utime``) used to pass; the inode change time cannot be
+    set back, so the digest is read again and the changed file refused with a warning."""
+    folder = _written_cache(cache / "models" / "tiny")
+    weights = folder / "model.safetensors"
+    before = weights.stat()
+    stamp = json.loads((folder / MANIFEST).read_text())["files"][weights.name]["stamp"]
+    _after_a_clock_tick(weights)
+    with weights.open("r+b") as fh:  # the last byte of the last tensor, in place
+        fh.seek(-1, os.SEEK_END)
+        last = fh.read(1)
+        fh.seek(-1, os.SEEK_END)
+        fh.write(bytes([last[0] ^ 0xFF]))
+    os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert file_stamp(weights) == stamp  # what the size + mtime check saw: unchanged
+    with caplog.at_level(logging.WARNING, logger="shared_core.weights_cache"):
+        assert not cache_is_valid(folder)
+    assert "model.safetensors: changed since it was written (SHA-256 differs)" in caplog.text
+
+
+def test_a_damaged_safetensors_header_is_refused_before_any_digest(cache, caplog, monkeypatch):
+    folder = _written_cache(cache / "models" / "tiny")
+    weights = folder / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as fh:
+        fh.write((size * 2).to_bytes(8, "little"))  # a header longer than the file
+    monkeypatch.setattr(weights_cache, "sha256_file", lambda path: pytest.fail("digest read"))
+    with caplog.at_level(logging.WARNING, logger="shared_core.weights_cache"):
+        assert not cache_is_valid(folder)
+    assert "safetensors header does not match its size" in caplog.text
+
+
+def test_a_touched_but_intact_file_is_digested_once_then_trusted(cache, monkeypatch):
+    folder = _written_cache(cache / "models" / "tiny")
+    real, digests = weights_cache.sha256_file, []
+    monkeypatch.setattr(weights_cache, "sha256_file", lambda p: digests.append(p.name) or real(p))
+    assert cache_is_valid(folder) and digests == []  # as written: the cheap checks vouch
+    os.utime(folder / "config.json", ns=(1, 1))
+    assert cache_is_valid(folder) and digests == ["config.json"]
+    assert cache_is_valid(folder) and digests == ["config.json"]  # stamps refreshed: paid once
 
 
 def _spawn(code: str, env_cache: Path) -> subprocess.Popen:
