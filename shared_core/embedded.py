@@ -15,7 +15,6 @@ upstream Apache-2.0 licence is the one we name.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -28,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from shared_core.file_lock import exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -166,20 +167,18 @@ def is_installed(alias: str) -> bool:
 
 
 @contextlib.contextmanager
-def build_lock(target: Path) -> Iterator[None]:
+def build_lock(target: Path, timeout_s: float | None = None) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``<target>.lock`` while one process builds ``target``.
 
     Inside the lock no other specrag process is writing ``target``, so every leftover
-    ``<target>.tmp-*`` sibling belongs to a writer that died, and is removed.
+    ``<target>.tmp-*`` sibling belongs to a writer that died, and is removed. A waiter names the
+    holder's pid and state in a warning, and raises :class:`~shared_core.file_lock.
+    LockTimeoutError` after ``timeout_s`` (default ``$SPECRAG_LOCK_TIMEOUT_S`` or 30 min): a
+    stopped holder no longer blocks every other load forever.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / (target.name + ".lock"), "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            remove_stale_temps(target)
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with exclusive(target.parent / (target.name + ".lock"), timeout_s):
+        remove_stale_temps(target)
+        yield
 
 
 def remove_stale_temps(target: Path) -> list[Path]:

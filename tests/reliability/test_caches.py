@@ -6,6 +6,7 @@ Killed writers are real processes killed with SIGKILL; part packages are real fo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +22,7 @@ from tiny import tiny_llama, tiny_tokenizer
 
 from shared_core import embedded, models, weights_cache
 from shared_core.embedded import EmbeddedLM, assembled_gguf, build_lock, file_stamp
+from shared_core.file_lock import LockTimeoutError
 from shared_core.weights_cache import MANIFEST, cache_is_valid, write_cache
 
 REPO = Path(__file__).resolve().parents[2]
@@ -147,6 +149,79 @@ def test_stale_temp_of_a_killed_writer_is_removed_but_a_live_writers_is_not(cach
     writer.wait(timeout=30)
     with build_lock(target):
         assert not tmp.exists()  # the dead writer's half-written folder is gone
+
+
+def _state(pid: int) -> str:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def _end(*processes: subprocess.Popen) -> None:
+    for process in processes:
+        if process.poll() is None:
+            process.kill()  # SIGKILL ends a stopped process too
+        process.wait(timeout=30)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc")
+def test_a_stopped_lock_holder_times_out_naming_the_lock_file_and_pid(cache, caplog):
+    """Row 5: a holder stopped with SIGSTOP used to make every other load wait forever."""
+    target = cache / "models" / "tiny"
+    holder = _spawn(f"""
+        import time
+        from pathlib import Path
+        from shared_core.embedded import build_lock
+        with build_lock(Path({str(target)!r})):
+            print("locked", flush=True)
+            time.sleep(120)
+    """, cache)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        holder.send_signal(signal.SIGSTOP)
+        while _state(holder.pid) not in "Tt":  # the signal is delivered asynchronously
+            pass
+        with caplog.at_level(logging.WARNING, logger="shared_core.file_lock"), \
+                pytest.raises(LockTimeoutError) as info, build_lock(target, timeout_s=0.5):
+            pytest.fail("entered a lock that a stopped process holds")
+        message = str(info.value)
+        assert f"{target}.lock" in message and f"pid {holder.pid}" in message
+        assert "stopped" in message and f"kill -CONT {holder.pid}" in message
+        assert f"pid {holder.pid}" in caplog.text  # the waiter said whom it waited for
+    finally:
+        _end(holder)
+    with build_lock(target, timeout_s=5):  # the kernel released the killed holder's lock
+        pass
+
+
+def test_a_gone_holder_whose_lock_was_inherited_is_named(cache):
+    target = cache / "models" / "tiny"
+    holder = _spawn(f"""
+        import os, subprocess
+        from pathlib import Path
+        from shared_core.embedded import build_lock
+        with build_lock(Path({str(target)!r})):
+            # a child inherits the open lock file; the holder then dies without unlocking
+            fds = [int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2]
+            heir = subprocess.Popen(["sleep", "120"], pass_fds=fds)
+            print(heir.pid, flush=True)
+            os._exit(0)
+    """, cache)
+    heir_pid = int(holder.stdout.readline().strip())
+    try:
+        holder.wait(timeout=30)
+        gone = rf"pid {holder.pid}, which is no longer running; a process that inherited"
+        with pytest.raises(LockTimeoutError, match=gone), build_lock(target, timeout_s=0.3):
+            pytest.fail("entered a lock that a live process holds")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(heir_pid, signal.SIGKILL)
+        _end(holder)
+
+
+@pytest.mark.parametrize(("value", "error"), [("soon", ValueError), ("0", ValueError)])
+def test_a_bad_lock_timeout_setting_is_named(cache, monkeypatch, value, error):
+    monkeypatch.setenv("SPECRAG_LOCK_TIMEOUT_S", value)
+    with pytest.raises(error, match="SPECRAG_LOCK_TIMEOUT_S"), build_lock(cache / "models" / "tiny"):
+        pass
 
 
 def _part_package(root: Path, name: str, payload: bytes) -> tuple[str, str]:
