@@ -68,7 +68,7 @@ class _Retries:
     the sync and async request methods only send, and sleep for as long as this says."""
 
     def __init__(self, method: str, url: str, config: RemoteConfig, retries: int | None) -> None:
-        self.method, self.url = method, url
+        self.method, self.url = method, redact(url)
         self.attempts = 1 + (config.max_retries if retries is None else retries)
         self._backoff = config.backoff
 
@@ -139,7 +139,7 @@ class Transport:
             await asyncio.sleep(value)
 
     def __repr__(self) -> str:
-        return f"Transport({self.base_url!r})"
+        return f"Transport({redact(self.base_url)!r})"
 
     def __reduce__(self) -> Any:
         msg = "a Transport holds open connections and credentials; it is not picklable"

@@ -90,7 +90,8 @@ class RemoteLM:
         if config is not None and not isinstance(config, RemoteConfig):
             msg = f"config must be a RemoteConfig or None, got {type(config).__name__}"
             raise TypeError(msg)
-        self.url = split_credentials(url.rstrip("/"))[0]  # credentials: only in the transport
+        # for messages, logs and reprs: credentials live only in the transport
+        self.url = redact(split_credentials(url.rstrip("/"))[0])
         self.config = config or RemoteConfig()
         self.http = Transport(url, api_key=api_key, config=self.config, transport=transport)
         self.engine = self._detect_engine() if engine == "auto" else engine

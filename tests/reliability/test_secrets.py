@@ -102,6 +102,13 @@ def test_server_answers_are_short_sanitised_and_redacted(caplog) -> None:
     assert pickle.loads(pickle.dumps(err)).status == 401
 
 
+def test_a_key_in_the_url_query_stays_out_of_messages(caplog) -> None:
+    with pytest.raises(RemoteError) as info:
+        RemoteLM(f"http://127.0.0.1:9/?api_key={API_KEY}", config=FAST)
+    assert "api_key=***" in str(info.value)
+    assert leaks(info.value) == [] and logged(caplog) == []
+
+
 def test_adapters_wrapping_a_url_hold_no_secret(caplog) -> None:
     url = f"{CLOSED}/v1"
     chat = ChatSpeculative(model=url)
