@@ -32,7 +32,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared_core.embedded import file_stamp, sha256_file, temp_sibling
+from shared_core.embedded import file_identity, file_stamp, sha256_file, temp_sibling
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -65,12 +65,6 @@ def manifest_files(folder: Path) -> dict[str, dict[str, Any]] | None:
     well_formed = all(isinstance(v, dict) and isinstance(v.get("sha256"), str) for v in files.values())
     has_weights = "config.json" in files and any(n.endswith(".safetensors") for n in files)
     return files if well_formed and has_weights else None
-
-
-def file_identity(path: Path) -> str:
-    """Inode and change time: unlike the mtime, a write in place cannot restore them."""
-    stat = path.stat()
-    return f"{stat.st_ino}:{stat.st_ctime_ns}"
 
 
 def safetensors_intact(path: Path) -> bool:

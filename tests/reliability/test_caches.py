@@ -255,6 +255,20 @@ def test_parts_are_assembled_under_the_cache_and_verified(cache, part_packages):
     assert assembled_gguf(entry).read_bytes() == whole
 
 
+def test_an_assembled_gguf_overwritten_in_place_with_its_stamp_kept_is_rebuilt(
+        cache, part_packages, caplog):
+    entry, whole = part_packages
+    path = assembled_gguf(entry)
+    before = path.stat()
+    _after_a_clock_tick(path)
+    with path.open("r+b") as fh:
+        fh.write(b"X")  # same size
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # same mtime
+    with caplog.at_level(logging.WARNING, logger="shared_core.embedded"):
+        assert assembled_gguf(entry).read_bytes() == whole
+    assert "changed since it was assembled (SHA-256 differs)" in caplog.text
+
+
 def test_a_wrong_digest_leaves_no_file(cache, part_packages):
     entry, _ = part_packages
     bad = EmbeddedLM(**{**entry.__dict__, "sha256": "0" * 64})
