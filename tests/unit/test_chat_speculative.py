@@ -17,8 +17,9 @@ from shared_core.engines.baseline import autoregressive_generate
 
 @pytest.fixture(scope="module")
 def chat(tiny_target):
+    # measure_cost=False: draft lengths (hence accepted / rounds) then depend on no timing
     return ChatSpeculative(lm=tiny_target, model="tiny", max_tokens=16,
-                           engine_options={"use_trigger": False})
+                           engine_options={"use_trigger": False, "measure_cost": False})
 
 
 MESSAGES = [SystemMessage("Be brief."), HumanMessage("0 1 2 3 4 5 6 7")]
