@@ -19,6 +19,7 @@ from langchain_specrag.chat_models.speculative import ChatSpeculative
 from langchain_specrag.runnables.ralmspec import RaLMSpecRunnable
 from langchain_specrag.runnables.speculative_rag import SpeculativeRAGRunnable
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
+from llamaindex_specrag.query_engines.ralmspec import RaLMSpecQueryEngine
 from shared_core.models import load_lm
 from shared_core.redact import EXCERPT_CHARS, excerpt, redact
 from shared_core.remote import RemoteConfig, RemoteError, RemoteLM
@@ -115,8 +116,9 @@ def test_adapters_wrapping_a_url_hold_no_secret(caplog) -> None:
     llm = SpeculativeLLM(model=url, context_window=2048)  # metadata without loading
     ralm = RaLMSpecRunnable(model=url)
     specrag = SpeculativeRAGRunnable(drafter=url, verifier=url)
+    query_engine = RaLMSpecQueryEngine(model=url)
     views = [chat._identifying_params, chat._get_ls_params(), llm.metadata]
-    assert leaks(chat, llm, ralm, specrag, *views) == []
+    assert leaks(chat, llm, ralm, specrag, query_engine, *views) == []
     with pytest.raises(ValueError, match="served model's URL") as info:
         chat.invoke("hello")
     assert leaks(info.value) == [] and logged(caplog) == []
