@@ -40,6 +40,7 @@ from shared_core.config import (
 from shared_core.constrained import Constraint, grammar_mask, xgrammar_available
 from shared_core.engines.registry import check_engine, stream_engine
 from shared_core.output import check_generation_field, generation_config, validate_messages
+from shared_core.redact import redacted_repr_args, strip_credentials
 from shared_core.retrieval.frameworks import to_documents
 from shared_core.serving import FairLock, loaded_model, lock_for, step_locked
 from shared_core.tool_calls import (
@@ -113,10 +114,15 @@ class ChatSettings(BaseModel):
         """The LM passed in by the caller (None: the shared cache's)."""
         return None
 
+    def __repr_args__(self) -> Any:
+        return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
+
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the settings, never the weights: an instance built with a preloaded ``lm``
-        reloads that model by name through the shared model cache on first use."""
-        fields = {name: getattr(self, name) for name in self.model_fields_set if name != "lm"}
+        reloads that model by name through the shared model cache on first use. Credentials
+        in a URL are not pickled."""
+        fields = {name: strip_credentials(getattr(self, name))
+                  for name in self.model_fields_set if name != "lm"}
         lm = self._preloaded_lm()
         reload_as = ((lm.name, self.device, self.dtype, getattr(lm, "backend", "torch"))
                      if lm is not None else self._reload_as)

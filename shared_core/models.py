@@ -46,6 +46,7 @@ from shared_core.model_sources import (
     quiet_progress_bars,
     resolve_lm_source,
 )
+from shared_core.redact import redact
 
 if TYPE_CHECKING:
     import torch
@@ -199,6 +200,10 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         msg = "name_or_path must be a non-empty string"
+        raise ValueError(msg)
+    if name_or_path.strip().lower().startswith(("http://", "https://")):
+        msg = (f"name_or_path={redact(name_or_path)!r} is a served model's URL; load_lm loads an "
+               "alias, hub id, folder or .gguf file: connect with shared_core.remote.RemoteLM(url)")
         raise ValueError(msg)
     if cpu_linears not in CPU_LINEARS:
         msg = f"cpu_linears={cpu_linears!r} must be one of {CPU_LINEARS}"

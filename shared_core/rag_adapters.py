@@ -38,6 +38,7 @@ from shared_core.rag_config import (
     check_prompt,
 )
 from shared_core.rag_pickle import portable_state
+from shared_core.redact import redacted_repr_args
 from shared_core.retrieval.base import check_retriever_like
 
 if TYPE_CHECKING:
@@ -317,6 +318,9 @@ class RaLMSpecSettings(BaseModel):
 
     def _engine(self) -> RaLMSpec:
         return self._engines.get(self)
+
+    def __repr_args__(self) -> Any:
+        return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings only: a prebuilt ``engine`` pickles as its model name (reloaded on use)."""

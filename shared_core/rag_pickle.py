@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_core.embedded import EMBEDDED_LMS
+from shared_core.redact import strip_credentials
 
 
 def _model_name(model: Any, role: str) -> str | None:
@@ -90,7 +91,9 @@ def portable_engine(engine: Any) -> Any:
 
 
 def portable_state(state: dict[str, Any]) -> dict[str, Any]:
-    """An adapter's ``__dict__`` with its ``engine`` made portable (the rest unchanged)."""
+    """An adapter's ``__dict__`` with its ``engine`` made portable and no URL credentials (the
+    rest unchanged)."""
+    state = {name: strip_credentials(value) for name, value in state.items()}
     if state.get("engine") is None:
         return state
     return {**state, "engine": portable_engine(state["engine"])}

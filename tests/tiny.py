@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import functools
+import math
 import os
 import subprocess
 import sys
+import threading
 import zlib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,6 +38,46 @@ CHAT_TEMPLATE = (
 
 
 @functools.lru_cache(maxsize=1)
+def measured(*figures: object) -> bool:
+    """True when every timed figure is present, a finite number and not negative.
+
+    Timed and rounded figures (seconds, ms, tok/s, speed-ups) vary with load and rounding, so tests
+    check only that they were measured, never how they compare with each other or a threshold.
+    """
+    return all(isinstance(f, (int, float)) and not isinstance(f, bool) and math.isfinite(f)
+               and f >= 0 for f in figures)
+
+
+def record_steps(monkeypatch: Any) -> list[list[int]]:
+    """Patch the chat adapters' engine start so every generation records, in start order, the
+    thread id of each engine step (committed block) it runs: structural evidence of where and
+    how far a generation ran, where a stopwatch would depend on load."""
+    from shared_core import chat_adapters
+
+    runs: list[list[int]] = []
+    real = chat_adapters.stream_engine
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        stream = real(*args, **kwargs)
+        mine: list[int] = []
+        runs.append(mine)
+        blocks = stream._blocks
+
+        def steps() -> Iterator[list[int]]:
+            try:
+                for block in blocks:
+                    mine.append(threading.get_ident())
+                    yield block
+            finally:
+                blocks.close()
+
+        stream._blocks = steps()
+        return stream
+
+    monkeypatch.setattr(chat_adapters, "stream_engine", counted)
+    return runs
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE with ~300 tokens, trained on CORPUS."""
     tok = Tokenizer(models.BPE(unk_token=None))

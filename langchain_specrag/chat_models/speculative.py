@@ -59,6 +59,7 @@ from shared_core.chat_adapters import (
 )
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
 from shared_core.output import GenerationResult
+from shared_core.redact import redact
 from shared_core.serving import FairLock, iterate_in_thread
 from shared_core.tool_calls import InvalidToolCall, ToolCall, check_tool_choice, check_tools
 
@@ -152,13 +153,13 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": self.model, "engine": self.engine, "temperature": self.temperature,
+        return {"model": redact(self.model), "engine": self.engine, "temperature": self.temperature,
                 "max_tokens": self.max_tokens, "engine_options": self.engine_options}
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "specrag"
-        params["ls_model_name"] = kwargs.get("model", self.model)
+        params["ls_model_name"] = redact(kwargs.get("model", self.model))
         params["ls_model_type"] = "chat"
         params["ls_temperature"] = kwargs.get("temperature", self.temperature)
         if self.max_tokens is not None:
@@ -183,7 +184,7 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         usage = UsageMetadata(input_tokens=report["prompt_tokens"],
                               output_tokens=report["completion_tokens"],
                               total_tokens=report["prompt_tokens"] + report["completion_tokens"])
-        metadata = {"model_name": self.model, "finish_reason": report["finish_reason"],
+        metadata = {"model_name": redact(self.model), "finish_reason": report["finish_reason"],
                     "engine": call.engine, "speculative_stats": report["speculative_stats"]}
         return {"usage_metadata": usage, "response_metadata": metadata}
 

@@ -41,6 +41,7 @@ from shared_core.rag_adapters import (
 from shared_core.rag_config import PromptMessages, SpeculativeRAGConfig
 from shared_core.rag_pickle import portable_state
 from shared_core.rag_streams import StageEvent, StreamItem, speculative_rag_stream
+from shared_core.redact import redacted_repr_args
 from shared_core.serving import iterate_in_thread
 
 if TYPE_CHECKING:
@@ -114,6 +115,9 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
 
     def _engine(self) -> SpeculativeRAG:
         return self._engines.get(self)
+
+    def __repr_args__(self) -> Any:
+        return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings only: a prebuilt ``engine`` pickles as its model names (reloaded on use)."""

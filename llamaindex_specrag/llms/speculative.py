@@ -53,6 +53,7 @@ from shared_core.chat_adapters import (
     resolve_model,
 )
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS
+from shared_core.redact import redact
 from shared_core.serving import FairLock, iterate_in_thread
 from shared_core.tool_calls import template_takes_tools
 
@@ -106,7 +107,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         window = self.context_window or self._model()[0].max_context
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
                            is_chat_model=True, is_function_calling_model=True,
-                           model_name=self.model, system_role=MessageRole.SYSTEM)
+                           model_name=redact(self.model), system_role=MessageRole.SYSTEM)
 
     def template_takes_tools(self) -> bool:
         """True if the model's own chat template renders tools (else the format is written in)."""

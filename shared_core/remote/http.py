@@ -1,4 +1,10 @@
-"""Pooled sync + async HTTP with timeouts, retries with exponential back-off and auth headers."""
+"""Pooled sync + async HTTP with timeouts, retries with exponential back-off and auth headers.
+
+Credentials never reach a message, a log line or a repr: a URL's user-info becomes basic auth
+(the URL kept is the one without it), API keys are registered with :mod:`shared_core.redact`, and
+an error quotes at most :data:`~shared_core.redact.EXCERPT_CHARS` redacted characters of the
+server's answer.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +17,7 @@ from typing import Any
 
 import httpx
 
+from shared_core.redact import excerpt, redact, register_secret, split_credentials
 from shared_core.remote.config import API_KEY_ENV, RETRY_STATUSES, RemoteConfig
 
 logger = logging.getLogger(__name__)
@@ -20,12 +27,16 @@ class RemoteError(RuntimeError):
     """A request failed for good (after its retries) or the server refused it."""
 
     def __init__(self, message: str, status: int | None = None) -> None:
-        super().__init__(message)
+        super().__init__(redact(message))
         self.status = status
+
+    def __reduce__(self) -> tuple[type, tuple[str, int | None]]:
+        return type(self), (str(self), self.status)
 
 
 def _headers(api_key: str | None) -> dict[str, str]:
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
+    register_secret(key)
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
@@ -37,7 +48,7 @@ def _retryable(exc: Exception | None, response: httpx.Response | None) -> bool:
 
 def _result(method: str, url: str, response: httpx.Response) -> Any:
     if response.status_code >= 400:
-        msg = f"{method} {url} -> HTTP {response.status_code}: {response.text[:500]}"
+        msg = f"{method} {url} -> HTTP {response.status_code}: {excerpt(response.text)}"
         raise RemoteError(msg, response.status_code)
     if "json" in response.headers.get("content-type", ""):
         return response.json()
@@ -46,8 +57,8 @@ def _result(method: str, url: str, response: httpx.Response) -> Any:
 
 def _failure(method: str, url: str, attempts: int, exc: Exception | None,
              response: httpx.Response | None) -> RemoteError:
-    why = f"{type(exc).__name__}: {exc}" if exc is not None else \
-        f"HTTP {response.status_code}: {response.text[:300]}"  # type: ignore[union-attr]
+    why = f"{type(exc).__name__}: {excerpt(exc)}" if exc is not None else \
+        f"HTTP {response.status_code}: {excerpt(response.text)}"  # type: ignore[union-attr]
     return RemoteError(f"{method} {url} failed after {attempts} attempt(s): {why}",
                        None if response is None else response.status_code)
 
@@ -57,7 +68,7 @@ class _Retries:
     the sync and async request methods only send, and sleep for as long as this says."""
 
     def __init__(self, method: str, url: str, config: RemoteConfig, retries: int | None) -> None:
-        self.method, self.url = method, url
+        self.method, self.url = method, redact(url)
         self.attempts = 1 + (config.max_retries if retries is None else retries)
         self._backoff = config.backoff
 
@@ -67,12 +78,12 @@ class _Retries:
         next attempt; a RemoteError for an error that does not retry or the last attempt."""
         if not _retryable(exc, response):
             if exc is not None:
-                raise RemoteError(f"{self.method} {self.url}: {exc}") from exc
+                raise RemoteError(f"{self.method} {self.url}: {excerpt(exc)}") from exc
             return True, _result(self.method, self.url, response)  # type: ignore[arg-type]
         if attempt + 1 >= self.attempts:
             raise _failure(self.method, self.url, self.attempts, exc, response)
         logger.info("retrying %s %s (attempt %d): %s", self.method, self.url, attempt + 1,
-                    exc or response.status_code)  # type: ignore[union-attr]
+                    excerpt(exc) if exc is not None else response.status_code)  # type: ignore[union-attr]
         return False, self._backoff(attempt)
 
 
@@ -81,10 +92,10 @@ class Transport:
 
     def __init__(self, base_url: str, *, api_key: str | None, config: RemoteConfig,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.base_url, auth = split_credentials(base_url.rstrip("/"))
         self.config = config
         self._kwargs: dict[str, Any] = {
-            "base_url": self.base_url, "headers": _headers(api_key),
+            "base_url": self.base_url, "headers": _headers(api_key), "auth": auth,
             "timeout": httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
             "limits": httpx.Limits(max_connections=config.max_connections,
                                    max_keepalive_connections=config.max_connections),
@@ -126,6 +137,13 @@ class Transport:
             if done:
                 return value
             await asyncio.sleep(value)
+
+    def __repr__(self) -> str:
+        return f"Transport({redact(self.base_url)!r})"
+
+    def __reduce__(self) -> Any:
+        msg = "a Transport holds open connections and credentials; it is not picklable"
+        raise TypeError(msg)
 
     def close(self) -> None:
         self._client.close()

@@ -19,6 +19,7 @@ from typing import Any
 
 from shared_core.config import SamplingConfig, check_choice, check_int, check_text
 from shared_core.models import LM
+from shared_core.redact import redact, split_credentials
 from shared_core.remote import protocol as P
 from shared_core.remote.config import ENGINES, Engine, RemoteConfig
 from shared_core.remote.http import RemoteError, Transport
@@ -83,15 +84,16 @@ class RemoteLM:
                  config: RemoteConfig | None = None, transport: Any = None) -> None:
         check_text(url, "url")
         if not url.startswith(("http://", "https://")):
-            msg = f"url must start with http:// or https://, got {url!r}"
+            msg = f"url must start with http:// or https://, got {redact(url)!r}"
             raise ValueError(msg)
         check_choice(engine, "engine", ENGINES)
         if config is not None and not isinstance(config, RemoteConfig):
             msg = f"config must be a RemoteConfig or None, got {type(config).__name__}"
             raise TypeError(msg)
-        self.url = url.rstrip("/")
+        # for messages, logs and reprs: credentials live only in the transport
+        self.url = redact(split_credentials(url.rstrip("/"))[0])
         self.config = config or RemoteConfig()
-        self.http = Transport(self.url, api_key=api_key, config=self.config, transport=transport)
+        self.http = Transport(url, api_key=api_key, config=self.config, transport=transport)
         self.engine = self._detect_engine() if engine == "auto" else engine
         self.model, root, max_len, version = self._server_model(model)
         self.tokenizer = _load_tokenizer(tokenizer, root)
@@ -280,6 +282,11 @@ class RemoteLM:
 
     def __repr__(self) -> str:
         return f"RemoteLM({self.url!r}, engine={self.engine!r}, model={self.model!r})"
+
+    def __reduce__(self) -> Any:
+        msg = (f"RemoteLM({self.url!r}) holds open connections and credentials; it is not "
+               "picklable: pickle its URL and connect again")
+        raise TypeError(msg)
 
 
 Generation = P.Generation

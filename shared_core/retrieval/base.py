@@ -40,6 +40,16 @@ def check_document_fields(doc_id: Any, text: Any, metadata: Any, where: str) -> 
         raise TypeError(msg)
 
 
+def doc_key(doc: Document) -> tuple[str, str]:
+    """A document's identity where texts are cached or compared: its id AND its text.
+
+    Framework retrievers may return different passages under one id (e.g. the source file of
+    every chunk); keyed by the id alone, the first text seen would stand in for all of them. The
+    text itself (not a digest) is part of the key: exact, and Python caches a string's hash.
+    """
+    return doc.id, doc.text
+
+
 @dataclass(frozen=True)
 class Hit:
     """One search result: the document, its score (higher is better) and its rank (0 = best)."""

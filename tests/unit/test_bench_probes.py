@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+from tiny import measured
 
 from shared_core.bench.__main__ import build_parser
 from shared_core.bench.__main__ import main as bench_main
@@ -57,7 +58,7 @@ def test_dtype_probe_smoke(tiny_model_folder: str, tmp_path: Path) -> None:
     report = _run(["probe-dtype", "--models", tiny_model_folder, "--dtypes", "float32",
                    "--prompt-tokens", "48", "--prefill", "16", "--decode-steps", "2"], tmp_path)
     row = report["models"][f"{tiny_model_folder}/float32"]
-    assert row["prompt_48_tokens_s"] > 0 and row["decode_ms_per_token_at_16"] > 0
+    assert measured(row["prompt_48_tokens_s"], row["decode_ms_per_token_at_16"])
     assert report["threads"] == 1
 
 
@@ -67,14 +68,14 @@ def test_contention_probe_smoke(tiny_model_folder: str, tmp_path: Path, search: 
                    "--vectors", "500", "--dim", "8", "--k", "4", "--search", search,
                    "--decode-steps", "2", "--search-repeats", "2"], tmp_path)
     for part in ("alone", "concurrent"):
-        assert report[part]["decode_ms"] > 0 and report[part]["search_ms"] > 0
+        assert measured(report[part]["decode_ms"], report[part]["search_ms"])
 
 
 def test_verify_probe_smoke(tiny_model_folder: str, tmp_path: Path) -> None:
     report = _run(["probe-verify", "--model", tiny_model_folder, "--context", "64",
                    "--shared-context", "24", "--head", "4", "--span-start", "20",
                    "--tokens", "2,3", "--step-repeats", "2", "--verify-repeats", "2"], tmp_path)
-    assert report["step_ms_copy_positions_24"] > 0 and report["verify_3_ms_at_64"] > 0
+    assert measured(report["step_ms_copy_positions_24"], report["verify_3_ms_at_64"])
     assert "Self CPU" in report["profile"]
 
 

@@ -33,6 +33,10 @@ LAYERS: dict[str, tuple[int, str]] = {
     "shared_core.device": (0, "device and dtype resolution"),
     "shared_core.draft_length": (0, "pure arithmetic on measured costs; no models, no torch"),
     "shared_core.data_splits": (0, "evaluation-split constants shared by the bench and training"),
+    "shared_core.file_lock": (0, "cross-process file lock with a timeout naming its holder; "
+                                 "standard library only"),
+    "shared_core.redact": (0, "credential redaction for messages, logs, reprs and pickles; "
+                              "standard library only"),
     "shared_core.token_budget": (0, "tiktoken token counts and prompt-size checks; no model, no torch"),
     "shared_core": (1, "package facade: lazily re-exports models' LM, load_lm, load_embedder"),
     "shared_core.models": (1, "load_lm / load_embedder"),

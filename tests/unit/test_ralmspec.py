@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import threading
-import time
 from collections.abc import Sequence
 
 import pytest
@@ -21,6 +20,7 @@ from shared_core.engines.ralmspec import (
     ralmseq_generate,
     stream_ralmspec,
 )
+from shared_core.engines.ralmspec import engine as ralmspec_engine
 from shared_core.retrieval import BM25Retriever, Document, Hit
 
 DOCS = [Document(f"d{i}", text) for i, text in enumerate([
@@ -203,17 +203,28 @@ def test_lexical_rank_prefers_overlap_then_order() -> None:
 
 
 @pytest.mark.parametrize(("overlap_steps", "sticky"), [(1, 50), (4, 50), (4, 1)])
-def test_async_verification_overlaps_wall_clock(tiny_target, overlap_steps: int,
+def test_async_verification_overlaps_wall_clock(tiny_target, monkeypatch, overlap_steps: int,
                                                 sticky: int) -> None:
-    """A retriever that sleeps (releases the GIL) overlaps with the speculation step(s).
+    """A retriever that is still busy overlaps with the speculation step(s).
 
-    The sleep is long next to a tiny-model step even on a loaded machine (at 0.05 s the
-    overlapped steps did not fit in the verification at load average 10, and the test failed).
+    Structural, not timed: the worker's search answers only once the engine has stopped
+    speculating and waits for it (a sleeping retriever raced the model's steps, and at load
+    average 10 the overlapped steps did not fit in its sleep).
     """
+    waiting = threading.Event()
+    real_await = ralmspec_engine.await_search
+
+    def await_marked(*args, **kwargs):  # type: ignore[no-untyped-def]
+        waiting.set()
+        return real_await(*args, **kwargs)
+
+    monkeypatch.setattr(ralmspec_engine, "await_search", await_marked)
 
     class Slow(HashRetriever):
         def search(self, encoded, k):  # type: ignore[no-untyped-def]
-            time.sleep(0.25)
+            if threading.current_thread().name.startswith("ralmspec-verify"):
+                assert waiting.wait(60), "the engine never waited for the search"
+                waiting.clear()
             self.threads.add(threading.current_thread().name)
             return super().search(encoded, k)
 
@@ -228,7 +239,7 @@ def test_async_verification_overlaps_wall_clock(tiny_target, overlap_steps: int,
         assert (max(out.stats.strides) > 2) == (overlap_steps > 1)
     else:
         assert out.stats.accepted < out.stats.drafted  # mismatches roll back carried steps too
-    ref = HashRetriever(DOCS, sticky=sticky)  # same hits as Slow, without the sleep
+    ref = HashRetriever(DOCS, sticky=sticky)  # same hits as Slow, without the wait
     assert out.token_ids == ralmseq_generate(tiny_target, ref, QUESTIONS[0], 24,
                                              config=config).token_ids
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny import CORPUS, HashEmbedder
+from tiny import CORPUS, HashEmbedder, measured
 
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.engines.rapid import RapidConfig, RapidDecoder, split_prompt
@@ -270,7 +270,7 @@ def test_context_cache_skips_the_prefill(tiny_target):
     decoder.forget_queries()  # back to the context prefix; drafter emptied
     again = decoder.speculative(CONTEXT, QUERIES[0], 4)
     assert again.stats.reused_prefix_tokens == head_and_context
-    assert again.stats.draft_prefill_s > 0
+    assert measured(again.stats.draft_prefill_s)  # rounded to 0.1 ms: may be 0
 
 
 def test_guards(tiny_target, tiny_drafter, self_decoder):

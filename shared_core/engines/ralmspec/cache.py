@@ -18,21 +18,22 @@ from shared_core.engines.ralmspec.backends import (
 from shared_core.rag_config import (
     SpeculativeRetrievalConfig,
 )
-from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.base import Document, Hit, doc_key
 
 
 class LocalCache:
-    """RaLMSpec's per-request document cache (insertion-ordered, unbounded for one request)."""
+    """RaLMSpec's per-request document cache (insertion-ordered, unbounded for one request),
+    keyed by id and text: a new text under a known id is a new document."""
 
     def __init__(self) -> None:
-        self.docs: dict[str, Document] = {}
+        self.docs: dict[tuple[str, str], Document] = {}
 
     def __len__(self) -> int:
         return len(self.docs)
 
     def add(self, hits: Sequence[Hit]) -> None:
         for hit in hits:
-            self.docs.setdefault(hit.document.id, hit.document)
+            self.docs.setdefault(doc_key(hit.document), hit.document)
 
     def top1(self, backend: SpeculativeBackend, encoded: Any) -> Document:
         return check_ranked(backend.rank(encoded, list(self.docs.values())),
@@ -113,7 +114,8 @@ class SpeculativeRetrieval:
             with self._lock:  # keep the queue: the caller may retry verify()
                 self.pending[:0] = pending
             raise
-        return [row[0].document.id == doc.id for row, doc in zip(hits, docs, strict=True)]
+        return [doc_key(row[0].document) == doc_key(doc)
+                for row, doc in zip(hits, docs, strict=True)]
 
 
 def check_query(query: Any, name: str = "query") -> None:

@@ -22,7 +22,7 @@ from shared_core.rag_config import (
     RaLMSpecConfig,
     format_prompt,
 )
-from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.base import Document, Hit, doc_key
 from shared_core.stats import DecodeStats
 from shared_core.verify import warp_probs
 
@@ -54,12 +54,13 @@ class RaLMPrompt:
             msg = (f"question prompt has {len(self.head) + len(self.tail)} tokens, more than "
                    f"max_prompt_tokens={config.max_prompt_tokens}; shorten the question")
             raise ValueError(msg)
-        self._doc_ids: dict[str, list[int]] = {}
+        self._doc_ids: dict[tuple[str, str], list[int]] = {}
 
     def doc_ids(self, doc: Document) -> list[int]:
-        if doc.id not in self._doc_ids:
-            self._doc_ids[doc.id] = self.lm.encode(doc.text)[: self.config.max_doc_tokens]
-        return self._doc_ids[doc.id]
+        key = doc_key(doc)
+        if key not in self._doc_ids:
+            self._doc_ids[key] = self.lm.encode(doc.text)[: self.config.max_doc_tokens]
+        return self._doc_ids[key]
 
     def ids(self, doc: Document, generated: Sequence[int]) -> list[int]:
         return [*self.head, *self.doc_ids(doc), *self.tail, *generated]
@@ -136,13 +137,13 @@ class RaLMCall:
         self.tracker = OutputTracker(lm, generation)
         decoder = ServedRaLMDecoder if getattr(lm, "served", False) else RaLMDecoder
         self.decoder = decoder(lm, self.prompt, generation, self.stats, config.cache)
-        self.used: dict[str, Document] = {}
+        self.used: dict[tuple[str, str], Document] = {}
 
     def use(self, docs: Sequence[Document]) -> None:
         """Record the documents committed steps were generated under (in step order)."""
         for doc in docs:
             self.stats.doc_ids.append(doc.id)
-            self.used.setdefault(doc.id, doc)
+            self.used.setdefault(doc_key(doc), doc)
 
     def retrieve(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
         """A blocking retriever call (checked, time-limited by ``retrieval_timeout_s``), timed."""

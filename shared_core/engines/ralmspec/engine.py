@@ -27,7 +27,7 @@ from shared_core.rag_config import (
     RaLMSpecConfig,
 )
 from shared_core.retrieval._common import check_int
-from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.base import Document, Hit, doc_key
 from shared_core.verify import greedy_accept_length
 
 
@@ -139,7 +139,7 @@ class _Speculator:
         call.use([hits[0].document])
         with timed(seconds, "a"):
             decoder.step(hits[0].document)
-        hit = int(guess.id == hits[0].document.id)
+        hit = int(doc_key(guess) == doc_key(hits[0].document))
         self.strides.append(0)
         self.scheduler.observe(seconds["a"], seconds["b"], hit, 1 - hit, 1)
         self.stride = self.scheduler.next_stride()
@@ -181,9 +181,9 @@ class _Speculator:
 
 def _accepted_steps(steps: Sequence[_Step], true_hits: Sequence[Sequence[Hit]]) -> int:
     """Steps whose speculated document equals the true top-1, up to the first mismatch."""
-    ids: dict[str, int] = {}
-    spec = torch.tensor([ids.setdefault(st.doc.id, len(ids)) for st in steps])
-    true = torch.tensor([ids.setdefault(h[0].document.id, len(ids)) for h in true_hits])
+    ids: dict[tuple[str, str], int] = {}
+    spec = torch.tensor([ids.setdefault(doc_key(st.doc), len(ids)) for st in steps])
+    true = torch.tensor([ids.setdefault(doc_key(h[0].document), len(ids)) for h in true_hits])
     return greedy_accept_length(spec, true)
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from shared_core.config import GenerationConfig, SamplingConfig
-from shared_core.retrieval.base import Document
+from shared_core.retrieval.base import Document, doc_key
 
 _SEED_MIX = 1_000_003
 
@@ -43,4 +43,4 @@ class RaLMDecoderState:
 
     def swaps_to(self, doc: Document) -> bool:
         """Whether generating under ``doc`` needs a document swap."""
-        return doc is not self.doc and (self.doc is None or doc.id != self.doc.id)
+        return doc is not self.doc and (self.doc is None or doc_key(doc) != doc_key(self.doc))
