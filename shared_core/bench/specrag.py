@@ -89,13 +89,16 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
         tuned = SpeculativeRAG(args.drafter + "+specrag", engine.verifier,
                                embedder=engine.embedder, config=cfg, dtype=engine.dtype)
         methods["specrag_tuned"] = (tuned.answer, n_docs)
-    for drafter in _names(args.drafters):  # the oracle-per-drafter study, same verifier
-        other = SpeculativeRAG(drafter, engine.verifier, embedder=engine.embedder, config=cfg,
-                               dtype=engine.dtype, backend=engine.backend)
-        methods[f"specrag@{drafter}"] = (other.answer, n_docs)
-    if getattr(args, "answer_first", False):
-        answer_first = engine.with_config(replace(cfg, draft_order="answer_first"))
-        methods["specrag_answer_first"] = (answer_first.answer, n_docs)
+    drafters = {"": engine}  # the oracle-per-drafter study: other drafters, same verifier
+    for drafter in _names(args.drafters):
+        drafters[f"@{drafter}"] = SpeculativeRAG(
+            drafter, engine.verifier, embedder=engine.embedder, config=cfg, dtype=engine.dtype,
+            backend=engine.backend)
+        methods[f"specrag@{drafter}"] = (drafters[f"@{drafter}"].answer, n_docs)
+    other_order = "answer_first" if cfg.draft_order == "rationale_first" else "rationale_first"
+    for suffix, drafting in drafters.items() if args.other_order else ():
+        variant = drafting.with_config(replace(cfg, draft_order=other_order))
+        methods[f"specrag_{other_order}{suffix}"] = (variant.answer, n_docs)
     if args.ablations:
         for name, change in SUBSET_ABLATIONS.items():
             methods[name] = (engine.with_config(replace(cfg, **change)).answer, n_docs)
@@ -107,7 +110,8 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
                     methods[f"grid_m{m}_k{k}"] = (variant.answer, max(n_docs, m * k))
     keep = [m.strip() for m in args.methods.split(",")] if args.methods else None
     return {k: v for k, v in methods.items() if keep is None or k in keep or k.startswith(
-        ("abl_", "grid_", "specrag_tuned", "specrag_answer_first", "specrag@"))}
+        ("abl_", "grid_", "specrag_tuned", "specrag_answer_first", "specrag_rationale_first",
+         "specrag@"))}
 
 
 def _names(text: str) -> list[str]:
@@ -172,8 +176,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--methods", default="", help="comma list of base methods (default all)")
     parser.add_argument("--tuned", action="store_true", help="add specrag with the tuned drafter")
     parser.add_argument("--ablations", action="store_true", help="add the Table-2 ablations")
-    parser.add_argument("--answer-first", action="store_true",
-                        help="add specrag_answer_first (drafts prefilled with 'Answer:')")
+    parser.add_argument("--draft-order", default=SpeculativeRAGConfig.draft_order,
+                        choices=("rationale_first", "answer_first"),
+                        help="the drafts' order (answer_first prefills 'Answer:')")
+    parser.add_argument("--other-order", action="store_true",
+                        help="add specrag_<other order>[@drafter]: every drafter in the other order")
     parser.add_argument("--grid", action="store_true", help="add m in {5,10} x k in {1,2,4}")
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--out", default=None, help="JSON report; '{dataset}' is substituted")
@@ -253,7 +260,8 @@ def _engine(args: argparse.Namespace) -> SpeculativeRAG:
     if args.remote:
         args.drafter = args.verifier = args.remote
     config = SpeculativeRAGConfig(num_drafts=args.num_drafts, docs_per_draft=args.docs_per_draft,
-                                  retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens)
+                                  retrieve_k=args.retrieve_k, max_draft_tokens=args.max_new_tokens,
+                                  draft_order=args.draft_order)
     return SpeculativeRAG(args.drafter, args.verifier, embedder=load_embedder(args.embedder),
                           config=config, dtype=args.dtype, backend=args.backend)
 
@@ -264,7 +272,7 @@ def _signature(state: _DatasetRun, args: argparse.Namespace, engine: Speculative
     return {"dataset": state.name, "drafter": args.drafter, "verifier": args.verifier,
             "embedder": args.embedder, "backend": args.backend, "dtype": args.dtype,
             "config": [cfg.num_drafts, cfg.docs_per_draft, cfg.retrieve_k,
-                       cfg.max_draft_tokens, cfg.max_answer_tokens],
+                       cfg.max_draft_tokens, cfg.max_answer_tokens, cfg.draft_order],
             "methods": sorted(state.outputs)}
 
 

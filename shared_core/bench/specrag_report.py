@@ -100,6 +100,8 @@ def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
                "latency_note": "per question: method wall time + shared retrieval time",
                "majority_label_rate": _majority_rate(questions),
                "draft_oracle_accuracy": _draft_oracle(state.name, questions, outputs),
+               "selection_study": _selection_study(state.name, questions, state.outputs,
+                                                   engine.config),
                "latency_parts": {m: _parts(outs, retrieve_s) for m, outs in outputs.items()},
                "machine": {**cpu_facts(), "backend": args.backend,
                            "runtime_threads": _runtime_threads(engine)},
@@ -150,6 +152,29 @@ def _draft_oracle(dataset: str, questions: list[dict[str, Any]], outputs: dict[s
                     for q, o in zip(questions, outs, strict=True)]
             oracle[name] = round(sum(hits) / len(hits), 4)
     return oracle
+
+
+def _selection_study(dataset: str, questions: list[dict[str, Any]],
+                     outputs: dict[str, list[Any]], config: SpeculativeRAGConfig
+                     ) -> dict[str, dict[str, float]]:
+    """Per drafting method: the share of drafts with a clean answer line, the oracle, and the
+    accuracy of the paper's selection and of every re-selection on the very same drafts."""
+    study = {}
+    for name, outs in outputs.items():
+        if not outs or not hasattr(outs[0], "drafts"):
+            continue
+        drafts = [d for o in outs for d in o.drafts]
+        study[name] = {"parsed_rate": round(sum(d.parsed for d in drafts) / len(drafts), 4),
+                       "oracle": _draft_oracle(dataset, questions, {name: outs})[name],
+                       "paper_score": _accuracy(dataset, [o.text for o in outs], questions)}
+        study[name] |= {v: _accuracy(dataset, [reselect(o, v, config).text for o in outs],
+                                     questions) for v in SCORE_VARIANTS}
+    return study
+
+
+def _accuracy(dataset: str, texts: list[str], questions: list[dict[str, Any]]) -> float:
+    hits = [is_correct(dataset, t, q["gold"]) for t, q in zip(texts, questions, strict=True)]
+    return round(sum(hits) / len(hits), 4)
 
 
 def _majority_rate(questions: list[dict[str, Any]]) -> float:
