@@ -107,50 +107,68 @@ def pick_verifier() -> str:
     return "qwen2.5-coder-1.5b-instruct" if is_installed("qwen2.5-coder-1.5b-instruct") else DEFAULT_VERIFIER
 
 
-def speculative_rag_section(retriever, verifier: str, write: Callable[[str], None]) -> dict:
-    """Speculative RAG (SmolLM2 drafts, ``verifier`` scores) against standard RAG with ``verifier``."""
+def speculative_rag_section(retriever, verifier: str, write: Callable[[str], None],
+                            drafter: str = DEFAULT_LM) -> dict:
+    """Speculative RAG (``drafter`` drafts, ``verifier`` scores) against standard RAG with
+    ``verifier``: every draft with its scores, the time of each part, and why it pays or not."""
     from shared_core.engines.speculative_rag import SpeculativeRAG
 
-    write(f"\n== Speculative RAG: SmolLM2-135M drafts, {verifier} verifies; standard RAG = "
+    write(f"\n== Speculative RAG: {drafter} drafts, {verifier} verifies; standard RAG = "
           f"{verifier} reading every passage ==")
-    engine = SpeculativeRAG(DEFAULT_LM, verifier, embedder=retriever.embedder, backend=DEFAULT_BACKEND)
+    engine = SpeculativeRAG(drafter, verifier, embedder=retriever.embedder, backend=DEFAULT_BACKEND)
     write(f"   runtime: {engine.verifier.backend} ({engine.verifier.backend_reason})")
     docs = [hit.document for hit in retriever.search([QUESTIONS[0]], len(KNOWLEDGE_BASE))[0]]
     engine.answer(QUESTIONS[0], docs)  # warm-up (loads both models)
     engine.standard_rag(QUESTIONS[0], docs)
-    table = {"standard_rag_s": 0.0, "speculative_rag_s": 0.0}
+    standard_parts: list = []
+    spec_parts: list = []
     for question in QUESTIONS:
         docs = [hit.document for hit in retriever.search([question], len(KNOWLEDGE_BASE))[0]]
-        start = time.perf_counter()
         standard = engine.standard_rag(question, docs)
-        standard_s = time.perf_counter() - start
-        start = time.perf_counter()
         result = engine.answer(question, docs)
-        spec_s = time.perf_counter() - start
-        table["standard_rag_s"] += standard_s
-        table["speculative_rag_s"] += spec_s
-        write(f"\nQ: {question}\n   standard RAG  {standard_s:5.1f} s  {standard.text!r}")
-        write(f"   speculative   {spec_s:5.1f} s  {result.text!r}  (draft {result.best + 1} of "
-              f"{len(result.drafts)})")
-        for i, d in enumerate(result.drafts):
-            mark = "*" if i == result.best else " "
-            write(f"    {mark} draft {i + 1} docs {list(d.doc_ids)}: log ρ_draft {d.log_draft:7.2f}  "
-                  f"log ρ_SC {d.log_self_contain or 0:7.2f}  log ρ_SR {d.log_self_reflect or 0:6.2f}"
-                  f"  → {d.answer[:60]!r}")
-    ratio = table["standard_rag_s"] / table["speculative_rag_s"]
-    table["speedup"] = ratio
+        standard_parts.append(standard.stats)
+        spec_parts.append(result.stats)
+        _write_specrag_answer(question, standard, result, write)
+    table = {"standard_rag_s": sum(s.total_s for s in standard_parts),
+             "speculative_rag_s": sum(s.total_s for s in spec_parts)}
+    table["speedup"] = table["standard_rag_s"] / table["speculative_rag_s"]
     write(f"\nSpeculative RAG took {table['speculative_rag_s']:.1f} s vs standard RAG "
-          f"{table['standard_rag_s']:.1f} s: {ratio:.2f}x")
-    if ratio < 1 and verifier == "gemma-3-270m":
-        write("   (it does not pay here: Gemma-3-270M is only twice SmolLM2's size, so scoring the "
-              "drafts costs about as much as answering; `pip install 'specrag[qwen]'` adds the 1.5B "
-              "verifier, the papers' regime)")
-    elif ratio < 1:
-        write("   (it does not pay here: these passages are short, so the verifier's standard-RAG "
-              "prompt is short too and drafting five answers costs more than it saves; on top-10 "
-              "NQ / SQuAD passages the same pair took 0.61-0.75x of standard RAG's time, "
-              "results/s6/specrag_q15_*.json)")
+          f"{table['standard_rag_s']:.1f} s: {table['speedup']:.2f}x")
+    write("   " + explain_specrag(standard_parts, spec_parts))
     return table
+
+
+def _write_specrag_answer(question: str, standard, result, write: Callable[[str], None]) -> None:
+    std, spec = standard.stats, result.stats
+    write(f"\nQ: {question}\n   standard RAG  {std.total_s:5.1f} s  {standard.text!r}  (reads "
+          f"{std.prompt_tokens} prompt tokens in {std.prefill_s:.1f} s, decodes {std.decode_s:.1f} s)")
+    write(f"   speculative   {spec.total_s:5.1f} s  {result.text!r}  (draft {result.best + 1} of "
+          f"{len(result.drafts)}; drafter reads {spec.draft_prompt_tokens} tokens in "
+          f"{spec.draft_prefill_s:.1f} s, decodes {spec.draft_decode_s:.1f} s; verifier scores "
+          f"{spec.verify_tokens} tokens in {spec.verify_s:.1f} s)")
+    for i, d in enumerate(result.drafts):
+        mark = "*" if i == result.best else " "
+        write(f"    {mark} draft {i + 1} docs {list(d.doc_ids)}: log ρ_draft {d.log_draft:7.2f}  "
+              f"log ρ_SC {d.log_self_contain or 0:7.2f}  log ρ_SR {d.log_self_reflect or 0:6.2f}"
+              f"  → {d.answer[:60]!r}")
+
+
+def explain_specrag(standard: list, speculative: list) -> str:
+    """One measured line: where Speculative RAG's time went against standard RAG's reading."""
+    read = sum(s.prefill_s for s in standard)
+    read_tokens = sum(s.prompt_tokens for s in standard)
+    draft = sum(s.draft_prefill_s + s.draft_decode_s for s in speculative)
+    verify = sum(s.verify_s for s in speculative)
+    verify_tokens = sum(s.verify_tokens for s in speculative)
+    total_std = sum(s.total_s for s in standard)
+    total_spec = sum(s.total_s for s in speculative)
+    parts = (f"drafting took {draft:.1f} s and verifying {verify:.1f} s ({verify_tokens} tokens, "
+             f"no passages), against {read:.1f} s for the verifier to read {read_tokens} prompt "
+             "tokens with every passage")
+    if total_spec <= total_std:
+        return f"(it pays here: {parts})"
+    return (f"(it does not pay here: {parts}; the less there is to read, the less the verifier "
+            "saves by not reading it, and drafting is a fixed cost)")
 
 
 def explain_token_speedups(lm, table: dict[str, dict[str, float]], write: Callable[[str], None]) -> None:

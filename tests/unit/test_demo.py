@@ -27,3 +27,18 @@ def test_explanation_is_measured_and_only_blames_speculation_where_it_lost():
 
 def test_verifier_is_a_known_alias():
     assert pick_verifier() in ("qwen2.5-coder-1.5b-instruct", "gemma-3-270m")
+
+
+def test_explain_specrag_names_the_measured_parts() -> None:
+    from shared_core.demo import explain_specrag
+    from shared_core.engines.speculative_rag import SpeculativeRAGStats, StandardRAGStats
+
+    standard = [StandardRAGStats(prompt_tokens=1500, prefill_s=8.0, decode_s=0.5, total_s=8.5)]
+    fast = [SpeculativeRAGStats(draft_prefill_s=1.0, draft_decode_s=1.5, verify_s=2.0,
+                                verify_tokens=400, total_s=4.6)]
+    line = explain_specrag(standard, fast)
+    assert line.startswith("(it pays here") and "2.5 s" in line and "2.0 s (400 tokens" in line
+    assert "8.0 s for the verifier to read 1500 prompt tokens" in line
+    slow = [SpeculativeRAGStats(draft_prefill_s=5.0, draft_decode_s=3.0, verify_s=2.0,
+                                verify_tokens=400, total_s=10.1)]
+    assert explain_specrag(standard, slow).startswith("(it does not pay here: drafting took 8.0 s")
