@@ -239,7 +239,7 @@ def _prepare(name: str, args: argparse.Namespace, engine: SpeculativeRAG,
 
 
 def _report(state: _DatasetRun, args: argparse.Namespace, engine: SpeculativeRAG) -> dict[str, Any]:
-    """The DESIGN §3 report over the questions measured so far."""
+    """The JSON report (docs/architecture.md, *Benchmark reports*) of the questions so far."""
     n = len(next(iter(state.outputs.values())))
     questions, retrieve_s = state.questions[:n], state.retrieve_s[:n]
     outputs = dict(state.outputs)
