@@ -17,17 +17,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tiny import CORPUS, HashEmbedder
+from fakes import STORE_DOCS, HashEmbedder
 
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
-from shared_core.retrieval import DenseRetriever, Document
+from shared_core.retrieval import DenseRetriever
 from shared_core.retrieval.stores import OpenSearchStore, from_store
 
 opensearchpy = pytest.importorskip("opensearchpy")
 
-DOCS = [Document(f"doc-{i}", text, {"n": i}) for i, text in enumerate(dict.fromkeys(CORPUS))]
-DOCS += [Document(f"extra-{i}", f"{w} is the answer to question {i}", {"n": 100 + i})
-         for i, w in enumerate(["Paris", "fox", "suffix", "retrieval", "committee", "tokens"])]
+DOCS = STORE_DOCS
 
 
 class FakeOpenSearch:

@@ -15,10 +15,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from tiny import CORPUS, HashEmbedder, heavy_imports
+from fakes import STORE_DOCS, HashEmbedder
+from tiny import heavy_imports
 
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
-from shared_core.retrieval import DenseRetriever, Document
+from shared_core.retrieval import DenseRetriever
 from shared_core.retrieval.stores import (
     ElasticsearchStore,
     MilvusStore,
@@ -28,9 +29,7 @@ from shared_core.retrieval.stores import (
 )
 from shared_core.retrieval.stores.pgvector import quote_ident
 
-DOCS = [Document(f"doc-{i}", text, {"n": i}) for i, text in enumerate(dict.fromkeys(CORPUS))]
-DOCS += [Document(f"extra-{i}", f"{w} is the answer to question {i}", {"n": 100 + i})
-         for i, w in enumerate(["Paris", "fox", "suffix", "retrieval", "committee", "tokens"])]
+DOCS = STORE_DOCS
 
 
 def test_importing_stores_loads_no_database_client() -> None:
