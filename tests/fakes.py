@@ -194,3 +194,42 @@ class LIRetriever(LIBaseRetriever):
         return [NodeWithScore(node=TextNode(text=d.text, id_=d.id),
                               score=self.score if score is None else score)
                 for d, score in _results(self.results, query_bundle.query_str)]
+
+
+# ----------------------------------------------------------------------------- vector stores
+
+
+def lc_hash_embeddings() -> Any:
+    """LangChain ``Embeddings`` over :class:`HashEmbedder` (a framework store's own embedder)."""
+    from langchain_core.embeddings import Embeddings
+
+    class HashEmbeddings(Embeddings):
+        def embed_documents(self, texts: list[str]) -> list[list[float]]:
+            return HashEmbedder().encode(texts).tolist()
+
+        def embed_query(self, text: str) -> list[float]:
+            return self.embed_documents([text])[0]
+
+    return HashEmbeddings()
+
+
+def check_ralmspec_through_store(lm: Any, store: Any, requests: Callable[[], int]) -> None:
+    """RaLMSpec on ``store`` equals RaLMSeq and needs fewer client requests: one per verification
+    round plus the first retrieval (``requests()`` counts the client's search requests so far);
+    with the defaults (OS³, prefetch, asynchronous verification) the output is still identical."""
+    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+
+    config = RaLMSpecConfig(max_doc_tokens=48, speculation_stride=3, async_verify=False,
+                            scheduler=False)
+    engine = RaLMSpec(lm, store, config)
+    for question in ("Who wrote the report?", "What is the capital of France?"):
+        before = requests()
+        ref = engine.generate_baseline(question, 24)
+        assert requests() - before == ref.stats.retrieval_calls
+        before = requests()
+        out = engine.generate(question, 24)
+        assert out.token_ids == ref.token_ids
+        calls = requests() - before
+        assert calls == out.stats.retrieval_calls == 1 + out.stats.rounds
+        assert calls < ref.stats.retrieval_calls
+        assert RaLMSpec(lm, store).generate(question, 24).token_ids == ref.token_ids
