@@ -78,6 +78,15 @@ def adapter_ranked(query: str) -> list[Document]:
 STORE_DOCS = [Document(f"doc-{i}", text, {"n": i}) for i, text in enumerate(dict.fromkeys(CORPUS))]
 STORE_DOCS += [Document(f"extra-{i}", f"{w} is the answer to question {i}", {"n": 100 + i})
                for i, w in enumerate(["Paris", "fox", "suffix", "retrieval", "committee", "tokens"])]
+# two rivers' facts: Speculative RAG's clusters on the embedded models (two topics, six passages)
+RHINE = [
+    "The Rhine is a river that rises in the Swiss Alps and flows into the North Sea.",
+    "The Rhine forms part of the border between Switzerland and Germany.",
+    "The Danube is Europe's second-longest river and flows into the Black Sea.",
+    "Vienna, Budapest and Belgrade all lie on the Danube.",
+    "Cologne Cathedral stands on the banks of the Rhine in Cologne.",
+    "The Thames flows through London and into the North Sea.",
+]
 
 
 # ----------------------------------------------------------------------------- embedders
