@@ -38,6 +38,8 @@ from langchain_core.tools import StructuredTool
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from langchain_specrag import ChatSpeculative, SpecragEmbeddings
+from shared_core.chat_adapters import DEFAULT_ENGINE
+from shared_core.config import DEFAULT_LM
 
 logger = logging.getLogger("agents")
 HANDBOOK = [
@@ -244,8 +246,8 @@ def run_agents(model: str, engine: str = "respec", agents: tuple[str, ...] = AGE
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--engine", default="respec")
+    parser.add_argument("--model", default=DEFAULT_LM)
+    parser.add_argument("--engine", default=DEFAULT_ENGINE)
     parser.add_argument("--agents", nargs="+", choices=AGENTS, default=list(AGENTS))
     parser.add_argument("--max-steps", type=int, default=4, help="model turns per agent")
     parser.add_argument("--max-tokens", type=int, default=128, help="per model turn")

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from shared_core.config import DEFAULT_BACKEND, DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
 
 logger = logging.getLogger(__name__)
+# the verifier of the papers' regime (much larger than the drafter), used when its extra is installed
+PAPER_VERIFIER = "qwen2.5-coder-1.5b-instruct"
 
 KNOWLEDGE_BASE = {
     "harbor": "Veldmark is a small harbor town on the northern coast. Its harbor was built in 1712 "
@@ -104,7 +106,7 @@ def pick_verifier() -> str:
     """The 1.5B Qwen when its extra is installed (the papers' regime), else Gemma-3-270M."""
     from shared_core.embedded import is_installed
 
-    return "qwen2.5-coder-1.5b-instruct" if is_installed("qwen2.5-coder-1.5b-instruct") else DEFAULT_VERIFIER
+    return PAPER_VERIFIER if is_installed(PAPER_VERIFIER) else DEFAULT_VERIFIER
 
 
 def speculative_rag_section(retriever, verifier: str, write: Callable[[str], None],

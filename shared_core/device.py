@@ -123,9 +123,10 @@ def default_openmp_wait_policy() -> None:
 
     With the default policy (spin, then sleep), a 2-thread SmolLM2 step took 147 ms instead of
     48 ms while one other busy process shared the 2 cores, and a whole request 16 s instead of
-    1.3 s; passive waiting kept it at 55 ms (DESIGN §6). OpenMP reads the variable once, when
-    torch is imported, so this only takes effect if it runs first: it is called when
-    ``shared_core`` is imported. ``cpu_facts()["omp_wait_policy"]`` reports the outcome.
+    1.3 s; passive waiting kept it at 55 ms (docs/architecture.md, *Measurements the code relies
+    on*). OpenMP reads the variable once, when torch is imported, so this only takes effect if it
+    runs first: it is called when ``shared_core`` is imported. ``cpu_facts()["omp_wait_policy"]``
+    reports the outcome.
     """
     global _WAIT_POLICY_SET_BY_US
     if WAIT_POLICY_ENV not in os.environ and "torch" not in sys.modules:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from shared_core.config import check_backend
+from shared_core.config import DEFAULT_EMBEDDER, check_backend
 from shared_core.device import apply_thread_setting, resolve_device, resolve_dtype
 from shared_core.embedded import (
     CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
@@ -147,8 +147,9 @@ def choose_backend(backend: str, source: ModelSource, device: str | torch.device
     ``"auto"``: a GPU (asked for, or found when no device is named) runs torch; a GGUF on a CPU runs
     llama.cpp when it is installed. The rule is measured, not assumed: on the three CPUs seen
     (AVX2, AVX-512, AVX-512 + AMX) llama.cpp's quantized one-token step of the same GGUF was
-    3-12x faster than torch's best dtype (``results/s9/forward_cost*.json``, DESIGN §7), and it
-    needs no de-quantizing. A dtype or ``cpu_linears`` choice is a torch setting, so it keeps torch.
+    3-12x faster than torch's best dtype (``results/s9/forward_cost*.json``; docs/architecture.md,
+    *Measurements the code relies on*), and it needs no de-quantizing. A dtype or ``cpu_linears``
+    choice is a torch setting, so it keeps torch.
     """
     if check_backend(backend) == "torch":
         return BackendChoice("torch", "asked for")
@@ -260,7 +261,7 @@ def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_
     return lm
 
 
-def load_embedder(name: str = "all-minilm-l6-v2", *, device: str | torch.device | None = None
+def load_embedder(name: str = DEFAULT_EMBEDDER, *, device: str | torch.device | None = None
                   ) -> SentenceTransformer:
     """A sentence-transformers embedder: embedded alias, hub id or local folder."""
     from sentence_transformers import SentenceTransformer

@@ -8,8 +8,9 @@ caller loaded itself (``lm=``) get a lock through :func:`lock_for`, which does n
 
 Locking design (why a stream never blocks other callers). A model's forward is stateless apart
 from the KV cache object passed to it, and every engine keeps its KV in per-generation state
-(``_Run`` sessions; RAPID checks out a session slot per generation). So two generations on one
-model can interleave safely between steps, and the lock only has to cover *one step* at a time:
+(the session of a :class:`shared_core.engines.loop.Run`; RAPID checks out a session slot per
+generation). So two generations on one model can interleave safely between steps, and the lock
+only has to cover *one step* at a time:
 
 - a stream takes the model lock for each step (one committed block) and releases it before
   handing the text to the caller (:func:`step_locked`), so ``s = chat.stream(q); next(s);

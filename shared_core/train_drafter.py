@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared_core.config import DEFAULT_LM
 from shared_core.data_splits import NQ_EVAL_ROWS, SQUAD_EVAL_TITLES
 from shared_core.drafters.lora import ADAPTER_ROOT, ADAPTERS, load_tuned_drafter
 from shared_core.retrieval.base import Document
@@ -198,7 +199,7 @@ def _step(model: Any, batch: list[tuple[list[int], list[int]]], pad_id: int) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="LoRA-tune the Speculative RAG drafter")
-    parser.add_argument("--base", default="smollm2-135m-instruct")
+    parser.add_argument("--base", default=DEFAULT_LM)
     parser.add_argument("--examples", type=int, default=400)
     parser.add_argument("--epochs", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=4)

@@ -203,7 +203,7 @@ def verify_tree(tokens: torch.Tensor, parents: Sequence[int], logits: torch.Tens
 
 # ============================================================================================
 # RAPID (Chen et al., ICML 2025): retrieval-augmented target distribution p̂.
-# Appended by the RAPID engine (shared_core/engines/rapid.py); pure functions only.
+# Used by the RAPID rounds (shared_core/engines/rapid/rounds.py); pure functions only.
 # ============================================================================================
 
 RapidHead = str  # "p_hat": tail rule on p̂ (the issue); "q": on q (the reference code)

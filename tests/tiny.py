@@ -8,12 +8,10 @@ import os
 import subprocess
 import sys
 import threading
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -121,18 +119,6 @@ def data_dir() -> Path | None:
     env = os.environ.get("SPECRAG_DATA_DIR")
     path = Path(env) if env else Path(__file__).resolve().parents[2] / "shared" / "data"
     return path if path.is_dir() else None
-
-
-class HashEmbedder:
-    """Deterministic bag-of-words embedder (no model files): RAPID's chunk retrieval in tests."""
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        out = np.zeros((len(texts), 32), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().replace(".", " ").replace("?", " ").split():
-                rng = np.random.default_rng(zlib.crc32(word.encode()))
-                out[i] += rng.standard_normal(32).astype(np.float32)
-        return out
 
 
 def heavy_imports(*modules: str) -> list[str]:

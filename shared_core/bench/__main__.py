@@ -31,7 +31,8 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m shared_core.bench",
-                                     description="specrag benchmarks (DESIGN §3 JSON schema)")
+                                     description="specrag benchmarks (JSON report schema: "
+                                                 "docs/architecture.md, Benchmark reports)")
     sub = parser.add_subparsers(dest="benchmark", required=True)
     for name, (module, add_args, _) in BENCHMARKS.items():
         child = sub.add_parser(name, conflict_handler="resolve")  # modules may redefine --out

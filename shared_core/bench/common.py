@@ -1,9 +1,9 @@
 """Shared pieces of the benchmark runner: data location, method timing, the JSON report, plots.
 
 Every engine's benchmark module (``shared_core/bench/<engine>.py``) exposes
-``add_arguments(parser)`` and ``run(args) -> dict`` returning a report in the DESIGN §3 schema,
-built with :func:`make_report`. Methods of one report are run in the same process, on the same
-models and prompts, after a warm-up.
+``add_arguments(parser)`` and ``run(args) -> dict`` returning a report in the schema of
+docs/architecture.md (*Benchmark reports*), built with :func:`make_report`. Methods of one
+report are run in the same process, on the same models and prompts, after a warm-up.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def make_report(*, engine: str, dataset: str, models: dict[str, str], device: st
                 methods: dict[str, MethodResult], primary_baseline: str,
                 identical_to: dict[str, list[str]] | None = None,
                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
-    """Assemble the DESIGN §3 JSON report.
+    """Assemble the JSON report (docs/architecture.md, *Benchmark reports*).
 
     ``identical_to`` maps a method to the baselines whose outputs it is compared with.
     """

@@ -5,10 +5,11 @@ Tasks (``--task``):
 - ``quality``: L-Eval QuALITY (15 stories of 3k–7k tokens, 4-option questions), accuracy of the
   first option letter in the answer. Questions are taken document by document, so the story's
   KV is prefilled once (:meth:`RapidDecoder.load_context`) and reused by every method/question.
-- ``nq_long``: a long-context task built from ``nq_open_oracle`` (DESIGN §5): each question's
-  gold passage is placed at a random position among its 39 most similar other passages (MiniLM
-  similarity to the question; passages containing an answer string are skipped), ≈5k tokens;
-  answer-containment accuracy. Questions, seed and gold positions are recorded in the report.
+- ``nq_long``: a long-context task built from ``nq_open_oracle`` (docs/architecture.md,
+  *Measurements the code relies on*): each question's gold passage is placed at a random
+  position among its 39 most similar other passages (MiniLM similarity to the question; passages
+  containing an answer string are skipped), ≈5k tokens; answer-containment accuracy. Questions,
+  seed and gold positions are recorded in the report.
 - ``sweep``: decoding speed of ``long_context``, ``sd`` and ``rapid`` at 1k/2k/4k/8k tokens of
   NQ context (drafter retrieval 512–2k tokens), with a plot: where RAPID breaks even here.
 

@@ -76,7 +76,8 @@ def _summary(dataset: str, questions: list[dict[str, Any]], outputs: list[Any],
 
 
 def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
-    """The report over the questions of ``state`` (a dataset run) measured so far."""
+    """The JSON report (docs/architecture.md, *Benchmark reports*) of the questions of ``state``
+    (a dataset run) measured so far."""
     n = len(next(iter(state.outputs.values())))
     questions, retrieve_s = state.questions[:n], state.retrieve_s[:n]
     outputs = dict(state.outputs)

@@ -1,5 +1,6 @@
-"""Engines: one module or package per paper (DESIGN §1) over the shared round loop
-(:mod:`shared_core.engines.loop`), resolved lazily so importing this is cheap."""
+"""Engines: one module or package per paper (docs/architecture.md, *Where each paper lives*) over
+the shared round loop (:mod:`shared_core.engines.loop`), resolved lazily so importing this is
+cheap."""
 
 from __future__ import annotations
 

@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from shared_core.config import GenerationConfig
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from shared_core.engines.loop import Prompt, Run, TokenStream, timed
 from shared_core.engines.os3 import OS3Scheduler
 from shared_core.models import LM
@@ -345,7 +345,8 @@ def _speculative_blocks(run: KNNRun) -> Iterator[list[int]]:
             run.stats.gamma_hat = spec.scheduler.gamma
 
 
-def knnlm_generate(lm: LM, store: KNNDatastore, prompt: Prompt, max_new_tokens: int = 64, *,
+def knnlm_generate(lm: LM, store: KNNDatastore, prompt: Prompt,
+                   max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                    config: KNNLMConfig | None = None, speculative: bool = True,
                    stop: Sequence[str] | str | None = None) -> GenerationResult:
     """KNN-LM greedy decoding: RaLMSpec (``speculative=True``) or retrieval at every token."""

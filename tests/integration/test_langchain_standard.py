@@ -25,8 +25,6 @@ MAX_TOKENS = 12  # instead of the suites' 100: keeps the integration suite insid
 # a tool call or a JSON object does not fit in 12 tokens; these tests get more
 LONG_TESTS = ("tool", "structured", "json", "agent")
 LONG_MAX_TOKENS = 64
-# langchain-tests requires an overridden standard test to carry its xfail at method level, so
-# the passing TypedDict / JSON-schema variants of the two parametrized tests report XPASS
 _LOOPS = ("SmolLM2-135M repeats itself inside the joke's 'setup' string ('The cat was a cat, and "
           "the cat was a cat, ...') until max_tokens, so the schema-constrained JSON is cut before "
           "'punchline' and the pydantic parser rejects it (the TypedDict / JSON-schema variants "
@@ -34,9 +32,25 @@ _LOOPS = ("SmolLM2-135M repeats itself inside the joke's 'setup' string ('The ca
 _JSON_LOOPS = ("json_mode: SmolLM2-135M repeats itself inside the 'setup' string ('... and the cat "
                "just sat on the cat-friendly home, and the cat just sat ...') until max_tokens, so "
                "the JSON object is cut before 'punchline' and the pydantic parser rejects it")
+_PROSE = ("tool_choice='auto' (the agent loop's default): SmolLM2-135M answers in prose instead of "
+          "calling the tool; the auto grammar constrains a call once the model opens <tool_call>, "
+          "it does not make the model open one")
+# Standard tests that fail on SmolLM2-135M, each for its measured reason. Marked strict (a pass
+# fails the run, so a fixed failure is noticed) by the model fixture: langchain-tests refuses an
+# overridden standard test without a method-level xfail, and a method-level mark cannot single
+# out the pydantic variant of a parametrized test.
+KNOWN_FAILURES = {
+    "test_structured_output[pydantic]": _LOOPS,
+    "test_structured_output_async[pydantic]": _LOOPS,
+    "test_structured_output_pydantic_2_v1": _LOOPS,
+    "test_json_mode": _JSON_LOOPS,
+    "test_agent_loop": _PROSE,
+}
 
 
-class TestChatSpeculativeUnit(ChatModelUnitTests):
+class _Settings:
+    """What both suites run: ChatSpeculative on the embedded SmolLM2, short answers."""
+
     @property
     def chat_model_class(self) -> type[ChatSpeculative]:
         return ChatSpeculative
@@ -54,19 +68,11 @@ class TestChatSpeculativeUnit(ChatModelUnitTests):
         return {**super().standard_chat_model_params, "max_tokens": MAX_TOKENS}
 
 
-class TestChatSpeculativeIntegration(ChatModelIntegrationTests):
-    @property
-    def chat_model_class(self) -> type[ChatSpeculative]:
-        return ChatSpeculative
+class TestChatSpeculativeUnit(_Settings, ChatModelUnitTests):
+    pass
 
-    @property
-    def chat_model_params(self) -> dict:
-        return dict(PARAMS)
 
-    @property
-    def supports_model_override(self) -> bool:
-        return False
-
+class TestChatSpeculativeIntegration(_Settings, ChatModelIntegrationTests):
     @property
     def has_tool_choice(self) -> bool:
         return True
@@ -75,39 +81,13 @@ class TestChatSpeculativeIntegration(ChatModelIntegrationTests):
     def supports_json_mode(self) -> bool:
         return True
 
-    @property
-    def standard_chat_model_params(self) -> dict:
-        return {**super().standard_chat_model_params, "max_tokens": MAX_TOKENS}
-
     @pytest.fixture
     def model(self, request: Any) -> ChatSpeculative:
+        node = request.node  # a parametrized test is listed whole or by one variant
+        reason = KNOWN_FAILURES.get(node.name, KNOWN_FAILURES.get(node.originalname))
+        if reason is not None:
+            node.add_marker(pytest.mark.xfail(reason=reason, strict=True))
         long = any(word in request.node.name for word in LONG_TESTS)
         extra = getattr(request, "param", None) or {}
         return ChatSpeculative(**{**self.standard_chat_model_params, **self.chat_model_params,
                                   "max_tokens": LONG_MAX_TOKENS if long else MAX_TOKENS, **extra})
-
-    @pytest.mark.xfail(reason=_LOOPS, strict=False)
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    def test_structured_output(self, model: ChatSpeculative, schema_type: str) -> None:
-        super().test_structured_output(model, schema_type)
-
-    @pytest.mark.xfail(reason=_LOOPS, strict=False)
-    @pytest.mark.parametrize("schema_type", ["pydantic", "typeddict", "json_schema"])
-    async def test_structured_output_async(self, model: ChatSpeculative, schema_type: str
-                                           ) -> None:
-        await super().test_structured_output_async(model, schema_type)
-
-    @pytest.mark.xfail(reason=_LOOPS, strict=False)
-    def test_structured_output_pydantic_2_v1(self, model: ChatSpeculative) -> None:
-        super().test_structured_output_pydantic_2_v1(model)
-
-    @pytest.mark.xfail(reason=_JSON_LOOPS, strict=False)
-    def test_json_mode(self, model: ChatSpeculative) -> None:
-        super().test_json_mode(model)
-
-    @pytest.mark.xfail(reason="tool_choice='auto' (the agent loop's default): SmolLM2-135M "
-                              "answers in prose instead of calling the tool; the auto grammar "
-                              "constrains a call once the model opens <tool_call>, it does not "
-                              "make the model open one", strict=False)
-    def test_agent_loop(self, model: ChatSpeculative) -> None:
-        super().test_agent_loop(model)

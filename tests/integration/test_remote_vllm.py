@@ -20,6 +20,7 @@ import pytest
 
 from shared_core.engines import autoregressive_generate
 from shared_core.retrieval.base import Document
+from tests.fakes import RHINE
 from tests.tiny import data_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.served]
@@ -130,16 +131,6 @@ def test_generation_reuses_the_prefix_cache_scoring_does_not(remote, smol):
     after_score = remote.prefix_cache_stats()
     assert after_gen["hits"] - before["hits"] >= len(prompt) - 16  # block-granular reuse
     assert after_score["hits"] == after_gen["hits"]  # prompt-logprob requests skip the cache
-
-
-RHINE = [
-    "The Rhine is a river that rises in the Swiss Alps and flows into the North Sea.",
-    "The Rhine forms part of the border between Switzerland and Germany.",
-    "The Danube is Europe's second-longest river and flows into the Black Sea.",
-    "Vienna, Budapest and Belgrade all lie on the Danube.",
-    "Cologne Cathedral stands on the banks of the Rhine in Cologne.",
-    "The Thames flows through London and into the North Sea.",
-]
 
 
 def test_speculative_rag_remote_drafter_and_verifier_equal_in_process(remote, smol):

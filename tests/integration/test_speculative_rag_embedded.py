@@ -8,18 +8,10 @@ import pytest
 
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
+from tests.fakes import RHINE
 from tests.tiny import data_dir
 
 pytestmark = pytest.mark.integration
-
-RHINE = [
-    "The Rhine is a river that rises in the Swiss Alps and flows into the North Sea.",
-    "The Rhine forms part of the border between Switzerland and Germany.",
-    "The Danube is Europe's second-longest river and flows into the Black Sea.",
-    "Vienna, Budapest and Belgrade all lie on the Danube.",
-    "Cologne Cathedral stands on the banks of the Rhine in Cologne.",
-    "The Thames flows through London and into the North Sea.",
-]
 
 
 @pytest.fixture(scope="module")

@@ -7,13 +7,13 @@ ran no forward (the check happens before any model work). Tiny in-process models
 from __future__ import annotations
 
 import asyncio
+import functools
 import re
-import zlib
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
 import pytest
+from fakes import HashEmbedder
 from langchain_core.messages import ChatMessage as LCChatMessage
 from langchain_core.messages import HumanMessage
 from llama_index.core.base.llms.types import ChatMessage, ImageBlock, MessageRole, TextBlock
@@ -35,15 +35,6 @@ CONTEXT = " ".join(CORPUS[:8])
 IMAGE_URL = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
 IMAGE_V1 = {"type": "image", "url": "https://example.com/cat.png"}
 PNG = ImageBlock(url="https://example.com/cat.png")
-
-
-class HashEmbedder:
-    def encode(self, texts: list[str]) -> np.ndarray:
-        out = np.zeros((len(texts), 32), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                out[i] += np.random.default_rng(zlib.crc32(word.encode())).standard_normal(32)
-        return out
 
 
 class Kit:
@@ -233,9 +224,40 @@ def test_bad_input_is_refused_before_model_work(kit, forwards, call, error, name
     assert forwards[0] == 0, "the model ran before the input was refused"
 
 
-def test_the_matrix_is_large_enough():
-    assert len(CASES) >= 35
-    assert len({c[0] for c in CASES}) == len(CASES)
+# every token-level entry point, called with one sampling option changed
+ENTRIES: dict[str, Callable[..., Any]] = {
+    "ChatSpeculative.invoke": lambda k, **kw: k.chat.invoke(Q, **kw),
+    "ChatSpeculative.stream": lambda k, **kw: list(k.chat.stream(Q, **kw)),
+    "SpeculativeLLM.complete": lambda k, **kw: k.llm.complete(Q, **kw),
+    "SpeculativeLLM.stream_chat": lambda k, **kw: k.llm.stream_chat(li_user(TextBlock(text=Q)),
+                                                                    **kw),
+    "autoregressive_generate": lambda k, **kw: autoregressive_generate(k.lm, Q, 4, **kw),
+    "speculative_generate": lambda k, **kw: speculative_generate(k.lm, k.drafter, Q, 4, **kw),
+    "ReSpecDecoder.generate": lambda k, **kw: k.respec.generate(Q, 4, **kw),
+    "RapidDecoder.generate": lambda k, **kw: k.rapid.generate(CONTEXT, Q, 4, **kw),
+    **{f"stream_engine({name!r})": functools.partial(
+        lambda name, k, **kw: stream_engine(name, k.lm, Q, max_new_tokens=4, **kw), name)
+       for name in ("autoregressive", "respec")},
+    "stream_engine('rapid')": lambda k, **kw: rapid_registry(k, Q, **kw),
+}
+# one wrong type and one wrong value per sampling option
+BAD_SAMPLING = [("temperature", "hot", TypeError), ("temperature", -1.0, ValueError),
+                ("top_k", 1.5, TypeError), ("top_k", -1, ValueError),
+                ("top_p", True, TypeError), ("top_p", 1.5, ValueError),
+                ("seed", "42", TypeError)]
+
+
+@pytest.mark.parametrize(("option", "value", "error"), BAD_SAMPLING,
+                         ids=[f"{o}={v!r}" for o, v, _ in BAD_SAMPLING])
+@pytest.mark.parametrize("entry", list(ENTRIES))
+def test_every_entry_point_refuses_every_bad_sampling_option(kit, forwards, entry, option, value,
+                                                             error):
+    """The same checks behind every entry point: each option, wrong in type or in value, is
+    refused with its name before any model work, whichever door it comes through."""
+    with pytest.raises(error) as info:
+        ENTRIES[entry](kit, **{option: value})
+    assert option in str(info.value), f"message does not name {option!r}: {info.value}"
+    assert forwards[0] == 0, "the model ran before the input was refused"
 
 
 def test_max_tokens_none_means_the_default_and_valid_values_are_honoured(kit):

@@ -9,6 +9,7 @@ it does so before any model work: a forward hook on every tiny model counts zero
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections.abc import Callable
@@ -17,11 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
-from langchain_core.documents import Document as LCDocument
-from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
-from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from fakes import SPECRAG_DOCS, BucketEmbedder, LCRetriever, LIRetriever
 from tiny import tiny_lm, tiny_tokenizer
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
@@ -35,33 +32,11 @@ from shared_core.engines.ralmspec import (
     stream_ralmspec,
 )
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig, retrieve
+from shared_core.rag_adapters import RALMSPEC_KNOBS, RETRIEVER_SETTINGS, SPECRAG_KNOBS
+from shared_core.rag_config import SpeculativeRetrievalConfig
 from shared_core.retrieval import BM25Retriever, DenseRetriever, Document, chunk_text
 
-DOCS = [Document(f"d{i}", text) for i, text in enumerate([
-    "Paris is the capital of France.", "Berlin is the capital of Germany.",
-    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps.",
-    "Speculative decoding drafts tokens.", "The target model verifies them in one pass.",
-])]
-
-
-class HashEmbedder:
-    def encode(self, texts: list[str], **_: Any) -> np.ndarray:
-        out = np.full((len(texts), 16), 1e-3, dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                out[i, sum(map(ord, word)) % 16] += 1.0
-        return out
-
-
-class LCRetriever(LCBaseRetriever):
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
-                                ) -> list[LCDocument]:
-        return [LCDocument(page_content=d.text, id=d.id) for d in DOCS]
-
-
-class LIRetriever(LIBaseRetriever):
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=1.0) for d in DOCS]
+DOCS = SPECRAG_DOCS
 
 
 @pytest.fixture(scope="module")
@@ -73,22 +48,22 @@ def env() -> SimpleNamespace:
         model.model.register_forward_pre_hook(lambda *_: forwards.__setitem__(0, forwards[0] + 1))
     bm25 = BM25Retriever()
     bm25.add(DOCS)
-    dense = DenseRetriever(HashEmbedder())
+    dense = DenseRetriever(BucketEmbedder())
     dense.add(DOCS)
     config = RaLMSpecConfig(max_doc_tokens=32, query_tokens=8, prefetch_k=3)
     ralmspec = RaLMSpec(lm, bm25, config)
-    specrag = SpeculativeRAG(drafter, verifier, embedder=HashEmbedder(), config=SpeculativeRAGConfig(
+    specrag = SpeculativeRAG(drafter, verifier, embedder=BucketEmbedder(), config=SpeculativeRAGConfig(
         num_drafts=2, docs_per_draft=2, max_draft_tokens=4))
     return SimpleNamespace(
         lm=lm, drafter=drafter, forwards=forwards, bm25=bm25, dense=dense, ralmspec=ralmspec,
         specrag=specrag, session=SpeculativeRetrieval(bm25, k=2),
         runnable=RaLMSpecRunnable(engine=ralmspec, max_new_tokens=8),
         query_engine=RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=8),
-        rag_runnable=SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag,
+        rag_runnable=SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=specrag,
                                             num_drafts=2, retrieve_k=6),
-        rag_query_engine=SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag),
-        lc_spec=LCSpeculativeRetriever(retriever=LCRetriever(), k=2),
-        li_spec=LISpeculativeRetriever(LIRetriever(), similarity_top_k=2))
+        rag_query_engine=SpeculativeRAGQueryEngine(LIRetriever(DOCS, score=1.0), engine=specrag),
+        lc_spec=LCSpeculativeRetriever(retriever=LCRetriever(DOCS), k=2),
+        li_spec=LISpeculativeRetriever(LIRetriever(DOCS, score=1.0), similarity_top_k=2))
 
 
 Case = Callable[[SimpleNamespace], Any]
@@ -107,7 +82,7 @@ RETRIEVAL = [
     case("bm25.add(one Document)", lambda e: BM25Retriever().add(DOCS[0]), T, "docs"),
     case("bm25.add(str)", lambda e: BM25Retriever().add("text"), T, "docs"),
     case("bm25.add([dict])", lambda e: BM25Retriever().add([{"id": "a"}]), T, r"docs\[0\]"),
-    case("dense.add([dict])", lambda e: DenseRetriever(HashEmbedder()).add([{"id": "a"}]), T,
+    case("dense.add([dict])", lambda e: DenseRetriever(BucketEmbedder()).add([{"id": "a"}]), T,
          r"docs\[0\]"),
     case("bm25.search(str)", lambda e: e.bm25.search("one string", 1), T, "queries"),
     case("bm25.search([])", lambda e: e.bm25.search([], 1), V, "queries"),
@@ -123,9 +98,9 @@ RETRIEVAL = [
     case("BM25Retriever(method='okapi')", lambda e: BM25Retriever(method="okapi"), V, "method"),
     case("dense.search(k=-1)", lambda e: e.dense.search(["q"], -1), V, "k"),
     case("dense.search(queries=None)", lambda e: e.dense.search(None, 1), T, "queries"),
-    case("DenseRetriever(hnsw_m=True)", lambda e: DenseRetriever(HashEmbedder(), hnsw_m=True), T,
+    case("DenseRetriever(hnsw_m=True)", lambda e: DenseRetriever(BucketEmbedder(), hnsw_m=True), T,
          "hnsw_m"),
-    case("DenseRetriever(index='ivf')", lambda e: DenseRetriever(HashEmbedder(), index="ivf"), V,
+    case("DenseRetriever(index='ivf')", lambda e: DenseRetriever(BucketEmbedder(), index="ivf"), V,
          "index"),
     case("DenseRetriever(embedder=42)", lambda e: DenseRetriever(42), T, "embedder"),
     case("dense.add_padding(1.5)", lambda e: e.dense.add_padding(1.5), T, "n"),
@@ -281,7 +256,7 @@ ADAPTERS = [
     case("SpeculativeRAGQueryEngine(retriever=5)", lambda e: SpeculativeRAGQueryEngine(5), T,
          "retriever"),
     case("SpeculativeRAGQueryEngine(num_drafts=True)",
-         lambda e: SpeculativeRAGQueryEngine(LIRetriever(), num_drafts=True), T, "num_drafts"),
+         lambda e: SpeculativeRAGQueryEngine(LIRetriever(DOCS, score=1.0), num_drafts=True), T, "num_drafts"),
     case("rag_query_engine.query(None)", lambda e: e.rag_query_engine.query(None), T, "query"),
     case("LC SpeculativeRetriever(retriever=5)",
          lambda e: LCSpeculativeRetriever(retriever=5), T, "retriever"),
@@ -313,8 +288,55 @@ def test_bad_input_is_refused_with_a_named_parameter(env: SimpleNamespace, call:
     assert env.forwards[0] == before, "the model ran before the input was refused"
 
 
-def test_the_matrix_is_large_enough() -> None:
-    assert len(RETRIEVAL) + len(RALMSPEC) + len(SPECRAG) + len(ADAPTERS) >= 100
+def _checked_fields(config: type) -> list[str]:
+    """The config's number and switch fields (those a wrong type can reach)."""
+    return [f.name for f in dataclasses.fields(config)
+            if f.type in ("int", "float", "bool", "float | None")]
+
+
+CONFIG_FIELDS = [(config, name) for config in (SpeculativeRAGConfig, RaLMSpecConfig,
+                                               SpeculativeRetrievalConfig)
+                 for name in _checked_fields(config)]
+# each adapter built with one setting changed; the settings it shares with a config
+ADAPTER_BUILDS: dict[str, tuple[Callable[..., Any], tuple[str, ...]]] = {
+    "SpeculativeRAGRunnable": (SpeculativeRAGRunnable, SPECRAG_KNOBS),
+    "SpeculativeRAGQueryEngine": (lambda **kw: SpeculativeRAGQueryEngine(LIRetriever(DOCS), **kw),
+                                  SPECRAG_KNOBS),
+    "RaLMSpecRunnable": (RaLMSpecRunnable, RALMSPEC_KNOBS),
+    "RaLMSpecQueryEngine": (RaLMSpecQueryEngine, RALMSPEC_KNOBS),
+    "LC SpeculativeRetriever": (lambda **kw: LCSpeculativeRetriever(retriever=LCRetriever(DOCS),
+                                                                    **kw), RETRIEVER_SETTINGS),
+    "LI SpeculativeRetriever": (lambda **kw: LISpeculativeRetriever(LIRetriever(DOCS), **kw),
+                                RETRIEVER_SETTINGS),
+}
+ADAPTER_SETTINGS = [(adapter, name) for adapter, (_, names) in ADAPTER_BUILDS.items()
+                    for name in names if name not in ("retriever", "prompt")]
+
+
+def _named(name: str) -> str:
+    return rf"(?<![A-Za-z_]){name}(?![A-Za-z_])"
+
+
+@pytest.mark.parametrize(("config", "name"), CONFIG_FIELDS,
+                         ids=[f"{c.__name__}.{n}" for c, n in CONFIG_FIELDS])
+def test_every_config_field_refuses_a_string(config: type, name: str) -> None:
+    """Every number or switch of the RAG configs, given a string, is a TypeError naming it."""
+    with pytest.raises(TypeError, match=_named(name)):
+        config(**{name: "3"})
+
+
+@pytest.mark.parametrize(("adapter", "name"), ADAPTER_SETTINGS,
+                         ids=[f"{a}.{n}" for a, n in ADAPTER_SETTINGS])
+def test_every_adapter_setting_refuses_a_string(env: SimpleNamespace, adapter: str, name: str
+                                                ) -> None:
+    """Every setting an adapter shares with an engine config refuses a string, naming it,
+    before any model work (a pydantic ValidationError or the config's TypeError)."""
+    build, _ = ADAPTER_BUILDS[adapter]
+    before = env.forwards[0]
+    with pytest.raises((TypeError, ValueError)) as info:
+        build(**{name: "3"})
+    assert re.search(_named(name), str(info.value)), str(info.value)
+    assert env.forwards[0] == before
 
 
 def test_good_inputs_still_work(env: SimpleNamespace) -> None:

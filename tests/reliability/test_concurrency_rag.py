@@ -10,18 +10,12 @@ the test instead of hanging the suite.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import numpy as np
 import pytest
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
-from langchain_core.documents import Document as LCDocument
-from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
-from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from fakes import RAG_DOCS, BucketEmbedder, HashSearch, LCRetriever, LIRetriever
 from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
@@ -30,18 +24,11 @@ from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
 from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
-from shared_core.retrieval import BM25Retriever, Document, Hit
+from shared_core.retrieval import BM25Retriever, Hit
 
 N = 16
 DEADLINE_S = 120.0
-DOCS = [Document(f"d{i}", text) for i, text in enumerate([
-    "Paris is the capital of France.", "Berlin is the capital of Germany.",
-    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps all day.",
-    "Speculative decoding drafts tokens and the target verifies them.",
-    "A suffix automaton finds every occurrence of the longest suffix.",
-    "Question: who wrote the report? Answer: the committee wrote the report.",
-    "Retrieval augmented generation copies spans from retrieved documents.",
-])]
+DOCS = RAG_DOCS
 QUESTIONS = [f"{q}{'?' * (i // 8 + 1)}" for i, q in enumerate([
     "who wrote the report", "what is the capital of France", "what does the fox jump over",
     "what does speculative decoding do", "what does a suffix automaton find",
@@ -81,41 +68,15 @@ def gather(coros: list[Any]) -> list[Any]:
     return asyncio.run(run())
 
 
-class HashRetriever:
-    """Top-k by a hash of (query, doc): the true top-1 changes often, so speculation misses and
-    rolls back; thread-safe (no state)."""
-
-    def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
-        out = []
-        for q in queries:
-            scores = {d.id: int(hashlib.md5(f"{len(q) // 3}|{d.id}".encode()).hexdigest()[:8], 16)
-                      for d in DOCS}
-            ranked = sorted(DOCS, key=lambda d: -scores[d.id])[:k]
-            out.append([Hit(d, scores[d.id] / 2**32, r) for r, d in enumerate(ranked)])
-        return out
+def hash_search() -> HashSearch:
+    """Top-k by a hash of (query length // 3, document): the true top-1 changes often, so
+    speculation misses and rolls back; thread-safe."""
+    return HashSearch(DOCS, sticky=3)
 
 
-class LCRetriever(LCBaseRetriever):
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
-                                ) -> list[LCDocument]:
-        return [LCDocument(page_content=h.document.text, id=h.document.id)
-                for h in HashRetriever().search([query], 6)[0]]
-
-
-class LIRetriever(LIBaseRetriever):
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [NodeWithScore(node=TextNode(text=h.document.text, id_=h.document.id),
-                              score=h.score)
-                for h in HashRetriever().search([query_bundle.query_str], 6)[0]]
-
-
-class HashEmbedder:
-    def encode(self, texts: list[str], **_: Any) -> np.ndarray:
-        out = np.full((len(texts), 16), 1e-3, dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                out[i, sum(map(ord, word)) % 16] += 1.0
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
+def hashed(query: str) -> list[Hit]:
+    """The top 6 of :func:`hash_search` (the framework retrievers' results)."""
+    return hash_search().search([query], 6)[0]
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +95,7 @@ def bm25() -> BM25Retriever:
 def specrag() -> SpeculativeRAG:
     config = SpeculativeRAGConfig(num_drafts=2, docs_per_draft=2, max_draft_tokens=6,
                                   retrieve_k=6)
-    return SpeculativeRAG(tiny_lm(2, seed=1), tiny_lm(2, seed=2), embedder=HashEmbedder(),
+    return SpeculativeRAG(tiny_lm(2, seed=1), tiny_lm(2, seed=2), embedder=BucketEmbedder(),
                           config=config)
 
 
@@ -150,7 +111,7 @@ def _specrag_key(result: Any) -> tuple[Any, ...]:
 def test_ralmspec_16_threads_equal_sequential(lm, bm25, retriever: str, async_verify: bool
                                               ) -> None:
     config = RaLMSpecConfig(async_verify=async_verify, **SMALL)
-    engine = RaLMSpec(lm, bm25 if retriever == "bm25" else HashRetriever(), config)
+    engine = RaLMSpec(lm, bm25 if retriever == "bm25" else hash_search(), config)
     calls = [(q, {"temperature": 0.8, "seed": i} if i % 4 == 3 else {})
              for i, q in enumerate(QUESTIONS)]
 
@@ -163,7 +124,7 @@ def test_ralmspec_16_threads_equal_sequential(lm, bm25, retriever: str, async_ve
 
 
 def test_ralmspec_16_concurrent_streams_equal_sequential(lm) -> None:
-    engine = RaLMSpec(lm, HashRetriever(), RaLMSpecConfig(**SMALL))
+    engine = RaLMSpec(lm, hash_search(), RaLMSpecConfig(**SMALL))
     sequential = [engine.generate(q, TOKENS).text for q in QUESTIONS]
     assert in_threads(lambda q: "".join(engine.stream(q, TOKENS)), QUESTIONS) == sequential
 
@@ -172,9 +133,9 @@ def test_specrag_16_threads_equal_sequential(specrag) -> None:
     sequential = [_specrag_key(specrag.answer(q, DOCS)) for q in QUESTIONS]
     assert in_threads(lambda q: _specrag_key(specrag.answer(q, DOCS)), QUESTIONS) == sequential
     half = QUESTIONS[:8]
-    via_retriever = in_threads(lambda q: _specrag_key(specrag.answer(q, retriever=HashRetriever())),
+    via_retriever = in_threads(lambda q: _specrag_key(specrag.answer(q, retriever=hash_search())),
                                half)
-    assert via_retriever == [_specrag_key(specrag.answer(q, retriever=HashRetriever()))
+    assert via_retriever == [_specrag_key(specrag.answer(q, retriever=hash_search()))
                              for q in half]
 
 
@@ -184,7 +145,7 @@ def test_specrag_16_threads_equal_sequential(specrag) -> None:
 @pytest.fixture(scope="module")
 def lc_ralmspec(lm) -> tuple[RaLMSpecRunnable, list[str]]:
     """A runnable over one engine and the sequential outputs (what ``invoke`` returns)."""
-    engine = RaLMSpec(lm, LCRetriever(), RaLMSpecConfig(**SMALL))
+    engine = RaLMSpec(lm, LCRetriever(hashed), RaLMSpecConfig(**SMALL))
     runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=TOKENS)
     sequential = [engine.generate(q, TOKENS).text for q in QUESTIONS]
     assert [runnable.invoke(q) for q in QUESTIONS[:2]] == sequential[:2]
@@ -208,7 +169,7 @@ async def _astream_text(runnable: Any, question: str) -> str:
 
 
 def test_specrag_runnable_16_threads_and_abatch(specrag) -> None:
-    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, num_drafts=2,
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(hashed), engine=specrag, num_drafts=2,
                                       retrieve_k=6)
     sequential = [runnable.invoke(q) for q in QUESTIONS]
     assert in_threads(runnable.invoke, QUESTIONS) == sequential
@@ -216,7 +177,7 @@ def test_specrag_runnable_16_threads_and_abatch(specrag) -> None:
 
 
 def test_langchain_speculative_retriever_16_threads_and_abatch() -> None:
-    base = LCRetriever()
+    base = LCRetriever(hashed)
     spec = LCSpeculativeRetriever(retriever=base, k=3)
     want = [[d.id for d in base.invoke(q)[:3]] for q in QUESTIONS]
     ids = in_threads(lambda q: [d.id for d in spec.invoke(q)], QUESTIONS)
@@ -236,7 +197,7 @@ def test_langchain_speculative_retriever_16_threads_and_abatch() -> None:
 
 
 def test_ralmspec_query_engine_16_threads_and_gather(lm) -> None:
-    engine = RaLMSpec(lm, LIRetriever(), RaLMSpecConfig(**SMALL))
+    engine = RaLMSpec(lm, LIRetriever(hashed), RaLMSpecConfig(**SMALL))
     qe = RaLMSpecQueryEngine(engine=engine, max_new_tokens=TOKENS)
     sequential = [engine.generate(q, TOKENS).token_ids for q in QUESTIONS]
     assert [qe.query(q).metadata["token_ids"] for q in QUESTIONS[:2]] == sequential[:2]
@@ -246,7 +207,7 @@ def test_ralmspec_query_engine_16_threads_and_gather(lm) -> None:
 
 
 def test_specrag_query_engine_16_threads_and_gather(specrag) -> None:
-    qe = SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag)
+    qe = SpeculativeRAGQueryEngine(LIRetriever(hashed), engine=specrag)
 
     def key(response: Any) -> tuple[Any, ...]:
         return response.response, response.metadata["best"], tuple(
@@ -258,7 +219,7 @@ def test_specrag_query_engine_16_threads_and_gather(specrag) -> None:
 
 
 def test_llamaindex_speculative_retriever_16_threads_and_gather() -> None:
-    base = LIRetriever()
+    base = LIRetriever(hashed)
     want = [[n.node.node_id for n in base.retrieve(q)[:3]] for q in QUESTIONS]
     spec = LISpeculativeRetriever(base, similarity_top_k=3)
     assert in_threads(lambda q: [n.node.node_id for n in spec.retrieve(q)], QUESTIONS) == want

@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 import torch
-from tiny import CORPUS, HashEmbedder
+from fakes import HashEmbedder
+from tiny import CORPUS
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from shared_core.engines.baseline import (

@@ -11,19 +11,16 @@ verification worker), and an abandoned worker that answers late, during the next
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
 import pytest
+from fakes import RALM_DOCS, BucketEmbedder, HashSearch, LCRetriever, LIRetriever
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
-from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
 from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from llama_index.core.schema import QueryBundle
 from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable
@@ -39,14 +36,7 @@ from shared_core.engines.ralmspec import (
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 from shared_core.retrieval import BM25Retriever, Document, Hit
 
-DOCS = [Document(f"d{i}", text) for i, text in enumerate([
-    "Paris is the capital of France.",
-    "Berlin is the capital of Germany.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Speculative decoding drafts tokens and the target verifies them.",
-    "A suffix automaton finds every occurrence of the longest suffix.",
-    "Question: who wrote the report? Answer: the committee wrote the report.",
-])]
+DOCS = RALM_DOCS
 QUESTION = "who wrote the report?"
 SMALL = {"max_doc_tokens": 48, "query_tokens": 8}
 CONFIGS = {
@@ -59,12 +49,11 @@ TIMEOUT = 0.3
 
 def ranked(query: str, k: int) -> list[Hit]:
     """A deterministic top-k by a hash of (query length, doc): the top-1 changes often."""
-    def score(doc: Document) -> float:
-        key = f"{len(query)}|{doc.id}".encode()
-        return int(hashlib.md5(key).hexdigest()[:8], 16) / 2**32
+    return HashSearch(DOCS).search([query], k)[0]
 
-    docs = sorted(DOCS, key=lambda d: -score(d))[:k]
-    return [Hit(d, score(d), r) for r, d in enumerate(docs)]
+
+def top4(query: str) -> list[Hit]:
+    return ranked(query, 4)
 
 
 class Faulty:
@@ -234,31 +223,8 @@ def test_retrievers_own_timeout_error_is_not_reported_as_ours(lm) -> None:
 # --------------------------------------------------------------------- adapters over RaLMSpec
 
 
-class LCRetriever(LCBaseRetriever):
-    """A LangChain retriever over :func:`ranked`; ``delay`` seconds per query while set."""
-
-    delay: float = 0.0
-
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
-                                ) -> list[LCDocument]:
-        time.sleep(self.delay)
-        return [LCDocument(page_content=h.document.text, id=h.document.id)
-                for h in ranked(query, 4)]
-
-
-class LIRetriever(LIBaseRetriever):
-    def __init__(self) -> None:
-        self.delay = 0.0
-        super().__init__()
-
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        time.sleep(self.delay)
-        return [NodeWithScore(node=TextNode(text=h.document.text, id_=h.document.id),
-                              score=h.score) for h in ranked(query_bundle.query_str, 4)]
-
-
 def test_runnable_timeout_then_equal_output(lm) -> None:
-    retriever = LCRetriever(delay=1.0)
+    retriever = LCRetriever(top4, delay=1.0)
     engine = RaLMSpec(lm, retriever, CONFIGS["async"])
     runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=TOKENS, retrieval_timeout_s=TIMEOUT)
     with pytest.raises(TimeoutError, match=r"retrieval_timeout_s=0\.3"):
@@ -272,7 +238,7 @@ def test_runnable_timeout_then_equal_output(lm) -> None:
 
 
 def test_query_engine_timeout_then_equal_output(lm) -> None:
-    retriever = LIRetriever()
+    retriever = LIRetriever(top4)
     retriever.delay = 1.0
     engine = RaLMSpec(lm, retriever, CONFIGS["sync"])
     qe = RaLMSpecQueryEngine(engine=engine, max_new_tokens=TOKENS, retrieval_timeout_s=TIMEOUT)
@@ -330,7 +296,7 @@ def test_speculative_retrieval_fault_changes_nothing_and_verify_can_retry(mode: 
 
 
 def test_langchain_speculative_retriever_timeout_then_exact() -> None:
-    base = LCRetriever(delay=1.0)
+    base = LCRetriever(top4, delay=1.0)
     spec = LCSpeculativeRetriever(retriever=base, k=2, retrieval_timeout_s=TIMEOUT)
     with pytest.raises(TimeoutError, match=r"LCRetriever\.search did not answer .* "
                                            r"retrieval_timeout_s=0\.3"):
@@ -342,7 +308,7 @@ def test_langchain_speculative_retriever_timeout_then_exact() -> None:
 
 
 def test_llamaindex_speculative_retriever_timeout_then_exact() -> None:
-    base = LIRetriever()
+    base = LIRetriever(top4)
     base.delay = 1.0
     spec = LISpeculativeRetriever(base, similarity_top_k=2, retrieval_timeout_s=TIMEOUT)
     with pytest.raises(TimeoutError, match=r"LIRetriever\.search .* retrieval_timeout_s=0\.3"):
@@ -379,15 +345,6 @@ def test_framework_retrievers_in_ralmspec_are_checked(lm) -> None:
 # --------------------------------------------------------------------- documents (row 15)
 
 
-class HashEmbedder:
-    def encode(self, texts: list[str], **_: Any) -> np.ndarray:
-        out = np.zeros((len(texts), 16), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                out[i, sum(map(ord, word)) % 16] += 1.0
-        return out + 1e-3
-
-
 @pytest.mark.parametrize(("kwargs", "field"), [
     ({"id": "a", "text": 123}, "text"), ({"id": 5, "text": "a"}, "id"),
     ({"id": "a", "text": "a", "metadata": ["x"]}, "metadata"), ({"id": "", "text": "a"}, "id")])
@@ -395,7 +352,7 @@ def test_bad_document_fields_are_refused_before_indexing(kwargs: dict[str, Any],
                                                          ) -> None:
     from shared_core.retrieval import DenseRetriever
 
-    bm25, dense = BM25Retriever(), DenseRetriever(HashEmbedder())
+    bm25, dense = BM25Retriever(), DenseRetriever(BucketEmbedder())
     error = ValueError if kwargs["id"] == "" else TypeError
     with pytest.raises(error, match=rf"Document\.{field}"):
         bm25.add([Document(**kwargs)])
@@ -407,7 +364,7 @@ def test_bad_document_fields_are_refused_before_indexing(kwargs: dict[str, Any],
 @pytest.fixture(scope="module")
 def specrag():
     cfg = SpeculativeRAGConfig(num_drafts=2, docs_per_draft=2, max_draft_tokens=6)
-    return SpeculativeRAG(tiny_lm(2, seed=1), tiny_lm(2, seed=2), embedder=HashEmbedder(),
+    return SpeculativeRAG(tiny_lm(2, seed=1), tiny_lm(2, seed=2), embedder=BucketEmbedder(),
                           config=cfg)
 
 

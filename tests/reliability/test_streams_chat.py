@@ -16,8 +16,9 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from fakes import HashEmbedder
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
-from tiny import CORPUS, HashEmbedder, record_steps
+from tiny import CORPUS, record_steps
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM

@@ -4,18 +4,14 @@ config's), same rebuild-on-change, same locking, same scores (issue 15, items 2 
 from __future__ import annotations
 
 import copy
-import functools
 import inspect
 from typing import Any
 
 import pytest
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
-from langchain_core.documents import Document as LCDocument
+from fakes import ADAPTER_DOCS, LCRetriever, LIRetriever, adapter_index, adapter_ranked
 from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
 from langchain_core.runnables import RunnableSerializable
 from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
@@ -32,14 +28,9 @@ from shared_core.rag_config import (
     SpeculativeRAGConfig,
     SpeculativeRetrievalConfig,
 )
-from shared_core.retrieval import BM25Retriever, Document
+from shared_core.retrieval import BM25Retriever
 
-DOCS = [Document(f"d{i}", text) for i, text in enumerate([
-    "Paris is the capital of France.", "Berlin is the capital of Germany.",
-    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps all day.",
-    "Speculative decoding drafts tokens and the target verifies them.",
-    "Question: who wrote the report? Answer: the committee wrote the report.",
-])]
+DOCS = ADAPTER_DOCS
 
 # Settings only one framework has, each for a documented reason.
 LANGCHAIN_ONLY = {"with_details"}  # a Runnable returns a str or a dict; a Response has both
@@ -47,30 +38,6 @@ LANGCHAIN_ONLY = {"with_details"}  # a Runnable returns a str or a dict; a Respo
 # has stream() instead)
 LLAMAINDEX_ONLY = {"callback_manager", "streaming"}
 RENAMED = {"k": "similarity_top_k"}  # each framework's name for "results per query"
-
-
-@functools.cache
-def _index() -> BM25Retriever:
-    index = BM25Retriever()
-    index.add(DOCS)
-    return index
-
-
-def _ranked(query: str) -> list[Document]:
-    """Every document, best first by BM25: the framework retrievers below wrap the same ranking."""
-    return [hit.document for hit in _index().search([query], len(DOCS))[0]]
-
-
-class LCRetriever(LCBaseRetriever):
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
-                                ) -> list[LCDocument]:
-        return [LCDocument(page_content=d.text, id=d.id) for d in _ranked(query)]
-
-
-class LIRetriever(LIBaseRetriever):
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        docs = _ranked(query_bundle.query_str)
-        return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=None) for d in docs]
 
 
 def _pydantic_settings(cls: type, base: type) -> set[str]:
@@ -87,7 +54,7 @@ def _default(function: Any, name: str) -> Any:
 
 @pytest.fixture(scope="module")
 def bm25() -> BM25Retriever:
-    return _index()
+    return adapter_index()
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +93,7 @@ def test_speculative_rag_adapters_default_to_the_engine_config() -> None:
             _default(engine_init, "embedder")) == (DEFAULT_LM, DEFAULT_VERIFIER, DEFAULT_EMBEDDER)
     for name in ("num_drafts", "docs_per_draft", "retrieve_k"):
         assert SpeculativeRAGRunnable.model_fields[name].default == getattr(config, name), name
-    for adapter in (SpeculativeRAGRunnable(), SpeculativeRAGQueryEngine(LIRetriever())):
+    for adapter in (SpeculativeRAGRunnable(), SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked))):
         assert (adapter.drafter, adapter.verifier, adapter.dtype) == (
             DEFAULT_LM, DEFAULT_VERIFIER, None)
         assert (adapter.num_drafts, adapter.docs_per_draft, adapter.retrieve_k) == (
@@ -167,11 +134,11 @@ def test_speculative_retrievers_default_to_the_retrieval_config(bm25) -> None:
 def test_settings_not_passed_follow_a_prebuilt_engine(tiny_target, bm25, specrag) -> None:
     """Both frameworks: the engine's config fills what is not passed; what is passed wins."""
     for adapter in (SpeculativeRAGRunnable(engine=specrag),
-                    SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag)):
+                    SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag)):
         assert (adapter.num_drafts, adapter.retrieve_k) == (2, 6)
         assert adapter._engine().config == specrag.config
     for adapter in (SpeculativeRAGRunnable(engine=specrag, num_drafts=3),
-                    SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, num_drafts=3)):
+                    SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag, num_drafts=3)):
         assert adapter._engine().config.num_drafts == 3
         assert adapter._engine().config.max_draft_tokens == 4  # the rest is the engine's
 
@@ -221,8 +188,9 @@ def test_ralmspec_adapters_rebuild_when_a_setting_changes(tiny_target, bm25) -> 
 
 
 def test_speculative_rag_adapters_rebuild_sharing_models_and_lock(specrag) -> None:
-    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, with_details=True)
-    query_engine = SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag)
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(adapter_ranked), engine=specrag,
+                                      with_details=True)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag)
     question = "capital of France?"
     assert len(runnable.invoke(question)["drafts"]) == 2
     assert len(query_engine.query(question).metadata["drafts"]) == 2
@@ -238,9 +206,9 @@ def test_speculative_rag_adapters_rebuild_sharing_models_and_lock(specrag) -> No
 
 
 def test_speculative_rag_adapters_use_retrieve_k(specrag) -> None:
-    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, retrieve_k=4,
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(adapter_ranked), engine=specrag, retrieve_k=4,
                                       with_details=True)
-    query_engine = SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, retrieve_k=4)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag, retrieve_k=4)
     details, response = runnable.invoke("capital?"), query_engine.query("capital?")
     assert [d.id for d in details["documents"]] == [n.node.node_id for n in response.source_nodes]
     assert len(response.source_nodes) == 4 == details["stats"]["num_documents"]
@@ -284,7 +252,7 @@ def test_speculative_retrievers_report_scores_the_same_way(bm25) -> None:
 def test_the_prompt_setting_is_shared_and_follows_a_prebuilt_engine(tiny_target, bm25,
                                                                     specrag) -> None:
     assert "prompt" in SPECRAG_SETTINGS and "prompt" in RALMSPEC_SETTINGS
-    for adapter in (SpeculativeRAGRunnable(), SpeculativeRAGQueryEngine(LIRetriever()),
+    for adapter in (SpeculativeRAGRunnable(), SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked)),
                     RaLMSpecRunnable(), RaLMSpecQueryEngine()):
         assert adapter.prompt is None is SpeculativeRAGConfig.prompt is RaLMSpecConfig.prompt
     text = "{documents}\n\nQ: {question}"
@@ -293,7 +261,7 @@ def test_the_prompt_setting_is_shared_and_follows_a_prebuilt_engine(tiny_target,
                                                     "max_draft_tokens", "retrieve_k",
                                                     "subset_strategy")}, "prompt": text}))
     for adapter in (SpeculativeRAGRunnable(engine=prebuilt),
-                    SpeculativeRAGQueryEngine(LIRetriever(), engine=prebuilt)):
+                    SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=prebuilt)):
         assert adapter.prompt == (("user", text),) == adapter._engine().config.prompt
     engine = RaLMSpec(tiny_target, bm25, RaLMSpecConfig(prompt=text))
     for adapter in (RaLMSpecRunnable(engine=engine), RaLMSpecQueryEngine(engine=engine)):

@@ -134,3 +134,47 @@ def test_speculative_retrieval_checks_through_its_config() -> None:
     session = SpeculativeRetrieval(BM25Retriever())
     assert (session.k, session.prefetch_k) == (SpeculativeRetrievalConfig.k,
                                                SpeculativeRetrievalConfig.prefetch_k)
+
+
+# every module whose public signatures take sampling or token-limit keywords
+SIGNATURE_MODULES = (
+    "shared_core.config", "shared_core.output", "shared_core.engines.baseline",
+    "shared_core.engines.respec.engine", "shared_core.engines.rapid.engine",
+    "shared_core.engines.rapid.entry", "shared_core.engines.ralmspec.engine",
+    "shared_core.engines.knnlm")
+
+
+def _signature_defaults(name: str) -> list[tuple[str, str, Any]]:
+    """(function, parameter, default) for every defaulted parameter of the module's functions and
+    of the methods of its classes."""
+    import importlib
+    import inspect
+
+    module = importlib.import_module(name)
+    functions = [f for _, f in inspect.getmembers(module, inspect.isfunction)
+                 if f.__module__ == name]
+    for _, cls in inspect.getmembers(module, inspect.isclass):
+        if cls.__module__ == name:
+            functions += [f for _, f in inspect.getmembers(
+                cls, lambda x: inspect.isfunction(x) or inspect.ismethod(x))]  # + classmethods
+    return [(f.__qualname__, p.name, p.default) for f in functions
+            for p in inspect.signature(f).parameters.values() if p.default is not p.empty]
+
+
+@pytest.mark.parametrize("module", SIGNATURE_MODULES)
+def test_retyped_defaults_equal_their_one_home(module: str) -> None:
+    """Sampling defaults written again in keyword signatures (``temperature=0.0, top_k=0,
+    top_p=1.0``) equal SamplingConfig's; token limits are DEFAULT_MAX_NEW_TOKENS (RaLMSpec's:
+    RALMSPEC_MAX_NEW_TOKENS)."""
+    from shared_core.config import SamplingConfig
+    from shared_core.rag_config import RALMSPEC_MAX_NEW_TOKENS
+
+    tokens = RALMSPEC_MAX_NEW_TOKENS if "ralmspec" in module else DEFAULT_MAX_NEW_TOKENS
+    home = {"temperature": SamplingConfig.temperature, "top_k": SamplingConfig.top_k,
+            "top_p": SamplingConfig.top_p, "max_new_tokens": tokens}
+    # a config's own fields are homes (KNNLMConfig.temperature is the neighbours' softmax's)
+    found = [(f, p, d) for f, p, d in _signature_defaults(module)
+             if p in home and d is not None and not f.endswith("Config.__init__")]
+    assert found, f"{module} has no sampling or token-limit defaults: is the list stale?"
+    wrong = [(f, p, d) for f, p, d in found if d != home[p]]
+    assert not wrong, f"defaults that differ from their home in shared_core.config: {wrong}"

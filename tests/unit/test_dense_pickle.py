@@ -6,7 +6,8 @@ import importlib.util
 import pickle
 
 import pytest
-from tiny import CORPUS, HashEmbedder
+from fakes import HashEmbedder
+from tiny import CORPUS
 
 from shared_core.retrieval import DenseRetriever, Document
 

@@ -1,4 +1,5 @@
-"""Imports go only downward through the layers of DESIGN §2, and never in a cycle.
+"""Imports go only downward through the layers of docs/architecture.md (Layers), and never in a
+cycle; the layer map is the table in that section.
 
 Every module under ``shared_core/``, ``langchain_specrag/`` and ``llamaindex_specrag/`` is parsed
 with :mod:`ast`; an edge is any import of a project module: top-level, lazy (inside a function),
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import re
 import textwrap
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -19,75 +21,24 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("shared_core", "langchain_specrag", "llamaindex_specrag")
 
-# module (or package prefix) -> (layer, why it sits there). Longest prefix wins; the bare
-# "shared_core" entry names only the package's own __init__, so a new top-level module must be
-# added here explicitly.
+DOC = ROOT / "docs" / "architecture.md"
+# a row of the doc's layer table: | `module or package prefix` | layer | role |
+_ROW = re.compile(r"^\| `([A-Za-z_][\w.]*)` \| (\d) \| (.+?) \|$")
+UNMAPPED = "module {} has no layer: add its row to docs/architecture.md (section Layers)"
+
+
+def layer_rows(text: str) -> list[tuple[str, int, str]]:
+    """(module or package prefix, layer, role) for each row of the *Layers* section's tables."""
+    section = text.split("\n## Layers\n", 1)[1].split("\n## ", 1)[0]
+    matches = (_ROW.match(line.strip()) for line in section.splitlines())
+    return [(m[1], int(m[2]), m[3]) for m in matches if m]
+
+
+# module (or package prefix) -> (layer, role), read from docs/architecture.md. Longest prefix
+# wins; the bare "shared_core" row names only the package's own __init__, so a new top-level
+# module needs its own row.
 LAYERS: dict[str, tuple[int, str]] = {
-    "shared_core._lazy": (0, "PEP 562 lazy-attribute helper, standard library only"),
-    "shared_core.config": (0, "frozen, torch-free configs"),
-    "shared_core.rag_config": (0, "the RAG engines' frozen, torch-free configs (adapters read "
-                                  "their defaults here)"),
-    "shared_core.token_config": (0, "the token engines' (RAPID, ReSpec) frozen, torch-free configs "
-                                    "(chat/LLM adapters and the bench read their defaults here)"),
-    "shared_core.stats": (0, "stats dataclasses"),
-    "shared_core.device": (0, "device and dtype resolution"),
-    "shared_core.draft_length": (0, "pure arithmetic on measured costs; no models, no torch"),
-    "shared_core.data_splits": (0, "evaluation-split constants shared by the bench and training"),
-    "shared_core.file_lock": (0, "cross-process file lock with a timeout naming its holder; "
-                                 "standard library only"),
-    "shared_core.redact": (0, "credential redaction for messages, logs, reprs and pickles; "
-                              "standard library only"),
-    "shared_core.token_budget": (0, "tiktoken token counts and prompt-size checks; no model, no torch"),
-    "shared_core": (1, "package facade: lazily re-exports models' LM, load_lm, load_embedder"),
-    "shared_core.models": (1, "load_lm / load_embedder"),
-    "shared_core.embedded": (1, "where the offline weights ship and how they are assembled"),
-    "shared_core.weights_cache": (1, "safetensors cache of de-quantized GGUF weights (layout, manifest)"),
-    "shared_core.model_cache": (1, "process-wide cache of loaded LMs and embedders (models.load_*)"),
-    "shared_core.model_sources": (1, "model name resolution, GGUF safetensors cache, HF loading"),
-    "shared_core.lm": (1, "the LM record every engine takes (runtime-neutral)"),
-    "shared_core.backends": (1, "runtimes other than torch (llama.cpp): LM subclass + KV session"),
-    "shared_core.kv": (1, "KV sessions over a loaded LM"),
-    "shared_core.verify": (1, "pure verification functions"),
-    "shared_core.constrained": (1, "xgrammar logits masks (schema-constrained decoding) for the engines"),
-    "shared_core.tool_calls": (1, "tool schemas into chat prompts, forced calls, tool-call parsing"),
-    "shared_core.output": (1, "committed tokens -> returned text (needs the LM's tokenizer); "
-                              "used by every engine"),
-    "shared_core.drafters": (2, "one module per drafter"),
-    "shared_core.retrieval": (2, "documents, chunking, retrieval backends"),
-    "shared_core.retrieval.stores": (2, "batched vector-database backends (Qdrant, Milvus, pgvector, "
-                                        "Elasticsearch, OpenSearch) and from_store"),
-    "shared_core.retrieval.frameworks": (2, "LangChain / LlamaIndex / our documents and retrievers "
-                                           "as Documents and Hits (duck-typed, no framework import)"),
-    "shared_core.engines": (3, "the engines and their shared round loop"),
-    "shared_core.engines.loop": (3, "the shared round scaffolding: Run, TokenStream, LogitsMask, "
-                                   "timed"),
-    "shared_core.engines.timing": (3, "the engines' one timing helper (torch-free)"),
-    "shared_core.engines.respec": (3, "ReSpec package: drafting (trees, trigger, request), engine"),
-    "shared_core.engines.ralmspec": (3, "RaLMSpec package: backends, cache + speculative "
-                                       "retrieval, decoding, engine"),
-    "shared_core.engines.os3": (3, "the OS3 stride scheduler (RaLMSpec and KNN-LM)"),
-    "shared_core.engines.rapid": (3, "RAPID package: prompts, context (retrieval), rounds, "
-                                    "engine (RapidDecoder), registry entry"),
-    "shared_core.engines.speculative_rag": (3, "Speculative RAG package: subsets, prompts, "
-                                              "generation, scoring, inputs, results, engine"),
-    "shared_core.serving": (4, "model cache + locks for the adapters; builds engines"),
-    "shared_core.rag_adapters": (4, "framework-neutral code both frameworks' RAG adapters share"),
-    "shared_core.rag_streams": (4, "framework-neutral streaming both frameworks' RAG adapters "
-                                   "share"),
-    "shared_core.rag_pickle": (4, "RAG adapters pickle settings: a prebuilt engine as its model "
-                                  "names"),
-    "shared_core.chat_adapters": (4, "framework-neutral code both frameworks' chat/LLM adapters "
-                                     "share (settings, one call, stream loop, usage)"),
-    "shared_core.remote": (1, "served-model clients: RemoteLM beside LM (models layer), so engines "
-                              "can take either"),
-    "shared_core.integrations": (4, "plug-ins for other systems' hooks (vLLM custom_class proposer)"),
-    "shared_core.bench": (4, "benchmarks and probes"),
-    "shared_core.train_drafter": (4, "drafter tuning (uses the engine's draft prompt)"),
-    "shared_core.demo": (4, "runs every engine end to end"),
-    "shared_core.cli": (4, "console script over demo and bench"),
-    "langchain_specrag": (5, "LangChain adapters"),
-    "llamaindex_specrag": (5, "LlamaIndex adapters"),
-}
+    name: (layer, role) for name, layer, role in layer_rows(DOC.read_text(encoding="utf-8"))}
 _EXACT_ONLY = {"shared_core"}
 
 # (importer, imported) -> why the upward edge is tolerated for now. Keep this empty; an entry
@@ -252,7 +203,7 @@ def violations(edges: Iterable[Edge], layer: Callable[[str], int | None] = layer
                allowed: Mapping[tuple[str, str], str] = ALLOWED_UPWARD) -> list[str]:
     """Every problem as one line: unmapped modules, upward edges, cycles."""
     edges = list(edges)
-    problems = sorted({f"module {m} has no layer: add it to LAYERS in tests/unit/test_layers.py"
+    problems = sorted({UNMAPPED.format(m)
                        for e in edges for m in (e.source, e.target) if layer(m) is None})
     for e in edges:
         src, dst = layer(e.source), layer(e.target)
@@ -270,7 +221,19 @@ def violations(edges: Iterable[Edge], layer: Callable[[str], int | None] = layer
 
 def test_every_module_has_a_layer() -> None:
     unmapped = sorted(m for m in discover(ROOT) if layer_of(m) is None)
-    assert not unmapped, f"add these modules to LAYERS: {unmapped}"
+    assert not unmapped, f"add rows for these modules to docs/architecture.md (Layers): {unmapped}"
+
+
+def test_the_layer_table_names_existing_modules_once() -> None:
+    """The doc's table is the layer map: no row twice, none for a module that is gone."""
+    rows = layer_rows(DOC.read_text(encoding="utf-8"))
+    names = [name for name, _, _ in rows]
+    assert len(set(names)) == len(names), sorted({n for n in names if names.count(n) > 1})
+    assert {"shared_core.config": 0, "shared_core.engines": 3, "langchain_specrag": 5}.items() \
+        <= {name: layer for name, layer, _ in rows}.items()
+    modules = set(discover(ROOT))
+    stale = sorted(n for n in names if n not in modules)
+    assert not stale, f"docs/architecture.md (Layers) has rows for missing modules: {stale}"
 
 
 def test_imports_only_go_down_and_never_cycle() -> None:
@@ -328,7 +291,7 @@ def test_allow_list_and_unmapped_modules() -> None:
     edge = _edge("shared_core.engines.x", "shared_core.serving")
     assert violations([edge], allowed={(edge.source, edge.target): "temporary"}) == []
     assert violations([_edge("shared_core.newthing", "shared_core.config")]) == [
-        "module shared_core.newthing has no layer: add it to LAYERS in tests/unit/test_layers.py"]
+        UNMAPPED.format("shared_core.newthing")]
 
 
 def test_parser_sees_lazy_type_checking_string_and_relative_imports(tmp_path: Path) -> None:

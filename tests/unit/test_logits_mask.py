@@ -19,7 +19,8 @@ from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.registry import stream_engine
 from shared_core.engines.respec import ReSpecDecoder
 from shared_core.token_config import ReSpecConfig
-from tests.tiny import CORPUS, HashEmbedder
+from tests.fakes import HashEmbedder
+from tests.tiny import CORPUS
 
 PROMPTS = ["The quick brown fox", "Question: who wrote the report? Answer:", "0 1 2 3 4 5"]
 DOCS = [CORPUS[0], CORPUS[5], CORPUS[7]]

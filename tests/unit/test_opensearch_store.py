@@ -17,17 +17,14 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tiny import CORPUS, HashEmbedder
+from fakes import STORE_DOCS, HashEmbedder, check_ralmspec_through_store, lc_hash_embeddings
 
-from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
-from shared_core.retrieval import DenseRetriever, Document
+from shared_core.retrieval import DenseRetriever
 from shared_core.retrieval.stores import OpenSearchStore, from_store
 
 opensearchpy = pytest.importorskip("opensearchpy")
 
-DOCS = [Document(f"doc-{i}", text, {"n": i}) for i, text in enumerate(dict.fromkeys(CORPUS))]
-DOCS += [Document(f"extra-{i}", f"{w} is the answer to question {i}", {"n": 100 + i})
-         for i, w in enumerate(["Paris", "fox", "suffix", "retrieval", "committee", "tokens"])]
+DOCS = STORE_DOCS
 
 
 class FakeOpenSearch:
@@ -185,36 +182,14 @@ def test_ralmspec_through_opensearch_transport_equals_ralmseq(os_client, tiny_ta
     client, cluster, _ = os_client
     store = OpenSearchStore(client, "docs", HashEmbedder())
     store.add(DOCS)
-    config = RaLMSpecConfig(max_doc_tokens=48, speculation_stride=3, async_verify=False,
-                            scheduler=False)
-    engine = RaLMSpec(tiny_target, store, config)
-    for question in ("Who wrote the report?", "What is the capital of France?"):
-        before = len(_msearch_requests(cluster))
-        ref = engine.generate_baseline(question, 24)
-        assert len(_msearch_requests(cluster)) - before == ref.stats.retrieval_calls
-        before = len(_msearch_requests(cluster))
-        out = engine.generate(question, 24)
-        assert out.token_ids == ref.token_ids
-        calls = len(_msearch_requests(cluster)) - before
-        assert calls == out.stats.retrieval_calls == 1 + out.stats.rounds
-        assert calls < ref.stats.retrieval_calls
-        assert RaLMSpec(tiny_target, store).generate(question, 24).token_ids == ref.token_ids
+    check_ralmspec_through_store(tiny_target, store, lambda: len(_msearch_requests(cluster)))
 
 
 def test_from_langchain_opensearch_vector_search(os_client) -> None:
     vectorstores = pytest.importorskip("langchain_community.vectorstores")
-    from langchain_core.embeddings import Embeddings
-
-    class Hashing(Embeddings):
-        def embed_documents(self, texts: list[str]) -> list[list[float]]:
-            return HashEmbedder().encode(texts).tolist()
-
-        def embed_query(self, text: str) -> list[float]:
-            return self.embed_documents([text])[0]
-
     _, cluster, connection = os_client
     lc_store = vectorstores.OpenSearchVectorSearch(
-        "http://localhost:9200", "lc", Hashing(), connection_class=connection)
+        "http://localhost:9200", "lc", lc_hash_embeddings(), connection_class=connection)
     lc_store.add_texts([d.text for d in DOCS], [d.metadata for d in DOCS],
                        ids=[d.id for d in DOCS])  # written by the wrapper, read by the backend
     assert cluster.bodies["lc"]["mappings"]["properties"]["vector_field"]["type"] == "knn_vector"

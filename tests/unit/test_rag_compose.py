@@ -11,23 +11,18 @@
 
 from __future__ import annotations
 
-import functools
 from dataclasses import replace
 
 import pytest
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
-from langchain_core.documents import Document as LCDocument
+from fakes import ADAPTER_DOCS, LCRetriever, LIRetriever, adapter_index, adapter_ranked
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.prompts import PromptTemplate as LCPromptTemplate
-from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
 from langchain_core.runnables import RunnablePassthrough
 from llama_index.core.base.response.schema import AsyncStreamingResponse, StreamingResponse
 from llama_index.core.llms import ChatMessage
 from llama_index.core.prompts import ChatPromptTemplate as LIChatPromptTemplate
 from llama_index.core.prompts import PromptTemplate as LIPromptTemplate
-from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
@@ -36,39 +31,11 @@ from shared_core.engines.ralmspec import RaLMSpec
 from shared_core.engines.speculative_rag import SpeculativeRAG
 from shared_core.rag_config import RaLMSpecConfig, SpeculativeRAGConfig
 from shared_core.rag_streams import answer_chunks
-from shared_core.retrieval import BM25Retriever, Document
 
-DOCS = [Document(f"d{i}", text) for i, text in enumerate([
-    "Paris is the capital of France.", "Berlin is the capital of Germany.",
-    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps all day.",
-    "Speculative decoding drafts tokens and the target verifies them.",
-    "Question: who wrote the report? Answer: the committee wrote the report.",
-])]
+DOCS = ADAPTER_DOCS
+
 QUESTION = "What is the capital of France?"
 EVENTS = ["specrag_retrieved", "specrag_subsets", "specrag_drafted", "specrag_verified"]
-
-
-@functools.cache
-def _index() -> BM25Retriever:
-    index = BM25Retriever()
-    index.add(DOCS)
-    return index
-
-
-def _ranked(query: str) -> list[Document]:
-    return [hit.document for hit in _index().search([query], len(DOCS))[0]]
-
-
-class LCRetriever(LCBaseRetriever):
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
-                                ) -> list[LCDocument]:
-        return [LCDocument(page_content=d.text, id=d.id) for d in _ranked(query)]
-
-
-class LIRetriever(LIBaseRetriever):
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=None)
-                for d in _ranked(query_bundle.query_str)]
 
 
 @pytest.fixture(scope="module")
@@ -81,11 +48,11 @@ def specrag() -> SpeculativeRAG:
 @pytest.fixture(scope="module")
 def ralmspec(tiny_target) -> RaLMSpec:
     config = RaLMSpecConfig(max_doc_tokens=32, query_tokens=8, prefetch_k=3)
-    return RaLMSpec(tiny_target, _index(), config)
+    return RaLMSpec(tiny_target, adapter_index(), config)
 
 
 def _runnables(specrag: SpeculativeRAG, ralmspec: RaLMSpec) -> list:
-    return [SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag),
+    return [SpeculativeRAGRunnable(retriever=LCRetriever(adapter_ranked), engine=specrag),
             RaLMSpecRunnable(engine=ralmspec, max_new_tokens=12)]
 
 
@@ -116,12 +83,13 @@ def test_inputs_without_a_question_are_named_errors(specrag, ralmspec, value) ->
 
 
 def test_retrieved_documents_recipe_equals_the_retriever_setting(specrag) -> None:
-    given = {"question": RunnablePassthrough(), "documents": LCRetriever()} | \
+    given = {"question": RunnablePassthrough(), "documents": LCRetriever(adapter_ranked)} | \
         SpeculativeRAGRunnable(engine=specrag, with_details=True)
-    built_in = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, with_details=True)
+    built_in = SpeculativeRAGRunnable(retriever=LCRetriever(adapter_ranked), engine=specrag,
+                                      with_details=True)
     a, b = given.invoke(QUESTION), built_in.invoke(QUESTION)
     assert [d.id for d in a["documents"]] == [d.id for d in b["documents"]] == [
-        d.id for d in _ranked(QUESTION)]
+        d.id for d in adapter_ranked(QUESTION)]
     assert (a["answer"], a["scores"], a["best"]) == (b["answer"], b["scores"], b["best"])
 
 
@@ -148,7 +116,7 @@ def _adapters(specrag: SpeculativeRAG, ralmspec: RaLMSpec, prompt: object, frame
     if framework == "langchain":
         return [SpeculativeRAGRunnable(engine=specrag, prompt=prompt),
                 RaLMSpecRunnable(engine=ralmspec, prompt=prompt)]
-    return [SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, prompt=prompt),
+    return [SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag, prompt=prompt),
             RaLMSpecQueryEngine(engine=ralmspec, prompt=prompt)]
 
 
@@ -215,7 +183,8 @@ def test_answer_chunks_join_to_the_answer(text, chunks) -> None:
 
 
 def test_speculative_rag_stream_yields_stages_then_answer_chunks(specrag) -> None:
-    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, with_details=True)
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(adapter_ranked), engine=specrag,
+                                      with_details=True)
     full = runnable.invoke(QUESTION)
     chunks = list(runnable.stream(QUESTION))
     assert [next(iter(c)) for c in chunks[:4]] == EVENTS  # one stage per chunk, in order
@@ -231,19 +200,20 @@ def test_speculative_rag_stream_yields_stages_then_answer_chunks(specrag) -> Non
         assert total[key] == full[key], key
     assert [d.id for d in total["documents"]] == [d.id for d in full["documents"]]
 
-    plain = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag)
+    plain = SpeculativeRAGRunnable(retriever=LCRetriever(adapter_ranked), engine=specrag)
     pieces = list(plain.stream(QUESTION))
     assert all(isinstance(p, str) for p in pieces) and "".join(pieces) == full["answer"]
 
 
 async def test_speculative_rag_astream_and_its_events(specrag) -> None:
-    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag)
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(adapter_ranked), engine=specrag)
     answer = await runnable.ainvoke(QUESTION)
     assert "".join([c async for c in runnable.astream(QUESTION)]) == answer
     names = [e["name"] async for e in runnable.astream_events(QUESTION, version="v2")
              if e["event"] == "on_custom_event"]
     assert names == EVENTS
-    detailed = SpeculativeRAGRunnable(retriever=LCRetriever(), engine=specrag, with_details=True)
+    detailed = SpeculativeRAGRunnable(retriever=LCRetriever(adapter_ranked), engine=specrag,
+                                      with_details=True)
     chunks = [c async for c in detailed.astream(QUESTION)]
     assert [next(iter(c)) for c in chunks[:4]] == EVENTS
     assert "".join(c["answer"] for c in chunks if "answer" in c) == answer
@@ -257,8 +227,8 @@ def test_speculative_rag_stream_error_reaches_the_consumer(specrag) -> None:
 
 
 async def test_llamaindex_speculative_rag_streaming_response(specrag) -> None:
-    plain = SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag).query(QUESTION)
-    engine = SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, streaming=True)
+    plain = SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag).query(QUESTION)
+    engine = SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag, streaming=True)
     response = engine.query(QUESTION)
     assert isinstance(response, StreamingResponse)
     assert [n.node.node_id for n in response.source_nodes] == [
@@ -292,7 +262,7 @@ async def test_ralmspec_query_engine_streams_verified_deltas(ralmspec) -> None:
 
 def test_streaming_must_be_a_bool(specrag) -> None:
     with pytest.raises(TypeError, match="streaming"):
-        SpeculativeRAGQueryEngine(LIRetriever(), engine=specrag, streaming="yes")
+        SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag, streaming="yes")
     with pytest.raises(ValueError, match="streaming"):
         RaLMSpecQueryEngine(streaming="yes")
 
@@ -335,7 +305,7 @@ def test_ralmspec_answers_with_the_prompt_setting(ralmspec) -> None:
     custom = RaLMSpecRunnable(engine=ralmspec, max_new_tokens=12, with_details=True,
                               prompt=other).invoke(QUESTION)
     assert custom["stats"]["prompt_tokens"] != default.invoke(QUESTION)["stats"]["prompt_tokens"]
-    baseline = RaLMSpec(ralmspec.lm, _index(), replace(
+    baseline = RaLMSpec(ralmspec.lm, adapter_index(), replace(
         ralmspec.config, prompt="Q: {question}\nUse: {documents}")).generate_baseline(QUESTION, 12)
     assert custom["token_ids"] == baseline.token_ids
     engine = RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=12,

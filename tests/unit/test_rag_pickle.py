@@ -1,14 +1,13 @@
 """The RAG adapters pickle their settings, not their weights (issue 16 item 5), on a tiny model
 saved to a folder (so it has a name load_lm can reload). The embedded-model version of these
-checks is tests/integration/test_rag_pickle_embedded.py."""
+checks is tests/integration/test_rag_adapters_embedded.py."""
 
 from __future__ import annotations
 
 import pickle
 
 import pytest
-from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from fakes import LIRetriever, documents
 from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
@@ -18,7 +17,7 @@ from shared_core.engines.speculative_rag import SpeculativeRAG
 from shared_core.models import load_lm
 from shared_core.rag_config import RaLMSpecConfig, SpeculativeRAGConfig
 from shared_core.rag_pickle import ReloadingEngine
-from shared_core.retrieval import BM25Retriever, Document
+from shared_core.retrieval import BM25Retriever
 
 MAX_BYTES = 4096
 TEXTS = ["Paris is the capital of France.", "Berlin is the capital of Germany.",
@@ -32,7 +31,7 @@ RALMSPEC = RaLMSpecConfig(max_doc_tokens=32, query_tokens=8, prefetch_k=3)
 @pytest.fixture(scope="module")
 def bm25() -> BM25Retriever:
     index = BM25Retriever()
-    index.add([Document(f"t{i}", t) for i, t in enumerate(TEXTS)])
+    index.add(documents(TEXTS, "t"))
     return index
 
 
@@ -68,14 +67,10 @@ def test_prebuilt_engines_pickle_as_their_model_names(tiny_model_folder, bm25) -
         assert len(pickle.dumps(copy)) < MAX_BYTES  # used again, still settings only
 
 
-class Fixed(LIBaseRetriever):
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [NodeWithScore(node=TextNode(text=t, id_=f"t{i}")) for i, t in enumerate(TEXTS)]
-
-
 def test_llamaindex_speculative_rag_engine_pickles_small(tiny_model_folder) -> None:
     lm = load_lm(tiny_model_folder)
-    engine = SpeculativeRAGQueryEngine(Fixed(), engine=SpeculativeRAG(lm, lm, config=SPECRAG))
+    engine = SpeculativeRAGQueryEngine(LIRetriever(documents(TEXTS, "t")),
+                                       engine=SpeculativeRAG(lm, lm, config=SPECRAG))
     before = _answer(engine)
     copy, size = _round_trip(engine)
     assert size < MAX_BYTES and _answer(copy) == before

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import threading
 from collections.abc import Sequence
 
@@ -22,47 +21,11 @@ from shared_core.engines.ralmspec import (
 )
 from shared_core.engines.ralmspec import engine as ralmspec_engine
 from shared_core.retrieval import BM25Retriever, Document, Hit
+from tests.fakes import RALM_DOCS, HashRetriever
 
-DOCS = [Document(f"d{i}", text) for i, text in enumerate([
-    "Paris is the capital of France.",
-    "Berlin is the capital of Germany.",
-    "The quick brown fox jumps over the lazy dog.",
-    "Speculative decoding drafts tokens and the target verifies them.",
-    "A suffix automaton finds every occurrence of the longest suffix.",
-    "Question: who wrote the report? Answer: the committee wrote the report.",
-])]
+DOCS = RALM_DOCS
 QUESTIONS = ["who wrote the report?", "what is the capital of France?", "0 1 2 3 4"]
 SMALL = {"max_doc_tokens": 48, "query_tokens": 8}
-
-
-class HashRetriever:
-    """Top-k by a hash of (query, doc): consecutive queries rarely agree -> many mismatches.
-
-    Implements the backend protocol with an exact ``rank``, and counts batched calls.
-    """
-
-    def __init__(self, docs: Sequence[Document], sticky: int = 1):
-        self.docs = list(docs)
-        self.sticky = sticky  # >1: the query is bucketed by length, so top-1 changes slowly
-        self.calls: list[int] = []
-
-    def _score(self, query: str, doc: Document) -> float:
-        key = f"{len(query) // self.sticky}|{doc.id}".encode()
-        return int(hashlib.md5(key).hexdigest()[:8], 16) / 2**32
-
-    def encode(self, query: str) -> str:
-        return query
-
-    def search(self, encoded: Sequence[str], k: int) -> list[list[Hit]]:
-        self.calls.append(len(encoded))
-        out = []
-        for q in encoded:
-            ranked = sorted(self.docs, key=lambda d: -self._score(q, d))[:k]
-            out.append([Hit(d, self._score(q, d), r) for r, d in enumerate(ranked)])
-        return out
-
-    def rank(self, encoded: str, docs: Sequence[Document]) -> Document:
-        return max(docs, key=lambda d: self._score(encoded, d))
 
 
 CONFIGS = {

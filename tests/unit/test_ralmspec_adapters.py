@@ -6,13 +6,11 @@ import subprocess
 import sys
 
 import pytest
-from langchain_core.callbacks import CallbackManagerForRetrieverRun
+from fakes import LCRetriever, LIRetriever
 from langchain_core.documents import Document as LCDocument
-from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
-from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+from shared_core.retrieval import Document, Hit
 
 TEXTS = ["Paris is the capital of France.", "Berlin is the capital of Germany.",
          "The quick brown fox jumps over the lazy dog.",
@@ -25,19 +23,9 @@ def _ranked(query: str) -> list[int]:
     return sorted(range(len(TEXTS)), key=lambda i: hash((len(query) % 5, i)) % 97)
 
 
-class LCRetriever(LCBaseRetriever):
-    calls: int = 0
-
-    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
-                                ) -> list[LCDocument]:
-        self.calls += 1
-        return [LCDocument(page_content=TEXTS[i], id=f"t{i}") for i in _ranked(query)]
-
-
-class LIRetriever(LIBaseRetriever):
-    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [NodeWithScore(node=TextNode(text=TEXTS[i], id_=f"t{i}"), score=1.0 / (r + 1))
-                for r, i in enumerate(_ranked(query_bundle.query_str))]
+def _hits(query: str) -> list[Hit]:
+    """Every text in :func:`_ranked` order, scored 1 / rank."""
+    return [Hit(Document(f"t{i}", TEXTS[i]), 1.0 / (r + 1), r) for r, i in enumerate(_ranked(query))]
 
 
 @pytest.mark.parametrize("package", [
@@ -52,7 +40,7 @@ def test_import_leaves_torch_out(package: str) -> None:
 def test_runnable_equals_ralmseq(tiny_target) -> None:
     from langchain_specrag import RaLMSpecRunnable
 
-    engine = RaLMSpec(tiny_target, LCRetriever(), CONFIG)
+    engine = RaLMSpec(tiny_target, LCRetriever(_hits), CONFIG)
     ref = engine.generate_baseline("who wrote the report?", 16)
     runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=16)
     assert runnable.invoke("who wrote the report?") == ref.text
@@ -70,7 +58,7 @@ def test_runnable_equals_ralmseq(tiny_target) -> None:
 async def test_runnable_async(tiny_target) -> None:
     from langchain_specrag import RaLMSpecRunnable
 
-    engine = RaLMSpec(tiny_target, LCRetriever(), CONFIG)
+    engine = RaLMSpec(tiny_target, LCRetriever(_hits), CONFIG)
     ref = engine.generate_baseline("capital of France?", 12).text
     runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=12)
     assert await runnable.ainvoke("capital of France?") == ref
@@ -80,7 +68,7 @@ async def test_runnable_async(tiny_target) -> None:
 def test_langchain_speculative_retriever() -> None:
     from langchain_specrag import SpeculativeRetriever
 
-    base = LCRetriever()
+    base = LCRetriever(_hits)
     spec = SpeculativeRetriever(retriever=base, k=2)
     plain = base.invoke("abc")
     assert [d.page_content for d in spec.invoke("abc")] == [d.page_content for d in plain[:2]]
@@ -98,7 +86,7 @@ def test_langchain_speculative_retriever() -> None:
 def test_llamaindex_speculative_retriever() -> None:
     from llamaindex_specrag import SpeculativeRetriever
 
-    spec = SpeculativeRetriever(LIRetriever(), similarity_top_k=2)
+    spec = SpeculativeRetriever(LIRetriever(_hits), similarity_top_k=2)
     nodes = spec.retrieve("abc")
     assert [n.node.get_content() for n in nodes] == [TEXTS[i] for i in _ranked("abc")[:2]]
     guess = spec.speculate("abcd")
@@ -109,7 +97,7 @@ def test_llamaindex_speculative_retriever() -> None:
 def test_query_engine_equals_ralmseq(tiny_target) -> None:
     from llamaindex_specrag import RaLMSpecQueryEngine
 
-    engine = RaLMSpec(tiny_target, LIRetriever(), CONFIG)
+    engine = RaLMSpec(tiny_target, LIRetriever(_hits), CONFIG)
     ref = engine.generate_baseline("who wrote the report?", 16)
     response = RaLMSpecQueryEngine(engine=engine, max_new_tokens=16).query(
         "who wrote the report?")

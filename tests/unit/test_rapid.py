@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from tiny import CORPUS, HashEmbedder, measured
+from fakes import HashEmbedder
+from tiny import CORPUS, measured
 
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.engines.rapid import RapidConfig, RapidDecoder, split_prompt

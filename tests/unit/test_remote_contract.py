@@ -312,7 +312,7 @@ def test_ralmspec_wiring_on_a_served_lm(tok):
 
 
 def test_speculative_rag_on_served_models_sends_one_draft_and_one_score_request(tok):
-    from tiny import HashEmbedder
+    from fakes import HashEmbedder
 
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 

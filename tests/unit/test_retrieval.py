@@ -7,7 +7,6 @@ import json
 import random
 import subprocess
 import sys
-import zlib
 
 import numpy as np
 import pytest
@@ -21,6 +20,7 @@ from shared_core.retrieval import (
     chunk_documents,
     chunk_text,
 )
+from tests.fakes import HashEmbedder
 from tests.tiny import CORPUS, tiny_tokenizer
 
 TEXTS = [
@@ -32,23 +32,6 @@ TEXTS = [
     "Retrieval augmented generation copies spans from retrieved documents.",
 ]
 DOCS = [Document(id=f"d{i}", text=t, metadata={"n": i}) for i, t in enumerate(TEXTS)]
-
-
-class HashEmbedder:
-    """Deterministic bag-of-words embedder: each word adds a pseudo-random vector (crc32 seed)."""
-
-    def __init__(self, dim: int = 32) -> None:
-        self.dim = dim
-        self.calls = 0
-
-    def encode(self, texts: list[str]) -> np.ndarray:
-        self.calls += 1
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().replace(".", " ").replace("?", " ").split():
-                rng = np.random.default_rng(zlib.crc32(word.encode()))
-                out[i] += rng.standard_normal(self.dim).astype(np.float32)
-        return out
 
 
 def dense(kind: str = "exact", docs: list[Document] = DOCS, **kwargs: object) -> DenseRetriever:

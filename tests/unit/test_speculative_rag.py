@@ -26,24 +26,11 @@ from shared_core.engines.speculative_rag import (
     verify_batch,
 )
 from shared_core.retrieval.base import Document, Hit
+from tests.fakes import SPECRAG_DOCS, BucketEmbedder, LCRetriever, LIRetriever
 from tests.tiny import tiny_lm
 
-DOCS = [Document(f"d{i}", text) for i, text in enumerate([
-    "Paris is the capital of France.", "Berlin is the capital of Germany.",
-    "The quick brown fox jumps over the lazy dog.", "The lazy dog sleeps.",
-    "Speculative decoding drafts tokens.", "The target model verifies them in one pass.",
-])]
-
-
-class FakeEmbedder:
-    """Deterministic bag-of-words vectors: documents sharing words land close together."""
-
-    def encode(self, texts: list[str], **_: object) -> np.ndarray:
-        out = np.zeros((len(texts), 32), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().split():
-                out[i, sum(map(ord, word)) % 32] += 1.0
-        return out / np.linalg.norm(out, axis=1, keepdims=True)
+DOCS = SPECRAG_DOCS
+EMBEDDER = BucketEmbedder(dim=32, floor=0.0)  # documents sharing words land close together
 
 
 class FakeRetriever:
@@ -68,7 +55,7 @@ def verifier():
 def engine(drafter, verifier, **config):
     cfg = SpeculativeRAGConfig(**{"num_drafts": 3, "docs_per_draft": 2, "max_draft_tokens": 8,
                                   **config})
-    return SpeculativeRAG(drafter, verifier, embedder=FakeEmbedder(), config=cfg)
+    return SpeculativeRAG(drafter, verifier, embedder=EMBEDDER, config=cfg)
 
 
 # ---------------------------------------------------------------- 1. multi-perspective subsets
@@ -173,7 +160,7 @@ def test_answer_returns_every_draft_with_three_scores(drafter, verifier):
 def test_drafter_only_needs_no_verifier(drafter):
     cfg = SpeculativeRAGConfig(num_drafts=2, max_draft_tokens=4, use_self_contain=False,
                                use_self_reflect=False)
-    result = SpeculativeRAG(drafter, None, embedder=FakeEmbedder(), config=cfg).answer("q", DOCS)
+    result = SpeculativeRAG(drafter, None, embedder=EMBEDDER, config=cfg).answer("q", DOCS)
     assert all(d.log_self_contain is None for d in result.drafts)
     assert result.stats.verify_tokens == 0
 
@@ -281,19 +268,6 @@ def test_to_documents_accepts_framework_objects():
 
 # ---------------------------------------------------------------- adapters (tiny models)
 
-def _lc_retriever():
-    from langchain_core.callbacks import CallbackManagerForRetrieverRun
-    from langchain_core.documents import Document as LCDocument
-    from langchain_core.retrievers import BaseRetriever
-
-    class ListRetriever(BaseRetriever):
-        def _get_relevant_documents(self, query: str, *,
-                                    run_manager: CallbackManagerForRetrieverRun):
-            return [LCDocument(page_content=d.text, id=d.id) for d in DOCS]
-
-    return ListRetriever()
-
-
 def test_langchain_runnable_invoke_details_events_and_nesting(drafter, verifier):
     from langchain_core.callbacks import BaseCallbackHandler
 
@@ -313,7 +287,7 @@ def test_langchain_runnable_invoke_details_events_and_nesting(drafter, verifier)
             self.chain_ids.append(run_id)
 
     eng = engine(drafter, verifier)
-    rag = SpeculativeRAGRunnable(retriever=_lc_retriever(), engine=eng, num_drafts=3,
+    rag = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=eng, num_drafts=3,
                                  retrieve_k=6)
     recorder = Recorder()
     answer = rag.invoke("capital of France?", {"callbacks": [recorder]})
@@ -333,7 +307,7 @@ def test_langchain_runnable_invoke_details_events_and_nesting(drafter, verifier)
 async def test_langchain_runnable_async_and_events(drafter, verifier):
     from langchain_specrag import SpeculativeRAGRunnable
 
-    rag = SpeculativeRAGRunnable(retriever=_lc_retriever(), engine=engine(drafter, verifier),
+    rag = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=engine(drafter, verifier),
                                  num_drafts=3, retrieve_k=6)
     sync = rag.invoke("capital of France?")
     assert await rag.ainvoke("capital of France?") == sync
@@ -349,16 +323,9 @@ async def test_langchain_runnable_async_and_events(drafter, verifier):
 def test_llamaindex_query_engine(drafter, verifier):
     import asyncio
 
-    from llama_index.core.retrievers import BaseRetriever
-    from llama_index.core.schema import NodeWithScore, TextNode
-
     from llamaindex_specrag import SpeculativeRAGQueryEngine
 
-    class ListRetriever(BaseRetriever):
-        def _retrieve(self, query_bundle):
-            return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=1.0) for d in DOCS]
-
-    qe = SpeculativeRAGQueryEngine(ListRetriever(), engine=engine(drafter, verifier))
+    qe = SpeculativeRAGQueryEngine(LIRetriever(DOCS, score=1.0), engine=engine(drafter, verifier))
     response = qe.query("capital of France?")
     assert len(response.source_nodes) == 6 and len(response.metadata["drafts"]) == 3
     assert response.response == response.metadata["drafts"][response.metadata["best"]]["answer"]
@@ -390,17 +357,10 @@ def test_langchain_schemas_and_configurable_fields():
 
 
 def test_engine_retrieve_accepts_langchain_and_llamaindex_retrievers():
-    from llama_index.core.retrievers import BaseRetriever
-    from llama_index.core.schema import NodeWithScore, TextNode
-
     from shared_core.engines.speculative_rag import retrieve
 
-    class LIRetriever(BaseRetriever):
-        def _retrieve(self, query_bundle):
-            return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=0.1) for d in DOCS]
-
-    assert [d.id for d in retrieve(_lc_retriever(), "q", 3)] == ["d0", "d1", "d2"]
-    assert [d.id for d in retrieve(LIRetriever(), "q", 4)] == ["d0", "d1", "d2", "d3"]
+    assert [d.id for d in retrieve(LCRetriever(DOCS), "q", 3)] == ["d0", "d1", "d2"]
+    assert [d.id for d in retrieve(LIRetriever(DOCS, score=0.1), "q", 4)] == ["d0", "d1", "d2", "d3"]
     assert [d.id for d in retrieve(FakeRetriever(DOCS), "q", 2)] == ["d0", "d1"]
     with pytest.raises(TypeError, match="no search/invoke/retrieve"):
         retrieve(object(), "q", 2)

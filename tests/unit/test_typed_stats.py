@@ -10,7 +10,8 @@ import json
 import pickle
 
 import pytest
-from tiny import CORPUS, HashEmbedder, measured
+from fakes import HashEmbedder
+from tiny import CORPUS, measured
 
 from shared_core.engines.knnlm import KNNDatastore, KNNLMConfig, KNNLMStats, knnlm_generate
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig, RaLMSpecStats

@@ -15,10 +15,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from tiny import CORPUS, HashEmbedder, heavy_imports
+from fakes import STORE_DOCS, HashEmbedder, check_ralmspec_through_store, lc_hash_embeddings
+from tiny import heavy_imports
 
-from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
-from shared_core.retrieval import DenseRetriever, Document
+from shared_core.engines.ralmspec import RaLMSpec
+from shared_core.retrieval import DenseRetriever
 from shared_core.retrieval.stores import (
     ElasticsearchStore,
     MilvusStore,
@@ -28,9 +29,7 @@ from shared_core.retrieval.stores import (
 )
 from shared_core.retrieval.stores.pgvector import quote_ident
 
-DOCS = [Document(f"doc-{i}", text, {"n": i}) for i, text in enumerate(dict.fromkeys(CORPUS))]
-DOCS += [Document(f"extra-{i}", f"{w} is the answer to question {i}", {"n": 100 + i})
-         for i, w in enumerate(["Paris", "fox", "suffix", "retrieval", "committee", "tokens"])]
+DOCS = STORE_DOCS
 
 
 def test_importing_stores_loads_no_database_client() -> None:
@@ -213,36 +212,13 @@ def test_ralmspec_through_elasticsearch_transport_equals_ralmseq(es_client, tiny
     client, cluster = es_client
     store = ElasticsearchStore(client, "docs", HashEmbedder())
     store.add(DOCS)
-    config = RaLMSpecConfig(max_doc_tokens=48, speculation_stride=3, async_verify=False,
-                            scheduler=False)
-    engine = RaLMSpec(tiny_target, store, config)
-    for question in ("Who wrote the report?", "What is the capital of France?"):
-        before = len(_msearch_requests(cluster))
-        ref = engine.generate_baseline(question, 24)
-        assert len(_msearch_requests(cluster)) - before == ref.stats.retrieval_calls
-        before = len(_msearch_requests(cluster))
-        out = engine.generate(question, 24)
-        assert out.token_ids == ref.token_ids
-        calls = len(_msearch_requests(cluster)) - before
-        assert calls == out.stats.retrieval_calls == 1 + out.stats.rounds
-        assert calls < ref.stats.retrieval_calls
-        # with OS³, prefetching and asynchronous verification (the defaults): still identical
-        assert RaLMSpec(tiny_target, store).generate(question, 24).token_ids == ref.token_ids
+    check_ralmspec_through_store(tiny_target, store, lambda: len(_msearch_requests(cluster)))
 
 
 def test_from_langchain_elasticsearch_store(es_client) -> None:
     vectorstores = pytest.importorskip("langchain_elasticsearch")
-    from langchain_core.embeddings import Embeddings
-
-    class Hashing(Embeddings):
-        def embed_documents(self, texts: list[str]) -> list[list[float]]:
-            return HashEmbedder().encode(texts).tolist()
-
-        def embed_query(self, text: str) -> list[float]:
-            return self.embed_documents([text])[0]
-
     client, cluster = es_client
-    lc_store = vectorstores.ElasticsearchStore("lc", embedding=Hashing(), client=client)
+    lc_store = vectorstores.ElasticsearchStore("lc", embedding=lc_hash_embeddings(), client=client)
     lc_store.add_texts([d.text for d in DOCS], [d.metadata for d in DOCS],
                        ids=[d.id for d in DOCS])  # written by the wrapper, read by the backend
     store = from_store(lc_store.as_retriever())

@@ -6,7 +6,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from tiny import CORPUS, HashEmbedder
+from fakes import HashEmbedder
+from tiny import CORPUS
 
 from shared_core.engines.os3 import OS3Scheduler
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
