@@ -198,9 +198,9 @@ def test_the_adapters_time_limit_their_own_retrieval(engine):
     release = threading.Event()
     runnable = SpeculativeRAGRunnable(retriever=Hanging(), engine=engine, retrieval_timeout_s=0.05)
     try:
-        with pytest.raises(TimeoutError, match="retriever Hanging .*retrieval_timeout_s=0.05"):
+        with pytest.raises(TimeoutError, match=r"retriever Hanging .*retrieval_timeout_s=0\.05"):
             runnable.invoke(QUESTION)
-        with pytest.raises(TimeoutError, match="retrieval_timeout_s=0.05"):
+        with pytest.raises(TimeoutError, match=r"retrieval_timeout_s=0\.05"):
             asyncio.run(runnable.ainvoke(QUESTION))
     finally:
         release.set()
