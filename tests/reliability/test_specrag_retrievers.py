@@ -208,3 +208,25 @@ def test_the_adapters_time_limit_their_own_retrieval(engine):
         SpeculativeRAGRunnable(retrieval_timeout_s=0)
     with pytest.raises(ValueError, match="retrieval_timeout_s"):
         SpeculativeRAGQueryEngine(_LIRetriever(), retrieval_timeout_s=-1.0)
+
+
+def test_ralmspec_timed_out_searches_do_not_pile_up_threads():
+    """RaLMSpec's own time-limited searches share the same bounded daemon workers."""
+    from shared_core.engines.ralmspec.backends import (
+        VERIFY_POOL,
+        VERIFY_WORKERS,
+        as_backend,
+        checked_search,
+    )
+
+    slow = BlockingRetriever()
+    backend = as_backend(slow)
+    before = threading.active_count()
+    try:
+        for _ in range(VERIFY_WORKERS + 8):
+            with pytest.raises(TimeoutError, match=r"retrieval_timeout_s=0\.02"):
+                checked_search(backend, [QUESTION], 2, 0.02)
+        assert VERIFY_POOL.live_threads() <= VERIFY_WORKERS
+        assert threading.active_count() - before <= VERIFY_WORKERS
+    finally:
+        slow.release.set()
