@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 if TYPE_CHECKING:
     import torch
@@ -70,3 +70,10 @@ class LM:
         # not, so it gets BOS as any fresh sequence does (without it Gemma-3 base babbles).
         add_special = not self.has_chat_template
         return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
+
+
+def window_text(lm: Any) -> str:
+    """``lm``'s context limit in words for an error message: a runtime that has a setting for it
+    names the setting (llama.cpp: ``n_ctx``, :meth:`describe_window`)."""
+    describe = getattr(lm, "describe_window", None)
+    return describe() if callable(describe) else f"the {lm.max_context}-token window of {lm.name}"

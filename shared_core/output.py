@@ -18,6 +18,7 @@ from shared_core.config import (
     check_int,
     check_real,
 )
+from shared_core.lm import window_text
 from shared_core.models import LM
 from shared_core.stats import DecodeStats
 
@@ -194,7 +195,6 @@ def validate_prompt_ids(lm: LM, ids: Sequence[int], max_new_tokens: int) -> None
                    f"[0, {vocab}) of {lm.name}")
             raise ValueError(msg)
     if len(ids) + max_new_tokens > lm.max_context:
-        msg = (f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds the "
-               f"{lm.max_context}-token window of {lm.name}; shorten the prompt or lower "
-               "max_new_tokens")
+        msg = (f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds "
+               f"{window_text(lm)}; shorten the prompt or lower max_new_tokens")
         raise ValueError(msg)

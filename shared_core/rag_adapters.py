@@ -36,6 +36,7 @@ from shared_core.rag_config import (
     RaLMSpecConfig,
     SpeculativeRAGConfig,
     check_prompt,
+    specrag_budgets,
 )
 from shared_core.rag_pickle import portable_state
 from shared_core.redact import redacted_repr_args
@@ -50,8 +51,10 @@ if TYPE_CHECKING:
 
 T = TypeVar("T")
 
-SPECRAG_KNOBS = ("num_drafts", "docs_per_draft", "retrieve_k", "prompt")
-SPECRAG_SETTINGS = ("retriever", "drafter", "verifier", "dtype", "backend", *SPECRAG_KNOBS, "engine")
+SPECRAG_KNOBS = ("num_drafts", "docs_per_draft", "retrieve_k", "prompt", "retrieval_timeout_s")
+# max_new_tokens (None: the engine's budgets) sets both generation budgets (specrag_budgets)
+SPECRAG_SETTINGS = ("retriever", "drafter", "verifier", "dtype", "backend", *SPECRAG_KNOBS,
+                    "max_new_tokens", "engine")
 RALMSPEC_KNOBS = ("retrieval_stride", "speculation_stride", "prefetch", "scheduler",
                   "async_verify", "retrieval_timeout_s", "prompt")
 RALMSPEC_SETTINGS = ("retriever", "model", "max_new_tokens", "temperature", "seed",
@@ -208,6 +211,7 @@ class SpeculativeRAGEngines:
         check_engine(settings.engine, "SpeculativeRAG")
         knobs = {name: getattr(settings, name) for name in SPECRAG_KNOBS}
         knobs["prompt"] = settings._prompt_of(settings.prompt)
+        knobs.update(specrag_budgets(settings.max_new_tokens))
         models = (settings.drafter, settings.verifier, settings.dtype, settings.backend,
                   settings.engine)
         base = self._models.get(models, lambda: self._base(settings, knobs))

@@ -18,6 +18,7 @@ from shared_core.config import (
     CacheKind,
     check_choice,
     check_fields,
+    check_int,
     check_number,
     check_timeout,
     check_type,
@@ -106,6 +107,9 @@ class SpeculativeRAGConfig:
     # The drafting prompt (see check_prompt); None: the paper-style default. The engine appends
     # its "Rationale:/Answer:" format line, which the draft parser relies on.
     prompt: str | PromptMessages | None = None
+    # Seconds the engine's own retriever call may take (None: wait forever); on expiry the call
+    # raises TimeoutError and the search is abandoned on a bounded worker (retrieval.timeout).
+    retrieval_timeout_s: float | None = None
 
     def __post_init__(self) -> None:
         check_fields(self, ints=("num_drafts", "docs_per_draft", "retrieve_k", "max_draft_tokens",
@@ -113,6 +117,7 @@ class SpeculativeRAGConfig:
                      bools=("use_draft_score", "use_self_contain", "use_self_reflect",
                             "length_normalize", "force_answer_line"),
                      strs=("embed_instruction",))
+        check_timeout(self.retrieval_timeout_s)
         check_type(self.seed, "seed", (numbers.Integral,), "an integer")
         check_choice(self.subset_strategy, "subset_strategy", ("cluster", "random", "same_cluster"))
         check_choice(self.draft_order, "draft_order", ("rationale_first", "answer_first"))
@@ -122,6 +127,17 @@ class SpeculativeRAGConfig:
     @property
     def needs_verifier(self) -> bool:
         return self.selection != "random" and (self.use_self_contain or self.use_self_reflect)
+
+
+def specrag_budgets(max_new_tokens: int | None) -> dict[str, int]:
+    """The :class:`SpeculativeRAGConfig` fields set by the RAG adapters' one generation-length
+    setting, ``max_new_tokens`` (None: the config's own budgets): every text generated is capped
+    at that many tokens, i.e. each draft (rationale + answer, ``max_draft_tokens``) and each
+    answer-only generation (standard RAG, a forced answer line: ``max_answer_tokens``)."""
+    if max_new_tokens is None:
+        return {}
+    check_int(max_new_tokens, "max_new_tokens")
+    return {"max_draft_tokens": max_new_tokens, "max_answer_tokens": max_new_tokens}
 
 
 @dataclass(frozen=True)
@@ -206,4 +222,5 @@ __all__ = [
     "SubsetStrategy",
     "check_prompt",
     "format_prompt",
+    "specrag_budgets",
 ]

@@ -42,6 +42,7 @@ from shared_core.rag_config import PromptMessages, SpeculativeRAGConfig
 from shared_core.rag_pickle import portable_state
 from shared_core.rag_streams import StageEvent, StreamItem, speculative_rag_stream
 from shared_core.redact import redacted_repr_args
+from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
 from shared_core.serving import iterate_in_thread
 
 if TYPE_CHECKING:
@@ -75,6 +76,10 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
         prompt: the drafting prompt over ``{question}`` and ``{documents}`` (a LangChain
             ``PromptTemplate`` / ``ChatPromptTemplate`` or a format string; ``None``: the
             engine's). The engine appends its "Rationale: ... Answer: ..." format line.
+        retrieval_timeout_s: seconds the retriever may take before the call fails with
+            ``TimeoutError`` (``None``: no limit; the search is abandoned on a bounded worker).
+        max_new_tokens: cap on every generated text, i.e. each draft and a standard-RAG answer
+            (``None``: the engine config's ``max_draft_tokens`` / ``max_answer_tokens``).
         with_details: return a dict (answer, rationale, drafts, scores, documents, stats).
         engine: a prebuilt :class:`shared_core.engines.SpeculativeRAG` (shares its models);
             ``num_drafts`` / ``docs_per_draft`` / ``retrieve_k`` not passed are its config's.
@@ -95,6 +100,9 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     docs_per_draft: int = Field(default=SpeculativeRAGConfig.docs_per_draft, ge=1)
     retrieve_k: int = Field(default=SpeculativeRAGConfig.retrieve_k, ge=1)
     prompt: Any = SpeculativeRAGConfig.prompt
+    retrieval_timeout_s: float | None = Field(default=SpeculativeRAGConfig.retrieval_timeout_s,
+                                              gt=0.0)
+    max_new_tokens: int | None = Field(default=None, ge=1)
     with_details: bool = False
     engine: Any = Field(default=None, exclude=True)
     _engines: SpeculativeRAGEngines = PrivateAttr(default_factory=SpeculativeRAGEngines)
@@ -142,13 +150,20 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     def _inputs(self, value: Any, config: RunnableConfig) -> tuple[str, list[Any]]:
         question, docs = self._question_and_docs(value)
         if docs is None:
-            docs = self.retriever.invoke(question, config=config)[: self.retrieve_k]
+            docs = call_with_timeout(lambda: self.retriever.invoke(question, config=config),
+                                     self.retrieval_timeout_s, self._retriever_name())
+            docs = docs[: self.retrieve_k]
         return question, docs
+
+    def _retriever_name(self) -> str:
+        return f"retriever {type(self.retriever).__name__}"
 
     async def _ainputs(self, value: Any, config: RunnableConfig) -> tuple[str, list[Any]]:
         question, docs = self._question_and_docs(value)
         if docs is None:
-            docs = (await self.retriever.ainvoke(question, config=config))[: self.retrieve_k]
+            docs = (await await_with_timeout(self.retriever.ainvoke(question, config=config),
+                                             self.retrieval_timeout_s, self._retriever_name())
+                    )[: self.retrieve_k]
         return question, docs
 
     # -- sync

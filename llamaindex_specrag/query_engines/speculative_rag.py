@@ -44,6 +44,7 @@ from shared_core.rag_adapters import (
 from shared_core.rag_config import PromptMessages, SpeculativeRAGConfig
 from shared_core.rag_pickle import portable_state
 from shared_core.rag_streams import AnswerChunk, speculative_rag_stream
+from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
 from shared_core.serving import iterate_in_thread
 
 if TYPE_CHECKING:
@@ -54,8 +55,9 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
     """Speculative RAG over a LlamaIndex retriever.
 
     Args:
-        retriever: any LlamaIndex retriever (use ``similarity_top_k >= num_drafts *
-            docs_per_draft``; 10 in the paper's setting).
+        retriever: any LlamaIndex retriever. Its default 2 nodes (or any number from 1) work:
+            with fewer than ``num_drafts * docs_per_draft`` (10 in the paper's setting) the
+            engine forms fewer / smaller subsets and says so in ``stats.adapted_subsets``.
         drafter / verifier: model names for :func:`shared_core.load_lm` (or pass ``engine``).
         num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved nodes are used
             (``None``: the engine's config value, else the
@@ -65,6 +67,10 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
             :class:`shared_core.engines.speculative_rag.SpeculativeRAG`).
         prompt: the drafting prompt over ``{question}`` and ``{documents}`` (``None``: the
             engine's); the engine appends its "Rationale: ... Answer: ..." format line.
+        retrieval_timeout_s: seconds the retriever may take before the query fails with
+            ``TimeoutError`` (``None``: no limit; the search is abandoned on a bounded worker).
+        max_new_tokens: cap on every generated text, i.e. each draft and a standard-RAG answer
+            (``None``: the engine config's ``max_draft_tokens`` / ``max_answer_tokens``).
         streaming: return a streaming response (the answer in chunks once chosen).
         engine: a prebuilt :class:`shared_core.engines.speculative_rag.SpeculativeRAG` (shares
             its models).
@@ -79,7 +85,9 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
                  verifier: str | None = DEFAULT_VERIFIER, dtype: str | None = None,
                  backend: str = DEFAULT_SPECRAG_BACKEND, num_drafts: int | None = None,
                  docs_per_draft: int | None = None,
-                 retrieve_k: int | None = None, prompt: Any = None, streaming: bool = False,
+                 retrieve_k: int | None = None, prompt: Any = None,
+                 retrieval_timeout_s: float | None = None, max_new_tokens: int | None = None,
+                 streaming: bool = False,
                  engine: SpeculativeRAG | None = None,
                  callback_manager: CallbackManager | None = None) -> None:
         if not callable(getattr(retriever, "retrieve", None)):
@@ -92,11 +100,14 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
             raise TypeError(msg)
         self.streaming = streaming
         given = {"num_drafts": num_drafts, "docs_per_draft": docs_per_draft,
-                 "retrieve_k": retrieve_k, "prompt": prompt}
+                 "retrieve_k": retrieve_k, "prompt": prompt,
+                 "retrieval_timeout_s": retrieval_timeout_s}
         self.engine = engine
         knobs = resolve_settings(engine, SpeculativeRAGConfig, SPECRAG_KNOBS,
                                  {k: v for k, v in given.items() if v is not None})
-        self.num_drafts, self.docs_per_draft, self.retrieve_k, self.prompt = knobs.values()
+        (self.num_drafts, self.docs_per_draft, self.retrieve_k, self.prompt,
+         self.retrieval_timeout_s) = knobs.values()
+        self.max_new_tokens = max_new_tokens
         self._engines = SpeculativeRAGEngines()
         self._engine()  # every setting is checked now; no model is loaded before the first query
         super().__init__(callback_manager=callback_manager)
@@ -116,10 +127,17 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
         return {}
 
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return self.retriever.retrieve(query_bundle)[: self.retrieve_k]
+        nodes = call_with_timeout(lambda: self.retriever.retrieve(query_bundle),
+                                  self.retrieval_timeout_s, self._retriever_name())
+        return nodes[: self.retrieve_k]
 
     async def aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return (await self.retriever.aretrieve(query_bundle))[: self.retrieve_k]
+        nodes = await await_with_timeout(self.retriever.aretrieve(query_bundle),
+                                         self.retrieval_timeout_s, self._retriever_name())
+        return nodes[: self.retrieve_k]
+
+    def _retriever_name(self) -> str:
+        return f"retriever {type(self.retriever).__name__}"
 
     @staticmethod
     def _response(result: SpeculativeRAGResult, nodes: list[NodeWithScore]) -> Response:

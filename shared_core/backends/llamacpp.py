@@ -215,6 +215,11 @@ class LlamaCppLM(LM):
     def vocab_size(self) -> int:
         return self.model.n_vocab
 
+    def describe_window(self) -> str:
+        """The context limit in words (errors name it: :func:`shared_core.lm.window_text`)."""
+        return (f"the llama.cpp context of {self.name} (n_ctx={self.max_context}; load it with a "
+                f"larger n_ctx, up to the {self.model.n_ctx_train} positions it was trained on)")
+
     def open_session(self) -> LlamaCppSession:
         return LlamaCppSession(self)
 

@@ -83,8 +83,7 @@ def _check_rows(lm: LlamaCppLM, rows: Sequence[Sequence[int]], extra: int) -> No
         raise ValueError(msg)
     longest = max(len(r) for r in rows) + extra
     if longest > lm.max_context:
-        msg = (f"a row of {longest} tokens exceeds this llama.cpp context of {lm.max_context} "
-               "positions; load the model with a larger n_ctx")
+        msg = f"a row of {longest} tokens exceeds {lm.describe_window()}"
         raise ValueError(msg)
 
 

@@ -134,9 +134,8 @@ class LlamaCppSession:
     def _check_window(self, count: int) -> None:
         end = len(self.tokens) + self.position_offset + count
         if end > self.lm.max_context:
-            msg = (f"sequence of {end} tokens exceeds this llama.cpp context of "
-                   f"{self.lm.max_context} positions; shorten the prompt, lower max_new_tokens or "
-                   "load the model with a larger n_ctx")
+            msg = (f"sequence of {end} tokens exceeds {self.lm.describe_window()}; shorten the "
+                   "prompt or lower max_new_tokens")
             raise ValueError(msg)
 
     def extend(self, ids: Sequence[int]) -> torch.Tensor:

@@ -221,8 +221,8 @@ async def test_speculative_rag_astream_and_its_events(specrag) -> None:
 
 def test_speculative_rag_stream_error_reaches_the_consumer(specrag) -> None:
     runnable = SpeculativeRAGRunnable(engine=specrag)
-    with pytest.raises(ValueError, match="documents"):
-        list(runnable.stream({"question": QUESTION, "documents": ["only one"]}))
+    with pytest.raises(ValueError, match="documents: all 1 documents have empty text"):
+        list(runnable.stream({"question": QUESTION, "documents": ["   "]}))
     assert runnable.invoke({"question": QUESTION, "documents": [d.text for d in DOCS]})
 
 

@@ -4,9 +4,7 @@ backends for our retrievers and any ``search(queries, k)``, and checked / time-l
 
 from __future__ import annotations
 
-import itertools
 import re
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -15,6 +13,7 @@ from typing import Any, Protocol
 
 from shared_core.retrieval.base import Document, Hit
 from shared_core.retrieval.frameworks import EXPECTED_HITS, check_rows, framework_search
+from shared_core.retrieval.timeout import BoundedWorkers
 
 
 class SpeculativeBackend(Protocol):
@@ -162,32 +161,28 @@ def check_ranked(doc: Any, name: str) -> Document:
     return doc
 
 
-_THREAD_IDS = itertools.count()
+# RaLMSpec's searches off the caller's thread (asynchronous verification, time-limited calls):
+# at most this many daemon threads, reused; a search stuck in a hung retriever holds one of them,
+# and searches queued behind stuck ones time out (and are cancelled) instead of adding threads.
+VERIFY_WORKERS = 16
+VERIFY_POOL = BoundedWorkers(VERIFY_WORKERS, "ralmspec-verify")
 
 
 def start_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
                  ) -> Future[tuple[Any, float]]:
-    """Run ``backend.search`` on a new daemon thread; the future holds (raw hits, seconds).
+    """Run ``backend.search`` on :data:`VERIFY_POOL`; the future holds (raw hits, seconds).
 
-    A daemon thread (not a pool) so that a retriever that never returns can be abandoned: the
-    caller stops waiting, nothing joins the thread, and its late answer only reaches this
-    future, which nobody reads any more.
+    Daemon threads (not a ``ThreadPoolExecutor``) so that a retriever that never returns can be
+    abandoned: the caller stops waiting, nothing joins the thread, and its late answer only
+    reaches this future, which nobody reads any more.
     """
-    future: Future[tuple[Any, float]] = Future()
-    future.set_running_or_notify_cancel()
 
-    def run() -> None:
+    def run() -> tuple[Any, float]:
         start = time.perf_counter()
-        try:
-            hits = backend.search(encoded, k)
-        except BaseException as e:  # delivered to the waiting caller
-            future.set_exception(e)
-        else:
-            future.set_result((hits, time.perf_counter() - start))
+        hits = backend.search(encoded, k)
+        return hits, time.perf_counter() - start
 
-    threading.Thread(target=run, name=f"ralmspec-verify-{next(_THREAD_IDS)}",
-                     daemon=True).start()
-    return future
+    return VERIFY_POOL.submit(run)
 
 
 def await_search(future: Future[tuple[Any, float]], backend: SpeculativeBackend,
@@ -198,8 +193,9 @@ def await_search(future: Future[tuple[Any, float]], backend: SpeculativeBackend,
     try:
         hits, seconds = future.result(timeout=wait)
     except FutureTimeout:
-        if future.done():  # the retriever's own TimeoutError, not our deadline
+        if future.done() and not future.cancelled():  # the retriever's own TimeoutError
             raise
+        future.cancel()  # still queued behind stuck searches: it never runs
         name = retriever_name(backend)
         msg = (f"retriever {name}.search did not answer {n_queries} queries within "
                f"retrieval_timeout_s={timeout_s} s; the call was abandoned (raise "

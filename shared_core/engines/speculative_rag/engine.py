@@ -46,11 +46,13 @@ from shared_core.engines.speculative_rag.subsets import (
     one_per_cluster_subsets,
     random_subsets,
     same_cluster_subsets,
+    subset_shape,
 )
 from shared_core.engines.timing import PhaseClock, timed
 from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import check_retriever, retrieve, to_documents
+from shared_core.retrieval.timeout import call_with_timeout
 
 if TYPE_CHECKING:
 
@@ -154,30 +156,43 @@ class SpeculativeRAG:
 
     def _documents(self, question: str, documents: Sequence[Any] | None, retriever: Any,
                    k: int) -> tuple[list[Document], int, float]:
-        """(documents with text, how many blank ones were left out, retrieval seconds)."""
+        """(documents with text, how many blank ones were left out, retrieval seconds). Called
+        outside the model lock (a slow retriever blocks only its own call), time-limited by
+        ``config.retrieval_timeout_s``."""
         start = time.perf_counter()
         if documents is None:
             source = retriever if retriever is not None else self.retriever
             if source is None:
                 msg = "documents is None and no retriever was given: pass documents or retriever"
                 raise ValueError(msg)
-            documents = retrieve(source, question, k)
+            timeout_s = self.config.retrieval_timeout_s
+            documents = call_with_timeout(lambda: retrieve(source, question, k), timeout_s,
+                                          f"retriever {type(source).__name__}")
             if not documents:
                 msg = "documents is empty: the retriever returned no documents"
                 raise ValueError(msg)
         docs, skipped = drop_blank(to_documents(documents))
         return docs, skipped, time.perf_counter() - start
 
-    def _check_call(self, question: Any, documents: Sequence[Any] | None, retriever: Any,
-                    need_subsets: bool) -> str:
-        """Everything checkable before the lock and any model work; the stripped question."""
-        question = check_inputs(question, documents, self.config, need_subsets=False)
+    def _check_call(self, question: Any, documents: Sequence[Any] | None, retriever: Any) -> str:
+        """Everything checkable before retrieval and any model work; the stripped question."""
+        question = check_inputs(question, documents)
         if retriever is not None:
             check_retriever(retriever)
         if documents is not None:
-            docs, _ = drop_blank(to_documents(documents))
-            check_inputs(question, docs, self.config, need_subsets=need_subsets)
+            drop_blank(to_documents(documents))  # all blank: ValueError now
         return question
+
+    def _for_documents(self, n_docs: int) -> tuple[SpeculativeRAG, str]:
+        """This engine, or one with fewer / smaller subsets when ``n_docs`` cannot fill
+        ``num_drafts * docs_per_draft`` (:func:`subset_shape`), and what was adapted."""
+        cfg = self.config
+        drafts, per_draft = subset_shape(n_docs, cfg.num_drafts, cfg.docs_per_draft)
+        if (drafts, per_draft) == (cfg.num_drafts, cfg.docs_per_draft):
+            return self, ""
+        note = (f"{cfg.num_drafts} drafts of {cfg.docs_per_draft} documents asked for, "
+                f"{n_docs} documents: {drafts} drafts of {per_draft}")
+        return self.with_config(replace(cfg, num_drafts=drafts, docs_per_draft=per_draft)), note
 
     # -- 1. multi-perspective sampling
     def sample_subsets(self, question: str, docs: Sequence[Document],
@@ -279,24 +294,24 @@ class SpeculativeRAG:
             msg = f"on_event must be a callable or None, got {type(on_event).__name__}"
             raise TypeError(msg)
         cfg, emit = self.config, on_event or (lambda _name, _data: None)
-        question = self._check_call(question, documents, retriever, need_subsets=True)
+        question = self._check_call(question, documents, retriever)
         start = time.perf_counter()
+        docs, skipped, retrieve_s = self._documents(question, documents, retriever, cfg.retrieve_k)
+        engine, adapted = self._for_documents(len(docs))
+        stats = SpeculativeRAGStats(num_documents=len(docs), num_drafts=engine.config.num_drafts,
+                                    docs_per_draft=engine.config.docs_per_draft,
+                                    retrieve_s=retrieve_s, skipped_documents=skipped,
+                                    adapted_subsets=adapted)
+        emit("specrag_retrieved", {"num_documents": len(docs)})
         with self._lock:
-            docs, skipped, retrieve_s = self._documents(question, documents, retriever,
-                                                        cfg.retrieve_k)
-            check_inputs(question, docs, cfg)
-            stats = SpeculativeRAGStats(num_documents=len(docs), num_drafts=cfg.num_drafts,
-                                        docs_per_draft=cfg.docs_per_draft, retrieve_s=retrieve_s,
-                                        skipped_documents=skipped)
-            emit("specrag_retrieved", {"num_documents": len(docs)})
             with timed(stats, "sample_s"):  # 1. multi-perspective subsets
-                subsets = self.sample_subsets(question, docs, stats)
+                subsets = engine.sample_subsets(question, docs, stats)
             emit("specrag_subsets", {"subsets": [list(s) for s in subsets]})
             with timed(stats, "draft_s"):  # 2. batched drafting
-                drafts = self.draft(question, docs, subsets, stats)
+                drafts = engine.draft(question, docs, subsets, stats)
             emit("specrag_drafted", {"answers": [d.answer for d in drafts]})
             with timed(stats, "verify_s"):  # 3. one verifier forward + scores
-                drafts = self.score(question, drafts, stats)
+                drafts = engine.score(question, drafts, stats)
         best = select_best(drafts, cfg.selection, random.Random(f"{cfg.seed}:select:{question}"))
         emit("specrag_verified", {"scores": [d.score for d in drafts], "best": best})
         stats.total_s = time.perf_counter() - start
@@ -313,11 +328,11 @@ class SpeculativeRAG:
         if model not in ("drafter", "verifier"):
             msg = f"model must be 'drafter' or 'verifier', got {model!r}"
             raise ValueError(msg)
-        question = self._check_call(question, documents, retriever, need_subsets=False)
+        question = self._check_call(question, documents, retriever)
         start = time.perf_counter()
+        docs, _, retrieve_s = self._documents(question, documents, retriever,
+                                              self.config.retrieve_k)
         with self._lock:
-            docs, _, retrieve_s = self._documents(question, documents, retriever,
-                                                  self.config.retrieve_k)
             result = standard_rag(self._get(model), question, docs,
                                   self.config.max_answer_tokens)
         result.stats.retrieve_s = retrieve_s
@@ -328,7 +343,7 @@ class SpeculativeRAG:
 def standard_rag(lm: LM, question: str, documents: Sequence[Any],
                  max_new_tokens: int = SpeculativeRAGConfig.max_answer_tokens) -> StandardRAGResult:
     """Standard RAG with one model: every document in the prompt, answer parsed as drafts are."""
-    question = check_inputs(question, documents, SpeculativeRAGConfig(), need_subsets=False)
+    question = check_inputs(question, documents)
     check_int(max_new_tokens, "max_new_tokens")
     docs, _ = drop_blank(to_documents(documents))
     prompt = rag_prompt(lm, question, docs)

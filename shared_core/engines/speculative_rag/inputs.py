@@ -30,9 +30,12 @@ def drop_blank(docs: Sequence[Document]) -> tuple[list[Document], int]:
     return kept, len(docs) - len(kept)
 
 
-def check_inputs(question: Any, documents: Sequence[Any] | None, config: SpeculativeRAGConfig,
-                 *, need_subsets: bool = True) -> str:
-    """Validate before any model work; return the stripped question."""
+def check_inputs(question: Any, documents: Sequence[Any] | None,
+                 config: SpeculativeRAGConfig | None = None) -> str:
+    """Validate before any model work; return the stripped question. Any number of documents
+    from one up forms subsets (:func:`~.subsets.subset_shape`), so ``config`` sets no minimum
+    (kept for callers that pass it)."""
+    del config
     if not isinstance(question, str):
         msg = f"question must be a str, got {type(question).__name__}"
         raise TypeError(msg)
@@ -44,13 +47,6 @@ def check_inputs(question: Any, documents: Sequence[Any] | None, config: Specula
     if documents is not None and len(documents) == 0:
         msg = "documents is empty: pass at least one document or a retriever that returns some"
         raise ValueError(msg)
-    if need_subsets and documents is not None:
-        needed = config.num_drafts * config.docs_per_draft
-        if needed > len(documents):
-            msg = (f"num_drafts * docs_per_draft = {config.num_drafts} * {config.docs_per_draft} = "
-                   f"{needed} exceeds the {len(documents)} documents; lower num_drafts or "
-                   "docs_per_draft, or pass more documents (retrieve_k)")
-            raise ValueError(msg)
     return question.strip()
 
 

@@ -10,6 +10,7 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from shared_core.lm import window_text
 from shared_core.rag_config import DraftOrder, PromptMessages, format_prompt
 from shared_core.retrieval.base import Document
 
@@ -133,6 +134,6 @@ def rag_prompt(lm: LM, question: str, docs: Sequence[Document]) -> list[int]:
 
 def check_length(lm: LM, ids: Sequence[int], budget: int, what: str) -> None:
     if len(ids) + budget > lm.max_context:
-        msg = (f"{what} has {len(ids)} tokens + {budget} new tokens, more than {lm.name}'s "
-               f"{lm.max_context}-token window; pass fewer or shorter documents")
+        msg = (f"{what} has {len(ids)} tokens + {budget} new tokens, more than "
+               f"{window_text(lm)}; pass fewer or shorter documents")
         raise ValueError(msg)

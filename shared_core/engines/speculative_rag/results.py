@@ -29,6 +29,9 @@ class SpeculativeRAGStats(RAGStats):
     docs_per_draft: int = 0
     cluster_sizes: list[int] = field(default_factory=list)
     relaxed_subsets: int = 0  # subsets that could not take one document per cluster
+    # fewer documents than num_drafts * docs_per_draft: what the config asked for, e.g.
+    # "5 drafts of 2 documents asked for, 4 documents: 2 drafts of 2" ("" when not adapted)
+    adapted_subsets: str = ""
     skipped_documents: int = 0  # documents without text, left out of every subset
     answer_continuations: int = 0  # drafts that needed a forced "Answer:" step
     draft_prompt_tokens: int = 0

@@ -41,6 +41,26 @@ def kmeans_labels(vectors: np.ndarray, k: int, seed: int, iters: int = 25) -> li
     return [int(x) for x in labels[:, 0]]
 
 
+def subset_shape(n_docs: int, num_drafts: int, docs_per_draft: int) -> tuple[int, int]:
+    """(drafts, documents per draft) that ``n_docs`` documents can feed: the configured m and k
+    when ``n_docs >= m * k``; else k is kept while it leaves at least two drafts, lowered until
+    it does (down to one document per draft), and m is what the documents then cover without
+    reusing a document (``n_docs // k``, at most m). One document gives one draft of one.
+
+    A stock LangChain / LlamaIndex retriever returns 4 documents: with the paper's m = 5, k = 2
+    that is 2 drafts of 2 documents.
+    """
+    if n_docs < 1:
+        msg = "Speculative RAG needs at least one document"
+        raise ValueError(msg)
+    if n_docs >= num_drafts * docs_per_draft:
+        return num_drafts, docs_per_draft
+    k = min(docs_per_draft, n_docs)
+    while k > 1 and n_docs // k < min(num_drafts, 2):
+        k -= 1
+    return min(num_drafts, n_docs // k), k
+
+
 def _pick_least_used(candidates: list[tuple[int, ...]], m: int) -> list[tuple[int, ...]]:
     """Greedily take m candidates, each time the one whose documents were used least so far;
     ties go to the better-ranked documents (lower indices: documents arrive in retrieval order),

@@ -1,0 +1,112 @@
+"""Time-limited retriever calls on a bounded set of daemon worker threads.
+
+A retriever that hangs cannot be stopped from Python: a timed-out call is abandoned and its
+thread keeps running until the retriever returns. A new thread per call would leak one thread
+per timed-out call; :class:`BoundedWorkers` keeps at most ``size`` threads (daemon threads, so a
+hung retriever never blocks interpreter exit), started on demand and reused. When all of them are
+stuck, further calls wait in the queue, their wait counts against their own timeout, and a call
+that times out while still queued is cancelled (it never runs).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any, TypeVar
+
+from shared_core.config import check_timeout
+
+T = TypeVar("T")
+
+RETRIEVAL_WORKERS = 4  # background retriever calls at once (time-limited calls only)
+
+
+class BoundedWorkers:
+    """At most ``size`` daemon threads running submitted calls in order (see the module doc)."""
+
+    def __init__(self, size: int, name: str):
+        self.size, self.name = size, name
+        self._queue: queue.SimpleQueue[tuple[Future[Any], Callable[[], Any]]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        self._idle = 0
+        self._ids = itertools.count()
+
+    def submit(self, fn: Callable[[], T]) -> Future[T]:
+        future: Future[T] = Future()
+        self._queue.put((future, fn))
+        with self._lock:
+            self._threads = [t for t in self._threads if t.is_alive()]
+            if self._idle == 0 and len(self._threads) < self.size:
+                thread = threading.Thread(target=self._work, daemon=True,
+                                          name=f"{self.name}-{next(self._ids)}")
+                self._threads.append(thread)
+                self._idle += 1  # counted idle until it takes its first task
+                thread.start()
+        return future
+
+    def live_threads(self) -> int:
+        with self._lock:
+            return sum(t.is_alive() for t in self._threads)
+
+    def _work(self) -> None:
+        while True:
+            future, fn = self._queue.get()
+            with self._lock:
+                self._idle -= 1
+            if future.set_running_or_notify_cancel():
+                try:
+                    result = fn()
+                except BaseException as e:  # delivered to the waiting caller
+                    future.set_exception(e)
+                else:
+                    future.set_result(result)
+            with self._lock:
+                self._idle += 1
+
+
+RETRIEVAL_POOL = BoundedWorkers(RETRIEVAL_WORKERS, "specrag-retrieval")
+
+
+def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str,
+                      pool: BoundedWorkers = RETRIEVAL_POOL) -> T:
+    """``fn()`` inline when ``timeout_s`` is None; else on ``pool``, raising TimeoutError naming
+    ``what`` and ``retrieval_timeout_s`` when it has not answered within ``timeout_s`` seconds."""
+    check_timeout(timeout_s)
+    if timeout_s is None:
+        return fn()
+    start = time.perf_counter()
+    future = pool.submit(fn)
+    try:
+        return future.result(timeout=timeout_s)
+    except FutureTimeout:
+        if future.done() and not future.cancelled():  # the retriever's own TimeoutError
+            raise
+        queued = future.cancel()  # True: it never started (all workers were busy)
+        note = f" ({time.perf_counter() - start:.1f} s{', still queued' if queued else ''})"
+        raise TimeoutError(_timeout_message(what, timeout_s, note)) from None
+
+
+def _timeout_message(what: str, timeout_s: float, note: str = "") -> str:
+    return (f"{what} did not answer within retrieval_timeout_s={timeout_s} s{note}; the call was "
+            "abandoned (raise retrieval_timeout_s or fix the retriever)")
+
+
+async def await_with_timeout(awaitable: Awaitable[T], timeout_s: float | None, what: str) -> T:
+    """``await awaitable``, cancelled with TimeoutError (as :func:`call_with_timeout` words it)
+    after ``timeout_s`` seconds; no thread is involved."""
+    check_timeout(timeout_s)
+    if timeout_s is None:
+        return await awaitable
+    task = asyncio.ensure_future(awaitable)
+    done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    if not done:
+        task.cancel()
+        raise TimeoutError(_timeout_message(what, timeout_s))
+    return task.result()
