@@ -24,9 +24,10 @@ DEFAULT_MAX_NEW_TOKENS = 256
 # the demo default to it; load_lm itself defaults to "torch", whose LM exposes a transformers model.
 BACKENDS = ("auto", "torch", "llama.cpp")
 DEFAULT_BACKEND = "auto"
-# Speculative RAG (engine and RAG adapters) stays on torch by default until its paper-scale
-# measurement on llama.cpp (issue 26) says otherwise; backend="llama.cpp" / "auto" run it there.
-DEFAULT_SPECRAG_BACKEND = "torch"
+# Speculative RAG (engine and RAG adapters) takes the same rule: on a CPU both its parts are
+# prompt reading and short batched decoding, where llama.cpp's quantized kernels beat torch
+# (results/s10/specrag_backend_*.json); "auto" still proves llama.cpp in a subprocess first.
+DEFAULT_SPECRAG_BACKEND = DEFAULT_BACKEND
 
 CacheKind = Literal["prealloc", "dynamic"]
 CACHE_KINDS: tuple[CacheKind, ...] = ("prealloc", "dynamic")

@@ -78,7 +78,7 @@ class SpeculativeRAG:
             ``"bfloat16"`` roughly halves latency on CPUs with AMX/AVX-512-BF16, because drafting
             and verification are mostly prompt processing (measured in the benchmark).
         backend: runtime for models given by name (:func:`shared_core.models.load_lm`):
-            ``"torch"`` (``DEFAULT_SPECRAG_BACKEND``), ``"llama.cpp"`` (drafts decoded as
+            ``"auto"`` (``DEFAULT_SPECRAG_BACKEND``), ``"torch"``, ``"llama.cpp"`` (drafts decoded as
             parallel sequences of one context, verifier spans scored in one pass) or ``"auto"``.
             A dtype keeps torch.
 
