@@ -64,6 +64,28 @@ class LIRetriever(LIBaseRetriever):
         return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=1.0) for d in DOCS]
 
 
+class LINoneRetriever(LIBaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> Any:
+        return None
+
+
+class LIUnscoredRetriever(LIBaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return [NodeWithScore(node=TextNode(text=d.text, id_=d.id), score=None) for d in DOCS]
+
+
+class LCNoneRetriever(LCBaseRetriever):
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+                                ) -> Any:
+        return None
+
+
+class LCWordScoreRetriever(LCBaseRetriever):
+    def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun
+                                ) -> list[LCDocument]:
+        return [LCDocument(page_content=d.text, id=d.id, metadata={"score": "high"}) for d in DOCS]
+
+
 @pytest.fixture(scope="module")
 def env() -> SimpleNamespace:
     """One instance of every component, and a counter of forwards over all tiny models."""
@@ -302,8 +324,63 @@ ADAPTERS = [
     case("li_spec.retrieve(5)", lambda e: e.li_spec.retrieve(5), T, "query"),
 ]
 
+# Issue 28 (rows 3, 7-9). Before: RaLMSpecRunnable(temperature=inf / 1e-38, seed=2**70) were
+# accepted; a lone surrogate failed inside the tokenizer ("TextEncodeInput must be
+# Union[...]"); a LlamaIndex retriever returning None failed with "'NoneType' object is not
+# iterable"; a document score "high" with "could not convert string to float"; a misspelt
+# setting was accepted and ignored (pydantic adapters) or refused without a suggestion.
+ISSUE28 = [
+    case("RaLMSpecRunnable(temperature=inf)",
+         lambda e: RaLMSpecRunnable(temperature=math.inf), V, "temperature"),
+    case("RaLMSpecRunnable(temperature=1e-38)",
+         lambda e: RaLMSpecRunnable(temperature=1e-38), V, "temperature"),
+    case("RaLMSpecRunnable(seed=2**70)", lambda e: RaLMSpecRunnable(seed=2**70), V, "seed"),
+    case("RaLMSpecQueryEngine(temperature=1e-38)",
+         lambda e: RaLMSpecQueryEngine(temperature=1e-38), V, "temperature"),
+    case("ralmspec.generate(temperature=nan)",
+         lambda e: e.ralmspec.generate("q", 4, temperature=math.nan), V, "temperature"),
+    case("ralmspec.generate(seed=2**70)",
+         lambda e: e.ralmspec.generate("q", 4, temperature=1.0, seed=2**70), V, "seed"),
+    case("runnable.invoke(lone surrogate)", lambda e: e.runnable.invoke("q\ud800"), V,
+         "question"),
+    case("query_engine.query(lone surrogate)", lambda e: e.query_engine.query("\ud800"), V,
+         "query"),
+    case("rag_runnable.invoke(lone surrogate)",
+         lambda e: e.rag_runnable.invoke({"question": "\udc80", "documents": DOCS}), V,
+         "question"),
+    case("Document(text=lone surrogate)", lambda e: Document("a", "x\ud800"), V, "text"),
+    case("specrag.answer(LlamaIndex retriever -> None)",
+         lambda e: e.specrag.answer("q", retriever=LINoneRetriever()), T,
+         r"retriever LINoneRetriever"),
+    case("rag_query_engine(retriever -> None).query",
+         lambda e: SpeculativeRAGQueryEngine(LINoneRetriever(), engine=e.specrag).query("q"), T,
+         r"retriever LINoneRetriever"),
+    case("specrag.answer(LangChain retriever -> None)",
+         lambda e: e.specrag.answer("q", retriever=LCNoneRetriever()), T, "retriever"),
+    case("LC SpeculativeRetriever(score='high').invoke",
+         lambda e: LCSpeculativeRetriever(retriever=LCWordScoreRetriever()).invoke("q"), T,
+         "score"),
+    case("SpeculativeRAGRunnable(num_draft=3)", lambda e: SpeculativeRAGRunnable(num_draft=3), T,
+         "num_draft'; did you mean 'num_drafts"),
+    case("RaLMSpecRunnable(temprature=0.2)", lambda e: RaLMSpecRunnable(temprature=0.2), T,
+         "temprature'; did you mean 'temperature"),
+    case("RaLMSpecRunnable(max_new_token=8)", lambda e: RaLMSpecRunnable(max_new_token=8), T,
+         "max_new_token'; did you mean 'max_new_tokens"),
+    case("RaLMSpecQueryEngine(temprature=0.2)", lambda e: RaLMSpecQueryEngine(temprature=0.2), T,
+         "temprature'; did you mean 'temperature"),
+    case("SpeculativeRAGQueryEngine(num_draft=3)",
+         lambda e: SpeculativeRAGQueryEngine(LIRetriever(), num_draft=3), T,
+         "num_draft'; did you mean 'num_drafts"),
+    case("LC SpeculativeRetriever(prefetch=3)",
+         lambda e: LCSpeculativeRetriever(retriever=e.bm25, prefetch=3), T,
+         "prefetch'; did you mean 'prefetch_k"),
+    case("LI SpeculativeRetriever(top_k=3)", lambda e: LISpeculativeRetriever(e.bm25, top_k=3),
+         T, "top_k'; did you mean 'similarity_top_k"),
+]
 
-@pytest.mark.parametrize(("call", "error", "name"), [*RETRIEVAL, *RALMSPEC, *SPECRAG, *ADAPTERS])
+
+@pytest.mark.parametrize(("call", "error", "name"),
+                         [*RETRIEVAL, *RALMSPEC, *SPECRAG, *ADAPTERS, *ISSUE28])
 def test_bad_input_is_refused_with_a_named_parameter(env: SimpleNamespace, call: Case,
                                                      error: type[Exception], name: str) -> None:
     before = env.forwards[0]
@@ -326,3 +403,14 @@ def test_good_inputs_still_work(env: SimpleNamespace) -> None:
     assert env.forwards[0] > before  # the hook counts: the matrix's zero is meaningful
     assert env.specrag.answer("capital of France?", tuple(DOCS[:4])).text is not None
     assert RaLMSpecRunnable(temperature=0, max_new_tokens=3).max_new_tokens == 3
+
+
+def test_framework_hits_keep_the_retrievers_scores(env: SimpleNamespace) -> None:
+    """Row 11: a retriever's node without a score stays without one (before: an invented 0.0);
+    a scored node keeps its score, in both frameworks' speculative retrievers."""
+    unscored = LISpeculativeRetriever(LIUnscoredRetriever(), similarity_top_k=2).retrieve("q")
+    assert [n.score for n in unscored] == [None, None]
+    scored = LISpeculativeRetriever(LIRetriever(), similarity_top_k=2).retrieve("q")
+    assert [n.score for n in scored] == [1.0, 1.0]
+    docs = LCSpeculativeRetriever(retriever=LCRetriever(), k=2).invoke("q")
+    assert [d.metadata["score"] for d in docs] == [None, None]
