@@ -26,7 +26,7 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import (
     BaseModel,
@@ -112,9 +112,17 @@ class ChatSettings(BaseModel):
 
     _reload_as: tuple[str, str | None, str | None, str] | None = PrivateAttr(default=None)
 
+    # settings a framework passes to any chat model that a local model has no use for (LangChain's
+    # standard timeout / max_retries / api_key / base_url): accepted and dropped, not refused
+    IGNORED_SETTINGS: ClassVar[tuple[str, ...]] = ()
+
     @model_validator(mode="before")
     @classmethod
     def _known_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(name in data for name in cls.IGNORED_SETTINGS):
+            logger.debug("%s ignores %s: a local model makes no requests", cls.__name__,
+                         sorted(set(data) & set(cls.IGNORED_SETTINGS)))
+            data = {k: v for k, v in data.items() if k not in cls.IGNORED_SETTINGS}
         return check_settings_keys(cls, data)  # a typo: TypeError with the closest setting
 
     @field_validator("engine", mode="before")

@@ -343,6 +343,8 @@ def test_valid_sampling_and_arguments_still_pass(kit):
     assert out.stats.new_tokens <= 2
     assert ReSpecDecoder(kit.lm, corpus=None).generate(Q, 2).stats.new_tokens <= 2
     assert ChatSpeculative(lm=kit.lm, model_name="tiny", temperature=0.7, seed=0).model == "tiny"
+    # LangChain's standard parameters (langchain-tests passes them to every chat model)
+    assert ChatSpeculative(lm=kit.lm, timeout=60, max_retries=2, api_key="x").max_tokens
     assert SpeculativeLLM(lm=kit.lm, context_window=None, top_p=0.5).top_p == 0.5
     assert ChatSpeculative(lm=kit.lm).bind_tools([{"type": "function", "function": {
         "name": "add", "parameters": {"type": "object", "properties": {
