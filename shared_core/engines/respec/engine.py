@@ -4,6 +4,7 @@ and the registry entry."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
@@ -289,11 +290,15 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
     """Registry entry (``engines/registry.py``): ``options`` are :class:`ReSpecConfig` fields;
     ReSpec keeps nothing between calls, so ``engine_state`` is unused."""
     del engine_state
-    check_kwargs(options, _CONFIG_FIELDS | {"draft_lm", "corpus"}, "the ReSpec engine")
+    check_kwargs(options, _CONFIG_FIELDS | _ENTRY_ARGUMENTS, "the ReSpec engine")
     decoder = ReSpecDecoder(lm, ReSpecConfig(**options), draft_lm=draft_lm, corpus=corpus)
     return decoder.stream(prompt, max_new_tokens, documents=documents, stop=stop,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                           logits_mask=logits_mask)
+
+
+# the entry's own arguments: never in ``options``, but the closest name to a misspelt one
+_ENTRY_ARGUMENTS = frozenset(inspect.signature(stream_respec).parameters) - {"options"}
 
 
 def respec_generate(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
