@@ -1,4 +1,7 @@
-"""What a new user meets first (issue 28 rows 13 and 14): a quiet console and a complete dir().
+"""What a new user meets first (issue 28 rows 11, 13, 14): true scores, a quiet console, dir().
+
+- Row 11: the speculative retrievers gave every node of a retriever without scores an invented
+  ``score=0.0``; a score is now the retriever's, or None.
 
 - Row 13: bm25s sets its own logger to DEBUG when imported, so on a console the user configured
   (``logging.basicConfig``: a root handler of level NOTSET) every BM25 index printed bm25s' debug
@@ -13,8 +16,40 @@ import importlib
 import logging
 
 import pytest
+from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
+from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
+from langchain_specrag import SpeculativeRetriever as LCSpeculativeRetriever
+from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
 from shared_core.retrieval import BM25Retriever, Document
+
+TEXTS = ["Paris is the capital of France.", "Berlin is the capital of Germany."]
+
+
+class LIScored(LIBaseRetriever):
+    def __init__(self, score: float | None) -> None:
+        super().__init__()
+        self.score = score
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return [NodeWithScore(node=TextNode(text=t, id_=f"n{i}"), score=self.score)
+                for i, t in enumerate(TEXTS)]
+
+
+class LCUnscored(LCBaseRetriever):
+    def _get_relevant_documents(self, query: str, *, run_manager: object) -> list[LCDocument]:
+        return [LCDocument(page_content=t, id=f"d{i}") for i, t in enumerate(TEXTS)]
+
+
+def test_speculative_retrievers_keep_the_retrievers_scores() -> None:
+    unscored = LISpeculativeRetriever(LIScored(None), similarity_top_k=2).retrieve("capital")
+    assert [n.score for n in unscored] == [None, None]  # before: [0.0, 0.0]
+    scored = LISpeculativeRetriever(LIScored(0.5), similarity_top_k=2).retrieve("capital")
+    assert [n.score for n in scored] == [0.5, 0.5]
+    docs = LCSpeculativeRetriever(retriever=LCUnscored(), k=2).invoke("capital")
+    assert [d.metadata["score"] for d in docs] == [None, None]
 
 
 class Records(logging.Handler):
