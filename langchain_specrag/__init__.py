@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared_core._lazy import lazy_getattr
+from shared_core._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:
     from langchain_specrag.chat_models.speculative import ChatSpeculative
@@ -33,7 +33,4 @@ __all__ = [
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals(),
                            "the LangChain extra: pip install 'specrag[langchain]'")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__dir__ = lazy_dir(_LAZY, globals())

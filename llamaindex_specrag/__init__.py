@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared_core._lazy import lazy_getattr
+from shared_core._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:
     from llamaindex_specrag.embeddings import SpecragEmbedding
@@ -33,7 +33,4 @@ __all__ = [
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals(),
                            "the LlamaIndex extra: pip install 'specrag[llamaindex]'")
-
-
-def __dir__() -> list[str]:
-    return __all__
+__dir__ = lazy_dir(_LAZY, globals())

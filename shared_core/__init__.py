@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared_core._lazy import lazy_getattr
+from shared_core._lazy import lazy_dir, lazy_getattr
 from shared_core.device import default_openmp_wait_policy
 
 default_openmp_wait_policy()  # before anything imports torch: OpenMP reads it once
@@ -20,3 +20,4 @@ _LAZY = {"LM": "shared_core.models", "load_lm": "shared_core.models",
 
 
 __getattr__ = lazy_getattr(__name__, _LAZY, globals())
+__dir__ = lazy_dir(_LAZY, globals())

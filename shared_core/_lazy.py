@@ -1,4 +1,5 @@
-"""PEP 562 lazy attributes: a package names its public classes without importing their modules."""
+"""PEP 562 lazy attributes: a package names its public classes without importing their modules
+(``__getattr__`` imports one on first access, ``__dir__`` lists them all)."""
 
 from __future__ import annotations
 
@@ -27,3 +28,13 @@ def lazy_getattr(package: str, names: Mapping[str, str], namespace: dict[str, An
         return value
 
     return __getattr__
+
+
+def lazy_dir(names: Mapping[str, str], namespace: dict[str, Any]) -> Callable[[], list[str]]:
+    """A module ``__dir__`` (PEP 562) listing the lazy names before their first access too, so
+    ``dir()`` and tab completion show what ``__getattr__`` serves."""
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(names))
+
+    return __dir__

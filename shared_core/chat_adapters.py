@@ -26,9 +26,16 @@ import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from pydantic import BaseModel, Field, PrivateAttr, ValidationInfo, field_validator
+from pydantic import (
+    BaseModel,
+    Field,
+    PrivateAttr,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from shared_core.config import (
     DEFAULT_BACKEND,
@@ -36,8 +43,14 @@ from shared_core.config import (
     DEFAULT_MAX_NEW_TOKENS,
     SamplingConfig,
     check_backend,
+    check_settings_keys,
 )
-from shared_core.constrained import Constraint, grammar_mask, xgrammar_available
+from shared_core.constrained import (
+    Constraint,
+    check_json_schema,
+    grammar_mask,
+    xgrammar_available,
+)
 from shared_core.engines.registry import check_engine, stream_engine
 from shared_core.output import check_generation_field, generation_config, validate_messages
 from shared_core.redact import redacted_repr_args, strip_credentials
@@ -100,7 +113,20 @@ class ChatSettings(BaseModel):
 
     _reload_as: tuple[str, str | None, str | None, str] | None = PrivateAttr(default=None)
 
-    @field_validator("engine")
+    # settings a framework passes to any chat model that a local model has no use for (LangChain's
+    # standard timeout / max_retries / api_key / base_url): accepted and dropped, not refused
+    IGNORED_SETTINGS: ClassVar[tuple[str, ...]] = ()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_settings(cls, data: Any) -> Any:
+        if isinstance(data, dict) and any(name in data for name in cls.IGNORED_SETTINGS):
+            logger.debug("%s ignores %s: a local model makes no requests", cls.__name__,
+                         sorted(set(data) & set(cls.IGNORED_SETTINGS)))
+            data = {k: v for k, v in data.items() if k not in cls.IGNORED_SETTINGS}
+        return check_settings_keys(cls, data)  # a typo: TypeError with the closest setting
+
+    @field_validator("engine", mode="before")
     @classmethod
     def _known_engine(cls, value: str) -> str:
         return check_engine(value)
@@ -167,7 +193,7 @@ def check_response_format(response_format: Any) -> Constraint | None:
     if kind == "json_schema":
         schema = response_format.get("schema") or (response_format.get("json_schema") or {}
                                                    ).get("schema")
-        return Constraint("json_schema", schema)
+        return Constraint("json_schema", check_json_schema(schema, "response_format schema"))
     msg = ("response_format must be {'type': 'json_object'} or {'type': 'json_schema', "
            f"'schema': {{...}}}}, got {response_format!r:.80}")
     raise ValueError(msg)

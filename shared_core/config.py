@@ -9,11 +9,14 @@ below (:func:`check_int`, :func:`check_real`, :func:`check_fields`, :func:`check
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
+import inspect
 import math
 import numbers
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
 DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
@@ -28,6 +31,12 @@ DEFAULT_BACKEND = "auto"
 # prompt reading and short batched decoding, where llama.cpp's quantized kernels beat torch
 # (results/s10/specrag_backend_*.json); "auto" still proves llama.cpp in a subprocess first.
 DEFAULT_SPECRAG_BACKEND = DEFAULT_BACKEND
+
+# Sampling: a temperature in (0, MIN_TEMPERATURE) divides logits into overflow (1e-38 turns every
+# logit into inf / nan), and a seed must fit every generator it seeds (torch, numpy, RaLMSpec's
+# per-position mix), so both are refused where sampling settings are validated (SamplingConfig).
+MIN_TEMPERATURE = 1e-4
+MAX_SEED = 2**32 - 1
 
 CacheKind = Literal["prealloc", "dynamic"]
 CACHE_KINDS: tuple[CacheKind, ...] = ("prealloc", "dynamic")
@@ -87,13 +96,76 @@ def check_bool(value: Any, name: str) -> bool:
     return value
 
 
+def check_unicode(value: str, name: str) -> str:
+    """``value`` unless it holds a lone surrogate (e.g. ``"\\ud800"``), which no tokenizer can
+    encode: a ValueError naming ``name`` and the position, instead of an error deep inside one."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            msg = (f"{name} contains a lone surrogate {value[e.start]!r} at position {e.start}; "
+                   "text must be valid Unicode (decode bytes with errors='replace')")
+            raise ValueError(msg) from None
+    return value
+
+
 def check_text(value: Any, name: str) -> str:
-    """A non-empty string (TypeError for another type, ValueError for blank), returned as is."""
+    """A non-empty string (TypeError for another type, ValueError for blank or a lone
+    surrogate), returned as is."""
     if not isinstance(value, str):
         msg = f"{name} must be a str, got {type(value).__name__}"
         raise TypeError(msg)
     _check(bool(value.strip()), f"{name} must be a non-empty string")
-    return value
+    return check_unicode(value, name)
+
+
+def check_kwargs(given: Iterable[str], valid: Iterable[str], owner: str) -> None:
+    """TypeError naming the first unknown keyword argument of ``owner`` and the closest valid
+    name (``difflib``), e.g. ``ChatSpeculative got an unexpected keyword argument 'max_token';
+    did you mean 'max_tokens'?``."""
+    valid = sorted(set(valid))
+    unknown = [name for name in given if name not in valid]
+    if not unknown:
+        return
+    name = str(unknown[0])
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6) or [
+        v for v in valid if len(name) >= 3 and (name in v or v in name)][:1]  # top_k: *_top_k
+    hint = f"did you mean {close[0]!r}?" if close else f"valid names: {', '.join(valid)}"
+    msg = f"{owner} got an unexpected keyword argument {name!r}; {hint}"
+    raise TypeError(msg)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def suggest_kwargs(func: F) -> F:
+    """Refuse an unknown keyword argument of ``func`` with :func:`check_kwargs` (the closest valid
+    name), before the call; for functions and ``__init__`` methods with explicit parameters."""
+    params = inspect.signature(func).parameters.values()
+    valid = frozenset(p.name for p in params if p.name not in ("self", "cls")
+                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    owner = func.__qualname__.removesuffix(".__init__")
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not valid.issuperset(kwargs):
+            check_kwargs(kwargs, valid, owner)
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def check_settings_keys(cls: type, data: Any) -> Any:
+    """A pydantic ``model_validator(mode="before")`` body: ``data`` unless it names a setting
+    ``cls`` does not have (:func:`check_kwargs`; a field's alias counts as its name)."""
+    if isinstance(data, dict):
+        fields = getattr(cls, "model_fields", {})
+        names = set(fields)
+        for info in fields.values():
+            for alias in (info.alias, info.validation_alias):
+                names.update(getattr(alias, "choices", None) or ([alias] if alias else []))
+        check_kwargs(data, {n for n in names if isinstance(n, str)}, cls.__name__)
+    return data
 
 
 def check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
@@ -163,14 +235,19 @@ class SamplingConfig:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        check_type(self.temperature, "temperature", (int, float), "a number >= 0")
-        check_type(self.top_k, "top_k", (int,), "an integer >= 0")
-        check_type(self.top_p, "top_p", (int, float), "a number in (0, 1]")
+        temperature = check_real(self.temperature, "temperature")  # finite: no inf / nan
+        _check(temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(temperature == 0 or temperature >= MIN_TEMPERATURE,
+               f"temperature={self.temperature!r} is too small to sample with (logits / "
+               f"temperature overflow); use temperature=0 for greedy decoding or a value >= "
+               f"{MIN_TEMPERATURE}")
+        check_int(self.top_k, "top_k", minimum=0)
+        top_p = check_real(self.top_p, "top_p")
+        _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None:
-            check_type(self.seed, "seed", (int,), "an integer or None")
-        _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
-        _check(self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}")
-        _check(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+            check_int(self.seed, "seed", None)
+            _check(0 <= self.seed <= MAX_SEED,
+                   f"seed must be an integer in [0, 2**32 - 1] or None, got {self.seed}")
 
     @property
     def greedy(self) -> bool:

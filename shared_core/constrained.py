@@ -63,6 +63,63 @@ class Constraint:
             raise TypeError(msg)
 
 
+JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
+_SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def _check_schema_node(node: Any, where: str) -> None:
+    """The ``type`` keywords of a schema and its subschemas (a bool is a valid schema)."""
+    if isinstance(node, bool):
+        return
+    if not isinstance(node, dict):
+        msg = f"{where} must be a JSON schema (a dict), got {type(node).__name__} {node!r:.60}"
+        raise TypeError(msg)
+    kind = node.get("type")
+    kinds = kind if isinstance(kind, list) else [kind]
+    if "type" in node and not all(isinstance(k, str) and k in JSON_TYPES for k in kinds):
+        msg = f"{where}: 'type' must be one of {list(JSON_TYPES)} (or a list of them), got {kind!r}"
+        raise ValueError(msg)
+    for key in _SUBSCHEMA:
+        if key in node and not isinstance(node[key], list):
+            _check_schema_node(node[key], f"{where}.{key}")
+    for key in _SUBSCHEMA_LISTS:
+        for j, sub in enumerate(node.get(key) or ()):
+            _check_schema_node(sub, f"{where}.{key}[{j}]")
+    for key in _SUBSCHEMA_MAPS:
+        subs = node.get(key) or {}
+        if not isinstance(subs, dict):
+            msg = f"{where}.{key} must be a dict of JSON schemas, got {type(subs).__name__}"
+            raise TypeError(msg)
+        for name, sub in subs.items():
+            _check_schema_node(sub, f"{where}.{key}.{name}")
+
+
+def check_json_schema(schema: Any, name: str = "schema") -> dict[str, Any]:
+    """``schema`` if it is a JSON schema a constraint can be built from, else a TypeError /
+    ValueError naming ``name``, raised before any model work (not when decoding starts).
+
+    Checks the ``type`` keywords of every subschema; with xgrammar installed, the schema is also
+    compiled to its grammar (tokenizer-free, milliseconds), which finds everything else.
+    """
+    _check_schema_node(schema, name)
+    try:
+        text = json.dumps(schema)
+    except (TypeError, ValueError) as e:
+        msg = f"{name} must be JSON-serialisable: {e}"
+        raise TypeError(msg) from None
+    if xgrammar_available():
+        import xgrammar as xgr
+
+        try:
+            xgr.Grammar.from_json_schema(text, any_whitespace=False)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's text
+            msg = f"{name} is not a usable JSON schema: {e}"
+            raise ValueError(msg) from None
+    return schema
+
+
 def xgrammar_available() -> bool:
     """True if xgrammar can be imported (the ``constrained`` extra)."""
     import importlib.util

@@ -17,6 +17,7 @@ from shared_core.config import (
     GenerationConfig,
     check_int,
     check_real,
+    check_unicode,
 )
 from shared_core.lm import window_text
 from shared_core.models import LM
@@ -176,7 +177,7 @@ def validate_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
             msg = (f"message {i} (role {role!r}) content must be a string, got "
                    f"{type(content).__name__}")
             raise TypeError(msg)
-        out.append({"role": role, "content": content})
+        out.append({"role": role, "content": check_unicode(content, f"message {i} content")})
     return out
 
 

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from shared_core.config import DEFAULT_LM, SamplingConfig, check_text
+from shared_core.config import DEFAULT_LM, SamplingConfig, check_settings_keys, check_text
 from shared_core.rag_config import (
     RALMSPEC_MAX_NEW_TOKENS,
     PromptMessages,
@@ -308,6 +308,13 @@ class RaLMSpecSettings(BaseModel):
     _check_engine = field_validator("engine")(engine_check("RaLMSpec"))
     _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
                                                                       RALMSPEC_KNOBS))
+    _known_settings = model_validator(mode="before")(check_settings_keys)
+
+    @field_validator("temperature", "seed")
+    @classmethod
+    def _check_sampling(cls, value: Any, info: Any) -> Any:  # info: pydantic's ValidationInfo
+        SamplingConfig(**{info.field_name: value})  # finite, not degenerate; seed in range
+        return value
 
     @field_validator("prompt")
     @classmethod
@@ -388,7 +395,8 @@ def _ralm_stats(result: GenerationResult) -> RaLMSpecStats:
 
 
 def hit_score(hit: Hit) -> float | None:
-    """The retriever's score; None for a speculated hit (NaN: not verified yet)."""
+    """The retriever's score; None (a NaN score) for a speculated hit or a retriever's hit
+    without a score."""
     return None if math.isnan(hit.score) else hit.score
 
 

@@ -30,7 +30,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shared_core.constrained import Constraint
+from shared_core.constrained import Constraint, check_json_schema
 
 if TYPE_CHECKING:
     from shared_core.models import LM
@@ -66,20 +66,31 @@ class InvalidToolCall:
 
 
 def check_tools(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI-format function tools, validated (unique names, object parameters)."""
+    """OpenAI-format function tools, validated (unique names, object parameters whose JSON
+    schema :func:`~shared_core.constrained.check_json_schema` accepts) before any model work."""
+    if isinstance(tools, (str, bytes, Mapping)) or not isinstance(tools, Sequence):
+        msg = f"tools must be a list of tools, got {type(tools).__name__}"
+        raise TypeError(msg)
     out: dict[str, dict[str, Any]] = {}
     for i, tool in enumerate(tools):
         fn = tool.get("function") if isinstance(tool, Mapping) else None
-        if tool.get("type", "function") != "function" or not isinstance(fn, Mapping):
-            msg = f"tools[{i}] must be an OpenAI function tool {{'type': 'function', 'function': {{...}}}}"
+        if not isinstance(fn, Mapping) or tool.get("type", "function") != "function":
+            msg = (f"tools[{i}] must be an OpenAI function tool {{'type': 'function', 'function': "
+                   f"{{...}}}}, got {type(tool).__name__} {tool!r:.60}")
             raise TypeError(msg)
         name = fn.get("name")
         if not isinstance(name, str) or not name:
             msg = f"tools[{i}] needs a non-empty function name, got {name!r}"
             raise ValueError(msg)
-        params = dict(fn.get("parameters") or {})
-        params.setdefault("type", "object")
-        params.setdefault("properties", {})
+        params = fn.get("parameters") or {}
+        if not isinstance(params, Mapping):
+            msg = f"tools[{i}] ({name}) parameters must be a JSON-schema dict, got {params!r:.60}"
+            raise TypeError(msg)
+        params = {"type": "object", "properties": {}, **params}
+        if params["type"] != "object":
+            msg = f"tools[{i}] ({name}) parameters must have type 'object', got {params['type']!r}"
+            raise ValueError(msg)
+        check_json_schema(params, f"tools[{i}] ({name}) parameters")
         spec = {"type": "function", "function": {**fn, "parameters": params}}
         if name in out:  # the model could not tell two tools of one name apart: show one
             if out[name] != spec:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LanguageModelInput
@@ -130,13 +130,16 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     Settings: :class:`~shared_core.chat_adapters.ChatSettings` (the same as ``SpeculativeLLM``'s)
     plus ``max_tokens`` (LangChain's name for the token limit; ``None`` = the default),
-    ``streaming`` and a preloaded ``lm``.
+    ``streaming`` and a preloaded ``lm``. LangChain's standard ``timeout``, ``max_retries``,
+    ``api_key`` and ``base_url`` are accepted and ignored (a local model makes no requests); any
+    other unknown setting is a ``TypeError`` naming the closest valid one.
 
     Example:
         ``ChatSpeculative(model="smollm2-135m-instruct", max_tokens=128).invoke("Hi")``
     """
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
+    IGNORED_SETTINGS: ClassVar[tuple[str, ...]] = ("timeout", "max_retries", "api_key", "base_url")
 
     model: str = Field(default=DEFAULT_LM, alias="model_name")
     max_tokens: int | None = DEFAULT_MAX_NEW_TOKENS

@@ -16,6 +16,9 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
+from shared_core.chat_adapters import check_response_format
+from shared_core.constrained import check_json_schema
+
 METHODS = ("json_schema", "json_mode", "function_calling")
 
 
@@ -32,7 +35,10 @@ def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any
                   else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
         return bound, parser
     if method == "json_schema":
+        if isinstance(schema, dict) and schema.get("type") != "function":  # not an OpenAI tool
+            check_json_schema(schema, "schema")  # LangChain's conversion fails unclearly
         fmt = {"type": "json_schema", "schema": convert_to_json_schema(schema)}
+        check_response_format(fmt)  # refused now, not when the chain is invoked
     else:
         fmt = {"type": "json_object"}
     bound = model.bind(response_format=fmt, **trace, **kwargs)

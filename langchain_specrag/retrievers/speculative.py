@@ -15,9 +15,9 @@ from typing import Any
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
-from pydantic import ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from shared_core.config import check_int
+from shared_core.config import check_int, check_settings_keys
 from shared_core.rag_adapters import RetrieverSession, check_retriever, hit_metadata, hit_score
 from shared_core.rag_config import SpeculativeRetrievalConfig
 
@@ -54,6 +54,7 @@ class SpeculativeRetriever(BaseRetriever):
     _sessions: RetrieverSession = PrivateAttr(default_factory=RetrieverSession)
 
     _check_retriever = field_validator("retriever")(check_retriever)
+    _known_settings = model_validator(mode="before")(check_settings_keys)
 
     @property
     def session(self) -> Any:

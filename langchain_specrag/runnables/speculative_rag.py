@@ -30,7 +30,12 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 from typing_extensions import TypedDict
 
 from langchain_specrag.runnables._inputs import as_question_input, prompt_messages
-from shared_core.config import DEFAULT_LM, DEFAULT_SPECRAG_BACKEND, DEFAULT_VERIFIER
+from shared_core.config import (
+    DEFAULT_LM,
+    DEFAULT_SPECRAG_BACKEND,
+    DEFAULT_VERIFIER,
+    check_settings_keys,
+)
 from shared_core.rag_adapters import (
     SPECRAG_KNOBS,
     SpeculativeRAGEngines,
@@ -110,6 +115,7 @@ class SpeculativeRAGRunnable(RunnableSerializable[str | SpeculativeRAGInput, Spe
     _check_engine = field_validator("engine")(engine_check("SpeculativeRAG"))
     _engine_settings = model_validator(mode="before")(
         engine_settings(SpeculativeRAGConfig, SPECRAG_KNOBS))
+    _known_settings = model_validator(mode="before")(check_settings_keys)
 
     @staticmethod
     def _prompt_of(value: Any) -> PromptMessages | None:

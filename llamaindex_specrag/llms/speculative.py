@@ -33,7 +33,7 @@ from llama_index.core.base.llms.types import (
     LLMMetadata,
     MessageRole,
 )
-from llama_index.core.bridge.pydantic import Field, PrivateAttr
+from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
@@ -52,7 +52,7 @@ from shared_core.chat_adapters import (
     prepare_call,
     resolve_model,
 )
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, check_int
 from shared_core.redact import redact
 from shared_core.serving import FairLock, iterate_in_thread
 from shared_core.tool_calls import template_takes_tools
@@ -85,6 +85,11 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     context_window: int | None = Field(default=None, description="None = the model's window")
     _lm: Any = PrivateAttr(default=None)  # a preloaded shared_core LM (else the shared cache)
     _engine_state: dict[str, Any] = PrivateAttr(default_factory=dict)  # e.g. RAPID's decoders
+
+    @field_validator("context_window", mode="before")
+    @classmethod
+    def _check_context_window(cls, value: Any) -> Any:
+        return check_int(value, "context_window", optional=True)  # None or an int >= 1
 
     def __init__(self, lm: Any = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)

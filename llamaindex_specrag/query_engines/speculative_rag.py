@@ -34,7 +34,12 @@ from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 
 from llamaindex_specrag._query import CheckedQuery, prompt_messages
-from shared_core.config import DEFAULT_LM, DEFAULT_SPECRAG_BACKEND, DEFAULT_VERIFIER
+from shared_core.config import (
+    DEFAULT_LM,
+    DEFAULT_SPECRAG_BACKEND,
+    DEFAULT_VERIFIER,
+    suggest_kwargs,
+)
 from shared_core.rag_adapters import (
     SPECRAG_KNOBS,
     SpeculativeRAGEngines,
@@ -44,6 +49,7 @@ from shared_core.rag_adapters import (
 from shared_core.rag_config import PromptMessages, SpeculativeRAGConfig
 from shared_core.rag_pickle import portable_state
 from shared_core.rag_streams import AnswerChunk, speculative_rag_stream
+from shared_core.retrieval.frameworks import llamaindex_retrieve
 from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
 from shared_core.serving import iterate_in_thread
 
@@ -81,6 +87,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
     changed later takes effect at the next query (see :mod:`shared_core.rag_adapters`).
     """
 
+    @suggest_kwargs
     def __init__(self, retriever: BaseRetriever, *, drafter: str = DEFAULT_LM,
                  verifier: str | None = DEFAULT_VERIFIER, dtype: str | None = None,
                  backend: str = DEFAULT_SPECRAG_BACKEND, num_drafts: int | None = None,
@@ -127,7 +134,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, BaseQueryEngine):
         return {}
 
     def retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        nodes = call_with_timeout(lambda: self.retriever.retrieve(query_bundle),
+        nodes = call_with_timeout(lambda: llamaindex_retrieve(self.retriever, query_bundle),
                                   self.retrieval_timeout_s, self._retriever_name())
         return nodes[: self.retrieve_k]
 

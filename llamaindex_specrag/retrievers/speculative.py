@@ -16,7 +16,7 @@ from llama_index.core.retrievers import BaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llamaindex_specrag._query import query_text
-from shared_core.config import check_int
+from shared_core.config import check_int, suggest_kwargs
 from shared_core.rag_adapters import RetrieverSession, check_retriever, hit_metadata, hit_score
 from shared_core.rag_config import SpeculativeRetrievalConfig
 
@@ -42,6 +42,7 @@ class SpeculativeRetriever(BaseRetriever):
     threads may ``retrieve`` through one wrapper (the results are exact).
     """
 
+    @suggest_kwargs
     def __init__(self, retriever: Any, similarity_top_k: int = SpeculativeRetrievalConfig.k,
                  prefetch_k: int = SpeculativeRetrievalConfig.prefetch_k,
                  callback_manager: CallbackManager | None = None, *,

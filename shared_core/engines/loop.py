@@ -25,7 +25,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from shared_core.config import CacheKind, GenerationConfig
+from shared_core.config import CacheKind, GenerationConfig, check_unicode
 from shared_core.device import synchronize
 from shared_core.engines.timing import timed
 from shared_core.kv import open_session
@@ -73,7 +73,7 @@ def encode_prompt(lm: LM, prompt: Prompt) -> list[int]:
     Ids are checked against the vocabulary (and the window) by :func:`validate_prompt_ids`.
     """
     if isinstance(prompt, str):
-        return lm.prompt_ids(prompt)
+        return lm.prompt_ids(check_unicode(prompt, "prompt"))
     if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):
         items = list(prompt)
         if items and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)

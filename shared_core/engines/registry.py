@@ -31,7 +31,11 @@ TOKEN_ENGINES: dict[str, str] = {
 
 
 def check_engine(name: str) -> str:
-    """``name`` if it is a registered token engine, else a ValueError naming the choices."""
+    """``name`` if it is a registered token engine, else a ValueError naming the choices (a
+    TypeError for a non-string)."""
+    if not isinstance(name, str):
+        msg = f"engine must be a str, one of {sorted(TOKEN_ENGINES)}; got {type(name).__name__} {name!r:.60}"
+        raise TypeError(msg)
     if name not in TOKEN_ENGINES:
         msg = f"engine={name!r} is not one of {sorted(TOKEN_ENGINES)}"
         raise ValueError(msg)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared_core._lazy import lazy_getattr
+from shared_core._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:
     from shared_core.remote.config import RemoteConfig
@@ -28,3 +28,4 @@ __all__ = ["Capabilities", "Generation", "RemoteCapabilityError", "RemoteConfig"
            "RemoteLM", "RemoteProtocolError"]
 __getattr__ = lazy_getattr(__name__, _LAZY, globals(), install_hint="the remote extra (pip install "
                            "'specrag[remote]')")
+__dir__ = lazy_dir(_LAZY, globals())

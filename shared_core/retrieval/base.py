@@ -6,6 +6,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from shared_core.config import check_unicode
+
 
 @dataclass(frozen=True)
 class Document:
@@ -34,6 +36,7 @@ def check_document_fields(doc_id: Any, text: Any, metadata: Any, where: str) -> 
     if not isinstance(text, str):
         msg = f"{where}.text must be a str, got {type(text).__name__} (document id {doc_id!r})"
         raise TypeError(msg)
+    check_unicode(text, f"{where}.text (document id {doc_id!r})")  # no tokenizer encodes "\ud800"
     if not isinstance(metadata, dict):
         msg = (f"{where}.metadata must be a dict, got {type(metadata).__name__} "
                f"(document id {doc_id!r})")

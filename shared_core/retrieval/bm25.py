@@ -19,6 +19,7 @@ Setup::
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -34,6 +35,20 @@ from shared_core.retrieval.base import Document, Hit
 logger = logging.getLogger(__name__)
 
 METHODS = ("robertson", "atire", "bm25l", "bm25+", "lucene")
+
+
+@functools.cache
+def _bm25s() -> Any:
+    """bm25s, with its logger quiet. bm25s sets its own logger to DEBUG when imported, so its
+    debug lines ("Building index from tokens") reach any console a user configured; library code
+    must not touch the root logger, so that one logger goes back to WARNING (once: a level set
+    later, e.g. to debug bm25s, is kept)."""
+    import bm25s
+
+    bm25s_logger = logging.getLogger("bm25s")
+    if bm25s_logger.level == logging.DEBUG:  # bm25s' own import-time setting
+        bm25s_logger.setLevel(logging.WARNING)
+    return bm25s
 _TOKEN_PATTERN = re.compile(r"(?u)\b\w\w+\b")  # bm25s' default splitter
 _BM25S_DIR = "bm25s"
 
@@ -134,7 +149,7 @@ class BM25Retriever:
         self._build()
 
     def _build(self) -> None:
-        import bm25s
+        bm25s = _bm25s()
 
         progress = self.show_progress and len(self._docs) > _common.PROGRESS_MIN_TEXTS
         corpus_tokens = [self.tokenize(d.text) for d in self._docs]
@@ -240,7 +255,7 @@ class BM25Retriever:
              stemmer: Callable[[str], str] | None = None,
              show_progress: bool = False) -> BM25Retriever:
         """Load what :meth:`save` wrote (pass ``stemmer`` again if it was a callable)."""
-        import bm25s
+        bm25s = _bm25s()
 
         folder = Path(path)
         config = _common.read_config(folder, "bm25")

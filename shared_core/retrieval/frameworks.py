@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import hashlib
+import math
+import numbers
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from shared_core.config import check_int
 from shared_core.retrieval.base import Document, Hit
-
-if TYPE_CHECKING:
-
-    pass
 
 
 def to_documents(items: Sequence[Any]) -> list[Document]:
@@ -63,7 +61,19 @@ def retrieve(retriever: Any, question: str, k: int) -> list[Document]:
         return _converted(rows[0], name)
     if callable(getattr(retriever, "invoke", None)):
         return _converted(retriever.invoke(question), name)[:k]
-    return _converted(retriever.retrieve(question), name)[:k]
+    return _converted(llamaindex_retrieve(retriever, question), name)[:k]
+
+
+def llamaindex_retrieve(retriever: Any, query: Any) -> Any:
+    """``retriever.retrieve(query)``; LlamaIndex post-processes what ``_retrieve`` returned, so a
+    malformed result (None, a string, plain nodes) fails inside it: that error names the
+    retriever and what it should have returned."""
+    try:
+        return retriever.retrieve(query)
+    except (AttributeError, TypeError) as e:
+        msg = (f"retriever {type(retriever).__name__}.retrieve failed on its own result ({e}); "
+               "expected _retrieve to return a list of NodeWithScore")
+        raise TypeError(msg) from e
 
 
 def _converted(items: Any, name: str) -> list[Document]:
@@ -117,18 +127,33 @@ def _converted_hits(items: Any, name: str, kind: str, row: int, convert: Callabl
             msg = (f"retriever {name} returned {type(item).__name__} at row {row}, position {r};"
                    f" expected {kind}")
             raise TypeError(msg) from None
+        except TypeError as e:  # a malformed field, e.g. a score that is not a number
+            msg = f"retriever {name} returned an unusable result at row {row}, position {r}: {e}"
+            raise TypeError(msg) from None
     return [Hit(h.document, h.score, r) for r, h in enumerate(hits)]
+
+
+def _score(value: Any, doc_id: str) -> float:
+    """A framework result's score as a float: NaN (no score, shown as None) where it has none,
+    never an invented 0.0; a TypeError naming the document for a non-number."""
+    if value is None:
+        return math.nan
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        msg = (f"document {doc_id!r} has score={value!r} ({type(value).__name__}); a retriever's "
+               "score must be a number or None")
+        raise TypeError(msg)
+    return float(value)
 
 
 def _from_langchain(d: Any) -> Hit:
     doc = Document(_doc_id(d.page_content, d.id), d.page_content, dict(d.metadata))
-    return Hit(doc, float(d.metadata.get("score", 0.0)), 0)
+    return Hit(doc, _score(d.metadata.get("score"), doc.id), 0)
 
 
 def _from_llamaindex(n: Any) -> Hit:
     text = n.node.get_content()
-    return Hit(Document(_doc_id(text, n.node.node_id), text, dict(n.node.metadata)),
-               float(n.score or 0.0), 0)
+    doc = Document(_doc_id(text, n.node.node_id), text, dict(n.node.metadata))
+    return Hit(doc, _score(n.score, doc.id), 0)
 
 
 def _langchain_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
@@ -147,17 +172,10 @@ def _llamaindex_search(retriever: Any) -> Callable[[list[str], int], list[list[H
     """LlamaIndex ``BaseRetriever``: queries answered in order (it has no batch API)."""
     name = type(retriever).__name__
 
-    def retrieve(query: str) -> Any:
-        try:
-            return retriever.retrieve(query)
-        except AttributeError as e:  # LlamaIndex post-processes the rows: n.node of a non-node
-            msg = (f"retriever {name}.retrieve failed on its own result ({e}); expected "
-                   "_retrieve to return a list of NodeWithScore")
-            raise TypeError(msg) from e
-
     def search(queries: list[str], k: int) -> list[list[Hit]]:
-        return [_converted_hits(retrieve(query), name, "a list of NodeWithScore", i,
-                                _from_llamaindex, k) for i, query in enumerate(queries)]
+        return [_converted_hits(llamaindex_retrieve(retriever, query), name,
+                                "a list of NodeWithScore", i, _from_llamaindex, k)
+                for i, query in enumerate(queries)]
 
     return search
 

@@ -29,12 +29,15 @@ from shared_core.engines.baseline import (
 from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.registry import stream_engine
 from shared_core.engines.respec import ReSpecConfig, ReSpecDecoder
+from shared_core.models import load_lm
 
 Q = "0 1 2 3"
 CONTEXT = " ".join(CORPUS[:8])
 IMAGE_URL = {"type": "image_url", "image_url": {"url": "https://example.com/cat.png"}}
 IMAGE_V1 = {"type": "image", "url": "https://example.com/cat.png"}
 PNG = ImageBlock(url="https://example.com/cat.png")
+BAD_TOOL = {"type": "function", "function": {"name": "f", "parameters": {
+    "type": "object", "properties": {"x": {"type": 7}}}}}
 
 
 class Kit:
@@ -193,6 +196,91 @@ CASES: list[tuple[str, Callable[[Kit], Any], type[BaseException], str]] = [
      "config"),
     ("rapid-documents-str", lambda k: stream_engine("rapid", k.lm, "Who?", max_new_tokens=4,
                                                     documents=CONTEXT), TypeError, "documents"),
+    # -- issue 28 rows 3 and 7-9: unclear errors made clear (before -> after in the docstrings
+    # of the cases' groups): a lone surrogate used to fail inside the tokenizer ("TextEncodeInput
+    # must be Union[...]"), an invalid tool schema inside xgrammar at invoke, tools=["a string"]
+    # with AttributeError, engine=[...] with "unhashable type", temperature=1e-38 with a NaN
+    # probability tensor, seed=2**70 with "Overflow when unpacking long long"
+    ("lc-prompt-lone-surrogate", lambda k: k.chat.invoke("\ud800"), ValueError,
+     "content contains a lone surrogate"),
+    ("li-prompt-lone-surrogate", lambda k: k.llm.complete("a\ud800"), ValueError,
+     "content contains a lone surrogate"),
+    ("respec-prompt-lone-surrogate", lambda k: k.respec.generate("\ud800", 4), ValueError,
+     "prompt contains a lone surrogate"),
+    ("respec-document-lone-surrogate", lambda k: k.respec.generate(Q, 4, documents=["\udfff"]),
+     ValueError, r"documents\[0\] contains a lone surrogate"),
+    ("lc-tool-schema-invalid", lambda k: k.chat.invoke(Q, tools=[BAD_TOOL]), ValueError,
+     r"tools\[0\] \(f\) parameters.properties.x: 'type'"),
+    ("lc-bind_tools-schema-invalid", lambda k: k.chat.bind_tools([BAD_TOOL]), ValueError,
+     r"tools\[0\]"),
+    ("lc-tools-str-item", lambda k: k.chat.invoke(Q, tools=["a string"]), TypeError,
+     r"tools\[0\] must be an OpenAI function tool"),
+    ("lc-tools-str", lambda k: k.chat.invoke(Q, tools="a string"), TypeError, "tools must be a list"),
+    ("lc-engine-list", lambda k: k.chat.invoke(Q, engine=["a list"]), TypeError, "engine must be a str"),
+    ("lc-engine-list-field", lambda k: ChatSpeculative(lm=k.lm, engine=["a list"]), TypeError,
+     "engine must be a str"),
+    ("lc-structured-type-7", lambda k: k.chat.with_structured_output({"type": 7}), ValueError,
+     "schema: 'type' must be one of"),
+    ("lc-structured-bad-property", lambda k: k.chat.with_structured_output(
+        {"title": "T", "type": "object", "properties": {"a": {"type": "text"}}}), ValueError,
+     "schema.properties.a"),
+    ("lc-seed-2**70", lambda k: k.chat.invoke(Q, temperature=1.0, seed=2**70), ValueError, "seed"),
+    ("lc-seed-negative-field", lambda k: ChatSpeculative(lm=k.lm, seed=-1), ValueError, "seed"),
+    ("lc-temperature-1e-38", lambda k: k.chat.invoke(Q, temperature=1e-38), ValueError,
+     "temperature=1e-38 is too small.*use temperature=0 for greedy"),
+    ("lc-temperature-1e-38-field", lambda k: ChatSpeculative(lm=k.lm, temperature=1e-38),
+     ValueError, "temperature"),
+    ("lc-temperature-inf-field", lambda k: ChatSpeculative(lm=k.lm, temperature=float("inf")),
+     ValueError, "temperature"),
+    ("li-top_p-nan-field", lambda k: SpeculativeLLM(lm=k.lm, top_p=float("nan")), ValueError,
+     "top_p"),
+    ("li-top_p-inf-call", lambda k: k.llm.complete(Q, top_p=float("inf")), ValueError, "top_p"),
+    ("li-seed-2**70-field", lambda k: SpeculativeLLM(lm=k.lm, seed=2**70), ValueError, "seed"),
+    ("li-temperature-1e-38-call", lambda k: k.llm.complete(Q, temperature=1e-38), ValueError,
+     "temperature"),
+    ("li-context_window--1", lambda k: SpeculativeLLM(lm=k.lm, context_window=-1), ValueError,
+     "context_window"),
+    ("li-context_window-str", lambda k: SpeculativeLLM(lm=k.lm, context_window="8k"), TypeError,
+     "context_window"),
+    ("respec-temperature-1e-38", lambda k: k.respec.generate(Q, 4, temperature=1e-38),
+     ValueError, "temperature"),
+    ("respec-top_p-nan", lambda k: k.respec.generate(Q, 4, temperature=1.0, top_p=float("nan")),
+     ValueError, "top_p"),
+    ("rapid-seed-2**70", lambda k: k.rapid.stream(CONTEXT, "Who?", 4, temperature=1.0,
+                                                  seed=2**70), ValueError, "seed"),
+    ("rapid-temperature-nan", lambda k: k.rapid.stream(CONTEXT, "Who?", 4,
+                                                       temperature=float("nan")),
+     ValueError, "temperature"),
+    # ReSpecDecoder's arguments: before, AttributeError ('dict' has no 'fallback', 'str' has no
+    # 'tokenizer') or accepted and failing later (lm="tiny", corpus="one text": its characters)
+    ("respec-config-dict", lambda k: ReSpecDecoder(k.lm, {"lookback": 2}), TypeError,
+     "config must be a ReSpecConfig"),
+    ("respec-draft_lm-str", lambda k: ReSpecDecoder(k.lm, draft_lm="smollm2-135m-instruct"),
+     TypeError, r"draft_lm must be an LM .*load_lm\('smollm2-135m-instruct'\)"),
+    ("respec-lm-str", lambda k: ReSpecDecoder("tiny"), TypeError, r"\blm must be an LM"),
+    ("respec-corpus-str", lambda k: ReSpecDecoder(k.lm, corpus="one text"), TypeError,
+     "corpus must be a list of texts"),
+    ("respec-corpus-int", lambda k: ReSpecDecoder(k.lm, corpus=5), TypeError, "corpus"),
+    ("respec-corpus-item-int", lambda k: ReSpecDecoder(k.lm, corpus=["a", 5]), TypeError,
+     r"corpus\[1\]"),
+    # -- row 7: an unknown keyword argument names itself and the closest valid one
+    ("lc-max_token-typo", lambda k: ChatSpeculative(lm=k.lm, max_token=16), TypeError,
+     "unexpected keyword argument 'max_token'; did you mean 'max_tokens'"),
+    ("lc-temprature-typo", lambda k: ChatSpeculative(lm=k.lm, temprature=0.2), TypeError,
+     "'temprature'; did you mean 'temperature'"),
+    ("li-max_token-typo", lambda k: SpeculativeLLM(lm=k.lm, max_token=16), TypeError,
+     "'max_token'; did you mean 'max_new_tokens'"),
+    ("li-temprature-typo", lambda k: SpeculativeLLM(lm=k.lm, temprature=0.2), TypeError,
+     "'temprature'; did you mean 'temperature'"),
+    ("respec-generate-typo", lambda k: k.respec.generate(Q, 4, temprature=0.2), TypeError,
+     "'temprature'; did you mean 'temperature'"),
+    ("rapid-stream-typo", lambda k: k.rapid.stream(CONTEXT, "Who?", 4, gama=2), TypeError,
+     "'gama'; did you mean 'gamma'"),
+    ("registry-respec-option-typo", lambda k: stream_engine("respec", k.lm, Q, max_new_tokens=4,
+                                                            lookbak=2), TypeError,
+     "'lookbak'; did you mean 'lookback'"),
+    ("load_lm-typo", lambda k: load_lm("smollm2-135m-instruct", dtyp="float32"), TypeError,
+     "load_lm got an unexpected keyword argument 'dtyp'; did you mean 'dtype'"),
 ]
 
 
@@ -268,3 +356,18 @@ def test_max_tokens_none_means_the_default_and_valid_values_are_honoured(kit):
     roles = ChatSpeculative(lm=kit.lm, max_tokens=2).invoke(
         [LCChatMessage(role="developer", content="be brief"), HumanMessage(content=Q)])
     assert roles.response_metadata["speculative_stats"]["new_tokens"] <= 2
+
+
+def test_valid_sampling_and_arguments_still_pass(kit):
+    """The new checks refuse only what is wrong: the smallest allowed temperature, the largest
+    seed, ``corpus=None`` and every setting spelt right (aliases included) are accepted."""
+    out = kit.respec.generate(Q, 2, temperature=1e-4, seed=2**32 - 1, top_p=1.0)
+    assert out.stats.new_tokens <= 2
+    assert ReSpecDecoder(kit.lm, corpus=None).generate(Q, 2).stats.new_tokens <= 2
+    assert ChatSpeculative(lm=kit.lm, model_name="tiny", temperature=0.7, seed=0).model == "tiny"
+    # LangChain's standard parameters (langchain-tests passes them to every chat model)
+    assert ChatSpeculative(lm=kit.lm, timeout=60, max_retries=2, api_key="x").max_tokens
+    assert SpeculativeLLM(lm=kit.lm, context_window=None, top_p=0.5).top_p == 0.5
+    assert ChatSpeculative(lm=kit.lm).bind_tools([{"type": "function", "function": {
+        "name": "add", "parameters": {"type": "object", "properties": {
+            "a": {"type": ["integer", "null"]}}}}}]) is not None

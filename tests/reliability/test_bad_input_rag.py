@@ -19,6 +19,10 @@ from typing import Any
 import numpy as np
 import pytest
 from fakes import SPECRAG_DOCS, BucketEmbedder, LCRetriever, LIRetriever
+from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
+from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
+from llama_index.core.schema import QueryBundle
 from tiny import tiny_lm, tiny_tokenizer
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
@@ -37,6 +41,22 @@ from shared_core.rag_config import SpeculativeRetrievalConfig
 from shared_core.retrieval import BM25Retriever, DenseRetriever, Document, chunk_text
 
 DOCS = SPECRAG_DOCS
+
+
+class LIReturning(LIBaseRetriever):  # ``_retrieve`` returns ``result`` as is
+    def __init__(self, result: Any) -> None:
+        super().__init__()
+        self.result = result
+
+    def _retrieve(self, query_bundle: QueryBundle) -> Any:
+        return self.result
+
+
+class LCReturning(LCBaseRetriever):  # ``_get_relevant_documents`` returns ``result`` as is
+    result: Any = None
+
+    def _get_relevant_documents(self, query: str, *, run_manager: Any) -> Any:
+        return self.result
 
 
 @pytest.fixture(scope="module")
@@ -277,8 +297,61 @@ ADAPTERS = [
     case("li_spec.retrieve(5)", lambda e: e.li_spec.retrieve(5), T, "query"),
 ]
 
+# Issue 28 rows 3, 7-9. Before: temperature=inf / 1e-38, seed=2**70 accepted; a lone surrogate failed
+# in the tokenizer; a retriever's None with "'NoneType' object is not iterable", score "high" with
+# "could not convert string to float"; a misspelt setting ignored or refused with no suggestion.
+ISSUE28 = [
+    case("RaLMSpecRunnable(temperature=inf)",
+         lambda e: RaLMSpecRunnable(temperature=math.inf), V, "temperature"),
+    case("RaLMSpecRunnable(temperature=1e-38)",
+         lambda e: RaLMSpecRunnable(temperature=1e-38), V, "temperature"),
+    case("RaLMSpecRunnable(seed=2**70)", lambda e: RaLMSpecRunnable(seed=2**70), V, "seed"),
+    case("RaLMSpecQueryEngine(temperature=1e-38)",
+         lambda e: RaLMSpecQueryEngine(temperature=1e-38), V, "temperature"),
+    case("ralmspec.generate(temperature=nan)",
+         lambda e: e.ralmspec.generate("q", 4, temperature=math.nan), V, "temperature"),
+    case("ralmspec.generate(seed=2**70)",
+         lambda e: e.ralmspec.generate("q", 4, temperature=1.0, seed=2**70), V, "seed"),
+    case("runnable.invoke(lone surrogate)", lambda e: e.runnable.invoke("q\ud800"), V,
+         "question"),
+    case("query_engine.query(lone surrogate)", lambda e: e.query_engine.query("\ud800"), V,
+         "query"),
+    case("rag_runnable.invoke(lone surrogate)",
+         lambda e: e.rag_runnable.invoke({"question": "\udc80", "documents": DOCS}), V,
+         "question"),
+    case("Document(text=lone surrogate)", lambda e: Document("a", "x\ud800"), V, "text"),
+    case("specrag.answer(LlamaIndex retriever -> None)",
+         lambda e: e.specrag.answer("q", retriever=LIReturning(None)), T,
+         r"retriever LIReturning"),
+    case("rag_query_engine(retriever -> None).query",
+         lambda e: SpeculativeRAGQueryEngine(LIReturning(None), engine=e.specrag).query("q"), T,
+         r"retriever LIReturning"),
+    case("specrag.answer(LangChain retriever -> None)",
+         lambda e: e.specrag.answer("q", retriever=LCReturning()), T, "retriever"),
+    case("LC SpeculativeRetriever(score='high').invoke",
+         lambda e: LCSpeculativeRetriever(retriever=LCReturning(result=[LCDocument(
+             page_content="a", metadata={"score": "high"})])).invoke("q"), T, "score"),
+    case("SpeculativeRAGRunnable(num_draft=3)", lambda e: SpeculativeRAGRunnable(num_draft=3), T,
+         "num_draft'; did you mean 'num_drafts"),
+    case("RaLMSpecRunnable(temprature=0.2)", lambda e: RaLMSpecRunnable(temprature=0.2), T,
+         "temprature'; did you mean 'temperature"),
+    case("RaLMSpecRunnable(max_new_token=8)", lambda e: RaLMSpecRunnable(max_new_token=8), T,
+         "max_new_token'; did you mean 'max_new_tokens"),
+    case("RaLMSpecQueryEngine(temprature=0.2)", lambda e: RaLMSpecQueryEngine(temprature=0.2), T,
+         "temprature'; did you mean 'temperature"),
+    case("SpeculativeRAGQueryEngine(num_draft=3)",
+         lambda e: SpeculativeRAGQueryEngine(LIRetriever([]), num_draft=3), T,
+         "num_draft'; did you mean 'num_drafts"),
+    case("LC SpeculativeRetriever(prefetch=3)",
+         lambda e: LCSpeculativeRetriever(retriever=e.bm25, prefetch=3), T,
+         "prefetch'; did you mean 'prefetch_k"),
+    case("LI SpeculativeRetriever(top_k=3)", lambda e: LISpeculativeRetriever(e.bm25, top_k=3),
+         T, "top_k'; did you mean 'similarity_top_k"),
+]
 
-@pytest.mark.parametrize(("call", "error", "name"), [*RETRIEVAL, *RALMSPEC, *SPECRAG, *ADAPTERS])
+
+@pytest.mark.parametrize(("call", "error", "name"),
+                         [*RETRIEVAL, *RALMSPEC, *SPECRAG, *ADAPTERS, *ISSUE28])
 def test_bad_input_is_refused_with_a_named_parameter(env: SimpleNamespace, call: Case,
                                                      error: type[Exception], name: str) -> None:
     before = env.forwards[0]
@@ -348,3 +421,4 @@ def test_good_inputs_still_work(env: SimpleNamespace) -> None:
     assert env.forwards[0] > before  # the hook counts: the matrix's zero is meaningful
     assert env.specrag.answer("capital of France?", tuple(DOCS[:4])).text is not None
     assert RaLMSpecRunnable(temperature=0, max_new_tokens=3).max_new_tokens == 3
+

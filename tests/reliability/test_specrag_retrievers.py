@@ -10,6 +10,7 @@ import asyncio
 import threading
 
 import pytest
+from fakes import HashEmbedder
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document as LCDocument
 from langchain_core.embeddings import DeterministicFakeEmbedding
@@ -18,7 +19,7 @@ from langchain_core.vectorstores import InMemoryVectorStore
 from llama_index.core import Document as LIDocument
 from llama_index.core import MockEmbedding, VectorStoreIndex
 from pydantic import ValidationError
-from tiny import HashEmbedder, tiny_lm
+from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
 from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine

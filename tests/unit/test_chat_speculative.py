@@ -17,7 +17,8 @@ from shared_core.engines.baseline import autoregressive_generate
 
 @pytest.fixture(scope="module")
 def chat(tiny_target):
-    # measure_cost=False: draft lengths (hence accepted / rounds) then depend on no timing
+    # measure_cost=False: draft lengths from the fixed cost prior, not from timed forwards, so
+    # the drafts (and "accepted") do not depend on the machine's load
     return ChatSpeculative(lm=tiny_target, model="tiny", max_tokens=16,
                            engine_options={"use_trigger": False, "measure_cost": False})
 

@@ -315,6 +315,6 @@ def test_split_prompt_and_registry(tiny_target):
     text = "".join(stream)
     assert stream.result is not None and stream.result.text == text
     assert stream.result.stats.method == "rapid"
-    with pytest.raises(TypeError, match="unknown RAPID option"):
+    with pytest.raises(TypeError, match="unexpected keyword argument 'gama'; did you mean 'gamma'"):
         stream_engine("rapid", tiny_target, QUERIES[0], max_new_tokens=4, documents=[CONTEXT],
                       gama=3)

@@ -18,6 +18,7 @@ from shared_core.config import (
     CacheKind,
     GenerationConfig,
     check_text,
+    suggest_kwargs,
 )
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.loop import LogitsMask, TokenStream, autoregressive_blocks
@@ -153,6 +154,7 @@ class RapidDecoder(RapidContext):
 
     # ------------------------------------------------------------------ generation
 
+    @suggest_kwargs
     def stream(self, context: str, query: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                method: str = "rapid", eta: float | None = None, gamma: int | None = None,
                drafter_kv: str | None = None, adaptive_gamma: bool | None = None,

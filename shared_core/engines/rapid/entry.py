@@ -4,6 +4,7 @@ caller's engine state."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -11,6 +12,7 @@ from typing import Any
 
 from shared_core.config import (
     DEFAULT_EMBEDDER,
+    check_kwargs,
 )
 from shared_core.engines.loop import LogitsMask, Prompt, TokenStream
 from shared_core.engines.rapid.engine import RapidDecoder
@@ -108,11 +110,9 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
     adapters pass one dict per instance) is reused across calls with the same models and
     options, so follow-up questions on one document skip its prefill.
     """
-    fields = {f.name for f in dataclasses.fields(RapidConfig)}
-    unknown = sorted(set(config_options) - fields)
-    if unknown:
-        msg = f"unknown RAPID option(s) {unknown}; RapidConfig fields are {sorted(fields)}"
-        raise TypeError(msg)
+    entry_arguments = set(inspect.signature(stream_rapid).parameters) - {"config_options"}
+    check_kwargs(config_options, {f.name for f in dataclasses.fields(RapidConfig)}
+                 | entry_arguments, "the RAPID engine")
     context, query = split_prompt(prompt, documents)
     if decoder is None:
         decoder = _shared_decoder(lm, draft_lm, embedder, RapidConfig(**config_options),

@@ -4,12 +4,19 @@ and the registry entry."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+import inspect
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
+from shared_core.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    GenerationConfig,
+    check_kwargs,
+    check_unicode,
+    suggest_kwargs,
+)
 from shared_core.drafters.base import Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
@@ -44,6 +51,7 @@ class ReSpecDecoder:
 
     def __init__(self, lm: LM, config: ReSpecConfig | None = None, *, draft_lm: LM | None = None,
                  corpus: Sequence[str] | StaticIndex | None = None):
+        _check_models(lm, config, draft_lm)
         self.lm = lm
         self.config = config or ReSpecConfig()
         if self.config.fallback == "model" and draft_lm is None:
@@ -55,7 +63,7 @@ class ReSpecDecoder:
         if corpus is None or isinstance(corpus, StaticIndex):
             self.static = corpus
         else:
-            self.static = StaticIndex(lm.encode(text) for text in corpus)
+            self.static = StaticIndex(lm.encode(text) for text in _corpus_texts(corpus))
 
     def _fallback(self, config: GenerationConfig) -> Drafter | None:
         kind = self.config.fallback
@@ -66,6 +74,7 @@ class ReSpecDecoder:
             return PromptLookupDrafter(max_ngram=3)
         return None
 
+    @suggest_kwargs
     def stream(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                documents: Sequence[str | Sequence[int]] | None = None,
                stop: Sequence[str] | str | None = None, temperature: float = 0.0,
@@ -102,6 +111,33 @@ class ReSpecDecoder:
         return self.stream(prompt, max_new_tokens, **kwargs).run()
 
 
+def _check_models(lm: Any, config: Any, draft_lm: Any) -> None:
+    """TypeError naming ``lm``, ``config`` or ``draft_lm`` when one is not what ReSpec runs on."""
+    for name, model in (("lm", lm), ("draft_lm", draft_lm)):
+        if not (model is None and name == "draft_lm") and not isinstance(model, LM):
+            hint = f" (load it first: {name}=load_lm({model!r}))" if isinstance(model, str) else ""
+            msg = f"{name} must be an LM from load_lm, got {type(model).__name__}{hint}"
+            raise TypeError(msg)
+    if config is not None and not isinstance(config, ReSpecConfig):
+        msg = f"config must be a ReSpecConfig or None, got {type(config).__name__} {config!r:.60}"
+        raise TypeError(msg)
+
+
+def _corpus_texts(corpus: Any) -> list[str]:
+    """The texts of a ``corpus`` argument: a list of strings (TypeError naming ``corpus``)."""
+    if isinstance(corpus, (str, bytes)) or not isinstance(corpus, Iterable):
+        msg = (f"corpus must be a list of texts or a StaticIndex, got {type(corpus).__name__}"
+               f"{' (wrap one text in a list)' if isinstance(corpus, str) else ''}")
+        raise TypeError(msg)
+    texts = list(corpus)
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            msg = f"corpus[{i}] must be a str, got {type(text).__name__}"
+            raise TypeError(msg)
+        check_unicode(text, f"corpus[{i}]")
+    return texts
+
+
 def _document_ids(lm: LM, documents: Sequence[str | Sequence[int]] | str | None
                   ) -> list[list[int]]:
     """Token ids of each document (strings are encoded; id lists pass through)."""
@@ -110,9 +146,9 @@ def _document_ids(lm: LM, documents: Sequence[str | Sequence[int]] | str | None
     if isinstance(documents, str):
         documents = [documents]
     out: list[list[int]] = []
-    for doc in documents:
+    for i, doc in enumerate(documents):
         if isinstance(doc, str):
-            out.append(lm.encode(doc))
+            out.append(lm.encode(check_unicode(doc, f"documents[{i}]")))
         elif isinstance(doc, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
                                                for t in doc):
             bad = [t for t in doc if not 0 <= t < lm.vocab_size]
@@ -254,15 +290,15 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
     """Registry entry (``engines/registry.py``): ``options`` are :class:`ReSpecConfig` fields;
     ReSpec keeps nothing between calls, so ``engine_state`` is unused."""
     del engine_state
-    unknown = sorted(set(options) - _CONFIG_FIELDS)
-    if unknown:
-        msg = (f"unknown ReSpec option(s) {unknown}; valid: draft_lm, corpus, "
-               f"{', '.join(sorted(_CONFIG_FIELDS))}")
-        raise TypeError(msg)
+    check_kwargs(options, _CONFIG_FIELDS | _ENTRY_ARGUMENTS, "the ReSpec engine")
     decoder = ReSpecDecoder(lm, ReSpecConfig(**options), draft_lm=draft_lm, corpus=corpus)
     return decoder.stream(prompt, max_new_tokens, documents=documents, stop=stop,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                           logits_mask=logits_mask)
+
+
+# the entry's own arguments: never in ``options``, but the closest name to a misspelt one
+_ENTRY_ARGUMENTS = frozenset(inspect.signature(stream_respec).parameters) - {"options"}
 
 
 def respec_generate(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any

@@ -1,0 +1,110 @@
+"""What a new user meets first (issue 28 rows 11, 13, 14): true scores, a quiet console, dir().
+
+- Row 11: the speculative retrievers gave every node of a retriever without scores an invented
+  ``score=0.0``; a score is now the retriever's, or None.
+
+- Row 13: bm25s sets its own logger to DEBUG when imported, so on a console the user configured
+  (``logging.basicConfig``: a root handler of level NOTSET) every BM25 index printed bm25s' debug
+  lines. The test attaches such a handler, builds and searches an index, and finds none.
+- Row 14: the packages resolve their public names lazily (PEP 562); ``dir()`` listed only what
+  was already imported, so tab completion missed ``load_lm``, ``ReSpecDecoder``...
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+from langchain_core.documents import Document as LCDocument
+from langchain_core.retrievers import BaseRetriever as LCBaseRetriever
+from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+from langchain_specrag import SpeculativeRetriever as LCSpeculativeRetriever
+from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
+from shared_core.retrieval import BM25Retriever, Document
+
+TEXTS = ["Paris is the capital of France.", "Berlin is the capital of Germany."]
+
+
+class LIScored(LIBaseRetriever):
+    def __init__(self, score: float | None) -> None:
+        super().__init__()
+        self.score = score
+
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return [NodeWithScore(node=TextNode(text=t, id_=f"n{i}"), score=self.score)
+                for i, t in enumerate(TEXTS)]
+
+
+class LCUnscored(LCBaseRetriever):
+    def _get_relevant_documents(self, query: str, *, run_manager: object) -> list[LCDocument]:
+        return [LCDocument(page_content=t, id=f"d{i}") for i, t in enumerate(TEXTS)]
+
+
+def test_speculative_retrievers_keep_the_retrievers_scores() -> None:
+    unscored = LISpeculativeRetriever(LIScored(None), similarity_top_k=2).retrieve("capital")
+    assert [n.score for n in unscored] == [None, None]  # before: [0.0, 0.0]
+    scored = LISpeculativeRetriever(LIScored(0.5), similarity_top_k=2).retrieve("capital")
+    assert [n.score for n in scored] == [0.5, 0.5]
+    docs = LCSpeculativeRetriever(retriever=LCUnscored(), k=2).invoke("capital")
+    assert [d.metadata["score"] for d in docs] == [None, None]
+
+
+class Records(logging.Handler):
+    """A root handler like ``logging.basicConfig``'s: level NOTSET, so it shows what arrives."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.NOTSET)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_bm25_retrieval_prints_no_third_party_debug_lines() -> None:
+    root, handler = logging.getLogger(), Records()
+    level = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.INFO)  # a user who asked for INFO: no DEBUG line may reach them
+    try:
+        bm25 = BM25Retriever()
+        bm25.add([Document("a", "the lazy dog sleeps"), Document("b", "a quick brown fox")])
+        assert bm25.search(["lazy dog"], 1)[0][0].document.id == "a"
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+    noisy = [f"{r.name}: {r.getMessage()}" for r in handler.records if r.levelno < logging.INFO]
+    assert noisy == []
+    assert logging.getLogger().handlers.count(handler) == 0  # and nothing configured the root
+
+
+def test_a_level_the_user_sets_on_bm25s_is_kept() -> None:
+    bm25s_logger = logging.getLogger("bm25s")
+    before = bm25s_logger.level
+    try:
+        BM25Retriever().add([Document("a", "one text")])  # bm25s imported and quieted once
+        bm25s_logger.setLevel(logging.DEBUG)  # the user wants bm25s' debug lines now
+        BM25Retriever().add([Document("a", "one text")])
+        assert bm25s_logger.level == logging.DEBUG
+    finally:
+        bm25s_logger.setLevel(before)
+
+
+@pytest.mark.parametrize(("package", "names"), [
+    ("shared_core", ["LM", "load_embedder", "load_lm"]),
+    ("shared_core.engines", ["RaLMSpec", "RapidDecoder", "ReSpecDecoder", "SpeculativeRAG",
+                             "autoregressive_generate", "speculative_generate"]),
+    ("shared_core.remote", ["RemoteConfig", "RemoteLM"]),
+    ("langchain_specrag", ["ChatSpeculative", "RaLMSpecRunnable", "SpecragEmbeddings",
+                           "SpeculativeRAGRunnable", "SpeculativeRetriever"]),
+    ("llamaindex_specrag", ["RaLMSpecQueryEngine", "SpecragEmbedding", "SpeculativeLLM",
+                            "SpeculativeRAGQueryEngine", "SpeculativeRetriever"]),
+])
+def test_dir_lists_the_lazily_loaded_public_names(package: str, names: list[str]) -> None:
+    module = importlib.import_module(package)
+    listed = dir(module)
+    assert set(names) <= set(listed), sorted(set(names) - set(listed))
+    assert set(module.__all__) <= set(listed)
+    assert "__name__" in listed and listed == sorted(listed)  # the module's own names as well
