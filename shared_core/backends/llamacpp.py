@@ -197,6 +197,14 @@ class LlamaCppModel:
         if evicted is not None:
             evicted.free()
 
+    def clear_prefix_cache(self) -> None:
+        """Forget every idle context's cached prefix (the next prompts start cold)."""
+        with self._lock:
+            idle = list(self._idle)
+            for slot in idle:
+                slot.clear()
+                slot.tokens = []
+
     def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
         """llama.cpp's own tokenizer (the engines use the Hugging Face one; tests compare)."""
         data = text.encode("utf-8")

@@ -79,6 +79,8 @@ def keep_prefix(slot: Slot, length: int) -> int:
             slot.tokens = slot.tokens[:length]
             return length
         logger.debug("could not cut a cached context at %d positions; clearing it", length)
+    if slot.tokens == []:  # new, or cleared when it was released
+        return 0
     slot.clear()
     slot.tokens = []
     return 0
