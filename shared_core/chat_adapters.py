@@ -351,4 +351,5 @@ def call_report(result: GenerationResult, engine: str, model: str) -> dict[str, 
     stats = result.stats
     return {"engine": engine, "model": model, "finish_reason": stats.finish_reason,
             "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
+            "cached_prompt_tokens": getattr(stats, "cached_prompt_tokens", 0),
             "speculative_stats": stats.as_dict()}

@@ -48,6 +48,7 @@ class DecodeStats:
     """
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # prompt ids whose KV the runtime already held (prefix reuse)
     new_tokens: int = 0
     drafted: int = 0
     accepted: int = 0

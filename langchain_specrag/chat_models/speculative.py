@@ -187,6 +187,8 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         usage = UsageMetadata(input_tokens=report["prompt_tokens"],
                               output_tokens=report["completion_tokens"],
                               total_tokens=report["prompt_tokens"] + report["completion_tokens"])
+        if report["cached_prompt_tokens"]:  # prompt ids whose KV the runtime kept (llama.cpp)
+            usage["input_token_details"] = {"cache_read": report["cached_prompt_tokens"]}
         metadata = {"model_name": redact(self.model), "finish_reason": report["finish_reason"],
                     "engine": call.engine, "speculative_stats": report["speculative_stats"]}
         return {"usage_metadata": usage, "response_metadata": metadata}

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
 
+from shared_core.backends.llamacpp_prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
 from shared_core.backends.llamacpp_session import MAX_TREE_LEAVES, LlamaCppSession
 from shared_core.device import threads_from_env
 from shared_core.lm import LM
@@ -88,6 +89,8 @@ class LlamaCppSettings:
     n_threads: int | None = None  # None: $SPECRAG_NUM_THREADS, else the CPUs this process may use
     n_batch: int = DEFAULT_N_BATCH
     exact: bool = False  # no weight repacking: batch-invariant logits, slower steps
+    prefix_cache: bool = True  # idle contexts keep their KV for the next prompt with that prefix
+    idle_contexts: int = DEFAULT_IDLE_CONTEXTS  # contexts kept between sessions (each n_ctx of KV)
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_threads"):
@@ -123,6 +126,7 @@ class _Slot:
         self.memory = llama.llama_get_memory(self.ctx)
         self.batch = llama.llama_batch_init(n_batch, 0, MAX_TREE_LEAVES + 1)
         self.n_batch = n_batch
+        self.tokens: list[int] | None = []  # ids sequence 0 holds, None: unknown (llamacpp_prefix)
 
     def clear(self) -> None:
         self.llama.llama_memory_clear(self.memory, True)
@@ -137,11 +141,12 @@ class _Slot:
 class LlamaCppModel:
     """One loaded GGUF (``llama_model``) and the contexts its sessions borrow.
 
-    Contexts are reused: a session's context goes back to the pool (cleared) when the session is
-    collected; at most ``keep`` idle contexts are kept.
+    Contexts are reused: a session's context goes back to the pool when the session is collected;
+    at most ``settings.idle_contexts`` (or ``keep``) idle contexts are kept, each with the KV of
+    the prompt it last held while ``prefix_cache`` is on (:mod:`.llamacpp_prefix`).
     """
 
-    def __init__(self, path: Path, settings: LlamaCppSettings, *, keep: int = 2):
+    def __init__(self, path: Path, settings: LlamaCppSettings, *, keep: int | None = None):
         llama = llama_cpp_module()
         params = llama.llama_model_default_params()
         params.use_extra_bufts = not settings.exact
@@ -159,8 +164,8 @@ class LlamaCppModel:
         self.settings = settings
         self.max_sequences = MAX_TREE_LEAVES  # besides sequence 0: tree leaves, parallel rows
         self._lock = threading.Lock()
-        self._idle: list[_Slot] = []
-        self._keep = keep
+        self._idle = IdleContexts(settings.idle_contexts if keep is None else keep)
+        self.prefix_cache = settings.prefix_cache  # may be switched off (or on) at any time
         self._finalizer = weakref.finalize(self, _free_model, llama, self.ptr, self._idle)
 
     def describe(self) -> str:
@@ -168,19 +173,37 @@ class LlamaCppModel:
         self.llama.llama_model_desc(self.ptr, buf, len(buf))
         return buf.value.decode("utf-8", "replace")
 
-    def acquire(self) -> _Slot:
+    def acquire(self, prefix: Sequence[int] | None = None) -> _Slot:
+        """A context to own until :meth:`release`. With ``prefix`` (a session about to prefill
+        it), the idle one sharing the longest start with it, its sequence 0 cut after the shared
+        ids (``slot.tokens``; never all of them); without, an empty one whose owner will not
+        vouch for its cells (``slot.tokens`` None: cleared on release)."""
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
-        return _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads)
+            slot, common = self._idle.take(prefix if prefix and self.prefix_cache else ())
+        if slot is None:
+            slot = _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads)
+        else:
+            keep_prefix(slot, common)
+        if prefix is None:
+            slot.tokens = None
+        return slot
 
     def release(self, slot: _Slot) -> None:
-        slot.clear()
+        """Take a context back: its sequence 0 is kept if its owner vouched for it (see
+        :mod:`.llamacpp_prefix`), everything else is cleared."""
+        settle(slot, self.prefix_cache, self.max_sequences)
         with self._lock:
-            if len(self._idle) < self._keep and self._finalizer.alive:
-                self._idle.append(slot)
-                return
-        slot.free()
+            evicted = self._idle.put(slot) if self._finalizer.alive else slot
+        if evicted is not None:
+            evicted.free()
+
+    def clear_prefix_cache(self) -> None:
+        """Forget every idle context's cached prefix (the next prompts start cold)."""
+        with self._lock:
+            idle = list(self._idle)
+            for slot in idle:
+                slot.clear()
+                slot.tokens = []
 
     def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
         """llama.cpp's own tokenizer (the engines use the Hugging Face one; tests compare)."""
@@ -198,7 +221,7 @@ class LlamaCppModel:
         return frozenset(i for i in ids if 0 <= i < self.n_vocab)
 
 
-def _free_model(llama: Any, ptr: Any, idle: list[_Slot]) -> None:
+def _free_model(llama: Any, ptr: Any, idle: IdleContexts) -> None:
     for slot in idle:
         slot.free()
     idle.clear()

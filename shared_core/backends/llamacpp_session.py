@@ -8,7 +8,12 @@ token by the first sequence it lists, whose cells are exactly the prefix and the
 and drops the others. ``fork`` / ``copy_positions`` copy sequence 0's state into another context.
 
 ``lm`` is a :class:`shared_core.backends.llamacpp.LlamaCppLM` (not imported: that module imports
-this one); its ``model`` lends the context (``acquire`` / ``release``).
+this one); its ``model`` lends the context (``acquire`` / ``release``). The context is borrowed
+when first needed: an empty session's first ``prefill`` takes the idle context that already holds
+the longest prefix of its ids and decodes only the rest (``reused_tokens``; :mod:`.llamacpp_prefix`).
+After each write that completes, the context is told which ids its sequence 0 holds if the
+state is plain (no tree, no copied positions); before one, and forever after one that fails or is
+interrupted, it is told nothing, so a released context never serves a half-written prefix.
 """
 
 from __future__ import annotations
@@ -19,12 +24,14 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from shared_core.backends.llamacpp_prefix import vouched_write as _writes
 from shared_core.kv import common_prefix_length
 
 if TYPE_CHECKING:
     import torch
 
 MAX_TREE_LEAVES = 32  # branches of one tree forward (sequences 1..m of a context)
+EXACT_CHUNK = 32  # exact: prefill chunk; a decode of 64+ tokens was not bit-equal to smaller ones
 
 
 def decode(lm: Any, slot: Any, entries: Sequence[tuple[int, int, Sequence[int], bool]]) -> Any:
@@ -58,16 +65,42 @@ class LlamaCppSession:
     def __init__(self, lm: Any):
         self.lm = lm
         self.kind = "llama.cpp"
-        self.slot = lm.model.acquire()
-        self._finalizer = weakref.finalize(self, lm.model.release, self.slot)
+        self._slot: Any = None  # borrowed when first needed (the first prefill picks it)
         self.tokens: list[int] = []
         self.forwards = 0
         self.position_offset = 0
+        self.reused_tokens = 0  # prompt ids found cached in the context (not decoded again)
         self._tree: tuple[int, list[int], int] | None = None  # (prefix, node -> first seq, leaves)
         self._copied: list[int] = []  # cell positions of tokens copied by copy_positions
+        self._writing = 0  # nested _writes methods running
+        self._failed = False  # a write raised: the context is cleared when released
 
     def __len__(self) -> int:
         return len(self.tokens)
+
+    @property
+    def slot(self) -> Any:
+        """The context this session owns (an empty one, if it has none yet)."""
+        if self._slot is None:
+            self._borrow(())
+        return self._slot
+
+    def _borrow(self, ids: Sequence[int]) -> None:
+        """Own the context that holds the longest prefix of ``ids`` (all but the last at most),
+        returned to the model when this session is collected."""
+        model = self.lm.model
+        slot = model.acquire(ids)
+        self._slot = slot
+        self._finalizer = weakref.finalize(self, model.release, slot)
+        self.tokens = list(slot.tokens)
+        self.reused_tokens = len(self.tokens)
+        slot.tokens = None
+
+    def _vouch(self) -> None:
+        """Tell the context which ids its sequence 0 holds, if that is all it holds."""
+        plain = self._tree is None and not self._copied and not self.position_offset
+        if self._slot is not None:
+            self._slot.tokens = list(self.tokens) if plain and not self._failed else None
 
     # -- one llama_decode
 
@@ -114,12 +147,19 @@ class LlamaCppSession:
 
     # -- the KVSession methods
 
+    @_writes
     def prefill(self, ids: Sequence[int]) -> torch.Tensor | None:
-        """Append ``ids`` in chunks; return the ``[V]`` logits after the last one (None if empty)."""
+        """Append ``ids`` in chunks; return the ``[V]`` logits after the last one (None if empty).
+
+        A session without a context yet takes the one caching the longest prefix of ``ids`` and
+        decodes only the rest (at least the last id)."""
         self._check_window(len(ids))
+        if self._slot is None and ids:
+            self._borrow(ids)
+            ids = ids[len(self.tokens):]
         before = len(self.tokens)
         logits = None
-        step = self.slot.n_batch
+        step = min(self.slot.n_batch, EXACT_CHUNK) if self.lm.model.settings.exact else self.slot.n_batch
         try:
             for start in range(0, len(ids), step):
                 chunk = ids[start : start + step]
@@ -138,6 +178,7 @@ class LlamaCppSession:
                    "prompt or lower max_new_tokens")
             raise ValueError(msg)
 
+    @_writes
     def extend(self, ids: Sequence[int]) -> torch.Tensor:
         """Append ``ids`` in ONE decode; return ``[len(ids), V]`` logits, one row per new token."""
         if not ids:
@@ -150,6 +191,7 @@ class LlamaCppSession:
         assert logits is not None
         return logits
 
+    @_writes
     def extend_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
         """Append a token tree in ONE decode (leaves as sequences; see the module doc).
 
@@ -180,6 +222,7 @@ class LlamaCppSession:
         assert logits is not None
         return logits
 
+    @_writes
     def keep_path(self, path: Sequence[int]) -> None:
         """After :meth:`extend_tree`: keep only the nodes of ``path`` (root-to-leaf order).
 
@@ -213,6 +256,7 @@ class LlamaCppSession:
         self._tree = None
         self.tokens = self.tokens[:prefix] + kept
 
+    @_writes
     def rollback(self, length: int) -> None:
         """Forget everything after the first ``length`` tokens."""
         if length < 0 or length > len(self.tokens):
@@ -221,10 +265,12 @@ class LlamaCppSession:
         self._drop_after(length)
         del self.tokens[length:]
 
+    @_writes
     def heal(self, limit: int | None = None) -> None:
         """Cut back to ``limit`` tokens (the cells are kept in step with ``tokens`` already)."""
         self.rollback(len(self.tokens) if limit is None else min(limit, len(self.tokens)))
 
+    @_writes
     def reset(self) -> None:
         self._tree = None
         self.slot.clear()
@@ -232,6 +278,7 @@ class LlamaCppSession:
         self._copied = []
         self.position_offset = 0
 
+    @_writes
     def sync(self, ids: Sequence[int]) -> list[int]:
         """Roll back to the longest common prefix with ``ids``; return the ids still to feed."""
         common = common_prefix_length(self.tokens, ids)
@@ -240,6 +287,7 @@ class LlamaCppSession:
 
     def _copy_state_from(self, source: LlamaCppSession) -> None:
         llama = self.lm.model.llama
+        self.slot.tokens = None
         size = llama.llama_state_seq_get_size(source.slot.ctx, 0)
         buf = (ctypes.c_uint8 * size)()
         written = llama.llama_state_seq_get_data(source.slot.ctx, buf, size, 0)
@@ -259,8 +307,10 @@ class LlamaCppSession:
         clone.position_offset = self.position_offset
         clone._copied = list(self._copied)
         clone.forwards = self.forwards
+        clone._vouch()
         return clone
 
+    @_writes
     def copy_positions(self, source: LlamaCppSession, positions: Sequence[int]) -> None:
         """Hold ``source``'s cached tokens at ``positions`` (ascending), dropping the rest.
 

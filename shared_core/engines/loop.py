@@ -185,6 +185,7 @@ class Run:
         with timed(self.stats, "prefill_s"):
             self.session.prefill(self.prompt_ids[:-1])
             synchronize(self.lm.device)
+        self.stats.cached_prompt_tokens = getattr(self.session, "reused_tokens", 0)
         return self.prompt_ids[-1]
 
     def stream(self, blocks: Callable[[Run], Iterator[list[int]]],

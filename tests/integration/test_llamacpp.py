@@ -80,9 +80,14 @@ def test_greedy_equals_llama_cpp_pythons_own_greedy(lm):
 
     own = Llama(model_path=str(lm.model.path), n_ctx=2048, n_threads=lm.model.threads,
                 flash_attn=True, verbose=False)  # our contexts: flash attention "auto" = on here
+    lm.model.clear_prefix_cache()  # it reads each prompt from scratch: so do we (issue 29)
     for prompt in PROMPTS:
         ids = lm.prompt_ids(prompt)
-        ours = list(autoregressive_generate(lm, ids, N_NEW).token_ids)
+        lm.model.prefix_cache = False
+        try:
+            ours = list(autoregressive_generate(lm, ids, N_NEW).token_ids)
+        finally:
+            lm.model.prefix_cache = True
         own.reset()
         own.eval(ids[:-1])
         token, theirs = ids[-1], []

