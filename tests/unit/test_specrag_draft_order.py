@@ -13,7 +13,7 @@ from shared_core.engines.speculative_rag import (
 from shared_core.engines.speculative_rag.prompts import RATIONALE_DONE
 from shared_core.retrieval.base import Document
 from tests.tiny import tiny_lm
-from tests.unit.test_speculative_rag import DOCS, FakeEmbedder
+from tests.unit.test_speculative_rag import DOCS, EMBEDDER
 
 
 @pytest.mark.parametrize(("text", "rationale", "answer", "ok"), [
@@ -49,7 +49,7 @@ def test_prompt_prefills_the_answer_marker():
 def test_engine_drafts_answer_first_and_never_needs_the_forced_line():
     cfg = SpeculativeRAGConfig(num_drafts=3, docs_per_draft=2, max_draft_tokens=8,
                                draft_order="answer_first", force_answer_line=True)
-    result = SpeculativeRAG(tiny_lm(2, seed=1), tiny_lm(2, seed=2), embedder=FakeEmbedder(),
+    result = SpeculativeRAG(tiny_lm(2, seed=1), tiny_lm(2, seed=2), embedder=EMBEDDER,
                             config=cfg).answer("capital of France?", DOCS)
     assert all(d.raw.startswith("Answer:") for d in result.drafts)
     assert result.stats.answer_continuations == 0  # the answer line is prefilled, never forced
