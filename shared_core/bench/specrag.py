@@ -51,7 +51,7 @@ from shared_core.bench.specrag_records import (
     records_path,
     start_records,
 )
-from shared_core.bench.specrag_report import build_report, plot_accuracy_latency
+from shared_core.bench.specrag_report import build_report, plot_accuracy_latency, runtime_threads
 from shared_core.config import (
     BACKENDS,
     DEFAULT_EMBEDDER,
@@ -59,6 +59,7 @@ from shared_core.config import (
     DEFAULT_SPECRAG_BACKEND,
     DEFAULT_VERIFIER,
 )
+from shared_core.device import cpu_model_and_flags
 from shared_core.engines.speculative_rag import (
     SpeculativeRAG,
     SpeculativeRAGConfig,
@@ -271,6 +272,7 @@ def _signature(state: _DatasetRun, args: argparse.Namespace, engine: Speculative
     cfg = engine.config
     return {"dataset": state.name, "drafter": args.drafter, "verifier": args.verifier,
             "embedder": args.embedder, "backend": args.backend, "dtype": args.dtype,
+            "cpu": cpu_model_and_flags()[0], "runtime_threads": runtime_threads(engine),
             "config": [cfg.num_drafts, cfg.docs_per_draft, cfg.retrieve_k,
                        cfg.max_draft_tokens, cfg.max_answer_tokens, cfg.draft_order],
             "methods": sorted(state.outputs)}

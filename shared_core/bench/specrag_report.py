@@ -105,7 +105,7 @@ def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
                                                    engine.config),
                "latency_parts": {m: _parts(outs, retrieve_s) for m, outs in outputs.items()},
                "machine": {**cpu_facts(), "backend": args.backend,
-                           "runtime_threads": _runtime_threads(engine)},
+                           "runtime_threads": runtime_threads(engine)},
                "load_average": [round(x, 2) for x in os.getloadavg()],
                "examples": [{"id": q["id"], "question": q["question"], "gold": q["gold"],
                              **{m: r.outputs[i] for m, r in results.items()},
@@ -118,7 +118,7 @@ def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
     return report
 
 
-def _runtime_threads(engine: Any) -> int | None:
+def runtime_threads(engine: Any) -> int | None:
     """llama.cpp's thread count (torch's is in ``cpu_facts``)."""
     return getattr(getattr(engine.verifier, "model", None), "threads", None)
 
