@@ -143,18 +143,21 @@ def train_lora(lm: LM, encoded: list[tuple[list[int], list[int]]], *, epochs: in
     steps = epochs * ((len(encoded) + batch_size - 1) // batch_size)
     sched = torch.optim.lr_scheduler.LambdaLR(optim, lambda s: 1 - s / max(1, steps))
     start, losses, order = time.perf_counter(), [], list(encoded)
-    for epoch in range(epochs):
-        random.Random(seed + epoch).shuffle(order)
-        for i in range(0, len(order), batch_size):
-            loss = _step(model, order[i:i + batch_size], lm.tokenizer.pad_token_id or 0)
-            loss.backward()
-            optim.step()
-            sched.step()
-            optim.zero_grad()
-            losses.append(float(loss.detach()))
-            if len(losses) % 10 == 0:
-                logger.info("step %d/%d loss %.3f (%.0f s)", len(losses), steps,
-                            sum(losses[-10:]) / 10, time.perf_counter() - start)
+    # grad mode is thread state a caller may have left off (a generator suspended inside
+    # inference_mode does): training turns it on for itself
+    with torch.enable_grad():
+        for epoch in range(epochs):
+            random.Random(seed + epoch).shuffle(order)
+            for i in range(0, len(order), batch_size):
+                loss = _step(model, order[i:i + batch_size], lm.tokenizer.pad_token_id or 0)
+                loss.backward()
+                optim.step()
+                sched.step()
+                optim.zero_grad()
+                losses.append(float(loss.detach()))
+                if len(losses) % 10 == 0:
+                    logger.info("step %d/%d loss %.3f (%.0f s)", len(losses), steps,
+                                sum(losses[-10:]) / 10, time.perf_counter() - start)
     model.eval()
     return model, losses
 

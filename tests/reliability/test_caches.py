@@ -261,8 +261,10 @@ def test_an_assembled_gguf_overwritten_in_place_with_its_stamp_kept_is_rebuilt(
     path = assembled_gguf(entry)
     before = path.stat()
     _after_a_clock_tick(path)
-    with path.open("r+b") as fh:
-        fh.write(b"X")  # same size
+    with path.open("r+b") as fh:  # same size; a byte that differs (the payload is random)
+        first = fh.read(1)
+        fh.seek(0)
+        fh.write(bytes([first[0] ^ 0xFF]))
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # same mtime
     with caplog.at_level(logging.WARNING, logger="shared_core.embedded"):
         assert assembled_gguf(entry).read_bytes() == whole

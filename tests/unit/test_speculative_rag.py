@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -448,3 +449,14 @@ def test_top_ranked_documents_are_covered_before_lower_ones():
         used = {d for s in subsets for d in s}
         assert subsets[0] == (0, 8)
         assert {0, 1, 2, 3, 4} <= used and not used & {5, 6, 7}
+
+
+def test_lora_training_runs_with_grad_mode_left_off_by_the_caller():
+    from shared_core.train_drafter import encode_example, train_lora
+
+    lm = tiny_lm(2, seed=6)
+    ex = {"question": "capital of France?", "docs": DOCS[:2], "rationale": "Paris.", "answer": "Paris"}
+    ids, labels = encode_example(lm, ex, max_len=512)
+    with torch.no_grad():  # as a generator suspended inside inference_mode leaves a thread
+        _, losses = train_lora(lm, [(ids, labels)] * 2, epochs=1, batch_size=2, lr=5e-3)
+    assert len(losses) == 1 and math.isfinite(losses[0])
