@@ -78,9 +78,10 @@ class SpeculativeRAG:
             ``"bfloat16"`` roughly halves latency on CPUs with AMX/AVX-512-BF16, because drafting
             and verification are mostly prompt processing (measured in the benchmark).
         backend: runtime for models given by name (:func:`shared_core.models.load_lm`):
-            ``"auto"`` (``DEFAULT_SPECRAG_BACKEND``), ``"torch"``, ``"llama.cpp"`` (drafts decoded as
-            parallel sequences of one context, verifier spans scored in one pass) or ``"auto"``.
-            A dtype keeps torch.
+            ``"auto"`` (``DEFAULT_SPECRAG_BACKEND``: llama.cpp on a CPU once a probe process
+            decoded with it, torch on a GPU), ``"torch"`` or ``"llama.cpp"`` (drafts decoded as
+            parallel sequences of one context, verifier spans scored in one pass). A dtype keeps
+            torch.
 
     Models load lazily on first use; names are validated immediately.
     """
