@@ -20,6 +20,7 @@ import statistics
 import time
 from typing import Any
 
+from shared_core.device import cpu_facts
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.models import LM, load_lm
 
@@ -98,4 +99,4 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                **identical(lm, turn_1, args.max_new_tokens, args.questions),
                "load_average": os.getloadavg()}
         rows.append(row)
-    return {"benchmark": "chat", "rows": rows}
+    return {"benchmark": "chat", "machine": cpu_facts(), "rows": rows}

@@ -61,8 +61,7 @@ def reselect(result: Any, variant: str, config: SpeculativeRAGConfig) -> _Derive
 
 def _summary(dataset: str, questions: list[dict[str, Any]], outputs: list[Any],
              latencies: list[float]) -> MethodResult:
-    correct = [is_correct(dataset, o.text, q["gold"]) for q, o in zip(questions, outputs,
-                                                                       strict=True)]
+    correct = _hits(dataset, [o.text for o in outputs], questions)
     stats = [o.stats.as_dict() for o in outputs]
     numeric = {k for k, v in stats[0].items() if isinstance(v, (int, float))}
     mean_stats = {f"mean_{k}": round(statistics.fmean(s[k] for s in stats), 4) for k in numeric}
@@ -173,8 +172,12 @@ def _selection_study(dataset: str, questions: list[dict[str, Any]],
     return study
 
 
+def _hits(dataset: str, texts: list[str], questions: list[dict[str, Any]]) -> list[bool]:
+    return [is_correct(dataset, t, q["gold"]) for t, q in zip(texts, questions, strict=True)]
+
+
 def _accuracy(dataset: str, texts: list[str], questions: list[dict[str, Any]]) -> float:
-    hits = [is_correct(dataset, t, q["gold"]) for t, q in zip(texts, questions, strict=True)]
+    hits = _hits(dataset, texts, questions)
     return round(sum(hits) / len(hits), 4)
 
 
