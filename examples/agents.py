@@ -16,8 +16,18 @@ prefill / decode seconds, drafted / accepted tokens). Nothing stops an agent ear
 when the model answers without a call, or at the framework's own step limit (reported as such).
 
 Run: python examples/agents.py [--model qwen2.5-coder-1.5b-instruct] [--engine respec]
-     [--agents langgraph langchain llamaindex] [--max-steps 4] [--show-prompts] [--out F.txt]
+     [--agents langgraph langchain llamaindex] [--max-steps 4] [--system stop|plain]
+     [--no-prefix-cache] [--show-prompts] [--out F.txt]
 (``--show-prompts`` prints the exact prompt each model turn sees, as rendered by the template.)
+
+The system prompt: ``plain`` only says to answer from the search results; ``stop`` (the default)
+also says when to stop calling the tool. With ``plain``, Qwen2.5-Coder-1.5B re-issues the same
+call after the tool result: its next-token distribution there puts 0.24 on ``{"`` (the call again,
+as bare JSON) and 0.23 on a code fence, against 0.11 on ``To``; with ``stop`` its greedy reply
+there is the answer, but its first turn then describes the tool in prose instead of calling it
+(results/s11/agents.md). ``--force-first-call`` gives LangChain's agent a middleware that sets
+``tool_choice="required"`` until a tool has answered. ``--no-prefix-cache`` empties the llama.cpp
+prefix cache before every model turn, to time the turns as they were before prefix reuse.
 """
 
 from __future__ import annotations
@@ -51,7 +61,12 @@ HANDBOOK = [
     "Veldmark Ltd remote work: employees may work from home up to three days per week.",
 ]
 QUESTION = "How many days of paid vacation do Veldmark employees get? Use the handbook search tool."
-SYSTEM = "You are a helpful assistant. Answer from the handbook search results."
+SYSTEM_PROMPTS = {
+    "plain": "You are a helpful assistant. Answer from the handbook search results.",
+    "stop": ("You are a helpful assistant. Answer from the handbook search results. Once a "
+             "<tool_response> holds the answer, reply with that answer in one sentence."),
+}
+SYSTEM = SYSTEM_PROMPTS["stop"]
 AGENTS = ("langgraph", "langchain", "llamaindex")
 
 
@@ -89,7 +104,8 @@ def stats_line(turn: Turn) -> str:
     report = turn.report or {}
     s = report.get("speculative_stats") or {}
     return (f"{turn.seconds:.1f}s; engine={report.get('engine')} prompt={s.get('prompt_tokens')} "
-            f"new={s.get('new_tokens')} prefill={s.get('prefill_s', 0):.1f}s "
+            f"reused={s.get('cached_prompt_tokens')} new={s.get('new_tokens')} "
+            f"prefill={s.get('prefill_s', 0):.1f}s "
             f"decode={s.get('decode_s', 0):.1f}s drafted={s.get('drafted')} "
             f"accepted={s.get('accepted')} rounds={s.get('rounds')} "
             f"finish={report.get('finish_reason')}")
@@ -97,25 +113,43 @@ def stats_line(turn: Turn) -> str:
 
 def render(model: str, turns: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
     """The exact prompt text a turn's model sees (the chat template with the tools)."""
-    from shared_core.serving import loaded_model
     from shared_core.tool_calls import check_tools, render_prompt
 
-    lm, _ = loaded_model(model, None, None)
+    lm = _loaded(model)
     return lm.tokenizer.decode(render_prompt(lm, turns, check_tools(tools)))
+
+
+def _loaded(model: str) -> Any:
+    """The model object the chat adapters use for ``model`` (same cache, same backend)."""
+    from shared_core.config import DEFAULT_BACKEND
+    from shared_core.serving import loaded_model
+
+    return loaded_model(model, None, None, DEFAULT_BACKEND)[0]
+
+
+def forget_prefixes(model: str) -> None:
+    """Empty the llama.cpp prefix cache of ``model`` (a no-op on torch, which keeps none)."""
+    runtime = getattr(_loaded(model), "model", None)
+    if hasattr(runtime, "clear_prefix_cache"):
+        runtime.clear_prefix_cache()
 
 
 class TurnRecorder(BaseCallbackHandler):
     """Times every chat-model call of a LangChain / LangGraph agent (and can print its prompt)."""
 
-    def __init__(self, show_prompt: Callable[[list[BaseMessage]], None] | None = None) -> None:
+    def __init__(self, show_prompt: Callable[[list[BaseMessage]], None] | None = None,
+                 before_turn: Callable[[], None] | None = None) -> None:
         self.turns: list[Turn] = []
         self._started: dict[UUID, float] = {}
         self._show_prompt = show_prompt
+        self._before_turn = before_turn
 
     def on_chat_model_start(self, serialized: dict[str, Any], messages: list[list[BaseMessage]],
                             *, run_id: UUID, **kwargs: Any) -> None:
         if self._show_prompt is not None:
             self._show_prompt(messages[0])
+        if self._before_turn is not None:
+            self._before_turn()
         self._started[run_id] = time.perf_counter()
 
     def on_llm_end(self, response: Any, *, run_id: UUID, **kwargs: Any) -> None:
@@ -140,14 +174,38 @@ def _message_lines(messages: list[BaseMessage], turns: list[Turn]) -> list[str]:
     return lines
 
 
+FACT = "27"  # the handbook's answer to QUESTION
+
+
 def _ending(answer: str) -> str:
-    """How an agent that stopped calling tools ended: an answer, or an empty reply."""
-    return "finished with an answer" if answer.strip() else "ended with an empty reply"
+    """How an agent that stopped calling tools ended: an answer (holding the handbook's figure
+    or not), or an empty reply."""
+    if not answer.strip():
+        return "ended with an empty reply"
+    return "finished with an answer " + ("that holds the handbook's figure" if FACT in answer
+                                         else "that lacks the handbook's figure")
+
+
+def first_call_required() -> Any:
+    """LangChain agent middleware: ``tool_choice="required"`` until a tool has answered, then the
+    model's own choice (``"auto"``): a forced first search, and the model decides when to stop."""
+    from langchain.agents.middleware import wrap_model_call
+
+    @wrap_model_call
+    def require_first_call(request: Any, handler: Callable[[Any], Any]) -> Any:
+        if not any(isinstance(m, ToolMessage) for m in request.messages):
+            request = request.override(tool_choice="required")
+        return handler(request)
+
+    return require_first_call
 
 
 def run_langchain(kind: str, llm: ChatSpeculative, tool: Callable[[str], str], max_steps: int,
-                  show_prompts: bool) -> Transcript:
-    """A LangGraph ReAct agent or a LangChain ``create_agent`` agent."""
+                  show_prompts: bool, system: str = SYSTEM,
+                  before_turn: Callable[[], None] | None = None,
+                  force_first_call: bool = False) -> Transcript:
+    """A LangGraph ReAct agent or a LangChain ``create_agent`` agent (``force_first_call``: the
+    :func:`first_call_required` middleware, LangChain's agent only)."""
     from langgraph.errors import GraphRecursionError
 
     lc_tool = StructuredTool.from_function(tool)
@@ -163,12 +221,13 @@ def run_langchain(kind: str, llm: ChatSpeculative, tool: Callable[[str], str], m
     if kind == "langgraph":
         from langgraph.prebuilt import create_react_agent
 
-        agent = create_react_agent(llm, [lc_tool], prompt=SYSTEM)
+        agent = create_react_agent(llm, [lc_tool], prompt=system)
     else:
         from langchain.agents import create_agent
 
-        agent = create_agent(llm, [lc_tool], system_prompt=SYSTEM)
-    recorder = TurnRecorder(show)
+        middleware = [first_call_required()] if force_first_call else []
+        agent = create_agent(llm, [lc_tool], system_prompt=system, middleware=middleware)
+    recorder = TurnRecorder(show, before_turn)
     config = {"callbacks": [recorder], "recursion_limit": 2 * max_steps + 1}
     start = time.perf_counter()
     messages: list[BaseMessage] = []
@@ -185,7 +244,8 @@ def run_langchain(kind: str, llm: ChatSpeculative, tool: Callable[[str], str], m
 
 
 async def _llamaindex(llm: Any, tool: Callable[[str], str], max_steps: int,
-                      show_prompts: bool) -> Transcript:
+                      show_prompts: bool, system: str = SYSTEM,
+                      before_turn: Callable[[], None] | None = None) -> Transcript:
     from llama_index.core.agent.workflow import AgentInput, AgentOutput, FunctionAgent, ToolCallResult
     from llama_index.core.tools import FunctionTool
     from llama_index.core.workflow.errors import WorkflowRuntimeError
@@ -193,7 +253,7 @@ async def _llamaindex(llm: Any, tool: Callable[[str], str], max_steps: int,
     from llamaindex_specrag.llms.tools import chat_dicts
 
     li_tool = FunctionTool.from_defaults(fn=tool)
-    agent = FunctionAgent(llm=llm, tools=[li_tool], system_prompt=SYSTEM)
+    agent = FunctionAgent(llm=llm, tools=[li_tool], system_prompt=system)
     lines = [f"[human] {QUESTION!r}"]
     events: list[Any] = []
     turns: list[Turn] = []
@@ -202,6 +262,8 @@ async def _llamaindex(llm: Any, tool: Callable[[str], str], max_steps: int,
     try:
         async for event in handler.stream_events():
             if isinstance(event, AgentInput):
+                if before_turn is not None:
+                    before_turn()
                 turn_start = time.perf_counter()
                 if show_prompts:
                     spec = [li_tool.metadata.to_openai_tool(skip_length_check=True)]
@@ -227,20 +289,25 @@ async def _llamaindex(llm: Any, tool: Callable[[str], str], max_steps: int,
 
 
 def run_agents(model: str, engine: str = "respec", agents: tuple[str, ...] = AGENTS,
-               max_steps: int = 4, max_tokens: int = 128, show_prompts: bool = False
+               max_steps: int = 4, max_tokens: int = 128, show_prompts: bool = False,
+               system: str = SYSTEM, prefix_cache: bool = True, force_first_call: bool = False
                ) -> dict[str, Transcript]:
-    """Each agent's transcript (one model, loaded once through the shared cache)."""
+    """Each agent's transcript (one model, loaded once through the shared cache);
+    ``prefix_cache=False`` empties the model's prefix cache before every turn."""
     from llamaindex_specrag import SpeculativeLLM
 
     tool = handbook_search()
+    before_turn = None if prefix_cache else (lambda: forget_prefixes(model))
     out: dict[str, Transcript] = {}
     for kind in agents:
         if kind == "llamaindex":
             llm = SpeculativeLLM(model=model, engine=engine, max_new_tokens=max_tokens)
-            out[kind] = asyncio.run(_llamaindex(llm, tool, max_steps, show_prompts))
+            out[kind] = asyncio.run(_llamaindex(llm, tool, max_steps, show_prompts, system,
+                                                before_turn))
         else:
             chat = ChatSpeculative(model=model, engine=engine, max_tokens=max_tokens)
-            out[kind] = run_langchain(kind, chat, tool, max_steps, show_prompts)
+            out[kind] = run_langchain(kind, chat, tool, max_steps, show_prompts, system,
+                                      before_turn, force_first_call and kind == "langchain")
     return out
 
 
@@ -251,17 +318,26 @@ def main() -> None:
     parser.add_argument("--agents", nargs="+", choices=AGENTS, default=list(AGENTS))
     parser.add_argument("--max-steps", type=int, default=4, help="model turns per agent")
     parser.add_argument("--max-tokens", type=int, default=128, help="per model turn")
+    parser.add_argument("--system", choices=sorted(SYSTEM_PROMPTS), default="stop",
+                        help="system prompt: 'stop' also says when to stop calling the tool")
+    parser.add_argument("--no-prefix-cache", action="store_true",
+                        help="empty the prefix cache before every model turn")
+    parser.add_argument("--force-first-call", action="store_true",
+                        help="LangChain's agent: tool_choice='required' until a tool answered")
     parser.add_argument("--show-prompts", action="store_true")
     parser.add_argument("--out", default=None, help="also write the transcript here")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     header = (f"model={args.model} engine={args.engine} max_steps={args.max_steps} "
-              f"max_tokens={args.max_tokens} threads={os.environ.get('OMP_NUM_THREADS')}")
+              f"max_tokens={args.max_tokens} system={args.system} "
+              f"prefix_cache={not args.no_prefix_cache} force_first_call={args.force_first_call} "
+              f"threads={os.environ.get('SPECRAG_NUM_THREADS') or os.environ.get('OMP_NUM_THREADS')}")
     text = [header]
     for kind in args.agents:
         load = os.getloadavg()
         lines = run_agents(args.model, args.engine, (kind,), args.max_steps, args.max_tokens,
-                           args.show_prompts)[kind].lines
+                           args.show_prompts, SYSTEM_PROMPTS[args.system],
+                           not args.no_prefix_cache, args.force_first_call)[kind].lines
         text += [f"\n=== {kind} (load average before {load[0]:.2f}, after "
                  f"{os.getloadavg()[0]:.2f}) ===", *lines]
         logger.info("%s", "\n".join(text[-len(lines) - 1:]))

@@ -5,9 +5,9 @@ RAPID's opt-in ``adaptive_gamma``). A draft of ``n`` tokens with per-token accep
 commits ``1 + a + ... + a^n`` tokens in expectation (the last one is the target's own token);
 it costs one verification forward over ``n + 1`` tokens plus ``n`` drafter steps. The
 verification cost is either linear, ``t(n + 1) = t0 + t1 (n + 1)`` fitted online, or a curve
-measured once per machine and model (:class:`CostModel` ``curve``): on a CPU the curve is not
-linear (llama.cpp on Zen 4: 4 tokens cost 3.0 one-token steps, on a Xeon with AMX 1.5; Q4_0's
-repacked kernel made 4 tokens cheaper than 3), and it decides whether a draft pays at all.
+measured once per machine and model (:class:`CostModel` ``curve``, read as non-decreasing): on a
+CPU the curve is not linear (llama.cpp on Zen 4: 4 tokens cost 3.0 one-token steps, on a Xeon
+with AMX 1.5), and it decides whether a draft pays at all.
 """
 
 from __future__ import annotations
@@ -41,17 +41,21 @@ def best_draft_length(accept: float, cost: VerifyCost, max_len: int, draft_cost:
 
 def curve_steps(curve: Sequence[tuple[int, float]], tokens: int) -> float:
     """Steps of a ``tokens``-token forward from measured ``(tokens, steps)`` points (ascending,
-    starting at one token): linear between points, the last slope beyond the last one (a single
-    point: each token a full step)."""
-    if tokens <= curve[0][0]:
-        return curve[0][1]
-    for (n0, s0), (n1, s1) in itertools.pairwise(curve):
+    starting at one token): linear between points, in proportion to ``tokens`` beyond the last one
+    (a CPU forward of many tokens is compute-bound). The points are read as a running maximum: a
+    curve measured under load can say 16 tokens cost less than 12, and extrapolating that slope
+    made a 60-token draft look cheaper than one step (ReSpec drafted 60 tokens at acceptance 0.5)."""
+    points, top = [], 0.0
+    for n, steps in curve:
+        top = max(top, steps)
+        points.append((n, top))
+    if tokens <= points[0][0]:
+        return points[0][1]
+    for (n0, s0), (n1, s1) in itertools.pairwise(points):
         if tokens <= n1:
             return s0 + (s1 - s0) * (tokens - n0) / (n1 - n0)
-    if len(curve) == 1:
-        return curve[0][1] * tokens / curve[0][0]
-    (n0, s0), (n1, s1) = curve[-2], curve[-1]
-    return s1 + (s1 - s0) / (n1 - n0) * (tokens - n1)
+    n_last, s_last = points[-1]
+    return s_last * tokens / n_last
 
 
 class CostModel:

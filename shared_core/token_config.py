@@ -105,7 +105,12 @@ class ReSpecConfig:
     # What: feedback-driven candidate selection
     selection: Selection = "ema"  # "first" = first match position only (ablation)
     ema_alpha: float = 0.5  # α
-    ema_init: float = 0.5  # score of a new position
+    ema_init: float = 0.5  # score of a new position (with learn_new_score: the first one's)
+    # A new position starts at the request's running score of new positions (its EMA over the
+    # first drafts of positions), not at ema_init: on a CPU each drafted token costs most of a
+    # step, and a request whose fresh matches keep failing (JSON tool calls: 6 of 251 drafted
+    # tokens accepted) stops drafting from them. False: the paper's ema_init for every position.
+    learn_new_score: bool = True
     score_threshold: float = 0.1  # θ_score
     num_candidates: int = 3  # top candidates verified together as a tree
     max_positions: int = 64  # cap on end positions listed per key

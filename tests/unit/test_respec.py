@@ -219,7 +219,14 @@ def test_a_measured_curve_decides_the_draft_length() -> None:
     from shared_core.draft_length import CostModel, curve_steps
 
     assert curve_steps(CPU_CURVE, 1) == 1.0 and curve_steps(CPU_CURVE, 6) == pytest.approx(3.545)
-    assert curve_steps(CPU_CURVE, 20) > curve_steps(CPU_CURVE, 16)  # the last slope, beyond
+    assert curve_steps(CPU_CURVE, 32) == pytest.approx(2 * 8.73)  # in proportion, beyond
+    # a curve measured under load (cached on disk, session 11): 16 tokens "cheaper" than 12 and
+    # 2 tokens cheaper than 1; read as a running maximum, a 60-token draft is never cheap
+    noisy = ((1, 1.0), (2, 0.515), (4, 3.675), (12, 11.484), (16, 10.676))
+    assert curve_steps(noisy, 2) == 1.0 and curve_steps(noisy, 16) == 11.484
+    assert curve_steps(noisy, 61) == pytest.approx(11.484 * 61 / 16)
+    # (its 2-token point still makes one drafted token look free, so one is drafted, not 60)
+    assert best_draft_length(0.5, lambda n: curve_steps(noisy, n + 1), 60) == 1
     steps = CostModel(0.1, curve=CPU_CURVE).verify_steps
     assert best_draft_length(0.5, steps, 60) == 0  # a coin-flip draft never pays on this CPU
     assert best_draft_length(0.5, 0.1, 60) > 0  # ... but does with a flat (GPU-like) cost
@@ -242,6 +249,29 @@ def test_probes_measure_again_what_the_scores_skip() -> None:
     assert request.probe_interval == 8 and request.probe is None
     request.probe_result(pays=True)
     assert request.probe_interval == 4
+
+
+@pytest.mark.parametrize("learn", [True, False])
+def test_new_positions_start_at_the_requests_running_score(learn: bool) -> None:
+    """Each new position's first draft moves the request's new-position score (EMA, α = 0.5):
+    after three new positions failed, a fourth starts at 0.5 / 8 and is not drafted (flat cost
+    0.1); the paper's rule (learn_new_score=False) starts every new position at ema_init."""
+    from shared_core.engines.respec.drafting import Request, ReSpecStats, TreeDraft
+
+    config = ReSpecConfig(use_trigger=False, num_candidates=1, probe_every=0,
+                          learn_new_score=learn)
+    doc = list(range(100, 200))
+    request = Request(config, [doc], None, None, ReSpecStats())
+    for start in (0, 10, 20):  # the context ends with a new span of the document each time
+        request.add(doc[start:start + 4])
+        [candidate] = request.candidates(8)
+        assert request.scores[candidate.key] == (0.5 / 2 ** (start // 10) if learn else 0.5)
+        request.update_scores(TreeDraft(candidate.tokens, (), "retrieval", (candidate,)), ())
+        request.add([7])  # the target disagreed: the next span is a new match
+    request.add(doc[30:34])
+    drafts = request.candidates(8)
+    assert (drafts == []) if learn else (len(drafts) == 1)
+    assert request.new_score == 0.5 / 8  # measured either way; used only when learning
 
 
 def test_build_tree_merges_prefixes_and_caps() -> None:

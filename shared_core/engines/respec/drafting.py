@@ -134,6 +134,8 @@ class Request:
         self.static: StaticMatcher | None = static.matcher() if static is not None else None
         self.fed = 0  # context tokens fed to the matchers
         self.scores: dict[tuple[str, int], float] = {}
+        self.new_score = config.ema_init  # EMA of the first draft's reward of each new position
+        self.scored: set[tuple[str, int]] = set()  # positions whose first draft was verified
         self.entropies: deque[float] = deque(maxlen=config.lookback)
         self.fallback = fallback
         self.fallback_score = config.ema_init  # EMA of the fallback drafter's accepted/drafted
@@ -167,7 +169,8 @@ class Request:
             return []
         keyed = [((match.source, end - self.fed), end) for end in match.ends]
         for key, _ in keyed:
-            self.scores.setdefault(key, cfg.ema_init)
+            self.scores.setdefault(key, self.new_score if cfg.learn_new_score else cfg.ema_init)
+        matched = keyed
         if cfg.selection == "first":
             keyed = keyed[:1]
         else:
@@ -180,8 +183,8 @@ class Request:
             tokens = source.continuation(end, n) if n else ()
             if tokens:
                 pool.append(Candidate(key, tokens))
-        if not pool and keyed and self.probe_due():
-            key, end = keyed[0]
+        if not pool and matched and self.probe_due():  # also below θ_score: or none recovers
+            key, end = (keyed or matched)[0]
             tokens = tuple(source.continuation(end, 1))
             if tokens:
                 self.probe = key
@@ -215,6 +218,9 @@ class Request:
         for c in draft.candidates:
             reward = len(accepted) / len(c.tokens) if c is winner else 0.0
             self.scores[c.key] = (1 - alpha) * self.scores[c.key] + alpha * reward
+            if c.key not in self.scored:
+                self.scored.add(c.key)
+                self.new_score = (1 - alpha) * self.new_score + alpha * reward
         if self.probe is not None and self.probe in self.scores:
             score = self.scores[self.probe]
             self.probe_result(best_draft_length(score, self.verify_cost, 1) > 0)
