@@ -25,6 +25,7 @@ from shared_core.config import (
     DEFAULT_SPECRAG_BACKEND,
     DEFAULT_VERIFIER,
     SamplingConfig,
+    check_backend,
     check_settings_keys,
     closest_name,
 )
@@ -189,6 +190,7 @@ class SpeculativeRAGSettings(RAGSettings):
     _engines: SpeculativeRAGEngines = PrivateAttr(default_factory=SpeculativeRAGEngines)
 
     _check_engine = field_validator("engine")(engine_check("SpeculativeRAG"))
+    _check_backend = field_validator("backend")(check_backend)  # also with a prebuilt engine
     _engine_settings = model_validator(mode="before")(_specrag_given)
 
     def model_post_init(self, context: Any) -> None:
