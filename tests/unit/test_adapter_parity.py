@@ -22,6 +22,7 @@ from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatInProgressEvent
+from pydantic import Field
 from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
@@ -47,7 +48,7 @@ def _same_error(lc: Callable[[], Any], li: Callable[[], Any], *, same_message: b
     a dict, a prompt value or messages; a query engine a QueryBundle)."""
     errors = []
     for call in (lc, li):
-        with pytest.raises(Exception) as info:  # noqa: PT011 - the type is compared below
+        with pytest.raises(Exception) as info:  # the type is compared below
             call()
         text = CLASSES.sub("<adapter>", str(info.value))
         errors.append((info.type, re.sub(r"\bquery\b", "question", text)))
@@ -78,8 +79,8 @@ class LCEvents(BaseCallbackHandler):
 
 
 class LIEvents(BaseEventHandler):
-    stages: list[tuple[str, Any]] = []
-    deltas: list[str] = []
+    stages: list[tuple[str, Any]] = Field(default_factory=list)
+    deltas: list[str] = Field(default_factory=list)
 
     @classmethod
     def class_name(cls) -> str:
@@ -95,7 +96,7 @@ class LIEvents(BaseEventHandler):
 @pytest.fixture
 def li_events() -> Any:
     root = get_dispatcher()
-    handler = LIEvents(stages=[], deltas=[])
+    handler = LIEvents()
     root.add_event_handler(handler)
     yield handler
     root.event_handlers.remove(handler)
