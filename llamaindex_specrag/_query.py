@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.prompts.base import BasePromptTemplate
-from llama_index.core.schema import QueryBundle
+from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from shared_core.config import check_text
 from shared_core.rag_adapters import PROMPT_SENTINELS, check_prompt_variables, rendered_prompt
 from shared_core.rag_config import PROMPT_ROLES, PromptMessages, check_prompt
+from shared_core.rag_settings import refuses_call_kwargs
+
+if TYPE_CHECKING:
+    from shared_core.retrieval.base import Document
 
 
 def query_text(query: Any) -> str:
@@ -19,6 +24,14 @@ def query_text(query: Any) -> str:
         msg = f"query must be a question string or a QueryBundle, got {type(query).__name__}"
         raise TypeError(msg)
     return check_text(text, "query")
+
+
+def source_nodes(documents: Iterable[Document], score: Callable[[Document], float | None] | None
+                 ) -> list[NodeWithScore]:
+    """Our documents as LlamaIndex nodes (same id, text and metadata); ``score`` of each, or
+    ``None`` when ``score`` is None."""
+    return [NodeWithScore(node=TextNode(text=d.text, id_=d.id, metadata=dict(d.metadata)),
+                          score=None if score is None else score(d)) for d in documents]
 
 
 def prompt_messages(prompt: Any) -> PromptMessages | None:
@@ -38,12 +51,18 @@ def prompt_messages(prompt: Any) -> PromptMessages | None:
 
 
 class CheckedQuery:
-    """Mixin for query engines: the query is checked before LlamaIndex starts its events."""
+    """Mixin for the RAG query engines: the query (and any keyword argument, refused naming the
+    closest setting) is checked before LlamaIndex starts its events; the ``prompt`` setting may
+    be a LlamaIndex template (:func:`prompt_messages`)."""
 
+    _prompt_of = staticmethod(prompt_messages)
+
+    @refuses_call_kwargs
     def query(self, str_or_query_bundle: str | QueryBundle) -> Any:
         query_text(str_or_query_bundle)
         return super().query(str_or_query_bundle)  # type: ignore[misc]
 
+    @refuses_call_kwargs
     async def aquery(self, str_or_query_bundle: str | QueryBundle) -> Any:
         query_text(str_or_query_bundle)
         return await super().aquery(str_or_query_bundle)  # type: ignore[misc]

@@ -43,6 +43,7 @@ from shared_core.config import (
     DEFAULT_MAX_NEW_TOKENS,
     SamplingConfig,
     check_backend,
+    check_kwargs,
     check_settings_keys,
 )
 from shared_core.constrained import (
@@ -78,6 +79,9 @@ DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
                  "stop", "documents", "device", "dtype", "backend")  # + one of MAX_TOKEN_NAMES
+# what one call may set (both frameworks, both token-limit names); anything else is refused
+CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop", "temperature",
+                "top_k", "top_p", "seed", "tools", "tool_choice", "response_format", "model")
 
 
 class ChatSettings(BaseModel):
@@ -287,8 +291,10 @@ def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: A
     ``limit_name`` is the adapter's token-limit setting (its value ``None``: the config's
     default). ``documents`` may be strings, our documents or either framework's documents / nodes
     (:func:`~shared_core.retrieval.frameworks.to_documents`). A per-call ``None`` for ``stop``,
-    ``documents`` or the token limit means the setting.
+    ``documents`` or the token limit means the setting. An option not in :data:`CALL_OPTIONS`
+    (``max_token=16``) is a TypeError naming the closest one.
     """
+    check_kwargs(kwargs, CALL_OPTIONS, type(settings).__name__)
     engine = check_engine(kwargs.pop("engine", settings.engine))
     # the configured options belong to the configured engine; a per-call engine gets its own
     base = settings.engine_options if engine == settings.engine else {}
@@ -346,10 +352,13 @@ def _tool_call(call: ChatCall, tools: list[dict[str, Any]], choice: str,
     return call
 
 
-def call_report(result: GenerationResult, engine: str, model: str) -> dict[str, Any]:
-    """Usage and engine stats of one call, as both adapters attach them to a response."""
+def call_report(result: GenerationResult, engine: str, model: str, *, tool_calls: bool = False
+                ) -> dict[str, Any]:
+    """Usage and engine stats of one call, as both adapters attach them to a response; a reply
+    with ``tool_calls`` (at least one valid call) finishes with ``"tool_calls"``."""
     stats = result.stats
-    return {"engine": engine, "model": model, "finish_reason": stats.finish_reason,
+    return {"engine": engine, "model": model,
+            "finish_reason": "tool_calls" if tool_calls else stats.finish_reason,
             "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
             "cached_prompt_tokens": getattr(stats, "cached_prompt_tokens", 0),
             "speculative_stats": stats.as_dict()}

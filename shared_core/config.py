@@ -128,11 +128,19 @@ def check_kwargs(given: Iterable[str], valid: Iterable[str], owner: str) -> None
     if not unknown:
         return
     name = str(unknown[0])
-    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6) or [
-        v for v in valid if len(name) >= 3 and (name in v or v in name)][:1]  # top_k: *_top_k
-    hint = f"did you mean {close[0]!r}?" if close else f"valid names: {', '.join(valid)}"
+    close = closest_name(name, valid)
+    hint = f"did you mean {close!r}?" if close else f"valid names: {', '.join(valid)}"
     msg = f"{owner} got an unexpected keyword argument {name!r}; {hint}"
     raise TypeError(msg)
+
+
+def closest_name(name: str, valid: Iterable[str]) -> str | None:
+    """The valid name ``name`` is most likely a typo of (``difflib``), else one containing it or
+    contained in it (``top_k`` for ``similarity_top_k``), else None."""
+    valid = sorted(set(valid))
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6) or [
+        v for v in valid if len(name) >= 3 and (name in v or v in name)][:1]
+    return close[0] if close else None
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -5,7 +5,8 @@ imported only when an engine is built), so the two adapters of one engine behave
 
 - **settings**: :data:`SPECRAG_SETTINGS`, :data:`RALMSPEC_SETTINGS` and
   :data:`RETRIEVER_SETTINGS` are what every adapter of that engine accepts, with the defaults of
-  :mod:`shared_core.rag_config` (a test holds both frameworks to these lists);
+  :mod:`shared_core.rag_config` (a test holds both frameworks to these lists); the RAG engines'
+  adapters inherit them as pydantic bases from :mod:`shared_core.rag_settings`;
 - **a prebuilt** ``engine=``: its models and config are used; a setting passed to the adapter
   replaces the matching config field, a setting not passed takes the engine's value
   (:func:`resolve_settings`), so the adapter's attributes show what its engine runs;
@@ -27,19 +28,14 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
-
-from shared_core.config import DEFAULT_LM, SamplingConfig, check_settings_keys, check_text
+from shared_core.config import check_text
 from shared_core.rag_config import (
-    RALMSPEC_MAX_NEW_TOKENS,
     PromptMessages,
     RaLMSpecConfig,
     SpeculativeRAGConfig,
     check_prompt,
     specrag_budgets,
 )
-from shared_core.rag_pickle import portable_state
-from shared_core.redact import redacted_repr_args
 from shared_core.retrieval.base import check_retriever_like
 
 if TYPE_CHECKING:
@@ -207,10 +203,12 @@ class SpeculativeRAGEngines:
         self._models = SettingsCache()
         self._engines = SettingsCache()
 
-    def get(self, settings: Any) -> SpeculativeRAG:
+    def get(self, settings: Any, prompt: PromptMessages | None) -> SpeculativeRAG:
+        """The engine for ``settings`` (read, never called back) and the prompt setting already
+        in the engine's form."""
         check_engine(settings.engine, "SpeculativeRAG")
         knobs = {name: getattr(settings, name) for name in SPECRAG_KNOBS}
-        knobs["prompt"] = settings._prompt_of(settings.prompt)
+        knobs["prompt"] = prompt
         knobs.update(specrag_budgets(settings.max_new_tokens))
         models = (settings.drafter, settings.verifier, settings.dtype, settings.backend,
                   settings.engine)
@@ -238,9 +236,9 @@ class RaLMSpecEngines:
     def __init__(self) -> None:
         self._engines = SettingsCache()
 
-    def get(self, settings: Any) -> RaLMSpec:
+    def get(self, settings: Any, prompt: PromptMessages | None) -> RaLMSpec:
         knobs = {name: getattr(settings, name) for name in RALMSPEC_KNOBS}
-        knobs["prompt"] = settings._prompt_of(settings.prompt)
+        knobs["prompt"] = prompt
         if knobs["retrieval_timeout_s"] is None:
             del knobs["retrieval_timeout_s"]
         key = (settings.model, settings.retriever, settings.engine, *knobs.values())
@@ -254,92 +252,13 @@ class RaLMSpecEngines:
             RaLMSpecConfig(**knobs)  # refuse bad settings before a model is loaded
         return ralmspec_engine(settings.model, settings.retriever, settings.engine, **knobs)
 
-    def stream(self, settings: Any, question: str) -> TokenStream:
+    def stream(self, settings: Any, question: str, prompt: PromptMessages | None
+               ) -> TokenStream:
         """RaLMSpec (or RaLMSeq with ``settings.baseline``) for ``question`` as a stream."""
-        engine = self.get(settings)
+        engine = self.get(settings, prompt)
         start = engine.stream_baseline if settings.baseline else engine.stream
         return start(question, settings.max_new_tokens, temperature=settings.temperature,
                      seed=settings.seed)
-
-
-class RaLMSpecSettings(BaseModel):
-    """The settings of both RaLMSpec adapters, declared once: ``RaLMSpecRunnable`` (LangChain)
-    and ``RaLMSpecQueryEngine`` (LlamaIndex) inherit these fields, their checks and the engine
-    they build. Defaults are the configs'; a changed setting takes effect at the next call.
-
-    Args:
-        retriever: a LangChain / LlamaIndex retriever or a specrag retriever.
-        model: a :func:`shared_core.load_lm` alias or path (ignored when ``engine`` is given).
-        max_new_tokens / temperature / seed: generation settings.
-        retrieval_stride, speculation_stride, prefetch, scheduler, async_verify: RaLMSpec knobs
-            (:class:`~shared_core.rag_config.RaLMSpecConfig`).
-        retrieval_timeout_s: seconds one retriever call may take before the call fails with
-            ``TimeoutError`` (``None``: the engine's setting, by default no limit).
-        prompt: the answering prompt, with ``{question}`` and ``{documents}`` (the retrieved
-            passage): a format string, or the framework's prompt template (``None``: the
-            engine's default, built from ``RaLMSpecConfig.instruction``).
-        baseline: run RaLMSeq instead (for comparisons).
-        engine: a prebuilt :class:`~shared_core.engines.ralmspec.RaLMSpec` (shares its model and
-            retriever); the knobs above that are not passed are its config's.
-
-    Validation is strict (a bool or a float is not an int): a bad value raises pydantic's
-    ``ValidationError`` (a ``ValueError``) naming the field.
-    """
-
-    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
-
-    retriever: Any = None
-    model: str = DEFAULT_LM
-    max_new_tokens: int = Field(default=RALMSPEC_MAX_NEW_TOKENS, ge=1)
-    temperature: float = Field(default=SamplingConfig.temperature, ge=0.0)
-    seed: int | None = SamplingConfig.seed
-    retrieval_stride: int = Field(default=RaLMSpecConfig.retrieval_stride, ge=1)
-    speculation_stride: int = Field(default=RaLMSpecConfig.speculation_stride, ge=1)
-    prefetch: bool = RaLMSpecConfig.prefetch
-    scheduler: bool = RaLMSpecConfig.scheduler
-    async_verify: bool = RaLMSpecConfig.async_verify
-    retrieval_timeout_s: float | None = Field(default=RaLMSpecConfig.retrieval_timeout_s, gt=0.0)
-    prompt: Any = RaLMSpecConfig.prompt
-    baseline: bool = False
-    engine: Any = Field(default=None, exclude=True)
-    _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
-
-    _check_retriever = field_validator("retriever")(check_retriever)
-    _check_engine = field_validator("engine")(engine_check("RaLMSpec"))
-    _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
-                                                                      RALMSPEC_KNOBS))
-    _known_settings = model_validator(mode="before")(check_settings_keys)
-
-    @field_validator("temperature", "seed")
-    @classmethod
-    def _check_sampling(cls, value: Any, info: Any) -> Any:  # info: pydantic's ValidationInfo
-        SamplingConfig(**{info.field_name: value})  # finite, not degenerate; seed in range
-        return value
-
-    @field_validator("prompt")
-    @classmethod
-    def _check_prompt(cls, value: Any) -> Any:
-        cls._prompt_of(value)
-        return value
-
-    @staticmethod
-    def _prompt_of(value: Any) -> PromptMessages | None:
-        """The engine form of a ``prompt`` setting (each framework's adapter adds its templates)."""
-        return check_prompt(value)
-
-    def _engine(self) -> RaLMSpec:
-        return self._engines.get(self)
-
-    def __repr_args__(self) -> Any:
-        return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Settings only: a prebuilt ``engine`` pickles as its model name (reloaded on use)."""
-        state = super().__getstate__()
-        return {**state, "__dict__": portable_state(state["__dict__"])}
-
-    def _stream(self, question: str) -> TokenStream:
-        return self._engines.stream(self, question)
 
 
 class RetrieverSession:

@@ -181,9 +181,10 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
                             lm=self.lm, engine_state=self._engine_state,
                             limit_name="max_tokens")
 
-    def _final(self, result: GenerationResult, call: ChatCall) -> dict[str, Any]:
-        """Usage and metadata of a finished call (tool calls, if any, count as the finish)."""
-        report = call_report(result, call.engine, self.model)
+    def _final(self, result: GenerationResult, call: ChatCall, tool_calls: bool
+               ) -> dict[str, Any]:
+        """Usage and metadata of a finished call (a valid tool call, if any, is the finish)."""
+        report = call_report(result, call.engine, self.model, tool_calls=tool_calls)
         usage = UsageMetadata(input_tokens=report["prompt_tokens"],
                               output_tokens=report["completion_tokens"],
                               total_tokens=report["prompt_tokens"] + report["completion_tokens"])
@@ -194,10 +195,8 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         return {"usage_metadata": usage, "response_metadata": metadata}
 
     def _message(self, result: GenerationResult, call: ChatCall) -> AIMessage:
-        fields = {**_tool_fields(call, result.text), **self._final(result, call)}
-        if fields["tool_calls"]:
-            fields["response_metadata"]["finish_reason"] = "tool_calls"
-        return AIMessage(**fields)
+        fields = _tool_fields(call, result.text)
+        return AIMessage(**fields, **self._final(result, call, bool(fields["tool_calls"])))
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
@@ -211,7 +210,7 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         """Text deltas as they come; with tools, each call as a ``tool_call_chunks`` chunk once
         complete (its text never in the content), so the chunks add up to ``invoke``'s message."""
         call = self._call(messages, stop, kwargs)
-        index = 0
+        index, valid = 0, False
         for text, found, result in call.reply_steps():
             if text or (not call.tools and result is None):
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
@@ -221,16 +220,15 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
             for c in found:
                 yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
                     _call_chunk(c, index)]))
-                index += 1
+                index, valid = index + 1, valid or isinstance(c, ToolCall)
             if result is not None:
-                yield self._last_chunk(result, call, called=index > 0)
+                yield self._last_chunk(result, call, valid)
 
-    def _last_chunk(self, result: GenerationResult, call: ChatCall, called: bool
+    def _last_chunk(self, result: GenerationResult, call: ChatCall, tool_calls: bool
                     ) -> ChatGenerationChunk:
-        """The final chunk: usage and metadata (``finish_reason`` "tool_calls" after a call)."""
-        final = self._final(result, call)
-        if called:
-            final["response_metadata"]["finish_reason"] = "tool_calls"
+        """The final chunk: usage and metadata (``finish_reason`` "tool_calls" after a valid
+        call, as ``invoke`` reports it)."""
+        final = self._final(result, call, tool_calls)
         return ChatGenerationChunk(message=AIMessageChunk(content="", **final,
                                                           chunk_position="last"))
 

@@ -66,3 +66,10 @@ def prompt_messages(prompt: Any) -> PromptMessages | None:
             raise ValueError(msg)
         pairs.append((_ROLES[message.type], message.text))
     return rendered_prompt(pairs)
+
+
+class LangChainPrompt:
+    """Mixin of the LangChain RAG runnables: their ``prompt`` setting may be a LangChain
+    template (:func:`prompt_messages`), converted by the shared settings base."""
+
+    _prompt_of = staticmethod(prompt_messages)

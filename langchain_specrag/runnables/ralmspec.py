@@ -22,9 +22,9 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from typing_extensions import TypedDict
 
-from langchain_specrag.runnables._inputs import as_question_input, prompt_messages
-from shared_core.rag_adapters import RaLMSpecSettings, ralmspec_details, ralmspec_documents
-from shared_core.rag_config import PromptMessages
+from langchain_specrag.runnables._inputs import LangChainPrompt, as_question_input
+from shared_core.rag_adapters import ralmspec_details, ralmspec_documents
+from shared_core.rag_settings import RaLMSpecSettings, refuses_call_kwargs
 from shared_core.serving import iterate_in_thread
 
 
@@ -35,20 +35,16 @@ class RaLMSpecInput(TypedDict):
 RaLMSpecOutput = str | dict[str, Any]
 
 
-class RaLMSpecRunnable(RaLMSpecSettings,
+class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
                        RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]):
     """RaLMSpec (speculative retrieval + batched verification) as a Runnable.
 
-    The settings are :class:`~shared_core.rag_adapters.RaLMSpecSettings` (the same as the
+    The settings are :class:`~shared_core.rag_settings.RaLMSpecSettings` (the same as the
     LlamaIndex ``RaLMSpecQueryEngine``'s; ``retriever`` is any LangChain or specrag retriever),
     plus ``with_details``: return a dict (answer, documents, doc_ids, token_ids, stats).
     """
 
     with_details: bool = False
-
-    @staticmethod
-    def _prompt_of(value: Any) -> PromptMessages | None:
-        return prompt_messages(value)
 
     def _output(self, result: Any) -> RaLMSpecOutput:
         if not self.with_details:
@@ -60,10 +56,12 @@ class RaLMSpecRunnable(RaLMSpecSettings,
     def _run(self, value: Any) -> RaLMSpecOutput:
         return self._output(self._stream(as_question_input(value)[0]).run())
 
+    @refuses_call_kwargs
     def invoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> RaLMSpecOutput:
         return self._call_with_config(self._run, input, config, run_type="chain", **kwargs)
 
+    @refuses_call_kwargs
     async def ainvoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                       **kwargs: Any) -> RaLMSpecOutput:
         async def run(value: Any) -> RaLMSpecOutput:
@@ -75,6 +73,7 @@ class RaLMSpecRunnable(RaLMSpecSettings,
         for value in inputs:
             yield from self._stream(as_question_input(value)[0])
 
+    @refuses_call_kwargs
     def stream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> Iterator[str]:
         """Verified text deltas (the answer text, also when ``with_details`` is set)."""
@@ -86,6 +85,7 @@ class RaLMSpecRunnable(RaLMSpecSettings,
             async for delta in iterate_in_thread(self._deltas(iter([value]))):
                 yield delta
 
+    @refuses_call_kwargs
     async def astream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                       **kwargs: Any) -> AsyncIterator[str]:
         """``stream`` on a worker thread (traced as one run); stops when the consumer does."""

@@ -55,7 +55,7 @@ from shared_core.chat_adapters import (
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, check_int
 from shared_core.redact import redact
 from shared_core.serving import FairLock, iterate_in_thread
-from shared_core.tool_calls import template_takes_tools
+from shared_core.tool_calls import ToolCall, template_takes_tools
 
 
 async def _last(items: AsyncIterator[Any]) -> Any:
@@ -167,9 +167,10 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
         call = self._call(chat_dicts(messages), kwargs)
         result = call.run()
-        raw = call_report(result, call.engine, self.model)
-        return ChatResponse(message=reply_message(call, result.text), raw=raw,
-                            additional_kwargs=dict(raw))
+        message = reply_message(call, result.text)
+        raw = call_report(result, call.engine, self.model,
+                          tool_calls=bool(message.additional_kwargs.get("tool_calls")))
+        return ChatResponse(message=message, raw=raw, additional_kwargs=dict(raw))
 
     def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
                      ) -> ChatResponseGen:
@@ -187,7 +188,9 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         content, found = "", []
         for delta, calls, result in call.reply_steps():
             content, found = content + delta, found + calls
-            raw = None if result is None else call_report(result, call.engine, self.model)
+            raw = None if result is None else call_report(
+                result, call.engine, self.model,
+                tool_calls=any(isinstance(c, ToolCall) for c in found))
             if delta or calls or raw is not None:
                 yield ChatResponse(message=tool_message(content, found), delta=delta, raw=raw,
                                    additional_kwargs=dict(raw or {}))

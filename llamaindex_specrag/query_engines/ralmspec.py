@@ -24,11 +24,11 @@ from llama_index.core.base.response.schema import (
     StreamingResponse,
 )
 from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.schema import NodeWithScore, TextNode
+from llama_index.core.schema import NodeWithScore
 
-from llamaindex_specrag._query import CheckedQuery, prompt_messages, query_text
-from shared_core.rag_adapters import RaLMSpecSettings, ralmspec_details, ralmspec_documents
-from shared_core.rag_config import PromptMessages
+from llamaindex_specrag._query import CheckedQuery, query_text, source_nodes
+from shared_core.rag_adapters import ralmspec_details, ralmspec_documents
+from shared_core.rag_settings import RaLMSpecSettings
 from shared_core.serving import iterate_in_thread
 
 if TYPE_CHECKING:
@@ -37,8 +37,7 @@ if TYPE_CHECKING:
 
 
 def _nodes(result: GenerationResult) -> list[NodeWithScore]:
-    return [NodeWithScore(node=TextNode(text=d.text, id_=d.id, metadata=dict(d.metadata)),
-                          score=None) for d in ralmspec_documents(result)]
+    return source_nodes(ralmspec_documents(result), score=None)
 
 
 def _deltas(stream: TokenStream, response: Any) -> Iterator[str]:
@@ -52,16 +51,12 @@ def _deltas(stream: TokenStream, response: Any) -> Iterator[str]:
 class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
     """RaLMSpec as a query engine.
 
-    The settings are :class:`~shared_core.rag_adapters.RaLMSpecSettings` (the same as the
+    The settings are :class:`~shared_core.rag_settings.RaLMSpecSettings` (the same as the
     LangChain ``RaLMSpecRunnable``'s; ``retriever`` is any LlamaIndex or specrag retriever),
     plus ``streaming``: return a (async) streaming response of verified deltas.
     """
 
     streaming: bool = False
-
-    @staticmethod
-    def _prompt_of(value: Any) -> PromptMessages | None:
-        return prompt_messages(value)
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         stream = self._stream(query_text(query_str))  # settings and model checked here

@@ -265,8 +265,8 @@ ADAPTERS = [
          lambda e: SpeculativeRAGRunnable(num_drafts=2.5), V, "num_drafts"),
     case("SpeculativeRAGRunnable(retrieve_k=0)", lambda e: SpeculativeRAGRunnable(retrieve_k=0),
          V, "retrieve_k"),
-    case("SpeculativeRAGRunnable(retriever=5)", lambda e: SpeculativeRAGRunnable(retriever=5), V,
-         "retriever"),
+    case("SpeculativeRAGRunnable(retriever=5)", lambda e: SpeculativeRAGRunnable(retriever=5), T,
+         "retriever"),  # issue 27: TypeError in both Speculative RAG adapters (was ValueError)
     case("rag_runnable.invoke({'question': 5})",
          lambda e: e.rag_runnable.invoke({"question": 5}), T, "question"),
     case("rag_runnable.invoke(documents=str)",
@@ -276,7 +276,8 @@ ADAPTERS = [
     case("SpeculativeRAGQueryEngine(retriever=5)", lambda e: SpeculativeRAGQueryEngine(5), T,
          "retriever"),
     case("SpeculativeRAGQueryEngine(num_drafts=True)",
-         lambda e: SpeculativeRAGQueryEngine(LIRetriever(DOCS, score=1.0), num_drafts=True), T, "num_drafts"),
+         lambda e: SpeculativeRAGQueryEngine(LIRetriever(DOCS, score=1.0), num_drafts=True), V,
+         "num_drafts"),  # issue 27: pydantic's ValidationError in both (was TypeError)
     case("rag_query_engine.query(None)", lambda e: e.rag_query_engine.query(None), T, "query"),
     case("LC SpeculativeRetriever(retriever=5)",
          lambda e: LCSpeculativeRetriever(retriever=5), T, "retriever"),
@@ -347,6 +348,19 @@ ISSUE28 = [
          "prefetch'; did you mean 'prefetch_k"),
     case("LI SpeculativeRetriever(top_k=3)", lambda e: LISpeculativeRetriever(e.bm25, top_k=3),
          T, "top_k'; did you mean 'similarity_top_k"),
+    # row 7, per call: before, a Python "unexpected keyword argument" with no suggestion
+    case("rag_runnable.invoke(num_draft=3)", lambda e: e.rag_runnable.invoke("q", num_draft=3),
+         T, "num_draft'; did you mean the setting 'num_drafts"),
+    case("rag_runnable.stream(retrieve_kk=3)",
+         lambda e: e.rag_runnable.stream("q", retrieve_kk=3), T, "retrieve_k"),
+    case("rag_query_engine.query(num_draft=3)",
+         lambda e: e.rag_query_engine.query("q", num_draft=3), T,
+         "num_draft'; did you mean the setting 'num_drafts"),
+    case("runnable.invoke(temprature=0.2)", lambda e: e.runnable.invoke("q", temprature=0.2), T,
+         "temprature'; did you mean the setting 'temperature"),
+    case("query_engine.query(max_new_token=8)",
+         lambda e: e.query_engine.query("q", max_new_token=8), T,
+         "max_new_token'; did you mean the setting 'max_new_tokens"),
 ]
 
 

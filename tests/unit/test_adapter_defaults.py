@@ -28,6 +28,7 @@ from shared_core.rag_config import (
     SpeculativeRAGConfig,
     SpeculativeRetrievalConfig,
 )
+from shared_core.rag_settings import SpeculativeRAGSettings
 from shared_core.retrieval import BM25Retriever
 
 DOCS = ADAPTER_DOCS
@@ -70,8 +71,11 @@ def specrag() -> SpeculativeRAG:
 
 def test_both_frameworks_accept_the_same_settings() -> None:
     lc_rag = _pydantic_settings(SpeculativeRAGRunnable, RunnableSerializable)
-    li_rag = _init_settings(SpeculativeRAGQueryEngine)
+    li_rag = set(SpeculativeRAGQueryEngine.model_fields)  # BaseQueryEngine has no fields
     assert lc_rag - LANGCHAIN_ONLY == li_rag - LLAMAINDEX_ONLY == set(SPECRAG_SETTINGS)
+    assert issubclass(SpeculativeRAGRunnable, SpeculativeRAGSettings)
+    assert issubclass(SpeculativeRAGQueryEngine, SpeculativeRAGSettings)
+    assert set(SpeculativeRAGSettings.model_fields) == set(SPECRAG_SETTINGS)
 
     lc_ralm = _pydantic_settings(RaLMSpecRunnable, RunnableSerializable)
     li_ralm = _pydantic_settings(RaLMSpecQueryEngine, CustomQueryEngine)

@@ -261,7 +261,8 @@ async def test_ralmspec_query_engine_streams_verified_deltas(ralmspec) -> None:
 
 
 def test_streaming_must_be_a_bool(specrag) -> None:
-    with pytest.raises(TypeError, match="streaming"):
+    # issue 27: both query engines are pydantic now and refuse it the same way (was TypeError)
+    with pytest.raises(ValueError, match="streaming"):
         SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked), engine=specrag, streaming="yes")
     with pytest.raises(ValueError, match="streaming"):
         RaLMSpecQueryEngine(streaming="yes")

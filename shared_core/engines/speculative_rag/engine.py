@@ -155,34 +155,37 @@ class SpeculativeRAG:
     def embedder(self) -> Any:
         return self._get("embedder")
 
-    def _documents(self, question: str, documents: Sequence[Any] | None, retriever: Any,
-                   k: int) -> tuple[list[Document], int, float]:
-        """(documents with text, how many blank ones were left out, retrieval seconds). Called
+    def _documents(self, question: str, given: tuple[list[Document], int] | None,
+                   retriever: Any, k: int) -> tuple[list[Document], int, float]:
+        """(documents with text, how many blank ones were left out, retrieval seconds): the
+        ``given`` documents as :meth:`_check_call` converted them, else the retriever's. Called
         outside the model lock (a slow retriever blocks only its own call), time-limited by
         ``config.retrieval_timeout_s``."""
+        if given is not None:
+            return *given, 0.0
         start = time.perf_counter()
-        if documents is None:
-            source = retriever if retriever is not None else self.retriever
-            if source is None:
-                msg = "documents is None and no retriever was given: pass documents or retriever"
-                raise ValueError(msg)
-            timeout_s = self.config.retrieval_timeout_s
-            documents = call_with_timeout(lambda: retrieve(source, question, k), timeout_s,
-                                          f"retriever {type(source).__name__}")
-            if not documents:
-                msg = "documents is empty: the retriever returned no documents"
-                raise ValueError(msg)
-        docs, skipped = drop_blank(to_documents(documents))
+        source = retriever if retriever is not None else self.retriever
+        if source is None:
+            msg = "documents is None and no retriever was given: pass documents or retriever"
+            raise ValueError(msg)
+        timeout_s = self.config.retrieval_timeout_s
+        documents = call_with_timeout(lambda: retrieve(source, question, k), timeout_s,
+                                      f"retriever {type(source).__name__}")
+        if not documents:
+            msg = "documents is empty: the retriever returned no documents"
+            raise ValueError(msg)
+        docs, skipped = drop_blank(documents)  # retrieve() returned ours already
         return docs, skipped, time.perf_counter() - start
 
-    def _check_call(self, question: Any, documents: Sequence[Any] | None, retriever: Any) -> str:
-        """Everything checkable before retrieval and any model work; the stripped question."""
+    def _check_call(self, question: Any, documents: Sequence[Any] | None, retriever: Any
+                    ) -> tuple[str, tuple[list[Document], int] | None]:
+        """Everything checkable before retrieval and any model work: the stripped question and
+        the given documents, converted once (with text, and how many blank ones were left out;
+        all blank: ValueError now)."""
         question = check_inputs(question, documents)
         if retriever is not None:
             check_retriever(retriever)
-        if documents is not None:
-            drop_blank(to_documents(documents))  # all blank: ValueError now
-        return question
+        return question, None if documents is None else drop_blank(to_documents(documents))
 
     def _for_documents(self, n_docs: int) -> tuple[SpeculativeRAG, str]:
         """This engine, or one with fewer / smaller subsets when ``n_docs`` cannot fill
@@ -295,9 +298,9 @@ class SpeculativeRAG:
             msg = f"on_event must be a callable or None, got {type(on_event).__name__}"
             raise TypeError(msg)
         cfg, emit = self.config, on_event or (lambda _name, _data: None)
-        question = self._check_call(question, documents, retriever)
+        question, given = self._check_call(question, documents, retriever)
         start = time.perf_counter()
-        docs, skipped, retrieve_s = self._documents(question, documents, retriever, cfg.retrieve_k)
+        docs, skipped, retrieve_s = self._documents(question, given, retriever, cfg.retrieve_k)
         engine, adapted = self._for_documents(len(docs))
         stats = SpeculativeRAGStats(num_documents=len(docs), num_drafts=engine.config.num_drafts,
                                     docs_per_draft=engine.config.docs_per_draft,
@@ -329,10 +332,9 @@ class SpeculativeRAG:
         if model not in ("drafter", "verifier"):
             msg = f"model must be 'drafter' or 'verifier', got {model!r}"
             raise ValueError(msg)
-        question = self._check_call(question, documents, retriever)
+        question, given = self._check_call(question, documents, retriever)
         start = time.perf_counter()
-        docs, _, retrieve_s = self._documents(question, documents, retriever,
-                                              self.config.retrieve_k)
+        docs, _, retrieve_s = self._documents(question, given, retriever, self.config.retrieve_k)
         with self._lock:
             result = standard_rag(self._get(model), question, docs,
                                   self.config.max_answer_tokens)

@@ -1,0 +1,312 @@
+"""Every adapter pair on the same inputs (issue 27, item 3): LangChain and LlamaIndex give the
+same outputs, stats, errors (type and message), callback events and finish reasons.
+
+Pairs: Speculative RAG (``SpeculativeRAGRunnable`` / ``SpeculativeRAGQueryEngine``), RaLMSpec
+(``RaLMSpecRunnable`` / ``RaLMSpecQueryEngine``) and the chat models (``ChatSpeculative`` /
+``SpeculativeLLM``) on the ReSpec, autoregressive and RAPID engines (RAPID has no adapters of its
+own: it runs behind the chat models). A message may differ only in the adapter's class name and
+in each framework's word for the input (a runnable's ``question``, a query engine's ``query``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from fakes import SPECRAG_DOCS, LCRetriever, LIRetriever, adapter_index
+from langchain_core.callbacks import BaseCallbackHandler
+from langchain_core.messages import HumanMessage
+from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.instrumentation import get_dispatcher
+from llama_index.core.instrumentation.event_handlers import BaseEventHandler
+from llama_index.core.instrumentation.events.llm import LLMChatInProgressEvent
+from pydantic import Field
+from tiny import tiny_lm
+
+from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
+from langchain_specrag.chat_models.speculative import ChatSpeculative
+from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
+from llamaindex_specrag.llms.speculative import SpeculativeLLM
+from llamaindex_specrag.query_engines.speculative_rag import SpeculativeRAGStageEvent
+from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
+from shared_core.retrieval import BM25Retriever
+
+QUESTION = "capital of France?"
+DOCS = list(SPECRAG_DOCS[:6])
+CLASSES = re.compile(r"SpeculativeRAGRunnable|SpeculativeRAGQueryEngine|RaLMSpecRunnable|"
+                     r"RaLMSpecQueryEngine|ChatSpeculative|SpeculativeLLM")
+
+
+def _same_error(lc: Callable[[], Any], li: Callable[[], Any], *, same_message: bool = True
+                ) -> str:
+    """Both calls fail with the same exception type and message (class names and the input's
+    name aside); the message, for the record. ``same_message=False``: an input of the wrong
+    type, whose message lists what each framework accepts (they differ: a runnable also takes
+    a dict, a prompt value or messages; a query engine a QueryBundle)."""
+    errors = []
+    for call in (lc, li):
+        with pytest.raises(Exception) as info:  # the type is compared below
+            call()
+        text = CLASSES.sub("<adapter>", str(info.value))
+        errors.append((info.type, re.sub(r"\bquery\b", "question", text)))
+    if same_message:
+        assert errors[0] == errors[1]
+    else:
+        assert errors[0][0] == errors[1][0]
+        assert all("question" in text for _, text in errors), errors
+    return errors[0][1]
+
+
+def _untimed(stats: dict[str, Any]) -> dict[str, Any]:
+    """Stats without the wall-clock fields (they differ run to run), nested ones too."""
+    return {k: _untimed(v) if isinstance(v, dict) else v for k, v in stats.items()
+            if not k.endswith("_s")}
+
+
+class LCEvents(BaseCallbackHandler):
+    def __init__(self) -> None:
+        self.custom: list[tuple[str, Any]] = []
+        self.tokens: list[str] = []
+
+    def on_custom_event(self, name: str, data: Any, **kwargs: Any) -> None:
+        self.custom.append((name, data))
+
+    def on_llm_new_token(self, token: str, **kwargs: Any) -> None:
+        self.tokens.append(token)
+
+
+class LIEvents(BaseEventHandler):
+    stages: list[tuple[str, Any]] = Field(default_factory=list)
+    deltas: list[str] = Field(default_factory=list)
+
+    @classmethod
+    def class_name(cls) -> str:
+        return "ParityEvents"
+
+    def handle(self, event: Any, **kwargs: Any) -> None:
+        if isinstance(event, SpeculativeRAGStageEvent):
+            self.stages.append((event.name, event.data))
+        elif isinstance(event, LLMChatInProgressEvent) and event.response.delta:
+            self.deltas.append(event.response.delta)
+
+
+@pytest.fixture
+def li_events() -> Any:
+    root = get_dispatcher()
+    handler = LIEvents()
+    root.add_event_handler(handler)
+    yield handler
+    root.event_handlers.remove(handler)
+
+
+# ----------------------------------------------------------------------------- Speculative RAG
+
+
+@pytest.fixture(scope="module")
+def specrag() -> SpeculativeRAG:
+    config = SpeculativeRAGConfig(num_drafts=2, docs_per_draft=2, max_draft_tokens=4,
+                                  retrieve_k=6, subset_strategy="random")
+    return SpeculativeRAG(tiny_lm(1, seed=1), tiny_lm(1, seed=2), config=config)
+
+
+def test_speculative_rag_pair_gives_the_same_answer_stats_and_events(specrag, li_events) -> None:
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=specrag,
+                                      with_details=True)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(DOCS, score=1.0), engine=specrag)
+    lc_events = LCEvents()
+    details = runnable.invoke(QUESTION, config={"callbacks": [lc_events]})
+    response = query_engine.query(QUESTION)
+    assert details["answer"] == response.response
+    for key in ("rationale", "best", "drafts", "scores"):
+        assert details[key] == response.metadata[key], key
+    assert _untimed(details["stats"]) == _untimed(response.metadata["stats"])
+    assert [d.id for d in details["documents"]] == [n.node.node_id for n in response.source_nodes]
+    names = ["specrag_retrieved", "specrag_subsets", "specrag_drafted", "specrag_verified"]
+    assert [name for name, _ in lc_events.custom] == names
+    assert lc_events.custom == li_events.stages
+
+
+def test_speculative_rag_pair_streams_the_same_answer_and_events(specrag, li_events) -> None:
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=specrag)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(DOCS), engine=specrag, streaming=True)
+    lc_events = LCEvents()
+    streamed = "".join(runnable.stream(QUESTION, config={"callbacks": [lc_events]}))
+    assert streamed == "".join(query_engine.query(QUESTION).response_gen)
+    assert len(lc_events.custom) == 4 and lc_events.custom == li_events.stages
+
+
+def test_speculative_rag_pair_accepts_any_retriever_kind(specrag) -> None:
+    """A specrag retriever and the other framework's work in both, with the same answers."""
+    bm25 = BM25Retriever()
+    bm25.add(DOCS)
+    for one, other in ((LCRetriever(DOCS), LIRetriever(DOCS)), (bm25, bm25)):
+        answers = {SpeculativeRAGRunnable(retriever=r, engine=specrag).invoke(QUESTION)
+                   for r in (one, other)}
+        answers |= {SpeculativeRAGQueryEngine(r, engine=specrag).query(QUESTION).response
+                    for r in (one, other)}
+        assert len(answers) == 1
+
+
+SPECRAG_BAD_SETTINGS = [{"retriever": 5}, {"num_drafts": 0}, {"num_drafts": True},
+                        {"retrieve_k": "10"}, {"num_draft": 3}, {"prompt": "{nope}"},
+                        {"retrieval_timeout_s": -1}, {"max_new_tokens": 0}, {"engine": "x"},
+                        {"backend": "tpu"}]
+
+
+@pytest.mark.parametrize("bad", SPECRAG_BAD_SETTINGS, ids=str)
+def test_speculative_rag_pair_refuses_a_bad_setting_the_same_way(specrag, bad) -> None:
+    settings = {"retriever": LCRetriever(DOCS), "engine": specrag, **bad}
+    li_settings = {**settings, "retriever": bad.get("retriever", LIRetriever(DOCS))}
+    _same_error(lambda: SpeculativeRAGRunnable(**settings),
+                lambda: SpeculativeRAGQueryEngine(**li_settings))
+
+
+@pytest.mark.parametrize(("question", "kwargs"), [
+    ("", {}), ("  ", {}), (5, {}), ("q\ud800", {}), (QUESTION, {"num_draft": 3}),
+    (QUESTION, {"temperature": 0.5})], ids=repr)
+def test_speculative_rag_pair_refuses_a_bad_call_the_same_way(specrag, question, kwargs) -> None:
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=specrag)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(DOCS), engine=specrag)
+    _same_error(lambda: runnable.invoke(question, **kwargs),
+                lambda: query_engine.query(question, **kwargs),
+                same_message=isinstance(question, str))
+
+
+def test_speculative_rag_pair_needs_a_retriever_the_same_way(specrag) -> None:
+    message = _same_error(lambda: SpeculativeRAGRunnable(engine=specrag).invoke(QUESTION),
+                          lambda: SpeculativeRAGQueryEngine(engine=specrag).query(QUESTION))
+    assert "retriever is None" in message
+
+
+# ----------------------------------------------------------------------------- RaLMSpec
+
+
+@pytest.fixture(scope="module")
+def ralmspec(tiny_target) -> RaLMSpec:
+    return RaLMSpec(tiny_target, adapter_index(), RaLMSpecConfig(max_doc_tokens=32,
+                                                                 query_tokens=8))
+
+
+def test_ralmspec_pair_gives_the_same_answer_stats_and_events(ralmspec, li_events) -> None:
+    runnable = RaLMSpecRunnable(engine=ralmspec, max_new_tokens=8, with_details=True)
+    query_engine = RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=8)
+    lc_events = LCEvents()
+    details = runnable.invoke(QUESTION, config={"callbacks": [lc_events]})
+    response = query_engine.query(QUESTION)
+    assert details["answer"] == response.response
+    for key in ("doc_ids", "token_ids"):
+        assert details[key] == response.metadata[key], key
+    assert _untimed(details["stats"]) == _untimed(response.metadata["stats"])
+    assert [d.id for d in details["documents"]] == [n.node.node_id for n in response.source_nodes]
+    assert lc_events.custom == li_events.stages == []  # RaLMSpec has no stage events in either
+    streamed = "".join(runnable.stream(QUESTION))
+    assert streamed == "".join(RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=8,
+                                                   streaming=True).query(QUESTION).response_gen)
+
+
+RALMSPEC_BAD_SETTINGS = [{"retriever": 5}, {"retrieval_stride": 0}, {"speculation_stride": 2.5},
+                         {"temprature": 0.2}, {"temperature": 1e-38}, {"seed": 2**70},
+                         {"prompt": "{question}"}, {"engine": "x"}, {"prefetch": "yes"}]
+
+
+@pytest.mark.parametrize("bad", RALMSPEC_BAD_SETTINGS, ids=str)
+def test_ralmspec_pair_refuses_a_bad_setting_the_same_way(bad) -> None:
+    _same_error(lambda: RaLMSpecRunnable(**bad), lambda: RaLMSpecQueryEngine(**bad))
+
+
+@pytest.mark.parametrize(("question", "kwargs"), [
+    ("", {}), (None, {}), ("\ud800", {}), (QUESTION, {"max_new_token": 8})], ids=repr)
+def test_ralmspec_pair_refuses_a_bad_call_the_same_way(ralmspec, question, kwargs) -> None:
+    runnable = RaLMSpecRunnable(engine=ralmspec, max_new_tokens=8)
+    query_engine = RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=8)
+    _same_error(lambda: runnable.invoke(question, **kwargs),
+                lambda: query_engine.query(question, **kwargs),
+                same_message=isinstance(question, str))
+
+
+# ----------------------------------------------------------------------------- chat models
+
+ENGINES = {"respec": {}, "autoregressive": {}, "rapid": {"documents": [d.text for d in DOCS]}}
+
+
+def _pair(lm: Any, engine: str, **settings: Any) -> tuple[ChatSpeculative, SpeculativeLLM]:
+    settings = {"engine": engine, **ENGINES[engine], **settings}
+    return (ChatSpeculative(lm=lm, model="tiny", max_tokens=6, **settings),
+            SpeculativeLLM(lm, model="tiny", max_new_tokens=6, **settings))
+
+
+@pytest.mark.parametrize("engine", sorted(ENGINES))
+def test_chat_pair_gives_the_same_reply_stats_and_finish(tiny_target, engine, li_events) -> None:
+    chat, llm = _pair(tiny_target, engine)
+    message = chat.invoke([HumanMessage(QUESTION)])
+    response = llm.chat([ChatMessage(role="user", content=QUESTION)])
+    assert message.content == response.message.content
+    lc_meta, raw = message.response_metadata, response.raw
+    assert lc_meta["finish_reason"] == raw["finish_reason"]
+    assert _untimed(lc_meta["speculative_stats"]) == _untimed(raw["speculative_stats"])
+    assert (message.usage_metadata["input_tokens"], message.usage_metadata["output_tokens"]) == (
+        raw["prompt_tokens"], raw["completion_tokens"])
+    lc_events = LCEvents()
+    streamed = "".join(c.content for c in chat.stream([HumanMessage(QUESTION)],
+                                                      config={"callbacks": [lc_events]}))
+    li_streamed = list(llm.stream_chat([ChatMessage(role="user", content=QUESTION)]))
+    assert streamed == li_streamed[-1].message.content == message.content
+    tokens = [t for t in lc_events.tokens if t]  # LangChain also reports the final empty chunk
+    assert tokens == li_events.deltas and "".join(tokens) == streamed
+
+
+def test_chat_pair_finishes_a_forced_tool_call_the_same_way(tiny_target) -> None:
+    pytest.importorskip("xgrammar")
+    tool = {"type": "function", "function": {
+        "name": "pick_unit", "description": "Pick a temperature unit.",
+        "parameters": {"type": "object", "required": ["unit"], "properties": {
+            "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}}}}}
+    lm = tiny_lm(max_positions=2048)
+    chat, llm = _pair(lm, "autoregressive")
+    options = {"tools": [tool], "tool_choice": "pick_unit", "max_tokens": 60}
+    message = chat.invoke([HumanMessage(QUESTION)], **options)
+    response = llm.chat([ChatMessage(role="user", content=QUESTION)], **options)
+    assert [(c["name"], c["args"]) for c in message.tool_calls] == [
+        (c["function"]["name"], c["function"]["arguments"])
+        for c in response.message.additional_kwargs["tool_calls"]]
+    assert message.response_metadata["finish_reason"] == response.raw["finish_reason"] == (
+        "tool_calls")
+    streamed = list(llm.stream_chat([ChatMessage(role="user", content=QUESTION)], **options))
+    last = None
+    for chunk in chat.stream([HumanMessage(QUESTION)], **options):
+        last = chunk if last is None else last + chunk
+    assert last.response_metadata["finish_reason"] == streamed[-1].raw["finish_reason"] == (
+        "tool_calls")
+
+
+CHAT_BAD_SETTINGS = [{"temperature": "1"}, {"top_p": 2.0}, {"top_k": -1}, {"seed": 2**70},
+                     {"engine": "nope"}, {"tempreature": 0.2}, {"backend": "tpu"}]
+
+
+@pytest.mark.parametrize("bad", CHAT_BAD_SETTINGS, ids=str)
+def test_chat_pair_refuses_a_bad_setting_the_same_way(bad) -> None:
+    _same_error(lambda: ChatSpeculative(**bad), lambda: SpeculativeLLM(**bad))
+
+
+CHAT_BAD_CALLS = [{"max_token": 16}, {"temprature": 0.2}, {"max_tokens": 0},
+                  {"max_new_tokens": True}, {"stop": 5}, {"temperature": float("nan")},
+                  {"engine": "nope"}, {"response_format": {"type": "xml"}}, {"top_p": 0},
+                  {"documents": "one text"}]
+
+
+@pytest.mark.parametrize("bad", CHAT_BAD_CALLS, ids=str)
+def test_chat_pair_refuses_a_bad_call_the_same_way(tiny_target, bad) -> None:
+    chat, llm = _pair(tiny_target, "respec")
+    _same_error(lambda: chat.invoke([HumanMessage(QUESTION)], **bad),
+                lambda: llm.chat([ChatMessage(role="user", content=QUESTION)], **bad))
+
+
+def test_chat_pair_refuses_a_per_call_typo_naming_the_option(tiny_target) -> None:
+    chat, llm = _pair(tiny_target, "respec")
+    with pytest.raises(TypeError, match="'max_token'; did you mean 'max_tokens'"):
+        chat.invoke("hi", max_token=16)
+    with pytest.raises(TypeError, match="'temprature'; did you mean 'temperature'"):
+        llm.complete("hi", temprature=0.2)

@@ -1,0 +1,104 @@
+"""The request walk of one RAG adapter call (issue 27, item 4): traced with ``sys.settrace``,
+each input is validated / converted once, at the edge, and the engine trusts it.
+
+Before: ``SpeculativeRAGRunnable.invoke`` converted the documents twice (``to_documents`` and
+``drop_blank`` in ``_check_call`` and again in ``_documents``, so a blank document was warned
+about twice) and rendered the prompt setting twice per request (the engine resolver called back
+into the adapter each time it looked the engine up).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fakes import SPECRAG_DOCS, LCRetriever, LIRetriever
+from langchain_core.prompts import PromptTemplate
+from llama_index.core.prompts import PromptTemplate as LIPromptTemplate
+from tiny import tiny_lm
+
+from langchain_specrag import SpeculativeRAGRunnable
+from llamaindex_specrag import SpeculativeRAGQueryEngine
+from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
+from shared_core.retrieval import Document
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = tuple(str(ROOT / p) for p in ("shared_core", "langchain_specrag", "llamaindex_specrag"))
+QUESTION = "capital of France?"
+TEMPLATE = "Passages:\n{documents}\n\nQuestion: {question}"
+
+
+def walk(call: Callable[[], Any]) -> tuple[set[str], collections.Counter[str]]:
+    """The project files entered by ``call`` and how often each project function ran."""
+    files: set[str] = set()
+    calls: collections.Counter[str] = collections.Counter()
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if code.co_filename.startswith(PACKAGES):
+            files.add(code.co_filename)
+            calls[code.co_qualname] += 1
+
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return files, calls
+
+
+@pytest.fixture(scope="module")
+def specrag() -> SpeculativeRAG:
+    config = SpeculativeRAGConfig(num_drafts=2, docs_per_draft=2, max_draft_tokens=4,
+                                  subset_strategy="random")
+    return SpeculativeRAG(tiny_lm(1, seed=1), tiny_lm(1, seed=2), config=config)
+
+
+def _calls(specrag: SpeculativeRAG) -> dict[str, Callable[[], Any]]:
+    docs = list(SPECRAG_DOCS[:4])
+    with_retriever = SpeculativeRAGRunnable(retriever=LCRetriever(docs), engine=specrag,
+                                            prompt=PromptTemplate.from_template(TEMPLATE))
+    with_documents = SpeculativeRAGRunnable(engine=specrag, prompt=TEMPLATE)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(docs), engine=specrag,
+                                             prompt=LIPromptTemplate(TEMPLATE))
+    return {"runnable, retriever": lambda: with_retriever.invoke(QUESTION),
+            "runnable, documents": lambda: with_documents.invoke(
+                {"question": QUESTION, "documents": docs}),
+            "query engine": lambda: query_engine.query(QUESTION)}
+
+
+@pytest.mark.parametrize("name", ["runnable, retriever", "runnable, documents", "query engine"])
+def test_one_call_converts_documents_once_and_renders_no_prompt(specrag, name) -> None:
+    call = _calls(specrag)[name]
+    call()  # the first call builds the engine (and renders the prompt setting once)
+    files, calls = walk(call)
+    counted = {f: calls[f] for f in ("to_documents", "drop_blank", "check_inputs",
+                                     "prompt_messages", "check_prompt", "rendered_prompt")}
+    assert counted == {"to_documents": 1, "drop_blank": 1, "check_inputs": 1,
+                       "prompt_messages": 0, "check_prompt": 0, "rendered_prompt": 0}, counted
+    assert calls["SpeculativeRAGEngines.get"] == 1  # one engine look-up per call
+    assert any(f.endswith("rag_settings.py") for f in files)  # the walk saw the shared base
+
+
+def test_a_changed_prompt_is_rendered_once_at_the_next_call(specrag) -> None:
+    runnable = SpeculativeRAGRunnable(engine=specrag, prompt=TEMPLATE)
+    runnable.prompt = "Q: {question}\n{documents}"
+    inputs = {"question": QUESTION, "documents": list(SPECRAG_DOCS[:4])}
+    _, calls = walk(lambda: runnable.invoke(inputs))
+    assert calls["prompt_messages"] == 1  # (the engine's new config checks it once more)
+    assert runnable._engine().config.prompt == (("user", "Q: {question}\n{documents}"),)
+
+
+def test_a_blank_document_is_warned_about_once(specrag, caplog) -> None:
+    docs = [*SPECRAG_DOCS[:4], Document("blank", "  ")]
+    runnable = SpeculativeRAGRunnable(engine=specrag, with_details=True)
+    with caplog.at_level(logging.WARNING):
+        details = runnable.invoke({"question": QUESTION, "documents": docs})
+    warned = [r for r in caplog.records if "empty text" in r.getMessage()]
+    assert len(warned) == 1
+    assert details["stats"]["skipped_documents"] == 1
