@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shared_core.demo import explain_token_speedups, machine_line, pick_verifier
+from shared_core.demo import explain_token_speedups, machine_line, pick_drafter, pick_verifier
 from shared_core.device import cpu_facts
 from tests.tiny import tiny_lm
 
@@ -27,6 +27,15 @@ def test_explanation_is_measured_and_only_blames_speculation_where_it_lost():
 
 def test_verifier_is_a_known_alias():
     assert pick_verifier() in ("qwen2.5-coder-1.5b-instruct", "gemma-3-270m")
+
+
+def test_drafter_pairs_with_the_verifier():
+    """The 0.5B drafts answer-first beside the 1.5B (one extra installs both); else SmolLM2."""
+    drafter, order = pick_drafter()
+    if pick_verifier() == "qwen2.5-coder-1.5b-instruct":
+        assert (drafter, order) == ("qwen2.5-coder-0.5b-instruct", "answer_first")
+    else:
+        assert (drafter, order) == ("smollm2-135m-instruct", "rationale_first")
 
 
 def test_explain_specrag_names_the_measured_parts() -> None:
