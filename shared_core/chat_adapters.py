@@ -51,7 +51,7 @@ from shared_core.constrained import (
     grammar_mask,
     xgrammar_available,
 )
-from shared_core.engines.registry import check_engine, stream_engine
+from shared_core.engines.registry import check_engine, check_engine_options, stream_engine
 from shared_core.output import check_generation_field, generation_config, validate_messages
 from shared_core.redact import redacted_repr_args, strip_credentials
 from shared_core.retrieval.frameworks import to_documents
@@ -135,6 +135,11 @@ class ChatSettings(BaseModel):
     @classmethod
     def _known_backend(cls, value: str) -> str:
         return check_backend(value)
+
+    @model_validator(mode="after")
+    def _known_engine_options(self) -> ChatSettings:
+        check_engine_options(self.engine, self.engine_options)  # before any model loads
+        return self
 
     def _preloaded_lm(self) -> Any:
         """The LM passed in by the caller (None: the shared cache's)."""
@@ -292,7 +297,8 @@ def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: A
     engine = check_engine(kwargs.pop("engine", settings.engine))
     # the configured options belong to the configured engine; a per-call engine gets its own
     base = settings.engine_options if engine == settings.engine else {}
-    options = {**base, **kwargs.pop("engine_options", {})}
+    per_call = check_engine_options(engine, kwargs.pop("engine_options", None) or {})
+    options = check_engine_options(engine, {**base, **per_call})  # before any model loads
     documents = kwargs.pop("documents", None)
     documents = settings.documents if documents is None else documents
     name = next((n for n in MAX_TOKEN_NAMES if n in kwargs), limit_name)
