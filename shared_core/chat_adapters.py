@@ -53,6 +53,7 @@ from shared_core.constrained import (
 )
 from shared_core.engines.registry import check_engine, check_engine_options, stream_engine
 from shared_core.output import check_generation_field, generation_config, validate_messages
+from shared_core.rag_pickle import portable_options
 from shared_core.redact import redacted_repr_args, strip_credentials
 from shared_core.retrieval.frameworks import to_documents
 from shared_core.serving import FairLock, loaded_model, lock_for, step_locked
@@ -154,6 +155,8 @@ class ChatSettings(BaseModel):
         in a URL are not pickled."""
         fields = {name: strip_credentials(getattr(self, name))
                   for name in self.model_fields_set if name != "lm"}
+        if "engine_options" in fields:  # only what the engine takes, plain data, no credentials
+            fields["engine_options"] = portable_options(self.engine, self.engine_options)
         lm = self._preloaded_lm()
         reload_as = ((lm.name, self.device, self.dtype, getattr(lm, "backend", "torch"))
                      if lm is not None else self._reload_as)
