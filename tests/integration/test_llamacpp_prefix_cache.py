@@ -190,3 +190,27 @@ def test_rapid_reports_the_prefix_the_model_kept_and_answers_as_a_cold_start(exa
     ids = RapidDecoder(exact_lm, embedder=HashEmbedder(), config=config).prepare(
         document, question, 8).target_ids
     assert first.token_ids == cold(exact_lm, greedy, list(ids)).token_ids[:8]
+
+
+def test_load_lm_sets_the_prefix_cache_budget(exact_lm):
+    """``load_lm(prefix_cache=...)`` (issue 29): off, every call reads the whole prompt and
+    answers as the cached model does; with a budget, the model keeps that many idle contexts."""
+    ids = exact_lm.prompt_ids(TURN_1)
+    reference = greedy(exact_lm, ids)
+    off = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=2048, exact=True,
+                  prefix_cache=False)
+    assert off.model.prefix_cache is False
+    runs = []
+    for _ in range(2):
+        runs.append(greedy(off, ids))
+        gc.collect()
+    assert [run.stats.cached_prompt_tokens for run in runs] == [0, 0]
+    assert runs[1].token_ids == reference.token_ids
+    kept = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=2048, exact=True,
+                   prefix_cache=3)
+    assert kept.model.prefix_cache and kept.model._idle.keep == 3
+    greedy(kept, ids)
+    gc.collect()
+    again = greedy(kept, ids)
+    assert again.stats.cached_prompt_tokens == len(ids) - 2  # all ids[:-1] the engine prefills
+    assert again.token_ids == reference.token_ids
