@@ -52,8 +52,9 @@ from shared_core.constrained import (
     grammar_mask,
     xgrammar_available,
 )
-from shared_core.engines.registry import check_engine, stream_engine
+from shared_core.engines.registry import check_engine, check_engine_options, stream_engine
 from shared_core.output import check_generation_field, generation_config, validate_messages
+from shared_core.rag_pickle import portable_options
 from shared_core.redact import redacted_repr_args, strip_credentials
 from shared_core.retrieval.frameworks import to_documents
 from shared_core.serving import FairLock, loaded_model, lock_for, step_locked
@@ -140,6 +141,11 @@ class ChatSettings(BaseModel):
     def _known_backend(cls, value: str) -> str:
         return check_backend(value)
 
+    @model_validator(mode="after")
+    def _known_engine_options(self) -> ChatSettings:
+        check_engine_options(self.engine, self.engine_options)  # before any model loads
+        return self
+
     def _preloaded_lm(self) -> Any:
         """The LM passed in by the caller (None: the shared cache's)."""
         return None
@@ -153,6 +159,8 @@ class ChatSettings(BaseModel):
         in a URL are not pickled."""
         fields = {name: strip_credentials(getattr(self, name))
                   for name in self.model_fields_set if name != "lm"}
+        if "engine_options" in fields:  # only what the engine takes, plain data, no credentials
+            fields["engine_options"] = portable_options(self.engine, self.engine_options)
         lm = self._preloaded_lm()
         reload_as = ((lm.name, self.device, self.dtype, getattr(lm, "backend", "torch"))
                      if lm is not None else self._reload_as)
@@ -298,7 +306,8 @@ def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: A
     engine = check_engine(kwargs.pop("engine", settings.engine))
     # the configured options belong to the configured engine; a per-call engine gets its own
     base = settings.engine_options if engine == settings.engine else {}
-    options = {**base, **kwargs.pop("engine_options", {})}
+    per_call = check_engine_options(engine, kwargs.pop("engine_options", None) or {})
+    options = check_engine_options(engine, {**base, **per_call})  # before any model loads
     documents = kwargs.pop("documents", None)
     documents = settings.documents if documents is None else documents
     name = next((n for n in MAX_TOKEN_NAMES if n in kwargs), limit_name)

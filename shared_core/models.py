@@ -24,7 +24,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shared_core.config import DEFAULT_EMBEDDER, check_backend, suggest_kwargs
 from shared_core.device import apply_thread_setting, resolve_device, resolve_dtype
@@ -210,7 +210,7 @@ def _warn_if_probe_failed() -> None:
 def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
             cpu_linears: str = "dtype", backend: str = "torch", n_ctx: int | None = None,
-            exact: bool = False) -> LM:
+            exact: bool = False, prefix_cache: bool | int | None = None) -> LM:
     """Load a causal LM by embedded alias, Hugging Face id, local folder or GGUF file.
 
     Args:
@@ -229,6 +229,10 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         n_ctx: llama.cpp only: positions per session (default: min(trained context, 8192)).
         exact: llama.cpp only: load without weight repacking, so a k-token verification gives the
             same logits as k one-token steps (speculative output equals greedy bit for bit).
+        prefix_cache: llama.cpp only: prompt-prefix reuse across calls. ``None`` (default): on,
+            with up to 2 idle contexts; ``False`` or ``0``: off; ``True``: on; ``n``: on with up
+            to ``n`` idle contexts, each holding ``n_ctx`` positions of KV (README, *Prefix reuse
+            across calls*).
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         msg = "name_or_path must be a non-empty string"
@@ -245,13 +249,14 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     if cpu_linears == "fp16" and (torch_device.type != "cpu" or str(torch_dtype) != "torch.float32"):
         msg = f"cpu_linears='fp16' needs device='cpu' and dtype float32, got {torch_device} / {torch_dtype}"
         raise ValueError(msg)
+    from shared_core.backends.llamacpp import prefix_cache_settings
+
+    llama_settings = {"n_ctx": n_ctx, "exact": exact, **prefix_cache_settings(prefix_cache)}
     source = resolve_lm_source(name_or_path.strip())
     choice = choose_backend(backend, source, device, dtype, cpu_linears)
     if choice.backend == "llama.cpp":
-        return _load_llamacpp(name_or_path, source, choice, trust_remote_code, n_ctx, exact)
-    if n_ctx is not None or exact:
-        msg = "n_ctx and exact are llama.cpp settings; they need backend='llama.cpp' (or 'auto')"
-        raise ValueError(msg)
+        return _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings)
+    _refuse_llamacpp_settings(choice, n_ctx, exact, prefix_cache)
     apply_thread_setting()
     if source.gguf is not None:
         entry = source.entry
@@ -272,12 +277,25 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     return lm
 
 
+def _refuse_llamacpp_settings(choice: BackendChoice, n_ctx: int | None, exact: bool,
+                              prefix_cache: bool | int | None) -> None:
+    """ValueError naming the llama.cpp settings given for a model that loads on torch."""
+    if n_ctx is not None or exact:
+        msg = "n_ctx and exact are llama.cpp settings; they need backend='llama.cpp' (or 'auto')"
+        raise ValueError(msg)
+    if prefix_cache is not None:
+        msg = (f"prefix_cache={prefix_cache!r} is a llama.cpp setting and this model loads on "
+               f"torch ({choice.reason}), which keeps no KV between calls; load a GGUF with "
+               "backend='llama.cpp' (or 'auto'), or leave prefix_cache unset")
+        raise ValueError(msg)
+
+
 def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_remote_code: bool,
-                   n_ctx: int | None, exact: bool) -> LM:
+                   llama_settings: dict[str, Any]) -> LM:
     from shared_core.backends.llamacpp import LlamaCppLM, LlamaCppModel, LlamaCppSettings
 
     assert source.gguf is not None
-    settings = LlamaCppSettings(n_ctx=n_ctx, exact=exact)
+    settings = LlamaCppSettings(**llama_settings)
     tokenizer = load_gguf_tokenizer(source.gguf, trust_remote_code,
                                     digest=source.entry.sha256 or None if source.entry else None)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
@@ -288,7 +306,7 @@ def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_
                     eos_token_ids=model.end_of_generation_ids(tokenizer))
     lm.backend_reason = choice.reason
     logger.info("loaded %s on llama.cpp (%s, %d positions, %d threads%s)", name, model.describe(),
-                model.n_ctx, model.threads, ", exact" if exact else "")
+                model.n_ctx, model.threads, ", exact" if settings.exact else "")
     return lm
 
 

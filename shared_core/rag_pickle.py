@@ -5,7 +5,8 @@ An adapter built from model names pickles its settings only (its engine cache st
 loaded models; :func:`portable_state` swaps that engine for a :class:`ReloadingEngine`: the
 engine's model names, config and retriever, rebuilt through the shared model cache on first use.
 A model that has no loadable name (built in memory and wrapped) cannot be pickled this way:
-that is a ``TypeError`` naming the engine, never a silent copy of the weights.
+that is a ``TypeError`` naming the engine, never a silent copy of the weights. The chat
+adapters' ``engine_options`` pickle the same way (:func:`portable_options`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_core.embedded import EMBEDDED_LMS
+from shared_core.engines.registry import check_engine_options
 from shared_core.redact import strip_credentials
 
 
@@ -99,4 +101,28 @@ def portable_state(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "engine": portable_engine(state["engine"])}
 
 
-__all__ = ["ReloadingEngine", "portable_engine", "portable_state"]
+def _plain(value: Any) -> bool:
+    """Numbers, strings, None, and lists / tuples / str-keyed dicts of them."""
+    if value is None or isinstance(value, (str, int, float)):
+        return True
+    if type(value) in (list, tuple):
+        return all(_plain(item) for item in value)
+    return type(value) is dict and all(isinstance(k, str) and _plain(v) for k, v in value.items())
+
+
+def portable_options(engine: str, options: dict[str, Any]) -> dict[str, Any]:
+    """A chat adapter's ``engine_options`` as its pickle keeps them: only options the engine
+    takes (checked again), plain data only, URL credentials stripped. An option holding a live
+    object (a model, an index, a decoder, an embedder) is a ``TypeError`` naming it, never a
+    copy of its weights."""
+    check_engine_options(engine, options)
+    for key, value in options.items():
+        if not _plain(value):
+            msg = (f"engine_options[{key!r}] holds a {type(value).__name__}; an adapter pickles "
+                   "its settings only (numbers, strings, lists of them), never a loaded object: "
+                   "pass a name or text instead, or drop the option before pickling")
+            raise TypeError(msg)
+    return dict(strip_credentials(options))  # type: ignore[call-overload]
+
+
+__all__ = ["ReloadingEngine", "portable_engine", "portable_options", "portable_state"]

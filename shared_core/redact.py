@@ -74,12 +74,19 @@ def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
 
 
 def strip_credentials(value: object) -> object:
-    """A URL string without its user-info (what pickles keep); anything else unchanged."""
+    """A URL string without its user-info (what pickles keep), a URL's user-info inside other
+    text masked, also inside plain lists, tuples and dicts (a copy); anything else unchanged."""
     if isinstance(value, str) and "://" in value and "@" in value:
+        if value.split() != [value]:  # text around a URL: mask the user-info in place
+            return _USERINFO.sub(rf"\g<scheme>{MASK}@", value)
         try:
             return split_credentials(value)[0]
         except ValueError:  # not a URL after all (a bad port): redact instead
             return redact(value)
+    if type(value) in (list, tuple):  # exact types: a subclass may not rebuild from a list
+        return type(value)(strip_credentials(item) for item in value)  # type: ignore[call-arg]
+    if type(value) is dict:
+        return {key: strip_credentials(item) for key, item in value.items()}  # type: ignore[attr-defined]
     return value
 
 

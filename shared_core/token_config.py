@@ -23,6 +23,9 @@ from shared_core.config import (
 )
 
 DRAFTER_KV = ("own", "target")
+# each registry entry's options besides its config's fields (objects it takes, its method)
+RAPID_OPTIONS = ("method", "decoder", "draft_lm", "embedder")
+RESPEC_OPTIONS = ("draft_lm", "corpus")
 Verification = Literal["strict", "relaxed"]
 Selection = Literal["ema", "first"]
 Fallback = Literal["auto", "model", "prompt_lookup", "none"]

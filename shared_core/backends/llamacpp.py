@@ -102,9 +102,29 @@ class LlamaCppSettings:
         if not isinstance(self.n_batch, int) or self.n_batch < 1:
             msg = f"n_batch must be a positive integer, got {self.n_batch!r}"
             raise ValueError(msg)
-        if not isinstance(self.exact, bool):
-            msg = f"exact must be True or False, got {self.exact!r}"
-            raise TypeError(msg)
+        for name in ("exact", "prefix_cache"):
+            if not isinstance(getattr(self, name), bool):
+                msg = f"{name} must be True or False, got {getattr(self, name)!r}"
+                raise TypeError(msg)
+
+
+def prefix_cache_settings(prefix_cache: bool | int | None) -> dict[str, Any]:
+    """:class:`LlamaCppSettings` keywords for ``load_lm(prefix_cache=...)``: ``None`` the defaults
+    (on, ``DEFAULT_IDLE_CONTEXTS`` contexts), ``False`` / ``0`` off, ``True`` on, ``n`` on with
+    at most ``n`` idle contexts (each holds ``n_ctx`` positions of KV). A TypeError / ValueError
+    names ``prefix_cache``; nothing is loaded."""
+    if prefix_cache is None:
+        return {}
+    if isinstance(prefix_cache, bool):
+        return {"prefix_cache": prefix_cache}
+    if not isinstance(prefix_cache, int):
+        msg = (f"prefix_cache must be True, False or a number of idle contexts (int >= 0), got "
+               f"{type(prefix_cache).__name__} {prefix_cache!r:.60}")
+        raise TypeError(msg)
+    if prefix_cache < 0:
+        msg = f"prefix_cache must be True, False or a number of idle contexts >= 0, got {prefix_cache}"
+        raise ValueError(msg)
+    return {"prefix_cache": False} if prefix_cache == 0 else {"idle_contexts": prefix_cache}
 
 
 class _Slot:

@@ -133,6 +133,8 @@ class LlamaCppSession:
 
     def _drop_after(self, length: int) -> None:
         """Sequence 0 keeps the cells of its first ``length`` tokens; tree sequences go."""
+        if self._slot is None:  # no cells yet: taking a context here would forgo prefix reuse
+            return
         llama, memory = self.lm.model.llama, self.slot.memory
         if self._tree is not None:
             for seq in range(1, self._tree[2] + 1):

@@ -9,7 +9,8 @@ its round as named steps (draft, verify, accept, commit / roll back, adapt) over
   (no-op without a mask), before acceptance, greedy or sampled;
 - :meth:`Run.commit`: the block a round emits, advanced through the mask (and cut where its
   grammar terminates); the engine stops once it returns ``done``;
-- :func:`timed`: the one timing helper (adds wall seconds to a stats field or dict key).
+- :func:`timed`: the one timing helper (adds wall seconds to a stats field or dict key);
+- :func:`kept`: an object an engine keeps in its caller's ``engine_state`` between calls.
 
 Cache invariant of the loops: the session holds every committed token except the newest one
 (``pending``); each target forward starts with ``pending``, so its first logits row predicts the
@@ -19,9 +20,11 @@ first drafted token and no logits are carried between rounds.
 from __future__ import annotations
 
 import numbers
+import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from typing import Any, Protocol, runtime_checkable
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterator, Sequence
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 import torch
 
@@ -252,3 +255,24 @@ def autoregressive_blocks(run: Run) -> Iterator[list[int]]:
         yield block
         if done:
             return
+
+
+_STATE_LOCK = threading.Lock()
+T = TypeVar("T")
+
+
+def kept(engine_state: dict[str, Any], name: str, key: Hashable, build: Callable[[], T],
+         keep: int = 2) -> T:
+    """The object kept under ``key`` in ``engine_state[name]`` (the ``keep`` most recently
+    used), built by ``build`` when missing. The caller's object holds it, never a module, so it
+    lives exactly as long as the caller (see ``engines/registry.py``)."""
+    with _STATE_LOCK:
+        cache: OrderedDict[Hashable, T] = engine_state.setdefault(name, OrderedDict())
+        value = cache.get(key)
+        if value is None:
+            value = build()
+        cache[key] = value
+        cache.move_to_end(key)
+        while len(cache) > keep:
+            cache.popitem(last=False)
+        return value

@@ -161,3 +161,56 @@ def test_parallel_rows_still_work_next_to_cached_contexts(exact_lm):
                                                                      lambda r, out: False), ids)
     assert [r[0] for r in rows] == [r[0] for r in cold_rows]
     assert greedy(exact_lm, ids).token_ids == cold(exact_lm, greedy, ids).token_ids
+
+
+def test_rapid_reports_the_prefix_the_model_kept_and_answers_as_a_cold_start(exact_lm):
+    """Two fresh RAPID decoders (nothing shared but the model): the second finds the document's
+    KV in the model's idle context, says how many prompt ids it did not read, and answers the
+    same question token for token as the first (issue 28 row 12)."""
+    from shared_core.engines.rapid import RapidConfig, RapidDecoder
+    from tests.fakes import HashEmbedder
+
+    document = "\n\n".join(f"{SYSTEM} Boat {i} is moored at gate {i % 11}." for i in range(3))
+    config = RapidConfig(min_rag_tokens=96, chunk_tokens=48, eta=0.0)
+    question = "Where is boat 2 moored?"
+
+    def answer():
+        decoder = RapidDecoder(exact_lm, embedder=HashEmbedder(), config=config)
+        return decoder.generate(document, question, 8)
+
+    exact_lm.model.clear_prefix_cache()
+    first = answer()
+    gc.collect()  # the first decoder's contexts go back to the model
+    second = answer()
+    assert first.stats.reused_prefix_tokens == first.stats.cached_prompt_tokens == 0
+    assert second.stats.reused_prefix_tokens == second.stats.cached_prompt_tokens
+    assert second.stats.context_tokens < second.stats.reused_prefix_tokens
+    assert second.stats.reused_prefix_tokens < second.stats.prompt_tokens - 1
+    assert second.token_ids == first.token_ids
+    ids = RapidDecoder(exact_lm, embedder=HashEmbedder(), config=config).prepare(
+        document, question, 8).target_ids
+    assert first.token_ids == cold(exact_lm, greedy, list(ids)).token_ids[:8]
+
+
+def test_load_lm_sets_the_prefix_cache_budget(exact_lm):
+    """``load_lm(prefix_cache=...)`` (issue 29): off, every call reads the whole prompt and
+    answers as the cached model does; with a budget, the model keeps that many idle contexts."""
+    ids = exact_lm.prompt_ids(TURN_1)
+    reference = greedy(exact_lm, ids)
+    off = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=2048, exact=True,
+                  prefix_cache=False)
+    assert off.model.prefix_cache is False
+    runs = []
+    for _ in range(2):
+        runs.append(greedy(off, ids))
+        gc.collect()
+    assert [run.stats.cached_prompt_tokens for run in runs] == [0, 0]
+    assert runs[1].token_ids == reference.token_ids
+    kept = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=2048, exact=True,
+                   prefix_cache=3)
+    assert kept.model.prefix_cache and kept.model._idle.keep == 3
+    greedy(kept, ids)
+    gc.collect()
+    again = greedy(kept, ids)
+    assert again.stats.cached_prompt_tokens == len(ids) - 2  # all ids[:-1] the engine prefills
+    assert again.token_ids == reference.token_ids

@@ -125,3 +125,28 @@ def test_adapters_wrapping_a_url_hold_no_secret(caplog) -> None:
     with pytest.raises(ValueError, match="served model's URL") as info:
         load_lm(url)
     assert "http://***@127.0.0.1:9/v1" in str(info.value) and leaks(info.value) == []
+
+
+def test_engine_options_pickle_as_validated_plain_settings_without_secrets(caplog) -> None:
+    """Issue 28: ``engine_options`` reach a pickle only as options the engine takes, plain data,
+    each URL's user-info stripped (nested too); a live object there is refused by name."""
+    url = f"{CLOSED}/embed"
+    options = {"embedder": url, "min_rag_tokens": 64, "eta": 0.0}
+    chat = ChatSpeculative(model="smollm2-135m-instruct", engine="rapid", engine_options=options)
+    llm = SpeculativeLLM(model="smollm2-135m-instruct", context_window=2048,
+                         engine_options={"corpus": [f"notes kept at {url}", "plain text"]})
+    assert leaks(chat, llm) == [] and logged(caplog) == []
+    copy = pickle.loads(pickle.dumps(chat))
+    assert copy.engine_options == {**options, "embedder": "http://127.0.0.1:9/embed"}
+    assert chat.engine_options["embedder"] == url  # the live instance keeps what it was given
+    assert pickle.loads(pickle.dumps(llm)).engine_options["corpus"] == [
+        "notes kept at http://***@127.0.0.1:9/embed", "plain text"]
+    remote = RemoteLM.__new__(RemoteLM)  # a live object standing in for a served draft model
+    chat.engine_options = {"draft_lm": remote}
+    with pytest.raises(TypeError, match=r"engine_options\['draft_lm'\] holds a RemoteLM") as info:
+        pickle.dumps(chat)
+    assert leaks(info.value) == []
+    chat.engine_options = {"api_key": API_KEY}  # set after construction: refused in the pickle
+    with pytest.raises(TypeError, match="'api_key'") as info:
+        pickle.dumps(chat)
+    assert leaks(info.value) == []

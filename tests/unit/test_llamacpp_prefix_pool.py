@@ -56,3 +56,38 @@ def test_unknown_contents_are_never_matched():
 def test_the_budget_is_checked(keep):
     with pytest.raises(ValueError, match="idle_contexts"):
         IdleContexts(keep)
+
+
+def test_load_lm_prefix_cache_maps_to_the_settings():
+    from shared_core.backends.llamacpp import LlamaCppSettings, prefix_cache_settings
+
+    assert prefix_cache_settings(None) == {}
+    assert prefix_cache_settings(False) == prefix_cache_settings(0) == {"prefix_cache": False}
+    assert prefix_cache_settings(True) == {"prefix_cache": True}
+    assert LlamaCppSettings(**prefix_cache_settings(5)).idle_contexts == 5
+    with pytest.raises(TypeError, match="prefix_cache must be True or False"):
+        LlamaCppSettings(prefix_cache="yes")
+
+
+@pytest.mark.parametrize(("value", "error"), [(-1, ValueError), (1.5, TypeError), ("on", TypeError)])
+def test_load_lm_refuses_a_bad_prefix_cache_before_any_model_work(monkeypatch, value, error):
+    from shared_core import models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model source was resolved")
+
+    monkeypatch.setattr(models, "resolve_lm_source", refuse)
+    with pytest.raises(error, match="prefix_cache must be True, False or a number of idle"):
+        models.load_lm("smollm2-135m-instruct", backend="llama.cpp", prefix_cache=value)
+
+
+def test_load_lm_says_prefix_cache_does_not_apply_on_torch(tiny_model_folder, monkeypatch):
+    from shared_core import models
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were loaded")
+
+    monkeypatch.setattr(models, "load_pretrained", refuse)
+    for value in (False, 3):
+        with pytest.raises(ValueError, match=r"prefix_cache=.* is a llama.cpp setting .* torch"):
+            models.load_lm(tiny_model_folder, backend="torch", prefix_cache=value)

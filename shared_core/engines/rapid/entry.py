@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import threading
-from collections import OrderedDict
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -14,7 +13,7 @@ from shared_core.config import (
     DEFAULT_EMBEDDER,
     check_kwargs,
 )
-from shared_core.engines.loop import LogitsMask, Prompt, TokenStream
+from shared_core.engines.loop import LogitsMask, Prompt, TokenStream, kept
 from shared_core.engines.rapid.engine import RapidDecoder
 from shared_core.models import LM
 from shared_core.output import validate_messages
@@ -67,7 +66,10 @@ def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, 
     return others, last
 
 
-_STATE_LOCK = threading.Lock()
+# Decoders some caller's engine_state holds, found by key by every other caller (two adapters on
+# one model share the document's KV); weak, so it never keeps a decoder or its model alive.
+_LIVE_DECODERS: weakref.WeakValueDictionary[tuple[Any, ...], RapidDecoder] = (
+    weakref.WeakValueDictionary())
 
 
 def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidConfig,
@@ -75,24 +77,24 @@ def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidCon
     """A decoder kept in the caller's ``engine_state`` (two per state, most recent first), so
     follow-up questions on one document reuse its KV; without a state, a new decoder.
 
-    The cache lives in the caller's object (an adapter instance), never in this module, so it
-    cannot keep a caller's model alive after the caller is gone.
+    A decoder another caller's state holds for the same models and options is shared (LangChain
+    and LlamaIndex adapters on one model read a document once). Only callers' objects (adapter
+    instances) hold decoders, never this module, so none keeps a model alive after its callers
+    are gone.
     """
     if engine_state is None:
         return RapidDecoder(lm, draft_lm=draft_lm, embedder=embedder, config=config)
     embedder_key = embedder if isinstance(embedder, str) else id(embedder)
     key = (id(lm), id(draft_lm), embedder_key, config)  # the decoder keeps these objects alive
-    with _STATE_LOCK:
-        decoders: OrderedDict[tuple[Any, ...], RapidDecoder] = engine_state.setdefault(
-            "rapid_decoders", OrderedDict())
-        decoder = decoders.get(key)
-        if decoder is None:
+
+    def live_or_new() -> RapidDecoder:
+        decoder = _LIVE_DECODERS.get(key)
+        if decoder is None or decoder.lm is not lm or decoder.draft_lm is not (draft_lm or lm):
             decoder = RapidDecoder(lm, draft_lm=draft_lm, embedder=embedder, config=config)
-            decoders[key] = decoder
-            while len(decoders) > 2:
-                decoders.popitem(last=False)
-        decoders.move_to_end(key)
+            _LIVE_DECODERS[key] = decoder
         return decoder
+
+    return kept(engine_state, "rapid_decoders", key, live_or_new)
 
 
 def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,

@@ -42,11 +42,17 @@ class CachedRun(Run):
         self.stats: RapidStats
 
     def prefill(self) -> int:
+        """Feed what the session does not hold; count the prompt ids not read again: those the
+        session kept from the decoder's last question, plus those a llama.cpp session found in
+        an idle context of the model when it took one (its first prefill)."""
         self.stats.prefill_s = 0.0
+        pooled = getattr(self.session, "reused_tokens", 0)
         with timed(self.stats, "prefill_s"):
             feed = self.session.sync(self.prompt_ids[:-1])
             self.session.prefill(feed)
-        self.stats.reused_prefix_tokens = len(self.prompt_ids) - 1 - len(feed)
+        pooled = getattr(self.session, "reused_tokens", 0) - pooled
+        reused = len(self.prompt_ids) - 1 - len(feed) + pooled
+        self.stats.reused_prefix_tokens = self.stats.cached_prompt_tokens = reused
         return self.prompt_ids[-1]
 
 

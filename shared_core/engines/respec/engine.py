@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +22,7 @@ from shared_core.drafters.model import ModelDrafter
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.drafters.suffix_automaton import StaticIndex
 from shared_core.engines.baseline import accept_draft
-from shared_core.engines.loop import LogitsMask, Prompt, Run, TokenStream, timed
+from shared_core.engines.loop import LogitsMask, Prompt, Run, TokenStream, kept, timed
 from shared_core.engines.respec.drafting import (
     NO_DRAFT,
     Request,
@@ -287,14 +287,34 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                   corpus: Sequence[str] | StaticIndex | None = None,
                   engine_state: dict[str, Any] | None = None,
                   logits_mask: LogitsMask | None = None, **options: Any) -> TokenStream:
-    """Registry entry (``engines/registry.py``): ``options`` are :class:`ReSpecConfig` fields;
-    ReSpec keeps nothing between calls, so ``engine_state`` is unused."""
-    del engine_state
+    """Registry entry (``engines/registry.py``): ``options`` are :class:`ReSpecConfig` fields.
+
+    The decoder (with its ``corpus`` index, built once) is kept in ``engine_state`` (the adapters
+    pass one dict per instance) for calls with the same models, corpus and options."""
     check_kwargs(options, _CONFIG_FIELDS | _ENTRY_ARGUMENTS, "the ReSpec engine")
-    decoder = ReSpecDecoder(lm, ReSpecConfig(**options), draft_lm=draft_lm, corpus=corpus)
+    config = ReSpecConfig(**options)
+
+    def build() -> ReSpecDecoder:
+        return ReSpecDecoder(lm, config, draft_lm=draft_lm, corpus=corpus)
+
+    if engine_state is None:
+        decoder = build()
+    else:
+        key = (id(lm), id(draft_lm), _corpus_key(corpus), config)  # the decoder holds them
+        decoder = kept(engine_state, "respec_decoders", key, build)
     return decoder.stream(prompt, max_new_tokens, documents=documents, stop=stop,
                           temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                           logits_mask=logits_mask)
+
+
+def _corpus_key(corpus: Any) -> Hashable:
+    """A corpus by content (a list of texts) or identity (an index); a corpus of any other kind
+    gets a key of its own (the decoder refuses it, naming ``corpus``)."""
+    if corpus is None or isinstance(corpus, StaticIndex):
+        return id(corpus)
+    if isinstance(corpus, (list, tuple)) and all(isinstance(text, str) for text in corpus):
+        return tuple(corpus)
+    return object()
 
 
 # the entry's own arguments: never in ``options``, but the closest name to a misspelt one
