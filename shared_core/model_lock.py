@@ -32,56 +32,83 @@ logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+_RECHECK_S = 0.5  # a waiter re-checks the queue this often, so a lost wake-up never strands it
+
+
+class _Held(threading.local):
+    depth = 0  # how many times this thread holds the lock
+
+
 class FairLock:
     """A reentrant lock granted in arrival order (FIFO), usable as a context manager.
 
     A waiter interrupted while queued (``KeyboardInterrupt``, an exception) leaves the queue, so an
-    interrupted caller never blocks the ones behind it.
+    interrupted caller never blocks the ones behind it. State changes sit where the interpreter
+    runs no signal handler (no call between a change and the end of its step), and an interrupt
+    that lands after the lock was granted but before ``acquire`` returned gives it back, so a
+    ``KeyboardInterrupt`` at an arbitrary point leaves the lock usable. (Python code cannot close
+    one window: a signal handled on entry to ``__exit__`` skips the release, as for any lock
+    written in Python.)
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[object] = deque()
         self._owner: int | None = None
-        self._depth = 0
+        self._held = _Held()
 
     def acquire(self) -> None:
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return
-            ticket = object()
-            self._queue.append(ticket)
-            try:
+        held = self._held
+        if held.depth:
+            held.depth += 1
+            return
+        me, ticket = threading.get_ident(), object()
+        try:
+            with self._cond:
+                self._queue.append(ticket)
                 while self._owner is not None or self._queue[0] is not ticket:
-                    self._cond.wait()
-            except BaseException:
-                self._queue.remove(ticket)
-                self._cond.notify_all()
-                raise
-            self._queue.popleft()
-            self._owner, self._depth = me, 1
+                    self._cond.wait(_RECHECK_S)
+                self._queue.popleft()
+                self._owner = me
+                held.depth = 1
+        except BaseException:
+            self._abandon(ticket, me)
+            raise
 
-    def release(self) -> None:
+    def _abandon(self, ticket: object, me: int) -> None:
+        """Undo an interrupted ``acquire``: leave the queue, give back a lock just granted."""
         with self._cond:
-            if self._owner != threading.get_ident():
-                msg = "release of a FairLock not held by this thread"
-                raise RuntimeError(msg)
-            self._depth -= 1
-            if self._depth == 0:
+            if ticket in self._queue:
+                self._queue.remove(ticket)
+            if self._owner == me:
+                self._owner = None
+                self._held.depth = 0
+            self._cond.notify_all()
+
+    def release(self, *_exc: object) -> None:
+        held = self._held
+        if not held.depth:
+            msg = "release of a FairLock not held by this thread"
+            raise RuntimeError(msg)
+        held.depth -= 1
+        if not held.depth:
+            with self._cond:
                 self._owner = None
                 self._cond.notify_all()
 
     def locked(self) -> bool:
         return self._owner is not None
 
+    def waiters(self) -> int:
+        """How many callers are queued for the lock (not counting its holder)."""
+        with self._cond:
+            return len(self._queue)
+
     def __enter__(self) -> FairLock:
         self.acquire()
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+    __exit__ = release  # one Python frame between the with-statement and the release
 
 
 _LOCKS_LOCK = threading.Lock()
