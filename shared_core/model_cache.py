@@ -47,8 +47,8 @@ def _key(name: str, device: str | None, dtype: str | None, backend: str) -> Key:
     return (name, device, dtype, backend)
 
 
-def _load(name: str, device: str | None, dtype: str | None, backend: str) -> Any:
-    if is_url(name):
+def _load(name: str, device: str | None, dtype: str | None, backend: str, served: bool) -> Any:
+    if served and is_url(name):
         from shared_core.remote import RemoteLM
 
         return RemoteLM(name)
@@ -62,16 +62,19 @@ def _load(name: str, device: str | None, dtype: str | None, backend: str) -> Any
 
 
 def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
-              backend: str = "torch") -> LM:
+              backend: str = "torch", *, served: bool = True) -> LM:
     """The process-wide model for a name, path, URL or LoRA name (see the module docstring).
 
-    Loading happens under a lock, so concurrent first calls load once; a failed load caches
-    nothing and the next call tries again.
+    ``served=False`` is for callers that need an in-process model (the token engines): a URL
+    then fails naming it, before any connection. Loading happens under a lock, so concurrent
+    first calls load once; a failed load caches nothing and the next call tries again.
     """
+    if not served and is_url(name):  # not the cached client: load_lm refuses it, naming the URL
+        return _load(name, device, dtype, backend, served)
     key = _key(name, device, dtype, backend)
     with _LOCK:
         if key not in _LOADED:
-            _LOADED[key] = _load(name, device, dtype, backend)
+            _LOADED[key] = _load(name, device, dtype, backend, served)
         return _LOADED[key]
 
 
@@ -86,8 +89,9 @@ def resolve_lm(model: Any, *, device: str | None = None, dtype: str | None = Non
 
 def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
                  backend: str = "torch") -> tuple[Any, FairLock]:
-    """The shared ``(model, lock)`` for a model config, loaded on first use."""
-    lm = cached_lm(model, device, dtype, backend)
+    """The shared in-process ``(model, lock)`` for a model config (the adapters' token engines),
+    loaded on first use; a served model's URL is refused."""
+    lm = cached_lm(model, device, dtype, backend, served=False)
     return lm, lock_for(lm)
 
 

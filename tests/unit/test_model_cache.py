@@ -72,6 +72,8 @@ def test_urls_and_lora_names_resolve_once_through_the_cache(monkeypatch: pytest.
         drafter = model_cache.resolve_lm(name, backend="auto")
         assert model_cache.resolve_lm(name) is drafter
         assert made == [("served", url), ("lora", name)]
+        with pytest.raises(ValueError, match="served model's URL"):  # the token engines' path
+            model_cache.loaded_model(url)
     finally:
         assert model_cache.release(url) and model_cache.release(name)
 
