@@ -1,8 +1,18 @@
-"""One loaded :class:`~shared_core.models.LM` per ``(name, device, dtype)`` in a process.
+"""The one model resolver and process-wide cache: a name, path, URL or LoRA name -> one model.
 
-Engines that accept a model *name* load it through :func:`cached_lm`, so two engines (or an
-engine and an adapter) naming the same model share one copy of the weights. Locks for running
-generations live a layer up, in :mod:`shared_core.serving`.
+:func:`resolve_lm` is how every engine, adapter and benchmark that takes a model *name* gets it:
+
+- an object (an :class:`~shared_core.lm.LM`, a :class:`~shared_core.remote.RemoteLM`, a fake)
+  is used as given;
+- ``http://`` / ``https://`` is a served model (vLLM / SGLang), a :class:`RemoteLM`;
+- ``"<base>+specrag"`` is a shipped LoRA-tuned drafter (:mod:`shared_core.lora`);
+- anything else goes to :func:`~shared_core.models.load_lm` (alias, hub id, folder, ``.gguf``)
+  on ``backend``.
+
+Each result is kept once per ``(name, device, dtype, backend)``, so two engines (or an engine
+and an adapter) naming the same model share one copy of the weights, and with it the one lock
+of :func:`shared_core.model_lock.lock_for`. :func:`release` / :func:`release_all` drop loaded
+models (users running a generation keep their reference).
 """
 
 from __future__ import annotations
@@ -10,43 +20,119 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from shared_core.lora import ADAPTERS, SUFFIX
+from shared_core.model_lock import FairLock, lock_for
+
 if TYPE_CHECKING:
     from shared_core.models import LM
 
-_LOADED: dict[tuple[str, str | None, str | None, str], LM] = {}
+Key = tuple[str, str | None, str | None, str]
+_LOADED: dict[Key, Any] = {}
 _EMBEDDERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
+_URL_SCHEMES = ("http://", "https://")
+
+
+def is_url(name: str) -> bool:
+    """Whether ``name`` names a served model (an ``http(s)://`` URL)."""
+    return name.strip().lower().startswith(_URL_SCHEMES)
+
+
+def _key(name: str, device: str | None, dtype: str | None, backend: str) -> Key:
+    """The cache key; settings a kind of model ignores are left out, so they share one copy."""
+    if is_url(name):
+        return (name, None, None, "served")
+    if name.endswith(SUFFIX):
+        return (name, None, dtype, "torch")
+    return (name, device, dtype, backend)
+
+
+def _load(name: str, device: str | None, dtype: str | None, backend: str, served: bool) -> Any:
+    if served and is_url(name):
+        from shared_core.remote import RemoteLM
+
+        return RemoteLM(name)
+    if name.endswith(SUFFIX):
+        from shared_core.lora import load_tuned_drafter
+
+        return load_tuned_drafter(name, dtype)
+    from shared_core.models import load_lm
+
+    return load_lm(name, device=device, dtype=dtype, backend=backend)
 
 
 def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
-              backend: str = "torch") -> LM:
-    """The process-wide :func:`~shared_core.models.load_lm` result for these arguments.
+              backend: str = "torch", *, served: bool = True) -> LM:
+    """The process-wide model for a name, path, URL or LoRA name (see the module docstring).
 
-    Loading happens under a lock, so concurrent first calls load once; a failed load caches
-    nothing and the next call tries again.
+    ``served=False`` is for callers that need an in-process model (the token engines): a URL
+    then fails naming it, before any connection. Loading happens under a lock, so concurrent
+    first calls load once; a failed load caches nothing and the next call tries again.
     """
-    key = (name, device, dtype, backend)
+    if not served and is_url(name):  # not the cached client: load_lm refuses it, naming the URL
+        return _load(name, device, dtype, backend, served)
+    key = _key(name, device, dtype, backend)
     with _LOCK:
         if key not in _LOADED:
-            from shared_core.models import load_lm
-
-            _LOADED[key] = load_lm(name, device=device, dtype=dtype, backend=backend)
+            _LOADED[key] = _load(name, device, dtype, backend, served)
         return _LOADED[key]
 
 
-def forget(name: str, device: str | None = None, dtype: str | None = None,
-           backend: str = "torch") -> bool:
-    """Drop one cached model (running users keep their reference); True if it was cached."""
+def resolve_lm(model: Any, *, device: str | None = None, dtype: str | None = None,
+               backend: str = "torch") -> Any:
+    """``model`` as a model object: a string through the shared cache (:func:`cached_lm`),
+    anything else as given."""
+    if isinstance(model, str):
+        return cached_lm(model, device, dtype, backend)
+    return model
+
+
+def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
+                 backend: str = "torch") -> tuple[Any, FairLock]:
+    """The shared in-process ``(model, lock)`` for a model config (the adapters' token engines),
+    loaded on first use; a served model's URL is refused."""
+    lm = cached_lm(model, device, dtype, backend, served=False)
+    return lm, lock_for(lm)
+
+
+def release(name: str, device: str | None = None, dtype: str | None = None,
+            backend: str = "torch") -> bool:
+    """Drop one cached model; True if it was cached.
+
+    Generations already running keep their reference until they end; the next call that names
+    the model loads it again. Adapters look the model up on every call, so they do not pin it.
+    """
     with _LOCK:
-        return _LOADED.pop((name, device, dtype, backend), None) is not None
+        return _LOADED.pop(_key(name, device, dtype, backend), None) is not None
 
 
-def forget_all() -> int:
+def release_all() -> int:
     """Drop every cached model; return how many were dropped."""
     with _LOCK:
         n = len(_LOADED)
         _LOADED.clear()
         return n
+
+
+forget, forget_all = release, release_all  # the names this module had before the resolver
+
+
+def check_model_name(name: Any, param: str) -> None:
+    """Reject an unknown alias or LoRA name before loading anything (objects pass)."""
+    if not isinstance(name, str) or is_url(name):
+        return
+    from shared_core.embedded import EMBEDDED_LMS
+
+    if name.endswith(SUFFIX) and name not in ADAPTERS:
+        msg = f"{param}={name!r}: no tuned adapter; known: {', '.join(sorted(ADAPTERS))}"
+        raise ValueError(msg)
+    base = name.removesuffix(SUFFIX)
+    if base in EMBEDDED_LMS or "/" in base or base.startswith((".", "~")):
+        return
+    known = ", ".join(sorted(EMBEDDED_LMS))
+    msg = (f"{param}={name!r} is not a known model alias; use one of {known}, a Hugging Face id "
+           "(org/name), a local folder, a served model's URL or an LM object")
+    raise ValueError(msg)
 
 
 def cached_embedder(name: str) -> Any:

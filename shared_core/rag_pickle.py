@@ -46,9 +46,9 @@ def _build_speculative_rag(recipe: dict[str, Any], config: Any) -> Any:
 
 def _build_ralmspec(recipe: dict[str, Any], config: Any) -> Any:
     from shared_core.engines.ralmspec import RaLMSpec
-    from shared_core.serving import loaded_model
+    from shared_core.model_cache import resolve_lm
 
-    return RaLMSpec(loaded_model(recipe["model"])[0], recipe["backend"], config)
+    return RaLMSpec(resolve_lm(recipe["model"]), recipe["backend"], config)
 
 
 _BUILDERS = {"SpeculativeRAG": _build_speculative_rag, "RaLMSpec": _build_ralmspec}

@@ -1,25 +1,14 @@
-"""Process-wide model sharing for the framework adapters (no LangChain / LlamaIndex imports).
+"""What runs engines for the framework adapters (no LangChain / LlamaIndex imports): the shared
+model cache and its locks, async iteration, and engines built from adapter settings.
 
 Every adapter (LangChain chat model, LlamaIndex LLM, ...) that names the same
-``(model, device, dtype)`` gets the same loaded :class:`~shared_core.models.LM` and the same lock.
-:func:`release` / :func:`release_all` drop loaded models from this cache (adapters look models up
-here on every call, so the memory is freed once no running generation uses them). Models the
-caller loaded itself (``lm=``) get a lock through :func:`lock_for`, which does not keep them alive.
-
-Locking design (why a stream never blocks other callers). A model's forward is stateless apart
-from the KV cache object passed to it, and every engine keeps its KV in per-generation state
-(the session of a :class:`shared_core.engines.loop.Run`; RAPID checks out a session slot per
-generation). So two generations on one model can interleave safely between steps, and the lock
-only has to cover *one step* at a time:
-
-- a stream takes the model lock for each step (one committed block) and releases it before
-  handing the text to the caller (:func:`step_locked`), so ``s = chat.stream(q); next(s);
-  chat.invoke(...)`` in the same thread cannot deadlock, and a stream nobody reads holds nothing;
-- a blocking call (``invoke`` / ``complete``) holds the lock for its whole generation: it never
-  yields to its caller in between, and queuing whole requests gives a lower mean latency than
-  round-robin steps;
-- the lock is a FIFO (:class:`FairLock`), so waiting requests and streams are served in arrival
-  order and no caller starves.
+``(model, device, dtype, backend)`` gets the same loaded model and the same lock: the models
+layer's one resolver and cache (:mod:`shared_core.model_cache`) and one FIFO lock per model object
+(:mod:`shared_core.model_lock`, which explains the locking design), re-exported here.
+:func:`release` / :func:`release_all` drop loaded models from the cache (adapters look models up
+there on every call, so the memory is freed once no running generation uses them). Models the
+caller loaded itself (``lm=``) get their lock through :func:`lock_for`, which does not keep them
+alive.
 """
 
 from __future__ import annotations
@@ -27,151 +16,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-import weakref
-from collections import deque
-from collections.abc import AsyncIterator, Callable, Iterator
-from typing import Any, TypeVar
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
 from shared_core import model_cache
-from shared_core.model_cache import cached_lm
+from shared_core.model_cache import _LOADED, cached_lm, loaded_model, release, release_all
+from shared_core.model_lock import _INSTANCE_LOCKS, FairLock, lock_for, step_locked
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
-
-class FairLock:
-    """A reentrant lock granted in arrival order (FIFO), usable as a context manager.
-
-    A waiter interrupted while queued (``KeyboardInterrupt``, an exception) leaves the queue, so an
-    interrupted caller never blocks the ones behind it.
-    """
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: deque[object] = deque()
-        self._owner: int | None = None
-        self._depth = 0
-
-    def acquire(self) -> None:
-        me = threading.get_ident()
-        with self._cond:
-            if self._owner == me:
-                self._depth += 1
-                return
-            ticket = object()
-            self._queue.append(ticket)
-            try:
-                while self._owner is not None or self._queue[0] is not ticket:
-                    self._cond.wait()
-            except BaseException:
-                self._queue.remove(ticket)
-                self._cond.notify_all()
-                raise
-            self._queue.popleft()
-            self._owner, self._depth = me, 1
-
-    def release(self) -> None:
-        with self._cond:
-            if self._owner != threading.get_ident():
-                msg = "release of a FairLock not held by this thread"
-                raise RuntimeError(msg)
-            self._depth -= 1
-            if self._depth == 0:
-                self._owner = None
-                self._cond.notify_all()
-
-    def locked(self) -> bool:
-        return self._owner is not None
-
-    def __enter__(self) -> FairLock:
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
-
-
-_LOADED: dict[tuple[Any, ...], tuple[Any, FairLock]] = {}
-_LOAD_LOCK = threading.Lock()
-_INSTANCE_LOCKS: dict[int, tuple[weakref.ref[Any], FairLock]] = {}
-
-
-def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
-                 backend: str = "torch") -> tuple[Any, FairLock]:
-    """The shared ``(LM, lock)`` for a model config, loaded on first use.
-
-    The weights come from :func:`shared_core.model_cache.cached_lm`, the one copy that engines
-    loading a model by name (e.g. Speculative RAG's drafter) use too.
-    """
-    key = (model, device, dtype, backend)
-    with _LOAD_LOCK:
-        if key not in _LOADED:
-            _LOADED[key] = (cached_lm(model, device, dtype, backend), FairLock())
-        return _LOADED[key]
-
-
-def release(model: str, device: str | None = None, dtype: str | None = None,
-            backend: str = "torch") -> bool:
-    """Drop a loaded model from the cache; True if it was loaded.
-
-    Generations already running keep their reference until they end; the next call that names
-    the model loads it again. Adapters look the model up on every call, so they do not pin it.
-    """
-    with _LOAD_LOCK:
-        model_cache.forget(model, device, dtype, backend)
-        return _LOADED.pop((model, device, dtype, backend), None) is not None
-
-
-def release_all() -> int:
-    """Drop every loaded model from the cache; return how many were dropped."""
-    with _LOAD_LOCK:
-        model_cache.forget_all()
-        n = len(_LOADED)
-        _LOADED.clear()
-        return n
-
-
-def lock_for(lm: Any) -> FairLock:
-    """The lock of a model object the caller loaded itself (the cache's lock if it came from
-    :func:`loaded_model`). Held weakly: the entry goes away with the model."""
-    with _LOAD_LOCK:
-        for cached, lock in _LOADED.values():
-            if cached is lm:
-                return lock
-        entry = _INSTANCE_LOCKS.get(id(lm))
-        if entry is not None and entry[0]() is lm:
-            return entry[1]
-        lock = FairLock()
-        key = id(lm)
-        _INSTANCE_LOCKS[key] = (weakref.ref(lm), lock)
-        weakref.finalize(lm, _forget_instance, key, _INSTANCE_LOCKS[key][0])
-        return lock
-
-
-def _forget_instance(key: int, ref: weakref.ref[Any]) -> None:
-    with _LOAD_LOCK:
-        entry = _INSTANCE_LOCKS.get(key)
-        if entry is not None and entry[0] is ref:  # not a newer object that reused the id
-            del _INSTANCE_LOCKS[key]
-
-
-def step_locked(lock: FairLock, stream: Iterator[T]) -> Iterator[T]:
-    """Iterate ``stream`` holding ``lock`` for each step only, never across a ``yield``.
-
-    The stream is closed when the consumer stops early (``close()``, garbage collection).
-    """
-    try:
-        while True:
-            with lock:
-                try:
-                    item = next(stream)
-                except StopIteration:
-                    return
-            yield item
-    finally:
-        close: Callable[[], Any] | None = getattr(stream, "close", None)
-        if close is not None:
-            close()
+__all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_thread",
+           "loaded_model", "lock_for", "model_cache", "ralmspec_engine", "release",
+           "release_all", "step_locked"]
 
 
 async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:

@@ -258,15 +258,11 @@ def _pipelined_methods(value: str | None) -> list[str]:
 
 def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
-    from shared_core.models import load_lm
+    from shared_core.model_cache import resolve_lm
 
     _pipelined_methods(args.pipelined)  # bad names fail before any model or corpus work
-    if args.remote:
-        from shared_core.remote import RemoteLM
-
-        lm = RemoteLM(args.remote)
-    else:
-        lm = load_lm(args.model, dtype=args.dtype)
+    # the models layer's resolver: a URL is a served model (RemoteLM), a name loads in-process
+    lm = resolve_lm(args.remote) if args.remote else resolve_lm(args.model, dtype=args.dtype)
     corpus, rows = _load(args.limit)
     corpus = corpus[: args.corpus_limit] if args.corpus_limit else corpus
     warmup, questions = rows[0]["question"], [r["question"] for r in rows[1:]]

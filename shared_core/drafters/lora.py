@@ -1,41 +1,11 @@
 """The shipped LoRA-tuned Speculative RAG drafters: which exist and how to load one.
 
-Training lives in :mod:`shared_core.train_drafter` (layer 4); loading lives here so that the
-engine can resolve ``"<base>+specrag"`` drafter names without importing the trainer.
+The names live in :mod:`shared_core.lora` (models layer, where the model resolver loads
+``"<base>+specrag"`` names); re-exported here for callers that import them from the drafters.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
+from shared_core.lora import ADAPTER_ROOT, ADAPTERS, load_tuned_drafter
 
-if TYPE_CHECKING:
-    from shared_core.models import LM
-
-ADAPTER_ROOT = Path(__file__).resolve().parents[1] / "adapters"
-ADAPTERS: dict[str, tuple[str, Path]] = {
-    "smollm2-135m-instruct+specrag": ("smollm2-135m-instruct",
-                                      ADAPTER_ROOT / "smollm2-135m-instruct-specrag"),
-}
-
-
-def load_tuned_drafter(name: str, dtype: str | None = None) -> LM:
-    """Base model + shipped LoRA adapter, merged in float32 (no peft wrapper left at inference),
-    then cast to ``dtype`` (``None``: the device default, as :func:`load_lm` picks)."""
-    if name not in ADAPTERS:
-        msg = f"drafter={name!r} has no tuned adapter; known: {', '.join(sorted(ADAPTERS))}"
-        raise ValueError(msg)
-    base, folder = ADAPTERS[name]
-    if not (folder / "adapter_config.json").is_file():
-        msg = (f"adapter for {name!r} is missing at {folder}; "
-               "train it with python -m shared_core.train_drafter")
-        raise ValueError(msg)
-    from peft import PeftModel
-
-    from shared_core.device import resolve_dtype
-    from shared_core.models import load_lm, wrap_lm
-
-    lm = load_lm(base, dtype="float32")
-    model = PeftModel.from_pretrained(lm.model, str(folder)).merge_and_unload()
-    model.to(resolve_dtype(dtype, lm.device))  # None: the device default (bf16 on CUDA)
-    return wrap_lm(model, lm.tokenizer, name=name)
+__all__ = ["ADAPTERS", "ADAPTER_ROOT", "load_tuned_drafter"]

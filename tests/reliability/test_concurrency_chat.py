@@ -289,12 +289,12 @@ def test_models_passed_as_lm_are_freed_after_del(engine):
 
 
 def test_lock_for_shares_the_cache_lock_and_release_drops_models(tiny_target, monkeypatch):
-    monkeypatch.setitem(serving._LOADED, ("tiny-cached", None, None, "torch"), (tiny_target, FairLock()))
+    monkeypatch.setitem(serving._LOADED, ("tiny-cached", None, None, "torch"), tiny_target)
     assert serving.lock_for(tiny_target) is serving.loaded_model("tiny-cached")[1]
     assert serving.release("tiny-cached") is True
     assert serving.release("tiny-cached") is False
     assert serving.lock_for(tiny_target) is serving.lock_for(tiny_target)
-    monkeypatch.setitem(serving._LOADED, ("a", None, None, "torch"), (object(), FairLock()))
-    monkeypatch.setitem(serving._LOADED, ("b", None, None, "torch"), (object(), FairLock()))
+    monkeypatch.setitem(serving._LOADED, ("a", None, None, "torch"), object())
+    monkeypatch.setitem(serving._LOADED, ("b", None, None, "torch"), object())
     before = len(serving._LOADED)
     assert serving.release_all() == before and not serving._LOADED

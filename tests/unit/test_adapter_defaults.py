@@ -21,6 +21,7 @@ from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER, SamplingConfig
 from shared_core.engines.ralmspec import RaLMSpec, SpeculativeRetrieval
 from shared_core.engines.speculative_rag import SpeculativeRAG
+from shared_core.model_lock import lock_for
 from shared_core.rag_adapters import RALMSPEC_SETTINGS, RETRIEVER_SETTINGS, SPECRAG_SETTINGS
 from shared_core.rag_config import (
     RALMSPEC_MAX_NEW_TOKENS,
@@ -203,10 +204,11 @@ def test_speculative_rag_adapters_rebuild_sharing_models_and_lock(specrag) -> No
     details, response = runnable.invoke(question), query_engine.query(question)
     assert len(details["drafts"]) == len(response.metadata["drafts"]) == 3
     assert details["scores"] == response.metadata["scores"]
-    for adapter in (runnable, query_engine):  # no extra adapter lock: the engine's model lock
+    for adapter in (runnable, query_engine):  # no extra adapter lock: the models' own locks
         built = adapter._engine()
-        assert built is not specrag and built._lock is specrag._lock
-        assert built.drafter is specrag.drafter and built.config.num_drafts == 3
+        assert built is not specrag and built.drafter is specrag.drafter
+        assert lock_for(built.drafter) is lock_for(specrag.drafter)
+        assert built.config.num_drafts == 3
 
 
 def test_speculative_rag_adapters_use_retrieve_k(specrag) -> None:

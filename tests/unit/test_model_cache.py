@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -34,3 +35,51 @@ def test_adapters_and_engines_share_one_copy_and_release_drops_both(tiny_model_f
     assert serving.lock_for(lm) is lock
     assert serving.release(tiny_model_folder, "cpu", "float32")
     assert cached_lm(tiny_model_folder, device="cpu", dtype="float32") is not lm  # loaded anew
+
+
+def test_one_name_resolves_to_one_object_and_one_lock(tiny_model_folder: str) -> None:
+    from shared_core.model_cache import loaded_model, resolve_lm
+    from shared_core.model_lock import lock_for
+
+    lm = resolve_lm(tiny_model_folder, device="cpu", dtype="float32")
+    again, lock = loaded_model(tiny_model_folder, "cpu", "float32")
+    assert again is lm and resolve_lm(lm) is lm  # an object is used as given
+    assert lock is lock_for(lm) is lock_for(resolve_lm(tiny_model_folder, device="cpu",
+                                                         dtype="float32"))
+
+
+def test_urls_and_lora_names_resolve_once_through_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A served model's URL and a tuned drafter's name go through the one cache; settings they
+    ignore (device, backend) do not make a second copy."""
+    from shared_core import lora, model_cache, remote
+
+    made: list[tuple[str, Any]] = []
+
+    class Served:
+        def __init__(self, url: str) -> None:
+            made.append(("served", url))
+
+    def tuned(name: str, dtype: str | None = None) -> object:
+        made.append(("lora", name))
+        return object()
+
+    monkeypatch.setattr(remote, "RemoteLM", Served)
+    monkeypatch.setattr(lora, "load_tuned_drafter", tuned)
+    url, name = "http://127.0.0.1:9/v1", "smollm2-135m-instruct+specrag"
+    try:
+        served = model_cache.resolve_lm(url, backend="auto")
+        assert isinstance(served, Served) and model_cache.resolve_lm(url, dtype="bfloat16") is served
+        drafter = model_cache.resolve_lm(name, backend="auto")
+        assert model_cache.resolve_lm(name) is drafter
+        assert made == [("served", url), ("lora", name)]
+        with pytest.raises(ValueError, match="served model's URL"):  # the token engines' path
+            model_cache.loaded_model(url)
+    finally:
+        assert model_cache.release(url) and model_cache.release(name)
+
+
+def test_lock_for_keeps_one_lock_for_objects_without_weak_references() -> None:
+    from shared_core.model_lock import lock_for
+
+    model = object()  # no __weakref__ slot
+    assert lock_for(model) is lock_for(model)

@@ -76,13 +76,14 @@ class RaLMDecoder(RaLMDecoderState):
     def __init__(self, lm: LM, prompt: RaLMPrompt, generation: GenerationConfig,
                  stats: RaLMSpecStats, cache: CacheKind):
         super().__init__(lm, prompt, generation, stats)
-        self.session = open_session(lm, cache=cache)
+        with self.lock:
+            self.session = open_session(lm, cache=cache)
         self.pending = -1
         stats.prefill_tokens = 0
 
     def reset_to(self, doc: Document, length: int) -> None:
         """State: output ``generated[:length]`` under ``doc`` (KV rolled back, not recomputed)."""
-        with timed(self.stats, "generation_s"):
+        with self.lock, timed(self.stats, "generation_s"):
             del self.generated[length:]
             ids = self.prompt.ids(doc, self.generated)
             feed = self.session.sync(ids[:-1])
@@ -104,7 +105,7 @@ class RaLMDecoder(RaLMDecoderState):
         if self.swaps_to(doc):
             self.reset_to(doc, len(self.generated))
         n = 0
-        with timed(self.stats, "generation_s"):
+        with self.lock, timed(self.stats, "generation_s"):
             while n < self.prompt.config.retrieval_stride and not self.finished:
                 logits = self.session.extend([self.pending])[-1]
                 self.stats.target_forwards += 1

@@ -47,7 +47,7 @@ class ServedRaLMDecoder(RaLMDecoderState):
             return 0
         sampling = self.sampling if self.sampling.greedy else dataclasses.replace(
             self.sampling, seed=self.position_seed() % 2**31)
-        with timed(self.stats, "generation_s"):
+        with self.lock, timed(self.stats, "generation_s"):
             [[gen]] = self.lm.generate([self.prompt.ids(doc, self.generated)], want,
                                        sampling=sampling)
         new = list(gen.token_ids[:want])

@@ -7,11 +7,10 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_core.config import (
     check_text,
@@ -20,6 +19,9 @@ from shared_core.engines.rapid.prompts import EncodedContext, IndexedContext, Ra
 from shared_core.models import LM
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
 from shared_core.token_config import RapidConfig
+
+if TYPE_CHECKING:
+    from shared_core.model_lock import FairLock
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +34,7 @@ class RapidContext:
     lm: LM
     draft_lm: LM
     config: RapidConfig
-    _lock: threading.RLock
+    _lock: FairLock  # the target model's lock (shared_core.model_lock.lock_for)
     _embedder_spec: Any
     _embedder: Any
     _indexes: OrderedDict[str, IndexedContext]
@@ -43,9 +45,9 @@ class RapidContext:
     @property
     def embedder(self) -> Any:
         if self._embedder is None:
-            from shared_core.models import load_embedder
+            from shared_core.model_cache import cached_embedder
 
-            self._embedder = load_embedder(self._embedder_spec)
+            self._embedder = cached_embedder(self._embedder_spec)
         return self._embedder
 
     def _encode_context(self, context: str) -> EncodedContext:

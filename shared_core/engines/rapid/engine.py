@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 import time
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
@@ -32,6 +31,7 @@ from shared_core.engines.rapid.prompts import (
 )
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
 from shared_core.kv import KVSession, open_session
+from shared_core.model_lock import lock_for
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
 from shared_core.token_config import RapidConfig, check_eta
@@ -98,7 +98,9 @@ class RapidDecoder(RapidContext):
         self.draft_lm = draft_lm or lm
         self.config = config or RapidConfig()
         self._check_drafter_kv(self.config.drafter_kv)
-        self._lock = threading.RLock()
+        # the target's one lock (shared with every engine and adapter on it) also guards the
+        # decoder's slots and caches: model work and slot bookkeeping never interleave
+        self._lock = lock_for(lm)
         self._idle = [Slot(lm, self.draft_lm, self.config.cache)]  # most recently used first
         self._busy: list[Slot] = []
         self._embedder_spec = embedder

@@ -32,6 +32,7 @@ from shared_core.engines.respec.drafting import (
     row_entropies,
 )
 from shared_core.kv import forward_cost_curve
+from shared_core.model_lock import lock_for, step_locked
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
 from shared_core.stats import DecodeStats
@@ -93,9 +94,12 @@ class ReSpecDecoder:
                    "temperature=0 or verification='strict'")
             raise ValueError(msg)
         docs = _document_ids(self.lm, documents)
-        run = Run(self.lm, prompt, config, self.config.cache, logits_mask, stats_type=ReSpecStats)
-        request = Request(self.config, docs, self.static, self._fallback(config), run.stats,
-                          cost_curve=forward_cost_curve(self.lm))
+        lock = lock_for(self.lm)  # the target's one lock, taken per round (never across a yield)
+        with lock:
+            run = Run(self.lm, prompt, config, self.config.cache, logits_mask,
+                      stats_type=ReSpecStats)
+            request = Request(self.config, docs, self.static, self._fallback(config), run.stats,
+                              cost_curve=forward_cost_curve(self.lm))
         drafter = request.fallback
 
         def on_close(stats: DecodeStats) -> None:
@@ -103,7 +107,7 @@ class ReSpecDecoder:
                 stats.draft_forwards = drafter.forwards
             request.counters.token_cost = request.token_cost
 
-        return run.stream(lambda r: _respec_blocks(r, request), on_close)
+        return run.stream(lambda r: step_locked(lock, _respec_blocks(r, request)), on_close)
 
     def generate(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
                  ) -> GenerationResult:

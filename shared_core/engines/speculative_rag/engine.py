@@ -49,6 +49,8 @@ from shared_core.engines.speculative_rag.subsets import (
     subset_shape,
 )
 from shared_core.engines.timing import PhaseClock, timed
+from shared_core.model_cache import cached_embedder
+from shared_core.model_lock import lock_for
 from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import check_retriever, retrieve, to_documents
@@ -83,7 +85,9 @@ class SpeculativeRAG:
             parallel sequences of one context, verifier spans scored in one pass). A dtype keeps
             torch.
 
-    Models load lazily on first use; names are validated immediately.
+    Models load lazily on first use, through the shared model cache (an engine naming a model
+    another engine or adapter loaded uses the same copy); names are validated immediately. Each
+    step holds its model's one lock (:func:`shared_core.model_lock.lock_for`), never retrieval.
     """
 
     def __init__(self, drafter: LM | str = DEFAULT_LM, verifier: LM | str | None = DEFAULT_VERIFIER,
@@ -114,10 +118,10 @@ class SpeculativeRAG:
         self.retriever = retriever
         self._drafter_src, self._verifier_src, self._embedder_src = drafter, verifier, embedder
         self._models: dict[str, Any] = {}
-        self._lock = threading.RLock()
+        self._load_lock = threading.Lock()  # the lazily filled _models dict
 
     def with_config(self, config: SpeculativeRAGConfig) -> SpeculativeRAG:
-        """A new engine with another config that shares this one's (loaded) models and lock."""
+        """A new engine with another config that shares this one's (loaded) models."""
         if not isinstance(config, SpeculativeRAGConfig):
             msg = f"config must be a SpeculativeRAGConfig, got {type(config).__name__}"
             raise TypeError(msg)
@@ -128,7 +132,7 @@ class SpeculativeRAG:
 
     # -- lazily loaded models
     def _get(self, role: str) -> Any:
-        with self._lock:
+        with self._load_lock:
             if role not in self._models:
                 src = {"drafter": self._drafter_src, "verifier": self._verifier_src,
                        "embedder": self._embedder_src}[role]
@@ -136,9 +140,7 @@ class SpeculativeRAG:
                     msg = f"{role} is None but this configuration needs it"
                     raise ValueError(msg)
                 if role == "embedder":
-                    from shared_core.models import load_embedder
-
-                    self._models[role] = load_embedder(src) if isinstance(src, str) else src
+                    self._models[role] = cached_embedder(src) if isinstance(src, str) else src
                 else:
                     self._models[role] = load_model(src, self.dtype, self.backend)
             return self._models[role]
@@ -159,7 +161,7 @@ class SpeculativeRAG:
                    retriever: Any, k: int) -> tuple[list[Document], int, float]:
         """(documents with text, how many blank ones were left out, retrieval seconds): the
         ``given`` documents as :meth:`_check_call` converted them, else the retriever's. Called
-        outside the model lock (a slow retriever blocks only its own call), time-limited by
+        outside any model lock (a slow retriever blocks only its own call), time-limited by
         ``config.retrieval_timeout_s``."""
         if given is not None:
             return *given, 0.0
@@ -208,7 +210,9 @@ class SpeculativeRAG:
             subsets, relaxed, labels = random_subsets(len(docs), cfg.docs_per_draft,
                                                        cfg.num_drafts, rng, set()), 0, []
         else:
-            vectors = embed_for_question(self.embedder, question, docs, cfg.embed_instruction)
+            embedder = self.embedder
+            with lock_for(embedder):
+                vectors = embed_for_question(embedder, question, docs, cfg.embed_instruction)
             labels = kmeans_labels(vectors, cfg.docs_per_draft, cfg.seed, cfg.kmeans_iters)
             build = one_per_cluster_subsets if cfg.subset_strategy == "cluster" else same_cluster_subsets
             subsets, relaxed = build(labels, cfg.docs_per_draft, cfg.num_drafts, rng)
@@ -236,14 +240,15 @@ class SpeculativeRAG:
         for p in prompts:
             check_length(lm, p, cfg.max_draft_tokens + cfg.max_answer_tokens, "a draft prompt")
         clock = PhaseClock()
-        rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill=prefill,
-                              answer_first=answer_first, clock=clock)
-        stats.draft_prefill_s, stats.draft_decode_s = clock.split()
-        texts = [prefill + lm.decode(ids) for ids, _ in rows]
-        todo = [i for i, t in enumerate(texts) if not parse(t)[2]]
-        if todo and cfg.force_answer_line and not answer_first:
-            rows, texts = self._force_answers(prompts, rows, texts, todo)
-            stats.answer_continuations = len(todo)
+        with lock_for(lm):
+            rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill=prefill,
+                                  answer_first=answer_first, clock=clock)
+            stats.draft_prefill_s, stats.draft_decode_s = clock.split()
+            texts = [prefill + lm.decode(ids) for ids, _ in rows]
+            todo = [i for i, t in enumerate(texts) if not parse(t)[2]]
+            if todo and cfg.force_answer_line and not answer_first:
+                rows, texts = self._force_answers(prompts, rows, texts, todo)
+                stats.answer_continuations = len(todo)
         drafts = []
         for subset, (ids, logps), raw in zip(subsets, rows, texts, strict=True):
             rationale, answer, ok = parse(raw)
@@ -282,7 +287,9 @@ class SpeculativeRAG:
         verified: list[tuple[float | None, float | None, int]] = [(None, None, 0)] * len(drafts)
         if cfg.needs_verifier:
             pairs = [(d.rationale, d.answer) for d in drafts]
-            scores, stats.verify_tokens = verify_batch(self.verifier, question, pairs)
+            verifier = self.verifier
+            with lock_for(verifier):
+                scores, stats.verify_tokens = verify_batch(verifier, question, pairs)
             verified = list(scores)
         out = []
         for d, (sc, sr, sc_tokens) in zip(drafts, verified, strict=True):
@@ -307,15 +314,15 @@ class SpeculativeRAG:
                                     retrieve_s=retrieve_s, skipped_documents=skipped,
                                     adapted_subsets=adapted)
         emit("specrag_retrieved", {"num_documents": len(docs)})
-        with self._lock:
-            with timed(stats, "sample_s"):  # 1. multi-perspective subsets
-                subsets = engine.sample_subsets(question, docs, stats)
-            emit("specrag_subsets", {"subsets": [list(s) for s in subsets]})
-            with timed(stats, "draft_s"):  # 2. batched drafting
-                drafts = engine.draft(question, docs, subsets, stats)
-            emit("specrag_drafted", {"answers": [d.answer for d in drafts]})
-            with timed(stats, "verify_s"):  # 3. one verifier forward + scores
-                drafts = engine.score(question, drafts, stats)
+        # each step takes its own model's lock, one at a time (never two held: no lock order)
+        with timed(stats, "sample_s"):  # 1. multi-perspective subsets
+            subsets = engine.sample_subsets(question, docs, stats)
+        emit("specrag_subsets", {"subsets": [list(s) for s in subsets]})
+        with timed(stats, "draft_s"):  # 2. batched drafting
+            drafts = engine.draft(question, docs, subsets, stats)
+        emit("specrag_drafted", {"answers": [d.answer for d in drafts]})
+        with timed(stats, "verify_s"):  # 3. one verifier forward + scores
+            drafts = engine.score(question, drafts, stats)
         best = select_best(drafts, cfg.selection, random.Random(f"{cfg.seed}:select:{question}"))
         emit("specrag_verified", {"scores": [d.score for d in drafts], "best": best})
         stats.total_s = time.perf_counter() - start
@@ -335,9 +342,9 @@ class SpeculativeRAG:
         question, given = self._check_call(question, documents, retriever)
         start = time.perf_counter()
         docs, _, retrieve_s = self._documents(question, given, retriever, self.config.retrieve_k)
-        with self._lock:
-            result = standard_rag(self._get(model), question, docs,
-                                  self.config.max_answer_tokens)
+        lm = self._get(model)
+        with lock_for(lm):
+            result = standard_rag(lm, question, docs, self.config.max_answer_tokens)
         result.stats.retrieve_s = retrieve_s
         result.stats.total_s = time.perf_counter() - start
         return result

@@ -6,12 +6,13 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from shared_core.model_cache import check_model_name as check_model_name  # re-exported
+from shared_core.model_cache import resolve_lm
 from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import check_document_list
 
 if TYPE_CHECKING:
-
     from shared_core.models import LM
 
 logger = logging.getLogger(__name__)
@@ -51,41 +52,9 @@ def check_inputs(question: Any, documents: Sequence[Any] | None,
 
 
 def load_model(model: LM | str, dtype: str | None, backend: str = "torch") -> LM:
-    if not isinstance(model, str):
-        return model
-    if model.startswith(("http://", "https://")):  # a served model (vLLM / SGLang)
-        from shared_core.remote import RemoteLM
-
-        return RemoteLM(model)  # type: ignore[return-value]
-    if model.endswith("+specrag"):
-        from shared_core.drafters.lora import load_tuned_drafter
-
-        return load_tuned_drafter(model, dtype)
-    from shared_core.model_cache import cached_lm
-
-    # one copy per process, shared with other engines; a dtype is a torch setting
-    return cached_lm(model, dtype=dtype, backend="torch" if dtype else backend)
-
-
-def check_model_name(name: Any, param: str) -> None:
-    """Reject unknown aliases before loading anything."""
-    if not isinstance(name, str):
-        return
-    from shared_core.models import EMBEDDED_LMS
-
-    base = name.removesuffix("+specrag")
-    if name.endswith("+specrag"):
-        from shared_core.drafters.lora import ADAPTERS
-
-        if name not in ADAPTERS:
-            msg = f"{param}={name!r}: no tuned adapter; known: {', '.join(sorted(ADAPTERS))}"
-            raise ValueError(msg)
-    if base in EMBEDDED_LMS or "/" in base or base.startswith((".", "~")):
-        return
-    known = ", ".join(sorted(EMBEDDED_LMS))
-    msg = (f"{param}={name!r} is not a known model alias; use one of {known}, a Hugging Face id "
-           "(org/name), a local folder or an LM object")
-    raise ValueError(msg)
+    """A drafter / verifier through the models layer's one resolver (names, paths, URLs, LoRA
+    names); a dtype is a torch setting, so it keeps torch."""
+    return resolve_lm(model, dtype=dtype, backend="torch" if dtype else backend)
 
 
 # Plain values that can be neither a model name nor a model object (models are duck-typed
