@@ -17,7 +17,7 @@ from langchain_core.tools import StructuredTool
 from langchain_specrag import ChatSpeculative
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
-import agents as example  # noqa: E402
+import agents as example
 
 MODEL = "qwen2.5-coder-1.5b-instruct"
 search = example.handbook_search()
