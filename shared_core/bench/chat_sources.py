@@ -10,8 +10,8 @@ ended. :func:`walk` renders every turn's prompt ids exactly as the chat adapters
   rows are taken round-robin over the eight categories so a few conversations cover several.
 * The agent transcript of ``examples/agents.py``: its system prompt (``stop``), its
   ``search_handbook`` tool and question, the model's tool call (the first one forced with the
-  ``<tool_call>`` prefill, as ``--force-first-call`` / ``tool_choice="required"`` do), the tool
-  result, and so on until the model answers without a call. The system prompt, question and
+  ``<tool_call>`` prefill and grammar, as ``--force-first-call`` / ``tool_choice="required"`` do;
+  later replies under the ``"auto"`` grammar, as the adapters mask them), the tool result, and so on until the model answers without a call. The system prompt, question and
   handbook are read from the example's source (not imported: it needs LangChain and the
   embedder); the search is a word-overlap stand-in for the example's MiniLM search (same ``k``).
 """
@@ -24,11 +24,20 @@ import re
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from itertools import zip_longest
 from pathlib import Path
 from typing import Any
 
 from shared_core.bench.common import read_jsonl
-from shared_core.tool_calls import OPEN, check_tools, parse_tool_calls, render_prompt
+from shared_core.constrained import Constraint, xgrammar_available
+from shared_core.tool_calls import (
+    OPEN,
+    auto_calls,
+    check_tools,
+    forced_call,
+    parse_tool_calls,
+    render_prompt,
+)
 
 logger = logging.getLogger(__name__)
 Message = dict[str, Any]
@@ -65,6 +74,14 @@ class Conversation:
         return {"role": "assistant", "content": content,
                 "tool_calls": [{**c, "id": f"call_{turn}_{i}"} for i, c in enumerate(found)]}
 
+    def constraint(self, turn: int) -> Constraint | None:
+        """The grammar the chat adapters would mask reply ``turn`` with (None without xgrammar):
+        the forced call on the first turn, any number of schema-valid calls after it."""
+        if not self.tools or not xgrammar_available():
+            return None
+        return forced_call("required", self.tools)[1] if turn == 1 and self.first_prefill \
+            else auto_calls(self.tools)
+
     def follow(self, turn: int, reply: Message) -> list[Message]:
         """The messages after reply ``turn`` (1-based); empty when the conversation has ended."""
         if self.search is None:
@@ -95,7 +112,7 @@ def mt_bench(root: Path, count: int) -> list[Conversation]:
     by_category: dict[str, list[Mapping[str, Any]]] = defaultdict(list)
     for row in read_jsonl(root / "mt_bench" / "question.jsonl"):
         by_category[row["category"]].append(row)
-    rows = [r for group in zip(*by_category.values(), strict=False) for r in group][:count]
+    rows = [r for group in zip_longest(*by_category.values()) for r in group if r][:count]
     return [Conversation("mt_bench", f"{r['question_id']} {r['category']}",
                          [{"role": "user", "content": r["turns"][0]}],
                          user_turns=list(r["turns"][1:])) for r in rows]

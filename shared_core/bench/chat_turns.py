@@ -5,7 +5,8 @@ with the cache holding what that turn left ("on"), then the cache is emptied and
 ("off"). The off reply carries the conversation on, and its run leaves the cache as the next turn's
 "on" run needs it. Both runs are plain greedy decoding (``autoregressive_blocks``) on the prompt
 ids the chat adapters would send; time to first token runs from opening the session to the first
-committed token, total to the end of the reply. On torch (no prefix cache) both runs are cold.
+committed token, total to the end of the reply. Agent turns are masked with the grammar the chat
+adapters would use (:meth:`Conversation.constraint`). On torch (no prefix cache) both runs are cold.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared_core.bench.chat_sources import Conversation, walk
+from shared_core.constrained import Constraint, grammar_mask
 from shared_core.engines.loop import Run, autoregressive_blocks
 from shared_core.models import LM
 from shared_core.output import generation_config
@@ -46,9 +48,12 @@ def forget(lm: LM) -> None:
         clear()
 
 
-def timed_turn(lm: LM, ids: list[int], max_new_tokens: int) -> TimedTurn:
-    """Greedy reply to ``ids``, timing the first committed token and the whole reply."""
+def timed_turn(lm: LM, ids: list[int], max_new_tokens: int,
+               constraint: Constraint | None = None) -> TimedTurn:
+    """Greedy reply to ``ids``, timing the first committed token and the whole reply (a
+    ``constraint``'s grammar is compiled before the clock starts)."""
     marks: list[float] = []
+    mask = grammar_mask(lm, constraint) if constraint is not None else None
 
     def blocks(run: Run) -> Iterator[list[int]]:
         for block in autoregressive_blocks(run):
@@ -56,7 +61,7 @@ def timed_turn(lm: LM, ids: list[int], max_new_tokens: int) -> TimedTurn:
             yield block
 
     start = time.perf_counter()
-    result = Run(lm, ids, generation_config(max_new_tokens), "prealloc").stream(blocks).run()
+    result = Run(lm, ids, generation_config(max_new_tokens), "prealloc", mask).stream(blocks).run()
     total = time.perf_counter() - start
     return TimedTurn(marks[0] - start if marks else total, total, result.token_ids, result.text,
                      result.stats.cached_prompt_tokens, result.stats.finish_reason)
@@ -86,13 +91,15 @@ def conversation_rows(lm: LM, conversation: Conversation, max_new_tokens: int,
     rows: list[dict[str, Any]] = []
 
     def answer(turn: int, ids: list[int]) -> str:
+        grammar = conversation.constraint(turn)
         if turn == 1:
             forget(lm)
-            return timed_turn(lm, ids, max_new_tokens).text
-        on = timed_turn(lm, ids, max_new_tokens)
+            return timed_turn(lm, ids, max_new_tokens, grammar).text
+        on = timed_turn(lm, ids, max_new_tokens, grammar)
         forget(lm)
-        off = timed_turn(lm, ids, max_new_tokens)
-        rows.append(turn_row(conversation, turn, ids, on, off))
+        off = timed_turn(lm, ids, max_new_tokens, grammar)
+        rows.append({**turn_row(conversation, turn, ids, on, off),
+                     "constrained": grammar is not None, "notes": list(conversation.notes)})
         logger.info("%s %s turn %d: %d prompt tokens, %d reused, ttft %.3f s off / %.3f s on",
                     conversation.source, conversation.name, turn, len(ids), on.reused_tokens,
                     off.ttft_s, on.ttft_s)
