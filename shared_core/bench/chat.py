@@ -129,15 +129,17 @@ def real_turns(lm: LM, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    rows, turns = [], []
+    rows, turns, models = [], [], {}
     load_before = os.getloadavg()
     for name in args.models:
         lm = load_lm(name, backend="llama.cpp", exact=args.exact)
+        models[name] = {"llama_cpp_threads": lm.model.threads, "max_context": lm.max_context}
         warm_up(lm, args.max_new_tokens)
         if "synthetic" in args.sources:
             rows.append(synthetic_row(name, lm, args))
         turns += [{"model": name, **row} for row in real_turns(lm, args)]
-    report = {"benchmark": "chat", "machine": cpu_facts(), "exact": args.exact,
+    report = {"benchmark": "chat", "machine": cpu_facts(), "models": models,
+              "cpu_affinity": sorted(os.sched_getaffinity(0)), "exact": args.exact,
               "max_new_tokens": args.max_new_tokens, "rows": rows, "turns": turns,
               "medians": medians(turns),
               "load_average": {"before": load_before, "after": os.getloadavg()}}
