@@ -11,9 +11,11 @@ ended. :func:`walk` renders every turn's prompt ids exactly as the chat adapters
 * The agent transcript of ``examples/agents.py``: its system prompt (``stop``), its
   ``search_handbook`` tool and question, the model's tool call (the first one forced with the
   ``<tool_call>`` prefill and grammar, as ``--force-first-call`` / ``tool_choice="required"`` do;
-  later replies under the ``"auto"`` grammar, as the adapters mask them), the tool result, and so on until the model answers without a call. The system prompt, question and
-  handbook are read from the example's source (not imported: it needs LangChain and the
-  embedder); the search is a word-overlap stand-in for the example's MiniLM search (same ``k``).
+  later replies under the ``"auto"`` grammar, as the adapters mask them), the tool result, and so
+  on until the model answers without a call. The system prompt, question and handbook are read
+  from the example's source (not imported: it needs LangChain and the embedder); the search is a
+  word-overlap stand-in for the example's MiniLM search (same ``k``). A forced call the model
+  does not finish within the token budget is replaced by a search for the question (noted).
 """
 
 from __future__ import annotations

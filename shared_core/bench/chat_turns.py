@@ -142,7 +142,8 @@ def plot_turns(report: dict[str, Any], out: str) -> None:
     fig, axes = plt.subplots(len(models), 2, figsize=(14, 3.6 * len(models)), squeeze=False)
     for row_axes, model in zip(axes, models, strict=True):
         rows = [r for r in report["turns"] if r["model"] == model]
-        labels = [f"{r['conversation'].split()[0][:14]} t{r['turn']}" for r in rows]
+        labels = [f"{r['source']} {r['conversation'].split()[0] if r['source'] == 'mt_bench' else ''}"
+                  f" t{r['turn']}" for r in rows]
         xs = range(len(rows))
         for ax, what in zip(row_axes, ("ttft", "total"), strict=True):
             ax.bar([x - 0.2 for x in xs], [r[f"{what}_off_s"] for r in rows], 0.4,
