@@ -10,6 +10,14 @@ alternating, ``--repeats`` times each (medians). The report also counts, over ``
 follow-ups generated both ways, how many are identical token for token (the default mode is not
 bit-exact, ``exact=True`` is). The load average is recorded: on a shared machine the absolute
 times move, the on/off ratio much less.
+
+``--sources mt_bench agent`` also runs real conversations (:mod:`shared_core.bench.chat_sources`):
+``--conversations`` MT-Bench rows and the agent transcript of ``examples/agents.py``. Every turn
+after the first is run twice, interleaved, right after the turn before it: with the cache holding
+what that turn left ("on"), then from an empty cache ("off"; the conversation goes on with this
+reply); each run's time to first token and total turn time (greedy, ``--max-new-tokens``), the
+reused prompt tokens and whether the two replies are identical token for token are one row
+(:mod:`shared_core.bench.chat_turns`), with per-source medians and a bar plot (``--plot``).
 """
 
 from __future__ import annotations
@@ -18,8 +26,12 @@ import argparse
 import os
 import statistics
 import time
+from pathlib import Path
 from typing import Any
 
+from shared_core.bench.chat_sources import agent_transcript, mt_bench
+from shared_core.bench.chat_turns import conversation_rows, medians, plot_turns, warm_up
+from shared_core.bench.common import data_dir
 from shared_core.device import cpu_facts
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.models import LM, load_lm
@@ -28,6 +40,7 @@ FACTS = ("The Hollin Weir was built in 1874 by the engineer Marta Quell to contr
          "It has eleven sluice gates, each named after a month except June. The keeper's cottage, "
          "painted blue, stands on the east bank next to the fish ladder. Gate {i} was rebuilt in "
          "{year} after a flood carried away its oak beams. ")
+SOURCES = ("synthetic", "mt_bench", "agent")
 QUESTIONS = ("How many sluice gates are there?", "What colour is the cottage?",
              "Which gate was rebuilt most recently?", "Who built the weir?")
 
@@ -39,6 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--exact", action="store_true")
+    parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES))
+    parser.add_argument("--conversations", type=int, default=6, help="MT-Bench conversations")
+    parser.add_argument("--agent-turns", type=int, default=3, help="model turns of the agent")
+    parser.add_argument("--data-dir", default=None, help="the shared data folder")
 
 
 def conversation(lm: LM, tokens: int) -> list[dict[str, str]]:
@@ -89,14 +106,43 @@ def identical(lm: LM, turn_1: list[dict[str, str]], max_new: int, count: int) ->
     return {"identical": same, "conversations": count}
 
 
+def synthetic_row(name: str, lm: LM, args: argparse.Namespace) -> dict[str, Any]:
+    turn_1 = conversation(lm, args.context_tokens)
+    return {"model": name, "exact": args.exact, "threads": lm.model.threads,
+            **measure(lm, turn_1, args.max_new_tokens, args.repeats),
+            **identical(lm, turn_1, args.max_new_tokens, args.questions),
+            "load_average": os.getloadavg()}
+
+
+def real_turns(lm: LM, args: argparse.Namespace) -> list[dict[str, Any]]:
+    conversations = []
+    if "mt_bench" in args.sources:
+        conversations += mt_bench(Path(args.data_dir) if args.data_dir else data_dir(),
+                                  args.conversations)
+    if "agent" in args.sources:
+        conversations.append(agent_transcript())
+    rows: list[dict[str, Any]] = []
+    for conv in conversations:
+        turns = args.agent_turns if conv.source == "agent" else 1 + len(conv.user_turns)
+        rows += conversation_rows(lm, conv, args.max_new_tokens, turns)
+    return rows
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    rows = []
+    rows, turns, models = [], [], {}
+    load_before = os.getloadavg()
     for name in args.models:
         lm = load_lm(name, backend="llama.cpp", exact=args.exact)
-        turn_1 = conversation(lm, args.context_tokens)
-        row = {"model": name, "exact": args.exact, "threads": lm.model.threads,
-               **measure(lm, turn_1, args.max_new_tokens, args.repeats),
-               **identical(lm, turn_1, args.max_new_tokens, args.questions),
-               "load_average": os.getloadavg()}
-        rows.append(row)
-    return {"benchmark": "chat", "machine": cpu_facts(), "rows": rows}
+        models[name] = {"llama_cpp_threads": lm.model.threads, "max_context": lm.max_context}
+        warm_up(lm, args.max_new_tokens)
+        if "synthetic" in args.sources:
+            rows.append(synthetic_row(name, lm, args))
+        turns += [{"model": name, **row} for row in real_turns(lm, args)]
+    report = {"benchmark": "chat", "machine": cpu_facts(), "models": models,
+              "cpu_affinity": sorted(os.sched_getaffinity(0)), "exact": args.exact,
+              "max_new_tokens": args.max_new_tokens, "rows": rows, "turns": turns,
+              "medians": medians(turns),
+              "load_average": {"before": load_before, "after": os.getloadavg()}}
+    if getattr(args, "plot", None) and turns:
+        plot_turns(report, args.plot)
+    return report
