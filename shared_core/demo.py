@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from shared_core.config import DEFAULT_BACKEND, DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
+from shared_core.lm import clear_prefix_cache
 from shared_core.rag_config import DraftOrder, SpeculativeRAGConfig
 
 logger = logging.getLogger(__name__)
@@ -143,6 +144,8 @@ def speculative_rag_section(retriever, verifier: str, write: Callable[[str], Non
     spec_parts: list = []
     for question in QUESTIONS:
         docs = [hit.document for hit in retriever.search([question], len(KNOWLEDGE_BASE))[0]]
+        for lm in (engine.drafter, engine.verifier):  # every method reads its prompts cold
+            clear_prefix_cache(lm)
         standard = engine.standard_rag(question, docs)
         small = engine.standard_rag(question, docs, model="drafter")
         result = engine.answer(question, docs)
@@ -226,6 +229,7 @@ def token_engines_section(lm, retriever, max_new_tokens: int, write: Callable[[s
         write(f"\nQ: {question}\n   retrieved: {[p[:40] + '...' for p in passages]}")
         reference = None
         for name, engine in engines.items():
+            clear_prefix_cache(lm)  # each engine reads the prompt cold, not after the last one
             start = time.perf_counter()
             result = engine(lm, messages, passages)
             answer = Answer(name, result.text, result.token_ids, time.perf_counter() - start)

@@ -77,3 +77,14 @@ def window_text(lm: Any) -> str:
     names the setting (llama.cpp: ``n_ctx``, :meth:`describe_window`)."""
     describe = getattr(lm, "describe_window", None)
     return describe() if callable(describe) else f"the {lm.max_context}-token window of {lm.name}"
+
+
+def clear_prefix_cache(lm: Any) -> None:
+    """Empty the prompts a llama.cpp model keeps for reuse (no-op on torch, which keeps none).
+
+    Benchmarks call it before every timed call: methods interleaved on one prompt would
+    otherwise reuse what the method before them read, and only the first would pay its prefill.
+    """
+    clear = getattr(getattr(lm, "model", None), "clear_prefix_cache", None)
+    if clear is not None:
+        clear()

@@ -23,6 +23,7 @@ from typing import Any
 from shared_core.bench.chat_sources import Conversation, walk
 from shared_core.constrained import Constraint, grammar_mask
 from shared_core.engines.loop import Run, autoregressive_blocks
+from shared_core.lm import clear_prefix_cache
 from shared_core.models import LM
 from shared_core.output import generation_config
 
@@ -39,13 +40,6 @@ class TimedTurn:
     text: str
     reused_tokens: int
     finish_reason: str
-
-
-def forget(lm: LM) -> None:
-    """Empty the model's llama.cpp prefix cache (torch keeps none)."""
-    clear = getattr(lm.model, "clear_prefix_cache", None)
-    if clear is not None:
-        clear()
 
 
 def timed_turn(lm: LM, ids: list[int], max_new_tokens: int,
@@ -70,7 +64,7 @@ def timed_turn(lm: LM, ids: list[int], max_new_tokens: int,
 def warm_up(lm: LM, max_new_tokens: int) -> None:
     """One untimed reply, so the first timed turn does not pay for first-call set-up."""
     timed_turn(lm, lm.prompt_ids([{"role": "user", "content": "Say hello."}]), max_new_tokens)
-    forget(lm)
+    clear_prefix_cache(lm)
 
 
 def turn_row(conversation: Conversation, turn: int, ids: Sequence[int], on: TimedTurn,
@@ -93,10 +87,10 @@ def conversation_rows(lm: LM, conversation: Conversation, max_new_tokens: int,
     def answer(turn: int, ids: list[int]) -> str:
         grammar = conversation.constraint(turn)
         if turn == 1:
-            forget(lm)
+            clear_prefix_cache(lm)
             return timed_turn(lm, ids, max_new_tokens, grammar).text
         on = timed_turn(lm, ids, max_new_tokens, grammar)
-        forget(lm)
+        clear_prefix_cache(lm)
         off = timed_turn(lm, ids, max_new_tokens, grammar)
         rows.append({**turn_row(conversation, turn, ids, on, off),
                      "constrained": grammar is not None, "notes": list(conversation.notes)})

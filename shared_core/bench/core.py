@@ -26,6 +26,7 @@ from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.engines.respec import respec_generate
 from shared_core.kv import KVSession
+from shared_core.lm import clear_prefix_cache
 from shared_core.models import LM, load_lm
 
 logger = logging.getLogger(__name__)
@@ -136,6 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     per_prompt: dict[str, list[tuple[list[int], dict[str, Any], float]]] = {m: [] for m in methods}
     for ids in tqdm(encoded, desc="spec_bench prompts"):
         for name, fn in methods.items():
+            clear_prefix_cache(lm)  # each method reads the prompt cold, not after the last one
             timed, wall = timed_loop([ids], fn, lm.device, desc=name, progress=False)
             per_prompt[name].append((timed[0][0], timed[0][1], wall))
     results = {name: MethodResult(wall_s=sum(r[2] for r in rows),

@@ -33,6 +33,7 @@ from shared_core.bench.common import (
     write_report,
 )
 from shared_core.config import DEFAULT_LM
+from shared_core.lm import clear_prefix_cache
 
 logger = logging.getLogger(__name__)
 
@@ -266,6 +267,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     start = time.perf_counter()
     for i, sample in enumerate(samples):
         for name, fn in methods.items():
+            clear_prefix_cache(lm)  # each method reads the prompt cold, not after the last one
             t0 = time.perf_counter()
             ids, stats = fn(sample.ids)
             _record(accs[(name, sample.category)], ids, stats, time.perf_counter() - t0)
