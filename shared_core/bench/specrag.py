@@ -24,7 +24,8 @@ from Wikipedia), so retrieval would only add noise.
 Methods: ``rag_drafter`` / ``rag_verifier`` (Standard RAG with either model, all documents in the
 prompt), ``drafter_only`` (best ρ_draft, no verifier), ``specrag`` and, with ``--tuned``,
 ``specrag_tuned``. ``--ablations`` adds the paper's Table-2 subset variants (random subsets,
-same-cluster subsets) and ``--grid`` the m ∈ {5, 10} x k ∈ {1, 2, 4} sweep. Drafting is greedy,
+same-cluster subsets) and ``--grid`` the m ∈ {5, 10} x k ∈ {1, 2, 4} sweep (or the points given,
+``--grid 5x1,3x2``). Drafting is greedy,
 so ``drafter_only`` and the score ablations (each score removed, random selection; always
 reported) re-select among the very drafts and scores of the ``specrag`` run instead of drafting
 again; their latency is the specrag latency, minus the verifier's time where the variant needs
@@ -103,16 +104,29 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
     if args.ablations:
         for name, change in SUBSET_ABLATIONS.items():
             methods[name] = (engine.with_config(replace(cfg, **change)).answer, n_docs)
-    if args.grid:
-        for m in (5, 10):
-            for k in (1, 2, 4):
-                if (m, k) != (cfg.num_drafts, cfg.docs_per_draft):
-                    variant = engine.with_config(replace(cfg, num_drafts=m, docs_per_draft=k))
-                    methods[f"grid_m{m}_k{k}"] = (variant.answer, max(n_docs, m * k))
+    for m, k in grid_points(args.grid):
+        if (m, k) != (cfg.num_drafts, cfg.docs_per_draft):
+            variant = engine.with_config(replace(cfg, num_drafts=m, docs_per_draft=k))
+            methods[f"grid_m{m}_k{k}"] = (variant.answer, max(n_docs, m * k))
     keep = [m.strip() for m in args.methods.split(",")] if args.methods else None
     return {k: v for k, v in methods.items() if keep is None or k in keep or k.startswith(
         ("abl_", "grid_", "specrag_tuned", "specrag_answer_first", "specrag_rationale_first",
          "specrag@"))}
+
+
+FULL_GRID = "5x1,5x2,5x4,10x1,10x2,10x4"
+
+
+def grid_points(text: str | None) -> list[tuple[int, int]]:
+    """``"5x1,3x2"`` as ``[(5, 1), (3, 2)]`` (m drafts x k documents each); None: no grid."""
+    points = []
+    for item in _names(text or ""):
+        m, sep, k = item.partition("x")
+        if not (sep and m.isdigit() and k.isdigit() and int(m) > 0 and int(k) > 0):
+            msg = f"--grid takes MxK points such as 5x1,3x2, got {item!r}"
+            raise ValueError(msg)
+        points.append((int(m), int(k)))
+    return points
 
 
 def _names(text: str) -> list[str]:
@@ -182,7 +196,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the drafts' order (answer_first prefills 'Answer:')")
     parser.add_argument("--other-order", action="store_true",
                         help="add specrag_<other order>[@drafter]: every drafter in the other order")
-    parser.add_argument("--grid", action="store_true", help="add m in {5,10} x k in {1,2,4}")
+    parser.add_argument("--grid", nargs="?", const=FULL_GRID, default=None,
+                        help=f"add m x k points, e.g. 5x1,3x2 (alone: {FULL_GRID})")
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--out", default=None, help="JSON report; '{dataset}' is substituted")
     parser.add_argument("--plot", default=None, help="PNG plot; '{dataset}' is substituted")

@@ -75,3 +75,14 @@ def test_records_drop_a_line_cut_mid_write(tmp_path: Path) -> None:
     assert path.read_text() == full  # the next append starts on a line of its own
     append_record(path, "q2", _results())
     assert list(load_records(path, SIGNATURE)) == ["q1", "q2"]
+
+
+def test_grid_points_parse_and_refuse() -> None:
+    from shared_core.bench.specrag import FULL_GRID, grid_points
+
+    assert grid_points("5x1,3x2") == [(5, 1), (3, 2)]
+    assert grid_points(None) == []
+    assert len(grid_points(FULL_GRID)) == 6
+    for bad in ("5", "5x", "x2", "0x2", "5by2", "-1x2"):
+        with pytest.raises(ValueError, match="--grid takes MxK"):
+            grid_points(bad)
