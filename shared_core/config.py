@@ -111,7 +111,8 @@ def check_unicode(value: str, name: str) -> str:
 
 def check_text(value: Any, name: str) -> str:
     """A non-empty string (TypeError for another type, ValueError for blank or a lone
-    surrogate), returned as is."""
+    surrogate), returned as is. (Text to embed may be blank:
+    ``shared_core.retrieval.embedding.check_str``.)"""
     if not isinstance(value, str):
         msg = f"{name} must be a str, got {type(value).__name__}"
         raise TypeError(msg)
@@ -193,7 +194,8 @@ def check_timeout(timeout_s: Any, name: str = "retrieval_timeout_s") -> None:
 
 
 def check_number(value: Any, name: str, low: float, high: float) -> None:
-    """A real number (not bool; numpy floats pass) strictly between ``low`` and ``high``."""
+    """A real number (not bool; numpy floats pass) strictly between ``low`` and ``high`` (the
+    retrievers' closed interval is ``shared_core.retrieval._common.check_closed_range``)."""
     what = f"a number in ({low}, {high})"
     check_type(value, name, (numbers.Real,), what)
     _check(low < value < high, f"{name} must be {what}, got {value!r}")
