@@ -280,8 +280,9 @@ class GenerationConfig:
 
     @classmethod
     def build(cls, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-              stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
-              top_p: float = 1.0, seed: int | None = None) -> GenerationConfig:
+              stop: Sequence[str] | str | None = None,
+              temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+              top_p: float = SamplingConfig.top_p, seed: int | None = None) -> GenerationConfig:
         """Validate loose keyword arguments into a config (the engines' public entry point)."""
         if isinstance(stop, str):
             stop = (stop,)
