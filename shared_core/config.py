@@ -24,9 +24,11 @@ DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedded sentence embedder
 DEFAULT_MAX_NEW_TOKENS = 256
 # Runtimes (shared_core.models.load_lm): "auto" picks llama.cpp for a GGUF on a CPU when it is
 # installed (measured 3-12x faster per step than torch there), torch on a GPU. The adapters and
-# the demo default to it; load_lm itself defaults to "torch", whose LM exposes a transformers model.
+# the demo default to it; load_lm itself (and the model cache under it) defaults to "torch",
+# whose LM exposes a transformers model.
 BACKENDS = ("auto", "torch", "llama.cpp")
 DEFAULT_BACKEND = "auto"
+LOAD_LM_BACKEND = "torch"
 # Speculative RAG (engine and RAG adapters) takes the same rule: on a CPU both its parts are
 # prompt reading and short batched decoding, where llama.cpp's quantized kernels beat torch
 # (results/s10/specrag_backend_*.json); "auto" still proves llama.cpp in a subprocess first.
