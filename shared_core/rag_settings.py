@@ -35,8 +35,8 @@ from shared_core.rag_adapters import (
     RaLMSpecEngines,
     SpeculativeRAGEngines,
     check_retriever,
-    prebuilt_engine_check,
     engine_settings,
+    prebuilt_engine_check,
 )
 from shared_core.rag_config import (
     RALMSPEC_MAX_NEW_TOKENS,
