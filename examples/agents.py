@@ -68,6 +68,10 @@ SYSTEM_PROMPTS = {
 }
 SYSTEM = SYSTEM_PROMPTS["stop"]
 AGENTS = ("langgraph", "langchain", "llamaindex")
+MAX_STEPS = 4  # model turns per agent
+# Tokens per model turn, smaller than DEFAULT_MAX_NEW_TOKENS (256) to keep the run short: a turn
+# is one tool call or a short answer.
+AGENT_MAX_TOKENS = 128
 
 
 def handbook_search(k: int = 2) -> Callable[[str], str]:
@@ -288,10 +292,10 @@ async def _llamaindex(llm: Any, tool: Callable[[str], str], max_steps: int,
     return Transcript(lines, events, turns, outcome)
 
 
-def run_agents(model: str, engine: str = "respec", agents: tuple[str, ...] = AGENTS,
-               max_steps: int = 4, max_tokens: int = 128, show_prompts: bool = False,
-               system: str = SYSTEM, prefix_cache: bool = True, force_first_call: bool = False
-               ) -> dict[str, Transcript]:
+def run_agents(model: str, engine: str = DEFAULT_ENGINE, agents: tuple[str, ...] = AGENTS,
+               max_steps: int = MAX_STEPS, max_tokens: int = AGENT_MAX_TOKENS,
+               show_prompts: bool = False, system: str = SYSTEM, prefix_cache: bool = True,
+               force_first_call: bool = False) -> dict[str, Transcript]:
     """Each agent's transcript (one model, loaded once through the shared cache);
     ``prefix_cache=False`` empties the model's prefix cache before every turn."""
     from llamaindex_specrag import SpeculativeLLM
@@ -316,8 +320,8 @@ def main() -> None:
     parser.add_argument("--model", default=DEFAULT_LM)
     parser.add_argument("--engine", default=DEFAULT_ENGINE)
     parser.add_argument("--agents", nargs="+", choices=AGENTS, default=list(AGENTS))
-    parser.add_argument("--max-steps", type=int, default=4, help="model turns per agent")
-    parser.add_argument("--max-tokens", type=int, default=128, help="per model turn")
+    parser.add_argument("--max-steps", type=int, default=MAX_STEPS, help="model turns per agent")
+    parser.add_argument("--max-tokens", type=int, default=AGENT_MAX_TOKENS, help="per model turn")
     parser.add_argument("--system", choices=sorted(SYSTEM_PROMPTS), default="stop",
                         help="system prompt: 'stop' also says when to stop calling the tool")
     parser.add_argument("--no-prefix-cache", action="store_true",

@@ -24,7 +24,7 @@ from shared_core.retrieval.embedding import (
     EmbeddingConfig,
     check_device,
     check_model,
-    check_text,
+    check_str,
     check_texts,
     embed,
 )
@@ -65,12 +65,12 @@ class SpecragEmbeddings(BaseModel, Embeddings):
         return embed(self._config(), check_texts(texts), "document")
 
     def embed_query(self, text: str) -> list[float]:
-        return embed(self._config(), [check_text(text)], "query")[0]
+        return embed(self._config(), [check_str(text)], "query")[0]
 
     async def aembed_documents(self, texts: list[str]) -> list[list[float]]:
         texts = check_texts(texts)
         return await run_in_executor(None, self.embed_documents, texts)
 
     async def aembed_query(self, text: str) -> list[float]:
-        check_text(text)
+        check_str(text)
         return await run_in_executor(None, self.embed_query, text)

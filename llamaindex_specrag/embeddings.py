@@ -28,7 +28,7 @@ from shared_core.retrieval.embedding import (
     EmbeddingConfig,
     check_device,
     check_model,
-    check_text,
+    check_str,
     check_texts,
     embed,
 )
@@ -85,20 +85,20 @@ class SpecragEmbedding(BaseEmbedding):
                                                        **kwargs)
 
     def _get_query_embedding(self, query: str) -> Embedding:
-        return embed(self._config(), [check_text(query, "query")], "query")[0]
+        return embed(self._config(), [check_str(query, "query")], "query")[0]
 
     def _get_text_embedding(self, text: str) -> Embedding:
-        return embed(self._config(), [check_text(text)], "document")[0]
+        return embed(self._config(), [check_str(text)], "document")[0]
 
     def _get_text_embeddings(self, texts: list[str]) -> list[Embedding]:
         return embed(self._config(), check_texts(texts), "document")
 
     async def _aget_query_embedding(self, query: str) -> Embedding:
-        check_text(query, "query")
+        check_str(query, "query")
         return await asyncio.to_thread(self._get_query_embedding, query)
 
     async def _aget_text_embedding(self, text: str) -> Embedding:
-        check_text(text)
+        check_str(text)
         return await asyncio.to_thread(self._get_text_embedding, text)
 
     async def _aget_text_embeddings(self, texts: list[str]) -> list[Embedding]:

@@ -52,7 +52,7 @@ from shared_core.constrained import (
     grammar_mask,
     xgrammar_available,
 )
-from shared_core.engines.registry import check_engine, check_engine_options, stream_engine
+from shared_core.engines.registry import check_engine_name, check_engine_options, stream_engine
 from shared_core.output import check_generation_field, generation_config, validate_messages
 from shared_core.rag_pickle import portable_options
 from shared_core.redact import redacted_repr_args, strip_credentials
@@ -134,7 +134,7 @@ class ChatSettings(BaseModel):
     @field_validator("engine", mode="before")
     @classmethod
     def _known_engine(cls, value: str) -> str:
-        return check_engine(value)
+        return check_engine_name(value)
 
     @field_validator("backend")
     @classmethod
@@ -303,7 +303,7 @@ def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: A
     (``max_token=16``) is a TypeError naming the closest one.
     """
     check_kwargs(kwargs, CALL_OPTIONS, type(settings).__name__)
-    engine = check_engine(kwargs.pop("engine", settings.engine))
+    engine = check_engine_name(kwargs.pop("engine", settings.engine))
     # the configured options belong to the configured engine; a per-call engine gets its own
     base = settings.engine_options if engine == settings.engine else {}
     per_call = check_engine_options(engine, kwargs.pop("engine_options", None) or {})

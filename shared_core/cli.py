@@ -19,15 +19,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from shared_core.bench.__main__ import main as bench_main
 
         return bench_main(argv[1:])
+    from shared_core.demo import DEMO_MAX_NEW_TOKENS, run_demo  # torch-free at import
+
     parser = argparse.ArgumentParser(prog="specrag", description="specrag command line")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="index a small knowledge base and answer with each engine")
-    demo.add_argument("--max-new-tokens", type=int, default=64)
+    demo.add_argument("--max-new-tokens", type=int, default=DEMO_MAX_NEW_TOKENS)
     sub.add_parser("bench", help="benchmarks and probes: specrag bench <name> --help")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
-    from shared_core.demo import run_demo
-
     _write("specrag demo: embedded offline models (SmolLM2-135M-Instruct, MiniLM and, when "
            "specrag[qwen] is installed, the Qwen2.5-Coder pair)")
     run_demo(args.max_new_tokens, write=_write)

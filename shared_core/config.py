@@ -24,9 +24,11 @@ DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedded sentence embedder
 DEFAULT_MAX_NEW_TOKENS = 256
 # Runtimes (shared_core.models.load_lm): "auto" picks llama.cpp for a GGUF on a CPU when it is
 # installed (measured 3-12x faster per step than torch there), torch on a GPU. The adapters and
-# the demo default to it; load_lm itself defaults to "torch", whose LM exposes a transformers model.
+# the demo default to it; load_lm itself (and the model cache under it) defaults to "torch",
+# whose LM exposes a transformers model.
 BACKENDS = ("auto", "torch", "llama.cpp")
 DEFAULT_BACKEND = "auto"
+LOAD_LM_BACKEND = "torch"
 # Speculative RAG (engine and RAG adapters) takes the same rule: on a CPU both its parts are
 # prompt reading and short batched decoding, where llama.cpp's quantized kernels beat torch
 # (results/s10/specrag_backend_*.json); "auto" still proves llama.cpp in a subprocess first.
@@ -111,7 +113,8 @@ def check_unicode(value: str, name: str) -> str:
 
 def check_text(value: Any, name: str) -> str:
     """A non-empty string (TypeError for another type, ValueError for blank or a lone
-    surrogate), returned as is."""
+    surrogate), returned as is. (Text to embed may be blank:
+    ``shared_core.retrieval.embedding.check_str``.)"""
     if not isinstance(value, str):
         msg = f"{name} must be a str, got {type(value).__name__}"
         raise TypeError(msg)
@@ -193,7 +196,8 @@ def check_timeout(timeout_s: Any, name: str = "retrieval_timeout_s") -> None:
 
 
 def check_number(value: Any, name: str, low: float, high: float) -> None:
-    """A real number (not bool; numpy floats pass) strictly between ``low`` and ``high``."""
+    """A real number (not bool; numpy floats pass) strictly between ``low`` and ``high`` (the
+    retrievers' closed interval is ``shared_core.retrieval._common.check_closed_range``)."""
     what = f"a number in ({low}, {high})"
     check_type(value, name, (numbers.Real,), what)
     _check(low < value < high, f"{name} must be {what}, got {value!r}")
@@ -278,8 +282,9 @@ class GenerationConfig:
 
     @classmethod
     def build(cls, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-              stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
-              top_p: float = 1.0, seed: int | None = None) -> GenerationConfig:
+              stop: Sequence[str] | str | None = None,
+              temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+              top_p: float = SamplingConfig.top_p, seed: int | None = None) -> GenerationConfig:
         """Validate loose keyword arguments into a config (the engines' public entry point)."""
         if isinstance(stop, str):
             stop = (stop,)

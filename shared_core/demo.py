@@ -26,6 +26,9 @@ logger = logging.getLogger(__name__)
 # 71% of NQ and 83% of SQuAD questions against 39-43% / 58% for SmolLM2 (results/s10).
 PAPER_VERIFIER = "qwen2.5-coder-1.5b-instruct"
 PAPER_DRAFTER = "qwen2.5-coder-0.5b-instruct"
+# Tokens per answer of the demo's token engines, smaller than DEFAULT_MAX_NEW_TOKENS (256) to keep
+# `specrag demo` to a few minutes on a CPU.
+DEMO_MAX_NEW_TOKENS = 64
 
 KNOWLEDGE_BASE = {
     "harbor": "Veldmark is a small harbor town on the northern coast. Its harbor was built in 1712 "
@@ -256,7 +259,7 @@ def token_engines_section(lm, retriever, max_new_tokens: int, write: Callable[[s
     return table
 
 
-def run_demo(max_new_tokens: int = 64, write: Callable[[str], None] = logger.info,
+def run_demo(max_new_tokens: int = DEMO_MAX_NEW_TOKENS, write: Callable[[str], None] = logger.info,
              verifier: str | None = None) -> dict:
     """Machine facts, Speculative RAG vs standard RAG, then the token-level engines; the tables."""
     from shared_core.device import cpu_facts

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
+from shared_core.config import LOAD_LM_BACKEND
 from shared_core.lora import ADAPTERS, SUFFIX
 from shared_core.model_lock import FairLock, lock_for
 
@@ -62,7 +63,7 @@ def _load(name: str, device: str | None, dtype: str | None, backend: str, served
 
 
 def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
-              backend: str = "torch", *, served: bool = True) -> LM:
+              backend: str = LOAD_LM_BACKEND, *, served: bool = True) -> LM:
     """The process-wide model for a name, path, URL or LoRA name (see the module docstring).
 
     ``served=False`` is for callers that need an in-process model (the token engines): a URL
@@ -79,7 +80,7 @@ def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
 
 
 def resolve_lm(model: Any, *, device: str | None = None, dtype: str | None = None,
-               backend: str = "torch") -> Any:
+               backend: str = LOAD_LM_BACKEND) -> Any:
     """``model`` as a model object: a string through the shared cache (:func:`cached_lm`),
     anything else as given."""
     if isinstance(model, str):
@@ -88,7 +89,7 @@ def resolve_lm(model: Any, *, device: str | None = None, dtype: str | None = Non
 
 
 def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
-                 backend: str = "torch") -> tuple[Any, FairLock]:
+                 backend: str = LOAD_LM_BACKEND) -> tuple[Any, FairLock]:
     """The shared in-process ``(model, lock)`` for a model config (the adapters' token engines),
     loaded on first use; a served model's URL is refused."""
     lm = cached_lm(model, device, dtype, backend, served=False)
@@ -96,7 +97,7 @@ def loaded_model(model: str, device: str | None = None, dtype: str | None = None
 
 
 def release(name: str, device: str | None = None, dtype: str | None = None,
-            backend: str = "torch") -> bool:
+            backend: str = LOAD_LM_BACKEND) -> bool:
     """Drop one cached model; True if it was cached.
 
     Generations already running keep their reference until they end; the next call that names

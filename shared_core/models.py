@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared_core.config import DEFAULT_EMBEDDER, check_backend, suggest_kwargs
+from shared_core.config import DEFAULT_EMBEDDER, LOAD_LM_BACKEND, check_backend, suggest_kwargs
 from shared_core.device import apply_thread_setting, resolve_device, resolve_dtype
 from shared_core.embedded import (
     CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
@@ -209,7 +209,7 @@ def _warn_if_probe_failed() -> None:
 @suggest_kwargs
 def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
-            cpu_linears: str = "dtype", backend: str = "torch", n_ctx: int | None = None,
+            cpu_linears: str = "dtype", backend: str = LOAD_LM_BACKEND, n_ctx: int | None = None,
             exact: bool = False, prefix_cache: bool | int | None = None) -> LM:
     """Load a causal LM by embedded alias, Hugging Face id, local folder or GGUF file.
 

@@ -15,6 +15,7 @@ from typing import Any
 from shared_core.config import (
     DEFAULT_MAX_NEW_TOKENS,
     GenerationConfig,
+    SamplingConfig,
     check_int,
     check_real,
     check_unicode,
@@ -122,7 +123,8 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 def generation_config(max_new_tokens: Any = DEFAULT_MAX_NEW_TOKENS, *,
                       name: str = "max_new_tokens", stop: Any = None,
-                      temperature: Any = 0.0, top_k: Any = 0, top_p: Any = 1.0,
+                      temperature: Any = SamplingConfig.temperature, top_k: Any = SamplingConfig.top_k,
+                      top_p: Any = SamplingConfig.top_p,
                       seed: Any = None) -> GenerationConfig:
     """:meth:`GenerationConfig.build` after type checks; ``name`` is the caller's word for
     ``max_new_tokens`` (``"max_tokens"`` in LangChain), so the error names what was passed."""

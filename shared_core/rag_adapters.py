@@ -112,7 +112,7 @@ def check_retriever(value: Any) -> Any:
     return value if value is None else check_retriever_like(value)
 
 
-def check_engine(value: Any, kind: str) -> Any:
+def check_prebuilt_engine(value: Any, kind: str) -> Any:
     """None or a prebuilt engine of ``kind`` (``"SpeculativeRAG"`` or ``"RaLMSpec"``)."""
     needs = {"SpeculativeRAG": ("answer", "with_config", "config"),
              "RaLMSpec": ("lm", "backend", "config")}[kind]
@@ -145,9 +145,9 @@ def engine_settings(config_type: type, names: Iterable[str]) -> Callable[[Any], 
     return validate
 
 
-def engine_check(kind: str) -> Callable[[Any], Any]:
-    """:func:`check_engine` for ``kind`` as a one-argument pydantic field validator."""
-    return lambda value: check_engine(value, kind)
+def prebuilt_engine_check(kind: str) -> Callable[[Any], Any]:
+    """:func:`check_prebuilt_engine` for ``kind`` as a one-argument pydantic field validator."""
+    return lambda value: check_prebuilt_engine(value, kind)
 
 
 # ----------------------------------------------------------------------------- built from settings
@@ -206,7 +206,7 @@ class SpeculativeRAGEngines:
     def get(self, settings: Any, prompt: PromptMessages | None) -> SpeculativeRAG:
         """The engine for ``settings`` (read, never called back) and the prompt setting already
         in the engine's form."""
-        check_engine(settings.engine, "SpeculativeRAG")
+        check_prebuilt_engine(settings.engine, "SpeculativeRAG")
         knobs = {name: getattr(settings, name) for name in SPECRAG_KNOBS}
         knobs["prompt"] = prompt
         knobs.update(specrag_budgets(settings.max_new_tokens))

@@ -25,7 +25,7 @@ from shared_core.config import (
 )
 
 SubsetStrategy = Literal["cluster", "random", "same_cluster"]
-Selection = Literal["score", "vote", "random"]
+DraftSelection = Literal["score", "vote", "random"]  # Speculative RAG: which draft answers
 DraftOrder = Literal["rationale_first", "answer_first"]
 
 EMBED_INSTRUCTION = "Represent this document for answering the question: {question}\nDocument: "
@@ -97,7 +97,7 @@ class SpeculativeRAGConfig:
     use_draft_score: bool = True  # ρ_draft
     use_self_contain: bool = True  # ρ_SC
     use_self_reflect: bool = True  # ρ_SR
-    selection: Selection = "score"  # "vote": most common answer; "random": ablation
+    selection: DraftSelection = "score"  # "vote": most common answer; "random": ablation
     length_normalize: bool = False  # mean instead of summed log ρ_draft and log ρ_SC
     force_answer_line: bool = False  # continue drafts that stop without "Answer:" (2nd generate)
     draft_order: DraftOrder = "rationale_first"  # the paper's; "answer_first" prefills "Answer:"
@@ -214,9 +214,9 @@ __all__ = [
     "PROMPT_VARIABLES",
     "RALMSPEC_MAX_NEW_TOKENS",
     "DraftOrder",
+    "DraftSelection",
     "PromptMessages",
     "RaLMSpecConfig",
-    "Selection",
     "SpeculativeRAGConfig",
     "SpeculativeRetrievalConfig",
     "SubsetStrategy",

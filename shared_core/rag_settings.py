@@ -35,8 +35,8 @@ from shared_core.rag_adapters import (
     RaLMSpecEngines,
     SpeculativeRAGEngines,
     check_retriever,
-    engine_check,
     engine_settings,
+    prebuilt_engine_check,
 )
 from shared_core.rag_config import (
     RALMSPEC_MAX_NEW_TOKENS,
@@ -189,7 +189,7 @@ class SpeculativeRAGSettings(RAGSettings):
     max_new_tokens: int | None = Field(default=None, ge=1)
     _engines: SpeculativeRAGEngines = PrivateAttr(default_factory=SpeculativeRAGEngines)
 
-    _check_engine = field_validator("engine")(engine_check("SpeculativeRAG"))
+    _check_prebuilt_engine = field_validator("engine")(prebuilt_engine_check("SpeculativeRAG"))
     _check_backend = field_validator("backend")(check_backend)  # also with a prebuilt engine
     _engine_settings = model_validator(mode="before")(_specrag_given)
 
@@ -251,7 +251,7 @@ class RaLMSpecSettings(RAGSettings):
     baseline: bool = False
     _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
 
-    _check_engine = field_validator("engine")(engine_check("RaLMSpec"))
+    _check_prebuilt_engine = field_validator("engine")(prebuilt_engine_check("RaLMSpec"))
     _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
                                                                       RALMSPEC_KNOBS))
 

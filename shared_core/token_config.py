@@ -27,7 +27,7 @@ DRAFTER_KV = ("own", "target")
 RAPID_OPTIONS = ("method", "decoder", "draft_lm", "embedder")
 RESPEC_OPTIONS = ("draft_lm", "corpus")
 Verification = Literal["strict", "relaxed"]
-Selection = Literal["ema", "first"]
+CandidateSelection = Literal["ema", "first"]  # ReSpec: which retrieved candidate drafts
 Fallback = Literal["auto", "model", "prompt_lookup", "none"]
 
 
@@ -106,7 +106,7 @@ class ReSpecConfig:
     lookback: int = 3  # l
     min_match_len: int = 2  # shortest suffix key worth retrieving with
     # What: feedback-driven candidate selection
-    selection: Selection = "ema"  # "first" = first match position only (ablation)
+    selection: CandidateSelection = "ema"  # "first" = first match position only (ablation)
     ema_alpha: float = 0.5  # α
     ema_init: float = 0.5  # score of a new position (with learn_new_score: the first one's)
     # A new position starts at the request's running score of new positions (its EMA over the
@@ -154,7 +154,7 @@ class ReSpecConfig:
             require(0 <= getattr(self, name) <= 1, name, "in [0, 1]", getattr(self, name))
         require(0 < self.ema_alpha <= 1, "ema_alpha", "in (0, 1]", self.ema_alpha)
         require(0 < self.token_cost < 1, "token_cost", "in (0, 1)", self.token_cost)
-        check_choice(self.selection, "selection", get_args(Selection))
+        check_choice(self.selection, "selection", get_args(CandidateSelection))
         check_choice(self.verification, "verification", get_args(Verification))
         check_choice(self.fallback, "fallback", get_args(Fallback))
         check_choice(self.cache, "cache", CACHE_KINDS)

@@ -32,6 +32,7 @@ import logging
 import random
 import re
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,8 +46,22 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["ADAPTERS", "ADAPTER_ROOT", "build_examples", "encode_example", "load_tuned_drafter",
-           "main", "nq_examples", "squad_examples", "train", "train_lora"]
+__all__ = ["ADAPTERS", "ADAPTER_ROOT", "TrainDrafterConfig", "build_examples", "encode_example",
+           "load_tuned_drafter", "main", "nq_examples", "squad_examples", "train", "train_lora"]
+
+
+@dataclass(frozen=True)
+class TrainDrafterConfig:
+    """The recipe's defaults, written once (``train_lora`` and the command line read them)."""
+
+    examples: int = 400  # training pairs, half SQuAD half NQ
+    epochs: int = 1
+    batch_size: int = 4
+    lr: float = 3e-4
+    rank: int = 8  # LoRA rank (alpha = 2 * rank)
+    max_len: int = 512  # tokens per example (prompt + target, cut from the left)
+    seed: int = 0
+
 
 # --------------------------------------------------------------------------- data
 
@@ -127,8 +142,10 @@ def encode_example(lm: LM, ex: dict[str, Any], max_len: int) -> tuple[list[int],
 # --------------------------------------------------------------------------- training
 
 
-def train_lora(lm: LM, encoded: list[tuple[list[int], list[int]]], *, epochs: int = 1,
-               batch_size: int = 4, lr: float = 3e-4, rank: int = 8, seed: int = 0
+def train_lora(lm: LM, encoded: list[tuple[list[int], list[int]]], *,
+               epochs: int = TrainDrafterConfig.epochs,
+               batch_size: int = TrainDrafterConfig.batch_size, lr: float = TrainDrafterConfig.lr,
+               rank: int = TrainDrafterConfig.rank, seed: int = TrainDrafterConfig.seed
                ) -> tuple[Any, list[float]]:
     """LoRA (q/k/v/o projections) over pre-encoded examples; returns (peft model, losses)."""
     import torch
@@ -202,14 +219,15 @@ def _step(model: Any, batch: list[tuple[list[int], list[int]]], pad_id: int) -> 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="LoRA-tune the Speculative RAG drafter")
+    recipe = TrainDrafterConfig()
     parser.add_argument("--base", default=DEFAULT_LM)
-    parser.add_argument("--examples", type=int, default=400)
-    parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--max-len", type=int, default=512)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--examples", type=int, default=recipe.examples)
+    parser.add_argument("--epochs", type=int, default=recipe.epochs)
+    parser.add_argument("--batch-size", type=int, default=recipe.batch_size)
+    parser.add_argument("--lr", type=float, default=recipe.lr)
+    parser.add_argument("--rank", type=int, default=recipe.rank)
+    parser.add_argument("--max-len", type=int, default=recipe.max_len)
+    parser.add_argument("--seed", type=int, default=recipe.seed)
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--out", default=str(ADAPTERS["smollm2-135m-instruct+specrag"][1]))
     args = parser.parse_args(argv)

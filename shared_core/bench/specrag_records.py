@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_core.engines.speculative_rag.results import (
-    Draft,
+    AnswerDraft,
     SpeculativeRAGResult,
     SpeculativeRAGStats,
     StandardRAGResult,
@@ -51,7 +51,7 @@ def output_of(record: dict[str, Any]) -> Output:
     if record["kind"] == "standard":
         return StandardRAGResult(text=record["text"], raw=record["raw"], documents=docs,
                                  stats=StandardRAGStats(**record["stats"]))
-    drafts = tuple(Draft(**{**d, "doc_ids": tuple(d["doc_ids"]),
+    drafts = tuple(AnswerDraft(**{**d, "doc_ids": tuple(d["doc_ids"]),
                             "doc_indices": tuple(d["doc_indices"])}) for d in record["drafts"])
     return SpeculativeRAGResult(text=record["text"], rationale=record["rationale"],
                                 best=record["best"], drafts=drafts, documents=docs,

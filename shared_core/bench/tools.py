@@ -35,10 +35,13 @@ from shared_core.config import DEFAULT_LM
 from shared_core.device import cpu_facts
 
 logger = logging.getLogger(__name__)
+# Tokens per reply, smaller than DEFAULT_MAX_NEW_TOKENS (256) to keep the benchmark short: a tool
+# call or a small JSON object fits.
+TOOLS_MAX_NEW_TOKENS = 64
 
 
 class _Settings(ChatSettings):
-    max_new_tokens: int = 64
+    max_new_tokens: int = TOOLS_MAX_NEW_TOKENS
 
 
 def _tool(name: str, description: str, **params: tuple[type, str]) -> dict[str, Any]:
@@ -150,7 +153,7 @@ EXTRACTION: list[tuple[str, type[BaseModel]]] = [
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=DEFAULT_LM)
     parser.add_argument("--limit", type=int, default=None, help="prompts per set")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=TOOLS_MAX_NEW_TOKENS)
     parser.add_argument("--engines", nargs="+", default=["autoregressive", "respec"])
     parser.add_argument("--part", choices=["tools", "extraction", "both"], default="both")
     parser.add_argument("--tool-choices", nargs="+", default=["auto", "required"],

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS, CacheKind
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, CacheKind, SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.engines.loop import (
@@ -51,7 +51,8 @@ def stream_autoregressive(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_
 
 
 def autoregressive_generate(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-                            temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                            temperature: float = SamplingConfig.temperature,
+                            top_k: int = SamplingConfig.top_k, top_p: float = SamplingConfig.top_p,
                             stop: Sequence[str] | str | None = None, seed: int | None = None,
                             cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None
                             ) -> GenerationResult:
@@ -127,8 +128,10 @@ def stream_speculative(lm: LM, drafter: Drafter | LM, prompt: Prompt,
 
 def speculative_generate(lm: LM, drafter: Drafter | LM, prompt: Prompt,
                          max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-                         k: int = DEFAULT_DRAFT_TOKENS, temperature: float = 0.0, top_k: int = 0,
-                         top_p: float = 1.0, stop: Sequence[str] | str | None = None, seed: int | None = None,
+                         k: int = DEFAULT_DRAFT_TOKENS,
+                         temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+                         top_p: float = SamplingConfig.top_p, stop: Sequence[str] | str | None = None,
+                         seed: int | None = None,
                          cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None
                          ) -> GenerationResult:
     """Classic speculative decoding with any drafter; lossless (greedy and sampled)."""

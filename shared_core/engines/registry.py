@@ -43,7 +43,7 @@ ENGINE_OPTIONS: dict[str, tuple[type | None, tuple[str, ...]]] = {
 }
 
 
-def check_engine(name: str) -> str:
+def check_engine_name(name: str) -> str:
     """``name`` if it is a registered token engine, else a ValueError naming the choices (a
     TypeError for a non-string)."""
     if not isinstance(name, str):
@@ -59,7 +59,7 @@ def check_engine_options(name: str, options: Any) -> dict[str, Any]:
     """``options`` if engine ``name`` takes them, checked without importing torch or touching a
     model: an unknown key is a TypeError naming it and the closest valid one, a bad config value
     the config's own TypeError / ValueError naming the field."""
-    config, others = ENGINE_OPTIONS[check_engine(name)]
+    config, others = ENGINE_OPTIONS[check_engine_name(name)]
     if not isinstance(options, dict):
         msg = f"engine_options must be a dict, got {type(options).__name__}"
         raise TypeError(msg)
@@ -71,7 +71,7 @@ def check_engine_options(name: str, options: Any) -> dict[str, Any]:
 
 
 def engine_function(name: str) -> Callable[..., TokenStream]:
-    module, attr = TOKEN_ENGINES[check_engine(name)].split(":")
+    module, attr = TOKEN_ENGINES[check_engine_name(name)].split(":")
     return getattr(importlib.import_module(module), attr)
 
 

@@ -106,9 +106,9 @@ class BM25Retriever:
         if not isinstance(method, str) or method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
             raise ValueError(msg)
-        k1 = _common.check_number(k1, "k1", 0.0)
-        b = _common.check_number(b, "b", 0.0, 1.0)
-        delta = _common.check_number(delta, "delta", 0.0)
+        k1 = _common.check_closed_range(k1, "k1", 0.0)
+        b = _common.check_closed_range(b, "b", 0.0, 1.0)
+        delta = _common.check_closed_range(delta, "delta", 0.0)
         self.k1, self.b, self.method, self.delta = k1, b, method, delta
         self.stopwords = None if stopwords is None else (
             stopwords if isinstance(stopwords, str) else list(stopwords))

@@ -71,7 +71,10 @@ def check_device(device: Any, name: str = "device") -> str | None:
     return device
 
 
-def check_text(text: Any, name: str = "text") -> str:
+def check_str(text: Any, name: str = "text") -> str:
+    """``text`` if it is a str, blank or empty included (a TypeError otherwise): anything can be
+    embedded. Question and query text, which must not be blank, is
+    :func:`shared_core.config.check_text`'s."""
     if not isinstance(text, str):
         msg = f"{name} must be a str, got {type(text).__name__} {text!r:.80}"
         raise TypeError(msg)
@@ -88,7 +91,7 @@ def check_texts(texts: Any, name: str = "texts") -> list[str]:
         raise TypeError(msg)
     texts = list(texts)
     for i, text in enumerate(texts):
-        check_text(text, f"{name}[{i}]")
+        check_str(text, f"{name}[{i}]")
     return texts
 
 

@@ -16,7 +16,7 @@ from shared_core.bench.specrag_records import (
     start_records,
 )
 from shared_core.engines.speculative_rag import (
-    Draft,
+    AnswerDraft,
     SpeculativeRAGResult,
     SpeculativeRAGStats,
     StandardRAGResult,
@@ -29,7 +29,7 @@ SIGNATURE = {"dataset": "nq", "methods": ["rag_verifier", "specrag"]}
 
 def _results() -> dict:
     docs = (Document("d0", "text zero"), Document("d1", "text one"))
-    draft = Draft("Paris", "because", "Rationale: because\nAnswer: Paris", ("d0", "d1"), (0, 1),
+    draft = AnswerDraft("Paris", "because", "Rationale: because\nAnswer: Paris", ("d0", "d1"), (0, 1),
                   True, log_draft=-1.5, log_self_contain=-3.25, log_self_reflect=-0.5,
                   score=-5.25, draft_tokens=7, self_contain_tokens=9)
     spec = SpeculativeRAGResult("Paris", "because", 0, (draft,), docs,

@@ -318,3 +318,11 @@ def test_verify_tree_relaxed_picks_longest_path() -> None:
     strict = verify_tree_relaxed(tokens, parents, logits, top_k=2, tau=1.0, lookahead=2,
                                  max_relaxed=0)
     assert strict.path == () and strict.next_token == 0
+
+
+def test_selection_is_kept_as_the_earlier_name_of_candidate_selection():
+    from typing import get_args
+
+    from shared_core.engines.respec import CandidateSelection, Selection
+
+    assert Selection is CandidateSelection and get_args(Selection) == ("ema", "first")

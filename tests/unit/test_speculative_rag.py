@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from shared_core.engines.speculative_rag import (
-    Draft,
+    AnswerDraft,
     SpeculativeRAG,
     SpeculativeRAGConfig,
     check_inputs,
@@ -167,16 +167,23 @@ def test_drafter_only_needs_no_verifier(drafter):
 
 
 def test_score_switches_and_random_selection():
-    drafts = [Draft("a", "", "", (), (), True, log_draft=-1.0, score=-3.0),
-              Draft("b", "", "", (), (), True, log_draft=-2.0, score=-1.0)]
+    drafts = [AnswerDraft("a", "", "", (), (), True, log_draft=-1.0, score=-3.0),
+              AnswerDraft("b", "", "", (), (), True, log_draft=-2.0, score=-1.0)]
     assert select_best(drafts, "score", random.Random(0)) == 1
     picks = {select_best(drafts, "random", random.Random(s)) for s in range(20)}
     assert picks == {0, 1}
 
 
+def test_draft_is_kept_as_the_earlier_name_of_answer_draft():
+    from shared_core.drafters.base import Draft as TokenDraft
+    from shared_core.engines.speculative_rag import Draft
+
+    assert Draft is AnswerDraft and TokenDraft is not AnswerDraft
+
+
 def test_vote_selects_the_answer_most_drafts_agree_on():
-    def draft(answer: str, score: float) -> Draft:
-        return Draft(answer, "", "", (), (), True, log_draft=score, score=score)
+    def draft(answer: str, score: float) -> AnswerDraft:
+        return AnswerDraft(answer, "", "", (), (), True, log_draft=score, score=score)
 
     drafts = [draft("Berlin", -1.0), draft("the Paris.", -9.0), draft("paris", -5.0), draft("", -2.0),
               draft("", -3.0)]
@@ -189,8 +196,8 @@ def test_vote_selects_the_answer_most_drafts_agree_on():
 
 
 def test_length_normalised_score_divides_by_token_counts():
-    d = Draft("a", "", "", (), (), True, log_draft=-6.0, log_self_contain=-8.0,
-              log_self_reflect=-0.5, draft_tokens=3, self_contain_tokens=4)
+    d = AnswerDraft("a", "", "", (), (), True, log_draft=-6.0, log_self_contain=-8.0,
+                    log_self_reflect=-0.5, draft_tokens=3, self_contain_tokens=4)
     assert combined_score(d, SpeculativeRAGConfig()) == pytest.approx(-14.5)
     normalised = SpeculativeRAGConfig(length_normalize=True)
     assert combined_score(d, normalised) == pytest.approx(-2.0 - 2.0 - 0.5)
@@ -383,10 +390,10 @@ def test_bench_metrics_and_reselection():
     assert is_correct("pubhealth", "No, vaping is not banned", ["false"])
     assert not is_correct("pubhealth", "Vaping bans in India", ["true"])  # no verdict cue
     assert not is_correct("pubhealth", "Notably the claim is incorrect", ["true"])  # not "no"
-    drafts = (Draft("a", "", "", ("d0",), (0,), True, log_draft=-1.0, log_self_contain=-9.0,
-                    log_self_reflect=-1.0, score=-11.0),
-              Draft("b", "", "", ("d1",), (1,), True, log_draft=-5.0, log_self_contain=-2.0,
-                    log_self_reflect=-1.0, score=-8.0))
+    drafts = (AnswerDraft("a", "", "", ("d0",), (0,), True, log_draft=-1.0,
+                          log_self_contain=-9.0, log_self_reflect=-1.0, score=-11.0),
+              AnswerDraft("b", "", "", ("d1",), (1,), True, log_draft=-5.0,
+                          log_self_contain=-2.0, log_self_reflect=-1.0, score=-8.0))
     result = SpeculativeRAGResult("b", "", 1, drafts, tuple(DOCS[:2]),
                                   SpeculativeRAGStats(verify_s=2.0, total_s=5.0))
     cfg = SpeculativeRAGConfig()

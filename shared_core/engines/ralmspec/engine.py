@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from shared_core.config import GenerationConfig
+from shared_core.config import GenerationConfig, SamplingConfig
 from shared_core.engines.loop import TokenStream
 from shared_core.engines.os3 import OS3Scheduler
 from shared_core.engines.ralmspec.backends import as_backend, await_search, start_search
@@ -253,7 +253,8 @@ class RaLMSpec:
         return call.stream(_ralmseq_blocks(call))
 
     def generate(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+                 top_p: float = SamplingConfig.top_p,
                  stop: Sequence[str] | str | None = None, seed: int | None = None
                  ) -> GenerationResult:
         return self.stream(question, max_new_tokens, temperature=temperature, top_k=top_k,
@@ -281,7 +282,8 @@ class RaLMSpec:
         return await asyncio.to_thread(self.batch, questions, max_new_tokens, **sampling)
 
     def generate_baseline(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
-                          temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                          temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+                          top_p: float = SamplingConfig.top_p,
                           stop: Sequence[str] | str | None = None, seed: int | None = None
                           ) -> GenerationResult:
         return self.stream_baseline(question, max_new_tokens, temperature=temperature,

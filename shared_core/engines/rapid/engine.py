@@ -16,6 +16,7 @@ from shared_core.config import (
     DEFAULT_MAX_NEW_TOKENS,
     CacheKind,
     GenerationConfig,
+    SamplingConfig,
     check_text,
     suggest_kwargs,
 )
@@ -160,9 +161,10 @@ class RapidDecoder(RapidContext):
     def stream(self, context: str, query: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                method: str = "rapid", eta: float | None = None, gamma: int | None = None,
                drafter_kv: str | None = None, adaptive_gamma: bool | None = None,
-               stop: Sequence[str] | str | None = None, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, logits_mask: LogitsMask | None = None
-               ) -> TokenStream:
+               stop: Sequence[str] | str | None = None,
+               temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+               top_p: float = SamplingConfig.top_p, seed: int | None = None,
+               logits_mask: LogitsMask | None = None) -> TokenStream:
         """Answer ``query`` over ``context`` as a stream of text deltas.
 
         Args:

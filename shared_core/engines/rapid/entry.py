@@ -11,6 +11,7 @@ from typing import Any
 
 from shared_core.config import (
     DEFAULT_EMBEDDER,
+    SamplingConfig,
     check_kwargs,
 )
 from shared_core.engines.loop import LogitsMask, Prompt, TokenStream, kept
@@ -99,7 +100,8 @@ def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidCon
 
 def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                  documents: Sequence[str] | None = None, stop: Sequence[str] | str | None = None,
-                 temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                 temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+                 top_p: float = SamplingConfig.top_p,
                  seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
                  draft_lm: LM | None = None, embedder: Any = DEFAULT_EMBEDDER,
                  engine_state: dict[str, Any] | None = None,

@@ -39,11 +39,16 @@ from shared_core.engines.respec.drafting import (
     entropy_trigger,
 )
 from shared_core.engines.respec.engine import ReSpecDecoder, respec_generate, stream_respec
-from shared_core.token_config import Fallback, ReSpecConfig, Selection, Verification
+from shared_core.token_config import CandidateSelection, Fallback, ReSpecConfig, Verification
+
+# the earlier name of CandidateSelection, kept so existing imports work (Speculative RAG's draft
+# selection is shared_core.rag_config.DraftSelection)
+Selection = CandidateSelection
 
 __all__ = [
     "NO_DRAFT",
     "Candidate",
+    "CandidateSelection",
     "Fallback",
     "ReSpecConfig",
     "ReSpecDecoder",

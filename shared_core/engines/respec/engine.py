@@ -13,6 +13,7 @@ import torch
 from shared_core.config import (
     DEFAULT_MAX_NEW_TOKENS,
     GenerationConfig,
+    SamplingConfig,
     check_kwargs,
     check_unicode,
     suggest_kwargs,
@@ -78,8 +79,9 @@ class ReSpecDecoder:
     @suggest_kwargs
     def stream(self, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                documents: Sequence[str | Sequence[int]] | None = None,
-               stop: Sequence[str] | str | None = None, temperature: float = 0.0,
-               top_k: int = 0, top_p: float = 1.0, seed: int | None = None,
+               stop: Sequence[str] | str | None = None,
+               temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+               top_p: float = SamplingConfig.top_p, seed: int | None = None,
                logits_mask: LogitsMask | None = None) -> TokenStream:
         """Start a generation; iterate the stream for text deltas, then read ``.result``.
 
@@ -286,7 +288,8 @@ _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ReSpecConfig))
 def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                   documents: Sequence[str | Sequence[int]] | None = None,
                   stop: Sequence[str] | str | None = None,
-                  temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+                  temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+                  top_p: float = SamplingConfig.top_p,
                   seed: int | None = None, draft_lm: LM | None = None,
                   corpus: Sequence[str] | StaticIndex | None = None,
                   engine_state: dict[str, Any] | None = None,

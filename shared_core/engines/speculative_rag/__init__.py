@@ -53,7 +53,7 @@ from shared_core.engines.speculative_rag.prompts import (
     render_prompt,
 )
 from shared_core.engines.speculative_rag.results import (
-    Draft,
+    AnswerDraft,
     RAGStats,
     SpeculativeRAGResult,
     SpeculativeRAGStats,
@@ -82,6 +82,10 @@ from shared_core.retrieval.frameworks import (
     to_documents,
 )
 
+# the earlier name of AnswerDraft, kept so existing imports work (a token drafter's proposal is
+# shared_core.drafters.base.Draft)
+Draft = AnswerDraft
+
 __all__ = [
     "DRAFT_INSTRUCTION",
     "DRAFT_INSTRUCTION_ANSWER_FIRST",
@@ -89,6 +93,7 @@ __all__ = [
     "MAX_ENUMERATED_SUBSETS",
     "RAG_INSTRUCTION",
     "REFLECTION",
+    "AnswerDraft",
     "Draft",
     "EventHook",
     "RAGStats",

@@ -33,7 +33,7 @@ from shared_core.engines.speculative_rag.prompts import (
     rag_prompt,
 )
 from shared_core.engines.speculative_rag.results import (
-    Draft,
+    AnswerDraft,
     SpeculativeRAGResult,
     SpeculativeRAGStats,
     StandardRAGResult,
@@ -223,7 +223,7 @@ class SpeculativeRAG:
 
     # -- 2. drafting
     def draft(self, question: str, docs: Sequence[Document], subsets: Sequence[tuple[int, ...]],
-              stats: SpeculativeRAGStats) -> list[Draft]:
+              stats: SpeculativeRAGStats) -> list[AnswerDraft]:
         """Batched drafting of (rationale, answer) for every subset in one generate.
 
         A small drafter often stops after its rationale. With ``force_answer_line`` those rows
@@ -254,7 +254,7 @@ class SpeculativeRAG:
             rationale, answer, ok = parse(raw)
             stats.parse_fallbacks += not ok
             stats.draft_new_tokens += len(ids)
-            drafts.append(Draft(answer=answer, rationale=rationale, raw=raw,
+            drafts.append(AnswerDraft(answer=answer, rationale=rationale, raw=raw,
                                 doc_ids=tuple(docs[i].id for i in subset), doc_indices=subset,
                                 parsed=ok, log_draft=sum(logps), draft_tokens=len(logps)))
         stats.draft_prompt_tokens = sum(len(p) for p in prompts)
@@ -281,8 +281,8 @@ class SpeculativeRAG:
         return rows, texts
 
     # -- 3. verification + 4. selection
-    def score(self, question: str, drafts: Sequence[Draft], stats: SpeculativeRAGStats
-              ) -> list[Draft]:
+    def score(self, question: str, drafts: Sequence[AnswerDraft], stats: SpeculativeRAGStats
+              ) -> list[AnswerDraft]:
         cfg = self.config
         verified: list[tuple[float | None, float | None, int]] = [(None, None, 0)] * len(drafts)
         if cfg.needs_verifier:

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from shared_core.config import LOAD_LM_BACKEND
 from shared_core.model_cache import check_model_name as check_model_name  # re-exported
 from shared_core.model_cache import resolve_lm
 from shared_core.rag_config import SpeculativeRAGConfig
@@ -51,7 +52,7 @@ def check_inputs(question: Any, documents: Sequence[Any] | None,
     return question.strip()
 
 
-def load_model(model: LM | str, dtype: str | None, backend: str = "torch") -> LM:
+def load_model(model: LM | str, dtype: str | None, backend: str = LOAD_LM_BACKEND) -> LM:
     """A drafter / verifier through the models layer's one resolver (names, paths, URLs, LoRA
     names); a dtype is a torch setting, so it keeps torch."""
     return resolve_lm(model, dtype=dtype, backend="torch" if dtype else backend)

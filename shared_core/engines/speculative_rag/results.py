@@ -45,7 +45,7 @@ class SpeculativeRAGStats(RAGStats):
 
 
 @dataclass(frozen=True)
-class Draft:
+class AnswerDraft:
     """One drafted (rationale, answer) with its subset and log-scores (``None`` = not computed)."""
 
     answer: str
@@ -72,7 +72,7 @@ class SpeculativeRAGResult:
     text: str
     rationale: str
     best: int
-    drafts: tuple[Draft, ...]
+    drafts: tuple[AnswerDraft, ...]
     documents: tuple[Document, ...]
     stats: SpeculativeRAGStats
 

@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from shared_core.engines.speculative_rag.prompts import REFLECTION
-from shared_core.engines.speculative_rag.results import Draft
-from shared_core.rag_config import Selection, SpeculativeRAGConfig
+from shared_core.engines.speculative_rag.results import AnswerDraft
+from shared_core.rag_config import DraftSelection, SpeculativeRAGConfig
 
 if TYPE_CHECKING:
     import torch
@@ -110,7 +110,7 @@ def normalize_answer(text: str) -> str:
     return " ".join(re.sub(r"\b(a|an|the)\b", " ", text).split())
 
 
-def combined_score(draft: Draft, config: SpeculativeRAGConfig) -> float:
+def combined_score(draft: AnswerDraft, config: SpeculativeRAGConfig) -> float:
     """log ρ_draft + log ρ_SC + log ρ_SR with the config's switches (missing scores count 0)."""
     def part(logp: float | None, tokens: int) -> float:
         if logp is None:
@@ -123,7 +123,7 @@ def combined_score(draft: Draft, config: SpeculativeRAGConfig) -> float:
             + (part(draft.log_self_reflect, 1) if config.use_self_reflect else 0.0))
 
 
-def select_best(drafts: Sequence[Draft], selection: Selection, rng: random.Random) -> int:
+def select_best(drafts: Sequence[AnswerDraft], selection: DraftSelection, rng: random.Random) -> int:
     """Index of the selected draft: highest score (first on ties), the best-scored draft of the
     answer most drafts agree on (``"vote"``; empty answers get no votes), or a seeded random one."""
     if selection == "random":
