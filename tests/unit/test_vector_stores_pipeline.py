@@ -54,9 +54,13 @@ def test_batch_equals_ralmseq_per_question_with_fewer_searches(retriever, tiny_t
     assert [r.token_ids for r in alone] == [r.token_ids for r in refs]
     pipelined = [r.stats.first_retrieval_pipelined for r in batched]
     assert pipelined[0] is False and sum(pipelined) >= 1
-    # every pipelined question saved its own first search; none was added
-    assert len(retriever.batches) == calls_alone - sum(pipelined)
     assert sum(r.stats.backend_searches for r in batched) == len(retriever.batches)
+    if not switches:
+        # every pipelined question saved its own first search; none was added. With async
+        # verification or prefetching, how many speculative steps run before a verification
+        # returns depends on timing, and so does the number of searches (16 or 17 of 19 seen
+        # on one machine): only the synchronous engine's count is fixed.
+        assert len(retriever.batches) == calls_alone - sum(pipelined)
 
 
 async def test_abatch_equals_batch(retriever, tiny_target) -> None:
