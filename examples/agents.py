@@ -133,9 +133,9 @@ def _loaded(model: str) -> Any:
 
 def forget_prefixes(model: str) -> None:
     """Empty the llama.cpp prefix cache of ``model`` (a no-op on torch, which keeps none)."""
-    runtime = getattr(_loaded(model), "model", None)
-    if hasattr(runtime, "clear_prefix_cache"):
-        runtime.clear_prefix_cache()
+    from shared_core.lm import clear_prefix_cache
+
+    clear_prefix_cache(_loaded(model))
 
 
 class TurnRecorder(BaseCallbackHandler):
