@@ -6,6 +6,8 @@ length counter (gpt-fast's rule: stale slots are never read because the cache ex
 the valid prefix), and keeping a tree branch gathers its slots into place. ``cache="dynamic"``
 selects transformers' concatenating ``DynamicCache`` instead; both are measured by
 ``python -m shared_core.bench kv`` and share the one rollback helper, :func:`rollback`.
+A fresh session's first ``prefill`` starts from the longest prompt prefix the model keeps
+(:mod:`shared_core.kv_prefix`) and stores what it read.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from shared_core.config import CacheKind
+from shared_core.kv_prefix import Layers, PrefixStore, store_for, weights_version
+from shared_core.kv_prefix import common_prefix_length as common_prefix_length  # re-exported
 from shared_core.lm import LM
 
 _MIN_CAPACITY = 256
@@ -78,14 +82,6 @@ class GrowingLayer(DynamicLayer):
         if self.is_initialized:
             self.length = 0
             self._publish()
-
-
-def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
-    """How many leading ids ``a`` and ``b`` share (what a session keeps when it syncs)."""
-    common, limit = 0, min(len(a), len(b))
-    while common < limit and a[common] == b[common]:
-        common += 1
-    return common
 
 
 def make_cache(kind: CacheKind) -> Cache:
@@ -186,6 +182,8 @@ class KVSession:
         self.tokens: list[int] = []
         self.forwards = 0
         self.position_offset = 0
+        self.reused_tokens = 0  # prompt ids whose KV came from the model's prefix store
+        self._prefilled_only = True  # every cached position came from a completed prefill
 
     @torch.inference_mode()
     def copy_positions(self, source: KVSession, positions: Sequence[int]) -> None:
@@ -197,6 +195,7 @@ class KVSession:
         if source.lm is not self.lm:
             msg = "copy_positions needs a source session on the same model"
             raise ValueError(msg)
+        self._prefilled_only = False
         index = torch.tensor(list(positions), dtype=torch.long, device=self.lm.device)
         if index.numel() and (bool((index[1:] <= index[:-1]).any()) or int(index[0]) < 0
                               or int(index[-1]) >= len(source)):
@@ -256,12 +255,47 @@ class KVSession:
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> torch.Tensor | None:
-        """Append ``ids`` in chunks; return the ``[V]`` logits after the last one (None if empty)."""
+        """Append ``ids`` in chunks ending on multiples of the chunk size; return the ``[V]``
+        logits after the last one (None if empty). A fresh session starts from the longest prefix
+        of ``ids`` the model's prefix store holds; a completed prefill stores what it read."""
+        store = store_for(self.lm.model)
+        keep = store is not None and store.budget > 0
+        if keep and not self.tokens and not self.position_offset:
+            ids = ids[self._reuse(store, ids):]
+        exact = store is not None and store.exact
+        chunk = min(self.prefill_chunk, store.grid) if exact else self.prefill_chunk
         logits = None
-        for start in range(0, len(ids), self.prefill_chunk):
-            chunk = ids[start : start + self.prefill_chunk]
-            logits = self._forward(chunk, logits_to_keep=1)[-1]
+        try:
+            while ids:
+                size = chunk - (len(self.tokens) + self.position_offset) % chunk
+                logits = self._forward(ids[:size], logits_to_keep=1)[-1]
+                ids = ids[size:]
+        except BaseException:
+            self._prefilled_only = False  # never store what followed a failed or interrupted call
+            raise
+        if keep and self._prefilled_only and not self.position_offset:
+            self._store(store)
         return logits
+
+    def _reuse(self, store: PrefixStore, ids: Sequence[int]) -> int:
+        """Start from a copy of the longest stored prefix of ``ids``; return its length."""
+        layers, length = store.lookup(ids, weights_version(self.lm.model))
+        if length:
+            cache = make_cache(self.kind)
+            for layer_idx, (keys, values) in enumerate(layers):
+                cache.update(keys[:, :, :length], values[:, :, :length], layer_idx)
+            self.cache, self.tokens = cache, list(ids[:length])
+        self.reused_tokens = length
+        return length
+
+    def _store(self, store: PrefixStore) -> None:
+        """Give the store a copy of this session's KV (cut to the store's grid)."""
+        length = len(self.tokens) // store.grid * store.grid
+        if not length or not all(layer.is_initialized for layer in self.cache.layers):
+            return
+        layers: Layers = [(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone())
+                          for layer in self.cache.layers]
+        store.put(self.tokens[:length], layers, weights_version(self.lm.model))
 
     @torch.inference_mode()
     def extend(self, ids: Sequence[int]) -> torch.Tensor:
@@ -269,6 +303,7 @@ class KVSession:
         if not ids:
             msg = "extend needs at least one token"
             raise ValueError(msg)
+        self._prefilled_only = False
         return self._forward(ids, logits_to_keep=len(ids))
 
     @torch.inference_mode()
@@ -285,6 +320,7 @@ class KVSession:
         mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype)
         positions = (prefix + self.position_offset + depth)[None].to(self.lm.device)
         self._tree_prefix = prefix
+        self._prefilled_only = False
         return self._forward(ids, logits_to_keep=len(ids),
                              attention_mask=mask.to(self.lm.device), position_ids=positions)
 
@@ -325,6 +361,7 @@ class KVSession:
         self.cache = make_cache(self.kind)
         self.tokens = []
         self.position_offset = 0
+        self._prefilled_only = True
 
     def sync(self, ids: Sequence[int]) -> list[int]:
         """Roll back to the longest common prefix with ``ids``; return the ids still to feed."""

@@ -80,7 +80,9 @@ def window_text(lm: Any) -> str:
 
 
 def clear_prefix_cache(lm: Any) -> None:
-    """Empty the prompts a llama.cpp model keeps for reuse (no-op on torch, which keeps none).
+    """Empty the prompts a model keeps for reuse (llama.cpp: idle contexts; torch: the prefix
+    store of :mod:`shared_core.kv_prefix`); a no-op on a model that keeps none (served, or a torch
+    model built by hand without a store).
 
     Benchmarks call it before every timed call: methods interleaved on one prompt would
     otherwise reuse what the method before them read, and only the first would pay its prefill.

@@ -36,6 +36,7 @@ from shared_core.embedded import (
     hub_unavailable,
     package_dir,
 )
+from shared_core.kv_prefix import attach, budget_bytes
 from shared_core.lm import FALLBACK_CHAT_TEMPLATE, LM  # noqa: F401  (re-exported)
 from shared_core.model_sources import (
     ModelSource,
@@ -227,12 +228,14 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             kernels, CPU) or ``"auto"`` (:func:`choose_backend`). ``lm.backend`` and
             ``lm.backend_reason`` say which ran and why.
         n_ctx: llama.cpp only: positions per session (default: min(trained context, 8192)).
-        exact: llama.cpp only: load without weight repacking, so a k-token verification gives the
+        exact: llama.cpp: load without weight repacking, so a k-token verification gives the
             same logits as k one-token steps (speculative output equals greedy bit for bit).
-        prefix_cache: llama.cpp only: prompt-prefix reuse across calls. ``None`` (default): on,
-            with up to 2 idle contexts; ``False`` or ``0``: off; ``True``: on; ``n``: on with up
-            to ``n`` idle contexts, each holding ``n_ctx`` positions of KV (README, *Prefix reuse
-            across calls*).
+            torch: prefix reuse is bit-exact (prefills run in 64-token chunks on a fixed grid and
+            reuse stops on it), so a call's output does not depend on what was cached.
+        prefix_cache: prompt-prefix reuse across calls (docs/backends.md, *Prefix reuse across
+            calls*). ``None`` (default) or ``True``: on; ``False`` or ``0``: off; ``n``: on with
+            up to ``n`` idle contexts of ``n_ctx`` positions (llama.cpp) or ``n`` MiB of kept KV
+            (torch; default: a quarter of the weights' bytes, at most 256 MiB).
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         msg = "name_or_path must be a non-empty string"
@@ -256,7 +259,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     choice = choose_backend(backend, source, device, dtype, cpu_linears)
     if choice.backend == "llama.cpp":
         return _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings)
-    _refuse_llamacpp_settings(choice, n_ctx, exact, prefix_cache)
+    _refuse_llamacpp_settings(n_ctx)
     apply_thread_setting()
     if source.gguf is not None:
         entry = source.entry
@@ -271,22 +274,17 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     lm = wrap_lm(model, tokenizer, name=name_or_path)
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
+    attach(lm.model, budget_bytes(prefix_cache, lm.model), exact=exact)
     lm.backend_reason = choice.reason
     logger.info("loaded %s on %s (%s, %d positions)", name_or_path, lm.device, lm.dtype,
                 lm.max_context)
     return lm
 
 
-def _refuse_llamacpp_settings(choice: BackendChoice, n_ctx: int | None, exact: bool,
-                              prefix_cache: bool | int | None) -> None:
-    """ValueError naming the llama.cpp settings given for a model that loads on torch."""
-    if n_ctx is not None or exact:
-        msg = "n_ctx and exact are llama.cpp settings; they need backend='llama.cpp' (or 'auto')"
-        raise ValueError(msg)
-    if prefix_cache is not None:
-        msg = (f"prefix_cache={prefix_cache!r} is a llama.cpp setting and this model loads on "
-               f"torch ({choice.reason}), which keeps no KV between calls; load a GGUF with "
-               "backend='llama.cpp' (or 'auto'), or leave prefix_cache unset")
+def _refuse_llamacpp_settings(n_ctx: int | None) -> None:
+    """ValueError naming ``n_ctx`` given for a model that loads on torch."""
+    if n_ctx is not None:
+        msg = "n_ctx is a llama.cpp setting; it needs backend='llama.cpp' (or 'auto')"
         raise ValueError(msg)
 
 

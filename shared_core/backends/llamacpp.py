@@ -29,6 +29,7 @@ from typing import Any, ClassVar
 from shared_core.backends.llamacpp_prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
 from shared_core.backends.llamacpp_session import MAX_TREE_LEAVES, LlamaCppSession
 from shared_core.device import threads_from_env
+from shared_core.kv_prefix import check_prefix_cache
 from shared_core.lm import LM
 
 logger = logging.getLogger(__name__)
@@ -113,17 +114,11 @@ def prefix_cache_settings(prefix_cache: bool | int | None) -> dict[str, Any]:
     (on, ``DEFAULT_IDLE_CONTEXTS`` contexts), ``False`` / ``0`` off, ``True`` on, ``n`` on with
     at most ``n`` idle contexts (each holds ``n_ctx`` positions of KV). A TypeError / ValueError
     names ``prefix_cache``; nothing is loaded."""
+    check_prefix_cache(prefix_cache)
     if prefix_cache is None:
         return {}
     if isinstance(prefix_cache, bool):
         return {"prefix_cache": prefix_cache}
-    if not isinstance(prefix_cache, int):
-        msg = (f"prefix_cache must be True, False or a number of idle contexts (int >= 0), got "
-               f"{type(prefix_cache).__name__} {prefix_cache!r:.60}")
-        raise TypeError(msg)
-    if prefix_cache < 0:
-        msg = f"prefix_cache must be True, False or a number of idle contexts >= 0, got {prefix_cache}"
-        raise ValueError(msg)
     return {"prefix_cache": False} if prefix_cache == 0 else {"idle_contexts": prefix_cache}
 
 

@@ -23,7 +23,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
-from shared_core.kv import common_prefix_length
+from shared_core.kv_prefix import common_prefix_length
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""Prefix reuse in a conversation on llama.cpp (issue 29): time to first token of a follow-up turn.
+"""Prefix reuse in a conversation (issue 29): time to first token of a follow-up turn.
 
 ``python -m shared_core.bench chat --models smollm2-135m-instruct --context-tokens 1200 --out F.json``
 
@@ -18,6 +18,9 @@ what that turn left ("on"), then from an empty cache ("off"; the conversation go
 reply); each run's time to first token and total turn time (greedy, ``--max-new-tokens``), the
 reused prompt tokens and whether the two replies are identical token for token are one row
 (:mod:`shared_core.bench.chat_turns`), with per-source medians and a bar plot (``--plot``).
+
+``--backend torch`` runs the same on torch (:mod:`shared_core.kv_prefix`): a first turn there
+leaves its prompt cached, not its answer; ``--exact`` is its bit-exact mode.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from shared_core.bench.chat_turns import conversation_rows, medians, plot_turns,
 from shared_core.bench.common import data_dir
 from shared_core.device import cpu_facts
 from shared_core.engines.baseline import autoregressive_generate
+from shared_core.kv import open_session
+from shared_core.lm import clear_prefix_cache
 from shared_core.models import LM, load_lm
 
 FACTS = ("The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast. "
@@ -52,6 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--questions", type=int, default=len(QUESTIONS))
     parser.add_argument("--exact", action="store_true")
+    parser.add_argument("--backend", choices=("llama.cpp", "torch"), default="llama.cpp")
     parser.add_argument("--sources", nargs="+", choices=SOURCES, default=list(SOURCES))
     parser.add_argument("--conversations", type=int, default=6, help="MT-Bench conversations")
     parser.add_argument("--agent-turns", type=int, default=3, help="model turns of the agent")
@@ -69,7 +75,7 @@ def conversation(lm: LM, tokens: int) -> list[dict[str, str]]:
 def ttft(lm: LM, ids: list[int]) -> tuple[float, int]:
     """Seconds to read ``ids`` and get the first new token's logits; prompt ids reused."""
     start = time.perf_counter()
-    session = lm.open_session()
+    session = open_session(lm)
     session.prefill(ids[:-1])
     session.extend([ids[-1]])
     return time.perf_counter() - start, session.reused_tokens
@@ -77,20 +83,27 @@ def ttft(lm: LM, ids: list[int]) -> tuple[float, int]:
 
 def measure(lm: LM, turn_1: list[dict[str, str]], max_new: int, repeats: int) -> dict[str, Any]:
     first = autoregressive_generate(lm, turn_1, max_new)
-    kept = [*lm.prompt_ids(turn_1), *first.token_ids[:-1]]  # what the first turn leaves cached
+    kept = first_turn_cache(lm, turn_1, first.token_ids)
     follow = lm.prompt_ids([*turn_1, {"role": "assistant", "content": first.text},
                             {"role": "user", "content": QUESTIONS[0]}])
     on, off, reused = [], [], 0
     for _ in range(repeats):
-        lm.model.clear_prefix_cache()
-        lm.open_session().prefill(kept)  # what the first turn leaves in its context
+        clear_prefix_cache(lm)
+        open_session(lm).prefill(kept)  # what the first turn leaves cached
         seconds, reused = ttft(lm, follow)
         on.append(seconds)
-        lm.model.clear_prefix_cache()
+        clear_prefix_cache(lm)
         off.append(ttft(lm, follow)[0])
     return {"prompt_tokens": len(follow), "reused_tokens": reused,
             "ttft_off_s": round(statistics.median(off), 4), "ttft_on_s": round(statistics.median(on), 4),
             "speedup": round(statistics.median(off) / statistics.median(on), 2)}
+
+
+def first_turn_cache(lm: LM, turn_1: list[dict[str, str]], answer: list[int]) -> list[int]:
+    """The ids a first turn leaves cached: a llama.cpp context keeps the prompt and the answer,
+    torch's prefix store the prompt it prefilled (all but its last id)."""
+    prompt = lm.prompt_ids(turn_1)
+    return prompt[:-1] if lm.backend == "torch" else [*prompt, *answer[:-1]]
 
 
 def identical(lm: LM, turn_1: list[dict[str, str]], max_new: int, count: int) -> dict[str, Any]:
@@ -101,14 +114,14 @@ def identical(lm: LM, turn_1: list[dict[str, str]], max_new: int, count: int) ->
         ids = lm.prompt_ids([*turn_1, {"role": "assistant", "content": first.text},
                              {"role": "user", "content": question}])
         warm = autoregressive_generate(lm, ids, max_new).token_ids
-        lm.model.clear_prefix_cache()
+        clear_prefix_cache(lm)
         same += warm == autoregressive_generate(lm, ids, max_new).token_ids
     return {"identical": same, "conversations": count}
 
 
 def synthetic_row(name: str, lm: LM, args: argparse.Namespace) -> dict[str, Any]:
     turn_1 = conversation(lm, args.context_tokens)
-    return {"model": name, "exact": args.exact, "threads": lm.model.threads,
+    return {"model": name, "exact": args.exact, "threads": threads(lm),
             **measure(lm, turn_1, args.max_new_tokens, args.repeats),
             **identical(lm, turn_1, args.max_new_tokens, args.questions),
             "load_average": os.getloadavg()}
@@ -128,12 +141,18 @@ def real_turns(lm: LM, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
+def threads(lm: LM) -> int:
+    import torch
+
+    return int(getattr(lm.model, "threads", 0) or torch.get_num_threads())
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rows, turns, models = [], [], {}
     load_before = os.getloadavg()
     for name in args.models:
-        lm = load_lm(name, backend="llama.cpp", exact=args.exact)
-        models[name] = {"llama_cpp_threads": lm.model.threads, "max_context": lm.max_context}
+        lm = load_lm(name, backend=args.backend, exact=args.exact)
+        models[name] = {"backend": lm.backend, "threads": threads(lm), "max_context": lm.max_context}
         warm_up(lm, args.max_new_tokens)
         if "synthetic" in args.sources:
             rows.append(synthetic_row(name, lm, args))

@@ -32,5 +32,5 @@ def test_real_conversations_report_per_turn_rows(tmp_path) -> None:
     assert rows[0]["constrained"] is False and rows[0]["notes"] == []
     assert set(report["medians"]["smollm2-135m-instruct"]) == {"mt_bench", "agent"}
     assert report["machine"]["load_avg"] and len(report["load_average"]["after"]) == 3
-    assert report["models"]["smollm2-135m-instruct"]["llama_cpp_threads"] >= 1
+    assert report["models"]["smollm2-135m-instruct"]["threads"] >= 1
     assert (tmp_path / "chat.png").stat().st_size > 0
