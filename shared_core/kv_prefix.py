@@ -20,9 +20,10 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
-import torch
+if TYPE_CHECKING:  # torch stays out of a llama.cpp-only import (tests/unit/test_import_light.py)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -31,7 +32,7 @@ DEFAULT_BUDGET_CAP = 256 * MIB  # the default budget: a quarter of the weights, 
 EXACT_CHUNK = 64  # exact: prefill chunk and reuse grid (positions)
 ATTRIBUTE = "specrag_prefix_store"
 
-Layers = list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values [B, H, n, D]
+Layers: TypeAlias = "list[tuple[torch.Tensor, torch.Tensor]]"  # per layer: keys, values [B, H, n, D]
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
