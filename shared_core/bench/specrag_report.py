@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_core.bench.common import MethodResult, make_report
-from shared_core.bench.specrag_data import is_correct
+from shared_core.bench.specrag_data import claim_label, is_correct
 from shared_core.device import cpu_facts
 from shared_core.engines.speculative_rag import (
     SpeculativeRAGConfig,
@@ -169,7 +169,28 @@ def _selection_study(dataset: str, questions: list[dict[str, Any]],
                        "paper_score": _accuracy(dataset, [o.text for o in outs], questions)}
         study[name] |= {v: _accuracy(dataset, [reselect(o, v, config).text for o in outs],
                                      questions) for v in SCORE_VARIANTS}
+        study[name] |= _draft_quality(dataset, questions, outs)
     return study
+
+
+def _draft_quality(dataset: str, questions: list[dict[str, Any]], outs: list[Any]
+                   ) -> dict[str, Any]:
+    """Why a selection can or cannot win: how often one draft is right, how long its answer
+    is, how often the subsets all share one document (a one-document cluster: the paper's
+    one-per-cluster sampling puts it in every draft), and on a claims dataset the drafts'
+    verdicts (a drafter that says one label whatever the documents caps every selection)."""
+    hits = [is_correct(dataset, d.answer, q["gold"])
+            for q, o in zip(questions, outs, strict=True) for d in o.drafts]
+    answers = [d.answer for o in outs for d in o.drafts]
+    quality: dict[str, Any] = {
+        "draft_accuracy": round(sum(hits) / len(hits), 4),
+        "mean_answer_words": round(statistics.fmean(len(a.split()) for a in answers), 2),
+        "one_document_cluster_rate": round(statistics.fmean(
+            1 in (o.stats.cluster_sizes or [0]) for o in outs), 4)}
+    if dataset == "pubhealth":
+        labels = Counter(str(claim_label(a)) for a in answers)
+        quality["draft_verdicts"] = {k: round(v / len(answers), 4) for k, v in labels.items()}
+    return quality
 
 
 def _hits(dataset: str, texts: list[str], questions: list[dict[str, Any]]) -> list[bool]:

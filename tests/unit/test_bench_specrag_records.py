@@ -86,3 +86,20 @@ def test_grid_points_parse_and_refuse() -> None:
     for bad in ("5", "5x", "x2", "0x2", "5by2", "-1x2"):
         with pytest.raises(ValueError, match="--grid takes MxK"):
             grid_points(bad)
+
+
+def test_draft_quality_says_why_a_selection_cannot_win() -> None:
+    from dataclasses import replace
+
+    from shared_core.bench.specrag_report import _draft_quality
+
+    spec = _results()["specrag"]
+    wrong = replace(spec.drafts[0], answer="false, it is not")
+    two = replace(spec, drafts=(spec.drafts[0], wrong),
+                  stats=replace(spec.stats, cluster_sizes=[3, 2]))
+    questions = [{"gold": ["Paris"]}, {"gold": ["Paris"]}]
+    quality = _draft_quality("nq", questions, [spec, two])
+    assert quality == {"draft_accuracy": round(2 / 3, 4), "mean_answer_words": 2.0,
+                       "one_document_cluster_rate": 0.5}
+    verdicts = _draft_quality("pubhealth", [{"gold": ["true"]}], [two])["draft_verdicts"]
+    assert verdicts == {"None": 0.5, "false": 0.5}
