@@ -44,6 +44,7 @@ from shared_core.config import (
     SamplingConfig,
     check_backend,
     check_kwargs,
+    check_prefix_cache,
     check_settings_keys,
 )
 from shared_core.constrained import (
@@ -79,7 +80,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
-                 "stop", "documents", "device", "dtype", "backend")  # + one of MAX_TOKEN_NAMES
+                 "stop", "documents", "device", "dtype", "backend", "prefix_cache")
+# + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
 CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop", "temperature",
                 "top_k", "top_p", "seed", "tools", "tool_choice", "response_format", "model")
@@ -101,6 +103,11 @@ class ChatSettings(BaseModel):
         device / dtype: where and how the model loads (a dtype is a torch setting).
         backend: ``"auto"`` (llama.cpp for a GGUF on a CPU when installed, else torch),
             ``"torch"`` or ``"llama.cpp"`` (:func:`shared_core.models.choose_backend`).
+        prefix_cache: the model's prompt-prefix cache, as ``load_lm(prefix_cache=...)``:
+            ``None`` (default: on, or what the loaded model has; a preloaded ``lm`` keeps its
+            own), ``False`` / ``0`` off, ``n`` idle contexts (llama.cpp) or MiB (torch). Fixed
+            when the model loads; a different setting for a loaded model is refused (ValueError
+            naming it; release the model first).
     """
 
     model: str = Field(default=DEFAULT_LM, description="alias, hub id or path")
@@ -115,6 +122,7 @@ class ChatSettings(BaseModel):
     device: str | None = None
     dtype: str | None = None
     backend: str = DEFAULT_BACKEND
+    prefix_cache: bool | int | None = None
 
     _reload_as: tuple[str, str | None, str | None, str] | None = PrivateAttr(default=None)
 
@@ -140,6 +148,12 @@ class ChatSettings(BaseModel):
     @classmethod
     def _known_backend(cls, value: str) -> str:
         return check_backend(value)
+
+    @field_validator("prefix_cache", mode="before")
+    @classmethod
+    def _known_prefix_cache(cls, value: Any) -> Any:
+        check_prefix_cache(value)  # TypeError / ValueError naming it, before any model loads
+        return value
 
     @model_validator(mode="after")
     def _known_engine_options(self) -> ChatSettings:
@@ -185,13 +199,16 @@ def resolve_model(settings: Any, lm: Any, override: str | None = None) -> tuple[
     """The model of one call and its lock: a per-call ``model`` other than the setting, else the
     preloaded ``lm`` (after unpickling: the model it was, by name), else the shared cache's
     (looked up per call, so ``serving.release`` frees it)."""
+    prefix_cache = settings.prefix_cache
     if override is not None and override != settings.model:
-        return loaded_model(override, settings.device, settings.dtype, settings.backend)
+        return loaded_model(override, settings.device, settings.dtype, settings.backend,
+                            prefix_cache)
     if lm is not None:
         return lm, lock_for(lm)
     if settings._reload_as is not None:
-        return loaded_model(*settings._reload_as)
-    return loaded_model(settings.model, settings.device, settings.dtype, settings.backend)
+        return loaded_model(*settings._reload_as, prefix_cache)
+    return loaded_model(settings.model, settings.device, settings.dtype, settings.backend,
+                        prefix_cache)
 
 
 def check_response_format(response_format: Any) -> Constraint | None:

@@ -57,6 +57,19 @@ def _check(condition: bool, message: str) -> None:
         raise ValueError(message)
 
 
+def check_prefix_cache(prefix_cache: object) -> None:
+    """TypeError / ValueError naming ``prefix_cache`` unless it is None, a bool or an int >= 0."""
+    what = "True, False or an int >= 0 (llama.cpp: idle contexts; torch: a budget in MiB)"
+    if prefix_cache is None or isinstance(prefix_cache, bool):
+        return
+    if not isinstance(prefix_cache, int):
+        msg = f"prefix_cache must be {what}, got {type(prefix_cache).__name__} {prefix_cache!r:.60}"
+        raise TypeError(msg)
+    if prefix_cache < 0:
+        msg = f"prefix_cache must be {what}, got {prefix_cache}"
+        raise ValueError(msg)
+
+
 def check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> None:
     """TypeError naming ``name`` unless ``value`` is one of ``kinds`` (bool is never a number)."""
     if isinstance(value, bool) or not isinstance(value, kinds):

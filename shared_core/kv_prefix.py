@@ -25,6 +25,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:  # torch stays out of a llama.cpp-only import (tests/unit/test_import_light.py)
     import torch
 
+from shared_core.config import check_prefix_cache as check_prefix_cache  # re-exported
+
 logger = logging.getLogger(__name__)
 
 MIB = 1 << 20
@@ -41,19 +43,6 @@ def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     while common < limit and a[common] == b[common]:
         common += 1
     return common
-
-
-def check_prefix_cache(prefix_cache: object) -> None:
-    """TypeError / ValueError naming ``prefix_cache`` unless it is None, a bool or an int >= 0."""
-    what = "True, False or an int >= 0 (llama.cpp: idle contexts; torch: a budget in MiB)"
-    if prefix_cache is None or isinstance(prefix_cache, bool):
-        return
-    if not isinstance(prefix_cache, int):
-        msg = f"prefix_cache must be {what}, got {type(prefix_cache).__name__} {prefix_cache!r:.60}"
-        raise TypeError(msg)
-    if prefix_cache < 0:
-        msg = f"prefix_cache must be {what}, got {prefix_cache}"
-        raise ValueError(msg)
 
 
 def budget_bytes(prefix_cache: bool | int | None, model: torch.nn.Module) -> int:

@@ -13,6 +13,11 @@ Each result is kept once per ``(name, device, dtype, backend)``, so two engines 
 and an adapter) naming the same model share one copy of the weights, and with it the one lock
 of :func:`shared_core.model_lock.lock_for`. :func:`release` / :func:`release_all` drop loaded
 models (users running a generation keep their reference).
+
+``prefix_cache`` (``load_lm``'s prompt-prefix budget, docs/backends.md) is not part of the key,
+so one model never has two copies: the first load fixes it, ``None`` later takes what was
+loaded, and a different explicit setting for a loaded model is refused (ValueError naming
+``prefix_cache``; release the model first). Served models and tuned drafters ignore it.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any
 
-from shared_core.config import LOAD_LM_BACKEND
+from shared_core.config import LOAD_LM_BACKEND, check_prefix_cache
 from shared_core.lora import ADAPTERS, SUFFIX
 from shared_core.model_lock import FairLock, lock_for
 
@@ -28,7 +33,9 @@ if TYPE_CHECKING:
     from shared_core.models import LM
 
 Key = tuple[str, str | None, str | None, str]
+PrefixCache = bool | int | None  # load_lm's prefix_cache
 _LOADED: dict[Key, Any] = {}
+_PREFIX_CACHE: dict[Key, PrefixCache] = {}  # the prefix_cache each model in _LOADED loaded with
 _EMBEDDERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
 _URL_SCHEMES = ("http://", "https://")
@@ -48,7 +55,8 @@ def _key(name: str, device: str | None, dtype: str | None, backend: str) -> Key:
     return (name, device, dtype, backend)
 
 
-def _load(name: str, device: str | None, dtype: str | None, backend: str, served: bool) -> Any:
+def _load(name: str, device: str | None, dtype: str | None, backend: str, served: bool,
+          prefix_cache: PrefixCache = None) -> Any:
     if served and is_url(name):
         from shared_core.remote import RemoteLM
 
@@ -59,40 +67,71 @@ def _load(name: str, device: str | None, dtype: str | None, backend: str, served
         return load_tuned_drafter(name, dtype)
     from shared_core.models import load_lm
 
-    return load_lm(name, device=device, dtype=dtype, backend=backend)
+    return load_lm(name, device=device, dtype=dtype, backend=backend, prefix_cache=prefix_cache)
+
+
+def _prefix_setting(prefix_cache: PrefixCache) -> str | int:
+    """What a ``prefix_cache`` value means: ``"on"`` (the default budget), ``"off"`` or a budget
+    (``True`` is not ``1``: one context / MiB)."""
+    if prefix_cache is None or prefix_cache is True:
+        return "on"
+    if prefix_cache is False or prefix_cache == 0:
+        return "off"
+    return int(prefix_cache)
+
+
+def _check_same_prefix_cache(key: Key, prefix_cache: PrefixCache) -> None:
+    """ValueError naming ``prefix_cache`` when a loaded model was loaded with another one."""
+    loaded = _PREFIX_CACHE.get(key)
+    if prefix_cache is None or key[3] == "served" or key[0].endswith(SUFFIX):
+        return
+    if _prefix_setting(prefix_cache) != _prefix_setting(loaded):
+        msg = (f"prefix_cache={prefix_cache!r}: model {key[0]!r} is already loaded with "
+               f"prefix_cache={loaded!r} and a model is loaded once per process; pass the same "
+               "setting (or leave it None), or release the model first "
+               "(shared_core.serving.release)")
+        raise ValueError(msg)
 
 
 def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
-              backend: str = LOAD_LM_BACKEND, *, served: bool = True) -> LM:
+              backend: str = LOAD_LM_BACKEND, *, served: bool = True,
+              prefix_cache: PrefixCache = None) -> LM:
     """The process-wide model for a name, path, URL or LoRA name (see the module docstring).
 
     ``served=False`` is for callers that need an in-process model (the token engines): a URL
     then fails naming it, before any connection. Loading happens under a lock, so concurrent
     first calls load once; a failed load caches nothing and the next call tries again.
+    ``prefix_cache`` reaches :func:`~shared_core.models.load_lm` on the first load and must
+    agree with it afterwards (module docstring).
     """
+    check_prefix_cache(prefix_cache)
     if not served and is_url(name):  # not the cached client: load_lm refuses it, naming the URL
         return _load(name, device, dtype, backend, served)
     key = _key(name, device, dtype, backend)
     with _LOCK:
-        if key not in _LOADED:
-            _LOADED[key] = _load(name, device, dtype, backend, served)
+        if key in _LOADED:
+            _check_same_prefix_cache(key, prefix_cache)
+        else:
+            _LOADED[key] = _load(name, device, dtype, backend, served, prefix_cache)
+            _PREFIX_CACHE[key] = prefix_cache
         return _LOADED[key]
 
 
 def resolve_lm(model: Any, *, device: str | None = None, dtype: str | None = None,
-               backend: str = LOAD_LM_BACKEND) -> Any:
+               backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None) -> Any:
     """``model`` as a model object: a string through the shared cache (:func:`cached_lm`),
     anything else as given."""
     if isinstance(model, str):
-        return cached_lm(model, device, dtype, backend)
+        return cached_lm(model, device, dtype, backend, prefix_cache=prefix_cache)
     return model
 
 
 def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
-                 backend: str = LOAD_LM_BACKEND) -> tuple[Any, FairLock]:
+                 backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None
+                 ) -> tuple[Any, FairLock]:
     """The shared in-process ``(model, lock)`` for a model config (the adapters' token engines),
     loaded on first use; a served model's URL is refused."""
-    lm = cached_lm(model, device, dtype, backend, served=False)
+    lm = cached_lm(model, device, dtype, backend, served=False, prefix_cache=prefix_cache)
     return lm, lock_for(lm)
 
 
@@ -103,8 +142,10 @@ def release(name: str, device: str | None = None, dtype: str | None = None,
     Generations already running keep their reference until they end; the next call that names
     the model loads it again. Adapters look the model up on every call, so they do not pin it.
     """
+    key = _key(name, device, dtype, backend)
     with _LOCK:
-        return _LOADED.pop(_key(name, device, dtype, backend), None) is not None
+        _PREFIX_CACHE.pop(key, None)
+        return _LOADED.pop(key, None) is not None
 
 
 def release_all() -> int:
@@ -112,6 +153,7 @@ def release_all() -> int:
     with _LOCK:
         n = len(_LOADED)
         _LOADED.clear()
+        _PREFIX_CACHE.clear()
         return n
 
 

@@ -28,8 +28,8 @@ from typing import Any, ClassVar
 
 from shared_core.backends.llamacpp_prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
 from shared_core.backends.llamacpp_session import MAX_TREE_LEAVES, LlamaCppSession
+from shared_core.config import check_prefix_cache
 from shared_core.device import threads_from_env
-from shared_core.kv_prefix import check_prefix_cache
 from shared_core.lm import LM
 
 logger = logging.getLogger(__name__)

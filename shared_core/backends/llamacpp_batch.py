@@ -5,6 +5,12 @@ llama.cpp each prompt is a sequence of one context, so each decoding step is ONE
 over one token per unfinished draft, and the prompts' common prefix is decoded once and shared
 (``llama_memory_seq_cp``). Scoring decodes every row as its own sequence, with logits only at the
 positions that are scored.
+
+The common prefix (the chat template's head, a shared system prompt or instruction) is sequence 0
+of the context, the one the model's prefix cache keeps (:mod:`.llamacpp_prefix`): a call takes
+the idle context that already holds the longest part of it, decodes only the rest, and hands the
+context back vouching for the prefix, so the next call (and the next chat session) reads it from
+the cache too. The rows themselves are never kept.
 """
 
 from __future__ import annotations
@@ -12,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from shared_core.backends.llamacpp_session import decode
+from shared_core.backends.llamacpp_session import EXACT_CHUNK, decode
 
 # ``lm`` is a shared_core.backends.llamacpp.LlamaCppLM and ``slot`` one of its contexts; not
 # imported here, because that module imports this one.
@@ -40,13 +46,15 @@ class _Batch:
         return decode(self.lm, self.slot, [(tok, pos, (seq,), w) for tok, pos, seq, w in entries])
 
     def feed(self, rows: Sequence[Sequence[int]], starts: Sequence[int],
-             want: Callable[[int, int], bool]) -> dict[tuple[int, int], Any]:
-        """Decode ``rows[r][starts[r]:]`` as sequence ``r + 1`` in chunks of n_batch tokens;
-        ``want(r, t)`` asks for the logits after token ``t`` of row ``r``. Returns them by (r, t)."""
-        pending = [(rows[r][t], t, r + 1, want(r, t), (r, t))
+             want: Callable[[int, int], bool], *, first_sequence: int = 1, step: int = 0
+             ) -> dict[tuple[int, int], Any]:
+        """Decode ``rows[r][starts[r]:]`` as sequence ``r + first_sequence`` in chunks of ``step``
+        (default n_batch) tokens; ``want(r, t)`` asks for the logits after token ``t`` of row
+        ``r``. Returns them by (r, t)."""
+        pending = [(rows[r][t], t, r + first_sequence, want(r, t), (r, t))
                    for r in range(len(rows)) for t in range(starts[r], len(rows[r]))]
         out: dict[tuple[int, int], Any] = {}
-        step = self.slot.n_batch
+        step = step or self.slot.n_batch
         for begin in range(0, len(pending), step):
             chunk = pending[begin : begin + step]
             logits = self.decode([(tok, pos, seq, w) for tok, pos, seq, w, _ in chunk])
@@ -63,15 +71,30 @@ def _log_softmax_at(logits: Any, token: int) -> float:
     return float(logits[token] - top - np.log(np.exp(logits - top).sum()))
 
 
-def _share_prefix(lm: LlamaCppLM, slot: _Slot, rows: Sequence[Sequence[int]], limit: int) -> int:
-    """Decode the rows' common prefix (at most ``limit`` tokens, and never a row's last token)
-    once, as sequence 1, and share its cells with sequences 2..n; return its length."""
-    shared = min(_common_prefix(rows), min(len(r) for r in rows) - 1, limit)
-    if shared > 0:
-        _Batch(lm, slot).feed([rows[0][:shared]], [0], lambda r, t: False)
-        for seq in range(2, len(rows) + 1):
-            lm.model.llama.llama_memory_seq_cp(slot.memory, 1, seq, -1, -1)
-    return max(shared, 0)
+def _shared_length(rows: Sequence[Sequence[int]], limit: int) -> int:
+    """How many leading ids every row shares (at most ``limit``, never a row's last id)."""
+    return max(min(_common_prefix(rows), min(len(r) for r in rows) - 1, limit), 0)
+
+
+def _acquire(lm: LlamaCppLM, rows: Sequence[Sequence[int]], shared: int) -> _Slot:
+    """A context for the rows: the idle one already holding the longest part of their common
+    prefix in sequence 0 (cut after it, ``slot.tokens``) while the prefix cache is on."""
+    return lm.model.acquire(list(rows[0][: shared + 1]) if shared else None)
+
+
+def _share_prefix(lm: LlamaCppLM, slot: _Slot, rows: Sequence[Sequence[int]], shared: int) -> None:
+    """Decode what sequence 0 lacks of the rows' first ``shared`` ids (in ``exact`` chunks, as a
+    session prefills), vouch for them, and share their cells with sequences 1..n (the rows)."""
+    if shared == 0:
+        return
+    kept = len(slot.tokens or ())
+    slot.tokens = None  # vouches for nothing until the prefix is whole: a failure clears it
+    step = min(slot.n_batch, EXACT_CHUNK) if lm.model.settings.exact else slot.n_batch
+    _Batch(lm, slot).feed([rows[0][:shared]], [kept], lambda r, t: False, first_sequence=0,
+                          step=step)
+    slot.tokens = list(rows[0][:shared])
+    for seq in range(1, len(rows) + 1):
+        lm.model.llama.llama_memory_seq_cp(slot.memory, 0, seq, -1, -1)
 
 
 def _check_rows(lm: LlamaCppLM, rows: Sequence[Sequence[int]], extra: int) -> None:
@@ -98,9 +121,10 @@ def generate_parallel(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_
     ``on_prefilled()`` is called once every prompt has been read (the prefill/decode split).
     """
     _check_rows(lm, prompts, max_new_tokens)
-    slot = lm.model.acquire()
+    shared = _shared_length(prompts, max(map(len, prompts)))
+    slot = _acquire(lm, prompts, shared)
     try:
-        shared = _share_prefix(lm, slot, prompts, max_new_tokens + max(map(len, prompts)))
+        _share_prefix(lm, slot, prompts, shared)
         batch = _Batch(lm, slot)
         last = batch.feed(prompts, [shared] * len(prompts),
                           lambda r, t: t == len(prompts[r]) - 1)
@@ -133,10 +157,11 @@ def token_logprobs(lm: LlamaCppLM, rows: Sequence[Sequence[int]],
     _check_rows(lm, rows, 0)
     needed = [{t - 1 for start, end in row_spans for t in range(max(start, 1), end)}
               for row_spans in spans]
-    slot = lm.model.acquire()
+    first_scored = min((min(n) for n in needed if n), default=max(map(len, rows)))
+    shared = _shared_length(rows, first_scored)  # scored positions are not shared
+    slot = _acquire(lm, rows, shared)
     try:
-        first_scored = min((min(n) for n in needed if n), default=max(map(len, rows)))
-        shared = _share_prefix(lm, slot, rows, first_scored)  # scored positions are not shared
+        _share_prefix(lm, slot, rows, shared)
         logits = _Batch(lm, slot).feed(rows, [shared] * len(rows), lambda r, t: t in needed[r])
     finally:
         lm.model.release(slot)

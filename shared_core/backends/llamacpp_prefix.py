@@ -3,8 +3,9 @@
 A context (``_Slot``) going back to its model's pool keeps sequence 0's cells when its owner
 vouched for them: ``slot.tokens`` lists the ids whose cells sequence 0 holds at positions
 ``0..n-1``, or is None when unknown (a tree, copied positions, a write that failed or was
-interrupted, or a caller that never says: ``generate_parallel`` / ``token_logprobs``), and then
-the context is cleared as before. Sequences other than 0 are always removed.
+interrupted, or a caller that never says), and then the context is cleared as before. Sequences
+other than 0 are always removed (``generate_parallel`` / ``token_logprobs`` keep their rows'
+common prefix in sequence 0 and vouch for it, the rows in 1..m: :mod:`.llamacpp_batch`).
 
 An empty session that prefills ``ids`` takes the idle context whose remembered ids share the
 longest prefix with ``ids`` (the most recently released one on a tie, the least recently released

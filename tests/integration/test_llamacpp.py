@@ -180,7 +180,7 @@ def test_bad_backend_settings_are_refused_before_loading(tiny_model_folder):
         load_lm("smollm2-135m-instruct", backend="vllm")
     with pytest.raises(ValueError, match="runs GGUF files"):
         load_lm(tiny_model_folder, backend="llama.cpp")
-    with pytest.raises(ValueError, match=r"n_ctx and exact are llama\.cpp settings"):
+    with pytest.raises(ValueError, match=r"n_ctx is a llama\.cpp setting"):
         load_lm(tiny_model_folder, n_ctx=512)
     with pytest.raises(ValueError, match="n_ctx must be a positive integer"):
         load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=0)

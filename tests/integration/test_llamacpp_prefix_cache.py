@@ -214,3 +214,46 @@ def test_load_lm_sets_the_prefix_cache_budget(exact_lm):
     again = greedy(kept, ids)
     assert again.stats.cached_prompt_tokens == len(ids) - 2  # all ids[:-1] the engine prefills
     assert again.token_ids == reference.token_ids
+
+
+def test_parallel_rows_read_their_shared_prefix_from_the_cache_and_equal_cold(exact_lm,
+                                                                            monkeypatch):
+    """Speculative RAG's draft rows (``generate_parallel``) and scoring rows (``span_logprobs``)
+    keep their common prefix in sequence 0 of the context they hand back; the next call decodes
+    none of it and gives the cold call's tokens and log-probabilities exactly."""
+    from shared_core.backends import llamacpp_batch
+
+    prompts = [exact_lm.prompt_ids([{"role": "system", "content": SYSTEM},
+                                    {"role": "user", "content": f"Question {i}: {q}"}])
+               for i, q in enumerate(["Who built the weir?", "How many gates are there?",
+                                      "What colour is the cottage?"])]
+    shared = llamacpp_batch._shared_length(prompts, 10**6)
+    assert shared > 50  # the chat head and the system prompt
+    prefix_starts = []
+    feed = llamacpp_batch._Batch.feed
+
+    def spy(self, rows, starts, want, *, first_sequence=1, step=0):
+        if first_sequence == 0:
+            prefix_starts.append(starts[0])
+        return feed(self, rows, starts, want, first_sequence=first_sequence, step=step)
+
+    monkeypatch.setattr(llamacpp_batch._Batch, "feed", spy)
+
+    def draft(lm, _=None):
+        return lm.generate_parallel(prompts, 12, lambda r, ids: False)
+
+    def score(lm, _=None):
+        return lm.span_logprobs(prompts, [[(shared, len(p))] for p in prompts])
+
+    exact_lm.model.clear_prefix_cache()
+    cold_rows, cold_scores = cold(exact_lm, draft, None), cold(exact_lm, score, None)
+    assert draft(exact_lm) == cold_rows  # from an emptied context: reads the prefix, keeps it
+    assert sorted(len(s.tokens or ()) for s in exact_lm.model._idle)[-1] == shared
+    prefix_starts.clear()
+    assert draft(exact_lm) == cold_rows
+    assert score(exact_lm) == cold_scores
+    # nothing of the prefix decoded again (scoring shares up to the first scored position)
+    assert prefix_starts == [shared, shared - 1]
+    session = exact_lm.open_session()
+    session.prefill(prompts[1])
+    assert session.reused_tokens == shared - 1  # and a chat session reads it too (as scored)

@@ -236,9 +236,9 @@ ENGINES = {"respec": {"engine_options": {"measure_cost": False}}, "autoregressiv
 
 
 def _pair(lm: Any, engine: str, **settings: Any) -> tuple[ChatSpeculative, SpeculativeLLM]:
-    settings = {"engine": engine, **ENGINES[engine], **settings}
-    return (ChatSpeculative(lm=lm, model="tiny", max_tokens=6, **settings),
-            SpeculativeLLM(lm, model="tiny", max_new_tokens=6, **settings))
+    settings = {"engine": engine, "model": "tiny", **ENGINES[engine], **settings}
+    return (ChatSpeculative(lm=lm, max_tokens=6, **settings),
+            SpeculativeLLM(lm, max_new_tokens=6, **settings))
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))
@@ -290,7 +290,8 @@ def test_chat_pair_finishes_a_forced_tool_call_the_same_way(tiny_target) -> None
 
 
 CHAT_BAD_SETTINGS = [{"temperature": "1"}, {"top_p": 2.0}, {"top_k": -1}, {"seed": 2**70},
-                     {"engine": "nope"}, {"tempreature": 0.2}, {"backend": "tpu"}]
+                     {"engine": "nope"}, {"tempreature": 0.2}, {"backend": "tpu"},
+                     {"prefix_cache": -1}, {"prefix_cache": "4"}, {"prefix_cache": 1.5}]
 
 
 @pytest.mark.parametrize("bad", CHAT_BAD_SETTINGS, ids=str)
@@ -317,3 +318,28 @@ def test_chat_pair_refuses_a_per_call_typo_naming_the_option(tiny_target) -> Non
         chat.invoke("hi", max_token=16)
     with pytest.raises(TypeError, match="'temprature'; did you mean 'temperature'"):
         llm.complete("hi", temprature=0.2)
+
+
+def test_chat_pair_sets_the_prefix_cache_through_the_resolver_the_same_way(
+        tiny_model_folder: str) -> None:
+    """Both adapters load their model with ``prefix_cache`` through the one resolver, share that
+    copy, and refuse a different setting for it with the same error."""
+    from shared_core import model_cache
+    from shared_core.kv_prefix import ATTRIBUTE, MIB
+
+    where = {"model": tiny_model_folder, "device": "cpu", "dtype": "float32", "backend": "torch"}
+    model_cache.release(*where.values())
+    try:
+        chat, llm = _pair(None, "autoregressive", prefix_cache=2, **where)
+        message = chat.invoke([HumanMessage(QUESTION)])
+        lm = model_cache.cached_lm(*where.values())
+        assert getattr(lm.model, ATTRIBUTE).budget == 2 * MIB
+        response = llm.chat([ChatMessage(role="user", content=QUESTION)])
+        assert message.content == response.message.content
+        assert model_cache.cached_lm(*where.values()) is lm  # one copy for both
+        chat, llm = _pair(None, "autoregressive", prefix_cache=False, **where)
+        text = _same_error(lambda: chat.invoke([HumanMessage(QUESTION)]),
+                           lambda: llm.chat([ChatMessage(role="user", content=QUESTION)]))
+        assert "prefix_cache=False: model" in text and "prefix_cache=2" in text
+    finally:
+        model_cache.release(*where.values())

@@ -40,7 +40,7 @@ def test_defaults_are_the_config_constants() -> None:
     expected = {"model": DEFAULT_LM, "engine": DEFAULT_ENGINE, "engine_options": {},
                 "temperature": sampling.temperature, "top_k": sampling.top_k,
                 "top_p": sampling.top_p, "seed": sampling.seed, "stop": None, "documents": None,
-                "device": None, "dtype": None, "backend": DEFAULT_BACKEND}
+                "device": None, "dtype": None, "backend": DEFAULT_BACKEND, "prefix_cache": None}
     assert set(expected) == set(CHAT_SETTINGS)
     chat, llm = ChatSpeculative(), SpeculativeLLM()
     for name, value in expected.items():

@@ -83,3 +83,58 @@ def test_lock_for_keeps_one_lock_for_objects_without_weak_references() -> None:
 
     model = object()  # no __weakref__ slot
     assert lock_for(model) is lock_for(model)
+
+
+def _budget(lm: Any) -> int:
+    from shared_core.kv_prefix import ATTRIBUTE
+
+    return getattr(lm.model, ATTRIBUTE).budget
+
+
+def test_prefix_cache_reaches_load_lm_and_a_different_one_is_refused(tiny_model_folder: str
+                                                                     ) -> None:
+    """The resolver passes ``prefix_cache`` to load_lm on the first load; later ``None`` or the
+    same setting share that copy, a different one is refused naming it (no second copy)."""
+    from shared_core import model_cache
+    from shared_core.kv_prefix import MIB
+
+    where = (tiny_model_folder, "cpu", "float32")
+    model_cache.release(*where)
+    try:
+        lm = model_cache.resolve_lm(tiny_model_folder, device="cpu", dtype="float32",
+                                    prefix_cache=1)
+        assert _budget(lm) == MIB
+        assert model_cache.cached_lm(*where) is lm  # None: what was loaded
+        assert model_cache.loaded_model(*where, prefix_cache=1)[0] is lm
+        for other in (True, 2, False, 0):  # True is "on with the default budget", not 1
+            with pytest.raises(ValueError, match=rf"prefix_cache={other!r}: model .* already "
+                                                 r"loaded with prefix_cache=1"):
+                model_cache.cached_lm(*where, prefix_cache=other)
+        assert model_cache.release(*where)
+        off = model_cache.cached_lm(*where, prefix_cache=False)
+        assert off is not lm and _budget(off) == 0
+        assert model_cache.cached_lm(*where, prefix_cache=0) is off  # the same meaning
+    finally:
+        model_cache.release(*where)
+
+
+@pytest.mark.parametrize(("bad", "error"), [("4", TypeError), (1.5, TypeError),
+                                            (-1, ValueError)])
+def test_a_bad_prefix_cache_is_refused_before_any_load(bad: Any, error: type) -> None:
+    from shared_core import model_cache
+
+    with pytest.raises(error, match="prefix_cache must be True, False or an int >= 0"):
+        model_cache.cached_lm("/no/such/model", prefix_cache=bad)  # not FileNotFoundError
+
+
+def test_served_models_ignore_prefix_cache(monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    from shared_core import model_cache, remote
+
+    monkeypatch.setattr(remote, "RemoteLM", lambda url: object())
+    url = "http://127.0.0.1:9/v1"
+    try:
+        served = model_cache.resolve_lm(url, prefix_cache=False)
+        assert model_cache.resolve_lm(url, prefix_cache=4) is served  # the server's cache
+    finally:
+        model_cache.release(url)
