@@ -36,6 +36,7 @@ from shared_core.embedded import (
     hub_unavailable,
     package_dir,
 )
+from shared_core.kv_prefix import attach, budget_bytes
 from shared_core.lm import FALLBACK_CHAT_TEMPLATE, LM  # noqa: F401  (re-exported)
 from shared_core.model_sources import (
     ModelSource,
@@ -273,8 +274,6 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     lm = wrap_lm(model, tokenizer, name=name_or_path)
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
-    from shared_core.kv_prefix import attach, budget_bytes  # torch: imported with the model
-
     attach(lm.model, budget_bytes(prefix_cache, lm.model), exact=exact)
     lm.backend_reason = choice.reason
     logger.info("loaded %s on %s (%s, %d positions)", name_or_path, lm.device, lm.dtype,
