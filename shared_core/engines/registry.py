@@ -25,7 +25,6 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared_core.config import GenerationConfig, SamplingConfig, check_kwargs
-from shared_core.output import generation_config
 from shared_core.token_config import RAPID_OPTIONS, RESPEC_OPTIONS, RapidConfig, ReSpecConfig
 
 if TYPE_CHECKING:
@@ -112,6 +111,8 @@ def stream_engine(name: str, lm: LM, prompt: Prompt, *, max_new_tokens: int,
                   ) -> TokenStream:
     """Start a generation with the named engine from loose arguments, checked here (an option's
     value by the engine's config, before any model work); iterate the stream for text deltas."""
+    from shared_core.output import generation_config  # imports torch: not before a generation
+
     _, fields = _option_fields(check_engine_name(name))
     # the generation arguments are valid names too: the closest to a misspelt one
     check_kwargs(options, fields | set(_GENERATION_ARGUMENTS), f"engine={name!r}")
