@@ -9,8 +9,11 @@ same; each keeps only its framework's message and response conversion:
   :mod:`shared_core.config` (model, sampling) and the engine registry; the token limit is the
   one setting each framework names its own way (``max_tokens`` in LangChain,
   ``max_new_tokens`` in LlamaIndex; per call both names are accepted by both);
-- **one call**: :func:`prepare_call` resolves the per-call options against the settings and
-  validates them (TypeError / ValueError naming the option) before any model is loaded;
+- **one call**: :func:`check_call` resolves the per-call options against the settings and
+  validates them once (TypeError / ValueError naming the option), into a :class:`CallRequest`
+  (a :class:`~shared_core.config.GenerationConfig`, the messages as
+  :class:`~shared_core.output.ChatTurns`) that the engines take unchecked, before any model is
+  loaded; :func:`start_call` then resolves the model (:func:`prepare_call`: both);
 - **locking** (see :mod:`shared_core.serving`): :meth:`ChatCall.run` holds the model's lock for
   the whole generation, :meth:`ChatCall.steps` takes it for one step at a time and never while
   the caller reads;
@@ -41,6 +44,7 @@ from shared_core.config import (
     DEFAULT_BACKEND,
     DEFAULT_LM,
     DEFAULT_MAX_NEW_TOKENS,
+    GenerationConfig,
     SamplingConfig,
     check_backend,
     check_kwargs,
@@ -53,8 +57,8 @@ from shared_core.constrained import (
     grammar_mask,
     xgrammar_available,
 )
-from shared_core.engines.registry import check_engine_name, check_engine_options, stream_engine
-from shared_core.output import check_generation_field, generation_config, validate_messages
+from shared_core.engines.registry import check_engine_name, check_engine_options, start_engine
+from shared_core.output import ChatTurns, chat_turns, check_generation_field, generation_config
 from shared_core.rag_pickle import portable_options
 from shared_core.redact import redacted_repr_args, strip_credentials
 from shared_core.retrieval.frameworks import to_documents
@@ -241,11 +245,20 @@ def _with_format_instruction(turns: list[dict[str, Any]], constraint: Constraint
     return [{"role": "system", "content": text}, *turns]
 
 
-def validate_turns(turns: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """:func:`~shared_core.output.validate_messages`, keeping ``tool_calls`` / ``tool_call_id``."""
-    checked = validate_messages(turns)
-    return [{**c, **{k: t[k] for k in ("tool_calls", "tool_call_id") if t.get(k)}}
-            for c, t in zip(checked, turns, strict=True)]
+@dataclass
+class CallRequest:
+    """One call's input, checked once by :func:`check_call` (no model touched yet): the engines
+    take it as it is."""
+
+    engine: str
+    prompt: Prompt  # ChatTurns, a formatted prompt string, or token ids
+    generation: GenerationConfig
+    documents: list[str] | None
+    options: dict[str, Any]
+    tools: list[dict[str, Any]]
+    tool_choice: str
+    constraint: Constraint | None
+    model: str | None  # a per-call model (None: the settings')
 
 
 @dataclass
@@ -256,10 +269,9 @@ class ChatCall:
     lm: Any
     lock: FairLock
     prompt: Prompt
-    max_new_tokens: int
+    generation: GenerationConfig
     documents: list[str] | None
     engine_state: dict[str, Any]
-    sampling: dict[str, Any] = field(default_factory=dict)
     options: dict[str, Any] = field(default_factory=dict)
     tools: list[str] = field(default_factory=list)  # names parsed from the reply ([]: none)
     prefill: str = ""  # the forced beginning of the reply (a tool call), already in the prompt
@@ -269,9 +281,8 @@ class ChatCall:
         options = dict(self.options)
         if self.constraint is not None:  # every registered engine masks drafts and targets
             options["logits_mask"] = grammar_mask(self.lm, self.constraint)  # one per generation
-        return stream_engine(self.engine, self.lm, self.prompt,
-                             max_new_tokens=self.max_new_tokens, documents=self.documents,
-                             engine_state=self.engine_state, **self.sampling, **options)
+        return start_engine(self.engine, self.lm, self.prompt, self.generation,
+                            documents=self.documents, engine_state=self.engine_state, **options)
 
     def parse(self, text: str) -> tuple[str, list[ToolCall], list[InvalidToolCall]]:
         """``(content, tool calls, invalid tool calls)`` of a reply."""
@@ -309,22 +320,20 @@ class ChatCall:
         yield "", stream.result
 
 
-def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: Any,
-                 engine_state: dict[str, Any], limit_name: str) -> ChatCall:
+def check_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, limit_name: str
+               ) -> CallRequest:
     """Resolve and validate one call's options (``kwargs`` is consumed) before any model work.
 
     ``limit_name`` is the adapter's token-limit setting (its value ``None``: the config's
-    default). ``documents`` may be strings, our documents or either framework's documents / nodes
+    default). A message list is checked into :class:`~shared_core.output.ChatTurns`.
+    ``documents`` may be strings, our documents or either framework's documents / nodes
     (:func:`~shared_core.retrieval.frameworks.to_documents`). A per-call ``None`` for ``stop``,
     ``documents`` or the token limit means the setting. An option not in :data:`CALL_OPTIONS`
     (``max_token=16``) is a TypeError naming the closest one.
     """
     check_kwargs(kwargs, CALL_OPTIONS, type(settings).__name__)
-    engine = check_engine_name(kwargs.pop("engine", settings.engine))
-    # the configured options belong to the configured engine; a per-call engine gets its own
-    base = settings.engine_options if engine == settings.engine else {}
-    per_call = check_engine_options(engine, kwargs.pop("engine_options", None) or {})
-    options = check_engine_options(engine, {**base, **per_call})  # before any model loads
+    engine = kwargs.pop("engine", settings.engine)
+    options = _engine_options(settings, engine, kwargs.pop("engine_options", None) or {})
     documents = kwargs.pop("documents", None)
     documents = settings.documents if documents is None else documents
     name = next((n for n in MAX_TOKEN_NAMES if n in kwargs), limit_name)
@@ -332,19 +341,54 @@ def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: A
     limit = next((v for v in (*per_call, getattr(settings, limit_name)) if v is not None),
                  DEFAULT_MAX_NEW_TOKENS)
     stop = kwargs.pop("stop", None)
-    sampling = {"stop": settings.stop if stop is None else stop,
-                **{k: kwargs.pop(k, getattr(settings, k))
-                   for k in ("temperature", "top_k", "top_p", "seed")}}
-    generation_config(limit, name=name, **sampling)
+    sampling = {k: kwargs.pop(k, getattr(settings, k)) for k in ("temperature", "top_k", "top_p",
+                                                                 "seed")}
+    generation = generation_config(limit, name=name, stop=settings.stop if stop is None else stop,
+                                   **sampling)
     tools = check_tools(kwargs.pop("tools", None) or ())
     choice = check_tool_choice(kwargs.pop("tool_choice", None), tools) if tools else "none"
     constraint = check_response_format(kwargs.pop("response_format", None))
     texts = None if documents is None else [d.text for d in to_documents(documents)]
-    model, lock = resolve_model(settings, lm, kwargs.pop("model", None))
-    call = ChatCall(engine, model, lock, prompt, limit, texts, engine_state, sampling, options)
-    if not tools and constraint is None and not _has_tool_turns(prompt):
+    return CallRequest(engine, _checked_prompt(prompt), generation, texts, options, tools, choice,
+                       constraint, kwargs.pop("model", None))
+
+
+def _engine_options(settings: Any, engine: Any, per_call: Any) -> dict[str, Any]:
+    """The call's engine options (and with them its engine name), checked once: the configured
+    options belong to the configured engine, a per-call engine gets its own."""
+    if not isinstance(per_call, dict):
+        msg = f"engine_options must be a dict, got {type(per_call).__name__}"
+        raise TypeError(msg)
+    base = settings.engine_options if engine == settings.engine else {}
+    return check_engine_options(engine, {**base, **per_call})  # before any model loads
+
+
+def _checked_prompt(prompt: Prompt) -> Prompt:
+    """A message list as :class:`ChatTurns` (checked once); a string or ids as given (the
+    engine encodes and checks them)."""
+    if isinstance(prompt, ChatTurns):  # the adapter checked them already
+        return prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(m, dict) for m in prompt):
+        return chat_turns(prompt)
+    return prompt
+
+
+def start_call(request: CallRequest, settings: Any, *, lm: Any, engine_state: dict[str, Any]
+               ) -> ChatCall:
+    """The checked call on its model (loaded now if needed), with tools shown in the prompt."""
+    model, lock = resolve_model(settings, lm, request.model)
+    call = ChatCall(request.engine, model, lock, request.prompt, request.generation,
+                    request.documents, engine_state, request.options)
+    if not request.tools and request.constraint is None and not _has_tool_turns(request.prompt):
         return call
-    return _tool_call(call, tools, choice, constraint)
+    return _tool_call(call, request.tools, request.tool_choice, request.constraint)
+
+
+def prepare_call(settings: Any, prompt: Prompt, kwargs: dict[str, Any], *, lm: Any,
+                 engine_state: dict[str, Any], limit_name: str) -> ChatCall:
+    """:func:`check_call`, then :func:`start_call`."""
+    request = check_call(settings, prompt, kwargs, limit_name=limit_name)
+    return start_call(request, settings, lm=lm, engine_state=engine_state)
 
 
 def _has_tool_turns(prompt: Prompt) -> bool:

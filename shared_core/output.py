@@ -2,7 +2,9 @@
 
 Also the input checks every token-level entry point runs before any model work
 (:func:`generation_config`, :func:`validate_messages`, :func:`validate_prompt_ids`): a wrong type
-is a ``TypeError`` and a wrong value a ``ValueError``, each naming the parameter.
+is a ``TypeError`` and a wrong value a ``ValueError``, each naming the parameter. An adapter's
+edge checks a call once into typed values, a :class:`GenerationConfig` and :class:`ChatTurns`,
+which the engines take as they are.
 """
 
 from __future__ import annotations
@@ -181,6 +183,26 @@ def validate_messages(messages: Sequence[Any]) -> list[dict[str, str]]:
             raise TypeError(msg)
         out.append({"role": role, "content": check_unicode(content, f"message {i} content")})
     return out
+
+
+class ChatTurns(list[dict[str, Any]]):
+    """Chat messages already checked by :func:`chat_turns` (an adapter's edge): the engines
+    encode them without checking them again. Not to be changed once checked."""
+
+
+def chat_turns(messages: Sequence[Any]) -> ChatTurns:
+    """:func:`validate_messages` once, as :class:`ChatTurns`, keeping a turn's ``tool_calls`` /
+    ``tool_call_id`` (the tool prompt renders them)."""
+    if isinstance(messages, ChatTurns):
+        return messages
+    checked = validate_messages(messages)
+    return ChatTurns({**c, **{k: m[k] for k in ("tool_calls", "tool_call_id") if m.get(k)}}
+                     for c, m in zip(checked, messages, strict=True))
+
+
+def template_turns(turns: ChatTurns) -> list[dict[str, str]]:
+    """The ``{"role", "content"}`` of each checked turn, as the chat template gets them."""
+    return [{"role": t["role"], "content": t["content"]} for t in turns]
 
 
 def validate_prompt_ids(lm: LM, ids: Sequence[int], max_new_tokens: int) -> None:

@@ -37,6 +37,7 @@ from shared_core.rag_config import (
     specrag_budgets,
 )
 from shared_core.retrieval.base import check_retriever_like
+from shared_core.retrieval.frameworks import DocumentList, to_documents
 
 if TYPE_CHECKING:
     from shared_core.engines.baseline import TokenStream
@@ -62,9 +63,10 @@ RETRIEVER_SETTINGS = ("retriever", "prefetch_k", "retrieval_timeout_s")
 # ----------------------------------------------------------------------------- input checks
 
 
-def question_input(value: Any) -> tuple[str, Any]:
+def question_input(value: Any) -> tuple[str, DocumentList | None]:
     """(question, documents or None) of a question string or a ``{"question", "documents"}``
-    dict, checked before any retrieval or model work."""
+    dict, checked before any retrieval or model work; the documents are converted here, once
+    (the engine takes a :class:`DocumentList` as it is)."""
     if isinstance(value, str):
         question, docs = value, None
     elif isinstance(value, dict) and "question" in value:
@@ -72,11 +74,8 @@ def question_input(value: Any) -> tuple[str, Any]:
     else:
         msg = "input must be a question string or a dict with a 'question' key"
         raise TypeError(msg)
-    if docs is not None and (isinstance(docs, (str, bytes, dict))
-                             or not isinstance(docs, (list, tuple))):
-        msg = f"documents must be a list of documents, got {type(docs).__name__}"
-        raise TypeError(msg)
-    return check_text(question, "question"), docs
+    question = check_text(question, "question")
+    return question, None if docs is None else to_documents(docs)
 
 
 # A framework's prompt template is rendered with these in place of its two variables, then turned

@@ -53,7 +53,7 @@ def record_steps(monkeypatch: Any) -> list[list[int]]:
     from shared_core import chat_adapters
 
     runs: list[list[int]] = []
-    real = chat_adapters.stream_engine
+    real = chat_adapters.start_engine
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         stream = real(*args, **kwargs)
@@ -72,7 +72,7 @@ def record_steps(monkeypatch: Any) -> list[list[int]]:
         stream._blocks = steps()
         return stream
 
-    monkeypatch.setattr(chat_adapters, "stream_engine", counted)
+    monkeypatch.setattr(chat_adapters, "start_engine", counted)
     return runs
 
 

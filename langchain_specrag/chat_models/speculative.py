@@ -55,10 +55,9 @@ from shared_core.chat_adapters import (
     call_report,
     prepare_call,
     resolve_model,
-    validate_turns,
 )
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
-from shared_core.output import GenerationResult
+from shared_core.output import ChatTurns, GenerationResult, chat_turns
 from shared_core.redact import redact
 from shared_core.serving import FairLock, iterate_in_thread
 from shared_core.tool_calls import InvalidToolCall, ToolCall, check_tool_choice, check_tools
@@ -100,10 +99,11 @@ def _turn(index: int, message: BaseMessage) -> dict[str, Any]:
     return turn
 
 
-def to_chat_messages(messages: Sequence[BaseMessage]) -> list[dict[str, Any]]:
-    """LangChain messages as validated ``{"role", "content"}`` dicts for the chat template (an
-    AI message's tool calls and a tool message's call id kept)."""
-    return validate_turns([_turn(i, m) for i, m in enumerate(messages)])
+def to_chat_messages(messages: Sequence[BaseMessage]) -> ChatTurns:
+    """LangChain messages as ``{"role", "content"}`` dicts for the chat template (an AI
+    message's tool calls and a tool message's call id kept), checked once: the engines take
+    them unchecked."""
+    return chat_turns([_turn(i, m) for i, m in enumerate(messages)])
 
 
 def _call_chunk(call: ToolCall | InvalidToolCall, index: int) -> ToolCallChunk:

@@ -14,12 +14,13 @@ methods take it for one step at a time and never across a ``yield`` (see
 ``shared_core.serving``), so a half-read stream never blocks another call. Inputs are validated
 before the model is loaded: text blocks only (``ImageBlock`` and other media raise
 ``NotImplementedError``), ``content=None`` refused, ``max_new_tokens`` (per call also
-``max_tokens``) an int >= 1.
+``max_tokens``) an int >= 1. Each public method checks its call before LlamaIndex's callback
+runs: the callback reads ``metadata``, which without a ``context_window`` loads the model.
 """
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any
 
 from llama_index.core.base.llms.types import (
@@ -46,11 +47,13 @@ from llamaindex_specrag.llms.tools import (
     tool_selections,
 )
 from shared_core.chat_adapters import (
+    CallRequest,
     ChatCall,
     ChatSettings,
     call_report,
-    prepare_call,
+    check_call,
     resolve_model,
+    start_call,
 )
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, check_int
 from shared_core.redact import redact
@@ -63,6 +66,26 @@ async def _last(items: AsyncIterator[Any]) -> Any:
     async for last in items:  # noqa: B007 - only the final (complete) response is returned
         pass
     return last
+
+
+def _traced(callback: Callable[[], Callable[..., Any]], llm: Any, first: Any,
+            kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
+    """``run()`` inside LlamaIndex's ``callback`` (``llm_completion_callback`` /
+    ``llm_chat_callback``: its events and span), reporting ``first`` (the prompt or messages) and
+    ``kwargs`` as a decorated method would."""
+    def method(_llm: Any, _first: Any, **_kwargs: Any) -> Any:
+        return run()
+
+    return callback()(method)(llm, first, **kwargs)
+
+
+def _atraced(callback: Callable[[], Callable[..., Any]], llm: Any, first: Any,
+             kwargs: dict[str, Any], run: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
+    """:func:`_traced` for a coroutine."""
+    async def method(_llm: Any, _first: Any, **_kwargs: Any) -> Any:
+        return await run()
+
+    return callback()(method)(llm, first, **kwargs)
 
 
 class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
@@ -119,23 +142,14 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         return template_takes_tools(self._model()[0])
 
     # -- one generation path ----------------------------------------------------------------
-    def _call(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]) -> ChatCall:
-        """Validate one call (before any model work)."""
-        return prepare_call(self, prompt, kwargs, lm=self._lm, engine_state=self._engine_state,
-                            limit_name="max_new_tokens")
+    def _check(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]) -> CallRequest:
+        """Validate one call once, before any model work (``kwargs`` is left as given: LlamaIndex's
+        callback reports it)."""
+        return check_call(self, prompt, dict(kwargs), limit_name="max_new_tokens")
 
-    def _run(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
-             ) -> tuple[str, dict[str, Any]]:
-        """The whole generation under the lock: ``(text, raw stats)``."""
-        call = self._call(prompt, kwargs)
-        result = call.run()
-        return result.text, call_report(result, call.engine, self.model)
-
-    def _run_stream(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]
-                    ) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
-        """Validate now; then iterate ``(cumulative text, delta, None)`` and finally
-        ``(text, "", raw stats)``. The lock is taken per step, never while the caller reads."""
-        return self._steps(self._call(prompt, kwargs))
+    def _start(self, request: CallRequest) -> ChatCall:
+        """The checked call on its model (loaded now if needed)."""
+        return start_call(request, self, lm=self._lm, engine_state=self._engine_state)
 
     def _steps(self, call: ChatCall) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
         text = ""
@@ -152,30 +166,29 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*turns, {"role": "user", "content": prompt}]
 
-    def _complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]
-                  ) -> CompletionResponse:
-        text, raw = self._run(self._messages(prompt, formatted), kwargs)
-        return CompletionResponse(text=text, raw=raw, additional_kwargs=dict(raw))
+    def _complete(self, request: CallRequest) -> CompletionResponse:
+        call = self._start(request)
+        result = call.run()  # the whole generation under the lock
+        raw = call_report(result, call.engine, self.model)
+        return CompletionResponse(text=result.text, raw=raw, additional_kwargs=dict(raw))
 
-    def _stream_complete(self, prompt: str, formatted: bool, kwargs: dict[str, Any]
-                         ) -> CompletionResponseGen:
-        steps = self._run_stream(self._messages(prompt, formatted), kwargs)
+    def _stream_complete(self, request: CallRequest) -> CompletionResponseGen:
+        """The model is resolved now; the lock is taken per step, never while the caller reads."""
+        steps = self._steps(self._start(request))
         return (CompletionResponse(text=text, delta=delta, raw=raw,
                                    additional_kwargs=dict(raw or {}))
                 for text, delta, raw in steps)
 
-    def _chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> ChatResponse:
-        call = self._call(chat_dicts(messages), kwargs)
+    def _chat(self, request: CallRequest) -> ChatResponse:
+        call = self._start(request)
         result = call.run()
         message = reply_message(call, result.text)
         raw = call_report(result, call.engine, self.model,
                           tool_calls=bool(message.additional_kwargs.get("tool_calls")))
         return ChatResponse(message=message, raw=raw, additional_kwargs=dict(raw))
 
-    def _stream_chat(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]
-                     ) -> ChatResponseGen:
-        call = self._call(chat_dicts(messages), kwargs)  # validated now, not when iterated
-        return self._chat_steps(call)
+    def _stream_chat(self, request: CallRequest) -> ChatResponseGen:
+        return self._chat_steps(self._start(request))  # the model is resolved now
 
     def _chat_steps(self, call: ChatCall) -> ChatResponseGen:
         """Each response holds the message so far (with tools: content without the calls' text,
@@ -208,40 +221,59 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         return tool_selections(response, error_on_no_tool_call)
 
     # -- public API: sync, streaming, and async on worker threads ---------------------------
-    @llm_completion_callback()
+    # each checks its call first, then runs inside LlamaIndex's callback (``_traced``)
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        return self._complete(prompt, formatted, kwargs)
+        request = self._check(self._messages(prompt, formatted), kwargs)
+        return _traced(llm_completion_callback, self, prompt, kwargs,
+                       lambda: self._complete(request))
 
-    @llm_completion_callback()
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any
                         ) -> CompletionResponseGen:
-        return self._stream_complete(prompt, formatted, kwargs)
+        request = self._check(self._messages(prompt, formatted), kwargs)
+        return _traced(llm_completion_callback, self, prompt, kwargs,
+                       lambda: self._stream_complete(request))
 
-    @llm_completion_callback()
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any
                         ) -> CompletionResponse:
-        # step by step on a worker thread: a cancelled call stops within one step
-        parts = iterate_in_thread(self._stream_complete(prompt, formatted, kwargs))
-        return await _last(parts)
+        request = self._check(self._messages(prompt, formatted), kwargs)
 
-    @llm_completion_callback()
+        async def run() -> CompletionResponse:
+            # step by step on a worker thread: a cancelled call stops within one step
+            return await _last(iterate_in_thread(self._stream_complete(request)))
+
+        return await _atraced(llm_completion_callback, self, prompt, kwargs, run)
+
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any
                                ) -> CompletionResponseAsyncGen:
-        return iterate_in_thread(self._stream_complete(prompt, formatted, kwargs))
+        request = self._check(self._messages(prompt, formatted), kwargs)
 
-    @llm_chat_callback()
+        async def run() -> CompletionResponseAsyncGen:
+            return iterate_in_thread(self._stream_complete(request))
+
+        return await _atraced(llm_completion_callback, self, prompt, kwargs, run)
+
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return self._chat(messages, kwargs)
+        request = self._check(chat_dicts(messages), kwargs)
+        return _traced(llm_chat_callback, self, messages, kwargs, lambda: self._chat(request))
 
-    @llm_chat_callback()
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        return self._stream_chat(messages, kwargs)
+        request = self._check(chat_dicts(messages), kwargs)
+        return _traced(llm_chat_callback, self, messages, kwargs,
+                       lambda: self._stream_chat(request))
 
-    @llm_chat_callback()
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        return await _last(iterate_in_thread(self._stream_chat(messages, kwargs)))
+        request = self._check(chat_dicts(messages), kwargs)
 
-    @llm_chat_callback()
+        async def run() -> ChatResponse:
+            return await _last(iterate_in_thread(self._stream_chat(request)))
+
+        return await _atraced(llm_chat_callback, self, messages, kwargs, run)
+
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
                            ) -> ChatResponseAsyncGen:
-        return iterate_in_thread(self._stream_chat(messages, kwargs))
+        request = self._check(chat_dicts(messages), kwargs)
+
+        async def run() -> ChatResponseAsyncGen:
+            return iterate_in_thread(self._stream_chat(request))
+
+        return await _atraced(llm_chat_callback, self, messages, kwargs, run)

@@ -16,7 +16,8 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.llm import ToolSelection
 
-from shared_core.chat_adapters import ChatCall, validate_turns
+from shared_core.chat_adapters import ChatCall
+from shared_core.output import ChatTurns, chat_turns
 from shared_core.tool_calls import InvalidToolCall, ToolCall, check_tools
 
 # LlamaIndex roles the chat templates know under another name
@@ -37,9 +38,9 @@ def _calls_of(message: ChatMessage) -> list[dict[str, Any]]:
     return calls
 
 
-def chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Validated template turns; non-text blocks other than tool calls are refused, never
-    dropped."""
+def chat_dicts(messages: Sequence[ChatMessage]) -> ChatTurns:
+    """Template turns, checked once (the engines take them unchecked); non-text blocks other
+    than tool calls are refused, never dropped."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, ChatMessage):
@@ -62,7 +63,7 @@ def chat_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         if m.additional_kwargs.get("tool_call_id"):
             turn["tool_call_id"] = m.additional_kwargs["tool_call_id"]
         out.append(turn)
-    return validate_turns(out)
+    return chat_turns(out)
 
 
 def reply_message(call: ChatCall, text: str) -> ChatMessage:

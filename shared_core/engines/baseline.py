@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS, CacheKind, SamplingConfig
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, CacheKind, GenerationConfig, SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.engines.loop import (
@@ -141,10 +141,12 @@ def speculative_generate(lm: LM, drafter: Drafter | LM, prompt: Prompt,
                               seed=seed).run()
 
 
-def stream_autoregressive_engine(lm: LM, prompt: Prompt, *, max_new_tokens: int,
-                                 documents: Sequence[str] | None = None,
-                                 engine_state: dict[str, Any] | None = None, **options: Any
-                                 ) -> TokenStream:
-    """Registry entry (see ``engines/registry.py``): plain decoding ignores ``documents``."""
+def start_autoregressive(lm: LM, prompt: Prompt, generation: GenerationConfig, *,
+                         documents: Sequence[str] | None = None,
+                         engine_state: dict[str, Any] | None = None,
+                         cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None
+                         ) -> TokenStream:
+    """Registry entry (see ``engines/registry.py``): plain decoding with ``generation`` checked
+    by the caller; it ignores ``documents``."""
     del documents, engine_state
-    return stream_autoregressive(lm, prompt, max_new_tokens, **options)
+    return Run(lm, prompt, generation, cache, logits_mask).stream(autoregressive_blocks)

@@ -33,7 +33,14 @@ from shared_core.device import synchronize
 from shared_core.engines.timing import timed
 from shared_core.kv import open_session
 from shared_core.models import LM
-from shared_core.output import GenerationResult, OutputTracker, validate_messages, validate_prompt_ids
+from shared_core.output import (
+    ChatTurns,
+    GenerationResult,
+    OutputTracker,
+    template_turns,
+    validate_messages,
+    validate_prompt_ids,
+)
 from shared_core.stats import DecodeStats
 from shared_core.verify import choose_token, make_generator
 
@@ -73,8 +80,11 @@ def check_logits_mask(mask: Any) -> LogitsMask | None:
 def encode_prompt(lm: LM, prompt: Prompt) -> list[int]:
     """Token ids of a prompt string, a list of chat messages, or ids passed through.
 
-    Ids are checked against the vocabulary (and the window) by :func:`validate_prompt_ids`.
+    :class:`~shared_core.output.ChatTurns` were checked at the adapter's edge and are not checked
+    again. Ids are checked against the vocabulary (and the window) by :func:`validate_prompt_ids`.
     """
+    if isinstance(prompt, ChatTurns):
+        return lm.prompt_ids(template_turns(prompt))
     if isinstance(prompt, str):
         return lm.prompt_ids(check_unicode(prompt, "prompt"))
     if isinstance(prompt, Sequence) and not isinstance(prompt, bytes):

@@ -2,17 +2,19 @@
 
 Every registered function has the signature::
 
-    fn(lm, prompt, *, max_new_tokens, documents=None, stop=None, temperature=0.0, top_k=0,
-       top_p=1.0, seed=None, engine_state=None, **engine_options) -> TokenStream
+    fn(lm, prompt, generation, *, documents=None, engine_state=None, **engine_options)
+        -> TokenStream
 
-``documents`` are texts the engine may draft from (ReSpec) or treat as the long context
-(RAPID); engines that do not use them ignore them. ``engine_state`` is a dict the caller keeps
-between calls (each adapter instance keeps one); an engine may cache reusable state in it
-(RAPID: its decoders with the long context's KV; ReSpec: its decoders with their corpus index),
-so that state lives exactly as long as the caller, never in a module-level cache that would keep
-models alive (RAPID finds the decoders other callers hold through weak references only).
-:func:`check_engine_options` checks an engine's options before any model loads. Modules are
-imported on first use.
+``generation`` is a :class:`~shared_core.config.GenerationConfig` and the option names were
+checked by the caller (an adapter's edge, or :func:`stream_engine` for loose arguments): the
+entry trusts them. ``documents`` are texts the engine may draft from (ReSpec) or treat as the
+long context (RAPID); engines that do not use them ignore them. ``engine_state`` is a dict the
+caller keeps between calls (each adapter instance keeps one); an engine may cache reusable state
+in it (RAPID: its decoders with the long context's KV; ReSpec: its decoders with their corpus
+index), so that state lives exactly as long as the caller, never in a module-level cache that
+would keep models alive (RAPID finds the decoders other callers hold through weak references
+only). :func:`check_engine_options` checks an engine's options before any model loads. Modules
+are imported on first use.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared_core.config import check_kwargs
+from shared_core.config import GenerationConfig, SamplingConfig, check_kwargs
 from shared_core.token_config import RAPID_OPTIONS, RESPEC_OPTIONS, RapidConfig, ReSpecConfig
 
 if TYPE_CHECKING:
@@ -30,9 +32,9 @@ if TYPE_CHECKING:
     from shared_core.models import LM
 
 TOKEN_ENGINES: dict[str, str] = {
-    "autoregressive": "shared_core.engines.baseline:stream_autoregressive_engine",
-    "respec": "shared_core.engines.respec:stream_respec",
-    "rapid": "shared_core.engines.rapid:stream_rapid",
+    "autoregressive": "shared_core.engines.baseline:start_autoregressive",
+    "respec": "shared_core.engines.respec:start_respec",
+    "rapid": "shared_core.engines.rapid:start_rapid",
 }
 
 # per engine: its config (None: none) and its other options; every engine takes a logits_mask
@@ -59,15 +61,25 @@ def check_engine_options(name: str, options: Any) -> dict[str, Any]:
     """``options`` if engine ``name`` takes them, checked without importing torch or touching a
     model: an unknown key is a TypeError naming it and the closest valid one, a bad config value
     the config's own TypeError / ValueError naming the field."""
-    config, others = ENGINE_OPTIONS[check_engine_name(name)]
+    config, fields = _option_fields(check_engine_name(name))
     if not isinstance(options, dict):
         msg = f"engine_options must be a dict, got {type(options).__name__}"
         raise TypeError(msg)
-    fields = {f.name for f in dataclasses.fields(config)} if config is not None else set()
-    check_kwargs(options, fields | {*others, "logits_mask"}, f"engine={name!r} (engine_options)")
+    check_kwargs(options, fields, f"engine={name!r} (engine_options)")
     if config is not None:
-        config(**{key: value for key, value in options.items() if key in fields})
+        config(**{key: value for key, value in options.items() if key in _config_fields(config)})
     return options
+
+
+def _config_fields(config: type) -> set[str]:
+    return {f.name for f in dataclasses.fields(config)}
+
+
+def _option_fields(name: str) -> tuple[type | None, set[str]]:
+    """Engine ``name``'s config (None: none) and every option name it takes."""
+    config, others = ENGINE_OPTIONS[name]
+    fields = _config_fields(config) if config is not None else set()
+    return config, fields | {*others, "logits_mask"}
 
 
 def engine_function(name: str) -> Callable[..., TokenStream]:
@@ -75,9 +87,36 @@ def engine_function(name: str) -> Callable[..., TokenStream]:
     return getattr(importlib.import_module(module), attr)
 
 
+def start_engine(name: str, lm: LM, prompt: Prompt, generation: GenerationConfig, *,
+                 documents: Sequence[str] | None = None,
+                 engine_state: dict[str, Any] | None = None, **options: Any) -> TokenStream:
+    """Start a generation with the named engine, its arguments checked by the caller (an
+    adapter's edge: ``name``, ``generation``, ``options``, a message list as
+    :class:`~shared_core.output.ChatTurns`)."""
+    module, attr = TOKEN_ENGINES[name].split(":")
+    return getattr(importlib.import_module(module), attr)(
+        lm, prompt, generation, documents=documents, engine_state=engine_state, **options)
+
+
+_GENERATION_ARGUMENTS = ("max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed",
+                         "documents", "engine_state")
+
+
 def stream_engine(name: str, lm: LM, prompt: Prompt, *, max_new_tokens: int,
                   documents: Sequence[str] | None = None,
-                  engine_state: dict[str, Any] | None = None, **options: Any) -> TokenStream:
-    """Start a generation with the named engine; iterate the stream for text deltas."""
-    return engine_function(name)(lm, prompt, max_new_tokens=max_new_tokens,
-                                 documents=documents, engine_state=engine_state, **options)
+                  engine_state: dict[str, Any] | None = None,
+                  stop: Sequence[str] | str | None = None,
+                  temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+                  top_p: float = SamplingConfig.top_p, seed: int | None = None, **options: Any
+                  ) -> TokenStream:
+    """Start a generation with the named engine from loose arguments, checked here (an option's
+    value by the engine's config, before any model work); iterate the stream for text deltas."""
+    from shared_core.output import generation_config  # imports torch: not before a generation
+
+    _, fields = _option_fields(check_engine_name(name))
+    # the generation arguments are valid names too: the closest to a misspelt one
+    check_kwargs(options, fields | set(_GENERATION_ARGUMENTS), f"engine={name!r}")
+    generation = generation_config(max_new_tokens, stop=stop, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=seed)
+    return start_engine(name, lm, prompt, generation, documents=documents,
+                        engine_state=engine_state, **options)

@@ -13,10 +13,15 @@ from shared_core.config import check_int
 from shared_core.retrieval.base import Document, Hit
 
 
-def to_documents(items: Sequence[Any]) -> list[Document]:
+class DocumentList(list[Document]):
+    """Documents :func:`to_documents` converted (the list checked once): an engine given one takes
+    it as it is."""
+
+
+def to_documents(items: Sequence[Any]) -> DocumentList:
     """Convert strings, our Documents/Hits, LangChain Documents or LlamaIndex nodes to Documents."""
     check_document_list(items)
-    docs: list[Document] = []
+    docs = DocumentList()
     for i, item in enumerate(items):
         if isinstance(item, Document):
             docs.append(item)

@@ -3,7 +3,10 @@ closest valid one; ReSpec's decoder and corpus index kept per adapter between ca
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
+from llama_index.core.base.llms.types import ChatMessage
 from tiny import CORPUS
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
@@ -38,12 +41,38 @@ def test_an_unknown_option_is_refused_before_the_model_loads(no_loading, adapter
     expected = f"unexpected keyword argument '{key}'; did you mean '{suggested}'"
     with pytest.raises(TypeError, match=expected):
         adapter(model="smollm2-135m-instruct", engine=engine_name, engine_options=options)
-    # LlamaIndex's callback reads ``metadata`` first: a set context_window spares that load
-    window = {} if adapter is ChatSpeculative else {"context_window": 2048}
-    model = adapter(model="smollm2-135m-instruct", engine=engine_name, **{limit: 4}, **window)
+    # no context_window: LlamaIndex's callback would load the model to read ``metadata``
+    model = adapter(model="smollm2-135m-instruct", engine=engine_name, **{limit: 4})
     call = model.invoke if adapter is ChatSpeculative else model.complete
     with pytest.raises(TypeError, match=expected):
         call(PROMPT, engine_options=options)
+
+
+LI_USER = [ChatMessage(role="user", content=PROMPT)]
+LI_CALLS = {"complete": lambda llm, **kw: llm.complete(PROMPT, **kw),
+            "stream_complete": lambda llm, **kw: llm.stream_complete(PROMPT, **kw),
+            "acomplete": lambda llm, **kw: asyncio.run(llm.acomplete(PROMPT, **kw)),
+            "astream_complete": lambda llm, **kw: asyncio.run(llm.astream_complete(PROMPT, **kw)),
+            "chat": lambda llm, **kw: llm.chat(LI_USER, **kw),
+            "stream_chat": lambda llm, **kw: llm.stream_chat(LI_USER, **kw),
+            "achat": lambda llm, **kw: asyncio.run(llm.achat(LI_USER, **kw)),
+            "astream_chat": lambda llm, **kw: asyncio.run(llm.astream_chat(LI_USER, **kw))}
+
+
+@pytest.mark.parametrize("method", list(LI_CALLS))
+@pytest.mark.parametrize(("kwargs", "error", "named"), [
+    ({"engine_options": {"use_triger": False}}, TypeError, "'use_triger'; did you mean"),
+    ({"engine_options": {"entropy_threshold": -1.0}}, ValueError, "entropy_threshold"),
+    ({"max_tokens": 0}, ValueError, "max_tokens"),
+])
+def test_speculative_llm_refuses_a_bad_call_before_loading_without_a_context_window(
+        no_loading, method, kwargs, error, named):
+    """Each public method checks its call before LlamaIndex's callback reads ``metadata`` (with
+    no ``context_window``, that read loads the model): the error names the parameter and no
+    model is loaded (``no_loading`` fails the test on any load)."""
+    llm = SpeculativeLLM(model="smollm2-135m-instruct", max_new_tokens=4)
+    with pytest.raises(error, match=named):
+        LI_CALLS[method](llm, **kwargs)
 
 
 def test_a_bad_option_value_is_refused_before_the_model_loads(no_loading):

@@ -1,10 +1,16 @@
-"""The request walk of one RAG adapter call (issue 27, item 4): traced with ``sys.settrace``,
-each input is validated / converted once, at the edge, and the engine trusts it.
+"""Request walks (issue 27): traced with ``sys.settrace``, each input of one adapter call is
+validated / converted once, at the edge, and the engine trusts it.
 
-Before: ``SpeculativeRAGRunnable.invoke`` converted the documents twice (``to_documents`` and
-``drop_blank`` in ``_check_call`` and again in ``_documents``, so a blank document was warned
+Before, RAG: ``SpeculativeRAGRunnable.invoke`` converted the documents twice (``to_documents``
+and ``drop_blank`` in ``_check_call`` and again in ``_documents``, so a blank document was warned
 about twice) and rendered the prompt setting twice per request (the engine resolver called back
-into the adapter each time it looked the engine up).
+into the adapter each time it looked the engine up); then the document list was still checked
+twice (``check_inputs`` and ``to_documents``, three times with documents in the input).
+
+Before, chat: ``ChatSpeculative.invoke`` / ``SpeculativeLLM.chat`` validated the messages twice
+(the adapter, then ``loop.encode_prompt``), the generation settings twice (the adapter, then
+``ReSpecDecoder.stream``: a ``GenerationConfig`` and a ``SamplingConfig`` each time) and the
+engine name four times.
 """
 
 from __future__ import annotations
@@ -19,11 +25,15 @@ from typing import Any
 import pytest
 from fakes import SPECRAG_DOCS, LCRetriever, LIRetriever
 from langchain_core.prompts import PromptTemplate
+from llama_index.core.base.llms.types import ChatMessage as LIChatMessage
 from llama_index.core.prompts import PromptTemplate as LIPromptTemplate
 from tiny import tiny_lm
 
 from langchain_specrag import SpeculativeRAGRunnable
+from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag import SpeculativeRAGQueryEngine
+from llamaindex_specrag.llms.speculative import SpeculativeLLM
+from shared_core.engines.registry import stream_engine
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 from shared_core.retrieval import Document
 
@@ -77,10 +87,12 @@ def test_one_call_converts_documents_once_and_renders_no_prompt(specrag, name) -
     call = _calls(specrag)[name]
     call()  # the first call builds the engine (and renders the prompt setting once)
     files, calls = walk(call)
-    counted = {f: calls[f] for f in ("to_documents", "drop_blank", "check_inputs",
-                                     "prompt_messages", "check_prompt", "rendered_prompt")}
-    assert counted == {"to_documents": 1, "drop_blank": 1, "check_inputs": 1,
-                       "prompt_messages": 0, "check_prompt": 0, "rendered_prompt": 0}, counted
+    counted = {f: calls[f] for f in ("to_documents", "check_document_list", "drop_blank",
+                                     "check_question", "prompt_messages", "check_prompt",
+                                     "rendered_prompt")}
+    assert counted == {"to_documents": 1, "check_document_list": 1, "drop_blank": 1,
+                       "check_question": 1, "prompt_messages": 0, "check_prompt": 0,
+                       "rendered_prompt": 0}, counted
     assert calls["SpeculativeRAGEngines.get"] == 1  # one engine look-up per call
     assert any(f.endswith("rag_settings.py") for f in files)  # the walk saw the shared base
 
@@ -102,3 +114,33 @@ def test_a_blank_document_is_warned_about_once(specrag, caplog) -> None:
     warned = [r for r in caplog.records if "empty text" in r.getMessage()]
     assert len(warned) == 1
     assert details["stats"]["skipped_documents"] == 1
+
+
+CHAT_PROMPT = "Who wrote the report?"
+# the validators of one chat call, each expected once per request
+CHAT_CHECKS = ("validate_messages", "generation_config", "SamplingConfig.__post_init__",
+               "GenerationConfig.__post_init__", "check_engine_name", "check_engine_options",
+               "encode_prompt")
+
+
+def _chat_calls(lm: Any) -> dict[str, Callable[[], str]]:
+    chat = ChatSpeculative(lm=lm, model="tiny", max_tokens=8)
+    llm = SpeculativeLLM(lm, model="tiny", max_new_tokens=8, context_window=2048)
+    user = [LIChatMessage(role="user", content=CHAT_PROMPT)]
+    return {"ChatSpeculative.invoke": lambda: chat.invoke(CHAT_PROMPT).content,
+            "SpeculativeLLM.chat": lambda: llm.chat(user).message.content,
+            "SpeculativeLLM.complete": lambda: llm.complete(CHAT_PROMPT).text}
+
+
+@pytest.mark.parametrize("name", ["ChatSpeculative.invoke", "SpeculativeLLM.chat",
+                                  "SpeculativeLLM.complete"])
+def test_one_chat_call_validates_messages_and_generation_settings_once(tiny_target, name):
+    call = _chat_calls(tiny_target)[name]
+    first = call()  # warm-up: the engine's decoder is built and kept
+    files, calls = walk(call)
+    assert {f: calls[f] for f in CHAT_CHECKS} == dict.fromkeys(CHAT_CHECKS, 1), dict(calls)
+    assert calls["chat_turns"] == 1 and calls["engine_function"] == 0
+    assert any(f.endswith("chat_adapters.py") for f in files)
+    reference = stream_engine("respec", tiny_target, [{"role": "user", "content": CHAT_PROMPT}],
+                              max_new_tokens=8).run()
+    assert first == call() == reference.text  # the same tokens as the loose-argument path

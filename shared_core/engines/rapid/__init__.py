@@ -37,9 +37,9 @@ from __future__ import annotations
 
 # prompts (per-question prompts, stats), context (chunk index, retrieval, prompt building),
 # rounds (the RAPID round, γ schedule), engine (RapidDecoder: slots, baselines, streams), entry
-# (the registry's stream_rapid).
+# (the registry's start_rapid, and stream_rapid with loose arguments).
 from shared_core.engines.rapid.engine import RapidDecoder
-from shared_core.engines.rapid.entry import split_prompt, stream_rapid
+from shared_core.engines.rapid.entry import split_prompt, start_rapid, stream_rapid
 from shared_core.engines.rapid.prompts import METHODS, RapidPrompt, RapidStats
 from shared_core.token_config import DRAFTER_KV, RapidConfig, check_eta
 
@@ -52,5 +52,6 @@ __all__ = [
     "RapidStats",
     "check_eta",
     "split_prompt",
+    "start_rapid",
     "stream_rapid",
 ]

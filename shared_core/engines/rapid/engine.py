@@ -177,6 +177,17 @@ class RapidDecoder(RapidContext):
             logits_mask: a constraint applied to the target logits before acceptance (every
                 method), see :class:`~shared_core.engines.loop.LogitsMask`.
         """
+        gen = generation_config(max_new_tokens, stop=stop, temperature=temperature,
+                                top_k=top_k, top_p=top_p, seed=seed)
+        return self.start(context, query, gen, method=method, eta=eta, gamma=gamma,
+                          drafter_kv=drafter_kv, adaptive_gamma=adaptive_gamma,
+                          logits_mask=logits_mask)
+
+    def start(self, context: str, query: str, gen: GenerationConfig, *, method: str = "rapid",
+              eta: float | None = None, gamma: int | None = None, drafter_kv: str | None = None,
+              adaptive_gamma: bool | None = None, logits_mask: LogitsMask | None = None
+              ) -> TokenStream:
+        """:meth:`stream` with the generation settings already checked (``gen``)."""
         if method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
             raise ValueError(msg)
@@ -186,9 +197,7 @@ class RapidDecoder(RapidContext):
                      if value is not None}
         config = dataclasses.replace(self.config, **overrides) if overrides else self.config
         self._check_drafter_kv(config.drafter_kv)
-        gen = generation_config(max_new_tokens, stop=stop, temperature=temperature,
-                                top_k=top_k, top_p=top_p, seed=seed)
-        prompt = self.prepare(context, query, max_new_tokens, drafter_kv=config.drafter_kv)
+        prompt = self.prepare(context, query, gen.max_new_tokens, drafter_kv=config.drafter_kv)
         with self._lock:
             return self._start(method, 0.0 if method == "sd" else eta, prompt, gen, config,
                                logits_mask)

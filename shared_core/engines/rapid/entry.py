@@ -11,13 +11,14 @@ from typing import Any
 
 from shared_core.config import (
     DEFAULT_EMBEDDER,
+    GenerationConfig,
     SamplingConfig,
     check_kwargs,
 )
 from shared_core.engines.loop import LogitsMask, Prompt, TokenStream, kept
 from shared_core.engines.rapid.engine import RapidDecoder
 from shared_core.models import LM
-from shared_core.output import validate_messages
+from shared_core.output import ChatTurns, generation_config, validate_messages
 from shared_core.token_config import RapidConfig
 
 
@@ -31,6 +32,8 @@ def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, 
     """
     if isinstance(prompt, str):
         messages = [{"role": "user", "content": prompt}]
+    elif isinstance(prompt, ChatTurns):  # checked at the adapter's edge
+        messages = prompt
     elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
         messages = validate_messages(prompt)
     else:
@@ -106,7 +109,24 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                  draft_lm: LM | None = None, embedder: Any = DEFAULT_EMBEDDER,
                  engine_state: dict[str, Any] | None = None,
                  logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:
-    """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention.
+    """RAPID with loose arguments, checked here (see :func:`start_rapid`)."""
+    entry_arguments = set(inspect.signature(stream_rapid).parameters) - {"config_options"}
+    check_kwargs(config_options, {f.name for f in dataclasses.fields(RapidConfig)}
+                 | entry_arguments, "the RAPID engine")
+    generation = generation_config(max_new_tokens, stop=stop, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=seed)
+    return start_rapid(lm, prompt, generation, documents=documents, method=method,
+                       decoder=decoder, draft_lm=draft_lm, embedder=embedder,
+                       engine_state=engine_state, logits_mask=logits_mask, **config_options)
+
+
+def start_rapid(lm: LM, prompt: Prompt, generation: GenerationConfig, *,
+                documents: Sequence[str] | None = None, method: str = "rapid",
+                decoder: RapidDecoder | None = None, draft_lm: LM | None = None,
+                embedder: Any = DEFAULT_EMBEDDER, engine_state: dict[str, Any] | None = None,
+                logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:
+    """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention;
+    ``generation`` and the option names were checked by the caller.
 
     Engine options: ``method`` (``"rapid"``, ``"sd"``, ``"long_context"``, ``"rag"``), a ready
     ``decoder``, ``draft_lm``, ``embedder`` and any :class:`RapidConfig` field (``eta``,
@@ -114,9 +134,6 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
     adapters pass one dict per instance) is reused across calls with the same models and
     options, so follow-up questions on one document skip its prefill.
     """
-    entry_arguments = set(inspect.signature(stream_rapid).parameters) - {"config_options"}
-    check_kwargs(config_options, {f.name for f in dataclasses.fields(RapidConfig)}
-                 | entry_arguments, "the RAPID engine")
     context, query = split_prompt(prompt, documents)
     if decoder is None:
         decoder = _shared_decoder(lm, draft_lm, embedder, RapidConfig(**config_options),
@@ -124,7 +141,5 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
     elif decoder.lm is not lm:
         msg = "decoder was built for another target model than lm"
         raise ValueError(msg)
-    eta = config_options.get("eta")
-    return decoder.stream(context, query, max_new_tokens, method=method, eta=eta, stop=stop,
-                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          logits_mask=logits_mask)
+    return decoder.start(context, query, generation, method=method,
+                         eta=config_options.get("eta"), logits_mask=logits_mask)

@@ -38,7 +38,12 @@ from shared_core.engines.respec.drafting import (
     build_tree,
     entropy_trigger,
 )
-from shared_core.engines.respec.engine import ReSpecDecoder, respec_generate, stream_respec
+from shared_core.engines.respec.engine import (
+    ReSpecDecoder,
+    respec_generate,
+    start_respec,
+    stream_respec,
+)
 from shared_core.token_config import CandidateSelection, Fallback, ReSpecConfig, Verification
 
 # the earlier name of CandidateSelection, kept so existing imports work (Speculative RAG's draft
@@ -59,5 +64,6 @@ __all__ = [
     "build_tree",
     "entropy_trigger",
     "respec_generate",
+    "start_respec",
     "stream_respec",
 ]

@@ -91,6 +91,12 @@ class ReSpecDecoder:
         """
         config = generation_config(max_new_tokens, stop=stop, temperature=temperature,
                                    top_k=top_k, top_p=top_p, seed=seed)
+        return self.start(prompt, config, documents=documents, logits_mask=logits_mask)
+
+    def start(self, prompt: Prompt, config: GenerationConfig, *,
+              documents: Sequence[str | Sequence[int]] | None = None,
+              logits_mask: LogitsMask | None = None) -> TokenStream:
+        """:meth:`stream` with the generation settings already checked (``config``)."""
         if self.config.verification == "relaxed" and not config.sampling.greedy:
             msg = ("verification='relaxed' is defined for greedy decoding only; use "
                    "temperature=0 or verification='strict'")
@@ -294,11 +300,26 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                   corpus: Sequence[str] | StaticIndex | None = None,
                   engine_state: dict[str, Any] | None = None,
                   logits_mask: LogitsMask | None = None, **options: Any) -> TokenStream:
-    """Registry entry (``engines/registry.py``): ``options`` are :class:`ReSpecConfig` fields.
+    """ReSpec with loose arguments, checked here: ``options`` are :class:`ReSpecConfig` fields
+    (see :func:`start_respec`)."""
+    check_kwargs(options, _CONFIG_FIELDS | _ENTRY_ARGUMENTS, "the ReSpec engine")
+    generation = generation_config(max_new_tokens, stop=stop, temperature=temperature,
+                                   top_k=top_k, top_p=top_p, seed=seed)
+    return start_respec(lm, prompt, generation, documents=documents, draft_lm=draft_lm,
+                        corpus=corpus, engine_state=engine_state, logits_mask=logits_mask,
+                        **options)
+
+
+def start_respec(lm: LM, prompt: Prompt, generation: GenerationConfig, *,
+                 documents: Sequence[str | Sequence[int]] | None = None,
+                 draft_lm: LM | None = None, corpus: Sequence[str] | StaticIndex | None = None,
+                 engine_state: dict[str, Any] | None = None,
+                 logits_mask: LogitsMask | None = None, **options: Any) -> TokenStream:
+    """Registry entry (``engines/registry.py``): ``generation`` and the option names were
+    checked by the caller; ``options`` are :class:`ReSpecConfig` fields.
 
     The decoder (with its ``corpus`` index, built once) is kept in ``engine_state`` (the adapters
     pass one dict per instance) for calls with the same models, corpus and options."""
-    check_kwargs(options, _CONFIG_FIELDS | _ENTRY_ARGUMENTS, "the ReSpec engine")
     config = ReSpecConfig(**options)
 
     def build() -> ReSpecDecoder:
@@ -309,9 +330,7 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
     else:
         key = (id(lm), id(draft_lm), _corpus_key(corpus), config)  # the decoder holds them
         decoder = kept(engine_state, "respec_decoders", key, build)
-    return decoder.stream(prompt, max_new_tokens, documents=documents, stop=stop,
-                          temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                          logits_mask=logits_mask)
+    return decoder.start(prompt, generation, documents=documents, logits_mask=logits_mask)
 
 
 def _corpus_key(corpus: Any) -> Hashable:

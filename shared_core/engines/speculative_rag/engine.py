@@ -19,10 +19,11 @@ from shared_core.config import (
 )
 from shared_core.engines.speculative_rag.generation import generate_batch
 from shared_core.engines.speculative_rag.inputs import (
-    check_inputs,
     check_model_arg,
     check_model_name,
+    check_question,
     drop_blank,
+    given_documents,
     load_model,
 )
 from shared_core.engines.speculative_rag.prompts import (
@@ -53,7 +54,7 @@ from shared_core.model_cache import cached_embedder
 from shared_core.model_lock import lock_for
 from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
-from shared_core.retrieval.frameworks import check_retriever, retrieve, to_documents
+from shared_core.retrieval.frameworks import check_retriever, retrieve
 from shared_core.retrieval.timeout import call_with_timeout
 
 if TYPE_CHECKING:
@@ -184,10 +185,11 @@ class SpeculativeRAG:
         """Everything checkable before retrieval and any model work: the stripped question and
         the given documents, converted once (with text, and how many blank ones were left out;
         all blank: ValueError now)."""
-        question = check_inputs(question, documents)
+        question = check_question(question)
+        given = None if documents is None else given_documents(documents)
         if retriever is not None:
             check_retriever(retriever)
-        return question, None if documents is None else drop_blank(to_documents(documents))
+        return question, given
 
     def _for_documents(self, n_docs: int) -> tuple[SpeculativeRAG, str]:
         """This engine, or one with fewer / smaller subsets when ``n_docs`` cannot fill
@@ -353,9 +355,9 @@ class SpeculativeRAG:
 def standard_rag(lm: LM, question: str, documents: Sequence[Any],
                  max_new_tokens: int = SpeculativeRAGConfig.max_answer_tokens) -> StandardRAGResult:
     """Standard RAG with one model: every document in the prompt, answer parsed as drafts are."""
-    question = check_inputs(question, documents)
+    question = check_question(question)
     check_int(max_new_tokens, "max_new_tokens")
-    docs, _ = drop_blank(to_documents(documents))
+    docs, _ = given_documents(documents)
     prompt = rag_prompt(lm, question, docs)
     check_length(lm, prompt, max_new_tokens, "the standard-RAG prompt")
     clock = PhaseClock()

@@ -11,7 +11,7 @@ from shared_core.model_cache import check_model_name as check_model_name  # re-e
 from shared_core.model_cache import resolve_lm
 from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
-from shared_core.retrieval.frameworks import check_document_list
+from shared_core.retrieval.frameworks import DocumentList, check_document_list, to_documents
 
 if TYPE_CHECKING:
     from shared_core.models import LM
@@ -32,24 +32,43 @@ def drop_blank(docs: Sequence[Document]) -> tuple[list[Document], int]:
     return kept, len(docs) - len(kept)
 
 
-def check_inputs(question: Any, documents: Sequence[Any] | None,
-                 config: SpeculativeRAGConfig | None = None) -> str:
-    """Validate before any model work; return the stripped question. Any number of documents
-    from one up forms subsets (:func:`~.subsets.subset_shape`), so ``config`` sets no minimum
-    (kept for callers that pass it)."""
-    del config
+EMPTY_DOCUMENTS = "documents is empty: pass at least one document or a retriever that returns some"
+
+
+def check_question(question: Any) -> str:
+    """The stripped question (TypeError for a non-str, ValueError for a blank one)."""
     if not isinstance(question, str):
         msg = f"question must be a str, got {type(question).__name__}"
         raise TypeError(msg)
     if not question.strip():
         msg = "question must be a non-empty string"
         raise ValueError(msg)
+    return question.strip()
+
+
+def given_documents(documents: Sequence[Any]) -> tuple[list[Document], int]:
+    """Documents given with a question, converted and checked once (a :class:`DocumentList`
+    an adapter's edge converted is taken as it is): those with text, and how many blank ones were
+    left out; an empty list or all blank is a ValueError."""
+    docs = documents if isinstance(documents, DocumentList) else to_documents(documents)
+    if not docs:
+        raise ValueError(EMPTY_DOCUMENTS)
+    return drop_blank(docs)
+
+
+def check_inputs(question: Any, documents: Sequence[Any] | None,
+                 config: SpeculativeRAGConfig | None = None) -> str:
+    """Validate before any model work; return the stripped question. Any number of documents
+    from one up forms subsets (:func:`~.subsets.subset_shape`), so ``config`` sets no minimum
+    (kept for callers that pass it). The engine itself checks the question and converts the
+    documents once (:func:`check_question`, :func:`given_documents`)."""
+    del config
+    question = check_question(question)
     if documents is not None:
         check_document_list(documents)
     if documents is not None and len(documents) == 0:
-        msg = "documents is empty: pass at least one document or a retriever that returns some"
-        raise ValueError(msg)
-    return question.strip()
+        raise ValueError(EMPTY_DOCUMENTS)
+    return question
 
 
 def load_model(model: LM | str, dtype: str | None, backend: str = LOAD_LM_BACKEND) -> LM:
