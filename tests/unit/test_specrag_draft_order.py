@@ -22,6 +22,10 @@ from tests.unit.test_speculative_rag import DOCS, EMBEDDER
     ("Answer:  the answer is Paris.\n\nrationale: it says so", "it says so", "Paris", True),
     ("Answer: Paris\nBecause document 1 says so.", "Because document 1 says so.", "Paris", False),
     ("Answer:", "", "", False),
+    ("Answer: G. Kurup. Rationale: Document 2 names him.", "Document 2 names him.", "G. Kurup",
+     True),  # both on one line
+    ("Answer: Paris\nIt is big. Rationale: document 1", "document 1", "Paris", True),
+    ("Answer: Rationale: none given", "none given", "", False),
 ])
 def test_parse_answer_first(text, rationale, answer, ok):
     assert parse_answer_first(text) == (rationale, answer, ok)

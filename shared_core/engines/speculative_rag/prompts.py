@@ -53,17 +53,19 @@ def _first_sentence(text: str) -> str:
 def parse_answer_first(text: str) -> tuple[str, str, bool]:
     """(rationale, answer, parsed_cleanly) from ``Answer: … Rationale: …`` (answer-first drafts).
 
-    The answer is the first non-empty line after ``Answer:`` (always present: it is prefilled);
-    the rationale follows a ``Rationale:`` marker, else it is the rest of the text (not clean).
+    The answer is the first non-empty line after ``Answer:`` (always present: it is prefilled),
+    up to a ``Rationale:`` marker on the same line (Qwen2.5-0.5B writes both on one line in about
+    one draft in four); the rationale follows the marker, else it is the rest of the text (not
+    clean).
     """
     body = _ANSWER_MARK.sub("", text, count=1)
-    lines = [ln for ln in body.splitlines() if ln.strip()]
+    marked = re.search(r"\brationale\s*[:：]", body, re.IGNORECASE)
+    head = body if marked is None else body[:marked.start()]
+    lines = [ln for ln in head.splitlines() if ln.strip()]
     answer = _clean_answer(lines[0]) if lines else ""
-    rest = "\n".join(lines[1:])
-    marked = re.search(r"\brationale\s*[:：]", rest, re.IGNORECASE)
     if marked is not None:
-        return rest[marked.end():].strip(), answer, bool(answer)
-    return rest.strip(), answer, False
+        return body[marked.end():].strip(), answer, bool(answer)
+    return "\n".join(lines[1:]).strip(), answer, False
 
 
 def parse_draft(text: str) -> tuple[str, str, bool]:
