@@ -33,6 +33,9 @@ retrieved document in its prompt, the same answer parsing.
 (counted in ``stats.parse_fallbacks``): (a) an ``Answer:`` marker with text after it is the normal
 case; (b) a marker followed by an empty line takes the next non-empty line; (c) with no marker the
 first sentence of the text is the answer and the whole text is the rationale.
+An answer-first draft (``draft_order="answer_first"``, :func:`parse_answer_first`) reads
+``Answer: … Rationale: …``: the answer is its first line, cut at a ``Rationale:`` marker on that
+line; it is clean only when that marker is there.
 """
 
 from __future__ import annotations
