@@ -59,7 +59,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     module, _, run = BENCHMARKS[args.benchmark]
     report = getattr(importlib.import_module(module), run)(args)
-    write_report(report, args.out)
+    if "{dataset}" not in (args.out or ""):  # a per-dataset pattern: each report is written
+        write_report(report, args.out)
     if args.plot and "methods" in report:
         plot_report(report, args.plot)
     sys.stdout.write(json.dumps(report, indent=2, default=str)[:20000] + "\n")

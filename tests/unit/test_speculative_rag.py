@@ -467,3 +467,18 @@ def test_lora_training_runs_with_grad_mode_left_off_by_the_caller():
     with torch.no_grad():  # as a generator suspended inside inference_mode leaves a thread
         _, losses = train_lora(lm, [(ids, labels)] * 2, epochs=1, batch_size=2, lr=5e-3)
     assert len(losses) == 1 and math.isfinite(losses[0])
+
+
+def test_bench_main_leaves_a_per_dataset_pattern_to_the_runner(tmp_path, monkeypatch):
+    """``--out 'x_{dataset}.json'``: the runner writes one report per dataset; the combined
+    report is not also written under the literal pattern."""
+    from shared_core.bench import __main__ as bench
+    from shared_core.bench import specrag
+
+    monkeypatch.setattr(specrag, "run", lambda args: {"engine": "specrag", "reports": {}})
+    out = tmp_path / "r_{dataset}.json"
+    assert bench.main(["specrag", "--dataset", "nq", "--out", str(out)]) == 0
+    assert list(tmp_path.iterdir()) == []
+    plain = tmp_path / "r.json"
+    assert bench.main(["specrag", "--dataset", "nq", "--out", str(plain)]) == 0
+    assert plain.is_file()
