@@ -20,8 +20,13 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from shared_core.config import CacheKind
-from shared_core.kv_prefix import Layers, PrefixStore, store_for, weights_version
-from shared_core.kv_prefix import common_prefix_length as common_prefix_length  # re-exported
+from shared_core.kv_prefix import (
+    Layers,
+    PrefixStore,
+    common_prefix_length,
+    store_for,
+    weights_version,
+)
 from shared_core.lm import LM
 
 _MIN_CAPACITY = 256
@@ -289,11 +294,11 @@ class KVSession:
         return length
 
     def _store(self, store: PrefixStore) -> None:
-        """Give the store a copy of this session's KV (cut to the store's grid)."""
+        """Offer the store this session's KV (cut to the store's grid; it copies what it keeps)."""
         length = len(self.tokens) // store.grid * store.grid
         if not length or not all(layer.is_initialized for layer in self.cache.layers):
             return
-        layers: Layers = [(layer.keys[:, :, :length].clone(), layer.values[:, :, :length].clone())
+        layers: Layers = [(layer.keys[:, :, :length], layer.values[:, :, :length])
                           for layer in self.cache.layers]
         store.put(self.tokens[:length], layers, weights_version(self.lm.model))
 

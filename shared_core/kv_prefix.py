@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 if TYPE_CHECKING:  # torch stays out of a llama.cpp-only import (tests/unit/test_import_light.py)
     import torch
 
-from shared_core.config import check_prefix_cache as check_prefix_cache  # re-exported
+from shared_core.config import check_prefix_cache
 
 logger = logging.getLogger(__name__)
 
@@ -122,8 +122,9 @@ class PrefixStore:
             return self._entries[best][0], common
 
     def put(self, ids: Sequence[int], layers: Layers, version: int) -> bool:
-        """Keep ``layers`` (copies the store owns) as the KV of ``ids``; False if it exceeds the
-        budget or a stored entry already holds ``ids`` as its prefix."""
+        """Keep a copy of ``layers`` (the store's own, never written) as the KV of ``ids``; False,
+        copying nothing, if it exceeds the budget or a stored entry already holds ``ids`` as its
+        prefix."""
         key = tuple(ids)
         size = sum(k.nbytes + v.nbytes for k, v in layers)
         if size > self.budget or not key:
@@ -138,7 +139,7 @@ class PrefixStore:
                     self._drop(other)
             while self.nbytes + size > self.budget:
                 self._drop(next(iter(self._entries)))
-            self._entries[key] = (layers, size)
+            self._entries[key] = ([(k.clone(), v.clone()) for k, v in layers], size)
             self.nbytes += size
         return True
 

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared_core.backends.llamacpp_prefix import vouched_write as _writes
-from shared_core.kv import common_prefix_length
+from shared_core.kv_prefix import common_prefix_length
 
 if TYPE_CHECKING:
     import torch
