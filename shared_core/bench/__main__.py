@@ -17,6 +17,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "kv": ("shared_core.bench.core", "add_kv_arguments", "run_kv"),
     "retrieval": ("shared_core.bench.retrieval", "add_arguments", "run"),
     "specrag": ("shared_core.bench.specrag", "add_arguments", "run"),
+    "specrag-pool": ("shared_core.bench.specrag_selection", "add_pool_arguments", "run_pool"),
     "rapid": ("shared_core.bench.rapid", "add_arguments", "run"),
     "ralmspec": ("shared_core.bench.ralmspec", "add_arguments", "run"),
     "respec": ("shared_core.bench.respec", "add_arguments", "run"),

@@ -5,63 +5,25 @@ drafting method, machine facts, and the accuracy-latency plot."""
 from __future__ import annotations
 
 import os
-import random
 import statistics
 from collections import Counter
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from shared_core.bench.common import MethodResult, make_report
-from shared_core.bench.specrag_data import claim_label, is_correct
-from shared_core.device import cpu_facts
-from shared_core.engines.speculative_rag import (
-    SpeculativeRAGConfig,
-    combined_score,
-    select_best,
+from shared_core.bench.specrag_selection import (
+    SCORE_VARIANTS,
+    draft_oracle,
+    hits,
+    reselect,
+    selection_study,
 )
-
-# Re-selections of the specrag drafts (drafting is greedy, so the drafts and scores are the same
-# as a separate run would give): name -> the SpeculativeRAGConfig fields that differ. The sel_*
-# variants are this project's selection options (length normalisation, answer vote), not the paper's.
-SCORE_VARIANTS: dict[str, dict[str, Any]] = {
-    "drafter_only": {"use_self_contain": False, "use_self_reflect": False},
-    "abl_no_draft_score": {"use_draft_score": False},
-    "abl_no_self_contain": {"use_self_contain": False},
-    "abl_no_self_reflect": {"use_self_reflect": False},
-    "abl_random_selection": {"use_draft_score": False, "use_self_contain": False,
-                             "use_self_reflect": False, "selection": "random"},
-    "sel_mean_logprob": {"length_normalize": True},
-    "sel_vote": {"selection": "vote"},
-    "sel_vote_mean_logprob": {"selection": "vote", "length_normalize": True},
-    "sel_vote_drafter_only": {"selection": "vote", "use_self_contain": False,
-                              "use_self_reflect": False},
-}
-
-
-@dataclass(frozen=True)
-class _Derived:
-    text: str
-    stats: Any
-
-
-def reselect(result: Any, variant: str, config: SpeculativeRAGConfig) -> _Derived:
-    """The answer a score variant picks from ``result.drafts``; latency drops the verifier
-    when the variant does not need it."""
-    cfg = replace(config, **SCORE_VARIANTS[variant])
-    drafts = [replace(d, score=combined_score(d, cfg)) for d in result.drafts]
-    rng = random.Random(f"{cfg.seed}:select:{variant}:{result.documents[0].id}")
-    best = select_best(drafts, cfg.selection, rng)
-    stats = replace(result.stats)
-    if not cfg.needs_verifier:
-        stats.total_s -= stats.verify_s
-        stats.verify_s, stats.verify_tokens = 0.0, 0
-    return _Derived(drafts[best].answer, stats)
+from shared_core.device import cpu_facts
 
 
 def _summary(dataset: str, questions: list[dict[str, Any]], outputs: list[Any],
              latencies: list[float]) -> MethodResult:
-    correct = _hits(dataset, [o.text for o in outputs], questions)
+    correct = hits(dataset, [o.text for o in outputs], questions)
     stats = [o.stats.as_dict() for o in outputs]
     numeric = {k for k, v in stats[0].items() if isinstance(v, (int, float))}
     mean_stats = {f"mean_{k}": round(statistics.fmean(s[k] for s in stats), 4) for k in numeric}
@@ -99,8 +61,8 @@ def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
                "mean_retrieve_s": statistics.fmean(retrieve_s),
                "latency_note": "per question: method wall time + shared retrieval time",
                "majority_label_rate": _majority_rate(questions),
-               "draft_oracle_accuracy": _draft_oracle(state.name, questions, outputs),
-               "selection_study": _selection_study(state.name, questions, state.outputs,
+               "draft_oracle_accuracy": draft_oracle(state.name, questions, outputs),
+               "selection_study": selection_study(state.name, questions, state.outputs,
                                                    engine.config),
                "latency_parts": {m: _parts(outs, retrieve_s) for m, outs in outputs.items()},
                "machine": {**cpu_facts(), "backend": args.backend,
@@ -140,66 +102,6 @@ def _drafts_of(outputs: dict[str, list[Any]], i: int) -> dict[str, list[dict[str
     """Question ``i``'s drafts and scores per drafting method, so selections can be re-run offline."""
     return {f"{name}_drafts": [{f: getattr(d, f) for f in _DRAFT_FIELDS} for d in outs[i].drafts]
             for name, outs in outputs.items() if hasattr(outs[i], "drafts")}
-
-
-def _draft_oracle(dataset: str, questions: list[dict[str, Any]], outputs: dict[str, list[Any]]
-                  ) -> dict[str, float]:
-    """Share of questions where at least one draft is right: the ceiling of any selection."""
-    oracle = {}
-    for name, outs in outputs.items():
-        if outs and hasattr(outs[0], "drafts"):
-            hits = [any(is_correct(dataset, d.answer, q["gold"]) for d in o.drafts)
-                    for q, o in zip(questions, outs, strict=True)]
-            oracle[name] = round(sum(hits) / len(hits), 4)
-    return oracle
-
-
-def _selection_study(dataset: str, questions: list[dict[str, Any]],
-                     outputs: dict[str, list[Any]], config: SpeculativeRAGConfig
-                     ) -> dict[str, dict[str, float]]:
-    """Per drafting method: the share of drafts with a clean answer line, the oracle, and the
-    accuracy of the paper's selection and of every re-selection on the very same drafts."""
-    study = {}
-    for name, outs in outputs.items():
-        if not outs or not hasattr(outs[0], "drafts"):
-            continue
-        drafts = [d for o in outs for d in o.drafts]
-        study[name] = {"parsed_rate": round(sum(d.parsed for d in drafts) / len(drafts), 4),
-                       "oracle": _draft_oracle(dataset, questions, {name: outs})[name],
-                       "paper_score": _accuracy(dataset, [o.text for o in outs], questions)}
-        study[name] |= {v: _accuracy(dataset, [reselect(o, v, config).text for o in outs],
-                                     questions) for v in SCORE_VARIANTS}
-        study[name] |= _draft_quality(dataset, questions, outs)
-    return study
-
-
-def _draft_quality(dataset: str, questions: list[dict[str, Any]], outs: list[Any]
-                   ) -> dict[str, Any]:
-    """Why a selection can or cannot win: how often one draft is right, how long its answer
-    is, how often the subsets all share one document (a one-document cluster: the paper's
-    one-per-cluster sampling puts it in every draft), and on a claims dataset the drafts'
-    verdicts (a drafter that says one label whatever the documents caps every selection)."""
-    hits = [is_correct(dataset, d.answer, q["gold"])
-            for q, o in zip(questions, outs, strict=True) for d in o.drafts]
-    answers = [d.answer for o in outs for d in o.drafts]
-    quality: dict[str, Any] = {
-        "draft_accuracy": round(sum(hits) / len(hits), 4),
-        "mean_answer_words": round(statistics.fmean(len(a.split()) for a in answers), 2),
-        "one_document_cluster_rate": round(statistics.fmean(
-            1 in (o.stats.cluster_sizes or [0]) for o in outs), 4)}
-    if dataset == "pubhealth":
-        labels = Counter(str(claim_label(a)) for a in answers)
-        quality["draft_verdicts"] = {k: round(v / len(answers), 4) for k, v in labels.items()}
-    return quality
-
-
-def _hits(dataset: str, texts: list[str], questions: list[dict[str, Any]]) -> list[bool]:
-    return [is_correct(dataset, t, q["gold"]) for t, q in zip(texts, questions, strict=True)]
-
-
-def _accuracy(dataset: str, texts: list[str], questions: list[dict[str, Any]]) -> float:
-    hits = _hits(dataset, texts, questions)
-    return round(sum(hits) / len(hits), 4)
 
 
 def _majority_rate(questions: list[dict[str, Any]]) -> float:

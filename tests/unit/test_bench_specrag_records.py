@@ -91,15 +91,40 @@ def test_grid_points_parse_and_refuse() -> None:
 def test_draft_quality_says_why_a_selection_cannot_win() -> None:
     from dataclasses import replace
 
-    from shared_core.bench.specrag_report import _draft_quality
+    from shared_core.bench.specrag_selection import draft_quality
 
     spec = _results()["specrag"]
     wrong = replace(spec.drafts[0], answer="false, it is not")
     two = replace(spec, drafts=(spec.drafts[0], wrong),
                   stats=replace(spec.stats, cluster_sizes=[3, 2]))
     questions = [{"gold": ["Paris"]}, {"gold": ["Paris"]}]
-    quality = _draft_quality("nq", questions, [spec, two])
+    quality = draft_quality("nq", questions, [spec, two])
     assert quality == {"draft_accuracy": round(2 / 3, 4), "mean_answer_words": 2.0,
                        "one_document_cluster_rate": 0.5}
-    verdicts = _draft_quality("pubhealth", [{"gold": ["true"]}], [two])["draft_verdicts"]
+    verdicts = draft_quality("pubhealth", [{"gold": ["true"]}], [two])["draft_verdicts"]
     assert verdicts == {"None": 0.5, "false": 0.5}
+
+
+def test_paired_test_counts_discordant_questions_and_pools() -> None:
+    from shared_core.bench.specrag_selection import SCORE_VARIANTS, mcnemar, paired_test, pool_reports
+
+    variant = [True, True, True, False, True, False]
+    paper = [True, False, False, True, True, False]
+    assert paired_test(variant, paper) == {"wins": 2, "losses": 1, "p_value": 1.0}
+    assert mcnemar(0, 0)["p_value"] == 1.0
+    assert mcnemar(10, 0)["p_value"] == round(2 * 0.5 ** 10, 4)  # exact two-sided binomial
+    with pytest.raises(ValueError):
+        paired_test([True], [True, False])  # the same questions, or no test
+
+    def report(dataset: str, n: int, paper_score: float, wins: int, losses: int) -> dict:
+        paired = {v: {"wins": wins, "losses": losses} for v in SCORE_VARIANTS}
+        return {"dataset": dataset, "n": n, "selection_study": {"specrag": {
+            "paper_score": paper_score, "paired_vs_paper": paired}}}
+
+    pooled = pool_reports([report("nq", 10, 0.3, 4, 1), report("squad", 20, 0.5, 3, 0)])
+    assert pooled["questions"] == 30 and pooled["paper_score"] == round(13 / 30, 4)
+    only = pooled["variants"]["drafter_only"]
+    assert only == {"accuracy": round(19 / 30, 4), **mcnemar(7, 1)}
+    stale = {"dataset": "nq", "n": 1, "selection_study": {"specrag": {"paper_score": 0.0}}}
+    with pytest.raises(ValueError, match="no paired_vs_paper"):
+        pool_reports([stale])

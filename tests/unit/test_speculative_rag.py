@@ -378,7 +378,8 @@ def test_engine_retrieve_accepts_langchain_and_llamaindex_retrievers():
 def test_bench_metrics_and_reselection():
     from shared_core.bench.specrag import _path
     from shared_core.bench.specrag_data import is_correct
-    from shared_core.bench.specrag_report import _draft_oracle, _drafts_of, reselect
+    from shared_core.bench.specrag_report import _drafts_of
+    from shared_core.bench.specrag_selection import draft_oracle, reselect
     from shared_core.engines.speculative_rag import SpeculativeRAGResult, SpeculativeRAGStats
 
     assert is_correct("nq", "It was Wilhelm Conrad Röntgen.", ["Wilhelm Conrad Röntgen"])
@@ -404,7 +405,7 @@ def test_bench_metrics_and_reselection():
     assert reselect(result, "abl_no_self_contain", cfg).text == "a"
     assert reselect(result, "sel_vote", cfg).stats.total_s == 5.0  # the vote keeps the verifier
     questions = [{"gold": ["b"]}, {"gold": ["c"]}]
-    assert _draft_oracle("nq", questions, {"specrag": [result, result], "rag": ["x", "y"]}) == {
+    assert draft_oracle("nq", questions, {"specrag": [result, result], "rag": ["x", "y"]}) == {
         "specrag": 0.5}  # a draft says "b" (question 1), none says "c"
     assert _path("out/r.json", "nq", True) == "out/r_nq.json"
     dumped = _drafts_of({"specrag": [result], "rag_verifier": ["x"]}, 0)
