@@ -143,23 +143,22 @@ def draft_quality(dataset: str, questions: list[dict[str, Any]], outs: list[Any]
 
 
 def pool_reports(reports: list[dict[str, Any]], method: str = "specrag") -> dict[str, Any]:
-    """Each re-selection against the paper's selection over several datasets' reports: summed
-    wins and losses with their exact McNemar p-value, and the pooled accuracy of both."""
-    studies = [(r["dataset"], r["n"], r["selection_study"][method]) for r in reports]
-    for dataset, _, study in studies:
-        if "paired_vs_paper" not in study:
-            msg = f"the {dataset} report has no paired_vs_paper; rebuild it with this version"
-            raise ValueError(msg)
-    total = sum(n for _, n, _ in studies)
-    paper = sum(round(s["paper_score"] * n) for _, n, s in studies)
-    pooled: dict[str, Any] = {}
-    for variant in SCORE_VARIANTS:
-        wins = sum(s["paired_vs_paper"][variant]["wins"] for _, _, s in studies)
-        losses = sum(s["paired_vs_paper"][variant]["losses"] for _, _, s in studies)
-        pooled[variant] = {"accuracy": round((paper + wins - losses) / total, 4),
-                           **mcnemar(wins, losses)}
-    return {"method": method, "datasets": {d: n for d, n, _ in studies}, "questions": total,
-            "paper_score": round(paper / total, 4), "variants": pooled}
+    """Each re-selection against the paper's selection over several datasets' reports, from
+    their per-question ``examples``: summed wins and losses with their exact McNemar p-value,
+    and the pooled accuracy of both."""
+    right: dict[str, list[bool]] = {name: [] for name in (method, *SCORE_VARIANTS)}
+    for report in reports:
+        questions = report["examples"]
+        for name, column in right.items():
+            if name not in questions[0]:
+                msg = f"the {report['dataset']} report has no {name!r} answers to pool"
+                raise ValueError(msg)
+            column += hits(report["dataset"], [q[name] for q in questions], questions)
+    paper = right.pop(method)
+    return {"method": method, "datasets": {r["dataset"]: r["n"] for r in reports},
+            "questions": len(paper), "paper_score": round(sum(paper) / len(paper), 4),
+            "variants": {name: {"accuracy": round(sum(col) / len(col), 4),
+                                **paired_test(col, paper)} for name, col in right.items()}}
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:

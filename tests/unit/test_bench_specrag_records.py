@@ -116,15 +116,19 @@ def test_paired_test_counts_discordant_questions_and_pools() -> None:
     with pytest.raises(ValueError):
         paired_test([True], [True, False])  # the same questions, or no test
 
-    def report(dataset: str, n: int, paper_score: float, wins: int, losses: int) -> dict:
-        paired = {v: {"wins": wins, "losses": losses} for v in SCORE_VARIANTS}
-        return {"dataset": dataset, "n": n, "selection_study": {"specrag": {
-            "paper_score": paper_score, "paired_vs_paper": paired}}}
+    def report(dataset: str, rows: list[tuple[str, str, str]]) -> dict:
+        examples = [{"gold": [gold], "specrag": paper, **dict.fromkeys(SCORE_VARIANTS, other)}
+                    for gold, paper, other in rows]
+        return {"dataset": dataset, "n": len(rows), "examples": examples}
 
-    pooled = pool_reports([report("nq", 10, 0.3, 4, 1), report("squad", 20, 0.5, 3, 0)])
-    assert pooled["questions"] == 30 and pooled["paper_score"] == round(13 / 30, 4)
+    nq = report("nq", [("Paris", "Paris", "Rome"), ("Paris", "Rome", "Paris"),
+                       ("Oslo", "Rome", "Oslo")])
+    squad = report("squad", [("1712", "1889", "1712"), ("1712", "1712", "1712")])
+    pooled = pool_reports([nq, squad])
+    assert pooled["questions"] == 5 and pooled["paper_score"] == 0.4
+    assert pooled["datasets"] == {"nq": 3, "squad": 2}
     only = pooled["variants"]["drafter_only"]
-    assert only == {"accuracy": round(19 / 30, 4), **mcnemar(7, 1)}
-    stale = {"dataset": "nq", "n": 1, "selection_study": {"specrag": {"paper_score": 0.0}}}
-    with pytest.raises(ValueError, match="no paired_vs_paper"):
-        pool_reports([stale])
+    assert only == {"accuracy": 0.8, **mcnemar(3, 1)}
+    del squad["examples"][0]["sel_vote"]
+    with pytest.raises(ValueError, match="no 'sel_vote' answers"):
+        pool_reports([nq, squad])
