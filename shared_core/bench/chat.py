@@ -34,7 +34,7 @@ from typing import Any
 
 from shared_core.bench.chat_sources import agent_transcript, mt_bench
 from shared_core.bench.chat_turns import conversation_rows, medians, plot_turns, warm_up
-from shared_core.bench.common import data_dir
+from shared_core.bench.common import data_dir, lm_threads
 from shared_core.device import cpu_facts
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.kv import open_session
@@ -121,7 +121,7 @@ def identical(lm: LM, turn_1: list[dict[str, str]], max_new: int, count: int) ->
 
 def synthetic_row(name: str, lm: LM, args: argparse.Namespace) -> dict[str, Any]:
     turn_1 = conversation(lm, args.context_tokens)
-    return {"model": name, "exact": args.exact, "threads": threads(lm),
+    return {"model": name, "exact": args.exact, "threads": lm_threads(lm),
             **measure(lm, turn_1, args.max_new_tokens, args.repeats),
             **identical(lm, turn_1, args.max_new_tokens, args.questions),
             "load_average": os.getloadavg()}
@@ -141,18 +141,12 @@ def real_turns(lm: LM, args: argparse.Namespace) -> list[dict[str, Any]]:
     return rows
 
 
-def threads(lm: LM) -> int:
-    import torch
-
-    return int(getattr(lm.model, "threads", 0) or torch.get_num_threads())
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     rows, turns, models = [], [], {}
     load_before = os.getloadavg()
     for name in args.models:
         lm = load_lm(name, backend=args.backend, exact=args.exact)
-        models[name] = {"backend": lm.backend, "threads": threads(lm), "max_context": lm.max_context}
+        models[name] = {"backend": lm.backend, "threads": lm_threads(lm), "max_context": lm.max_context}
         warm_up(lm, args.max_new_tokens)
         if "synthetic" in args.sources:
             rows.append(synthetic_row(name, lm, args))

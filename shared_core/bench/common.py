@@ -65,6 +65,11 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
+def lm_threads(lm: Any) -> int:
+    """Threads of a loaded model's runtime: llama.cpp's own count, else torch's."""
+    return int(getattr(getattr(lm, "model", None), "threads", 0) or threads())
+
+
 def identical_count(outputs: Sequence[Any], reference: Sequence[Any]) -> str:
     """``"k/n"``: how many outputs equal the reference output for the same prompt."""
     same = sum(1 for a, b in zip(outputs, reference, strict=True) if a == b)

@@ -28,6 +28,7 @@ from typing import Any
 from shared_core.bench.common import (
     MethodResult,
     data_dir,
+    lm_threads,
     make_report,
     read_jsonl,
     write_report,
@@ -298,7 +299,6 @@ def _relaxed_quality(lm: Any, relaxed: MethodResult, strict: MethodResult) -> di
 def _report(lm: Any, args: argparse.Namespace, names: list[str], categories: list[str],
             samples: list[_Sample], accs: dict[tuple[str, str], _Acc], load_before: str
             ) -> dict[str, Any]:
-    import torch
 
     from shared_core.device import cpu_facts
 
@@ -322,7 +322,7 @@ def _report(lm: Any, args: argparse.Namespace, names: list[str], categories: lis
     report["dataset"] = "spec_bench"
     report["max_new_tokens"] = args.max_new_tokens
     report["prompts_per_category"] = args.limit
-    report["threads"] = lm.model.threads if lm.backend == "llama.cpp" else torch.get_num_threads()
+    report["threads"] = lm_threads(lm)
     report["backend"] = {"name": lm.backend, "reason": lm.backend_reason,
                          "exact": bool(getattr(args, "exact", False))}
     if lm.backend == "llama.cpp":

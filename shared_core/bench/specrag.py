@@ -44,7 +44,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from shared_core.bench.common import write_report
+from shared_core.bench.common import lm_threads, write_report
 from shared_core.bench.specrag_data import DATASETS, load_dataset
 from shared_core.bench.specrag_records import (
     append_record,
@@ -52,7 +52,7 @@ from shared_core.bench.specrag_records import (
     records_path,
     start_records,
 )
-from shared_core.bench.specrag_report import build_report, plot_accuracy_latency, runtime_threads
+from shared_core.bench.specrag_report import build_report, plot_accuracy_latency
 from shared_core.config import (
     BACKENDS,
     DEFAULT_EMBEDDER,
@@ -287,7 +287,7 @@ def _signature(state: _DatasetRun, args: argparse.Namespace, engine: Speculative
     cfg = engine.config
     return {"dataset": state.name, "drafter": args.drafter, "verifier": args.verifier,
             "embedder": args.embedder, "backend": args.backend, "dtype": args.dtype,
-            "cpu": cpu_model_and_flags()[0], "runtime_threads": runtime_threads(engine),
+            "cpu": cpu_model_and_flags()[0], "runtime_threads": lm_threads(engine.verifier),
             "config": [cfg.num_drafts, cfg.docs_per_draft, cfg.retrieve_k,
                        cfg.max_draft_tokens, cfg.max_answer_tokens, cfg.draft_order],
             "methods": sorted(state.outputs)}

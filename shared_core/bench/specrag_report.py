@@ -10,7 +10,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from shared_core.bench.common import MethodResult, make_report
+from shared_core.bench.common import MethodResult, lm_threads, make_report
 from shared_core.bench.specrag_selection import (
     SCORE_VARIANTS,
     draft_oracle,
@@ -66,7 +66,7 @@ def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
                                                    engine.config),
                "latency_parts": {m: _parts(outs, retrieve_s) for m, outs in outputs.items()},
                "machine": {**cpu_facts(), "backend": args.backend,
-                           "runtime_threads": runtime_threads(engine)},
+                           "runtime_threads": lm_threads(engine.verifier)},
                "load_average": [round(x, 2) for x in os.getloadavg()],
                "examples": [{"id": q["id"], "question": q["question"], "gold": q["gold"],
                              **{m: r.outputs[i] for m, r in results.items()},
@@ -77,11 +77,6 @@ def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
         report["speedup"] = {m: round(base["wall_s"] / r["wall_s"], 3)
                              for m, r in report["methods"].items() if r["wall_s"] > 0}
     return report
-
-
-def runtime_threads(engine: Any) -> int | None:
-    """llama.cpp's thread count (torch's is in ``cpu_facts``)."""
-    return getattr(getattr(engine.verifier, "model", None), "threads", None)
 
 
 def _parts(outputs: list[Any], retrieve_s: list[float]) -> dict[str, float]:
