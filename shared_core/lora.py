@@ -12,8 +12,12 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from shared_core.models import LM
+    from shared_core.rag_config import DraftOrder
 
 SUFFIX = "+specrag"
+# The draft format the recipe trains ("Rationale: … Answer: …", train_drafter.encode_example):
+# a tuned drafter is run with SpeculativeRAGConfig(draft_order=TUNED_DRAFT_ORDER).
+TUNED_DRAFT_ORDER: DraftOrder = "rationale_first"
 ADAPTER_ROOT = Path(__file__).resolve().parent / "adapters"
 ADAPTERS: dict[str, tuple[str, Path]] = {
     "smollm2-135m-instruct+specrag": ("smollm2-135m-instruct",

@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared_core.config import DEFAULT_LM
 from shared_core.data_splits import NQ_EVAL_ROWS, SQUAD_EVAL_TITLES
-from shared_core.drafters.lora import ADAPTER_ROOT, ADAPTERS, load_tuned_drafter
+from shared_core.drafters.lora import ADAPTER_ROOT, ADAPTERS, TUNED_DRAFT_ORDER, load_tuned_drafter
 from shared_core.retrieval.base import Document
 
 if TYPE_CHECKING:
@@ -132,7 +132,7 @@ def encode_example(lm: LM, ex: dict[str, Any], max_len: int) -> tuple[list[int],
     """(input ids, labels) with the loss on the drafted target only."""
     from shared_core.engines.speculative_rag import draft_prompt
 
-    prompt = draft_prompt(lm, ex["question"], ex["docs"])
+    prompt = draft_prompt(lm, ex["question"], ex["docs"], TUNED_DRAFT_ORDER)
     target = lm.encode(f" {ex['rationale']}\nAnswer: {ex['answer']}\n")
     ids = (prompt + target)[-max_len:]
     labels = ([-100] * len(prompt) + target)[-max_len:]

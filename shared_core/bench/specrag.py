@@ -61,6 +61,7 @@ from shared_core.config import (
     DEFAULT_VERIFIER,
 )
 from shared_core.device import cpu_model_and_flags
+from shared_core.drafters.lora import TUNED_DRAFT_ORDER
 from shared_core.engines.speculative_rag import (
     SpeculativeRAG,
     SpeculativeRAGConfig,
@@ -89,7 +90,8 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
     }
     if args.tuned:
         tuned = SpeculativeRAG(args.drafter + "+specrag", engine.verifier,
-                               embedder=engine.embedder, config=cfg, dtype=engine.dtype)
+                               embedder=engine.embedder, dtype=engine.dtype,
+                               config=replace(cfg, draft_order=TUNED_DRAFT_ORDER))
         methods["specrag_tuned"] = (tuned.answer, n_docs)
     drafters = {"": engine}  # the oracle-per-drafter study: other drafters, same verifier
     for drafter in _names(args.drafters):

@@ -6,6 +6,6 @@ The names live in :mod:`shared_core.lora` (models layer, where the model resolve
 
 from __future__ import annotations
 
-from shared_core.lora import ADAPTER_ROOT, ADAPTERS, load_tuned_drafter
+from shared_core.lora import ADAPTER_ROOT, ADAPTERS, TUNED_DRAFT_ORDER, load_tuned_drafter
 
-__all__ = ["ADAPTERS", "ADAPTER_ROOT", "load_tuned_drafter"]
+__all__ = ["ADAPTERS", "ADAPTER_ROOT", "TUNED_DRAFT_ORDER", "load_tuned_drafter"]

@@ -278,7 +278,7 @@ def test_the_engine_drafts_with_the_prompt_setting(specrag) -> None:
     default = SpeculativeRAGRunnable(engine=specrag, with_details=True).invoke(
         {"question": QUESTION, "documents": docs})
     lm = specrag.drafter
-    rendered = draft_prompt(lm, QUESTION, DOCS[:2], prompt=CHAT_EXPECTED)
+    rendered = draft_prompt(lm, QUESTION, DOCS[:2], "rationale_first", prompt=CHAT_EXPECTED)
     expected = lm.chat_prompt([
         {"role": "system", "content": "Use only the passages."},
         {"role": "user", "content": "Document [1]: Paris is the capital of France.\n"
@@ -287,7 +287,8 @@ def test_the_engine_drafts_with_the_prompt_setting(specrag) -> None:
     assert rendered == lm.encode(expected)
     subsets = [d["doc_indices"] for d in custom["drafts"]]
     assert custom["stats"]["draft_prompt_tokens"] == sum(
-        len(draft_prompt(lm, QUESTION, [DOCS[i] for i in s], prompt=CHAT_EXPECTED))
+        len(draft_prompt(lm, QUESTION, [DOCS[i] for i in s], specrag.config.draft_order,
+                         prompt=CHAT_EXPECTED))
         for s in subsets)
     assert custom["stats"]["draft_prompt_tokens"] != default["stats"]["draft_prompt_tokens"]
 

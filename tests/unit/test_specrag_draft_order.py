@@ -45,8 +45,9 @@ def test_prompt_prefills_the_answer_marker():
     lm = tiny_lm(2, seed=1)
     docs = [Document("a", "Paris is the capital of France.")]
     first = lm.decode(draft_prompt(lm, "capital?", docs, "answer_first"))
-    default = lm.decode(draft_prompt(lm, "capital?", docs))
-    assert first.rstrip().endswith("Answer:") and default.rstrip().endswith("Rationale:")
+    paper = lm.decode(draft_prompt(lm, "capital?", docs, "rationale_first"))
+    assert first.rstrip().endswith("Answer:") and paper.rstrip().endswith("Rationale:")
+    assert SpeculativeRAGConfig().draft_order == "answer_first"  # the default: results/s10
     assert "First write a short answer" in first
 
 

@@ -103,7 +103,7 @@ def test_engine_subsets_follow_strategy(drafter, verifier):
 # ---------------------------------------------------------------- 2. batched drafting
 
 def test_batched_drafting_equals_per_row(drafter):
-    prompts = [draft_prompt(drafter, "who is the capital?", DOCS[i:i + n])
+    prompts = [draft_prompt(drafter, "who is the capital?", DOCS[i:i + n], "rationale_first")
                for i, n in ((0, 2), (2, 1), (1, 4))]
     assert len({len(p) for p in prompts}) == 3  # different lengths: left padding matters
     batched = generate_batch(drafter, prompts, 10, stop_on_answer_line=False)
@@ -116,7 +116,7 @@ def test_batched_drafting_equals_per_row(drafter):
 
 
 def test_draft_logprob_is_the_models_probability(drafter):
-    prompt = draft_prompt(drafter, "capital of France?", DOCS[:2])
+    prompt = draft_prompt(drafter, "capital of France?", DOCS[:2], "answer_first")
     [(ids, logp)] = generate_batch(drafter, [prompt], 6, stop_on_answer_line=False)
     full = torch.tensor([prompt + ids])
     with torch.inference_mode():
@@ -144,7 +144,8 @@ def test_batched_verifier_scores_equal_per_draft_and_full_softmax(verifier):
 
 
 def test_answer_returns_every_draft_with_three_scores(drafter, verifier):
-    result = engine(drafter, verifier, force_answer_line=True).answer("capital of France?", DOCS)
+    result = engine(drafter, verifier, force_answer_line=True, draft_order="rationale_first").answer(
+        "capital of France?", DOCS)
     assert len(result.drafts) == 3 and result.text == result.drafts[result.best].answer
     for d in result.drafts:
         assert None not in (d.log_self_contain, d.log_self_reflect)

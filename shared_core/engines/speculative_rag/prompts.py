@@ -98,9 +98,8 @@ def render_prompt(lm: LM, body: str, prefill: str) -> list[int]:
     return lm.prompt_ids(f"{body}\n\n{prefill}")
 
 
-def draft_prompt(lm: LM, question: str, docs: Sequence[Document],
-                 order: DraftOrder = "rationale_first", prompt: PromptMessages | None = None
-                 ) -> list[int]:
+def draft_prompt(lm: LM, question: str, docs: Sequence[Document], order: DraftOrder,
+                 prompt: PromptMessages | None = None) -> list[int]:
     """A draft prompt; a caller's ``prompt`` (see ``rag_config.check_prompt``) replaces the
     default body, and the order's format line is appended to its last user turn."""
     if prompt is not None:
