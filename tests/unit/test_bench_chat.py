@@ -107,3 +107,14 @@ def test_sources_are_checked_by_the_parser() -> None:
     assert args.sources == ["agent"] and args.conversations == 2
     with pytest.raises(SystemExit):
         build_parser().parse_args(["chat", "--sources", "chatbot_arena"])
+
+
+def test_lm_threads_reads_the_runtime_then_torch() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from shared_core.bench.common import lm_threads
+
+    assert lm_threads(SimpleNamespace(model=SimpleNamespace(threads=3))) == 3  # llama.cpp's own
+    assert lm_threads(SimpleNamespace(model=object())) == torch.get_num_threads()
