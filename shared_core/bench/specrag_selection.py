@@ -142,20 +142,26 @@ def draft_quality(dataset: str, questions: list[dict[str, Any]], outs: list[Any]
 # --------------------------------------------------------------------------- pooled over reports
 
 
-def pool_reports(reports: list[dict[str, Any]], method: str = "specrag") -> dict[str, Any]:
+def pool_reports(reports: list[dict[str, Any]], method: str = "specrag", skip: int = 0
+                 ) -> dict[str, Any]:
     """Each re-selection against the paper's selection over several datasets' reports, from
     their per-question ``examples``: summed wins and losses with their exact McNemar p-value,
-    and the pooled accuracy of both."""
+    and the pooled accuracy of both. ``skip`` leaves out each report's first questions (a
+    confirmation on questions measured after a finding was made)."""
     right: dict[str, list[bool]] = {name: [] for name in (method, *SCORE_VARIANTS)}
     for report in reports:
-        questions = report["examples"]
+        questions = report["examples"][skip:]
+        if not questions:
+            msg = f"the {report['dataset']} report has {report['n']} questions, none after skip={skip}"
+            raise ValueError(msg)
         for name, column in right.items():
             if name not in questions[0]:
                 msg = f"the {report['dataset']} report has no {name!r} answers to pool"
                 raise ValueError(msg)
             column += hits(report["dataset"], [q[name] for q in questions], questions)
     paper = right.pop(method)
-    return {"method": method, "datasets": {r["dataset"]: r["n"] for r in reports},
+    return {"method": method, "skip": skip,
+            "datasets": {r["dataset"]: r["n"] - skip for r in reports},
             "questions": len(paper), "paper_score": round(sum(paper) / len(paper), 4),
             "variants": {name: {"accuracy": round(sum(col) / len(col), 4),
                                 **paired_test(col, paper)} for name, col in right.items()}}
@@ -165,7 +171,10 @@ def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("reports", nargs="+", help="specrag reports (JSON) to pool")
     parser.add_argument("--method", default="specrag", help="the drafting method whose "
                         "selection study is pooled")
+    parser.add_argument("--skip", type=int, default=0, help="leave out each report's first "
+                        "SKIP questions (a confirmation on later questions)")
 
 
 def run_pool(args: argparse.Namespace) -> dict[str, Any]:
-    return pool_reports([json.loads(Path(p).read_text()) for p in args.reports], args.method)
+    return pool_reports([json.loads(Path(p).read_text()) for p in args.reports], args.method,
+                        args.skip)

@@ -127,6 +127,11 @@ def test_paired_test_counts_discordant_questions_and_pools() -> None:
     pooled = pool_reports([nq, squad])
     assert pooled["questions"] == 5 and pooled["paper_score"] == 0.4
     assert pooled["datasets"] == {"nq": 3, "squad": 2}
+    later = pool_reports([nq, squad], skip=1)  # the first question of each left out
+    assert later["questions"] == 3 and later["datasets"] == {"nq": 2, "squad": 1}
+    assert later["variants"]["drafter_only"]["wins"] == 2
+    with pytest.raises(ValueError, match="none after skip=3"):
+        pool_reports([nq, squad], skip=3)
     only = pooled["variants"]["drafter_only"]
     assert only == {"accuracy": 0.8, **mcnemar(3, 1)}
     del squad["examples"][0]["sel_vote"]
