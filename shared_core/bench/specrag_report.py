@@ -63,7 +63,7 @@ def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
                "majority_label_rate": _majority_rate(questions),
                "draft_oracle_accuracy": draft_oracle(state.name, questions, outputs),
                "selection_study": selection_study(state.name, questions, state.outputs,
-                                                   engine.config),
+                                                  engine.config),
                "latency_parts": {m: _parts(outs, retrieve_s) for m, outs in outputs.items()},
                "machine": {**cpu_facts(), "backend": args.backend,
                            "runtime_threads": lm_threads(engine.verifier)},
