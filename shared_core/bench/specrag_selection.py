@@ -63,8 +63,8 @@ def hits(dataset: str, texts: list[str], questions: list[dict[str, Any]]) -> lis
     return [is_correct(dataset, t, q["gold"]) for t, q in zip(texts, questions, strict=True)]
 
 
-def accuracy(dataset: str, texts: list[str], questions: list[dict[str, Any]]) -> float:
-    right = hits(dataset, texts, questions)
+def rate(right: list[bool]) -> float:
+    """The share of True, as every figure of the study rounds it."""
     return round(sum(right) / len(right), 4)
 
 
@@ -91,7 +91,7 @@ def draft_oracle(dataset: str, questions: list[dict[str, Any]], outputs: dict[st
         if outs and hasattr(outs[0], "drafts"):
             right = [any(is_correct(dataset, d.answer, q["gold"]) for d in o.drafts)
                      for q, o in zip(questions, outs, strict=True)]
-            oracle[name] = round(sum(right) / len(right), 4)
+            oracle[name] = rate(right)
     return oracle
 
 
@@ -108,12 +108,12 @@ def selection_study(dataset: str, questions: list[dict[str, Any]],
         drafts = [d for o in outs for d in o.drafts]
         paper = hits(dataset, [o.text for o in outs], questions)
         entry: dict[str, Any] = {
-            "parsed_rate": round(sum(d.parsed for d in drafts) / len(drafts), 4),
+            "parsed_rate": rate([d.parsed for d in drafts]),
             "oracle": draft_oracle(dataset, questions, {name: outs})[name],
-            "paper_score": round(sum(paper) / len(paper), 4), "paired_vs_paper": {}}
+            "paper_score": rate(paper), "paired_vs_paper": {}}
         for variant in SCORE_VARIANTS:
             right = hits(dataset, [reselect(o, variant, config).text for o in outs], questions)
-            entry[variant] = round(sum(right) / len(right), 4)
+            entry[variant] = rate(right)
             entry["paired_vs_paper"][variant] = paired_test(right, paper)
         study[name] = entry | draft_quality(dataset, questions, outs)
     return study
@@ -129,7 +129,7 @@ def draft_quality(dataset: str, questions: list[dict[str, Any]], outs: list[Any]
              for q, o in zip(questions, outs, strict=True) for d in o.drafts]
     answers = [d.answer for o in outs for d in o.drafts]
     quality: dict[str, Any] = {
-        "draft_accuracy": round(sum(right) / len(right), 4),
+        "draft_accuracy": rate(right),
         "mean_answer_words": round(statistics.fmean(len(a.split()) for a in answers), 2),
         "one_document_cluster_rate": round(statistics.fmean(
             1 in (o.stats.cluster_sizes or [0]) for o in outs), 4)}
@@ -142,39 +142,36 @@ def draft_quality(dataset: str, questions: list[dict[str, Any]], outs: list[Any]
 # --------------------------------------------------------------------------- pooled over reports
 
 
-def pool_reports(reports: list[dict[str, Any]], method: str = "specrag", skip: int = 0
-                 ) -> dict[str, Any]:
-    """Each re-selection against the paper's selection over several datasets' reports, from
-    their per-question ``examples``: summed wins and losses with their exact McNemar p-value,
-    and the pooled accuracy of both. ``skip`` leaves out each report's first questions (a
-    confirmation on questions measured after a finding was made)."""
-    right: dict[str, list[bool]] = {name: [] for name in (method, *SCORE_VARIANTS)}
+def pool_reports(reports: list[dict[str, Any]], skip: int = 0) -> dict[str, Any]:
+    """Each re-selection of the ``specrag`` drafts (the report's ``examples`` hold their answers)
+    against the paper's selection over several datasets' reports: summed wins and losses with
+    their exact McNemar p-value, and the pooled accuracy of both. ``skip`` leaves out each
+    report's first questions (a confirmation on questions measured after a finding was made)."""
+    right: dict[str, list[bool]] = {name: [] for name in ("specrag", *SCORE_VARIANTS)}
+    datasets = {}
     for report in reports:
         questions = report["examples"][skip:]
         if not questions:
             msg = f"the {report['dataset']} report has {report['n']} questions, none after skip={skip}"
             raise ValueError(msg)
+        datasets[report["dataset"]] = len(questions)
         for name, column in right.items():
             if name not in questions[0]:
                 msg = f"the {report['dataset']} report has no {name!r} answers to pool"
                 raise ValueError(msg)
             column += hits(report["dataset"], [q[name] for q in questions], questions)
-    paper = right.pop(method)
-    return {"method": method, "skip": skip,
-            "datasets": {r["dataset"]: r["n"] - skip for r in reports},
-            "questions": len(paper), "paper_score": round(sum(paper) / len(paper), 4),
-            "variants": {name: {"accuracy": round(sum(col) / len(col), 4),
-                                **paired_test(col, paper)} for name, col in right.items()}}
+    paper = right.pop("specrag")
+    return {"skip": skip, "datasets": datasets, "questions": len(paper),
+            "paper_score": rate(paper),
+            "variants": {name: {"accuracy": rate(col), **paired_test(col, paper)}
+                         for name, col in right.items()}}
 
 
 def add_pool_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("reports", nargs="+", help="specrag reports (JSON) to pool")
-    parser.add_argument("--method", default="specrag", help="the drafting method whose "
-                        "selection study is pooled")
     parser.add_argument("--skip", type=int, default=0, help="leave out each report's first "
                         "SKIP questions (a confirmation on later questions)")
 
 
 def run_pool(args: argparse.Namespace) -> dict[str, Any]:
-    return pool_reports([json.loads(Path(p).read_text()) for p in args.reports], args.method,
-                        args.skip)
+    return pool_reports([json.loads(Path(p).read_text()) for p in args.reports], args.skip)
