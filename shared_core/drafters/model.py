@@ -7,10 +7,10 @@ from dataclasses import replace
 
 import torch
 
-from shared_core.config import SamplingConfig
+from shared_core.config import CacheKind, SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, DrafterBase, check_same_vocabulary
-from shared_core.kv import CacheKind, open_session
 from shared_core.models import LM
+from shared_core.runtime.protocol import open_session
 from shared_core.verify import make_generator, sample, warp_probs
 
 

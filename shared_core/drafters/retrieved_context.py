@@ -25,8 +25,9 @@ import torch
 from shared_core.config import SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.model import ModelDrafter
-from shared_core.kv import CacheKind, KVSession
+from shared_core.kv import CacheKind
 from shared_core.models import LM
+from shared_core.runtime.protocol import KVSession
 from shared_core.verify import make_generator, sample, warp_probs
 
 

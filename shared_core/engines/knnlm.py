@@ -37,6 +37,7 @@ from shared_core.engines.os3 import OS3Scheduler
 from shared_core.models import LM
 from shared_core.output import GenerationResult
 from shared_core.retrieval.dense import blocked_top, paired_scores
+from shared_core.runtime.torch_batch import final_norm
 from shared_core.stats import RUN_SPECIFIC, DecodeStats
 
 logger = logging.getLogger(__name__)
@@ -72,16 +73,11 @@ class KNNLMConfig:
 
 
 def _final_norm(lm: LM) -> torch.nn.Module:
-    if lm.backend != "torch":
+    if not lm.capabilities.hidden_states:
         msg = (f"KNN-LM keys are the model's final hidden states, read with a torch hook; load "
                f"{lm.name!r} with backend='torch' (it is on {lm.backend})")
         raise ValueError(msg)
-    decoder = lm.model.get_decoder() if hasattr(lm.model, "get_decoder") else lm.model.model
-    for name in ("norm", "final_layernorm", "ln_f"):
-        if hasattr(decoder, name):
-            return getattr(decoder, name)
-    msg = f"cannot find the final norm of {type(lm.model).__name__} for KNN-LM keys"
-    raise TypeError(msg)
+    return final_norm(lm)
 
 
 @contextmanager

@@ -31,7 +31,6 @@ import torch
 from shared_core.config import CacheKind, GenerationConfig, check_unicode
 from shared_core.device import synchronize
 from shared_core.engines.timing import timed
-from shared_core.kv import open_session
 from shared_core.models import LM
 from shared_core.output import (
     ChatTurns,
@@ -41,6 +40,7 @@ from shared_core.output import (
     validate_messages,
     validate_prompt_ids,
 )
+from shared_core.runtime.protocol import open_session
 from shared_core.stats import DecodeStats
 from shared_core.verify import choose_token, make_generator
 
@@ -198,7 +198,7 @@ class Run:
         with timed(self.stats, "prefill_s"):
             self.session.prefill(self.prompt_ids[:-1])
             synchronize(self.lm.device)
-        self.stats.cached_prompt_tokens = getattr(self.session, "reused_tokens", 0)
+        self.stats.cached_prompt_tokens = self.session.reused_tokens
         return self.prompt_ids[-1]
 
     def stream(self, blocks: Callable[[Run], Iterator[list[int]]],

@@ -28,6 +28,7 @@ from shared_core.rag_config import (
 )
 from shared_core.retrieval._common import check_int
 from shared_core.retrieval.base import Document, Hit, doc_key
+from shared_core.runtime.protocol import ServedLM
 from shared_core.verify import greedy_accept_length
 
 
@@ -220,8 +221,8 @@ class RaLMSpec:
     result or a timeout ends that call only; the next call starts from scratch.
     """
 
-    def __init__(self, lm: LM, retriever: Any, config: RaLMSpecConfig | None = None):
-        if not isinstance(lm, LM) and not getattr(lm, "served", False):
+    def __init__(self, lm: LM | ServedLM, retriever: Any, config: RaLMSpecConfig | None = None):
+        if not isinstance(lm, LM | ServedLM):
             msg = f"lm must be an LM (from load_lm or wrap_lm) or a RemoteLM, got {type(lm).__name__}"
             raise TypeError(msg)
         if config is not None and not isinstance(config, RaLMSpecConfig):

@@ -31,10 +31,10 @@ from shared_core.engines.rapid.prompts import (
     chat_parts,
 )
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
-from shared_core.kv import KVSession, open_session
 from shared_core.model_lock import lock_for
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
+from shared_core.runtime.protocol import KVSession, open_session
 from shared_core.token_config import RapidConfig, check_eta
 
 logger = logging.getLogger(__name__)

@@ -46,11 +46,11 @@ class CachedRun(Run):
         session kept from the decoder's last question, plus those a llama.cpp session found in
         an idle context of the model when it took one (its first prefill)."""
         self.stats.prefill_s = 0.0
-        pooled = getattr(self.session, "reused_tokens", 0)
+        pooled = self.session.reused_tokens
         with timed(self.stats, "prefill_s"):
             feed = self.session.sync(self.prompt_ids[:-1])
             self.session.prefill(feed)
-        pooled = getattr(self.session, "reused_tokens", 0) - pooled
+        pooled = self.session.reused_tokens - pooled
         reused = len(self.prompt_ids) - 1 - len(feed) + pooled
         self.stats.reused_prefix_tokens = self.stats.cached_prompt_tokens = reused
         return self.prompt_ids[-1]

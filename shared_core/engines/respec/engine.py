@@ -32,7 +32,6 @@ from shared_core.engines.respec.drafting import (
     build_tree,
     row_entropies,
 )
-from shared_core.kv import forward_cost_curve
 from shared_core.model_lock import lock_for, step_locked
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
@@ -107,7 +106,7 @@ class ReSpecDecoder:
             run = Run(self.lm, prompt, config, self.config.cache, logits_mask,
                       stats_type=ReSpecStats)
             request = Request(self.config, docs, self.static, self._fallback(config), run.stats,
-                              cost_curve=forward_cost_curve(self.lm))
+                              cost_curve=self.lm.forward_cost_curve())
         drafter = request.fallback
 
         def on_close(stats: DecodeStats) -> None:
@@ -123,7 +122,7 @@ class ReSpecDecoder:
         return self.stream(prompt, max_new_tokens, **kwargs).run()
 
 
-def _check_models(lm: Any, config: Any, draft_lm: Any) -> None:
+def _check_models(lm: object, config: object, draft_lm: object) -> None:
     """TypeError naming ``lm``, ``config`` or ``draft_lm`` when one is not what ReSpec runs on."""
     for name, model in (("lm", lm), ("draft_lm", draft_lm)):
         if not (model is None and name == "draft_lm") and not isinstance(model, LM):
