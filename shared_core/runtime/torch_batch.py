@@ -76,8 +76,8 @@ def generate_parallel(lm: SessionLM, prompts: Sequence[Sequence[int]], max_new_t
         out = lm.model.generate(
             input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
             max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
-            top_k=None, pad_token_id=pad_id, stopping_criteria=[criteria], output_logits=True,
-            return_dict_in_generate=True)
+            top_k=None, pad_token_id=pad_id, eos_token_id=None, stopping_criteria=[criteria],
+            output_logits=True, return_dict_in_generate=True)  # EOS ends a row only by ``stop``
         new = out.sequences[:, ids.shape[1]:]  # [B, T]
         logits = torch.stack(out.logits, dim=1).float()  # [B, T, V]
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
