@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from shared_core.backends.llamacpp_prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
-from shared_core.backends.llamacpp_session import MAX_TREE_LEAVES, LlamaCppSession
+from shared_core.backends.llamacpp_session import EXACT_CHUNK, MAX_TREE_LEAVES, LlamaCppSession
 from shared_core.config import CacheKind, check_prefix_cache
 from shared_core.device import threads_from_env
 from shared_core.lm import LM
@@ -269,7 +269,8 @@ class LlamaCppLM(LM):
                             prefix_reuse=self.model.prefix_cache, any_positions=False,
                             hidden_states=False, measured_cost=True,
                             max_rows=self.model.max_sequences, max_tree_leaves=MAX_TREE_LEAVES,
-                            max_extend=self.model.settings.n_batch)
+                            max_extend=self.model.settings.n_batch,
+                            invariant_tokens=2 * EXACT_CHUNK if exact else None)
 
     def open_session(self, *, cache: CacheKind = "prealloc") -> LlamaCppSession:
         del cache  # one layout: llama.cpp's own cells

@@ -35,14 +35,16 @@ class Capabilities:
     """What a runtime offers beyond the methods every runtime has.
 
     ``batch_invariant``: a k-token ``extend`` gives bit for bit the logits of k one-token steps
-    (else only to rounding). ``exact_reuse``: a prefill that starts from a kept prefix gives bit
-    for bit the logits of a cold one. ``prefix_reuse``: a fresh session's first ``prefill`` may
-    start from KV the model kept (``reused_tokens``). ``any_positions``: ``copy_positions`` keeps
-    any ascending subset (else it must keep the source's last token). ``hidden_states``: forward
-    hooks can read the final hidden states (KNN-LM's keys). ``measured_cost``:
-    ``forward_cost_curve()`` is the machine's measured curve (else None: engines fit it as they
-    run). ``max_rows`` / ``max_tree_leaves`` / ``max_extend``: rows of one batched call, leaves of
-    one tree, tokens of one ``extend`` (None: only memory and the window limit them).
+    (else only to rounding), for decodes of fewer than ``invariant_tokens`` tokens where that is
+    set (llama.cpp's kernels take another path from 64 rows on). ``exact_reuse``: a prefill that
+    starts from a kept prefix gives bit for bit the logits of a cold one. ``prefix_reuse``: a
+    fresh session's first ``prefill`` may start from KV the model kept (``reused_tokens``).
+    ``any_positions``: ``copy_positions`` keeps any ascending subset (else it must keep the
+    source's last token). ``hidden_states``: forward hooks can read the final hidden states
+    (KNN-LM's keys). ``measured_cost``: ``forward_cost_curve()`` is the machine's measured curve
+    (else None: engines fit it as they run). ``max_rows`` / ``max_tree_leaves`` / ``max_extend``:
+    rows of one batched call, leaves of one tree, tokens of one ``extend`` (None: only memory and
+    the window limit them).
     """
 
     batch_invariant: bool
@@ -54,6 +56,7 @@ class Capabilities:
     max_rows: int | None = None
     max_tree_leaves: int | None = None
     max_extend: int | None = None
+    invariant_tokens: int | None = None
 
 
 @runtime_checkable

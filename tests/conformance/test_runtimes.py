@@ -12,6 +12,8 @@ tests below state the contract once; where runtimes differ by design the test re
   (torch with the prefix store's exact grid; llama.cpp with ``exact=True``); otherwise to rounding.
 - ``any_positions``: ``copy_positions`` keeps any ascending subset (torch); otherwise it must keep
   the source's last token (llama.cpp: a sequence continues right after its last cell).
+- ``invariant_tokens``: ``batch_invariant`` holds for decodes below this size (llama.cpp: 64,
+  where its kernels change path; a session's exact prefill and rows decode in 32-token chunks).
 - ``max_extend``: the most tokens one ``extend`` takes (llama.cpp: ``n_batch``; torch: none).
 
 torch runs on a tiny in-process model (always); llama.cpp on the embedded SmolLM2 GGUF (skipped
@@ -165,6 +167,13 @@ def test_extend_gives_one_row_per_new_token(rt: Runtime, ids: list[int]) -> None
     same(rows, steps(rt, ids[:20], ids[20:28]), rt.caps.batch_invariant)
     with pytest.raises(ValueError, match="at least one token"):
         session.extend([])
+
+
+def test_an_extend_up_to_the_invariant_size_equals_one_token_steps(rt: Runtime,
+                                                                    ids: list[int]) -> None:
+    size = (rt.caps.invariant_tokens or 64) - 1
+    tokens = (ids * 3)[8 : 8 + size]
+    same(session_on(rt, ids[:8]).extend(tokens), steps(rt, ids[:8], tokens), rt.caps.batch_invariant)
 
 
 def test_extend_refuses_more_than_max_extend_and_keeps_the_session(rt: Runtime,
