@@ -119,6 +119,9 @@ class ModelLM(Protocol):
     def served(self) -> bool:
         """True for a model behind a server: no session, requests instead of forwards."""
 
+    @property
+    def has_chat_template(self) -> bool: ...
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...

@@ -15,14 +15,13 @@ from shared_core.engines.ralmspec.position import RaLMDecoderState
 from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
-from shared_core.models import LM
 from shared_core.output import OutputTracker
 from shared_core.rag_config import (
     RaLMSpecConfig,
     format_prompt,
 )
 from shared_core.retrieval.base import Document, Hit, doc_key
-from shared_core.runtime.protocol import ServedLM, open_session
+from shared_core.runtime.protocol import ModelLM, ServedLM, SessionLM, open_session
 from shared_core.stats import DecodeStats
 from shared_core.verify import warp_probs
 
@@ -36,7 +35,7 @@ class RaLMPrompt:
     tokenized on its own so a document swap keeps the head's KV cache valid.
     """
 
-    def __init__(self, lm: LM, question: str, config: RaLMSpecConfig):
+    def __init__(self, lm: ModelLM, question: str, config: RaLMSpecConfig):
         if not isinstance(question, str) or not question.strip():
             msg = "question must be a non-empty string"
             raise ValueError(msg)
@@ -73,7 +72,7 @@ class RaLMPrompt:
 class RaLMDecoder(RaLMDecoderState):
     """A KV session that generates under a given document; one RNG draw per output position."""
 
-    def __init__(self, lm: LM, prompt: RaLMPrompt, generation: GenerationConfig,
+    def __init__(self, lm: SessionLM, prompt: RaLMPrompt, generation: GenerationConfig,
                  stats: RaLMSpecStats, cache: CacheKind):
         super().__init__(lm, prompt, generation, stats)
         with self.lock:
@@ -121,7 +120,7 @@ class RaLMDecoder(RaLMDecoderState):
 class RaLMCall:
     """One generation: prompt, decoder, tracker, stats, backend and retrieval timing."""
 
-    def __init__(self, lm: LM | ServedLM, backend: SpeculativeBackend, question: str,
+    def __init__(self, lm: SessionLM | ServedLM, backend: SpeculativeBackend, question: str,
                  config: RaLMSpecConfig, generation: GenerationConfig):
         self.config = config
         self.backend = backend

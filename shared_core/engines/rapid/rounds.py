@@ -19,7 +19,7 @@ from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.loop import LogitsMask, Run, timed
 from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
-from shared_core.models import LM
+from shared_core.runtime.protocol import SessionLM
 from shared_core.token_config import RapidConfig
 from shared_core.verify import (
     Verdict,
@@ -36,7 +36,7 @@ class CachedRun(Run):
     The session is the checked-out slot's, set when the generation's first step runs.
     """
 
-    def __init__(self, lm: LM, prompt_ids: Sequence[int], config: GenerationConfig,
+    def __init__(self, lm: SessionLM, prompt_ids: Sequence[int], config: GenerationConfig,
                  cache: CacheKind, logits_mask: LogitsMask | None = None):
         super().__init__(lm, list(prompt_ids), config, cache, logits_mask, stats_type=RapidStats)
         self.stats: RapidStats
