@@ -131,15 +131,14 @@ class RaLMCall:
                    f"{generation.max_new_tokens} exceeds the {lm.max_context}-token window of "
                    f"{lm.name}; lower max_doc_tokens or max_new_tokens")
             raise ValueError(msg)
-        served = isinstance(lm, ServedLM)
-        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail),
-                                   backend="served" if served else lm.backend,
-                                   backend_reason="" if served else lm.backend_reason)
+        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
         self.tracker = OutputTracker(lm, generation)
         self.decoder: RaLMDecoder | ServedRaLMDecoder
         if isinstance(lm, ServedLM):
+            self.stats.backend, self.stats.backend_reason = "served", ""
             self.decoder = ServedRaLMDecoder(lm, self.prompt, generation, self.stats)
         else:
+            self.stats.backend, self.stats.backend_reason = lm.backend, lm.backend_reason
             self.decoder = RaLMDecoder(lm, self.prompt, generation, self.stats, config.cache)
         self.used: dict[tuple[str, str], Document] = {}
 
