@@ -176,14 +176,24 @@ def test_an_extend_up_to_the_invariant_size_equals_one_token_steps(rt: Runtime,
     same(session_on(rt, ids[:8]).extend(tokens), steps(rt, ids[:8], tokens), rt.caps.batch_invariant)
 
 
-def test_extend_refuses_more_than_max_extend_and_keeps_the_session(rt: Runtime,
-                                                                   ids: list[int]) -> None:
-    if rt.caps.max_extend is None:
-        pytest.skip("this runtime bounds an extend by the window only")
+def test_size_limits_refuse_before_any_forward_and_keep_the_session(rt: Runtime,
+                                                                    ids: list[int]) -> None:
+    caps = rt.caps
+    if caps.max_extend is None and caps.max_tree_leaves is None and caps.max_rows is None:
+        pytest.skip("this runtime is bounded by memory and the window only")
     session = session_on(rt, ids[:8])
-    with pytest.raises(ValueError, match="at most"):
-        session.extend([ids[0]] * (rt.caps.max_extend + 1))
+    if caps.max_extend is not None:
+        with pytest.raises(ValueError, match="at most"):
+            session.extend([ids[0]] * (caps.max_extend + 1))
+    if caps.max_tree_leaves is not None:
+        leaves = caps.max_tree_leaves + 1
+        with pytest.raises(ValueError, match="leaves"):
+            session.extend_tree([ids[0]] * (leaves + 1), [-1] + [0] * leaves)
     assert session.tokens == ids[:8]
+    if caps.max_rows is not None:
+        with pytest.raises(ValueError, match="rows"):
+            rt.lm.generate_parallel([ids[:3]] * (caps.max_rows + 1), 2, lambda row, out: False)
+    same(session.extend([ids[8]]), steps(rt, ids[:8], [ids[8]]), caps.batch_invariant)
 
 
 def test_a_tree_equals_its_branches_and_keep_path_continues_like_the_branch(
