@@ -64,8 +64,9 @@ class KVSession(Protocol):
     """One model, one growing token sequence and its KV cache.
 
     ``tokens`` lists exactly the ids whose keys/values are cached. A method that raises (or is
-    interrupted) leaves the session usable: ``tokens`` and the cache agree, holding a prefix of
-    what they held before the call (all of it for ``prefill``, ``extend``, ``extend_tree``).
+    interrupted) leaves the session usable, ``tokens`` and the cache in agreement: after
+    ``extend`` / ``extend_tree`` it holds what it held before the call; after ``prefill``, at
+    least that and at most a prefix of it plus the new ids (torch keeps completed chunks).
     """
 
     tokens: list[int]
