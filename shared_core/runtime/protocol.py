@@ -65,8 +65,8 @@ class KVSession(Protocol):
 
     ``tokens`` lists exactly the ids whose keys/values are cached. A method that raises (or is
     interrupted) leaves the session usable, ``tokens`` and the cache in agreement: after
-    ``extend`` / ``extend_tree`` it holds what it held before the call; after ``prefill``, at
-    least that and at most a prefix of it plus the new ids (torch keeps completed chunks).
+    ``extend`` / ``extend_tree`` it holds what it held before the call; after ``prefill``, that
+    plus a prefix of the new ids (torch keeps the chunks that completed; llama.cpp none).
     """
 
     tokens: list[int]
