@@ -27,7 +27,8 @@ from shared_core.kv_prefix import (
     store_for,
     weights_version,
 )
-from shared_core.lm import LM
+from shared_core.runtime.protocol import CostCurve, SessionLM
+from shared_core.runtime.protocol import KVSession as RuntimeSession
 
 _MIN_CAPACITY = 256
 
@@ -176,7 +177,7 @@ class KVSession:
     session's tokens continues at the source's positions.
     """
 
-    def __init__(self, lm: LM, *, cache: CacheKind = "prealloc", prefill_chunk: int = 2048):
+    def __init__(self, lm: SessionLM, *, cache: CacheKind = "prealloc", prefill_chunk: int = 2048):
         if prefill_chunk < 1:
             msg = f"prefill_chunk must be >= 1, got {prefill_chunk}"
             raise ValueError(msg)
@@ -375,15 +376,13 @@ class KVSession:
         return list(ids[common:])
 
 
-def open_session(lm: LM, *, cache: CacheKind = "prealloc") -> KVSession:
+def open_session(lm: SessionLM, *, cache: CacheKind = "prealloc") -> RuntimeSession:
     """A new KV session on ``lm``: a :class:`KVSession` for torch models, the runtime's own
     session (same methods) for a model of another backend (``lm.open_session``)."""
-    own = getattr(lm, "open_session", None)
-    return own() if own is not None else KVSession(lm, cache=cache)
+    return lm.open_session(cache=cache)
 
 
-def forward_cost_curve(lm: LM) -> tuple[tuple[int, float], ...] | None:
+def forward_cost_curve(lm: SessionLM) -> CostCurve | None:
     """``(tokens, one-token steps)`` of a forward, measured once per machine and model, where the
     runtime measures one (llama.cpp); None on torch, whose engines fit the cost as they run."""
-    measure = getattr(lm, "forward_cost_curve", None)
-    return measure() if measure is not None else None
+    return lm.forward_cost_curve()

@@ -3,13 +3,18 @@ need about them, whatever runtime runs it (torch here; llama.cpp in :mod:`shared
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar
+
+from shared_core.config import CacheKind
+from shared_core.runtime.protocol import Capabilities, CostCurve, ModelLM, Row, Spans, StopRule
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from shared_core.kv import KVSession
 
 # A plain chat format for base models that ship no chat template (e.g. Gemma-3-270M base).
 FALLBACK_CHAT_TEMPLATE = (
@@ -32,11 +37,51 @@ class LM:
     linear_weights: str = "dtype"  # "fp16": decoder linears run fp16 weights (use_fp16_linears)
     backend: ClassVar[str] = "torch"  # the runtime; subclasses for other runtimes override it
     backend_reason: str = "built by the caller"  # why load_lm chose this runtime
+    served: ClassVar[bool] = False  # runs in this process (shared_core.runtime.protocol)
 
     @property
     def vocab_size(self) -> int:
         """Rows of the output embedding (may exceed ``len(tokenizer)`` by padding)."""
         return int(self.model.get_output_embeddings().weight.shape[0])
+
+    @property
+    def capabilities(self) -> Capabilities:
+        """What this runtime offers (:class:`shared_core.runtime.protocol.Capabilities`): torch
+        reuses prefixes while the model has a prefix store, bit-exactly in the store's exact mode."""
+        from shared_core.kv_prefix import store_for
+
+        store = store_for(self.model)
+        return Capabilities(batch_invariant=False, exact_reuse=store is not None and store.exact,
+                            prefix_reuse=store is not None and store.budget > 0,
+                            any_positions=True, hidden_states=True, measured_cost=False)
+
+    def open_session(self, *, cache: CacheKind = "prealloc") -> KVSession:
+        from shared_core.kv import KVSession
+
+        return KVSession(self, cache=cache)
+
+    def generate_parallel(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                          stop: StopRule, on_prefilled: Callable[[], None] | None = None
+                          ) -> list[Row]:
+        """Greedy continuations of all prompts in one left-padded batch
+        (:func:`shared_core.runtime.torch_batch.generate_parallel`)."""
+        from shared_core.runtime.torch_batch import generate_parallel
+
+        return generate_parallel(self, prompts, max_new_tokens, stop, on_prefilled)
+
+    def span_logprobs(self, rows: Sequence[Sequence[int]], spans: Spans) -> list[list[float]]:
+        """Summed log P over each span of each row from one forward
+        (:func:`shared_core.runtime.torch_batch.span_logprobs`)."""
+        from shared_core.runtime.torch_batch import span_logprobs
+
+        return span_logprobs(self, rows, spans)
+
+    def forward_cost_curve(self) -> CostCurve | None:
+        """None: torch engines fit a forward's cost as they run."""
+        return None
+
+    def describe_window(self) -> str:
+        return f"the {self.max_context}-token window of {self.name}"
 
     @property
     def has_chat_template(self) -> bool:
@@ -72,14 +117,14 @@ class LM:
         return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
 
 
-def window_text(lm: Any) -> str:
+def window_text(lm: ModelLM) -> str:
     """``lm``'s context limit in words for an error message: a runtime that has a setting for it
     names the setting (llama.cpp: ``n_ctx``, :meth:`describe_window`)."""
     describe = getattr(lm, "describe_window", None)
     return describe() if callable(describe) else f"the {lm.max_context}-token window of {lm.name}"
 
 
-def clear_prefix_cache(lm: Any) -> None:
+def clear_prefix_cache(lm: ModelLM) -> None:
     """Empty the prompts a model keeps for reuse (llama.cpp: idle contexts; torch: the prefix
     store of :mod:`shared_core.kv_prefix`); a no-op on a model that keeps none (served, or a torch
     model built by hand without a store).

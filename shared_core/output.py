@@ -23,7 +23,7 @@ from shared_core.config import (
     check_unicode,
 )
 from shared_core.lm import window_text
-from shared_core.models import LM
+from shared_core.runtime.protocol import ModelLM, SessionLM
 from shared_core.stats import DecodeStats
 
 
@@ -44,7 +44,7 @@ class OutputTracker:
     the token that completed it. EOS tokens end generation and are not returned.
     """
 
-    def __init__(self, lm: LM, config: GenerationConfig):
+    def __init__(self, lm: ModelLM, config: GenerationConfig):
         self.lm = lm
         self.config = config
         self.token_ids: list[int] = []
@@ -205,7 +205,7 @@ def template_turns(turns: ChatTurns) -> list[dict[str, str]]:
     return [{"role": t["role"], "content": t["content"]} for t in turns]
 
 
-def validate_prompt_ids(lm: LM, ids: Sequence[int], max_new_tokens: int) -> None:
+def validate_prompt_ids(lm: SessionLM, ids: Sequence[int], max_new_tokens: int) -> None:
     """Non-empty ids inside the vocabulary, leaving room for ``max_new_tokens`` in the window."""
     if not ids:
         msg = "prompt must contain at least one token"

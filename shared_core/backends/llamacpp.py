@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from shared_core.backends.llamacpp_prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
-from shared_core.backends.llamacpp_session import MAX_TREE_LEAVES, LlamaCppSession
-from shared_core.config import check_prefix_cache
+from shared_core.backends.llamacpp_session import EXACT_CHUNK, MAX_TREE_LEAVES, LlamaCppSession
+from shared_core.config import CacheKind, check_prefix_cache
 from shared_core.device import threads_from_env
 from shared_core.lm import LM
+from shared_core.runtime.protocol import Capabilities
 
 logger = logging.getLogger(__name__)
 
@@ -258,7 +259,21 @@ class LlamaCppLM(LM):
         return (f"the llama.cpp context of {self.name} (n_ctx={self.max_context}; load it with a "
                 f"larger n_ctx, up to the {self.model.n_ctx_train} positions it was trained on)")
 
-    def open_session(self) -> LlamaCppSession:
+    @property
+    def capabilities(self) -> Capabilities:
+        """``exact`` (no repacking) makes a batch bit-equal to one-token steps and a reused
+        prefix bit-equal to a cold read; rows, tree leaves and extends are bounded by the
+        context's sequences and batch."""
+        exact = self.model.settings.exact
+        return Capabilities(batch_invariant=exact, exact_reuse=exact,
+                            prefix_reuse=self.model.prefix_cache, any_positions=False,
+                            hidden_states=False, measured_cost=True,
+                            max_rows=self.model.max_sequences, max_tree_leaves=MAX_TREE_LEAVES,
+                            max_extend=self.model.settings.n_batch,
+                            invariant_tokens=2 * EXACT_CHUNK if exact else None)
+
+    def open_session(self, *, cache: CacheKind = "prealloc") -> LlamaCppSession:
+        del cache  # one layout: llama.cpp's own cells
         return LlamaCppSession(self)
 
     def generate_parallel(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,

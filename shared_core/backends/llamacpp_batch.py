@@ -89,12 +89,18 @@ def _share_prefix(lm: LlamaCppLM, slot: _Slot, rows: Sequence[Sequence[int]], sh
         return
     kept = len(slot.tokens or ())
     slot.tokens = None  # vouches for nothing until the prefix is whole: a failure clears it
-    step = min(slot.n_batch, EXACT_CHUNK) if lm.model.settings.exact else slot.n_batch
+    step = _feed_step(lm, slot)
     _Batch(lm, slot).feed([rows[0][:shared]], [kept], lambda r, t: False, first_sequence=0,
                           step=step)
     slot.tokens = list(rows[0][:shared])
     for seq in range(1, len(rows) + 1):
         lm.model.llama.llama_memory_seq_cp(slot.memory, 0, seq, -1, -1)
+
+
+def _feed_step(lm: LlamaCppLM, slot: _Slot) -> int:
+    """Tokens per decode when reading rows: ``exact`` keeps every decode under the size that was
+    measured bit-equal to smaller ones (as a session's prefill does)."""
+    return min(slot.n_batch, EXACT_CHUNK) if lm.model.settings.exact else slot.n_batch
 
 
 def _check_rows(lm: LlamaCppLM, rows: Sequence[Sequence[int]], extra: int) -> None:
@@ -127,7 +133,7 @@ def generate_parallel(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_
         _share_prefix(lm, slot, prompts, shared)
         batch = _Batch(lm, slot)
         last = batch.feed(prompts, [shared] * len(prompts),
-                          lambda r, t: t == len(prompts[r]) - 1)
+                          lambda r, t: t == len(prompts[r]) - 1, step=_feed_step(lm, slot))
         rows: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         logits = {r: last[(r, len(p) - 1)] for r, p in enumerate(prompts)}
         if on_prefilled is not None:
@@ -162,7 +168,8 @@ def token_logprobs(lm: LlamaCppLM, rows: Sequence[Sequence[int]],
     slot = _acquire(lm, rows, shared)
     try:
         _share_prefix(lm, slot, rows, shared)
-        logits = _Batch(lm, slot).feed(rows, [shared] * len(rows), lambda r, t: t in needed[r])
+        logits = _Batch(lm, slot).feed(rows, [shared] * len(rows), lambda r, t: t in needed[r],
+                                       step=_feed_step(lm, slot))
     finally:
         lm.model.release(slot)
     return [[sum(_log_softmax_at(logits[(r, t - 1)], rows[r][t])

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared_core.backends.llamacpp_prefix import vouched_write as _writes
 from shared_core.kv_prefix import common_prefix_length
+from shared_core.runtime.protocol import SessionLM
 
 if TYPE_CHECKING:
     import torch
@@ -34,7 +35,7 @@ MAX_TREE_LEAVES = 32  # branches of one tree forward (sequences 1..m of a contex
 EXACT_CHUNK = 32  # exact: prefill chunk; a decode of 64+ tokens was not bit-equal to smaller ones
 
 
-def decode(lm: Any, slot: Any, entries: Sequence[tuple[int, int, Sequence[int], bool]]) -> Any:
+def decode(lm: SessionLM, slot: Any, entries: Sequence[tuple[int, int, Sequence[int], bool]]) -> Any:
     """One ``llama_decode`` of ``(token, position, sequences, wants logits)`` entries in ``slot``'s
     batch; the logits of the entries that asked, in order, as a ``[n, V]`` float32 array (a copy),
     or None if none did."""
@@ -62,7 +63,7 @@ def decode(lm: Any, slot: Any, entries: Sequence[tuple[int, int, Sequence[int], 
 class LlamaCppSession:
     """:class:`shared_core.kv.KVSession`'s methods on one llama.cpp context (see the module doc)."""
 
-    def __init__(self, lm: Any):
+    def __init__(self, lm: SessionLM):
         self.lm = lm
         self.kind = "llama.cpp"
         self._slot: Any = None  # borrowed when first needed (the first prefill picks it)

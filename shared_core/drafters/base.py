@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from shared_core.models import LM
+    from shared_core.runtime.protocol import SessionLM
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class DrafterBase:
         return None
 
 
-def check_same_vocabulary(target: LM, draft: LM) -> None:
+def check_same_vocabulary(target: SessionLM, draft: SessionLM) -> None:
     """Refuse a drafter whose token ids do not mean the same strings as the target's."""
     target_vocab, draft_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
     if target_vocab != draft_vocab:

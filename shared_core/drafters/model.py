@@ -7,10 +7,9 @@ from dataclasses import replace
 
 import torch
 
-from shared_core.config import SamplingConfig
+from shared_core.config import CacheKind, SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, DrafterBase, check_same_vocabulary
-from shared_core.kv import CacheKind, open_session
-from shared_core.models import LM
+from shared_core.runtime.protocol import SessionLM, open_session
 from shared_core.verify import make_generator, sample, warp_probs
 
 
@@ -22,7 +21,7 @@ class ModelDrafter(DrafterBase):
     back to the common prefix with the new context (rejected drafts are dropped).
     """
 
-    def __init__(self, lm: LM, *, target: LM | None = None,
+    def __init__(self, lm: SessionLM, *, target: SessionLM | None = None,
                  sampling: SamplingConfig | None = None, cache: CacheKind = "prealloc"):
         if target is not None:
             check_same_vocabulary(target, lm)

@@ -25,8 +25,8 @@ import torch
 from shared_core.config import SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.model import ModelDrafter
-from shared_core.kv import CacheKind, KVSession
-from shared_core.models import LM
+from shared_core.kv import CacheKind
+from shared_core.runtime.protocol import KVSession, SessionLM
 from shared_core.verify import make_generator, sample, warp_probs
 
 
@@ -38,7 +38,7 @@ class RetrievedContextDrafter(ModelDrafter):
     softmax (temperature 1), which RAPID's p̂ needs even on the greedy path.
     """
 
-    def __init__(self, lm: LM, *, target: LM | None = None,
+    def __init__(self, lm: SessionLM, *, target: SessionLM | None = None,
                  sampling: SamplingConfig | None = None, cache: CacheKind = "prealloc"):
         super().__init__(lm, target=target, sampling=sampling, cache=cache)
         self.draft_prompt: list[int] = []

@@ -31,6 +31,7 @@ from shared_core.output import (
     check_int,
     generation_config,
 )
+from shared_core.runtime.protocol import SessionLM
 from shared_core.stats import DecodeStats
 from shared_core.verify import (
     Verdict,
@@ -42,7 +43,7 @@ from shared_core.verify import (
 DEFAULT_DRAFT_TOKENS = 8
 
 
-def stream_autoregressive(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+def stream_autoregressive(lm: SessionLM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                           cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None,
                           **sampling: Any) -> TokenStream:
     """Plain decoding, one token per forward, as a stream of text deltas."""
@@ -50,7 +51,7 @@ def stream_autoregressive(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_
     return Run(lm, prompt, config, cache, logits_mask).stream(autoregressive_blocks)
 
 
-def autoregressive_generate(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+def autoregressive_generate(lm: SessionLM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                             temperature: float = SamplingConfig.temperature,
                             top_k: int = SamplingConfig.top_k, top_p: float = SamplingConfig.top_p,
                             stop: Sequence[str] | str | None = None, seed: int | None = None,
@@ -101,7 +102,7 @@ def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Iterator[list[int
             return
 
 
-def stream_speculative(lm: LM, drafter: Drafter | LM, prompt: Prompt,
+def stream_speculative(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Prompt,
                        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                        k: int = DEFAULT_DRAFT_TOKENS, cache: CacheKind = "prealloc",
                        logits_mask: LogitsMask | None = None, **sampling: Any) -> TokenStream:
@@ -126,7 +127,7 @@ def stream_speculative(lm: LM, drafter: Drafter | LM, prompt: Prompt,
     return run.stream(lambda r: _speculative_blocks(r, drafter, k), on_close)
 
 
-def speculative_generate(lm: LM, drafter: Drafter | LM, prompt: Prompt,
+def speculative_generate(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Prompt,
                          max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                          k: int = DEFAULT_DRAFT_TOKENS,
                          temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
@@ -141,7 +142,7 @@ def speculative_generate(lm: LM, drafter: Drafter | LM, prompt: Prompt,
                               seed=seed).run()
 
 
-def start_autoregressive(lm: LM, prompt: Prompt, generation: GenerationConfig, *,
+def start_autoregressive(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
                          documents: Sequence[str] | None = None,
                          engine_state: dict[str, Any] | None = None,
                          cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None

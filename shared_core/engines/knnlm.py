@@ -34,9 +34,10 @@ import torch
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from shared_core.engines.loop import Prompt, Run, TokenStream, timed
 from shared_core.engines.os3 import OS3Scheduler
-from shared_core.models import LM
 from shared_core.output import GenerationResult
 from shared_core.retrieval.dense import blocked_top, paired_scores
+from shared_core.runtime.protocol import SessionLM
+from shared_core.runtime.torch_batch import final_norm
 from shared_core.stats import RUN_SPECIFIC, DecodeStats
 
 logger = logging.getLogger(__name__)
@@ -71,21 +72,16 @@ class KNNLMConfig:
                 raise ValueError(msg)
 
 
-def _final_norm(lm: LM) -> torch.nn.Module:
-    if lm.backend != "torch":
+def _final_norm(lm: SessionLM) -> torch.nn.Module:
+    if not lm.capabilities.hidden_states:
         msg = (f"KNN-LM keys are the model's final hidden states, read with a torch hook; load "
                f"{lm.name!r} with backend='torch' (it is on {lm.backend})")
         raise ValueError(msg)
-    decoder = lm.model.get_decoder() if hasattr(lm.model, "get_decoder") else lm.model.model
-    for name in ("norm", "final_layernorm", "ln_f"):
-        if hasattr(decoder, name):
-            return getattr(decoder, name)
-    msg = f"cannot find the final norm of {type(lm.model).__name__} for KNN-LM keys"
-    raise TypeError(msg)
+    return final_norm(lm)
 
 
 @contextmanager
-def capture_hidden(lm: LM) -> Iterator[list[torch.Tensor]]:
+def capture_hidden(lm: SessionLM) -> Iterator[list[torch.Tensor]]:
     """Collect the final normed hidden states ``[n, H]`` of every forward inside the block."""
     captured: list[torch.Tensor] = []
 
@@ -116,7 +112,7 @@ class KNNDatastore:
 
     @classmethod
     @torch.inference_mode()
-    def build(cls, lm: LM, texts: Sequence[str], *, max_tokens: int | None = None,
+    def build(cls, lm: SessionLM, texts: Sequence[str], *, max_tokens: int | None = None,
               window: int = 512) -> KNNDatastore:
         """Run the LM over ``texts`` (windows of ``window`` tokens, no cache) and store
         (hidden state at t, token t + 1) for every position."""
@@ -202,7 +198,7 @@ class KNNLMStats(DecodeStats):
 class KNNRun(Run):
     """The round loop's :class:`Run` with hidden-state queries, a datastore and retrieval timing."""
 
-    def __init__(self, lm: LM, store: KNNDatastore, prompt: Prompt, config: KNNLMConfig,
+    def __init__(self, lm: SessionLM, store: KNNDatastore, prompt: Prompt, config: KNNLMConfig,
                  generation: GenerationConfig):
         if not generation.sampling.greedy:
             msg = "KNN-LM serving supports greedy decoding only (temperature=0)"
@@ -345,7 +341,7 @@ def _speculative_blocks(run: KNNRun) -> Iterator[list[int]]:
             run.stats.gamma_hat = spec.scheduler.gamma
 
 
-def knnlm_generate(lm: LM, store: KNNDatastore, prompt: Prompt,
+def knnlm_generate(lm: SessionLM, store: KNNDatastore, prompt: Prompt,
                    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                    config: KNNLMConfig | None = None, speculative: bool = True,
                    stop: Sequence[str] | str | None = None) -> GenerationResult:

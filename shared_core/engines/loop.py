@@ -31,8 +31,6 @@ import torch
 from shared_core.config import CacheKind, GenerationConfig, check_unicode
 from shared_core.device import synchronize
 from shared_core.engines.timing import timed
-from shared_core.kv import open_session
-from shared_core.models import LM
 from shared_core.output import (
     ChatTurns,
     GenerationResult,
@@ -41,6 +39,7 @@ from shared_core.output import (
     validate_messages,
     validate_prompt_ids,
 )
+from shared_core.runtime.protocol import SessionLM, open_session
 from shared_core.stats import DecodeStats
 from shared_core.verify import choose_token, make_generator
 
@@ -77,7 +76,7 @@ def check_logits_mask(mask: Any) -> LogitsMask | None:
     return mask
 
 
-def encode_prompt(lm: LM, prompt: Prompt) -> list[int]:
+def encode_prompt(lm: SessionLM, prompt: Prompt) -> list[int]:
     """Token ids of a prompt string, a list of chat messages, or ids passed through.
 
     :class:`~shared_core.output.ChatTurns` were checked at the adapter's edge and are not checked
@@ -178,7 +177,7 @@ class TokenStream(Iterator[str]):
 class Run:
     """Per-call state of a token engine: prompt ids, session, tracker, stats, RNG, mask."""
 
-    def __init__(self, lm: LM, prompt: Prompt, config: GenerationConfig, cache: CacheKind,
+    def __init__(self, lm: SessionLM, prompt: Prompt, config: GenerationConfig, cache: CacheKind,
                  logits_mask: LogitsMask | None = None, *,
                  stats_type: type[DecodeStats] = DecodeStats):
         self.lm = lm
@@ -198,7 +197,7 @@ class Run:
         with timed(self.stats, "prefill_s"):
             self.session.prefill(self.prompt_ids[:-1])
             synchronize(self.lm.device)
-        self.stats.cached_prompt_tokens = getattr(self.session, "reused_tokens", 0)
+        self.stats.cached_prompt_tokens = self.session.reused_tokens
         return self.prompt_ids[-1]
 
     def stream(self, blocks: Callable[[Run], Iterator[list[int]]],

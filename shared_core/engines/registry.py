@@ -29,7 +29,7 @@ from shared_core.token_config import RAPID_OPTIONS, RESPEC_OPTIONS, RapidConfig,
 
 if TYPE_CHECKING:
     from shared_core.engines.loop import Prompt, TokenStream
-    from shared_core.models import LM
+    from shared_core.runtime.protocol import SessionLM
 
 TOKEN_ENGINES: dict[str, str] = {
     "autoregressive": "shared_core.engines.baseline:start_autoregressive",
@@ -87,7 +87,7 @@ def engine_function(name: str) -> Callable[..., TokenStream]:
     return getattr(importlib.import_module(module), attr)
 
 
-def start_engine(name: str, lm: LM, prompt: Prompt, generation: GenerationConfig, *,
+def start_engine(name: str, lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
                  documents: Sequence[str] | None = None,
                  engine_state: dict[str, Any] | None = None, **options: Any) -> TokenStream:
     """Start a generation with the named engine, its arguments checked by the caller (an
@@ -102,7 +102,7 @@ _GENERATION_ARGUMENTS = ("max_new_tokens", "stop", "temperature", "top_k", "top_
                          "documents", "engine_state")
 
 
-def stream_engine(name: str, lm: LM, prompt: Prompt, *, max_new_tokens: int,
+def stream_engine(name: str, lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
                   documents: Sequence[str] | None = None,
                   engine_state: dict[str, Any] | None = None,
                   stop: Sequence[str] | str | None = None,

@@ -12,7 +12,7 @@ At connect time a probe records what the server can do (:class:`Capabilities`); 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -23,6 +23,7 @@ from shared_core.redact import redact, split_credentials
 from shared_core.remote import protocol as P
 from shared_core.remote.config import ENGINES, Engine, RemoteConfig
 from shared_core.remote.http import RemoteError, Transport
+from shared_core.runtime.protocol import Row, Spans, StopRule
 
 logger = logging.getLogger(__name__)
 
@@ -249,6 +250,28 @@ class RemoteLM:
                           ) -> list[list[float | None]]:
         path, body, starts_ = self._score_request(rows, starts)
         return self._parse_score(await self.http.arequest("POST", path, body), rows, starts_)
+
+    def generate_parallel(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                          stop: StopRule, on_prefilled: Callable[[], None] | None = None
+                          ) -> list[Row]:
+        """Greedy continuations of all prompts in ONE request, each row cut where ``stop`` ends
+        it (the server knows only EOS); ``on_prefilled`` is never called: the request is one
+        step (:class:`shared_core.runtime.protocol.ModelLM`)."""
+        del on_prefilled
+        self.require("token_ids_io", by="batched drafting (Speculative RAG's drafter)")
+        results = []
+        for row, [gen] in enumerate(self.generate(prompts, max_new_tokens)):
+            ids, logps = gen.token_ids, gen.logprobs or []
+            n = next((t for t in range(1, len(ids) + 1) if stop(row, ids[:t])), len(ids))
+            results.append((ids[:n], logps[:n]))
+        return results
+
+    def span_logprobs(self, rows: Sequence[Sequence[int]], spans: Spans) -> list[list[float]]:
+        """Summed log P over each ``(start, end)`` span of each row, ONE scoring request."""
+        self.require("batched_scoring", by="batched scoring (Speculative RAG's verifier)")
+        return [[sum(float(lp[t]) for t in range(max(start, 1), end))  # type: ignore[arg-type]
+                 for start, end in row_spans]
+                for lp, row_spans in zip(self.score_rows(rows), spans, strict=True)]
 
     def score(self, prefix: Sequence[int], continuations: Sequence[Sequence[int]]
               ) -> list[list[float]]:

@@ -8,21 +8,20 @@ from typing import Any
 
 import torch
 
-from shared_core.config import GenerationConfig
+from shared_core.config import CacheKind, GenerationConfig
 from shared_core.engines.loop import TokenStream
 from shared_core.engines.ralmspec.backends import SpeculativeBackend, checked_search
 from shared_core.engines.ralmspec.position import RaLMDecoderState
 from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
-from shared_core.kv import CacheKind, open_session
-from shared_core.models import LM
 from shared_core.output import OutputTracker
 from shared_core.rag_config import (
     RaLMSpecConfig,
     format_prompt,
 )
 from shared_core.retrieval.base import Document, Hit, doc_key
+from shared_core.runtime.protocol import ModelLM, ServedLM, SessionLM, open_session
 from shared_core.stats import DecodeStats
 from shared_core.verify import warp_probs
 
@@ -36,7 +35,7 @@ class RaLMPrompt:
     tokenized on its own so a document swap keeps the head's KV cache valid.
     """
 
-    def __init__(self, lm: LM, question: str, config: RaLMSpecConfig):
+    def __init__(self, lm: ModelLM, question: str, config: RaLMSpecConfig):
         if not isinstance(question, str) or not question.strip():
             msg = "question must be a non-empty string"
             raise ValueError(msg)
@@ -73,7 +72,7 @@ class RaLMPrompt:
 class RaLMDecoder(RaLMDecoderState):
     """A KV session that generates under a given document; one RNG draw per output position."""
 
-    def __init__(self, lm: LM, prompt: RaLMPrompt, generation: GenerationConfig,
+    def __init__(self, lm: SessionLM, prompt: RaLMPrompt, generation: GenerationConfig,
                  stats: RaLMSpecStats, cache: CacheKind):
         super().__init__(lm, prompt, generation, stats)
         with self.lock:
@@ -121,7 +120,7 @@ class RaLMDecoder(RaLMDecoderState):
 class RaLMCall:
     """One generation: prompt, decoder, tracker, stats, backend and retrieval timing."""
 
-    def __init__(self, lm: LM, backend: SpeculativeBackend, question: str,
+    def __init__(self, lm: SessionLM | ServedLM, backend: SpeculativeBackend, question: str,
                  config: RaLMSpecConfig, generation: GenerationConfig):
         self.config = config
         self.backend = backend
@@ -132,12 +131,15 @@ class RaLMCall:
                    f"{generation.max_new_tokens} exceeds the {lm.max_context}-token window of "
                    f"{lm.name}; lower max_doc_tokens or max_new_tokens")
             raise ValueError(msg)
-        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail),
-                                   backend=getattr(lm, "backend", "served"),
-                                   backend_reason=getattr(lm, "backend_reason", ""))
+        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
         self.tracker = OutputTracker(lm, generation)
-        decoder = ServedRaLMDecoder if getattr(lm, "served", False) else RaLMDecoder
-        self.decoder = decoder(lm, self.prompt, generation, self.stats, config.cache)
+        self.decoder: RaLMDecoder | ServedRaLMDecoder
+        if isinstance(lm, ServedLM):
+            self.stats.backend, self.stats.backend_reason = "served", ""
+            self.decoder = ServedRaLMDecoder(lm, self.prompt, generation, self.stats)
+        else:
+            self.stats.backend, self.stats.backend_reason = lm.backend, lm.backend_reason
+            self.decoder = RaLMDecoder(lm, self.prompt, generation, self.stats, config.cache)
         self.used: dict[tuple[str, str], Document] = {}
 
     def use(self, docs: Sequence[Document]) -> None:

@@ -28,6 +28,7 @@ from shared_core.rag_config import (
 )
 from shared_core.retrieval._common import check_int
 from shared_core.retrieval.base import Document, Hit, doc_key
+from shared_core.runtime.protocol import ServedLM, SessionLM
 from shared_core.verify import greedy_accept_length
 
 
@@ -220,8 +221,8 @@ class RaLMSpec:
     result or a timeout ends that call only; the next call starts from scratch.
     """
 
-    def __init__(self, lm: LM, retriever: Any, config: RaLMSpecConfig | None = None):
-        if not isinstance(lm, LM) and not getattr(lm, "served", False):
+    def __init__(self, lm: SessionLM | ServedLM, retriever: Any, config: RaLMSpecConfig | None = None):
+        if not isinstance(lm, LM | ServedLM):
             msg = f"lm must be an LM (from load_lm or wrap_lm) or a RemoteLM, got {type(lm).__name__}"
             raise TypeError(msg)
         if config is not None and not isinstance(config, RaLMSpecConfig):
@@ -290,14 +291,14 @@ class RaLMSpec:
                                     top_k=top_k, top_p=top_p, stop=stop, seed=seed).run()
 
 
-def ralmseq_generate(lm: LM, retriever: Any, question: str,
+def ralmseq_generate(lm: SessionLM, retriever: Any, question: str,
                      max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
                      config: RaLMSpecConfig | None = None, **sampling: Any) -> GenerationResult:
     """The iterative RaLM baseline (RaLMSeq) as a function."""
     return RaLMSpec(lm, retriever, config).generate_baseline(question, max_new_tokens, **sampling)
 
 
-def stream_ralmspec(lm: LM, prompt: Any, *, max_new_tokens: int,
+def stream_ralmspec(lm: SessionLM, prompt: Any, *, max_new_tokens: int,
                     documents: Sequence[str] | None = None, retriever: Any = None,
                     config: RaLMSpecConfig | None = None, **sampling: Any) -> TokenStream:
     """Registry-style entry: ``prompt`` is the question; retrieval from ``retriever``, or from a

@@ -15,6 +15,7 @@ import torch
 from shared_core.config import GenerationConfig, SamplingConfig
 from shared_core.model_lock import lock_for
 from shared_core.retrieval.base import Document, doc_key
+from shared_core.runtime.protocol import ModelLM
 
 _SEED_MIX = 1_000_003
 
@@ -23,7 +24,7 @@ class RaLMDecoderState:
     """Output so far under the current document, the token budget, stats, the seed and the
     model's lock."""
 
-    def __init__(self, lm: Any, prompt: Any, generation: GenerationConfig, stats: Any) -> None:
+    def __init__(self, lm: ModelLM, prompt: Any, generation: GenerationConfig, stats: Any) -> None:
         self.lm = lm
         # the model's one lock: decoders hold it for their own model work only (one step, one
         # reset), never while the engine waits for a retriever

@@ -22,15 +22,17 @@ from shared_core.config import GenerationConfig
 from shared_core.engines.ralmspec.position import RaLMDecoderState
 from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document
+from shared_core.runtime.protocol import ServedLM
 
 
 class ServedRaLMDecoder(RaLMDecoderState):
     """Generates under a given document through a model server, ``retrieval_stride`` at a time."""
 
-    def __init__(self, lm: Any, prompt: Any, generation: GenerationConfig, stats: Any,
+    def __init__(self, lm: ServedLM, prompt: Any, generation: GenerationConfig, stats: Any,
                  cache: Any = None) -> None:
         lm.require("token_ids_io", by="RaLMSpec on a served model")
         super().__init__(lm, prompt, generation, stats)
+        self.lm: ServedLM = lm
         stats.served_requests = 0
 
     def reset_to(self, doc: Document, length: int) -> None:

@@ -16,8 +16,8 @@ from shared_core.config import (
     check_text,
 )
 from shared_core.engines.rapid.prompts import EncodedContext, IndexedContext, RapidPrompt, join_chunks
-from shared_core.models import LM
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
+from shared_core.runtime.protocol import SessionLM
 from shared_core.token_config import RapidConfig
 
 if TYPE_CHECKING:
@@ -31,8 +31,8 @@ INDEX_CACHE_SIZE = 8
 class RapidContext:
     """Retrieval and prompt building over the decoder's caches (see :class:`RapidDecoder`)."""
 
-    lm: LM
-    draft_lm: LM
+    lm: SessionLM
+    draft_lm: SessionLM
     config: RapidConfig
     _lock: FairLock  # the target model's lock (shared_core.model_lock.lock_for)
     _embedder_spec: Any

@@ -31,10 +31,9 @@ from shared_core.engines.rapid.prompts import (
     chat_parts,
 )
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
-from shared_core.kv import KVSession, open_session
 from shared_core.model_lock import lock_for
-from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
+from shared_core.runtime.protocol import KVSession, SessionLM, open_session
 from shared_core.token_config import RapidConfig, check_eta
 
 logger = logging.getLogger(__name__)
@@ -43,7 +42,7 @@ logger = logging.getLogger(__name__)
 class Slot:
     """One generation's sessions: the target, both drafters, the RAG baseline's."""
 
-    def __init__(self, lm: LM, draft_lm: LM, cache: CacheKind):
+    def __init__(self, lm: SessionLM, draft_lm: SessionLM, cache: CacheKind):
         self.target = open_session(lm, cache=cache)
         self.drafter = RetrievedContextDrafter(draft_lm, target=lm, cache=cache)
         # drafter_kv="target": its session is rebuilt from the target's KV every question
@@ -90,7 +89,7 @@ class RapidDecoder(RapidContext):
 
     max_idle_slots = 1  # finished slots kept for prefix reuse (each holds the context's KV)
 
-    def __init__(self, lm: LM, *, draft_lm: LM | None = None, embedder: Any = DEFAULT_EMBEDDER,
+    def __init__(self, lm: SessionLM, *, draft_lm: SessionLM | None = None, embedder: Any = DEFAULT_EMBEDDER,
                  config: RapidConfig | None = None):
         if config is not None and not isinstance(config, RapidConfig):
             msg = f"config must be a RapidConfig, got {type(config).__name__}"

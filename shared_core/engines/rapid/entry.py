@@ -17,8 +17,8 @@ from shared_core.config import (
 )
 from shared_core.engines.loop import LogitsMask, Prompt, TokenStream, kept
 from shared_core.engines.rapid.engine import RapidDecoder
-from shared_core.models import LM
 from shared_core.output import ChatTurns, generation_config, validate_messages
+from shared_core.runtime.protocol import SessionLM
 from shared_core.token_config import RapidConfig
 
 
@@ -76,7 +76,7 @@ _LIVE_DECODERS: weakref.WeakValueDictionary[tuple[Any, ...], RapidDecoder] = (
     weakref.WeakValueDictionary())
 
 
-def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidConfig,
+def _shared_decoder(lm: SessionLM, draft_lm: SessionLM | None, embedder: Any, config: RapidConfig,
                     engine_state: dict[str, Any] | None) -> RapidDecoder:
     """A decoder kept in the caller's ``engine_state`` (two per state, most recent first), so
     follow-up questions on one document reuse its KV; without a state, a new decoder.
@@ -101,12 +101,12 @@ def _shared_decoder(lm: LM, draft_lm: LM | None, embedder: Any, config: RapidCon
     return kept(engine_state, "rapid_decoders", key, live_or_new)
 
 
-def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
+def stream_rapid(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
                  documents: Sequence[str] | None = None, stop: Sequence[str] | str | None = None,
                  temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
                  top_p: float = SamplingConfig.top_p,
                  seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
-                 draft_lm: LM | None = None, embedder: Any = DEFAULT_EMBEDDER,
+                 draft_lm: SessionLM | None = None, embedder: Any = DEFAULT_EMBEDDER,
                  engine_state: dict[str, Any] | None = None,
                  logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:
     """RAPID with loose arguments, checked here (see :func:`start_rapid`)."""
@@ -120,9 +120,9 @@ def stream_rapid(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                        engine_state=engine_state, logits_mask=logits_mask, **config_options)
 
 
-def start_rapid(lm: LM, prompt: Prompt, generation: GenerationConfig, *,
+def start_rapid(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
                 documents: Sequence[str] | None = None, method: str = "rapid",
-                decoder: RapidDecoder | None = None, draft_lm: LM | None = None,
+                decoder: RapidDecoder | None = None, draft_lm: SessionLM | None = None,
                 embedder: Any = DEFAULT_EMBEDDER, engine_state: dict[str, Any] | None = None,
                 logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:
     """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention;

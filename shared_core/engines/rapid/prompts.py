@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from shared_core.models import LM
 from shared_core.retrieval import DenseRetriever, Document
+from shared_core.runtime.protocol import SessionLM
 from shared_core.stats import RUN_SPECIFIC, DecodeStats
 from shared_core.token_config import RapidConfig
 
@@ -76,7 +76,7 @@ class RapidStats(DecodeStats):
         self.retrieval_s = round(prompt.retrieval_s, 4)
 
 
-def chat_parts(lm: LM) -> tuple[str, str]:
+def chat_parts(lm: SessionLM) -> tuple[str, str]:
     """The chat template around one user message: (text before it, text after it)."""
     rendered = lm.chat_prompt([{"role": "user", "content": _SENTINEL}])
     head, _, tail = rendered.partition(_SENTINEL)

@@ -19,7 +19,7 @@ from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.loop import LogitsMask, Run, timed
 from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
-from shared_core.models import LM
+from shared_core.runtime.protocol import SessionLM
 from shared_core.token_config import RapidConfig
 from shared_core.verify import (
     Verdict,
@@ -36,7 +36,7 @@ class CachedRun(Run):
     The session is the checked-out slot's, set when the generation's first step runs.
     """
 
-    def __init__(self, lm: LM, prompt_ids: Sequence[int], config: GenerationConfig,
+    def __init__(self, lm: SessionLM, prompt_ids: Sequence[int], config: GenerationConfig,
                  cache: CacheKind, logits_mask: LogitsMask | None = None):
         super().__init__(lm, list(prompt_ids), config, cache, logits_mask, stats_type=RapidStats)
         self.stats: RapidStats
@@ -46,11 +46,11 @@ class CachedRun(Run):
         session kept from the decoder's last question, plus those a llama.cpp session found in
         an idle context of the model when it took one (its first prefill)."""
         self.stats.prefill_s = 0.0
-        pooled = getattr(self.session, "reused_tokens", 0)
+        pooled = self.session.reused_tokens
         with timed(self.stats, "prefill_s"):
             feed = self.session.sync(self.prompt_ids[:-1])
             self.session.prefill(feed)
-        pooled = getattr(self.session, "reused_tokens", 0) - pooled
+        pooled = self.session.reused_tokens - pooled
         reused = len(self.prompt_ids) - 1 - len(feed) + pooled
         self.stats.reused_prefix_tokens = self.stats.cached_prompt_tokens = reused
         return self.prompt_ids[-1]

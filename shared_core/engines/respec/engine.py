@@ -32,10 +32,10 @@ from shared_core.engines.respec.drafting import (
     build_tree,
     row_entropies,
 )
-from shared_core.kv import forward_cost_curve
 from shared_core.model_lock import lock_for, step_locked
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
+from shared_core.runtime.protocol import SessionLM
 from shared_core.stats import DecodeStats
 from shared_core.token_config import ReSpecConfig
 from shared_core.verify import verify_tree, verify_tree_relaxed
@@ -51,8 +51,8 @@ class ReSpecDecoder:
         corpus: optional static corpus (texts or a prebuilt :class:`StaticIndex`), built once.
     """
 
-    def __init__(self, lm: LM, config: ReSpecConfig | None = None, *, draft_lm: LM | None = None,
-                 corpus: Sequence[str] | StaticIndex | None = None):
+    def __init__(self, lm: SessionLM, config: ReSpecConfig | None = None, *,
+                 draft_lm: SessionLM | None = None, corpus: Sequence[str] | StaticIndex | None = None):
         _check_models(lm, config, draft_lm)
         self.lm = lm
         self.config = config or ReSpecConfig()
@@ -107,7 +107,7 @@ class ReSpecDecoder:
             run = Run(self.lm, prompt, config, self.config.cache, logits_mask,
                       stats_type=ReSpecStats)
             request = Request(self.config, docs, self.static, self._fallback(config), run.stats,
-                              cost_curve=forward_cost_curve(self.lm))
+                              cost_curve=self.lm.forward_cost_curve())
         drafter = request.fallback
 
         def on_close(stats: DecodeStats) -> None:
@@ -123,7 +123,7 @@ class ReSpecDecoder:
         return self.stream(prompt, max_new_tokens, **kwargs).run()
 
 
-def _check_models(lm: Any, config: Any, draft_lm: Any) -> None:
+def _check_models(lm: object, config: object, draft_lm: object) -> None:
     """TypeError naming ``lm``, ``config`` or ``draft_lm`` when one is not what ReSpec runs on."""
     for name, model in (("lm", lm), ("draft_lm", draft_lm)):
         if not (model is None and name == "draft_lm") and not isinstance(model, LM):
@@ -150,7 +150,7 @@ def _corpus_texts(corpus: Any) -> list[str]:
     return texts
 
 
-def _document_ids(lm: LM, documents: Sequence[str | Sequence[int]] | str | None
+def _document_ids(lm: SessionLM, documents: Sequence[str | Sequence[int]] | str | None
                   ) -> list[list[int]]:
     """Token ids of each document (strings are encoded; id lists pass through)."""
     if documents is None:
@@ -291,12 +291,12 @@ def _adapt(run: Run, request: Request, draft: TreeDraft, path: tuple[int, ...],
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ReSpecConfig))
 
 
-def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
+def stream_respec(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
                   documents: Sequence[str | Sequence[int]] | None = None,
                   stop: Sequence[str] | str | None = None,
                   temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
                   top_p: float = SamplingConfig.top_p,
-                  seed: int | None = None, draft_lm: LM | None = None,
+                  seed: int | None = None, draft_lm: SessionLM | None = None,
                   corpus: Sequence[str] | StaticIndex | None = None,
                   engine_state: dict[str, Any] | None = None,
                   logits_mask: LogitsMask | None = None, **options: Any) -> TokenStream:
@@ -310,9 +310,9 @@ def stream_respec(lm: LM, prompt: Prompt, *, max_new_tokens: int,
                         **options)
 
 
-def start_respec(lm: LM, prompt: Prompt, generation: GenerationConfig, *,
+def start_respec(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
                  documents: Sequence[str | Sequence[int]] | None = None,
-                 draft_lm: LM | None = None, corpus: Sequence[str] | StaticIndex | None = None,
+                 draft_lm: SessionLM | None = None, corpus: Sequence[str] | StaticIndex | None = None,
                  engine_state: dict[str, Any] | None = None,
                  logits_mask: LogitsMask | None = None, **options: Any) -> TokenStream:
     """Registry entry (``engines/registry.py``): ``generation`` and the option names were
@@ -347,7 +347,7 @@ def _corpus_key(corpus: Any) -> Hashable:
 _ENTRY_ARGUMENTS = frozenset(inspect.signature(stream_respec).parameters) - {"options"}
 
 
-def respec_generate(lm: LM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
+def respec_generate(lm: SessionLM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, **kwargs: Any
                     ) -> GenerationResult:
     """One-call convenience: :func:`stream_respec` consumed."""
     return stream_respec(lm, prompt, max_new_tokens=max_new_tokens, **kwargs).run()

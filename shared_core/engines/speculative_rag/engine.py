@@ -59,7 +59,7 @@ from shared_core.retrieval.timeout import call_with_timeout
 
 if TYPE_CHECKING:
 
-    from shared_core.models import LM
+    from shared_core.runtime.protocol import ModelLM
 
 
 EventHook = Callable[[str, dict[str, Any]], None]
@@ -91,7 +91,7 @@ class SpeculativeRAG:
     step holds its model's one lock (:func:`shared_core.model_lock.lock_for`), never retrieval.
     """
 
-    def __init__(self, drafter: LM | str = DEFAULT_LM, verifier: LM | str | None = DEFAULT_VERIFIER,
+    def __init__(self, drafter: ModelLM | str = DEFAULT_LM, verifier: ModelLM | str | None = DEFAULT_VERIFIER,
                  *, embedder: Any = DEFAULT_EMBEDDER,
                  retriever: Any = None, config: SpeculativeRAGConfig | None = None,
                  dtype: str | None = None, backend: str = DEFAULT_SPECRAG_BACKEND) -> None:
@@ -147,11 +147,11 @@ class SpeculativeRAG:
             return self._models[role]
 
     @property
-    def drafter(self) -> LM:
+    def drafter(self) -> ModelLM:
         return self._get("drafter")
 
     @property
-    def verifier(self) -> LM:
+    def verifier(self) -> ModelLM:
         return self._get("verifier")
 
     @property
@@ -352,7 +352,7 @@ class SpeculativeRAG:
         return result
 
 
-def standard_rag(lm: LM, question: str, documents: Sequence[Any],
+def standard_rag(lm: ModelLM, question: str, documents: Sequence[Any],
                  max_new_tokens: int = SpeculativeRAGConfig.max_answer_tokens) -> StandardRAGResult:
     """Standard RAG with one model: every document in the prompt, answer parsed as drafts are."""
     question = check_question(question)

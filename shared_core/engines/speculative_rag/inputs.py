@@ -14,7 +14,7 @@ from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import DocumentList, check_document_list, to_documents
 
 if TYPE_CHECKING:
-    from shared_core.models import LM
+    from shared_core.runtime.protocol import ModelLM
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def check_inputs(question: Any, documents: Sequence[Any] | None,
     return question
 
 
-def load_model(model: LM | str, dtype: str | None, backend: str = LOAD_LM_BACKEND) -> LM:
+def load_model(model: ModelLM | str, dtype: str | None, backend: str = LOAD_LM_BACKEND) -> ModelLM:
     """A drafter / verifier through the models layer's one resolver (names, paths, URLs, LoRA
     names); a dtype is a torch setting, so it keeps torch."""
     return resolve_lm(model, dtype=dtype, backend="torch" if dtype else backend)

@@ -16,7 +16,7 @@ from shared_core.retrieval.base import Document
 
 if TYPE_CHECKING:
 
-    from shared_core.models import LM
+    from shared_core.runtime.protocol import ModelLM
 
 
 # No "<placeholder>" formats: a 135M drafter copied "<short answer>" verbatim into 1 draft in 4.
@@ -90,7 +90,7 @@ def _format_docs(docs: Sequence[Document]) -> str:
     return "\n".join(f"Document [{i + 1}]: {' '.join(d.text.split())}" for i, d in enumerate(docs))
 
 
-def render_prompt(lm: LM, body: str, prefill: str) -> list[int]:
+def render_prompt(lm: ModelLM, body: str, prefill: str) -> list[int]:
     """Token ids of ``body`` as a user turn (chat models) or plain text (base models) + prefill."""
     if lm.has_chat_template:
         text = lm.chat_prompt([{"role": "user", "content": body}]) + prefill
@@ -98,7 +98,7 @@ def render_prompt(lm: LM, body: str, prefill: str) -> list[int]:
     return lm.prompt_ids(f"{body}\n\n{prefill}")
 
 
-def draft_prompt(lm: LM, question: str, docs: Sequence[Document], order: DraftOrder,
+def draft_prompt(lm: ModelLM, question: str, docs: Sequence[Document], order: DraftOrder,
                  prompt: PromptMessages | None = None) -> list[int]:
     """A draft prompt; a caller's ``prompt`` (see ``rag_config.check_prompt``) replaces the
     default body, and the order's format line is appended to its last user turn."""
@@ -113,7 +113,7 @@ def draft_prompt(lm: LM, question: str, docs: Sequence[Document], order: DraftOr
                          prefill)
 
 
-def render_messages(lm: LM, messages: list[dict[str, str]], format_line: str, prefill: str
+def render_messages(lm: ModelLM, messages: list[dict[str, str]], format_line: str, prefill: str
                     ) -> list[int]:
     """Token ids of chat ``messages`` + ``format_line`` (closing the last user turn, or a turn of
     its own) + prefill; a base model gets the turns' text joined by blank lines."""
@@ -128,12 +128,12 @@ def render_messages(lm: LM, messages: list[dict[str, str]], format_line: str, pr
     return lm.prompt_ids("\n\n".join([*(m["content"] for m in messages), prefill]))
 
 
-def rag_prompt(lm: LM, question: str, docs: Sequence[Document]) -> list[int]:
+def rag_prompt(lm: ModelLM, question: str, docs: Sequence[Document]) -> list[int]:
     return render_prompt(lm, f"{RAG_INSTRUCTION}\n\n{_format_docs(docs)}\n\nQuestion: {question}",
                          "Answer:")
 
 
-def check_length(lm: LM, ids: Sequence[int], budget: int, what: str) -> None:
+def check_length(lm: ModelLM, ids: Sequence[int], budget: int, what: str) -> None:
     if len(ids) + budget > lm.max_context:
         msg = (f"{what} has {len(ids)} tokens + {budget} new tokens, more than "
                f"{window_text(lm)}; pass fewer or shorter documents")

