@@ -18,7 +18,16 @@ import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from shared_core.config import (
     DEFAULT_LM,
@@ -46,7 +55,7 @@ from shared_core.rag_config import (
     check_prompt,
 )
 from shared_core.rag_pickle import portable_state
-from shared_core.redact import redacted_repr_args
+from shared_core.redact import redacted_dump, redacted_repr_args
 from shared_core.retrieval.frameworks import retrieve
 from shared_core.retrieval.timeout import call_with_timeout
 
@@ -138,6 +147,11 @@ class RAGSettings(BaseModel):
 
     def __repr_args__(self) -> Any:
         return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
+
+    @field_serializer("*", mode="wrap")
+    def _dump_redacted(self, value: Any, handler: SerializerFunctionWrapHandler) -> Any:
+        """``model_dump`` / ``model_dump_json`` / ``to_dict`` mask URL credentials, like repr."""
+        return redacted_dump(handler(value))
 
     def __getstate__(self) -> dict[str, Any]:
         """Settings only: a prebuilt ``engine`` pickles as its model names (reloaded on use)."""
