@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     PrivateAttr,
     SerializerFunctionWrapHandler,
@@ -115,6 +116,9 @@ class ChatSettings(BaseModel):
             when the model loads; a different setting for a loaded model is refused (ValueError
             naming it; release the model first).
     """
+
+    # a ValidationError would echo every setting, a URL's credentials too
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     model: str = Field(default=DEFAULT_LM, description="alias, hub id or path")
     engine: str = Field(default=DEFAULT_ENGINE, description="a shared_core token engine name")

@@ -114,7 +114,8 @@ class RAGSettings(BaseModel):
     specrag; anything else is a TypeError naming ``retriever``), a prompt setting, a prebuilt
     ``engine``, strict validation and a redacted, engine-free pickle."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
+    # hide_input_in_errors: a ValidationError would echo every setting, a URL's credentials too
+    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True, hide_input_in_errors=True)
 
     retriever: Any = None
     prompt: Any = None
