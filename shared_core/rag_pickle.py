@@ -48,7 +48,8 @@ def _build_ralmspec(recipe: dict[str, Any], config: Any) -> Any:
     from shared_core.engines.ralmspec import RaLMSpec
     from shared_core.model_cache import resolve_lm
 
-    return RaLMSpec(resolve_lm(recipe["model"]), recipe["backend"], config)
+    return RaLMSpec(resolve_lm(recipe["model"], backend=recipe.get("runtime", "torch")),
+                    recipe["backend"], config)
 
 
 _BUILDERS = {"SpeculativeRAG": _build_speculative_rag, "RaLMSpec": _build_ralmspec}
@@ -88,7 +89,8 @@ def portable_engine(engine: Any) -> Any:
                   "embedder": engine._embedder_src, "retriever": engine.retriever,
                   "dtype": engine.dtype, "backend": engine.backend}
         return ReloadingEngine("SpeculativeRAG", recipe, engine.config)
-    recipe = {"model": _model_name(engine.lm, "model"), "backend": engine.backend}
+    recipe = {"model": _model_name(engine.lm, "model"), "backend": engine.backend,
+              "runtime": getattr(engine.lm, "backend", "torch")}
     return ReloadingEngine("RaLMSpec", recipe, engine.config)
 
 

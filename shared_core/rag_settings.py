@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from shared_core.config import (
+    DEFAULT_BACKEND,
     DEFAULT_LM,
     DEFAULT_SPECRAG_BACKEND,
     DEFAULT_VERIFIER,
@@ -236,6 +237,8 @@ class RaLMSpecSettings(RAGSettings):
     Args:
         retriever: a LangChain / LlamaIndex retriever or a specrag retriever.
         model: a :func:`shared_core.load_lm` alias or path (ignored when ``engine`` is given).
+        backend: runtime of the model, as for the chat adapters: ``"auto"`` (llama.cpp for a
+            GGUF on a CPU once a probe proved it, else torch), ``"torch"`` or ``"llama.cpp"``.
         max_new_tokens / temperature / seed: generation settings.
         retrieval_stride, speculation_stride, prefetch, scheduler, async_verify: RaLMSpec knobs
             (:class:`~shared_core.rag_config.RaLMSpecConfig`).
@@ -253,6 +256,7 @@ class RaLMSpecSettings(RAGSettings):
     """
 
     model: str = DEFAULT_LM
+    backend: str = DEFAULT_BACKEND
     max_new_tokens: int = Field(default=RALMSPEC_MAX_NEW_TOKENS, ge=1)
     temperature: float = Field(default=SamplingConfig.temperature, ge=0.0)
     seed: int | None = SamplingConfig.seed
@@ -267,6 +271,7 @@ class RaLMSpecSettings(RAGSettings):
     _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
 
     _check_prebuilt_engine = field_validator("engine")(prebuilt_engine_check("RaLMSpec"))
+    _check_backend = field_validator("backend")(check_backend)
     _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
                                                                       RALMSPEC_KNOBS))
 
