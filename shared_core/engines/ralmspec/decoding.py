@@ -16,6 +16,7 @@ from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.kv import CacheKind, open_session
+from shared_core.lm import runtime_threads
 from shared_core.models import LM
 from shared_core.output import OutputTracker
 from shared_core.rag_config import (
@@ -134,7 +135,8 @@ class RaLMCall:
             raise ValueError(msg)
         self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail),
                                    backend=getattr(lm, "backend", "served"),
-                                   backend_reason=getattr(lm, "backend_reason", ""))
+                                   backend_reason=getattr(lm, "backend_reason", ""),
+                                   threads=runtime_threads(lm))
         self.tracker = OutputTracker(lm, generation)
         decoder = ServedRaLMDecoder if getattr(lm, "served", False) else RaLMDecoder
         self.decoder = decoder(lm, self.prompt, generation, self.stats, config.cache)
