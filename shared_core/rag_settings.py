@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -57,7 +58,7 @@ from shared_core.rag_config import (
 )
 from shared_core.rag_pickle import portable_state
 from shared_core.redact import redacted_dump, redacted_repr_args
-from shared_core.retrieval.frameworks import retrieve
+from shared_core.retrieval.frameworks import DocumentList, retrieve, retrieved_documents
 from shared_core.retrieval.timeout import call_with_timeout
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ if TYPE_CHECKING:
     from shared_core.retrieval.base import Document
 
 F = TypeVar("F", bound=Callable[..., Any])
+logger = logging.getLogger(__name__)
 
 NO_RETRIEVER = ("retriever is None and the input has no 'documents': set a retriever or pass "
                 "documents with the question")
@@ -179,8 +181,8 @@ class SpeculativeRAGSettings(RAGSettings):
         retriever: a LangChain, LlamaIndex or specrag retriever (optional where the input can
             carry documents; without either a call fails before any work).
         drafter / verifier: model names for :func:`shared_core.load_lm` (or pass ``engine``).
-        num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved documents are
-            used (``None``: the engine's config value, else the config default).
+        num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved (or given)
+            documents are used (``None``: the engine's config value, else the config default).
         dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
         backend: runtime of the models (``"torch"``, ``"llama.cpp"`` or ``"auto"``).
         prompt: the drafting prompt over ``{question}`` and ``{documents}`` (a format string or
@@ -221,6 +223,19 @@ class SpeculativeRAGSettings(RAGSettings):
         if not has_documents and self.retriever is None:
             raise ValueError(NO_RETRIEVER)
         return self._engine()
+
+    def _retrieved(self, found: Any) -> DocumentList:
+        """A framework retriever's answer as its top ``retrieve_k`` documents, whatever shape
+        it came in (a generator too), or a TypeError naming the retriever."""
+        return retrieved_documents(found, type(self.retriever).__name__, self.retrieve_k)
+
+    def _given(self, docs: DocumentList) -> DocumentList:
+        """Documents passed with the question: the first ``retrieve_k``, as a retriever's."""
+        if len(docs) <= self.retrieve_k:
+            return docs
+        logger.info("using the first %d of the %d documents given (retrieve_k=%d; raise it to "
+                    "use more)", self.retrieve_k, len(docs), self.retrieve_k)
+        return DocumentList(docs[: self.retrieve_k])
 
     def _retrieve_any(self, question: str) -> list[Document]:
         """The top ``retrieve_k`` documents of a retriever that is not the framework's own (a
