@@ -40,5 +40,5 @@ def test_long_documents_are_blamed_when_the_question_fits(engine) -> None:
 
 
 def test_standard_rag_blames_the_same_way() -> None:
-    with pytest.raises(ValueError, match="the standard-RAG prompt .* shorten the question"):
+    with pytest.raises(ValueError, match=r"the standard-RAG prompt .* shorten the question"):
         standard_rag(tiny_lm(1, seed=1), "word " * 400, SHORT_DOCS, max_new_tokens=8)
