@@ -42,7 +42,9 @@ class SpecragEmbeddings(BaseModel, Embeddings):
         show_progress: a tqdm bar per ``embed_documents`` call.
     """
 
-    model_config = ConfigDict(populate_by_name=True, extra="forbid", protected_namespaces=())
+    # hide_input_in_errors: a ValidationError would echo a URL's credentials
+    model_config = ConfigDict(populate_by_name=True, extra="forbid", protected_namespaces=(),
+                              hide_input_in_errors=True)
 
     model: str = Field(default=EmbeddingConfig.model, alias="model_name")
     device: str | None = Field(default=EmbeddingConfig.device)

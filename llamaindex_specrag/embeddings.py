@@ -48,8 +48,10 @@ class SpecragEmbedding(BaseEmbedding):
             ``get_text_embedding_batch`` call).
     """
 
+    # hide_input_in_errors: a ValidationError would echo a URL's credentials
     model_config = ConfigDict(protected_namespaces=("pydantic_model_",),
-                              arbitrary_types_allowed=True, extra="forbid")
+                              arbitrary_types_allowed=True, extra="forbid",
+                              hide_input_in_errors=True)
 
     model_name: str = Field(default=EmbeddingConfig.model,
                             validation_alias=AliasChoices("model_name", "model"))

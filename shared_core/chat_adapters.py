@@ -33,9 +33,12 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from pydantic import (
     BaseModel,
+    ConfigDict,
     Field,
     PrivateAttr,
+    SerializerFunctionWrapHandler,
     ValidationInfo,
+    field_serializer,
     field_validator,
     model_validator,
 )
@@ -60,7 +63,7 @@ from shared_core.constrained import (
 from shared_core.engines.registry import check_engine_name, check_engine_options, start_engine
 from shared_core.output import ChatTurns, chat_turns, check_generation_field, generation_config
 from shared_core.rag_pickle import portable_options
-from shared_core.redact import redacted_repr_args, strip_credentials
+from shared_core.redact import redacted_dump, redacted_repr_args, strip_credentials
 from shared_core.retrieval.frameworks import to_documents
 from shared_core.serving import FairLock, loaded_model, lock_for, step_locked
 from shared_core.tool_calls import (
@@ -113,6 +116,9 @@ class ChatSettings(BaseModel):
             when the model loads; a different setting for a loaded model is refused (ValueError
             naming it; release the model first).
     """
+
+    # a ValidationError would echo every setting, a URL's credentials too
+    model_config = ConfigDict(hide_input_in_errors=True)
 
     model: str = Field(default=DEFAULT_LM, description="alias, hub id or path")
     engine: str = Field(default=DEFAULT_ENGINE, description="a shared_core token engine name")
@@ -170,6 +176,11 @@ class ChatSettings(BaseModel):
 
     def __repr_args__(self) -> Any:
         return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
+
+    @field_serializer("*", mode="wrap")
+    def _dump_redacted(self, value: Any, handler: SerializerFunctionWrapHandler) -> Any:
+        """``model_dump`` / ``model_dump_json`` / ``to_dict`` mask URL credentials, like repr."""
+        return redacted_dump(handler(value))
 
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickle the settings, never the weights: an instance built with a preloaded ``lm``

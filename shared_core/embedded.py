@@ -41,6 +41,30 @@ def cache_dir() -> Path:
     return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specrag").expanduser()
 
 
+class CacheNotWritableError(OSError):
+    """specrag's on-disk cache cannot be written (a read-only or missing folder)."""
+
+
+def cache_not_writable(path: Path, error: OSError) -> CacheNotWritableError:
+    """The error for a failed cache write: where, why, and the fix (``$SPECRAG_CACHE``)."""
+    where = f"${CACHE_ENV}={os.environ[CACHE_ENV]}" if os.environ.get(CACHE_ENV) else \
+        f"{cache_dir()} (the default; ${CACHE_ENV} is not set)"
+    msg = (f"specrag's cache cannot be written at {path} ({error.strerror or error}); the cache "
+           f"is {where}: set {CACHE_ENV} to a writable folder, or make that one writable")
+    return CacheNotWritableError(error.errno, msg)
+
+
+def writable_folder(folder: Path) -> None:
+    """Create ``folder`` in the cache if needed; :class:`CacheNotWritableError` if it cannot be
+    written (before any slow work that would write there)."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        if not os.access(folder, os.W_OK):
+            raise PermissionError(13, "not writable", str(folder))
+    except OSError as e:
+        raise cache_not_writable(folder, e) from e
+
+
 _PROXY_VARS = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 HUB_PROBE_TIMEOUT_S = 3.0
 
@@ -176,6 +200,7 @@ def build_lock(target: Path, timeout_s: float | None = None) -> Iterator[None]:
     LockTimeoutError` after ``timeout_s`` (default ``$SPECRAG_LOCK_TIMEOUT_S`` or 30 min): a
     stopped holder no longer blocks every other load forever.
     """
+    writable_folder(target.parent)
     with exclusive(target.parent / (target.name + ".lock"), timeout_s):
         remove_stale_temps(target)
         yield

@@ -13,6 +13,8 @@ A fresh session's first ``prefill`` starts from the longest prompt prefix the mo
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +33,22 @@ from shared_core.runtime.protocol import CostCurve, SessionLM
 from shared_core.runtime.protocol import KVSession as RuntimeSession
 
 _MIN_CAPACITY = 256
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` where transformers renamed
+    it (passing ``past_key_values`` there warns on every first call), else ``past_key_values``."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    forward = getattr(model_class, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):  # no inspectable signature: the long-standing name
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 class GrowingLayer(DynamicLayer):
@@ -236,7 +254,8 @@ class KVSession:
             start = len(self.tokens) + self.position_offset
             position_ids = torch.arange(start, start + len(ids), device=self.lm.device)[None]
         try:
-            out = self.lm.model(input_ids=input_ids, past_key_values=self.cache, use_cache=True,
+            out = self.lm.model(input_ids=input_ids, **{cache_keyword(self.lm.model): self.cache},
+                                use_cache=True,
                                 attention_mask=attention_mask, position_ids=position_ids,
                                 logits_to_keep=logits_to_keep)
             self.tokens.extend(ids)

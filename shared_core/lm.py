@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from shared_core.config import CacheKind
+from shared_core.device import current_threads
 from shared_core.runtime.protocol import Capabilities, CostCurve, ModelLM, Row, Spans, StopRule
 
 if TYPE_CHECKING:
@@ -22,6 +23,15 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}Assistant:{% endif %}"
 )
 
+
+
+def runtime_threads(lm: object) -> int | None:
+    """The threads the runtime running ``lm`` computes with: a runtime's own count (llama.cpp's
+    ``model.threads``), torch's for a torch model, None for a served one."""
+    own = getattr(getattr(lm, "model", None), "threads", None)
+    if isinstance(own, int) and not isinstance(own, bool):
+        return own
+    return current_threads() if getattr(lm, "backend", None) == "torch" else None
 
 @dataclass
 class LM:

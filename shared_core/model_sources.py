@@ -16,9 +16,11 @@ from typing import TYPE_CHECKING, Any
 from shared_core.backends.gguf_file import check_gguf_file
 from shared_core.embedded import (
     EMBEDDED_LMS,
+    CacheNotWritableError,
     EmbeddedLM,
     build_lock,
     cache_dir,
+    cache_not_writable,
     embedded_gguf,
     hub_unavailable,
     temp_sibling,
@@ -129,13 +131,21 @@ def load_gguf_tokenizer(gguf: Path, trust_remote_code: bool, *, digest: str | No
                 logger.warning("tokenizer cache %s unreadable (%s); rebuilding", folder, e)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
                                               trust_remote_code=trust_remote_code)
-    target = cache_dir() / "tokenizers" / key
+    try:
+        _keep_tokenizer(tokenizer, cache_dir() / "tokenizers" / key)
+    except OSError as e:  # built in memory already: only the next process pays for it again
+        logger.warning("%s; the tokenizer is used without being kept, and is rebuilt next time",
+                       e if isinstance(e, CacheNotWritableError) else cache_not_writable(
+                           cache_dir() / "tokenizers", e))
+    return tokenizer
+
+
+def _keep_tokenizer(tokenizer: PreTrainedTokenizerBase, target: Path) -> None:
     with build_lock(target):
         if not (target / "tokenizer_config.json").is_file():
             tmp = temp_sibling(target, directory=True)
             tokenizer.save_pretrained(tmp)
             tmp.rename(target)
-    return tokenizer
 
 
 @dataclass(frozen=True)

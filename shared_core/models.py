@@ -288,6 +288,21 @@ def _refuse_llamacpp_settings(n_ctx: int | None) -> None:
         raise ValueError(msg)
 
 
+_WARNED_N_CTX: set[tuple[str, int]] = set()
+
+
+def _warn_beyond_training(path: Path, n_ctx: int, n_ctx_train: int) -> None:
+    """One warning per (file, n_ctx) when ``n_ctx`` exceeds the window the model was trained
+    on: llama.cpp accepts it, and positions past it give degraded text without an error."""
+    key = (str(path), n_ctx)
+    if not n_ctx_train or n_ctx <= n_ctx_train or key in _WARNED_N_CTX:
+        return
+    _WARNED_N_CTX.add(key)
+    logger.warning("n_ctx=%d exceeds the %d positions %s was trained on: text past position %d "
+                   "is unreliable; pass n_ctx<=%d (or use a GGUF made for a longer context)",
+                   n_ctx, n_ctx_train, path.name, n_ctx_train, n_ctx_train)
+
+
 def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_remote_code: bool,
                    llama_settings: dict[str, Any]) -> LM:
     from shared_core.backends.llamacpp import LlamaCppLM, LlamaCppModel, LlamaCppSettings
@@ -303,6 +318,7 @@ def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_
                     dtype=resolve_dtype(None, resolve_device("cpu")), max_context=model.n_ctx,
                     eos_token_ids=model.end_of_generation_ids(tokenizer))
     lm.backend_reason = choice.reason
+    _warn_beyond_training(source.gguf, model.n_ctx, model.n_ctx_train)
     logger.info("loaded %s on llama.cpp (%s, %d positions, %d threads%s)", name, model.describe(),
                 model.n_ctx, model.threads, ", exact" if settings.exact else "")
     return lm

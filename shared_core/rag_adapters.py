@@ -54,7 +54,7 @@ SPECRAG_SETTINGS = ("retriever", "drafter", "verifier", "dtype", "backend", *SPE
                     "max_new_tokens", "engine")
 RALMSPEC_KNOBS = ("retrieval_stride", "speculation_stride", "prefetch", "scheduler",
                   "async_verify", "retrieval_timeout_s", "prompt")
-RALMSPEC_SETTINGS = ("retriever", "model", "max_new_tokens", "temperature", "seed",
+RALMSPEC_SETTINGS = ("retriever", "model", "backend", "max_new_tokens", "temperature", "seed",
                      *RALMSPEC_KNOBS, "baseline", "engine")
 # plus the number of documents returned: ``k`` (LangChain) / ``similarity_top_k`` (LlamaIndex)
 RETRIEVER_SETTINGS = ("retriever", "prefetch_k", "retrieval_timeout_s")
@@ -240,7 +240,8 @@ class RaLMSpecEngines:
         knobs["prompt"] = prompt
         if knobs["retrieval_timeout_s"] is None:
             del knobs["retrieval_timeout_s"]
-        key = (settings.model, settings.retriever, settings.engine, *knobs.values())
+        key = (settings.model, settings.backend, settings.retriever, settings.engine,
+               *knobs.values())
         return self._engines.get(key, lambda: self._build(settings, knobs))
 
     @staticmethod
@@ -249,7 +250,8 @@ class RaLMSpecEngines:
 
         if settings.engine is None:
             RaLMSpecConfig(**knobs)  # refuse bad settings before a model is loaded
-        return ralmspec_engine(settings.model, settings.retriever, settings.engine, **knobs)
+        return ralmspec_engine(settings.model, settings.retriever, settings.engine,
+                               backend=settings.backend, **knobs)
 
     def stream(self, settings: Any, question: str, prompt: PromptMessages | None
                ) -> TokenStream:

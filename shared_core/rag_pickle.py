@@ -11,6 +11,7 @@ adapters' ``engine_options`` pickle the same way (:func:`portable_options`).
 
 from __future__ import annotations
 
+import pickle
 import threading
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 from shared_core.embedded import EMBEDDED_LMS
 from shared_core.engines.registry import check_engine_options
 from shared_core.redact import strip_credentials
+from shared_core.token_budget import offline_tiktoken
 
 
 def _model_name(model: Any, role: str) -> str | None:
@@ -48,7 +50,8 @@ def _build_ralmspec(recipe: dict[str, Any], config: Any) -> Any:
     from shared_core.engines.ralmspec import RaLMSpec
     from shared_core.model_cache import resolve_lm
 
-    return RaLMSpec(resolve_lm(recipe["model"]), recipe["backend"], config)
+    return RaLMSpec(resolve_lm(recipe["model"], backend=recipe.get("runtime", "torch")),
+                    recipe["backend"], config)
 
 
 _BUILDERS = {"SpeculativeRAG": _build_speculative_rag, "RaLMSpec": _build_ralmspec}
@@ -78,6 +81,28 @@ class ReloadingEngine:
         return ReloadingEngine, (self.kind, self.recipe, self.config)
 
 
+class _Offline:
+    """A LlamaIndex object as an adapter pickles it: its unpickling (which loads the tiktoken
+    encodings it holds) reads the BPE files llama-index-core ships, never the network."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[Any, tuple[bytes]]:
+        return _load_offline, (pickle.dumps(self.value),)
+
+
+def _load_offline(data: bytes) -> Any:
+    with offline_tiktoken():
+        return pickle.loads(data)  # the adapter's own pickle, loaded by its caller
+
+
+def offline_unpickled(value: Any) -> Any:
+    """``value`` wrapped so that unpickling it never downloads a tiktoken encoding, when it is a
+    LlamaIndex object (their tokenizers pickle as encoding names); anything else unchanged."""
+    return _Offline(value) if type(value).__module__.startswith("llama_index") else value
+
+
 def portable_engine(engine: Any) -> Any:
     """``engine`` as it should pickle: None, or a :class:`ReloadingEngine`."""
     if engine is None or isinstance(engine, ReloadingEngine):
@@ -85,17 +110,19 @@ def portable_engine(engine: Any) -> Any:
     if hasattr(engine, "answer") and hasattr(engine, "with_config"):  # SpeculativeRAG
         recipe = {"drafter": _model_name(engine._drafter_src, "drafter"),
                   "verifier": _model_name(engine._verifier_src, "verifier"),
-                  "embedder": engine._embedder_src, "retriever": engine.retriever,
+                  "embedder": engine._embedder_src,
+                  "retriever": offline_unpickled(engine.retriever),
                   "dtype": engine.dtype, "backend": engine.backend}
         return ReloadingEngine("SpeculativeRAG", recipe, engine.config)
-    recipe = {"model": _model_name(engine.lm, "model"), "backend": engine.backend}
+    recipe = {"model": _model_name(engine.lm, "model"), "backend": engine.backend,
+              "runtime": getattr(engine.lm, "backend", "torch")}
     return ReloadingEngine("RaLMSpec", recipe, engine.config)
 
 
 def portable_state(state: dict[str, Any]) -> dict[str, Any]:
     """An adapter's ``__dict__`` with its ``engine`` made portable and no URL credentials (the
     rest unchanged)."""
-    state = {name: strip_credentials(value) for name, value in state.items()}
+    state = {name: offline_unpickled(strip_credentials(value)) for name, value in state.items()}
     if state.get("engine") is None:
         return state
     return {**state, "engine": portable_engine(state["engine"])}

@@ -15,12 +15,23 @@ from __future__ import annotations
 
 import functools
 import inspect
+import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    SerializerFunctionWrapHandler,
+    field_serializer,
+    field_validator,
+    model_validator,
+)
 
 from shared_core.config import (
+    DEFAULT_BACKEND,
     DEFAULT_LM,
     DEFAULT_SPECRAG_BACKEND,
     DEFAULT_VERIFIER,
@@ -46,8 +57,8 @@ from shared_core.rag_config import (
     check_prompt,
 )
 from shared_core.rag_pickle import portable_state
-from shared_core.redact import redacted_repr_args
-from shared_core.retrieval.frameworks import retrieve
+from shared_core.redact import redacted_dump, redacted_repr_args
+from shared_core.retrieval.frameworks import DocumentList, retrieve, retrieved_documents
 from shared_core.retrieval.timeout import call_with_timeout
 
 if TYPE_CHECKING:
@@ -57,6 +68,7 @@ if TYPE_CHECKING:
     from shared_core.retrieval.base import Document
 
 F = TypeVar("F", bound=Callable[..., Any])
+logger = logging.getLogger(__name__)
 
 NO_RETRIEVER = ("retriever is None and the input has no 'documents': set a retriever or pass "
                 "documents with the question")
@@ -105,7 +117,8 @@ class RAGSettings(BaseModel):
     specrag; anything else is a TypeError naming ``retriever``), a prompt setting, a prebuilt
     ``engine``, strict validation and a redacted, engine-free pickle."""
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
+    # hide_input_in_errors: a ValidationError would echo every setting, a URL's credentials too
+    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True, hide_input_in_errors=True)
 
     retriever: Any = None
     prompt: Any = None
@@ -139,6 +152,11 @@ class RAGSettings(BaseModel):
     def __repr_args__(self) -> Any:
         return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
 
+    @field_serializer("*", mode="wrap")
+    def _dump_redacted(self, value: Any, handler: SerializerFunctionWrapHandler) -> Any:
+        """``model_dump`` / ``model_dump_json`` / ``to_dict`` mask URL credentials, like repr."""
+        return redacted_dump(handler(value))
+
     def __getstate__(self) -> dict[str, Any]:
         """Settings only: a prebuilt ``engine`` pickles as its model names (reloaded on use)."""
         state = super().__getstate__()
@@ -163,8 +181,8 @@ class SpeculativeRAGSettings(RAGSettings):
         retriever: a LangChain, LlamaIndex or specrag retriever (optional where the input can
             carry documents; without either a call fails before any work).
         drafter / verifier: model names for :func:`shared_core.load_lm` (or pass ``engine``).
-        num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved documents are
-            used (``None``: the engine's config value, else the config default).
+        num_drafts / docs_per_draft / retrieve_k: m, k and how many retrieved (or given)
+            documents are used (``None``: the engine's config value, else the config default).
         dtype: model dtype (``"bfloat16"`` about halves latency on CPUs with AMX; default fp32).
         backend: runtime of the models (``"torch"``, ``"llama.cpp"`` or ``"auto"``).
         prompt: the drafting prompt over ``{question}`` and ``{documents}`` (a format string or
@@ -206,6 +224,19 @@ class SpeculativeRAGSettings(RAGSettings):
             raise ValueError(NO_RETRIEVER)
         return self._engine()
 
+    def _retrieved(self, found: Any) -> DocumentList:
+        """A framework retriever's answer as its top ``retrieve_k`` documents, whatever shape
+        it came in (a generator too), or a TypeError naming the retriever."""
+        return retrieved_documents(found, type(self.retriever).__name__, self.retrieve_k)
+
+    def _given(self, docs: DocumentList) -> DocumentList:
+        """Documents passed with the question: the first ``retrieve_k``, as a retriever's."""
+        if len(docs) <= self.retrieve_k:
+            return docs
+        logger.info("using the first %d of the %d documents given (retrieve_k=%d; raise it to "
+                    "use more)", self.retrieve_k, len(docs), self.retrieve_k)
+        return DocumentList(docs[: self.retrieve_k])
+
     def _retrieve_any(self, question: str) -> list[Document]:
         """The top ``retrieve_k`` documents of a retriever that is not the framework's own (a
         specrag retriever or the other framework's), time-limited like the framework's."""
@@ -221,6 +252,8 @@ class RaLMSpecSettings(RAGSettings):
     Args:
         retriever: a LangChain / LlamaIndex retriever or a specrag retriever.
         model: a :func:`shared_core.load_lm` alias or path (ignored when ``engine`` is given).
+        backend: runtime of the model, as for the chat adapters: ``"auto"`` (llama.cpp for a
+            GGUF on a CPU once a probe proved it, else torch), ``"torch"`` or ``"llama.cpp"``.
         max_new_tokens / temperature / seed: generation settings.
         retrieval_stride, speculation_stride, prefetch, scheduler, async_verify: RaLMSpec knobs
             (:class:`~shared_core.rag_config.RaLMSpecConfig`).
@@ -238,6 +271,7 @@ class RaLMSpecSettings(RAGSettings):
     """
 
     model: str = DEFAULT_LM
+    backend: str = DEFAULT_BACKEND
     max_new_tokens: int = Field(default=RALMSPEC_MAX_NEW_TOKENS, ge=1)
     temperature: float = Field(default=SamplingConfig.temperature, ge=0.0)
     seed: int | None = SamplingConfig.seed
@@ -252,6 +286,7 @@ class RaLMSpecSettings(RAGSettings):
     _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
 
     _check_prebuilt_engine = field_validator("engine")(prebuilt_engine_check("RaLMSpec"))
+    _check_backend = field_validator("backend")(check_backend)
     _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
                                                                       RALMSPEC_KNOBS))
 

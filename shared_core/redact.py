@@ -2,31 +2,49 @@
 
 Standard library only (layer 0), so every layer that may echo a URL, a header or a server's
 answer can use it. Covered: the user-info of URLs (``http://user:secret@host`` becomes
-``http://***@host``), secret-looking query parameters and ``key=value`` pairs (``api_key=``,
-``token=``, ``password=`` ...), ``Authorization`` header values and bearer tokens, and every value
-registered with :func:`register_secret` (API keys and URL passwords a client was given), wherever
-it appears, e.g. echoed back in a server's error body.
+``http://***@host``), credential query parameters (``?key=``, ``sig=``, ``signature=``,
+``X-Amz-Signature=``, ``X-Amz-Credential=``, ``access_token=`` ...: :func:`is_secret_name`),
+secret-looking ``key=value`` pairs in any text (``api_key=``, ``token=``, ``password=`` ...),
+``Authorization`` header values and bearer tokens, and every value registered with
+:func:`register_secret` (API keys, URL passwords and query credentials a client was given),
+wherever it appears, e.g. echoed back in a server's error body.
+
+Where a setting leaves the process: ``str`` / ``repr`` of errors and logs use :func:`redact`;
+pickles keep a URL without its credentials (:func:`strip_credentials`); pydantic dumps
+(``model_dump``, ``model_dump_json``, ``dict``, ``json``, LlamaIndex ``to_dict`` / ``to_json``)
+mask them (:func:`redacted_dump`); :class:`RedactingFilter` masks third-party log records
+(httpx logs each request's full URL).
 """
 
 from __future__ import annotations
 
+import logging
 import re
 import threading
 from collections.abc import Iterable
 from typing import Any
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 MASK = "***"
 EXCERPT_CHARS = 200  # the most of a server's answer an error message quotes
 _MIN_SECRET = 4  # shorter values are too common to replace everywhere
 
-_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/\s@'\"<>]*@")
+# greedy up to the last "@" of the authority: an unencoded "@" in a password is still masked
+_USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.-]*://)[^/?#\s'\"<>]*@")
 _AUTH_HEADER = re.compile(r"(?P<name>\bauthorization\b['\"]?\s*[:=]\s*['\"]?)"
                           r"(?:(?:bearer|basic|token)\s+)?[^\s'\",}]+", re.IGNORECASE)
 _BEARER = re.compile(r"(?P<name>\b(?:bearer|basic)\s+)[A-Za-z0-9._~+/=-]{8,}", re.IGNORECASE)
+# names that hold a credential wherever they appear (``X-Amz-Signature``, ``client_secret`` ...)
+_SECRET_WORDS = (r"[\w-]*(?:api[_-]?key|apikey|access[_-]?token|auth[_-]?token|token|secret|"
+                 r"password|passwd|pwd|credentials?|signature|[_-]key)")
+# short names that are credentials as URL query parameters (Azure SAS ``sig``, Google ``key``)
+_QUERY_WORDS = r"key|sig|auth|pass"
 _KEY_VALUE = re.compile(
-    r"(?P<name>\b[\w-]*(?:api[_-]?key|apikey|access[_-]?token|auth[_-]?token|token|secret|"
-    r"password|passwd|pwd|[_-]key)['\"]?\s*[:=]\s*['\"]?)(?P<value>[^\s&'\",;}]+)", re.IGNORECASE)
+    rf"(?P<name>\b{_SECRET_WORDS}['\"]?\s*[:=]\s*['\"]?)(?P<value>[^\s&'\",;}}]+)", re.IGNORECASE)
+# a URL's credential query parameters (also after "#": OAuth's implicit-flow tokens)
+_QUERY_VALUE = re.compile(rf"(?P<name>[?&;#](?:{_SECRET_WORDS}|{_QUERY_WORDS})=)"
+                          r"(?P<value>[^\s&#'\",;}]+)", re.IGNORECASE)
+_SECRET_NAME = re.compile(rf"{_SECRET_WORDS}|{_QUERY_WORDS}", re.IGNORECASE)
 _CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]+")
 
 _known: set[str] = set()
@@ -42,15 +60,27 @@ def register_secret(value: str | None) -> None:
 
 def redact(text: object) -> str:
     """``str(text)`` with every credential replaced by ``***``."""
-    out = str(text)
-    with _known_lock:
-        known = sorted(_known, key=len, reverse=True)  # longest first: no partial leftovers
-    for secret in known:
-        out = out.replace(secret, MASK)
-    out = _USERINFO.sub(rf"\g<scheme>{MASK}@", out)
+    out = redact_urls(str(text))
     out = _AUTH_HEADER.sub(rf"\g<name>{MASK}", out)
     out = _BEARER.sub(rf"\g<name>{MASK}", out)
     return _KEY_VALUE.sub(rf"\g<name>{MASK}", out)
+
+
+def is_secret_name(name: str) -> bool:
+    """Whether a query parameter or header named ``name`` holds a credential."""
+    return _SECRET_NAME.fullmatch(name) is not None
+
+
+def redact_urls(text: str) -> str:
+    """``text`` with the credentials of the URLs in it masked (user-info, credential query
+    parameters, registered values) and nothing else changed: for settings that may also hold
+    prose, such as prompts."""
+    with _known_lock:
+        known = sorted(_known, key=len, reverse=True)  # longest first: no partial leftovers
+    for secret in known:
+        text = text.replace(secret, MASK)
+    text = _USERINFO.sub(rf"\g<scheme>{MASK}@", text)
+    return _QUERY_VALUE.sub(rf"\g<name>{MASK}", text)
 
 
 def excerpt(text: object, limit: int = EXCERPT_CHARS) -> str:
@@ -73,14 +103,35 @@ def split_credentials(url: str) -> tuple[str, tuple[str, str] | None]:
             (parts.username or "", parts.password or ""))
 
 
+def query_credentials(query: str) -> list[tuple[str, str]]:
+    """A query string's parameters in order, the values of credential ones registered."""
+    pairs = parse_qsl(query, keep_blank_values=True)
+    for name, value in pairs:
+        if is_secret_name(name):
+            register_secret(value)
+    return pairs
+
+
+def without_credentials(url: str) -> str:
+    """``url`` without its user-info and its credential query parameters (what pickles keep)."""
+    bare = split_credentials(url)[0]
+    parts = urlsplit(bare)
+    pairs = query_credentials(parts.query)
+    kept = [(name, value) for name, value in pairs if not is_secret_name(name)]
+    if len(kept) == len(pairs):
+        return bare
+    return urlunsplit(parts._replace(query=urlencode(kept)))
+
+
 def strip_credentials(value: object) -> object:
-    """A URL string without its user-info (what pickles keep), a URL's user-info inside other
-    text masked, also inside plain lists, tuples and dicts (a copy); anything else unchanged."""
-    if isinstance(value, str) and "://" in value and "@" in value:
-        if value.split() != [value]:  # text around a URL: mask the user-info in place
-            return _USERINFO.sub(rf"\g<scheme>{MASK}@", value)
+    """A URL string without its credentials (what pickles keep: :func:`without_credentials`),
+    a URL's credentials inside other text masked, also inside plain lists, tuples and dicts (a
+    copy); anything else unchanged."""
+    if isinstance(value, str) and "://" in value:
+        if value.split() != [value]:  # text around a URL: mask its credentials in place
+            return redact_urls(value)
         try:
-            return split_credentials(value)[0]
+            return without_credentials(value)
         except ValueError:  # not a URL after all (a bad port): redact instead
             return redact(value)
     if type(value) in (list, tuple):  # exact types: a subclass may not rebuild from a list
@@ -88,6 +139,37 @@ def strip_credentials(value: object) -> object:
     if type(value) is dict:
         return {key: strip_credentials(item) for key, item in value.items()}  # type: ignore[attr-defined]
     return value
+
+
+def redacted_dump(value: Any) -> Any:
+    """A dumped setting (pydantic's ``model_dump`` output) with the credentials of its URLs
+    masked, inside plain lists, tuples and dicts too; anything else unchanged."""
+    if isinstance(value, str):
+        return redact_urls(value)
+    if type(value) in (list, tuple):
+        return type(value)(redacted_dump(item) for item in value)  # type: ignore[call-arg]
+    if type(value) is dict:
+        return {key: redacted_dump(item) for key, item in value.items()}  # type: ignore[attr-defined]
+    return value
+
+
+class RedactingFilter(logging.Filter):
+    """Masks credentials in every record of the logger it is added to (a library that logs
+    request URLs: httpx), by rewriting the record's message."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        hidden = redact(message)
+        if hidden != message:
+            record.msg, record.args = hidden, None
+        return True
+
+
+def redact_logger(name: str) -> None:
+    """Add one :class:`RedactingFilter` to the logger ``name`` (idempotent)."""
+    target = logging.getLogger(name)
+    if not any(isinstance(f, RedactingFilter) for f in target.filters):
+        target.addFilter(RedactingFilter())
 
 
 class _Shown:

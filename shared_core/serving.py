@@ -20,6 +20,7 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 from shared_core import model_cache
+from shared_core.config import LOAD_LM_BACKEND
 from shared_core.model_cache import _LOADED, cached_lm, loaded_model, release, release_all
 from shared_core.model_lock import _INSTANCE_LOCKS, FairLock, lock_for, step_locked
 
@@ -84,11 +85,13 @@ async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
         demand.release()  # wake the worker if it waits for demand
 
 
-def ralmspec_engine(model: str, retriever: Any, engine: Any, **knobs: Any) -> Any:
+def ralmspec_engine(model: str, retriever: Any, engine: Any, *, backend: str = LOAD_LM_BACKEND,
+                    **knobs: Any) -> Any:
     """A :class:`~shared_core.engines.ralmspec.RaLMSpec` with an adapter's knobs.
 
-    Derived from a prebuilt ``engine`` (its model, backend and other settings) when given, else
-    built over ``retriever`` on the shared model for ``model``.
+    Derived from a prebuilt ``engine`` (its model, retrieval backend and other settings) when
+    given, else built over ``retriever`` on the shared model for ``model`` on the runtime
+    ``backend``.
     """
     from dataclasses import replace
 
@@ -99,4 +102,4 @@ def ralmspec_engine(model: str, retriever: Any, engine: Any, **knobs: Any) -> An
     if retriever is None:
         msg = "retriever is required (or pass a prebuilt engine)"
         raise ValueError(msg)
-    return RaLMSpec(loaded_model(model)[0], retriever, RaLMSpecConfig(**knobs))
+    return RaLMSpec(loaded_model(model, backend=backend)[0], retriever, RaLMSpecConfig(**knobs))

@@ -60,6 +60,7 @@ class DecodeStats:
     finish_reason: str = ""
     backend: str = ""  # the runtime that ran the target ("torch", "llama.cpp") and why it was chosen
     backend_reason: str = ""
+    threads: int | None = None  # the runtime's own thread count (llama.cpp's is not torch's)
     accept_hist: Counter[int] = field(default_factory=Counter)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -109,7 +110,7 @@ class DecodeStats:
         out["mean_accepted"] = self.mean_accepted
         out["tokens_per_target_forward"] = self.tokens_per_target_forward
         out["decode_tokens_per_s"] = self.decode_tokens_per_s
-        out["threads"] = current_threads()
+        out["threads"] = self.threads if self.threads is not None else current_threads()
         return out
 
 

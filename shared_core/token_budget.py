@@ -35,7 +35,7 @@ if TYPE_CHECKING:
 DEFAULT_ENCODING = "cl100k_base"
 BUNDLED_ENCODINGS = ("cl100k_base", "o200k_base")  # shipped by llama-index-core
 CACHE_ENV = "TIKTOKEN_CACHE_DIR"
-_ENV_LOCK = threading.Lock()
+_ENV_LOCK = threading.RLock()  # reentrant: an unpickled object may unpickle another
 
 
 def _bundled_cache_dir() -> Path | None:
@@ -67,6 +67,14 @@ def _offline_cache(encoding_name: str) -> Iterator[None]:
             yield
         finally:
             os.environ.pop(CACHE_ENV, None)
+
+
+@contextmanager
+def offline_tiktoken() -> Iterator[None]:
+    """While unpickling objects that hold tiktoken encodings (LlamaIndex's tokenizers): the
+    bundled encodings load from llama-index-core's files, never from the network."""
+    with _offline_cache(DEFAULT_ENCODING):
+        yield
 
 
 def encoding_name(encoding: Any) -> str:

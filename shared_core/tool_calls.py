@@ -4,8 +4,11 @@ The format is the Hermes / Qwen2.5 one: tool schemas (OpenAI ``{"type": "functio
 "function": {...}}`` dicts) listed in the system turn, and each call emitted as
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; results go back as
 ``<tool_response>`` turns. A chat template that takes ``tools=`` (Qwen2.5) renders all of it
-itself; for one that does not (SmolLM2) the same text is written into the system turn, the
-assistant turns and the user turns here, so both kinds of model see one format.
+itself; for one that does not (SmolLM2) the same text is written into the system turn and the
+assistant turns here, and a tool result goes into a turn of the template's own ``tool`` role
+where the template renders one (SmolLM2's passes any role through), else a user turn: with the
+result as a user turn SmolLM2-135M answered 1 of 6 tool round trips in plain text, writing a
+``<tool_response>`` of its own in the others; as a ``tool`` turn, 5 of 6.
 
 ``tool_choice`` (:func:`check_tool_choice`): ``"auto"`` (the model decides; with a grammar, free
 text in which every ``<tool_call>`` must hold a call of one of the tools with schema-valid
@@ -130,9 +133,26 @@ def _call_json(call: Mapping[str, Any]) -> str:
                       ensure_ascii=False)
 
 
-def _flatten(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]]
-             ) -> list[dict[str, str]]:
-    """Plain role/content turns carrying the tool format, for templates without tool support."""
+_ROLE_PROBE = "specrag-probe-7f3a"
+
+
+def tool_role(lm: LM) -> str:
+    """The role a tool result is rendered in by a template without tool support: ``"tool"`` when
+    the template renders a turn of that role (its text and the role's name come out), else
+    ``"user"`` (a template that refuses or drops the role)."""
+    probe = [{"role": "user", "content": "q"}, {"role": "tool", "content": _ROLE_PROBE}]
+    try:
+        text = lm.chat_prompt(probe)
+    except Exception:  # jinja's TemplateError (raise_exception) or the template's own: refused
+        return "user"
+    shown = text.split(_ROLE_PROBE)[0][-40:].lower() if _ROLE_PROBE in text else ""
+    return "tool" if "tool" in shown else "user"
+
+
+def _flatten(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]],
+             result_role: str = "user") -> list[dict[str, str]]:
+    """Plain role/content turns carrying the tool format, for templates without tool support
+    (tool results in ``result_role`` turns, consecutive ones in one)."""
     out: list[dict[str, str]] = []
     system = [m["content"] for m in messages[:1] if m["role"] == "system"]
     if tools:
@@ -143,10 +163,11 @@ def _flatten(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str,
     for m in messages[1:] if messages and messages[0]["role"] == "system" else messages:
         if m["role"] == "tool":
             text = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1]["role"] == "user" and out[-1]["content"].startswith("<tool_resp"):
+            if out and out[-1]["role"] == result_role and out[-1]["content"].startswith(
+                    "<tool_resp"):
                 out[-1]["content"] += "\n" + text
             else:
-                out.append({"role": "user", "content": text})
+                out.append({"role": result_role, "content": text})
         elif m["role"] == "assistant" and m.get("tool_calls"):
             calls = [f"{OPEN}\n{_call_json(c)}\n{CLOSE}" for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join([m["content"], *calls]).strip()})
@@ -171,7 +192,8 @@ def render_prompt(lm: LM, messages: Sequence[Mapping[str, Any]],
         text = lm.tokenizer.apply_chat_template(turns, tools=list(tools) or None, tokenize=False,
                                                 add_generation_prompt=True)
         return lm.encode(text + prefill)
-    flat = _flatten(messages, tools)
+    has_results = any(m["role"] == "tool" for m in messages)
+    flat = _flatten(messages, tools, tool_role(lm) if has_results else "user")
     ids = lm.prompt_ids(flat)
     return ids + lm.encode(prefill) if prefill else ids
 

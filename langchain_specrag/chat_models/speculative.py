@@ -58,7 +58,7 @@ from shared_core.chat_adapters import (
 )
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
 from shared_core.output import ChatTurns, GenerationResult, chat_turns
-from shared_core.redact import redact
+from shared_core.redact import redact, redacted_dump
 from shared_core.serving import FairLock, iterate_in_thread
 from shared_core.tool_calls import InvalidToolCall, ToolCall, check_tool_choice, check_tools
 
@@ -156,8 +156,9 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return {"model": redact(self.model), "engine": self.engine, "temperature": self.temperature,
-                "max_tokens": self.max_tokens, "engine_options": self.engine_options}
+        return redacted_dump({"model": self.model, "engine": self.engine,
+                              "temperature": self.temperature, "max_tokens": self.max_tokens,
+                              "engine_options": self.engine_options})
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
         params = super()._get_ls_params(stop=stop, **kwargs)

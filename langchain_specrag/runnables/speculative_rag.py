@@ -80,11 +80,13 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         retrieval and any model work."""
         question, docs = as_question_input(value)
         engine = self._checked_engine(docs is not None)
-        if docs is None and isinstance(self.retriever, BaseRetriever):
-            docs = call_with_timeout(lambda: self.retriever.invoke(question, config=config),
-                                     self.retrieval_timeout_s, self._retriever_name())
-            docs = docs[: self.retrieve_k]
-        elif docs is None:
+        if docs is not None:
+            docs = self._given(docs)
+        elif isinstance(self.retriever, BaseRetriever):
+            docs = self._retrieved(call_with_timeout(
+                lambda: self.retriever.invoke(question, config=config), self.retrieval_timeout_s,
+                self._retriever_name()))
+        else:
             docs = self._retrieve_any(question)
         return engine, question, docs
 
@@ -95,9 +97,11 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         question, docs = as_question_input(value)
         engine = self._checked_engine(docs is not None)
         if docs is None:
-            docs = (await await_with_timeout(self.retriever.ainvoke(question, config=config),
-                                             self.retrieval_timeout_s, self._retriever_name())
-                    )[: self.retrieve_k]
+            docs = self._retrieved(await await_with_timeout(
+                self.retriever.ainvoke(question, config=config), self.retrieval_timeout_s,
+                self._retriever_name()))
+        else:
+            docs = self._given(docs)
         return engine, question, docs
 
     # -- sync

@@ -31,6 +31,7 @@ import torch
 from shared_core.config import CacheKind, GenerationConfig, check_unicode
 from shared_core.device import synchronize
 from shared_core.engines.timing import timed
+from shared_core.lm import runtime_threads
 from shared_core.output import (
     ChatTurns,
     GenerationResult,
@@ -188,7 +189,7 @@ class Run:
         self.session = open_session(lm, cache=cache)
         self.tracker = OutputTracker(lm, config)
         self.stats = stats_type(prompt_tokens=len(self.prompt_ids), backend=lm.backend,
-                                backend_reason=lm.backend_reason)
+                                backend_reason=lm.backend_reason, threads=runtime_threads(lm))
         self.generator = make_generator(config.sampling, "cpu")
 
     def prefill(self) -> int:

@@ -1,9 +1,15 @@
 """Pooled sync + async HTTP with timeouts, retries with exponential back-off and auth headers.
 
 Credentials never reach a message, a log line or a repr: a URL's user-info becomes basic auth
-(the URL kept is the one without it), API keys are registered with :mod:`shared_core.redact`, and
-an error quotes at most :data:`~shared_core.redact.EXCERPT_CHARS` redacted characters of the
-server's answer.
+(the URL kept is the one without it), API keys and credential query parameters are registered
+with :mod:`shared_core.redact` (httpx's own request log lines are redacted too), and an error
+quotes at most :data:`~shared_core.redact.EXCERPT_CHARS` redacted characters of the server's
+answer.
+
+A base URL is taken as users write it (:func:`split_base_url`): a path prefix (a proxy's
+``/vllm``) is kept, a trailing slash and an OpenAI-style ``/v1`` suffix are dropped (the paths
+requested carry their own ``/v1``), and its query parameters (an API gateway's ``?key=``) are
+sent with every request.
 """
 
 from __future__ import annotations
@@ -14,10 +20,18 @@ import logging
 import os
 import time
 from typing import Any
+from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import httpx
 
-from shared_core.redact import excerpt, redact, register_secret, split_credentials
+from shared_core.redact import (
+    excerpt,
+    query_credentials,
+    redact,
+    redact_logger,
+    register_secret,
+    split_credentials,
+)
 from shared_core.remote.config import API_KEY_ENV, RETRY_STATUSES, RemoteConfig
 
 logger = logging.getLogger(__name__)
@@ -38,6 +52,18 @@ def _headers(api_key: str | None) -> dict[str, str]:
     key = api_key if api_key is not None else os.environ.get(API_KEY_ENV)
     register_secret(key)
     return {"Authorization": f"Bearer {key}"} if key else {}
+
+
+def split_base_url(url: str) -> tuple[str, list[tuple[str, str]], tuple[str, str] | None]:
+    """``(scheme://host[:port][/prefix], query parameters, (user, password) or None)`` of a
+    server's base URL as a user wrote it (module docstring); credentials are registered."""
+    bare, auth = split_credentials(url.strip())
+    parts = urlsplit(bare)
+    path = parts.path.rstrip("/")
+    if path.endswith("/v1"):
+        path = path[: -len("/v1")]
+    base = urlunsplit((parts.scheme, parts.netloc, path, "", ""))
+    return base, query_credentials(parts.query), auth
 
 
 def _retryable(exc: Exception | None, response: httpx.Response | None) -> bool:
@@ -92,10 +118,12 @@ class Transport:
 
     def __init__(self, base_url: str, *, api_key: str | None, config: RemoteConfig,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
-        self.base_url, auth = split_credentials(base_url.rstrip("/"))
+        self.base_url, self._params, auth = split_base_url(base_url)
         self.config = config
+        redact_logger("httpx")  # it logs every request's URL, query credentials included
         self._kwargs: dict[str, Any] = {
-            "base_url": self.base_url, "headers": _headers(api_key), "auth": auth,
+            "base_url": self.base_url, "params": self._params, "headers": _headers(api_key),
+            "auth": auth,
             "timeout": httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s),
             "limits": httpx.Limits(max_connections=config.max_connections,
                                    max_keepalive_connections=config.max_connections),
@@ -106,7 +134,7 @@ class Transport:
 
     def request(self, method: str, path: str, json: Any = None, *, retries: int | None = None
                 ) -> Any:
-        plan = _Retries(method, f"{self.base_url}{path}", self.config, retries)
+        plan = _Retries(method, self.url(path), self.config, retries)
         for attempt in itertools.count():  # settle returns or raises by plan.attempts
             exc, response = None, None
             try:
@@ -118,6 +146,11 @@ class Transport:
                 return value
             time.sleep(value)
 
+    def url(self, path: str) -> str:
+        """The full URL a request for ``path`` goes to (query parameters included)."""
+        query = f"?{urlencode(self._params)}" if self._params else ""
+        return f"{self.base_url}{path}{query}"
+
     def _async_client(self) -> httpx.AsyncClient:
         if self._aclient is None:
             self._aclient = httpx.AsyncClient(**self._kwargs, transport=self._transport)  # type: ignore[arg-type]
@@ -126,7 +159,7 @@ class Transport:
     async def arequest(self, method: str, path: str, json: Any = None, *,
                        retries: int | None = None) -> Any:
         client = self._async_client()
-        plan = _Retries(method, f"{self.base_url}{path}", self.config, retries)
+        plan = _Retries(method, self.url(path), self.config, retries)
         for attempt in itertools.count():  # settle returns or raises by plan.attempts
             exc, response = None, None
             try:

@@ -19,7 +19,7 @@ from typing import Any
 
 from shared_core.config import SamplingConfig, check_choice, check_int, check_text
 from shared_core.models import LM
-from shared_core.redact import redact, split_credentials
+from shared_core.redact import redact
 from shared_core.remote import protocol as P
 from shared_core.remote.config import ENGINES, Engine, RemoteConfig
 from shared_core.remote.http import RemoteError, Transport
@@ -91,10 +91,11 @@ class RemoteLM:
         if config is not None and not isinstance(config, RemoteConfig):
             msg = f"config must be a RemoteConfig or None, got {type(config).__name__}"
             raise TypeError(msg)
-        # for messages, logs and reprs: credentials live only in the transport
-        self.url = redact(split_credentials(url.rstrip("/"))[0])
         self.config = config or RemoteConfig()
         self.http = Transport(url, api_key=api_key, config=self.config, transport=transport)
+        # for messages, logs and reprs: the server's base URL; credentials live only in the
+        # transport
+        self.url = redact(self.http.base_url)
         self.engine = self._detect_engine() if engine == "auto" else engine
         self.model, root, max_len, version = self._server_model(model)
         self.tokenizer = _load_tokenizer(tokenizer, root)

@@ -33,6 +33,7 @@ import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER, check_bool
 from shared_core.embedded import EMBEDDED_EMBEDDERS
+from shared_core.redact import redact
 from shared_core.retrieval._common import check_int
 
 if TYPE_CHECKING:
@@ -50,6 +51,10 @@ def check_model(model: Any, name: str = "model") -> str:
     if not isinstance(model, str):
         msg = f"{name} must be a str (alias, hub id or folder), got {type(model).__name__} {model!r}"
         raise TypeError(msg)
+    if "://" in model:
+        msg = (f"{name}={redact(model)!r} is a URL; embeddings run in this process: pass an "
+               "embedded alias, a hub id (owner/name) or a local folder")
+        raise ValueError(msg)
     if model in EMBEDDED_EMBEDDERS or "/" in model or Path(model).exists():
         return model
     known = ", ".join(sorted(EMBEDDED_EMBEDDERS))

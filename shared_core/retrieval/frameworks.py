@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from shared_core.config import check_int
@@ -65,8 +66,30 @@ def retrieve(retriever: Any, question: str, k: int) -> list[Document]:
             raise TypeError(msg)
         return _converted(rows[0], name)
     if callable(getattr(retriever, "invoke", None)):
-        return _converted(retriever.invoke(question), name)[:k]
-    return _converted(llamaindex_retrieve(retriever, question), name)[:k]
+        return retrieved_documents(retriever.invoke(question), name, k)
+    return retrieved_documents(llamaindex_retrieve(retriever, question), name, k)
+
+
+EXPECTED_DOCUMENTS = ("a list of documents (LangChain Documents, LlamaIndex nodes, strings or "
+                      "specrag Documents)")
+
+
+def _one_document(item: Any) -> bool:
+    return isinstance(item, (Document, Hit)) or hasattr(item, "page_content") or hasattr(
+        item, "get_content") or hasattr(item, "node")
+
+
+def retrieved_documents(items: Any, name: str, k: int) -> DocumentList:
+    """What retriever ``name`` returned as its top ``k`` Documents: a list or tuple, or any other
+    iterable (a generator: only ``k`` items are read); ``None``, one document, a string or a
+    mapping is a TypeError naming the retriever and what it should return."""
+    if items is None or isinstance(items, (str, bytes, dict)) or _one_document(items) or \
+            not isinstance(items, Iterable):
+        what = "a single document" if _one_document(items) else type(items).__name__
+        msg = f"retriever {name} returned {what}; expected {EXPECTED_DOCUMENTS}"
+        raise TypeError(msg)
+    first = items[:k] if isinstance(items, Sequence) else list(itertools.islice(items, k))
+    return DocumentList(_converted(first, name))
 
 
 def llamaindex_retrieve(retriever: Any, query: Any) -> Any:
@@ -81,7 +104,7 @@ def llamaindex_retrieve(retriever: Any, query: Any) -> Any:
         raise TypeError(msg) from e
 
 
-def _converted(items: Any, name: str) -> list[Document]:
+def _converted(items: Any, name: str) -> DocumentList:
     try:
         return to_documents(items)
     except TypeError as e:

@@ -15,6 +15,7 @@ from shared_core.engines.ralmspec.position import RaLMDecoderState
 from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
+from shared_core.lm import runtime_threads
 from shared_core.output import OutputTracker
 from shared_core.rag_config import (
     RaLMSpecConfig,
@@ -131,7 +132,8 @@ class RaLMCall:
                    f"{generation.max_new_tokens} exceeds the {lm.max_context}-token window of "
                    f"{lm.name}; lower max_doc_tokens or max_new_tokens")
             raise ValueError(msg)
-        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail))
+        self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail),
+                                   threads=runtime_threads(lm))
         self.tracker = OutputTracker(lm, generation)
         self.decoder: RaLMDecoder | ServedRaLMDecoder
         if isinstance(lm, ServedLM):

@@ -239,8 +239,11 @@ class SpeculativeRAG:
         prefill, parse = ("Answer:", parse_answer_first) if answer_first else ("Rationale:", parse_draft)
         prompts = [draft_prompt(lm, question, [docs[i] for i in s], cfg.draft_order, cfg.prompt)
                    for s in subsets]
-        for p in prompts:
-            check_length(lm, p, cfg.max_draft_tokens + cfg.max_answer_tokens, "a draft prompt")
+        # a forced answer line is generated after the draft, in the same window
+        forced = cfg.max_answer_tokens if cfg.force_answer_line and not answer_first else 0
+        for p, s in zip(prompts, subsets, strict=True):
+            check_length(lm, p, cfg.max_draft_tokens + forced, "a draft prompt", question,
+                         [docs[i] for i in s])
         clock = PhaseClock()
         with lock_for(lm):
             rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill=prefill,
@@ -359,7 +362,7 @@ def standard_rag(lm: ModelLM, question: str, documents: Sequence[Any],
     check_int(max_new_tokens, "max_new_tokens")
     docs, _ = given_documents(documents)
     prompt = rag_prompt(lm, question, docs)
-    check_length(lm, prompt, max_new_tokens, "the standard-RAG prompt")
+    check_length(lm, prompt, max_new_tokens, "the standard-RAG prompt", question, docs)
     clock = PhaseClock()
     [(ids, _)] = generate_batch(lm, [prompt], max_new_tokens, prefill="Answer:", clock=clock)
     prefill_s, decode_s = clock.split()

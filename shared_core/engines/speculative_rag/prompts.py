@@ -133,8 +133,17 @@ def rag_prompt(lm: ModelLM, question: str, docs: Sequence[Document]) -> list[int
                          "Answer:")
 
 
-def check_length(lm: ModelLM, ids: Sequence[int], budget: int, what: str) -> None:
-    if len(ids) + budget > lm.max_context:
-        msg = (f"{what} has {len(ids)} tokens + {budget} new tokens, more than "
-               f"{window_text(lm)}; pass fewer or shorter documents")
-        raise ValueError(msg)
+def check_length(lm: ModelLM, ids: Sequence[int], budget: int, what: str, question: str,
+                 docs: Sequence[Document]) -> None:
+    """ValueError when ``ids`` + ``budget`` new tokens overflow the window, blaming the input
+    that does: the question when it alone leaves no room, else the documents."""
+    if len(ids) + budget <= lm.max_context:
+        return
+    asked = len(lm.encode(question))
+    read = sum(len(lm.encode(d.text)) for d in docs)
+    fix = ("shorten the question: without any document the prompt would still not fit"
+           if len(ids) - read + budget > lm.max_context else "pass fewer or shorter documents")
+    msg = (f"{what} has {len(ids)} tokens (the question {asked}, its {len(docs)} documents "
+           f"{read}, the instructions the rest) + {budget} new tokens, more than "
+           f"{window_text(lm)}; {fix}")
+    raise ValueError(msg)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import random
 from collections.abc import Sequence
@@ -15,6 +16,8 @@ if TYPE_CHECKING:
 
 
 MAX_ENUMERATED_SUBSETS = 4096  # enumerate all one-per-cluster subsets up to this many
+PROGRESS_DOCUMENTS = 256  # embedding this many documents takes seconds on a CPU: say so
+logger = logging.getLogger(__name__)
 
 
 def embed_for_question(embedder: Any, question: str, docs: Sequence[Document],
@@ -23,8 +26,12 @@ def embed_for_question(embedder: Any, question: str, docs: Sequence[Document],
     import numpy as np
 
     prefix = instruction.format(question=question)
+    long = len(docs) >= PROGRESS_DOCUMENTS
+    if long:
+        logger.info("embedding %d documents for the draft subsets", len(docs))
+    # a bar only for a long list and when the caller shows our INFO logs (bars are off by default)
     vectors = embedder.encode([prefix + d.text for d in docs], normalize_embeddings=True,
-                              show_progress_bar=False)
+                              show_progress_bar=long and logger.isEnabledFor(logging.INFO))
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
