@@ -28,7 +28,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "probe-dtype": ("shared_core.bench.probes", "add_dtype_arguments", "run_dtype"),
     "probe-contention": ("shared_core.bench.probes", "add_contention_arguments", "run_contention"),
     "probe-verify": ("shared_core.bench.probes", "add_verify_arguments", "run_verify"),
+    "gpu": ("shared_core.bench.gpu", "add_arguments", "run"),
 }
+# benchmarks that write their own report files (--out is a folder)
+WRITE_OWN_REPORT = frozenset({"gpu"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,7 +63,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     module, _, run = BENCHMARKS[args.benchmark]
     report = getattr(importlib.import_module(module), run)(args)
-    if "{dataset}" not in (args.out or ""):  # a per-dataset pattern: each report is written
+    # a per-dataset pattern: each report is written by the module, as is a folder of reports
+    if args.benchmark not in WRITE_OWN_REPORT and "{dataset}" not in (args.out or ""):
         write_report(report, args.out)
     if args.plot and "methods" in report:
         plot_report(report, args.plot)
