@@ -10,10 +10,13 @@
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #         --platform manylinux_2_28_x86_64 -d .whl xgrammar
 # (mind the 64 MiB carried in all; the repository is ~19 MiB). Then, from the repository root:
-#     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=560)
-# and copy $OUT into results/gpu/<date>-<gpu>/. Environment: OUT (default results/gpu/local),
-# GPU_CHECK_BUDGET_S (default 330: sections that would end later are skipped), GPU_CHECK_ARGS
-# (extra arguments, e.g. "--device cpu --tiny" for a dry run here).
+#     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
+# (without .whl/: run(command="bash scripts/gpu_check.sh", timeout_s=480)); the files under
+# $OUT come back: copy them into results/gpu/<date>-<gpu>/ and commit. Environment: OUT
+# (default results/gpu/local), GPU_CHECK_BUDGET_S (default 330: a section that would end later
+# is skipped and recorded as such), GPU_CHECK_TIMEOUT_S (default 420: the hard stop; the
+# report keeps every section finished before it), GPU_CHECK_ARGS (extra arguments, e.g.
+# "--device cpu --tiny" for a dry run on a CPU, or "--shapes qwen2.5-1.5b qwen2.5-7b").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-results/gpu/local}"
@@ -27,7 +30,7 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi 2>&1 | tee "$out/nvidia_smi.txt" || echo "nvidia-smi: not available"
 # the kill leaves the report of every finished section (written after each one)
 # shellcheck disable=SC2086
-timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-540}" python3 -m shared_core.bench gpu \
+timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-420}" python3 -m shared_core.bench gpu \
     --out "$out" --budget-s "${GPU_CHECK_BUDGET_S:-330}" ${GPU_CHECK_ARGS:-} \
     > "$out/gpu_check.log" 2>&1
 status=$?

@@ -183,10 +183,12 @@ def verify_tree(tokens: torch.Tensor, parents: Sequence[int], logits: torch.Tens
     children = tree_children(parents)
     path: list[int] = []
     node, row = -1, 0
+    # greedy: every row's argmax in one copy to the host, not one per tree level
+    argmax = logits.argmax(-1).tolist() if sampling.greedy else []
     while True:
         kids = children.get(node, [])
         if sampling.greedy:
-            target = int(logits[row].argmax().item())
+            target = argmax[row]
             match = next((c for c in kids if int(tokens[c]) == target), None)
             if match is None:
                 return TreeVerdict(tuple(path), target)
@@ -299,7 +301,7 @@ def verify_rapid_greedy(draft: torch.Tensor, logits: torch.Tensor, q: torch.Tens
         return verify_greedy(draft, logits)
     p = torch.softmax(logits[:k].float(), dim=-1)
     target = torch.cat([rapid_target_probs(p, q, eta, alpha, head).argmax(-1),
-                        logits[k:].argmax(-1)])
+                        logits[k:].argmax(-1)]).cpu()  # the round's one copy to the host
     n = greedy_accept_length(draft, target[:-1])
     return Verdict(n, int(target[n].item()))
 

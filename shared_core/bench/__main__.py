@@ -46,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         child.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
         try:
             getattr(importlib.import_module(module), add_args)(child)
-        except ImportError as e:  # an engine module that is not built yet
-            child.set_defaults(_unavailable=str(e))
+        except Exception as e:  # a module whose dependencies this machine lacks (or breaks):
+            # only that benchmark is refused, the others still run (the GPU machine has no faiss)
+            child.set_defaults(_unavailable=f"{type(e).__name__}: {e}")
     return parser
 
 

@@ -80,12 +80,12 @@ AIM_OVERHEAD = 0.95  # our loop >= 0.95x generate's tokens/s
 class Sizes:
     """Token counts and repetitions: real ones on a GPU, toy ones for the CPU dry run."""
 
-    new_tokens: int = 48
-    samples: int = 200
+    new_tokens: int = 40
+    samples: int = 100
     k_prefix: int = 512
     prefill: int = 2048
     decode_prompt: int = 128
-    decode_tokens: int = 128
+    decode_tokens: int = 96
     reps: int = 7
     warmup: int = 2
 
@@ -382,7 +382,9 @@ def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, fl
         return 30.0, 10.0
     if device.type != "cuda":
         return 600.0 * shape.params_b, 300.0 * shape.params_b
-    return 50.0 + 40.0 * shape.params_b, 20.0 + 8.0 * shape.params_b
+    # eager transformers on a GPU is bound by kernel launches (~15-25 ms a token at these
+    # depths), so the cost grows slowly with size; the 7B's weights add their build time
+    return 50.0 + 40.0 * shape.params_b, 25.0 + 4.0 * shape.params_b
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -402,7 +404,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report = Report(out_dir, {"device": str(device), "tiny": args.tiny,
                               "budget_s": args.budget_s, "shapes": chosen,
                               "sizes": sizes.__dict__}, budget)
-    report.data["machine"] = machine_facts(device)
+    try:
+        report.data["machine"] = machine_facts(device)
+    except Exception as e:  # the measurements matter more than their label
+        logger.exception("machine facts failed")
+        report.data["machine"] = {"device": str(device), "error": f"{type(e).__name__}: {e}"}
     report.write()
     tokenizer = bench_tokenizer()
     smallest = shapes[min(chosen, key=lambda s: shapes[s].params_b)]

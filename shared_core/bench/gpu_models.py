@@ -130,8 +130,10 @@ def build_lm(shape: Shape, tokenizer: Any, device: torch.device, dtype: torch.dt
 
     config = model_config(shape, tokenizer)
     torch.manual_seed(seed)
-    with torch.device(device):
+    with torch.device(device):  # weights are created (and initialised) on the device
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if next(model.parameters()).device.type != device.type:
+        model.to(device)  # a transformers version that builds on the CPU regardless
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     lm = wrap_lm(model.eval(), tokenizer, name=f"{shape.name}-{shape.arch}-random-s{seed}")
     calibrate_logits(lm)
@@ -167,10 +169,17 @@ def perturbed_copy(lm: LM, noise: float, *, seed: int = 1) -> LM:
 
 
 def free(*lms: LM | None) -> None:
-    """Drop the models' weights and return the memory to the device."""
+    """Drop the models' weights and return the memory to the device (never raises: it runs
+    after a section's results are in)."""
+    import gc
+
     for lm in lms:
         if lm is not None:
-            lm.model.to("meta")
+            try:
+                lm.model.to("meta")
+            except Exception:  # the caller's references go anyway; the cache is emptied below
+                logger.exception("could not move %s to the meta device", lm.name)
+    gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
