@@ -45,7 +45,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
@@ -116,7 +116,7 @@ class Report:
         self.path = out_dir / REPORT_NAME
         self.budget = budget
         self.data: dict[str, Any] = {
-            "schema": SCHEMA, "started": datetime.now(UTC).isoformat(timespec="seconds"),
+            "schema": SCHEMA, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "args": args, "budget_s": budget.total_s, "machine": {}, "sections": {},
             "summary": {}}
 
