@@ -342,7 +342,7 @@ def relaxed_accept_length(draft: torch.Tensor, logits: torch.Tensor, *, top_k: i
     target = logits.argmax(-1)
     match = (draft == target[:k]).tolist()
     logp = torch.log_softmax(logits[:k].float(), dim=-1)  # [k, V]
-    rows = torch.arange(k)
+    rows = torch.arange(k, device=logits.device)
     logp_x = logp[rows, draft]  # [k]
     gap = logp.max(-1).values - logp_x  # log p(top1) - log p(x_i)
     rank = (logp > logp_x[:, None]).sum(-1)  # tokens strictly more likely than x_i
