@@ -5,11 +5,14 @@
 # The GPU machine has torch, transformers, accelerate, tokenizers, numpy, scipy, matplotlib and
 # sentence-transformers, but no faiss / bm25s / gguf / xgrammar and no network. The check needs
 # none of them (dense retrieval falls back to numpy without faiss; the grammar check is recorded
-# as skipped without xgrammar). Optional extras travel as wheels in .whl/ (ignored by git, carried
-# with the run): to also check the xgrammar mask, on a machine with network run
+# as skipped without xgrammar), so no wheel is needed. Optional extras travel as wheels in .whl/
+# (ignored by git, carried with the run; installed with --no-deps, so a wheel whose own
+# dependencies are missing there will not import): to try the xgrammar mask too, on a machine
+# with network run
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #         --platform manylinux_2_28_x86_64 -d .whl xgrammar
-# (mind the 64 MiB carried in all; the repository is ~19 MiB). Then, from the repository root:
+# (untried here; mind the 64 MiB carried in all, the repository is ~19 MiB). Then, from the
+# repository root:
 #     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
 # (without .whl/: run(command="bash scripts/gpu_check.sh", timeout_s=480)); the files under
 # $OUT come back: copy them into results/gpu/<date>-<gpu>/ and commit. Environment: OUT
