@@ -69,7 +69,10 @@ def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """Draw one token id from a ``[V]`` probability vector."""
+    """Draw one token id from a ``[V]`` probability vector (on the generator's device: the
+    engines seed a CPU generator, so CUDA probabilities are copied over for the draw)."""
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator).item())
 
 
@@ -89,6 +92,7 @@ def greedy_accept_length(draft: torch.Tensor, target: torch.Tensor) -> int:
     n = min(draft.shape[0], target.shape[0])
     if n == 0:
         return 0
+    target = target.to(draft.device)  # CUDA argmaxes against drafted ids built on the host
     return int((draft[:n] == target[:n]).int().cumprod(0).sum().item())
 
 
@@ -99,7 +103,7 @@ def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> Verdict:
         draft: ``[k]`` drafted token ids.
         logits: ``[k + 1, V]`` target logits (row ``i`` predicts drafted token ``i``).
     """
-    target = logits.argmax(-1)
+    target = logits.argmax(-1).cpu()  # the round's one copy to the host
     n = greedy_accept_length(draft, target[:-1])
     return Verdict(n, int(target[n].item()))
 
@@ -141,12 +145,12 @@ def verify_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None 
         q_x = torch.ones_like(p_x) if q is None else q[rows, draft]
         ratio = torch.clamp(p_x / q_x.clamp_min(1e-20), max=1.0)
         u = torch.rand(k, generator=generator)
-        n = int((u < ratio).int().cumprod(0).sum().item())
+        n = int((u < ratio.cpu()).int().cumprod(0).sum().item())
     else:
         n = 0
     if n == k:
         return Verdict(k, sample(p_accept[k], generator))
-    q_n = (torch.nn.functional.one_hot(draft[n], p.shape[-1]).to(p.dtype) if q is None
+    q_n = (torch.nn.functional.one_hot(draft[n], p.shape[-1]).to(p.device, p.dtype) if q is None
            else q[n])
     residual = _normalise_or(residual_fn(p[n], q_n), p[n])
     return Verdict(n, sample(residual, generator))
@@ -179,10 +183,12 @@ def verify_tree(tokens: torch.Tensor, parents: Sequence[int], logits: torch.Tens
     children = tree_children(parents)
     path: list[int] = []
     node, row = -1, 0
+    # greedy: every row's argmax in one copy to the host, not one per tree level
+    argmax = logits.argmax(-1).tolist() if sampling.greedy else []
     while True:
         kids = children.get(node, [])
         if sampling.greedy:
-            target = int(logits[row].argmax().item())
+            target = argmax[row]
             match = next((c for c in kids if int(tokens[c]) == target), None)
             if match is None:
                 return TreeVerdict(tuple(path), target)
@@ -194,7 +200,8 @@ def verify_tree(tokens: torch.Tensor, parents: Sequence[int], logits: torch.Tens
                 if torch.rand(1, generator=generator).item() < probs[token].item():
                     match = c
                     break
-                probs = _normalise_or(probs.index_fill(0, torch.tensor([token]), 0.0), probs)
+                removed = probs.index_fill(0, torch.tensor([token], device=probs.device), 0.0)
+                probs = _normalise_or(removed, probs)
             if match is None:
                 return TreeVerdict(tuple(path), sample(probs, generator))
         path.append(match)
@@ -294,7 +301,7 @@ def verify_rapid_greedy(draft: torch.Tensor, logits: torch.Tensor, q: torch.Tens
         return verify_greedy(draft, logits)
     p = torch.softmax(logits[:k].float(), dim=-1)
     target = torch.cat([rapid_target_probs(p, q, eta, alpha, head).argmax(-1),
-                        logits[k:].argmax(-1)])
+                        logits[k:].argmax(-1)]).cpu()  # the round's one copy to the host
     n = greedy_accept_length(draft, target[:-1])
     return Verdict(n, int(target[n].item()))
 
@@ -331,10 +338,11 @@ def relaxed_accept_length(draft: torch.Tensor, logits: torch.Tensor, *, top_k: i
     k = draft.shape[0]
     if k == 0:
         return 0, 0
+    draft = draft.to(logits.device)
     target = logits.argmax(-1)
     match = (draft == target[:k]).tolist()
     logp = torch.log_softmax(logits[:k].float(), dim=-1)  # [k, V]
-    rows = torch.arange(k)
+    rows = torch.arange(k, device=logits.device)
     logp_x = logp[rows, draft]  # [k]
     gap = logp.max(-1).values - logp_x  # log p(top1) - log p(x_i)
     rank = (logp > logp_x[:, None]).sum(-1)  # tokens strictly more likely than x_i

@@ -28,7 +28,10 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "probe-dtype": ("shared_core.bench.probes", "add_dtype_arguments", "run_dtype"),
     "probe-contention": ("shared_core.bench.probes", "add_contention_arguments", "run_contention"),
     "probe-verify": ("shared_core.bench.probes", "add_verify_arguments", "run_verify"),
+    "gpu": ("shared_core.bench.gpu", "add_arguments", "run"),
 }
+# benchmarks that write their own report files (--out is a folder)
+WRITE_OWN_REPORT = frozenset({"gpu"})
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,8 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
         child.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
         try:
             getattr(importlib.import_module(module), add_args)(child)
-        except ImportError as e:  # an engine module that is not built yet
-            child.set_defaults(_unavailable=str(e))
+        except Exception as e:  # a module whose dependencies this machine lacks (or breaks):
+            # only that benchmark is refused, the others still run (the GPU machine has no faiss)
+            child.set_defaults(_unavailable=f"{type(e).__name__}: {e}")
     return parser
 
 
@@ -60,7 +64,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     module, _, run = BENCHMARKS[args.benchmark]
     report = getattr(importlib.import_module(module), run)(args)
-    if "{dataset}" not in (args.out or ""):  # a per-dataset pattern: each report is written
+    # a per-dataset pattern: each report is written by the module, as is a folder of reports
+    if args.benchmark not in WRITE_OWN_REPORT and "{dataset}" not in (args.out or ""):
         write_report(report, args.out)
     if args.plot and "methods" in report:
         plot_report(report, args.plot)

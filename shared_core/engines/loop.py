@@ -232,7 +232,8 @@ class Run:
                 node = parents[node]
             path.reverse()
             rows = [0, *(i + 1 for i in path)]
-            out[rows] = self.logits_mask.mask(logits[rows], [tokens[i] for i in path])
+            masked = self.logits_mask.mask(logits[rows], [tokens[i] for i in path])
+            out[rows] = masked.to(out.dtype)  # bf16 / fp16 logits into the float32 copy
         return out
 
     def choose(self, logits: torch.Tensor) -> int:

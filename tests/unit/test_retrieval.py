@@ -95,6 +95,22 @@ def test_dense_batched_search_matches_single_queries(kind: str) -> None:
         assert all(a.score >= b.score for a, b in itertools.pairwise(hits))
 
 
+def test_exact_dense_search_without_faiss_equals_faiss(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where faiss is not installed (the GPU machine) the exact index is numpy's: same hits."""
+    from shared_core.retrieval.faiss_index import NumpyFlatIP
+
+    queries = ["capital of France", "quick brown fox", "suffix automaton", "target model"]
+    with_faiss = dense().search(queries, k=len(DOCS) + 2)
+    monkeypatch.setitem(sys.modules, "faiss", None)  # import faiss now fails
+    retriever = dense()
+    assert isinstance(retriever._index, NumpyFlatIP)
+    without = retriever.search(queries, k=len(DOCS) + 2)
+    assert [[(h.document.id, h.score) for h in hits] for hits in without] == [
+        [(h.document.id, h.score) for h in hits] for hits in with_faiss]
+    with pytest.raises(ImportError):
+        dense("hnsw")  # approximate search has no fallback
+
+
 def test_dense_hits_do_not_depend_on_the_batch() -> None:
     """faiss' float32 scores vary with the batch size; our re-scored hits must not (RaLMSpec
     verifies in batches what its baseline retrieves one query at a time)."""

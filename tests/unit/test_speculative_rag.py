@@ -94,6 +94,22 @@ def test_kmeans_is_seeded_and_separates_clusters():
     assert len(set(labels[:5])) == 1 and len(set(labels[5:])) == 1 and labels[0] != labels[5]
 
 
+def test_kmeans_without_faiss_finds_the_same_clusters(monkeypatch):
+    import sys
+
+    rng = np.random.default_rng(3)
+    centres = rng.standard_normal((3, 16)) * 4
+    vectors = np.concatenate([c + rng.standard_normal((6, 16)) for c in centres]).astype(
+        np.float32)
+    with_faiss = kmeans_labels(vectors, 3, seed=5)
+    monkeypatch.setitem(sys.modules, "faiss", None)  # the GPU machine has no faiss
+    without = kmeans_labels(vectors, 3, seed=5)
+    assert without == kmeans_labels(vectors, 3, seed=5)  # seeded
+    # the same partition (cluster ids may be numbered differently)
+    assert len({(a, b) for a, b in zip(with_faiss, without, strict=True)}) == 3
+    assert sorted(np.bincount(without).tolist()) == [6, 6, 6]
+
+
 def test_engine_subsets_follow_strategy(drafter, verifier):
     eng = engine(drafter, verifier, subset_strategy="random")
     subsets = eng.sample_subsets("q", DOCS)

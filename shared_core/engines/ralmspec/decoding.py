@@ -24,7 +24,7 @@ from shared_core.rag_config import (
 from shared_core.retrieval.base import Document, Hit, doc_key
 from shared_core.runtime.protocol import ModelLM, ServedLM, SessionLM, open_session
 from shared_core.stats import DecodeStats
-from shared_core.verify import warp_probs
+from shared_core.verify import sample, warp_probs
 
 _SENTINEL = "\u2063RALM_DOC\u2063"
 
@@ -97,8 +97,7 @@ class RaLMDecoder(RaLMDecoderState):
         if self.sampling.greedy:
             return int(logits.argmax().item())
         generator = torch.Generator().manual_seed(self.position_seed())
-        probs = warp_probs(logits, self.sampling)
-        return int(torch.multinomial(probs, 1, generator=generator).item())
+        return sample(warp_probs(logits, self.sampling), generator)  # drawn on the CPU
 
     def step(self, doc: Document) -> int:
         """Generate up to ``retrieval_stride`` tokens under ``doc``; return how many."""

@@ -36,16 +36,46 @@ def embed_for_question(embedder: Any, question: str, docs: Sequence[Document],
 
 
 def kmeans_labels(vectors: np.ndarray, k: int, seed: int, iters: int = 25) -> list[int]:
-    """K-means cluster ids (faiss, seeded; a single cluster needs no clustering)."""
+    """K-means cluster ids (faiss, seeded; a single cluster needs no clustering). Without faiss
+    installed (e.g. a GPU machine with only torch's stack): :func:`numpy_kmeans_labels`."""
     if k == 1:
         return [0] * len(vectors)
-    import faiss
+    try:
+        import faiss
+    except ImportError:
+        return numpy_kmeans_labels(vectors, k, seed, iters)
 
     km = faiss.Kmeans(vectors.shape[1], k, niter=iters, seed=seed, nredo=3, verbose=False,
                       min_points_per_centroid=1, spherical=True)
     km.train(vectors)
     _, labels = km.index.search(vectors, 1)
     return [int(x) for x in labels[:, 0]]
+
+
+def numpy_kmeans_labels(vectors: np.ndarray, k: int, seed: int, iters: int = 25,
+                        redo: int = 3) -> list[int]:
+    """Spherical K-means in numpy, seeded, best of ``redo`` starts (faiss' settings above; the
+    clusters are alike, not bit-identical to faiss')."""
+    import numpy as np
+
+    x = vectors / np.maximum(np.linalg.norm(vectors, axis=1, keepdims=True), 1e-12)
+    rng = np.random.default_rng(seed)
+    best: tuple[float, np.ndarray] | None = None
+    for _ in range(redo):
+        centroids = x[rng.choice(len(x), size=k, replace=False)]
+        for _ in range(iters):
+            labels = (x @ centroids.T).argmax(1)
+            for c in range(k):
+                members = x[labels == c]
+                if len(members):
+                    mean = members.sum(0)
+                    centroids[c] = mean / max(float(np.linalg.norm(mean)), 1e-12)
+        sims = x @ centroids.T
+        labels, objective = sims.argmax(1), float(sims.max(1).sum())
+        if best is None or objective > best[0]:
+            best = (objective, labels)
+    assert best is not None
+    return [int(v) for v in best[1]]
 
 
 def subset_shape(n_docs: int, num_drafts: int, docs_per_draft: int) -> tuple[int, int]:

@@ -1,0 +1,91 @@
+"""The GPU check's CPU dry run (``python -m shared_core.bench gpu --device cpu --tiny``), run as
+the GPU machine would: in a fresh process where faiss, bm25s, gguf, xgrammar, LangChain and
+LlamaIndex cannot be imported. Every section must be written, and on a CPU in fp32 every lossless
+engine must equal greedy decoding token for token."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+ABSENT_THERE = ("faiss", "bm25s", "gguf", "xgrammar", "langchain", "langchain_core",
+                "llama_index", "llama_cpp")
+SCRIPT = f"""
+import sys
+for name in {ABSENT_THERE!r}:
+    sys.modules[name] = None  # import fails, as on the GPU machine
+from shared_core.bench.__main__ import main
+raise SystemExit(main(sys.argv[1:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    out = tmp_path_factory.mktemp("gpu")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECRAG_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "-c", SCRIPT, "gpu", "--device", "cpu", "--tiny",
+                    "--threads", "1", "--out", str(out)], cwd=ROOT, env=env, check=True,
+                   capture_output=True, timeout=300)
+    assert (out / "gpu_k_cost.png").stat().st_size > 0
+    return json.loads((out / "gpu_report.json").read_text(encoding="utf-8"))
+
+
+def test_every_section_is_written_and_ran(report: dict) -> None:
+    assert report["schema"] == "specrag-gpu-check/1"
+    assert set(report["sections"]) == {
+        "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "physics/tiny-a", "physics/tiny-b",
+        "physics/tiny-c", "correctness/llama-tiny-a/bf16"}
+    assert {s["status"] for s in report["sections"].values()} == {"ok"}
+    assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
+
+
+def test_cpu_fp32_equality_holds_for_every_lossless_engine(report: dict) -> None:
+    section = report["sections"]["correctness/tiny-a/fp32"]
+    assert section["errors"] == {}
+    checked = {c["check"].split("/")[0] for c in section["comparisons"]}
+    assert checked == {"draft_model", "prompt_lookup", "respec_strict", "rapid_eta0", "ralmspec",
+                       "constrained", "speculative_rag"}
+    for c in section["comparisons"]:
+        if "skipped" in c["detail"]:
+            assert c["detail"]["skipped"] == "xgrammar not installed"
+            continue
+        assert c["equal"] and c["identical_rate"] == 1.0 and c["first_divergence"] is None, c
+    perturbed = [c["detail"]["acceptance"] for c in section["comparisons"]
+                 if c["check"].startswith("draft_model/perturbed")]
+    assert any(0 < a < 1 for a in perturbed)  # the noisy drafter is neither always right nor wrong
+    assert [s["check"] for s in section["sampling"]] == ["sampling/draft_model",
+                                                        "sampling/respec_strict"]
+    for s in section["sampling"]:
+        assert s["outside_support"] == 0  # never a token the warped target law excludes
+
+
+def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) -> None:
+    for name in ("physics/tiny-a", "physics/tiny-b", "physics/tiny-c"):
+        section = report["sections"][name]
+        assert set(section["k_cost"]) == {"1", "2", "4", "8", "16", "32", "64"}
+        assert section["k_cost"]["1"]["over_step"] == 1.0
+        assert section["prefill"]["tok_s"] > 0
+        decode = section["decode"]
+        assert decode["ours"]["tok_s"] > 0 and decode["generate"]["tok_s"] > 0
+        # measured, not asserted: in bf16 a near-tie may go either way between the two loops
+        assert 0 <= decode["tokens_vs_generate"]["identical_rate"] <= 1
+    assert set(report["summary"]["ours_over_generate"]) == {
+        "physics/tiny-a", "physics/tiny-b", "physics/tiny-c"}
+
+
+def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
+    from shared_core.bench.gpu import Budget, Report
+
+    report = Report(tmp_path, {}, Budget(1.0))
+    report.section("slow", 5.0, lambda: {"never": True})
+    report.section("failing", 0.0, lambda: {"x": 1 / 0})
+    data = json.loads((tmp_path / "gpu_report.json").read_text(encoding="utf-8"))
+    assert data["sections"]["slow"]["status"] == "skipped: budget"
+    failed = data["sections"]["failing"]
+    assert failed["status"] == "error" and failed["error"]["type"] == "ZeroDivisionError"
