@@ -192,7 +192,8 @@ class GrammarMask:
                 matcher.rollback(accepted)
         out = logits.float().clone()
         if filled:
-            xgr.apply_token_bitmask_inplace(out, bitmask, vocab_size=self._vocab_size,
+            # the matcher fills a CPU bitmask; xgrammar's CUDA kernel wants it beside the logits
+            xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=self._vocab_size,
                                             indices=list(range(filled)))
         return out
 

@@ -21,6 +21,7 @@ import torch
 from shared_core.bench.gpu_models import CORPUS
 from shared_core.config import SamplingConfig
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+from shared_core.lm import clear_prefix_cache
 from shared_core.models import LM
 from shared_core.retrieval.base import Document, Hit
 from shared_core.verify import warp_probs
@@ -190,7 +191,9 @@ def check_rapid(target: LM, drafter: LM, n: int) -> list[Comparison]:
         decoder = RapidDecoder(target, draft_lm=draft_lm, embedder=HashEmbedder(), config=config)
         for query in QUERIES:
             prompt = decoder.prepare(CONTEXT, query, n)
+            clear_prefix_cache(target)
             reference = autoregressive_generate(target, list(prompt.target_ids), n).token_ids
+            clear_prefix_cache(target)  # cold against cold: a reused prefix is not bit-exact in bf16
             result = decoder.generate(CONTEXT, query, n, eta=0.0)
             out.append(compare(f"rapid_eta0/{name}", result.token_ids, reference, query=query,
                                **acceptance(result.stats)))
