@@ -374,6 +374,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip sections that would end after this many seconds")
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="physics shapes (default: all of the mode's)")
+    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
+                        help="dtypes of the correctness sections (default: both)")
+    parser.add_argument("--only-correctness", action="store_true",
+                        help="skip the physics and the Llama section (a short re-check)")
 
 
 def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, float]:
@@ -413,17 +417,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     tokenizer = bench_tokenizer()
     smallest = shapes[min(chosen, key=lambda s: shapes[s].params_b)]
     check_s, _ = estimates(smallest, device, args.tiny)
-    for dtype in (torch.float32, torch.bfloat16):
-        tag = "fp32" if dtype == torch.float32 else "bf16"
+    for tag in args.dtypes:
+        dtype = torch.float32 if tag == "fp32" else torch.bfloat16
         report.section(f"correctness/{smallest.name}/{tag}", check_s,
                        lambda dtype=dtype: correctness(smallest, tokenizer, device, dtype, sizes))
-    for name in sorted(chosen, key=lambda s: shapes[s].params_b):
+    for name in [] if args.only_correctness else sorted(chosen, key=lambda s: shapes[s].params_b):
         shape = shapes[name]
         report.section(f"physics/{name}", estimates(shape, device, args.tiny)[1],
                        lambda shape=shape: physics(shape, tokenizer, device, sizes))
     llama = replace(smallest, name=f"llama-{smallest.name}", arch="llama")
-    report.section(f"correctness/{llama.name}/bf16", check_s,
-                   lambda: correctness(llama, tokenizer, device, torch.bfloat16, sizes))
+    if not args.only_correctness:
+        report.section(f"correctness/{llama.name}/bf16", check_s,
+                       lambda: correctness(llama, tokenizer, device, torch.bfloat16, sizes))
     try:
         plot(report.data, out_dir / PLOT_NAME)
     except Exception:  # the JSON is the result; a plot is a convenience
