@@ -49,6 +49,9 @@ def llama_cpp_module() -> Any:
     with _RUNTIME_LOCK:
         if "module" in _RUNTIME:
             return _RUNTIME["module"]
+        from shared_core.backends.llamacpp_builds import choose_build
+
+        build = choose_build(default_threads())
         try:
             import llama_cpp
         except ImportError as e:
@@ -61,7 +64,7 @@ def llama_cpp_module() -> Any:
 
         llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
-        _RUNTIME.update(module=llama_cpp, log_callback=_log)
+        _RUNTIME.update(module=llama_cpp, log_callback=_log, build=build)
         return llama_cpp
 
 
