@@ -28,8 +28,9 @@ from typing import Any, ClassVar
 
 from shared_core.backends.llamacpp_prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
 from shared_core.backends.llamacpp_session import MAX_TREE_LEAVES, LlamaCppSession
+from shared_core.backends.llamacpp_threads import choose_threads
 from shared_core.config import check_prefix_cache
-from shared_core.device import threads_from_env
+from shared_core.device import note_thread_policy, threads_from_env
 from shared_core.lm import LM
 
 logger = logging.getLogger(__name__)
@@ -90,7 +91,7 @@ class LlamaCppSettings:
     """How a GGUF is run: positions per session, threads, batch size, exact (no repacking)."""
 
     n_ctx: int | None = None  # None: min(trained context, DEFAULT_N_CTX)
-    n_threads: int | None = None  # None: $SPECRAG_NUM_THREADS, else the CPUs this process may use
+    n_threads: int | None = None  # None: $SPECRAG_NUM_THREADS, else the usable CPUs not busy (choose_threads)
     n_batch: int = DEFAULT_N_BATCH
     exact: bool = False  # no weight repacking: batch-invariant logits, slower steps
     prefix_cache: bool = True  # idle contexts keep their KV for the next prompt with that prefix
@@ -178,7 +179,9 @@ class LlamaCppModel:
         self.n_vocab = int(llama.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self.ptr))
         self.n_ctx = settings.n_ctx or min(self.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
-        self.threads = settings.n_threads or default_threads()
+        choice = choose_threads(settings.n_threads or threads_from_env())
+        self.threads, self.thread_policy = choice.threads, choice.policy
+        note_thread_policy("llama.cpp", f"{choice.threads} threads, {choice.policy}")
         self.settings = settings
         self.max_sequences = MAX_TREE_LEAVES  # besides sequence 0: tree leaves, parallel rows
         self._lock = threading.Lock()

@@ -64,7 +64,8 @@ def installed_build(lib_dir: Path | None = None) -> str | None:
         version = "?"
     libs = sorted((lib_dir or Path(spec.origin).parent / "lib").glob("*llama*"))
     stamps = [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in libs]
-    return f"{version} {' '.join(stamps)}"
+    where = f"{lib_dir} " if lib_dir is not None else ""
+    return f"{version} {where}{' '.join(stamps)}"
 
 
 def verdict_path(threads: int, build: str) -> Path:

@@ -43,7 +43,7 @@ class Setting:
         return f"t{self.threads}_poll{self.poll}"
 
 
-class _Context:
+class SpeedContext:
     """One context (and its attached pool) of a loaded model."""
 
     def __init__(self, llama: Any, model: Any, setting: Setting, n_ctx: int):
@@ -105,7 +105,7 @@ def measure_settings(path: Path, settings: Sequence[Setting], *, prefill: int = 
     model = load_model(path)
     n_vocab = int(llama.llama_vocab_n_tokens(llama.llama_model_get_vocab(model)))
     tokens = [(i * 7919) % (n_vocab - 1000) + 500 for i in range(prefill + max(ks))]
-    contexts = {s.name: _Context(llama, model, s, prefill + max(ks) + 16) for s in settings}
+    contexts = {s.name: SpeedContext(llama, model, s, prefill + max(ks) + 16) for s in settings}
     prefill_s: dict[str, list[float]] = {name: [] for name in contexts}
     step_s: dict[str, dict[int, list[float]]] = {name: {k: [] for k in ks} for name in contexts}
     try:
@@ -147,7 +147,7 @@ def perplexity(path: Path, text: str, *, chunk: int = 256, max_chunks: int = 8,
     n = llama.llama_tokenize(vocab, data, len(data), buf, len(buf), False, False)
     ids = list(buf[:n])
     n_vocab = int(llama.llama_vocab_n_tokens(vocab))
-    context = _Context(llama, model, Setting(threads, DEFAULT_POLL), chunk)
+    context = SpeedContext(llama, model, Setting(threads, DEFAULT_POLL), chunk)
     nll, count = 0.0, 0
     try:
         for start in range(0, min(len(ids) - chunk, chunk * max_chunks) + 1, chunk):
