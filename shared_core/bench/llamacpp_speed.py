@@ -135,7 +135,7 @@ def _summary(prefill: int, prefill_s: list[float], steps: dict[int, list[float]]
 
 
 def perplexity(path: Path, text: str, *, chunk: int = 256, max_chunks: int = 8,
-               threads: int = 2) -> dict[str, Any]:
+               threads: int = 1) -> dict[str, Any]:
     """Perplexity of ``text`` under the GGUF at ``path``: chunks of ``chunk`` tokens, each scored
     from its own start, the second half of each chunk counted (llama.cpp's perplexity tool
     does the same), at most ``max_chunks`` chunks."""
@@ -209,9 +209,19 @@ def speed_report(args: Any) -> dict[str, Any]:
         source = resolve_lm_source(name).gguf
         if source is None:
             continue
-        report["models"][name] = {fmt: _format_report(llama, source, fmt, settings, text, args)
-                                  for fmt in args.formats}
+        report["models"][name] = {}
+        for fmt in args.formats:
+            report["models"][name][fmt] = _format_report(llama, source, fmt, settings, text, args)
+            _keep_partial(report, getattr(args, "out", None))
     return report
+
+
+def _keep_partial(report: dict[str, Any], out: str | None) -> None:
+    """The formats measured so far beside ``out`` (a run stopped at its time limit keeps them)."""
+    import json
+
+    if out:
+        Path(f"{out}.partial").write_text(json.dumps(report, indent=1, default=str))
 
 
 def _format_report(llama: Any, source: Path, fmt: str, settings: list[Setting], text: str,
