@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from shared_core.backends.llamacpp import llama_cpp_module
-from shared_core.backends.llamacpp_threads import Threadpool
+from shared_core.backends.llamacpp_threads import Threadpool, usable_cpus
+from shared_core.device import cpu_model_and_flags
 
 logger = logging.getLogger(__name__)
 
@@ -203,7 +204,9 @@ def speed_report(args: Any) -> dict[str, Any]:
     llama = llama_cpp_module()
     settings = [Setting(t, p) for t in args.llamacpp_threads for p in args.polls]
     text = squad_text()
-    report: dict[str, Any] = {"build": build_facts(llama), "prefill": args.prefill,
+    cpu, flags = cpu_model_and_flags()
+    report: dict[str, Any] = {"build": build_facts(llama), "cpu": cpu, "cpu_flags": sorted(flags),
+                              "cpus_usable": usable_cpus(), "prefill": args.prefill,
                               "ks": args.ks, "rounds": args.rounds, "models": {}}
     for name in args.models:
         source = resolve_lm_source(name).gguf
