@@ -181,7 +181,8 @@ class LlamaCppModel:
         self.n_ctx = settings.n_ctx or min(self.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
         choice = choose_threads(settings.n_threads or threads_from_env())
         self.threads, self.thread_policy = choice.threads, choice.policy
-        note_thread_policy("llama.cpp", f"{choice.threads} threads, {choice.policy}")
+        note_thread_policy("llama.cpp", f"{choice.threads} thread{'s' * (choice.threads != 1)}, "
+                                        f"{choice.policy}")
         self.settings = settings
         self.max_sequences = MAX_TREE_LEAVES  # besides sequence 0: tree leaves, parallel rows
         self._lock = threading.Lock()

@@ -126,3 +126,12 @@ def test_the_amx_build_decodes_what_the_portable_build_decodes():
         outputs[label] = json.loads(done.stdout.strip().splitlines()[-1])
     assert outputs["amx"]["True"] == outputs["portable"]["True"]
     assert outputs["amx"]["False"] == outputs["portable"]["False"]
+
+
+def test_a_loaded_model_says_how_its_threads_were_chosen():
+    from shared_core.models import load_lm
+    from shared_core.stats import DecodeStats
+
+    lm = load_lm(MODEL, backend="llama.cpp", n_ctx=256)
+    assert 1 <= lm.model.threads <= len(os.sched_getaffinity(0))
+    assert DecodeStats().as_dict()["thread_policy"].startswith(f"llama.cpp: {lm.model.threads} thread")

@@ -30,6 +30,6 @@ def test_an_asked_count_is_kept_whatever_the_load():
 def test_stats_report_the_thread_policy(monkeypatch):
     monkeypatch.setattr(device, "_THREAD_POLICY", {})
     assert DecodeStats().as_dict()["thread_policy"] is None
-    device.note_thread_policy("llama.cpp", "1 threads, 1 of 2 usable CPUs: load 1.20 at load time")
+    device.note_thread_policy("llama.cpp", "1 thread, 1 of 2 usable CPUs: load 1.20 at load time")
     assert DecodeStats().as_dict()["thread_policy"] == (
-        "llama.cpp: 1 threads, 1 of 2 usable CPUs: load 1.20 at load time")
+        "llama.cpp: 1 thread, 1 of 2 usable CPUs: load 1.20 at load time")
