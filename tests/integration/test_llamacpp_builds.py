@@ -133,5 +133,5 @@ def test_a_loaded_model_says_how_its_threads_were_chosen():
     from shared_core.stats import DecodeStats
 
     lm = load_lm(MODEL, backend="llama.cpp", n_ctx=256)
-    assert 1 <= lm.model.threads <= len(os.sched_getaffinity(0))
+    assert lm.model.threads >= 1 and lm.model.thread_policy
     assert DecodeStats().as_dict()["thread_policy"].startswith(f"llama.cpp: {lm.model.threads} thread")
