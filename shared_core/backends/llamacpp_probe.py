@@ -62,6 +62,8 @@ def installed_build(lib_dir: Path | None = None) -> str | None:
         version = importlib.metadata.version("llama_cpp_python")
     except importlib.metadata.PackageNotFoundError:
         version = "?"
+    if lib_dir is None and os.environ.get("LLAMA_CPP_LIB_PATH"):  # what a child would load too
+        lib_dir = Path(os.environ["LLAMA_CPP_LIB_PATH"])
     libs = sorted((lib_dir or Path(spec.origin).parent / "lib").glob("*llama*"))
     stamps = [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in libs]
     where = f"{lib_dir} " if lib_dir is not None else ""
