@@ -63,8 +63,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     speed.add_argument("--polls", nargs="+", default=["default", "0"],
                        help="'default' (no pool attached: one per decode, poll 50) or a level "
                             "0-100 of a ggml thread pool attached to the context")
-    speed.add_argument("--loads", nargs="+", default=["quiet", "busy"], choices=["quiet", "busy"],
-                       help="busy: beside a CPU-bound process started for the measurement")
+    speed.add_argument("--loads", nargs="*", default=["quiet", "busy"], choices=["quiet", "busy"],
+                       help="busy: beside a CPU-bound process started for the measurement "
+                            "(none: quality only)")
+    speed.add_argument("--accuracy-questions", type=int, default=0,
+                       help="NQ-open questions (gold passage given) answered greedily per format")
     speed.add_argument("--prefill", type=int, default=256, help="prefill tokens (then the k steps)")
     speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
     speed.add_argument("--perplexity-chunks", type=int, default=4,

@@ -235,6 +235,8 @@ def _format_report(llama: Any, source: Path, fmt: str, settings: list[Setting], 
     out: dict[str, Any] = {"file": path.name, "bytes": path.stat().st_size}
     if args.perplexity_chunks:
         out["quality"] = perplexity(path, text, max_chunks=args.perplexity_chunks)
+    if getattr(args, "accuracy_questions", 0):
+        out["task"] = nq_accuracy(path, args.accuracy_questions)
     for load in args.loads:
         with competing_process(load == "busy") as pid:
             before = loadavg()
@@ -256,3 +258,81 @@ def squad_text(passages: int = 40) -> str:
     with (data_dir() / "squad_expmrc" / "corpus.jsonl").open() as f:
         rows = [json.loads(line) for _, line in zip(range(passages), f, strict=False)]
     return "\n\n".join(row["text"] for row in rows)
+
+
+def nq_accuracy(path: Path, questions: int, *, threads: int = 1,
+                max_new_tokens: int = 32) -> dict[str, Any]:
+    """Share of the first ``questions`` NQ-open questions (with their gold passage) whose greedy
+    answer contains a gold answer (normalized), and the answers themselves (to count flips)."""
+    llama = llama_cpp_module()
+    model = load_model(path)
+    vocab = llama.llama_model_get_vocab(model)
+    context = SpeedContext(llama, model, Setting(threads, DEFAULT_POLL), 1024)
+    answers: list[str] = []
+    correct = 0
+    try:
+        for row in nq_rows(questions):
+            text = _greedy(llama, context, vocab, _qa_prompt(row), max_new_tokens)
+            answers.append(text)
+            correct += any(_norm(a) and _norm(a) in _norm(text) for a in row["answers"])
+    finally:
+        context.free()
+        llama.llama_model_free(model)
+    return {"questions": len(answers), "accuracy": round(100 * correct / max(1, len(answers)), 1),
+            "answers": answers}
+
+
+def nq_rows(questions: int) -> list[dict[str, Any]]:
+    import json
+
+    from shared_core.bench.common import data_dir
+
+    folder = data_dir() / "nq_open_oracle"
+    with (folder / "corpus.jsonl").open() as f:
+        passages = {p["pid"]: p for p in map(json.loads, f)}
+    with (folder / "questions.jsonl").open() as f:
+        rows = [json.loads(line) for _, line in zip(range(questions), f, strict=False)]
+    for row in rows:
+        row["passage"] = passages[row["gold_pids"][0]]
+    return rows
+
+
+def _qa_prompt(row: dict[str, Any]) -> str:
+    passage = row["passage"]  # ChatML: the chat format of both embedded models (SmolLM2, Qwen2.5)
+    return (f"<|im_start|>user\nAnswer the question with a few words from the passage.\n\n"
+            f"Passage ({passage['title']}): {passage['text']}\n\nQuestion: {row['question']}?"
+            "<|im_end|>\n<|im_start|>assistant\n")
+
+
+def _greedy(llama: Any, context: SpeedContext, vocab: Any, prompt: str, max_new: int) -> str:
+    import numpy as np
+
+    data = prompt.encode()
+    buf = (ctypes.c_int32 * (len(data) + 8))()
+    n = llama.llama_tokenize(vocab, data, len(data), buf, len(buf), False, True)
+    ids = list(buf[:min(n, 1024 - max_new)])
+    n_vocab = int(llama.llama_vocab_n_tokens(vocab))
+    context.rollback(0)
+    context.decode(ids, 0)
+    last, pieces = len(ids) - 1, []
+    for step in range(max_new):
+        row = np.ctypeslib.as_array(llama.llama_get_logits_ith(context.ctx, last), shape=(n_vocab,))
+        token = int(row.argmax())
+        if llama.llama_vocab_is_eog(vocab, token):
+            break
+        piece = ctypes.create_string_buffer(64)
+        size = llama.llama_token_to_piece(vocab, token, piece, len(piece), 0, False)
+        pieces.append(piece.raw[:max(size, 0)])
+        if b"\n" in pieces[-1] and b"".join(pieces).strip():  # the first line of the answer
+            break
+        context.decode([token], len(ids) + step)
+        last = 0
+    return b"".join(pieces).decode("utf-8", "replace").strip().split("\n")[0].strip()
+
+
+def _norm(text: str) -> str:
+    import re
+    import string
+
+    text = "".join(c for c in text.lower() if c not in string.punctuation)
+    return " ".join(w for w in text.split() if w not in ("a", "an", "the")) if re.search(r"\w", text) else ""
