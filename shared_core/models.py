@@ -300,7 +300,9 @@ def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
     weights, reason = source.gguf, choice.reason
-    if pick_format and not settings.exact:  # exact keeps the file as shipped
+    from shared_core.backends.llamacpp_formats import format_choice_on
+
+    if pick_format and not settings.exact and format_choice_on():  # exact keeps the shipped file
         from shared_core.backends.llamacpp_formats import choose_format
         from shared_core.backends.llamacpp_threads import choose_threads
         from shared_core.device import threads_from_env

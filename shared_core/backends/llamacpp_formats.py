@@ -63,6 +63,7 @@ def repacked_gguf(llama: Any, source: Path, fmt: str, *, threads: int | None = N
     return target
 
 
+FORMAT_ENV = "SPECRAG_WEIGHT_FORMAT"  # "shipped" (default) or "auto": backend="auto" may re-pack
 CANDIDATE = "Q8_0"  # near-lossless from a 4/5-bit file; Q4_0 cost SmolLM2 8 points of NQ accuracy
 FOUR_FIVE_BIT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "IQ4")
 MIN_GAIN = 1.2  # the candidate must prefill AND step at least this much faster
@@ -206,3 +207,14 @@ def _write_verdict(path: Path, verdict: dict[str, Any]) -> None:
         tmp.replace(path)
     except OSError as e:
         logger.warning("could not keep the weight-format verdict in %s: %s", path, e)
+
+
+def format_choice_on() -> bool:
+    """Whether ``backend="auto"`` may run a re-packed file (``$SPECRAG_WEIGHT_FORMAT=auto``). Off
+    by default: which file runs would then depend on a timing taken at the first load, and the
+    quality check behind it covers SmolLM2 only (docs/backends.md, *Weight formats*)."""
+    value = os.environ.get(FORMAT_ENV, "shipped")
+    if value not in ("shipped", "auto"):
+        msg = f"{FORMAT_ENV}={value!r} must be 'shipped' or 'auto'"
+        raise ValueError(msg)
+    return value == "auto"

@@ -87,9 +87,13 @@ def test_load_lm_auto_runs_the_picked_file_and_says_so(tmp_path, monkeypatch):
     monkeypatch.setattr(llamacpp_formats, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(llamacpp_formats, "measure_formats", _fake(2.0, 2.0))
     monkeypatch.setenv("SPECRAG_NUM_THREADS", "1")
+    monkeypatch.delenv("SPECRAG_WEIGHT_FORMAT", raising=False)
+    shipped = load_lm("smollm2-135m-instruct", backend="auto", n_ctx=256)
+    if shipped.backend != "llama.cpp":
+        pytest.skip(f"backend='auto' chose {shipped.backend} here: {shipped.backend_reason}")
+    assert shipped.model.path == embedded_gguf("smollm2-135m-instruct")  # off by default
+    monkeypatch.setenv("SPECRAG_WEIGHT_FORMAT", "auto")
     lm = load_lm("smollm2-135m-instruct", backend="auto", n_ctx=256)
-    if lm.backend != "llama.cpp":
-        pytest.skip(f"backend='auto' chose {lm.backend} here: {lm.backend_reason}")
     assert "weights Q8_0" in lm.backend_reason and "Q8_0" in lm.model.path.name
     exact = load_lm("smollm2-135m-instruct", backend="auto", n_ctx=256, exact=True)
     assert exact.model.path == embedded_gguf("smollm2-135m-instruct")
