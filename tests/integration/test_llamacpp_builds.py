@@ -60,6 +60,16 @@ def test_an_amx_build_that_fails_its_probe_falls_back_with_one_log_line(fake_amx
     assert "failed (exit code" in choice.reason
 
 
+def test_an_amx_build_that_crashes_its_probe_falls_back(fake_amx, monkeypatch):
+    for lib in _installed_lib().iterdir():
+        (fake_amx / lib.name).symlink_to(lib)
+    crash = [sys.executable, "-c", "import ctypes; ctypes.string_at(0)"]  # a real SIGSEGV
+    monkeypatch.setattr(llamacpp_probe, "probe_command", lambda gguf, threads: crash)
+    choice = choose_build(2)
+    assert choice.label == "portable" and "crashed with SIGSEGV" in choice.reason
+    assert LIB_ENV not in os.environ
+
+
 def test_an_amx_build_that_passes_its_probe_is_the_one_loaded(fake_amx):
     for lib in _installed_lib().iterdir():
         (fake_amx / lib.name).symlink_to(lib)
