@@ -95,14 +95,19 @@ build() {
     mv "$tmp" "$dir"   # a build interrupted before this line leaves no wheel under the key
 }
 
+site_dir() {
+    "$PY" -c "import importlib.util as u; print(u.find_spec('llama_cpp').submodule_search_locations[0])"
+}
+
 # The AMX build's shared libraries, beside the installed package's own (lib-amx/ next to lib/).
 install_amx_libs() {
     local site unpacked
-    site=$("$PY" -c "import importlib.util as u; print(u.find_spec('llama_cpp').submodule_search_locations[0])")
+    site=$(site_dir)
     unpacked=$(mktemp -d)
     "$PY" -m zipfile -e "$(ls "$1"/llama_cpp_python-*.whl)" "$unpacked"
     rm -rf "$site/lib-amx"
     cp -a "$unpacked/llama_cpp/lib" "$site/lib-amx"
+    cp "$1/BUILD_INFO" "$site/lib-amx/BUILD_INFO"
     rm -rf "$unpacked"
 }
 
@@ -132,6 +137,7 @@ build "$main_dir" "$main_args"
 [[ -n $amx_dir ]] && build "$amx_dir" "$amx_args" "$PATCH"
 "$PY" -m pip install --quiet --no-deps --force-reinstall "$main_dir"/llama_cpp_python-*.whl
 "$PY" -m pip install --quiet "diskcache>=5.6.1" "jinja2>=2.11.3" "typing-extensions>=4.5.0"
+cp "$main_dir/BUILD_INFO" "$(site_dir)/lib/BUILD_INFO"  # what the benchmark reports name the build by
 if [[ -n $amx_dir ]]; then
     install_amx_libs "$amx_dir"
 fi
