@@ -127,7 +127,8 @@ if (( plan )); then
     exit 0
 fi
 
-marker_key=$(printf '%s|%s' "$main_dir" "$amx_dir" | sha256sum | cut -c1-16)
+marker_key=${main_dir##*-}  # the wheel's key (without AMX: as before), else both builds'
+[[ -n $amx_dir ]] && marker_key=$(printf '%s|%s' "$main_dir" "$amx_dir" | sha256sum | cut -c1-16)
 marker="$(dirname "$PY")/../.llamacpp-$marker_key"
 if [[ -f "$marker" ]] && "$PY" -c "import llama_cpp" 2>/dev/null; then
     echo "llama-cpp-python $VERSION already installed ($main_dir${amx_dir:+, AMX: $amx_dir})"
