@@ -24,7 +24,7 @@ install: $(VENV)/.installed $(VENV)/.llamacpp
 
 # llama.cpp (the CPU runtime): llama-cpp-python built from its sdist for this CPU's instruction sets
 # (about 6 min on 2 cores, once per CPU: the wheel is cached under $$SPECRAG_CACHE/wheels).
-$(VENV)/.llamacpp: $(VENV)/.installed scripts/install_llamacpp.sh
+$(VENV)/.llamacpp: $(VENV)/.installed scripts/install_llamacpp.sh scripts/patch_llamacpp_sdist.sh scripts/patches/llamacpp-amx-tiles.patch
 	bash scripts/install_llamacpp.sh $(PY)
 	touch $@
 

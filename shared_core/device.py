@@ -167,3 +167,16 @@ def current_threads() -> int | None:
     """torch's intra-op thread count if torch is loaded (stats stay torch-free otherwise)."""
     torch = sys.modules.get("torch")
     return torch.get_num_threads() if torch is not None else None
+
+
+_THREAD_POLICY: dict[str, str] = {}
+
+
+def note_thread_policy(runtime: str, policy: str) -> None:
+    """Record how ``runtime`` chose its thread count in this process (``stats`` reports it)."""
+    _THREAD_POLICY[runtime] = policy
+
+
+def thread_policy() -> str | None:
+    """How the runtimes loaded in this process chose their threads (None: none said)."""
+    return "; ".join(f"{k}: {v}" for k, v in sorted(_THREAD_POLICY.items())) or None

@@ -258,7 +258,8 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     source = resolve_lm_source(name_or_path.strip())
     choice = choose_backend(backend, source, device, dtype, cpu_linears)
     if choice.backend == "llama.cpp":
-        return _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings)
+        return _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings,
+                              pick_format=backend == "auto")
     _refuse_llamacpp_settings(n_ctx)
     apply_thread_setting()
     if source.gguf is not None:
@@ -304,7 +305,7 @@ def _warn_beyond_training(path: Path, n_ctx: int, n_ctx_train: int) -> None:
 
 
 def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_remote_code: bool,
-                   llama_settings: dict[str, Any]) -> LM:
+                   llama_settings: dict[str, Any], *, pick_format: bool = False) -> LM:
     from shared_core.backends.llamacpp import LlamaCppLM, LlamaCppModel, LlamaCppSettings
 
     assert source.gguf is not None
@@ -313,11 +314,22 @@ def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_
                                     digest=source.entry.sha256 or None if source.entry else None)
     if tokenizer.pad_token_id is None and tokenizer.eos_token is not None:
         tokenizer.pad_token = tokenizer.eos_token
-    model = LlamaCppModel(source.gguf, settings)
+    weights, reason = source.gguf, choice.reason
+    from shared_core.backends.llamacpp_formats import format_choice_on
+
+    if pick_format and not settings.exact and format_choice_on():  # exact keeps the shipped file
+        from shared_core.backends.llamacpp_formats import choose_format
+        from shared_core.backends.llamacpp_threads import choose_threads
+        from shared_core.device import threads_from_env
+
+        threads = choose_threads(settings.n_threads or threads_from_env()).threads
+        picked = choose_format(source.gguf, threads)
+        weights, reason = picked.path, f"{reason}; weights {picked.label}: {picked.reason}"
+    model = LlamaCppModel(weights, settings)
     lm = LlamaCppLM(model=model, tokenizer=tokenizer, name=name, device=resolve_device("cpu"),
                     dtype=resolve_dtype(None, resolve_device("cpu")), max_context=model.n_ctx,
                     eos_token_ids=model.end_of_generation_ids(tokenizer))
-    lm.backend_reason = choice.reason
+    lm.backend_reason = reason
     _warn_beyond_training(source.gguf, model.n_ctx, model.n_ctx_train)
     logger.info("loaded %s on llama.cpp (%s, %d positions, %d threads%s)", name, model.describe(),
                 model.n_ctx, model.threads, ", exact" if settings.exact else "")

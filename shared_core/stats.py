@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-from shared_core.device import current_threads
+from shared_core.device import current_threads, thread_policy
 
 
 def plain(value: Any) -> Any:
@@ -111,6 +111,7 @@ class DecodeStats:
         out["tokens_per_target_forward"] = self.tokens_per_target_forward
         out["decode_tokens_per_s"] = self.decode_tokens_per_s
         out["threads"] = self.threads if self.threads is not None else current_threads()
+        out["thread_policy"] = thread_policy()
         return out
 
 

@@ -28,8 +28,9 @@ from typing import Any, ClassVar
 
 from shared_core.backends.llamacpp_prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
 from shared_core.backends.llamacpp_session import EXACT_CHUNK, MAX_TREE_LEAVES, LlamaCppSession
+from shared_core.backends.llamacpp_threads import choose_threads
 from shared_core.config import CacheKind, check_prefix_cache
-from shared_core.device import threads_from_env
+from shared_core.device import note_thread_policy, threads_from_env
 from shared_core.lm import LM
 from shared_core.runtime.protocol import Capabilities
 
@@ -50,6 +51,9 @@ def llama_cpp_module() -> Any:
     with _RUNTIME_LOCK:
         if "module" in _RUNTIME:
             return _RUNTIME["module"]
+        from shared_core.backends.llamacpp_builds import choose_build
+
+        build = choose_build(default_threads())
         try:
             import llama_cpp
         except ImportError as e:
@@ -62,7 +66,7 @@ def llama_cpp_module() -> Any:
 
         llama_cpp.llama_log_set(_log, ctypes.c_void_p(0))
         llama_cpp.llama_backend_init()
-        _RUNTIME.update(module=llama_cpp, log_callback=_log)
+        _RUNTIME.update(module=llama_cpp, log_callback=_log, build=build)
         return llama_cpp
 
 
@@ -88,7 +92,7 @@ class LlamaCppSettings:
     """How a GGUF is run: positions per session, threads, batch size, exact (no repacking)."""
 
     n_ctx: int | None = None  # None: min(trained context, DEFAULT_N_CTX)
-    n_threads: int | None = None  # None: $SPECRAG_NUM_THREADS, else the CPUs this process may use
+    n_threads: int | None = None  # None: $SPECRAG_NUM_THREADS, else the usable CPUs not busy (choose_threads)
     n_batch: int = DEFAULT_N_BATCH
     exact: bool = False  # no weight repacking: batch-invariant logits, slower steps
     prefix_cache: bool = True  # idle contexts keep their KV for the next prompt with that prefix
@@ -176,7 +180,10 @@ class LlamaCppModel:
         self.n_vocab = int(llama.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self.ptr))
         self.n_ctx = settings.n_ctx or min(self.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
-        self.threads = settings.n_threads or default_threads()
+        choice = choose_threads(settings.n_threads or threads_from_env())
+        self.threads, self.thread_policy = choice.threads, choice.policy
+        note_thread_policy("llama.cpp", f"{choice.threads} thread{'s' * (choice.threads != 1)}, "
+                                        f"{choice.policy}")
         self.settings = settings
         self.max_sequences = MAX_TREE_LEAVES  # besides sequence 0: tree leaves, parallel rows
         self._lock = threading.Lock()

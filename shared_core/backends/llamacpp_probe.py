@@ -4,9 +4,9 @@ it (:func:`shared_core.models.choose_backend`).
 A native build once segfaulted inside ``llama_decode`` (the AMX repack path of a Xeon); a crash
 of native code kills the whole Python process, so ``"auto"`` must not risk it in the user's
 process. The probe runs ``python -m shared_core.backends.llamacpp_probe GGUF THREADS``: it loads
-a small GGUF with the default (repacking) settings, decodes a prompt as one batch and a few
-one-token steps, and checks that the logits are finite. Its verdict is kept as JSON under
-``$SPECRAG_CACHE/llamacpp_probe/`` keyed by the CPU (model and flags), the llama-cpp-python
+a small GGUF with the default (repacking) settings, decodes a prompt as one batch, a few
+one-token steps and a 16-token batch, and checks that the logits are finite. Its verdict is kept
+as JSON under ``$SPECRAG_CACHE/llamacpp_probe/`` keyed by the CPU (model and flags), the llama-cpp-python
 version and build (the shared library's size and mtime) and the thread count, so it runs once
 per machine and build (about 1-3 s). A crash or a failure is kept (delete the file to retry); a
 timeout is not (the machine may only have been busy) and falls back to torch this time.
@@ -38,6 +38,7 @@ PROBE_TIMEOUT_S = 120.0  # a slow, shared 2-core machine loads and decodes SmolL
 PROBE_MODEL = "smollm2-135m-instruct"  # the smallest embedded GGUF (Q4_1, 100 MB)
 PROBE_PROMPT = b"The capital of France is"
 PROBE_STEPS = 4
+PROBE_CHECK = 16  # tokens of the batch decoded after the one-token steps
 _OK = "specrag-llamacpp-probe-ok"
 
 
@@ -50,9 +51,10 @@ class ProbeVerdict:
     cached: bool = False
 
 
-def installed_build() -> str | None:
+def installed_build(lib_dir: Path | None = None) -> str | None:
     """``llama-cpp-python``'s version and its shared library's size + mtime (None: not
-    installed); found without importing it (the import itself loads native code)."""
+    installed); found without importing it (the import itself loads native code). ``lib_dir``:
+    another build's libraries (``LLAMA_CPP_LIB_PATH``; :mod:`.llamacpp_builds`)."""
     spec = importlib.util.find_spec("llama_cpp")
     if spec is None or spec.origin is None:
         return None
@@ -60,9 +62,12 @@ def installed_build() -> str | None:
         version = importlib.metadata.version("llama_cpp_python")
     except importlib.metadata.PackageNotFoundError:
         version = "?"
-    libs = sorted((Path(spec.origin).parent / "lib").glob("*llama*"))
+    if lib_dir is None and os.environ.get("LLAMA_CPP_LIB_PATH"):  # what a child would load too
+        lib_dir = Path(os.environ["LLAMA_CPP_LIB_PATH"])
+    libs = sorted((lib_dir or Path(spec.origin).parent / "lib").glob("*llama*"))
     stamps = [f"{p.name}:{p.stat().st_size}:{int(p.stat().st_mtime)}" for p in libs]
-    return f"{version} {' '.join(stamps)}"
+    where = f"{lib_dir} " if lib_dir is not None else ""
+    return f"{version} {where}{' '.join(stamps)}"
 
 
 def verdict_path(threads: int, build: str) -> Path:
@@ -71,9 +76,9 @@ def verdict_path(threads: int, build: str) -> Path:
     return cache_dir() / "llamacpp_probe" / f"{hashlib.sha256(raw.encode()).hexdigest()[:16]}.json"
 
 
-def cached_verdict(threads: int) -> ProbeVerdict | None:
+def cached_verdict(threads: int, lib_dir: Path | None = None) -> ProbeVerdict | None:
     """The kept verdict for this CPU, build and thread count, if a probe ran before."""
-    build = installed_build()
+    build = installed_build(lib_dir)
     if build is None:
         return None
     try:
@@ -89,20 +94,21 @@ def probe_command(gguf: Path, threads: int) -> list[str]:
 
 
 def probe_llamacpp(threads: int, gguf: Path | None = None, *,
-                   timeout_s: float = PROBE_TIMEOUT_S) -> ProbeVerdict:
+                   timeout_s: float = PROBE_TIMEOUT_S, lib_dir: Path | None = None) -> ProbeVerdict:
     """The kept verdict, or a new one from a child process that loads ``gguf`` (default: the
-    embedded SmolLM2 GGUF) and decodes a few tokens with ``threads`` threads."""
-    build = installed_build()
+    embedded SmolLM2 GGUF) and decodes a few tokens with ``threads`` threads (with the libraries
+    in ``lib_dir`` when given)."""
+    build = installed_build(lib_dir)
     if build is None:
         return ProbeVerdict(False, "llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
-    cached = cached_verdict(threads)
+    cached = cached_verdict(threads, lib_dir)
     if cached is not None:
         return cached
     model = embedded_gguf(PROBE_MODEL) or gguf
     if model is None:
         return ProbeVerdict(False, f"no GGUF to probe llama.cpp with ({PROBE_MODEL} is not "
                                    "installed and the model is not a GGUF)")
-    verdict = _run_child(probe_command(model, threads), model, timeout_s)
+    verdict = _run_child(probe_command(model, threads), model, timeout_s, lib_dir)
     if verdict is not None:
         _keep(verdict_path(threads, build), verdict)
         return verdict
@@ -110,17 +116,22 @@ def probe_llamacpp(threads: int, gguf: Path | None = None, *,
                                f"finish within {timeout_s:g} s; not kept, tried again next time")
 
 
-def _run_child(command: list[str], model: Path, timeout_s: float) -> ProbeVerdict | None:
+def _run_child(command: list[str], model: Path, timeout_s: float,
+               lib_dir: Path | None = None) -> ProbeVerdict | None:
     """The child's verdict; None on a timeout (the child is killed)."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
         str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")]))}
+    if lib_dir is not None:
+        env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=timeout_s,
                               env=env, check=False)
     except subprocess.TimeoutExpired:
         return None
     if done.returncode == 0 and _OK in done.stdout:
-        return ProbeVerdict(True, f"llama.cpp loaded {model.name} and decoded in a probe process")
+        where = f" ({lib_dir})" if lib_dir is not None else ""
+        return ProbeVerdict(True, f"llama.cpp{where} loaded {model.name} and decoded a batch and "
+                                  "single tokens in a probe process")
     if done.returncode < 0:
         name = signal.Signals(-done.returncode).name if -done.returncode in signal.valid_signals() \
             else str(-done.returncode)
@@ -147,8 +158,9 @@ def _keep(path: Path, verdict: ProbeVerdict) -> None:
 
 def _decode_probe(gguf: str, threads: int) -> None:
     """Load ``gguf`` (repacking on, as ``backend="auto"`` loads), decode the prompt as one batch
-    with logits for every token, then ``PROBE_STEPS`` greedy one-token steps; every logit
-    finite. Raises on a failure; a native crash ends the process by itself."""
+    with logits for every token, then ``PROBE_STEPS`` greedy one-token steps and a
+    ``PROBE_CHECK``-token batch; every logit finite. Raises on a failure; a native crash ends the
+    process by itself."""
     import llama_cpp as llama
 
     llama.llama_backend_init()
@@ -165,8 +177,10 @@ def _decode_probe(gguf: str, threads: int) -> None:
     n = llama.llama_tokenize(vocab, PROBE_PROMPT, len(PROBE_PROMPT), buf, 64, True, True)
     tokens = list(buf[:n])
     batch = llama.llama_batch_init(64, 0, 1)
-    for step in range(PROBE_STEPS + 1):
+    for step in range(PROBE_STEPS + 2):
         fresh = tokens if step == 0 else tokens[-1:]
+        if step == PROBE_STEPS + 1:  # a k-token check: the batched (AMX tile) kernels again
+            fresh = (tokens * PROBE_CHECK)[:PROBE_CHECK]
         start = 0 if step == 0 else len(tokens) - 1
         batch.n_tokens = len(fresh)
         for i, token in enumerate(fresh):

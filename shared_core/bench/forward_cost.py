@@ -54,6 +54,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rerun in child processes with OMP_WAIT_POLICY set to each value")
     parser.add_argument("--llamacpp", action="store_true",
                         help="also measure the same GGUF on llama.cpp (repacked and exact)")
+    speed = parser.add_argument_group("llama.cpp speed (with --llamacpp --speed; issue 37)")
+    speed.add_argument("--speed", action="store_true",
+                       help="prefill tok/s and k-token cost per format x threads x poll x load")
+    speed.add_argument("--formats", nargs="+", default=["shipped", "Q4_0", "Q8_0"],
+                       help="'shipped' (the GGUF as installed) and llama_model_quantize formats")
+    speed.add_argument("--llamacpp-threads", nargs="+", type=int, default=[1, 2])
+    speed.add_argument("--polls", nargs="+", default=["default", "0"],
+                       help="'default' (no pool attached: one per decode, poll 50) or a level "
+                            "0-100 of a ggml thread pool attached to the context")
+    speed.add_argument("--loads", nargs="*", default=["quiet", "busy"], choices=["quiet", "busy"],
+                       help="busy: beside a CPU-bound process started for the measurement "
+                            "(none: quality only)")
+    speed.add_argument("--accuracy-questions", type=int, default=0,
+                       help="NQ-open questions (gold passage given) answered greedily per format")
+    speed.add_argument("--prefill", type=int, default=256, help="prefill tokens (then the k steps)")
+    speed.add_argument("--rounds", type=int, default=3, help="interleaved rounds (median)")
+    speed.add_argument("--perplexity-chunks", type=int, default=4,
+                       help="256-token chunks of SQuAD passages scored per format (0: none)")
 
 
 def _variant(lm: LM, name: str) -> Callable[..., Any] | None:
@@ -189,7 +207,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "table": _table(args.models, args.variants, args.ks, args.context, args.repeats,
                         thread_counts),
     }
-    if args.llamacpp:
+    if args.llamacpp and args.speed:
+        from shared_core.bench.llamacpp_speed import speed_report
+
+        report["llamacpp_speed"] = speed_report(args)
+    elif args.llamacpp:
         report["llamacpp"] = _llamacpp_table(args.models, args.ks, args.context, args.repeats)
     report["load_avg_after"] = os.getloadavg()
     report["children"] = {p: _child_report(args, p) for p in args.wait_policies}
