@@ -38,6 +38,7 @@ INSTALL_HINT = ("backend='llama.cpp' needs llama-cpp-python: run `scripts/instal
                 "(builds it for this CPU; `make install` does) or `pip install 'specrag[llamacpp]'`")
 DEFAULT_N_CTX = 8192  # positions per session, unless the model was trained on fewer
 DEFAULT_N_BATCH = 512  # tokens per llama_decode call (prefill chunks)
+EXACT_TYPE_V = 30  # GGML_TYPE_BF16 (llama_cpp names no constant for it): the V cache of exact
 
 _RUNTIME_LOCK = threading.Lock()
 _RUNTIME: dict[str, Any] = {}
@@ -122,17 +123,30 @@ def prefix_cache_settings(prefix_cache: bool | int | None) -> dict[str, Any]:
     return {"prefix_cache": False} if prefix_cache == 0 else {"idle_contexts": prefix_cache}
 
 
+def context_params(llama: Any, n_ctx: int, n_batch: int, threads: int, exact: bool) -> Any:
+    """The ``llama_context_params`` of a session's context (``exact``: see the module doc)."""
+    params = llama.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = params.n_ubatch = n_batch
+    params.n_seq_max = MAX_TREE_LEAVES + 1
+    params.kv_unified = True  # a tree node shared by several sequences is one cell
+    params.n_threads = params.n_threads_batch = threads
+    params.no_perf = True
+    if exact:
+        # ggml-cpu's flash attention splits the cells of a one-row query over the threads and
+        # merges the parts (another sum order than a k-row query, whose rows each sum alone) and
+        # tiles queries of 64+ rows; both only when K and V have one float type, so V gets another.
+        params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.type_v = EXACT_TYPE_V
+    return params
+
+
 class _Slot:
     """One llama_context with its batch buffer (owned by one session at a time)."""
 
-    def __init__(self, llama: Any, model_ptr: Any, n_ctx: int, n_batch: int, threads: int):
-        params = llama.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = MAX_TREE_LEAVES + 1
-        params.kv_unified = True  # a tree node shared by several sequences is one cell
-        params.n_threads = params.n_threads_batch = threads
-        params.no_perf = True
+    def __init__(self, llama: Any, model_ptr: Any, n_ctx: int, n_batch: int, threads: int,
+                 exact: bool = False):
+        params = context_params(llama, n_ctx, n_batch, threads, exact)
         self.llama = llama
         self.ctx = llama.llama_init_from_model(model_ptr, params)
         if not self.ctx:
@@ -196,7 +210,8 @@ class LlamaCppModel:
         with self._lock:
             slot, common = self._idle.take(prefix if prefix and self.prefix_cache else ())
         if slot is None:
-            slot = _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads)
+            slot = _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads,
+                         self.settings.exact)
         else:
             keep_prefix(slot, common)
         if prefix is None:
