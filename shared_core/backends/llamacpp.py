@@ -8,10 +8,13 @@ A session (:mod:`~shared_core.backends.llamacpp_session`) owns one context (unif
 while it lives; several rows at once (Speculative RAG) are in :mod:`.llamacpp_batch`, the
 machine's cost curve in :mod:`.llamacpp_cost`.
 
-Exactness: llama.cpp's repacked quantized kernels (CPU "extra buffer types") may compute a row
-differently in a k-token batch than in a one-token step, so speculative output can differ from
-one-token greedy decoding on the same file. ``exact=True`` loads without repacking, which was
-bitwise batch-invariant in every model we measured (``tests/integration/test_llamacpp.py``).
+Exactness: in the default mode a row of a k-token batch may be computed differently from a
+one-token step, so speculative output can differ from one-token greedy decoding on the same file:
+repacked quantized kernels (CPU "extra buffer types"), and, with 2+ threads from 512 cached cells
+on, flash attention summing a one-token step's cells in per-thread parts. ``exact=True`` loads
+without repacking and runs flash attention with a bf16 V cache (:func:`context_params`), with
+which every query row sums its cells alone and in order whatever the batch or thread count
+(docs/backends.md, *Exactness contract*; ``tests/integration/test_llamacpp_exact.py``).
 """
 
 from __future__ import annotations
