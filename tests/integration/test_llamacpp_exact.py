@@ -58,7 +58,7 @@ def document(exact_lm) -> str:
     """A real long document (an L-Eval page, where ../shared holds the data, as in CI), else the
     repo's own docs; cut to LONG_TOKENS tokens."""
     if LEVAL.is_file():
-        text = json.loads(LEVAL.read_text(encoding="utf-8").splitlines()[1])["input"]
+        text = json.loads(LEVAL.read_text(encoding="utf-8").splitlines()[0])["input"]
     else:
         text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md")))
     ids = exact_lm.encode(text)
