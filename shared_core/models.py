@@ -228,8 +228,9 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             kernels, CPU) or ``"auto"`` (:func:`choose_backend`). ``lm.backend`` and
             ``lm.backend_reason`` say which ran and why.
         n_ctx: llama.cpp only: positions per session (default: min(trained context, 8192)).
-        exact: llama.cpp: load without weight repacking, so a k-token verification gives the
-            same logits as k one-token steps (speculative output equals greedy bit for bit).
+        exact: llama.cpp: load without weight repacking and run flash attention with a bf16
+            V cache, so a k-token verification gives the same logits as k one-token steps at any
+            context length and thread count (speculative output equals greedy bit for bit).
             torch: prefix reuse is bit-exact (prefills run in 64-token chunks on a fixed grid and
             reuse stops on it), so a call's output does not depend on what was cached.
         prefix_cache: prompt-prefix reuse across calls (docs/backends.md, *Prefix reuse across

@@ -8,10 +8,13 @@ A session (:mod:`~shared_core.backends.llamacpp_session`) owns one context (unif
 while it lives; several rows at once (Speculative RAG) are in :mod:`.llamacpp_batch`, the
 machine's cost curve in :mod:`.llamacpp_cost`.
 
-Exactness: llama.cpp's repacked quantized kernels (CPU "extra buffer types") may compute a row
-differently in a k-token batch than in a one-token step, so speculative output can differ from
-one-token greedy decoding on the same file. ``exact=True`` loads without repacking, which was
-bitwise batch-invariant in every model we measured (``tests/integration/test_llamacpp.py``).
+Exactness: in the default mode a row of a k-token batch may be computed differently from a
+one-token step, so speculative output can differ from one-token greedy decoding on the same file:
+repacked quantized kernels (CPU "extra buffer types"), and, with 2+ threads from 512 cached cells
+on, flash attention summing a one-token step's cells in per-thread parts. ``exact=True`` loads
+without repacking and runs flash attention with a bf16 V cache (:func:`context_params`), with
+which every query row sums its cells alone and in order whatever the batch or thread count
+(docs/backends.md, *Exactness contract*; ``tests/integration/test_llamacpp_exact.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ INSTALL_HINT = ("backend='llama.cpp' needs llama-cpp-python: run `scripts/instal
                 "(builds it for this CPU; `make install` does) or `pip install 'specrag[llamacpp]'`")
 DEFAULT_N_CTX = 8192  # positions per session, unless the model was trained on fewer
 DEFAULT_N_BATCH = 512  # tokens per llama_decode call (prefill chunks)
+EXACT_TYPE_V = 30  # GGML_TYPE_BF16 (llama_cpp names no constant for it): the V cache of exact
 
 _RUNTIME_LOCK = threading.Lock()
 _RUNTIME: dict[str, Any] = {}
@@ -127,17 +131,30 @@ def prefix_cache_settings(prefix_cache: bool | int | None) -> dict[str, Any]:
     return {"prefix_cache": False} if prefix_cache == 0 else {"idle_contexts": prefix_cache}
 
 
+def context_params(llama: Any, n_ctx: int, n_batch: int, threads: int, exact: bool) -> Any:
+    """The ``llama_context_params`` of a session's context (``exact``: see the module doc)."""
+    params = llama.llama_context_default_params()
+    params.n_ctx = n_ctx
+    params.n_batch = params.n_ubatch = n_batch
+    params.n_seq_max = MAX_TREE_LEAVES + 1
+    params.kv_unified = True  # a tree node shared by several sequences is one cell
+    params.n_threads = params.n_threads_batch = threads
+    params.no_perf = True
+    if exact:
+        # ggml-cpu's flash attention splits the cells of a one-row query over the threads and
+        # merges the parts (another sum order than a k-row query, whose rows each sum alone) and
+        # tiles queries of 64+ rows; both only when K and V have one float type, so V gets another.
+        params.flash_attn_type = llama.LLAMA_FLASH_ATTN_TYPE_ENABLED
+        params.type_v = EXACT_TYPE_V
+    return params
+
+
 class _Slot:
     """One llama_context with its batch buffer (owned by one session at a time)."""
 
-    def __init__(self, llama: Any, model_ptr: Any, n_ctx: int, n_batch: int, threads: int):
-        params = llama.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = params.n_ubatch = n_batch
-        params.n_seq_max = MAX_TREE_LEAVES + 1
-        params.kv_unified = True  # a tree node shared by several sequences is one cell
-        params.n_threads = params.n_threads_batch = threads
-        params.no_perf = True
+    def __init__(self, llama: Any, model_ptr: Any, n_ctx: int, n_batch: int, threads: int,
+                 exact: bool = False):
+        params = context_params(llama, n_ctx, n_batch, threads, exact)
         self.llama = llama
         self.ctx = llama.llama_init_from_model(model_ptr, params)
         if not self.ctx:
@@ -204,7 +221,8 @@ class LlamaCppModel:
         with self._lock:
             slot, common = self._idle.take(prefix if prefix and self.prefix_cache else ())
         if slot is None:
-            slot = _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads)
+            slot = _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads,
+                         self.settings.exact)
         else:
             keep_prefix(slot, common)
         if prefix is None:

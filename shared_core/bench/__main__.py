@@ -22,6 +22,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "ralmspec": ("shared_core.bench.ralmspec", "add_arguments", "run"),
     "respec": ("shared_core.bench.respec", "add_arguments", "run"),
     "forward-cost": ("shared_core.bench.forward_cost", "add_arguments", "run"),
+    "exact": ("shared_core.bench.exact", "add_arguments", "run"),
     "rss": ("shared_core.bench.rss", "add_arguments", "run"),
     "tools": ("shared_core.bench.tools", "add_arguments", "run"),
     "chat": ("shared_core.bench.chat", "add_arguments", "run"),
