@@ -126,12 +126,14 @@ def keep_curve(path: Path, name: str, curve: Curve) -> None:
 
 
 def curve_path(lm: LlamaCppLM) -> Path:
-    """Where the curve of (CPU, flags, threads, model file, exact, version) is kept."""
+    """Where the curve of (CPU, flags, threads, model file, exact and its V-cache type, version)
+    is kept."""
     model = lm.model
     stat = model.path.stat()
     cpu, flags = cpu_model_and_flags()
     raw = json.dumps([cpu, sorted(flags), model.threads, str(model.path.resolve()),
                       stat.st_size, int(stat.st_mtime), model.settings.exact,
+                      "bf16 V cache" if model.settings.exact else None,
                       getattr(model.llama, "__version__", "?"), COST_CURVE_SIZES])
     return cache_dir() / "cost_curves" / f"{hashlib.sha256(raw.encode()).hexdigest()[:16]}.json"
 
