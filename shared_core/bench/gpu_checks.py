@@ -21,6 +21,7 @@ import torch
 from shared_core.bench.gpu_models import CORPUS
 from shared_core.config import SamplingConfig
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+from shared_core.engines.loop import Prompt, encode_prompt
 from shared_core.lm import clear_prefix_cache
 from shared_core.models import LM
 from shared_core.retrieval.base import Document, Hit
@@ -58,6 +59,45 @@ def compare(check: str, ours: Sequence[int], reference: Sequence[int], **detail:
                   if i >= len(ours) or i >= len(reference) or ours[i] != reference[i]), None)
     return Comparison(check, ours == reference, same / longest if longest else 1.0, first,
                       len(reference), detail)
+
+
+@torch.inference_mode()
+def divergence_margin(target: LM, prompt: Prompt, reference: Sequence[int], ours: Sequence[int],
+                      k: int) -> dict[str, Any] | None:
+    """Why ``ours`` left ``reference`` (greedy) at their first differing token: a near-tie or not.
+
+    Replays the reference's own forwards up to that token (a cold prefill of the prompt but its
+    last id, then one-token steps), then reads the same row again from a ``k + 1``-token forward
+    over the same cache (a verification's shape; the drafts after the first token do not enter
+    its row, the reference's next tokens fill them). Returns the one-token step's top-2 margin,
+    the reference token's lead over ours in both forwards, and max |Δlogit| between the two rows;
+    None when the outputs are equal or one is a prefix of the other. A flip from bf16 arithmetic
+    shows as a small ``top2_margin`` (a few ulps) with ``lead_k_token`` < 0 <= ``lead_one_token``.
+    """
+    at = next((i for i, (a, b) in enumerate(zip(ours, reference, strict=False)) if a != b), None)
+    if at is None:
+        return None
+    ids = [*encode_prompt(target, prompt), *reference[:at]]
+    ref_token, our_token = int(reference[at]), int(ours[at])
+    clear_prefix_cache(target)  # cold, as the check's runs
+    try:
+        session = target.open_session()
+        session.prefill(ids[: -at - 1])
+        for token in ids[len(ids) - at - 1 : -1]:
+            session.extend([token])
+        one = session.extend([ids[-1]])[-1].float()
+        session.rollback(len(ids) - 1)
+        fill = [*reference[at : at + k]] + [ref_token] * max(0, k - len(reference) + at)
+        many = session.extend([ids[-1], *fill])[0].float()
+    finally:
+        clear_prefix_cache(target)  # what it stored must not warm the next check's run
+    top = one.topk(2).values
+    return {"at": at, "reference_token": ref_token, "our_token": our_token,
+            "top2_margin": round(float(top[0] - top[1]), 4),
+            "lead_one_token": round(float(one[ref_token] - one[our_token]), 4),
+            "lead_k_token": round(float(many[ref_token] - many[our_token]), 4),
+            "k": k, "max_abs_dlogit": round(float((one - many).abs().max()), 4),
+            "argmax_k_token": int(many.argmax())}
 
 
 def acceptance(stats: Any) -> dict[str, Any]:
@@ -154,6 +194,8 @@ def check_prompt_lookup(target: LM, n: int) -> list[Comparison]:
         reference = autoregressive_generate(target, text, n).token_ids
         result = speculative_generate(target, PromptLookupDrafter(), text, n, k=8)
         out.append(compare("prompt_lookup", result.token_ids, reference, prompt=text,
+                           divergence=divergence_margin(target, text, reference,
+                                                        result.token_ids, 8),
                            **acceptance(result.stats)))
     return out
 
@@ -195,8 +237,11 @@ def check_rapid(target: LM, drafter: LM, n: int) -> list[Comparison]:
             reference = autoregressive_generate(target, list(prompt.target_ids), n).token_ids
             clear_prefix_cache(target)  # cold against cold: a reused prefix is not bit-exact in bf16
             result = decoder.generate(CONTEXT, query, n, eta=0.0)
+            # the top-2 margin where they part: a bf16 near-tie, or a wrong token
+            divergence = divergence_margin(target, list(prompt.target_ids), reference,
+                                           result.token_ids, config.gamma)
             out.append(compare(f"rapid_eta0/{name}", result.token_ids, reference, query=query,
-                               **acceptance(result.stats)))
+                               divergence=divergence, **acceptance(result.stats)))
     return out
 
 
