@@ -67,18 +67,27 @@ def main() -> None:
     torch.set_num_threads(int(os.environ.get("SPECRAG_NUM_THREADS", "1")))
     lm = load_lm(args.model, backend="torch")
     report: dict[str, Any] = {"model": args.model, "backend": "torch", "dtype": str(lm.dtype),
-                              "machine_before": cpu_facts(), "args": vars(args), "datasets": {}}
-    began = time.perf_counter()
-    selects = args.selects.split(",")
-    for dataset in args.datasets.split(","):
-        cases = cases_for(lm, dataset, args.per_dataset, args.docs)
-        report["datasets"][dataset] = measure_blend(lm, cases, selects=selects, decode=args.decode)
-    rows = [row for d in report["datasets"].values() for row in d["cases"]]
-    report["summary_all"] = summarize(rows)
-    report["wall_s"] = time.perf_counter() - began
-    report["machine_after"] = cpu_facts()
+                              "machine_before": cpu_facts(), "args": vars(args)}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n", encoding="utf-8")
+    began = time.perf_counter()
+    cases = {d: cases_for(lm, d, args.per_dataset, args.docs) for d in args.datasets.split(",")}
+    rows: list[dict[str, Any]] = []
+    # one question of each dataset in turn: a run cut short by its time limit stays balanced
+    order = [(d, i) for i in range(args.per_dataset) for d in cases if i < len(cases[d])]
+    for dataset, index in order:
+        def save(row: dict[str, Any], dataset: str = dataset) -> None:
+            rows.append({"dataset": dataset, "load_avg": os.getloadavg(), **row})
+            report["cases"] = rows
+            report["summary_all"] = summarize(rows)
+            report["summary"] = {d: summarize([r for r in rows if r["dataset"] == d])
+                                 for d in cases}
+            report["wall_s"] = time.perf_counter() - began
+            report["machine_after"] = cpu_facts()
+            Path(args.out).write_text(json.dumps(report, indent=1, default=str) + "\n",
+                                      encoding="utf-8")
+
+        measure_blend(lm, [cases[dataset][index]], selects=args.selects.split(","),
+                      decode=args.decode, on_case=save)
     for line in report["summary_all"]:
         logger.info("%s", line)
 

@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
@@ -539,13 +539,17 @@ def measure_case(lm: LM, case: Case, shares: Sequence[float], selects: Sequence[
 
 def measure_blend(lm: LM, cases: Sequence[Case], *,
                   shares: Sequence[float] = (0.0, 0.05, 0.15, 0.3, 1.0),
-                  selects: Sequence[Select] = ("deviation",), decode: int = 8) -> dict[str, Any]:
+                  selects: Sequence[Select] = ("deviation",), decode: int = 8,
+                  on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """First-token agreement, KL(full || blend) at the first answer token, equality of ``decode``
-    greedy tokens, and the blended prefill's time over a full prefill's, per (select, share)."""
+    greedy tokens, and the blended prefill's time over a full prefill's, per (select, share).
+    ``on_case`` gets each case's row as it is measured (to save partial runs)."""
     rows = []
     for index, case in enumerate(cases):
         rows.append(measure_case(lm, case, shares, selects, decode))
         logger.info("case %d/%d: %d tokens", index + 1, len(cases), rows[-1]["tokens"])
+        if on_case is not None:
+            on_case(rows[-1])
     return {"cases": rows, "summary": summarize(rows)}
 
 
