@@ -53,6 +53,16 @@ def cases_for(lm: LM, dataset: str, count: int, docs: int) -> list[Case]:
             for q, row in zip(questions, hits, strict=True)]
 
 
+def _earlier_rows(path: str) -> list[dict[str, Any]]:
+    """The cases an earlier (time-limited) run of the same settings saved in ``path``."""
+    if not Path(path).exists():
+        return []
+    rows = json.loads(Path(path).read_text(encoding="utf-8")).get("cases", [])
+    for row in rows:  # files written before rows carried their index: saved in question order
+        row.setdefault("index", sum(r["dataset"] == row["dataset"] for r in rows[:rows.index(row)]))
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--model", default="smollm2-135m-instruct")
@@ -62,6 +72,8 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=8)
     parser.add_argument("--selects", default="deviation,chunk_start,random")
     parser.add_argument("--out", required=True)
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the cases --out already holds and measure the others")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     torch.set_num_threads(int(os.environ.get("SPECRAG_NUM_THREADS", "1")))
@@ -71,12 +83,14 @@ def main() -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     cases = {d: cases_for(lm, d, args.per_dataset, args.docs) for d in args.datasets.split(",")}
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = _earlier_rows(args.out) if args.resume else []
+    done = {(r["dataset"], r["index"]) for r in rows}
     # one question of each dataset in turn: a run cut short by its time limit stays balanced
-    order = [(d, i) for i in range(args.per_dataset) for d in cases if i < len(cases[d])]
+    order = [(d, i) for i in range(args.per_dataset) for d in cases
+             if i < len(cases[d]) and (d, i) not in done]
     for dataset, index in order:
-        def save(row: dict[str, Any], dataset: str = dataset) -> None:
-            rows.append({"dataset": dataset, "load_avg": os.getloadavg(), **row})
+        def save(row: dict[str, Any], dataset: str = dataset, index: int = index) -> None:
+            rows.append({"dataset": dataset, "index": index, "load_avg": os.getloadavg(), **row})
             report["cases"] = rows
             report["summary_all"] = summarize(rows)
             report["summary"] = {d: summarize([r for r in rows if r["dataset"] == d])
