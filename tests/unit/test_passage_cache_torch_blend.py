@@ -282,3 +282,14 @@ def test_measure_blend_reports_every_share(lm, ids):
     assert full["top1"] and full["same_tokens"] and full["kl"] < 1e-6
     assert all(measured(b["s"], b["ratio"], b["kl"] + 1e-9) for b in row["blends"])
     assert [s["n"] for s in report["summary"]] == [1, 1, 1, 1]
+
+
+def test_chunks_stored_at_half_precision_blend_into_a_float32_model(lm, ids):
+    head, a, b = _pieces(ids)
+    spans = [(6, chunk_kv(lm, head, a)), (30, chunk_kv(lm, head, b))]
+    half = [(s, dataclasses.replace(c, keys=c.keys.half(), values=c.values.half()))
+            for s, c in spans]
+    exact = blend_prefill(lm, ids, spans, recompute_share=0.15)
+    rounded = blend_prefill(lm, ids, half, recompute_share=0.15)
+    assert rounded.cache.layers[0].keys.dtype == torch.float32
+    assert rounded.selected == exact.selected and _close(rounded.logits, exact.logits, atol=5e-2)
