@@ -70,6 +70,8 @@ def main() -> None:
     parser.add_argument("--per-dataset", type=int, default=8)
     parser.add_argument("--docs", type=int, default=5)
     parser.add_argument("--decode", type=int, default=8)
+    parser.add_argument("--repeats", type=int, default=1, help="timings: the fastest of N runs")
+    parser.add_argument("--shares", default="0,0.05,0.15,0.3,1")
     parser.add_argument("--selects", default="deviation,chunk_start,random")
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true",
@@ -101,7 +103,8 @@ def main() -> None:
                                       encoding="utf-8")
 
         measure_blend(lm, [cases[dataset][index]], selects=args.selects.split(","),
-                      decode=args.decode, on_case=save)
+                      shares=[float(x) for x in args.shares.split(",")], decode=args.decode,
+                      repeats=args.repeats, on_case=save)
     for line in report["summary_all"]:
         logger.info("%s", line)
 
