@@ -22,6 +22,7 @@ The caller holds the model's lock (:func:`shared_core.model_lock.lock_for`) as f
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -303,8 +304,9 @@ class _Stop(Exception):
 
 
 @torch.no_grad()
-def _early_layers(lm: LM, prompt_ids: Sequence[int], last_layer: int) -> DynamicCache:
-    """The exact KV of layers ``0 .. last_layer`` over the whole prompt (the rest not run)."""
+def _early_layers(lm: LM, prompt_ids: Sequence[int], last_layer: int, chunk: int) -> DynamicCache:
+    """The exact KV of layers ``0 .. last_layer`` over the whole prompt (the rest not run), fed
+    ``chunk`` positions at a time as a session prefills."""
     owner = threading.get_ident()
 
     def stop(*_: Any) -> None:
@@ -314,11 +316,12 @@ def _early_layers(lm: LM, prompt_ids: Sequence[int], last_layer: int) -> Dynamic
     attention = lm.model.get_decoder().layers[last_layer].self_attn
     handle = attention.register_forward_hook(stop)
     cache = DynamicCache()
+    ids = torch.tensor([list(prompt_ids)], device=lm.device)
     try:
-        lm.model(input_ids=torch.tensor([list(prompt_ids)], device=lm.device),
-                 cache=cache, use_cache=True, logits_to_keep=1)
-    except _Stop:
-        pass
+        for first in range(0, ids.shape[1], chunk):
+            with contextlib.suppress(_Stop):
+                lm.model(input_ids=ids[:, first:first + chunk], cache=cache, use_cache=True,
+                         logits_to_keep=1)
     finally:
         handle.remove()
     return cache
@@ -358,9 +361,11 @@ def _chunk_starts(layout: _Layout, count: int) -> torch.Tensor:
 
 
 def _recompute(lm: LM, prompt_ids: Sequence[int], layout: _Layout, past: torch.Tensor,
-               new: torch.Tensor, fresh: DynamicCache | None) -> tuple[DynamicCache, torch.Tensor]:
-    """Feed the ``new`` positions in one forward over a cache holding the ``past`` positions'
-    KV; each new token sees every position before its own (the mask, not the cache order)."""
+               new: torch.Tensor, fresh: DynamicCache | None, chunk: int
+               ) -> tuple[DynamicCache, torch.Tensor]:
+    """Feed the ``new`` positions (``chunk`` at a time) over a cache holding the ``past``
+    positions' KV; each new token sees every position before its own (the mask, not the cache
+    order, says which)."""
     cache = DynamicCache()
     exact_layers = len(fresh.layers) if fresh is not None else 0
     if past.numel():
@@ -368,13 +373,16 @@ def _recompute(lm: LM, prompt_ids: Sequence[int], layout: _Layout, past: torch.T
             source = ((fresh.layers[layer].keys[0], fresh.layers[layer].values[0])
                       if layer < exact_layers else (layout.keys[layer], layout.values[layer]))
             cache.update(source[0][:, past][None], source[1][:, past][None], layer)
-    columns = torch.cat([past, new])
-    allowed = columns[None, :] <= new[:, None]
-    mask = torch.zeros(allowed.shape, dtype=lm.dtype, device=lm.device)
-    mask.masked_fill_(~allowed, torch.finfo(lm.dtype).min)
-    ids = torch.tensor([list(prompt_ids)], device=lm.device)[:, new]
-    out = lm.model(input_ids=ids, cache=cache, use_cache=True,
-                   attention_mask=mask[None, None], position_ids=new[None], logits_to_keep=1)
+    ids = torch.tensor([list(prompt_ids)], device=lm.device)
+    columns = past
+    for first in range(0, new.numel(), chunk):
+        part = new[first:first + chunk]
+        columns = torch.cat([columns, part])
+        allowed = columns[None, :] <= part[:, None]
+        mask = torch.zeros(allowed.shape, dtype=lm.dtype, device=lm.device)
+        mask.masked_fill_(~allowed, torch.finfo(lm.dtype).min)
+        out = lm.model(input_ids=ids[:, part], cache=cache, use_cache=True,
+                       attention_mask=mask[None, None], position_ids=part[None], logits_to_keep=1)
     return cache, out.logits[0, -1]
 
 
@@ -402,11 +410,13 @@ def _check_blend_args(recompute_share: float, select: str, select_layer: int, lm
 @torch.inference_mode()
 def blend_prefill(lm: LM, prompt_ids: Sequence[int], spans: Sequence[tuple[int, ChunkKV]], *,
                   recompute_share: float = 0.15, select: Select = "deviation",
-                  select_layer: int = 1, cache: CacheKind = "prealloc") -> Blend:
+                  select_layer: int = 1, cache: CacheKind = "prealloc",
+                  prefill_chunk: int = 2048) -> Blend:
     """The prompt's cache from chunk KV placed at ``spans`` (``(start, chunk)``: the chunk's ids
     are ``prompt_ids[start:start + len(chunk)]``), the uncovered tokens computed normally and
     ``recompute_share`` of the covered tokens recomputed (chosen by ``select``; the prompt's last
-    token always is, for its logits). Share 1.0 equals a full prefill; 0.0 is pure reuse."""
+    token always is, for its logits). Share 1.0 equals a full prefill; 0.0 is pure reuse.
+    Forwards take at most ``prefill_chunk`` new positions, as :class:`KVSession` prefills."""
     check_model(lm)
     if not prompt_ids:
         msg = "prompt_ids must not be empty"
@@ -415,19 +425,22 @@ def blend_prefill(lm: LM, prompt_ids: Sequence[int], spans: Sequence[tuple[int, 
         msg = f"prompt_ids has {len(prompt_ids)} tokens, more than the window of {lm.max_context}"
         raise ValueError(msg)
     _check_blend_args(recompute_share, select, select_layer, lm)
+    if prefill_chunk < 1:
+        msg = f"prefill_chunk must be >= 1, got {prefill_chunk}"
+        raise ValueError(msg)
     layout = _layout(lm, len(prompt_ids), _check_spans(prompt_ids, spans))
     n_covered = int(layout.covered.sum())
     count = math.floor(recompute_share * n_covered + 0.5)
     fresh = score = None
     if select == "deviation" and 0 < count < n_covered:
-        fresh = _early_layers(lm, prompt_ids, select_layer)
+        fresh = _early_layers(lm, prompt_ids, select_layer, prefill_chunk)
         score = _deviation(layout, fresh, select_layer)
     selected = _pick(layout, count, select, score)
     recompute = ~layout.covered
     recompute[selected] = True
     recompute[-1] = True
     new, past = recompute.nonzero().flatten(), (~recompute).nonzero().flatten()
-    blended, logits = _recompute(lm, prompt_ids, layout, past, new, fresh)
+    blended, logits = _recompute(lm, prompt_ids, layout, past, new, fresh, prefill_chunk)
     order = torch.cat([past, new]).argsort()
     n_selected = int((recompute & layout.covered).sum())
     report = BlendReport(reused=n_covered - n_selected, recomputed=n_selected,

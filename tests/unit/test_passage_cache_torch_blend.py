@@ -293,3 +293,15 @@ def test_chunks_stored_at_half_precision_blend_into_a_float32_model(lm, ids):
     rounded = blend_prefill(lm, ids, half, recompute_share=0.15)
     assert rounded.cache.layers[0].keys.dtype == torch.float32
     assert rounded.selected == exact.selected and _close(rounded.logits, exact.logits, atol=5e-2)
+
+
+@pytest.mark.parametrize("share", [0.3, 1.0])
+def test_blend_in_small_forwards_equals_one_forward(lm, ids, share):
+    head, a, b = _pieces(ids)
+    spans = [(6, chunk_kv(lm, head, a)), (30, chunk_kv(lm, head, b))]
+    whole = blend_prefill(lm, ids, spans, recompute_share=share)
+    pieces = blend_prefill(lm, ids, spans, recompute_share=share, prefill_chunk=7)
+    assert pieces.selected == whole.selected and _close(pieces.logits, whole.logits)
+    assert _caches_close(pieces.cache, whole.cache)
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        blend_prefill(lm, ids, spans, prefill_chunk=0)
