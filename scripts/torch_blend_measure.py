@@ -72,6 +72,7 @@ def main() -> None:
     parser.add_argument("--decode", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=1, help="timings: the fastest of N runs")
     parser.add_argument("--shares", default="0,0.05,0.15,0.3,1")
+    parser.add_argument("--select-layer", type=int, default=1)
     parser.add_argument("--selects", default="deviation,chunk_start,random")
     parser.add_argument("--out", required=True)
     parser.add_argument("--resume", action="store_true",
@@ -104,7 +105,7 @@ def main() -> None:
 
         measure_blend(lm, [cases[dataset][index]], selects=args.selects.split(","),
                       shares=[float(x) for x in args.shares.split(",")], decode=args.decode,
-                      repeats=args.repeats, on_case=save)
+                      repeats=args.repeats, select_layer=args.select_layer, on_case=save)
     for line in report["summary_all"]:
         logger.info("%s", line)
 

@@ -535,7 +535,7 @@ def _pairs(shares: Sequence[float], selects: Sequence[Select]) -> list[tuple[Sel
 
 
 def measure_case(lm: LM, case: Case, shares: Sequence[float], selects: Sequence[Select],
-                 decode: int, repeats: int = 1) -> dict[str, Any]:
+                 decode: int, repeats: int = 1, select_layer: int = 1) -> dict[str, Any]:
     """One prompt: full prefill vs blends at every (select, share); times in seconds (the
     fastest of ``repeats``; the chunks' reading once, untimed by the blends)."""
     ids, starts = case.prompt()
@@ -546,11 +546,13 @@ def measure_case(lm: LM, case: Case, shares: Sequence[float], selects: Sequence[
                                       zip(starts, case.chunks, strict=True)], 1)
     row: dict[str, Any] = {"tokens": len(ids), "chunk_tokens": sum(map(len, case.chunks)),
                            "full_s": full_s, "chunks_s": chunks_s, "repeats": repeats,
+                           "select_layer": select_layer,
                            "reference": reference, "blends": []}
     for select, share in _pairs(shares, selects):
         (session, blend), seconds = _timed(
             lambda select=select, share=share: blend_session(
-                lm, ids, spans, recompute_share=share, select=select), repeats)
+                lm, ids, spans, recompute_share=share, select=select,
+                select_layer=select_layer), repeats)
         tokens = _greedy(session, blend.logits, decode)
         row["blends"].append({
             "select": select, "share": share, "s": seconds, "ratio": seconds / full_s,
@@ -563,13 +565,14 @@ def measure_case(lm: LM, case: Case, shares: Sequence[float], selects: Sequence[
 def measure_blend(lm: LM, cases: Sequence[Case], *,
                   shares: Sequence[float] = (0.0, 0.05, 0.15, 0.3, 1.0),
                   selects: Sequence[Select] = ("deviation",), decode: int = 8, repeats: int = 1,
-                  on_case: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+                  select_layer: int = 1, on_case: Callable[[dict[str, Any]], None] | None = None
+                  ) -> dict[str, Any]:
     """First-token agreement, KL(full || blend) at the first answer token, equality of ``decode``
     greedy tokens, and the blended prefill's time over a full prefill's, per (select, share).
     ``on_case`` gets each case's row as it is measured (to save partial runs)."""
     rows = []
     for index, case in enumerate(cases):
-        rows.append(measure_case(lm, case, shares, selects, decode, repeats))
+        rows.append(measure_case(lm, case, shares, selects, decode, repeats, select_layer))
         logger.info("case %d/%d: %d tokens", index + 1, len(cases), rows[-1]["tokens"])
         if on_case is not None:
             on_case(rows[-1])
