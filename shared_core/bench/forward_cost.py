@@ -33,6 +33,7 @@ import torch
 
 from shared_core.config import DEFAULT_LM
 from shared_core.device import cpu_facts
+from shared_core.kv import cache_keyword
 from shared_core.models import LM, load_lm
 
 logger = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ def _variant(lm: LM, name: str) -> Callable[..., Any] | None:
 
 def _forward(run: Callable[..., Any], ids: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
     positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
-    out = run(input_ids=ids, past_key_values=cache, position_ids=positions, use_cache=True)
+    out = run(input_ids=ids, **{cache_keyword(run): cache}, position_ids=positions, use_cache=True)
     return out.logits[0].float()
 
 
