@@ -1,0 +1,108 @@
+"""Passage (chunk) KV cache: a RAG app never reads the same passage twice (issue 36).
+
+``load_lm(..., passage_cache="exact" | "blend")`` attaches a cache to a llama.cpp model
+(:func:`attach`); every session's first prefill then goes through it
+(:mod:`.llamacpp`). :func:`warm_passages` fills it ahead of time from the texts an app indexes;
+:func:`register_passages` tells it which texts a prompt may contain (the RAG engines do);
+:func:`passage_stats` reports what it did.
+
+- ``"exact"``: only exact prompt prefixes are reused (in blocks, kept in memory and on disk across
+  processes); with ``exact=True`` the output equals a cold prefill's token for token.
+- ``"blend"``: cached passages are reused anywhere in a prompt, in any order, and a share
+  (``recompute_share``) of their tokens is recomputed with full attention (CacheBlend).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from shared_core.config import PassageCacheConfig, check_passage_cache, check_text
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PassageCacheConfig", "attach", "config_from", "passage_cache_of", "passage_stats",
+           "register_passages", "warm_passages"]
+
+
+def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
+                ) -> PassageCacheConfig | None:
+    """``load_lm``'s passage-cache keywords as a config (None: off); errors name the keyword."""
+    mode = check_passage_cache(passage_cache, exact=exact)
+    given = {k: v for k, v in settings.items() if v is not None}
+    if mode is None:
+        return None
+    return PassageCacheConfig(mode=mode, **given)
+
+
+def attach(model: Any, config: PassageCacheConfig, *, disk_dir: Path | None = None) -> Any:
+    """Give a loaded llama.cpp model (``lm.model``) a passage cache, replacing any."""
+    from shared_core.passage_cache.llamacpp import LlamaCppPassageCache
+
+    old = getattr(model, "passage_cache", None)
+    if old is not None:
+        old.close()
+    model.passage_cache = LlamaCppPassageCache(model, config, disk_dir=disk_dir)
+    return model.passage_cache
+
+
+def passage_cache_of(lm: Any) -> Any:
+    """The model's passage cache, or None."""
+    return getattr(getattr(lm, "model", None), "passage_cache", None)
+
+
+def _texts(texts: Any, name: str) -> list[str]:
+    if isinstance(texts, str) or not isinstance(texts, Iterable):
+        msg = f"{name} must be a list of strings, got {type(texts).__name__}"
+        raise TypeError(msg)
+    out = []
+    for text in texts:
+        page = getattr(text, "page_content", None) or getattr(text, "text", None)
+        out.append(check_text(page if isinstance(page, str) else text, name))
+    return out
+
+
+def register_passages(lm: Any, texts: Iterable[Any]) -> int:
+    """Tell a blend cache which passages a prompt may contain (each tokenized alone, found in
+    prompts by its interior); returns how many were indexed. A no-op without a blend cache."""
+    cache = passage_cache_of(lm)
+    if cache is None or cache.mode != "blend":
+        return 0
+    count = 0
+    for text in _texts(texts, "texts"):
+        count += bool(cache.index.add(lm.tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return count
+
+
+def warm_passages(lm: Any, texts: Iterable[Any], *, progress: bool = True) -> dict[str, int]:
+    """Compute and store the KV of each passage ahead of time (blend caches): resumable, since
+    passages already stored are skipped; a tqdm bar with ``progress``. Texts may be strings or
+    documents (``page_content`` / ``text``). Returns ``{"passages", "computed", "skipped"}``."""
+    cache = passage_cache_of(lm)
+    if cache is None or cache.mode != "blend":
+        msg = ("warm_passages needs a model loaded with passage_cache='blend' (exact reuse keys "
+               "whole prompt prefixes, which a passage alone does not give)")
+        raise ValueError(msg)
+    from tqdm.auto import tqdm
+
+    items = _texts(texts, "texts")
+    computed = skipped = 0
+    for text in tqdm(items, desc="passage KV", disable=not progress, unit="passage"):
+        inner = cache.index.add(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        if not inner:
+            skipped += 1
+            continue
+        if cache.warm(lm, inner):
+            computed += 1
+        else:
+            skipped += 1
+    logger.info("warm_passages: %d computed, %d already stored or too short", computed, skipped)
+    return {"passages": len(items), "computed": computed, "skipped": skipped}
+
+
+def passage_stats(lm: Any) -> dict[str, Any]:
+    """The cache's store counters and its last prefill's report ({} without a cache)."""
+    cache = passage_cache_of(lm)
+    return cache.stats() if cache is not None else {}
