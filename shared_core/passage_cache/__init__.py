@@ -23,8 +23,8 @@ from shared_core.config import PassageCacheConfig, check_passage_cache, check_te
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PassageCacheConfig", "attach", "config_from", "passage_cache_of", "passage_stats",
-           "register_passages", "warm_passages"]
+__all__ = ["PassageCacheConfig", "attach", "config_from", "ensure", "passage_cache_of",
+           "passage_stats", "register_passages", "warm_passages"]
 
 
 def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
@@ -106,3 +106,23 @@ def passage_stats(lm: Any) -> dict[str, Any]:
     """The cache's store counters and its last prefill's report ({} without a cache)."""
     cache = passage_cache_of(lm)
     return cache.stats() if cache is not None else {}
+
+
+def ensure(lm: Any, config: PassageCacheConfig | None) -> None:
+    """Give ``lm`` the passage cache ``config`` asks for (None: keep what it has). A torch model,
+    a blend cache on an exact model, or a loaded model that already has another cache is refused
+    (ValueError naming ``passage_cache``; a model is loaded once per process)."""
+    if config is None:
+        return
+    if getattr(lm, "backend", "torch") != "llama.cpp":
+        msg = (f"passage_cache={config.mode!r} runs on llama.cpp for now; model "
+               f"{getattr(lm, 'name', lm)!r} runs on {getattr(lm, 'backend', 'torch')}")
+        raise ValueError(msg)
+    check_passage_cache(config.mode, exact=lm.model.settings.exact)
+    current = passage_cache_of(lm)
+    if current is None:
+        attach(lm.model, config)
+    elif current.config != config:
+        msg = (f"passage_cache={config.mode!r}: model {lm.name!r} already has a passage cache "
+               f"({current.config}); pass the same settings or release the model first")
+        raise ValueError(msg)

@@ -266,3 +266,32 @@ def test_bad_settings_name_the_parameter(exact_model):
         load_lm("smollm2-135m-instruct", backend="torch", passage_cache="exact")
     with pytest.raises(ValueError, match="warm_passages needs"):
         warm_passages(exact_model, PASSAGES, progress=False)
+
+
+def test_the_chat_adapters_turn_it_on_by_one_setting_and_report_it():
+    """``ChatSpeculative`` / ``SpeculativeLLM`` with ``passage_cache="blend"``: the second
+    question over the same report (another template) reads its chunks from the cache, and both
+    frameworks report reused / recomputed / read prompt ids."""
+    from langchain_core.messages import HumanMessage
+    from llama_index.core.base.llms.types import ChatMessage, MessageRole
+
+    from langchain_specrag.chat_models.speculative import ChatSpeculative
+    from llamaindex_specrag.llms.speculative import SpeculativeLLM
+    from shared_core.serving import release
+
+    settings = {"model": "smollm2-135m-instruct", "backend": "llama.cpp", "engine": "autoregressive",
+                "passage_cache": "blend", "passage_cache_disk_mb": 0, "prefix_cache": False}
+    chat = ChatSpeculative(max_tokens=3, **settings)
+    llm = SpeculativeLLM(max_new_tokens=3, **settings)
+    try:
+        chat.invoke([HumanMessage(f"Context:\n{REPORT}\n\nQuestion: which mill?")])
+        reply = chat.invoke([HumanMessage(f"Read this.\n[report] {REPORT} [end]\nWhich river?")])
+        report = reply.response_metadata["passage_cache"]
+        assert report["reused"] > 0
+        assert reply.usage_metadata["input_token_details"]["cache_read"] >= report["reused"]
+        answer = llm.chat([ChatMessage(role=MessageRole.USER,
+                                       content=f"Notes: {REPORT}\nWhat flows past Gask?")])
+        assert answer.raw["passage_cache"]["reused"] > 0
+        assert answer.raw["passage_cache"]["recomputed"] > 0
+    finally:
+        release("smollm2-135m-instruct", None, None, "llama.cpp")
