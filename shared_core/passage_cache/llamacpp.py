@@ -226,39 +226,79 @@ class LlamaCppPassageCache:
 
     def _restore_prefix(self, session: Any, ids: list[int], keys: list[tuple[int, str]],
                         report: PrefillReport) -> int:
-        """Restore the stored blocks that follow what the context holds; the end of the last."""
-        kept = len(session.tokens)
+        """Restore the stored blocks that follow what the session holds; the end of the last."""
+        found = self._find_blocks(keys, len(session.tokens))
+        if not found:
+            return 0
+        start = found[0][0] - BLOCK
+        session.rollback(start)
+        report.kept = min(report.kept, start)
+        restored = self._restore_blocks(session._slot, found, report)
+        session.tokens.extend(ids[start:restored])
+        return restored
+
+    def _find_blocks(self, keys: list[tuple[int, str]], kept: int
+                     ) -> list[tuple[int, str, bytes]]:
+        """The stored blocks from the one holding position ``kept`` on, up to the first miss."""
         found = []
         for end, key in keys[kept // BLOCK :]:
             payload = self.store.get(key)
             if payload is None:
                 break
             found.append((end, key, payload))
-        if not found:
-            return 0
-        session.rollback(found[0][0] - BLOCK)
-        report.kept = min(report.kept, len(session.tokens))
+        return found
+
+    def _restore_blocks(self, slot: Any, found: list[tuple[int, str, bytes]],
+                        report: PrefillReport) -> int:
+        """Restore blocks into sequence 0 (which ends where the first begins); the end of the
+        last one restored (a refused payload is dropped from the store and ends the walk)."""
+        restored = found[0][0] - BLOCK
         for end, key, payload in found:
-            if not self._load(session._slot, payload, end - BLOCK, BLOCK, PLACE_SEQ):
+            if not self._load(slot, payload, end - BLOCK, BLOCK, PLACE_SEQ):
                 self.store.discard(key)
                 break
-            self._copy_in(session._slot, PLACE_SEQ, end - BLOCK, end)
-            session.tokens.extend(ids[end - BLOCK : end])
+            self._copy_in(slot, PLACE_SEQ, end - BLOCK, end)
             report.reused += BLOCK
-        return len(session.tokens)
+            restored = end
+        return restored
 
     def _store_prefix(self, session: Any, keys: list[tuple[int, str]], restored: int,
                       report: PrefillReport) -> None:
-        llama, memory = self.model.llama, session._slot.memory
+        self._store_blocks(session._slot, keys, restored, len(session.tokens), report)
+
+    def _store_blocks(self, slot: Any, keys: list[tuple[int, str]], restored: int, held: int,
+                      report: PrefillReport) -> None:
+        """Store sequence 0's blocks ending after ``restored`` and by ``held`` (unless stored)."""
+        llama, memory = self.model.llama, slot.memory
         for end, key in keys:
-            if end <= restored or end > len(session.tokens) or key in self.store:
+            if end <= restored or end > held or key in self.store:
                 continue
             llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
             llama.llama_memory_seq_cp(memory, 0, PLACE_SEQ, end - BLOCK, end)
-            payload = _seq_state(llama, session._slot.ctx, PLACE_SEQ)
+            payload = _seq_state(llama, slot.ctx, PLACE_SEQ)
             llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
             self.store.put(key, payload)
             report.stored += 1
+
+    def restore_shared(self, slot: Any, ids: Sequence[int], kept: int) -> int:
+        """Exact, several rows (:mod:`shared_core.backends.llamacpp_batch`): restore the stored
+        blocks of the rows' common prefix ``ids`` after the ``kept`` ids sequence 0 holds;
+        how many ids it holds then."""
+        if self.mode != "exact":
+            return kept
+        keys = self.store.prefix_keys(ids, BLOCK, len(ids))
+        found = self._find_blocks(keys, kept)
+        if not found:
+            return kept
+        self.model.llama.llama_memory_seq_rm(slot.memory, 0, found[0][0] - BLOCK, -1)
+        self.last = PrefillReport(prompt=len(ids), kept=min(kept, found[0][0] - BLOCK))
+        return self._restore_blocks(slot, found, self.last)
+
+    def store_shared(self, slot: Any, ids: Sequence[int], restored: int) -> None:
+        """Exact, several rows: store the common prefix's blocks sequence 0 now holds."""
+        if self.mode == "exact":
+            keys = self.store.prefix_keys(ids, BLOCK, len(ids))
+            self._store_blocks(slot, keys, restored, len(ids), self.last)
 
     # -- blending
 
@@ -275,68 +315,81 @@ class LlamaCppPassageCache:
 
     def _prefill_blend(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
         spans = self.chunks_of(ids[:-1])
-        if not self._fits(ids, spans):
-            spans = []  # no room for a scratch chunk beside the prompt: a plain prefill
         first = spans[0].start if spans else len(ids) - 1
         session._borrow(ids[: first + 1])
         report.kept = len(session.tokens)
         keys = self.store.prefix_keys(ids, BLOCK, first)
         restored = self._restore_prefix(session, ids, keys, report)
-        placed = self._place_all(session, ids, spans, report)
         self._store_prefix(session, keys, restored, report)
-        end = len(session.tokens)
-        if placed and self.config.recompute_share > 0:
-            runs = self._select(session, ids[:end], placed, report)
-            self._recompute(session, ids, runs, report)
-        session.blended = bool(placed)
-        return self._feed(session, ids[end:], report, logits=True)
+        placed = self.fill(session.lm, session._slot, 0, ids[:-1], len(session.tokens), report)
+        session.tokens = ids[:-1]
+        session.blended = placed > 0
+        report.read += 1
+        return session._append(ids[-1:], 1)[-1]
 
-    def _place_all(self, session: Any, ids: list[int], spans: Sequence[Span],
-                   report: PrefillReport) -> list[tuple[Span, bytes]]:
+    def fill(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], have: int,
+             report: PrefillReport) -> int:
+        """Make ``seq`` (holding ``ids[:have]`` at positions ``0..have-1``) hold all of ``ids``:
+        cached chunks placed, the rest decoded in place, then the selected share of the reused
+        tokens recomputed. Returns how many chunks were placed (0: a plain prefill)."""
+        ids = [int(t) for t in ids]
+        spans = [s for s in self.chunks_of(ids) if s.start >= have]
+        if not self._fits(ids, spans) or seq in (PLACE_SEQ, RECOMPUTE_SEQ):
+            spans = []  # no room for a scratch chunk beside the prompt: a plain prefill
+        pos = have
         placed = []
         for span in spans:
-            if span.start < len(session.tokens):
-                continue
-            self._feed(session, ids[len(session.tokens) : span.start], report)
-            payload = self._place(session, ids[span.start : span.end], span.start, report)
-            placed.append((span, payload))
-        return placed
+            self._decode_range(lm, slot, seq, ids, pos, span.start, report)
+            placed.append((span, self._place(lm, slot, seq, ids[span.start : span.end],
+                                             span.start, report)))
+            pos = span.end
+        if placed and self.config.recompute_share > 0:
+            runs = self._select(lm, ids[:pos], placed, report)
+            self._recompute(lm, slot, seq, ids, runs, report)
+        self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
+        return len(placed)
 
-    def _place(self, session: Any, chunk: list[int], start: int, report: PrefillReport) -> bytes:
-        """Put ``chunk``'s KV (stored, else computed alone and stored) at ``start`` of seq 0."""
-        slot, h, n = session._slot, len(self.head), len(chunk)
+    def _decode_range(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], begin: int,
+                      end: int, report: PrefillReport, *, counted: bool = True) -> None:
+        """Decode ``ids[begin:end]`` at their positions in ``seq`` (no logits)."""
+        for first in range(begin, end, slot.n_batch):
+            last = min(first + slot.n_batch, end)
+            decode(lm, slot, [(ids[p], p, (seq,), False) for p in range(first, last)])
+        if counted:
+            report.read += max(end - begin, 0)
+
+    def _place(self, lm: Any, slot: Any, seq: int, chunk: list[int], start: int,
+               report: PrefillReport) -> bytes:
+        """Put ``chunk``'s KV (stored, else computed alone and stored) at ``start`` of ``seq``."""
+        h, n = len(self.head), len(chunk)
         key = self.store.key("chunk", self.head, chunk)
         payload = self.store.get(key)
         if payload is not None and not self._load(slot, payload, h, n, PLACE_SEQ):
             self.store.discard(key)
             payload = None
         if payload is None:
-            payload = self._compute_alone(session, chunk)
+            payload = self._compute_alone(lm, slot, chunk)
             self.store.put(key, payload)
             report.computed_alone += n
             report.stored += 1
         else:
             report.reused += n
-        llama = self.model.llama
         if start != h:
-            llama.llama_memory_seq_add(slot.memory, PLACE_SEQ, h, h + n, start - h)
-        self._copy_in(slot, PLACE_SEQ, start, start + n)
-        session.tokens.extend(chunk)
+            self.model.llama.llama_memory_seq_add(slot.memory, PLACE_SEQ, h, h + n, start - h)
+        self._copy_in(slot, PLACE_SEQ, start, start + n, seq)
         return payload
 
-    def _compute_alone(self, session: Any, chunk: list[int]) -> bytes:
+    def _compute_alone(self, lm: Any, slot: Any, chunk: list[int]) -> bytes:
         """Decode ``head + chunk`` alone in the scratch sequence; its state without the head."""
-        slot, llama = session._slot, self.model.llama
+        llama = self.model.llama
         llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
         ids = [*self.head, *chunk]
-        for begin in range(0, len(ids), slot.n_batch):
-            decode(session.lm, slot, [(t, begin + i, (PLACE_SEQ,), False)
-                                      for i, t in enumerate(ids[begin : begin + slot.n_batch])])
+        self._decode_range(lm, slot, PLACE_SEQ, ids, 0, len(ids), PrefillReport(), counted=False)
         if self.head:
             llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, 0, len(self.head))
         return _seq_state(llama, slot.ctx, PLACE_SEQ)
 
-    def _select(self, session: Any, ids: list[int], placed: Sequence[tuple[Span, bytes]],
+    def _select(self, lm: Any, ids: list[int], placed: Sequence[tuple[Span, bytes]],
                 report: PrefillReport) -> list[tuple[int, int]]:
         """The runs of reused positions to recompute: the ``recompute_share`` of them whose
         layer-1 values deviate most from the whole prompt's (CacheBlend §4.2)."""
@@ -344,7 +397,7 @@ class LlamaCppPassageCache:
         count = round(self.config.recompute_share * total)
         if count == 0:
             return []
-        full = self._probe_for().values(session.lm, ids)
+        full = self._probe_for().values(lm, ids)
         report.probe += len(ids)
         by_position = np.full(len(ids), -1, dtype=np.int64)
         by_position[full.positions] = np.arange(len(full.positions))
@@ -365,22 +418,17 @@ class LlamaCppPassageCache:
                 self._probe = _Probe(self.model)
             return self._probe
 
-    def _recompute(self, session: Any, ids: list[int], runs: Sequence[tuple[int, int]],
-                   report: PrefillReport) -> None:
-        """Decode each run again after sequence 0's cells before it (in a scratch sequence, since
-        a sequence only accepts positions after its last one) and swap its cells in."""
-        slot, llama = session._slot, self.model.llama
-        memory = slot.memory
+    def _recompute(self, lm: Any, slot: Any, seq: int, ids: list[int],
+                   runs: Sequence[tuple[int, int]], report: PrefillReport) -> None:
+        """Decode each run again after ``seq``'s cells before it (in a scratch sequence, since a
+        sequence only accepts positions after its last one) and swap its cells in."""
+        llama, memory = self.model.llama, slot.memory
         for a, b in runs:
             llama.llama_memory_seq_rm(memory, RECOMPUTE_SEQ, -1, -1)
-            llama.llama_memory_seq_cp(memory, 0, RECOMPUTE_SEQ, 0, a)
-            for begin in range(a, b, slot.n_batch):
-                stop = min(begin + slot.n_batch, b)
-                decode(session.lm, slot, [(ids[p], p, (RECOMPUTE_SEQ,), False)
-                                          for p in range(begin, stop)])
-            llama.llama_memory_seq_rm(memory, 0, a, b)
-            llama.llama_memory_seq_cp(memory, RECOMPUTE_SEQ, 0, a, b)
-            llama.llama_memory_seq_rm(memory, RECOMPUTE_SEQ, -1, -1)
+            llama.llama_memory_seq_cp(memory, seq, RECOMPUTE_SEQ, 0, a)
+            self._decode_range(lm, slot, RECOMPUTE_SEQ, ids, a, b, report, counted=False)
+            llama.llama_memory_seq_rm(memory, seq, a, b)
+            self._copy_in(slot, RECOMPUTE_SEQ, a, b, seq)
             report.recomputed += b - a
 
     # -- shared steps
@@ -398,10 +446,11 @@ class LlamaCppPassageCache:
             logger.warning("passage cache: llama.cpp refused a stored entry; recomputing it")
         return ok
 
-    def _copy_in(self, slot: Any, seq: int, start: int, end: int) -> None:
+    def _copy_in(self, slot: Any, scratch: int, start: int, end: int, seq: int = 0) -> None:
+        """Add ``scratch``'s cells at positions ``[start, end)`` to ``seq``; empty ``scratch``."""
         llama = self.model.llama
-        llama.llama_memory_seq_cp(slot.memory, seq, 0, start, end)
-        llama.llama_memory_seq_rm(slot.memory, seq, -1, -1)
+        llama.llama_memory_seq_cp(slot.memory, scratch, seq, start, end)
+        llama.llama_memory_seq_rm(slot.memory, scratch, -1, -1)
 
     def _feed(self, session: Any, ids: Sequence[int], report: PrefillReport, *,
               logits: bool = False) -> Any:
@@ -418,6 +467,34 @@ class LlamaCppPassageCache:
         report.read += len(ids)
         return out
 
+    def shared_limit(self, rows: Sequence[Sequence[int]], shared: int) -> int:
+        """Blend: how much of the rows' common prefix to decode once in sequence 0 (up to the
+        first chunk of the first row: the chunks come from the cache, row by row)."""
+        if self.mode != "blend":
+            return shared
+        spans = self.chunks_of(rows[0][:-1])
+        return min(shared, spans[0].start) if spans else shared
+
+    def fill_rows(self, lm: Any, slot: Any, rows: Sequence[Sequence[int]], shared: int,
+                  first_sequence: int = 1) -> list[int]:
+        """Blend: make row ``r``'s sequence (``r + first_sequence``, holding the rows' first
+        ``shared`` ids) hold all of the row but its last id; the ids each row still needs
+        decoded (its last). A no-op (``[shared] * len(rows)``) in exact mode, or when the rows'
+        sequences would collide with the scratch ones."""
+        if self.mode != "blend" or len(rows) + first_sequence > RECOMPUTE_SEQ:
+            return [shared] * len(rows)
+        report = PrefillReport(prompt=sum(map(len, rows)), kept=shared * len(rows))
+        try:
+            for r, row in enumerate(rows):
+                self.fill(lm, slot, r + first_sequence, row[:-1], shared, report)
+        except BaseException:
+            for seq in (PLACE_SEQ, RECOMPUTE_SEQ):
+                self.model.llama.llama_memory_seq_rm(slot.memory, seq, -1, -1)
+            raise
+        report.read += len(rows)
+        self.last = report
+        return [len(row) - 1 for row in rows]
+
     def warm(self, lm: Any, chunk_ids: Sequence[int]) -> bool:
         """Compute and store one chunk alone (blend) unless stored; True if it was computed."""
         key = self.store.key("chunk", self.head, chunk_ids)
@@ -426,7 +503,7 @@ class LlamaCppPassageCache:
         session = lm.open_session()
         slot = session.slot
         try:
-            self.store.put(key, self._compute_alone(session, list(chunk_ids)))
+            self.store.put(key, self._compute_alone(lm, slot, list(chunk_ids)))
         finally:
             self.model.llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
         return True
