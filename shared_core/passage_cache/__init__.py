@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_core.config import PassageCacheConfig, check_passage_cache, check_text
+from shared_core.passage_cache.chunks import passage_interior
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +73,7 @@ def register_passages(lm: Any, texts: Iterable[Any]) -> int:
         return 0
     count = 0
     for text in _texts(texts, "texts"):
-        count += bool(cache.index.add(lm.tokenizer(text, add_special_tokens=False)["input_ids"]))
+        count += bool(cache.index.add_interior(passage_interior(lm.tokenizer, text)))
     return count
 
 
@@ -90,7 +91,7 @@ def warm_passages(lm: Any, texts: Iterable[Any], *, progress: bool = True) -> di
     items = _texts(texts, "texts")
     computed = skipped = 0
     for text in tqdm(items, desc="passage KV", disable=not progress, unit="passage"):
-        inner = cache.index.add(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+        inner = cache.index.add_interior(passage_interior(lm.tokenizer, text))
         if not inner:
             skipped += 1
             continue

@@ -18,6 +18,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 ANCHOR = 8  # ids a known passage is indexed by (the start of its interior)
 DEFAULT_TRIM = 1  # ids dropped at each end of a known passage (they may merge with the template)
@@ -47,6 +48,23 @@ def interior(ids: Sequence[int], trim: int = DEFAULT_TRIM) -> tuple[int, ...]:
     return inner if len(inner) >= MIN_PASSAGE else ()
 
 
+def passage_interior(tokenizer: Any, text: str, trim: int = DEFAULT_TRIM) -> tuple[int, ...]:
+    """The ids a passage keeps in any prompt: its tokenization from its second word on (where
+    the ids of ``text`` and of ``" " + text`` agree: a first word may split differently alone,
+    "Victor" "ia" vs " Victoria"), less ``trim`` ids at the end (they may merge with what
+    follows); empty if too short to be worth it."""
+    alone = tokenizer(text, add_special_tokens=False)["input_ids"]
+    spaced = tokenizer(" " + text, add_special_tokens=False)["input_ids"]
+    common = 0
+    while (common < min(len(alone), len(spaced))
+           and alone[len(alone) - 1 - common] == spaced[len(spaced) - 1 - common]):
+        common += 1
+    lead = 0 if common < len(alone) else trim  # all agree: the first id may still merge
+    core = alone[len(alone) - common + lead : len(alone) - trim]
+    inner = tuple(int(i) for i in core)
+    return inner if len(inner) >= MIN_PASSAGE else ()
+
+
 class PassageIndex:
     """Known passages' interiors, findable in a prompt in one pass (anchored by their first
     ``ANCHOR`` ids), the most recently added kept first (at most ``capacity``)."""
@@ -62,8 +80,12 @@ class PassageIndex:
 
     def add(self, ids: Sequence[int]) -> tuple[int, ...]:
         """Index one passage (its ids tokenized alone); returns the interior indexed (or ())."""
-        inner = interior(ids)
-        if not inner:
+        return self.add_interior(interior(ids))
+
+    def add_interior(self, inner: Sequence[int]) -> tuple[int, ...]:
+        """Index ids to find as they are (:func:`passage_interior`); returns them (or ())."""
+        inner = tuple(int(i) for i in inner)
+        if len(inner) < MIN_PASSAGE:
             return ()
         anchor = inner[:ANCHOR]
         with self._lock:

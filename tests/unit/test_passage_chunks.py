@@ -13,6 +13,7 @@ from shared_core.passage_cache.chunks import (
     cdc_chunks,
     find_passages,
     interior,
+    passage_interior,
     uncovered_chunks,
 )
 
@@ -69,6 +70,21 @@ def test_known_passages_are_found_in_any_template_and_order(tokenizer, template)
         inner = interior(_ids(tokenizer, PASSAGES[i]))
         assert tuple(prompt[span.start : span.end]) == inner  # the same ids: the same cache key
     assert [s.start for s in spans] == sorted(s.start for s in spans)
+
+
+def test_a_first_word_that_splits_alone_is_still_found(tokenizer):
+    """SmolLM2 splits "Victoria" alone into "Victor" "ia" but " Victoria" after a space into one
+    id: the interior starts at the second word, so the passage is found after any prefix."""
+    text = ("Victoria (Australia): Victoria (abbreviated as Vic) is a state in the south-east of "
+            "Australia, the second most populous state and the smallest on the mainland.")
+    assert _ids(tokenizer, text)[:2] != _ids(tokenizer, " " + text)[:2]
+    inner = passage_interior(tokenizer, text)
+    index = PassageIndex()
+    index.add_interior(inner)
+    for prompt_text in (f"Document [1]: {text}\nQ?", f"Context:\n{text}", f'"{text}"'):
+        prompt = _chat(tokenizer, prompt_text)
+        [span] = index.find(prompt)
+        assert tuple(prompt[span.start : span.end]) == inner
 
 
 def test_a_passage_not_in_the_prompt_is_not_found(tokenizer):
