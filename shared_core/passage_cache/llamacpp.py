@@ -310,8 +310,11 @@ class LlamaCppPassageCache:
         return [s for s in spans if s.start > 0]
 
     def _fits(self, ids: Sequence[int], spans: Sequence[Span]) -> bool:
+        """Whether the context has cells for the prompt, a scratch chunk and the recomputed
+        share beside it (a recomputed run lives twice until it is swapped in)."""
         longest = max((len(s) for s in spans), default=0)
-        return len(ids) + len(self.head) + longest <= self.model.n_ctx
+        recompute = int(np.ceil(self.config.recompute_share * len(ids)))
+        return len(ids) + len(self.head) + max(longest, recompute) <= self.model.n_ctx
 
     def _prefill_blend(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
         spans = self.chunks_of(ids[:-1])
