@@ -25,7 +25,7 @@ from shared_core.passage_cache.chunks import passage_interior
 logger = logging.getLogger(__name__)
 
 __all__ = ["PassageCacheConfig", "attach", "config_from", "ensure", "passage_cache_of",
-           "passage_stats", "register_passages", "warm_passages"]
+           "passage_stats", "register_passages", "source_texts", "warm_passages"]
 
 
 def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
@@ -54,15 +54,32 @@ def passage_cache_of(lm: Any) -> Any:
     return getattr(getattr(lm, "model", None), "passage_cache", None)
 
 
-def _texts(texts: Any, name: str) -> list[str]:
-    if isinstance(texts, str) or not isinstance(texts, Iterable):
-        msg = f"{name} must be a list of strings, got {type(texts).__name__}"
+def source_texts(source: Any, name: str = "texts") -> list[str]:
+    """The passage texts of ``source``: a list of strings or documents (``page_content`` /
+    ``text`` / ``get_content()``), a LlamaIndex index or docstore (``.docstore`` / ``.docs``), or
+    a LangChain vector store keeping its texts (``InMemoryVectorStore.store``, FAISS's
+    ``docstore._dict``). Duck-typed: no framework is imported. Errors name ``name``."""
+    source = getattr(source, "docstore", source)
+    for attribute, field in (("docs", None), ("_dict", None), ("store", "text")):
+        table = getattr(source, attribute, None)
+        if isinstance(table, dict):
+            items = list(table.values())
+            source = [item[field] if field and isinstance(item, dict) else item for item in items]
+            break
+    if isinstance(source, str) or not isinstance(source, Iterable):
+        msg = (f"{name} must be a list of strings or documents, or an index / store, got "
+               f"{type(source).__name__}")
         raise TypeError(msg)
-    out = []
-    for text in texts:
-        page = getattr(text, "page_content", None) or getattr(text, "text", None)
-        out.append(check_text(page if isinstance(page, str) else text, name))
-    return out
+    return [check_text(_text_of(item), name) for item in source]
+
+
+def _text_of(item: Any) -> Any:
+    for attribute in ("page_content", "text"):
+        value = getattr(item, attribute, None)
+        if isinstance(value, str):
+            return value
+    content = getattr(item, "get_content", None)
+    return content() if callable(content) else item
 
 
 def register_passages(lm: Any, texts: Iterable[Any]) -> int:
@@ -72,15 +89,16 @@ def register_passages(lm: Any, texts: Iterable[Any]) -> int:
     if cache is None or cache.mode != "blend":
         return 0
     count = 0
-    for text in _texts(texts, "texts"):
+    for text in source_texts(texts):
         count += bool(cache.index.add_interior(passage_interior(lm.tokenizer, text)))
     return count
 
 
 def warm_passages(lm: Any, texts: Iterable[Any], *, progress: bool = True) -> dict[str, int]:
     """Compute and store the KV of each passage ahead of time (blend caches): resumable, since
-    passages already stored are skipped; a tqdm bar with ``progress``. Texts may be strings or
-    documents (``page_content`` / ``text``). Returns ``{"passages", "computed", "skipped"}``."""
+    passages already stored are skipped; a tqdm bar with ``progress``. ``texts``: strings,
+    documents, a LlamaIndex index / docstore or a LangChain vector store (:func:`source_texts`).
+    Returns ``{"passages", "computed", "skipped"}``."""
     cache = passage_cache_of(lm)
     if cache is None or cache.mode != "blend":
         msg = ("warm_passages needs a model loaded with passage_cache='blend' (exact reuse keys "
@@ -88,7 +106,7 @@ def warm_passages(lm: Any, texts: Iterable[Any], *, progress: bool = True) -> di
         raise ValueError(msg)
     from tqdm.auto import tqdm
 
-    items = _texts(texts, "texts")
+    items = source_texts(texts)
     computed = skipped = 0
     for text in tqdm(items, desc="passage KV", disable=not progress, unit="passage"):
         inner = cache.index.add_interior(passage_interior(lm.tokenizer, text))

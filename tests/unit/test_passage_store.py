@@ -150,3 +150,27 @@ def test_bad_budgets_and_settings_name_the_parameter():
         PassageCacheConfig(mode="blend", recompute_share="high")
     with pytest.raises(ValueError, match="passage_cache_disk_mb"):
         PassageCacheConfig(disk_mb=-5)
+
+
+def test_warm_up_sources_list_docstore_and_vector_store_texts():
+    from langchain_core.documents import Document as LCDocument
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from llama_index.core import Document as LIDocument
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    from shared_core.passage_cache import source_texts
+
+    texts = ["first passage text", "second passage text"]
+    assert source_texts(texts) == texts
+    assert source_texts([LCDocument(page_content=t) for t in texts]) == texts
+    docstore = SimpleDocumentStore()
+    docstore.add_documents([LIDocument(text=t) for t in texts])
+    assert sorted(source_texts(docstore)) == texts
+    store = InMemoryVectorStore(DeterministicFakeEmbedding(size=8))
+    store.add_texts(texts)
+    assert sorted(source_texts(store)) == texts
+    with pytest.raises(TypeError, match="texts"):
+        source_texts("one string")
+    with pytest.raises(ValueError, match="texts"):
+        source_texts(["ok", "  "])
