@@ -15,7 +15,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -25,7 +25,8 @@ from shared_core.passage_cache.chunks import passage_interior
 logger = logging.getLogger(__name__)
 
 __all__ = ["PassageCacheConfig", "attach", "config_from", "ensure", "passage_cache_of",
-           "passage_stats", "register_passages", "source_texts", "warm_passages"]
+           "passage_stats", "register_passage_ids", "register_passages", "source_texts",
+           "warm_passages"]
 
 
 def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
@@ -92,6 +93,13 @@ def register_passages(lm: Any, texts: Iterable[Any]) -> int:
     for text in source_texts(texts):
         count += bool(cache.index.add_interior(passage_interior(lm.tokenizer, text)))
     return count
+
+
+def register_passage_ids(lm: Any, ids: Sequence[int]) -> bool:
+    """:func:`register_passages` for a passage whose ids a prompt holds verbatim (an engine that
+    tokenizes a document on its own and splices it in: RaLMSpec)."""
+    cache = passage_cache_of(lm)
+    return cache is not None and cache.mode == "blend" and bool(cache.index.add(ids))
 
 
 def warm_passages(lm: Any, texts: Iterable[Any], *, progress: bool = True) -> dict[str, int]:
