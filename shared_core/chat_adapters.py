@@ -47,7 +47,9 @@ from shared_core.config import (
     DEFAULT_BACKEND,
     DEFAULT_LM,
     DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_PASSAGE_CACHE,
     GenerationConfig,
+    PassageCacheConfig,
     SamplingConfig,
     check_backend,
     check_kwargs,
@@ -62,6 +64,8 @@ from shared_core.constrained import (
 )
 from shared_core.engines.registry import check_engine_name, check_engine_options, start_engine
 from shared_core.output import ChatTurns, chat_turns, check_generation_field, generation_config
+from shared_core.passage_cache import config_from
+from shared_core.passage_cache import ensure as ensure_passage_cache
 from shared_core.rag_pickle import portable_options
 from shared_core.redact import redacted_dump, redacted_repr_args, strip_credentials
 from shared_core.retrieval.frameworks import to_documents
@@ -87,7 +91,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
-                 "stop", "documents", "device", "dtype", "backend", "prefix_cache")
+                 "stop", "documents", "device", "dtype", "backend", "prefix_cache", "passage_cache",
+                 "recompute_share", "passage_cache_memory_mb", "passage_cache_disk_mb")
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
 CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop", "temperature",
@@ -115,6 +120,11 @@ class ChatSettings(BaseModel):
             own), ``False`` / ``0`` off, ``n`` idle contexts (llama.cpp) or MiB (torch). Fixed
             when the model loads; a different setting for a loaded model is refused (ValueError
             naming it; release the model first).
+        passage_cache / recompute_share / passage_cache_memory_mb / passage_cache_disk_mb: the
+            model's passage (chunk) KV cache, as ``load_lm(passage_cache=...)`` (llama.cpp):
+            ``None`` (default: what the model has, else off), ``"exact"`` (prefix blocks,
+            token-identical) or ``"blend"`` (passages reused anywhere, ``recompute_share`` of
+            their tokens recomputed); the byte budgets of its memory and disk tiers.
     """
 
     # a ValidationError would echo every setting, a URL's credentials too
@@ -133,6 +143,10 @@ class ChatSettings(BaseModel):
     dtype: str | None = None
     backend: str = DEFAULT_BACKEND
     prefix_cache: bool | int | None = None
+    passage_cache: str | None = DEFAULT_PASSAGE_CACHE
+    recompute_share: float = PassageCacheConfig.recompute_share
+    passage_cache_memory_mb: int = PassageCacheConfig.memory_mb
+    passage_cache_disk_mb: int = PassageCacheConfig.disk_mb
 
     _reload_as: tuple[str, str | None, str | None, str] | None = PrivateAttr(default=None)
 
@@ -168,7 +182,14 @@ class ChatSettings(BaseModel):
     @model_validator(mode="after")
     def _known_engine_options(self) -> ChatSettings:
         check_engine_options(self.engine, self.engine_options)  # before any model loads
+        self.passage_cache_config()  # errors name the setting, before any model loads
         return self
+
+    def passage_cache_config(self) -> PassageCacheConfig | None:
+        """The passage-cache settings as a config (None: keep what the model has)."""
+        return config_from(self.passage_cache, recompute_share=self.recompute_share,
+                           memory_mb=self.passage_cache_memory_mb,
+                           disk_mb=self.passage_cache_disk_mb)
 
     def _preloaded_lm(self) -> Any:
         """The LM passed in by the caller (None: the shared cache's)."""
@@ -214,6 +235,13 @@ def resolve_model(settings: Any, lm: Any, override: str | None = None) -> tuple[
     """The model of one call and its lock: a per-call ``model`` other than the setting, else the
     preloaded ``lm`` (after unpickling: the model it was, by name), else the shared cache's
     (looked up per call, so ``serving.release`` frees it)."""
+    model, lock = _resolve(settings, lm, override)
+    with lock:
+        ensure_passage_cache(model, settings.passage_cache_config())
+    return model, lock
+
+
+def _resolve(settings: Any, lm: Any, override: str | None) -> tuple[Any, FairLock]:
     prefix_cache = settings.prefix_cache
     if override is not None and override != settings.model:
         return loaded_model(override, settings.device, settings.dtype, settings.backend,
@@ -442,4 +470,5 @@ def call_report(result: GenerationResult, engine: str, model: str, *, tool_calls
             "finish_reason": "tool_calls" if tool_calls else stats.finish_reason,
             "prompt_tokens": stats.prompt_tokens, "completion_tokens": stats.new_tokens,
             "cached_prompt_tokens": getattr(stats, "cached_prompt_tokens", 0),
+            "passage_cache": getattr(stats, "extra", {}).get("passage_cache"),
             "speculative_stats": stats.as_dict()}

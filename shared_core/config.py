@@ -303,3 +303,48 @@ class GenerationConfig:
             stop = (stop,)
         return cls(max_new_tokens=max_new_tokens, stop=tuple(stop or ()),
                    sampling=SamplingConfig(temperature, top_k, top_p, seed))
+
+
+# Passage (chunk) KV cache (shared_core.passage_cache; docs/backends.md, *Passage cache*):
+# "exact" reuses the KV of exact prompt prefixes only (outputs equal a cold prefill with
+# load_lm(exact=True)); "blend" reuses cached passages anywhere in a prompt and recomputes a share
+# of their tokens so passages attend to each other (CacheBlend, Yao et al. EuroSys 2025: ~15 %).
+PASSAGE_CACHE_MODES = ("exact", "blend")
+DEFAULT_PASSAGE_CACHE: str | None = None  # off unless asked for
+DEFAULT_RECOMPUTE_SHARE = 0.15  # CacheBlend §5: 15 % of the reused tokens
+DEFAULT_PASSAGE_MEMORY_MB = 512  # memory tier of the chunk store (MiB)
+DEFAULT_PASSAGE_DISK_MB = 4096  # disk tier under $SPECRAG_CACHE/passage_kv (MiB; 0: no disk tier)
+
+
+def check_passage_cache(passage_cache: object, *, exact: bool = False) -> str | None:
+    """``passage_cache`` if it is None, ``"exact"`` or ``"blend"``; ``"blend"`` is refused when
+    ``exact`` output was asked for (blending changes outputs). Errors name ``passage_cache``."""
+    if passage_cache is None:
+        return None
+    if not isinstance(passage_cache, str) or passage_cache not in PASSAGE_CACHE_MODES:
+        msg = f"passage_cache must be None or one of {PASSAGE_CACHE_MODES}, got {passage_cache!r:.60}"
+        raise ValueError(msg)
+    if exact and passage_cache == "blend":
+        msg = ("passage_cache='blend' changes outputs and exact=True asks for exact ones; use "
+               "passage_cache='exact' (prefix reuse, token-identical) or exact=False")
+        raise ValueError(msg)
+    return passage_cache
+
+
+@dataclass(frozen=True)
+class PassageCacheConfig:
+    """How a model's passage cache runs (``load_lm(passage_cache=..., recompute_share=...,
+    passage_cache_memory_mb=..., passage_cache_disk_mb=...)``); errors name the parameter."""
+
+    mode: str = "exact"
+    recompute_share: float = DEFAULT_RECOMPUTE_SHARE
+    memory_mb: int = DEFAULT_PASSAGE_MEMORY_MB
+    disk_mb: int = DEFAULT_PASSAGE_DISK_MB
+
+    def __post_init__(self) -> None:
+        if self.mode not in PASSAGE_CACHE_MODES:
+            check_passage_cache(self.mode)
+        share = check_real(self.recompute_share, "recompute_share")
+        require(0 <= share <= 1, "recompute_share", "a number in [0, 1]", self.recompute_share)
+        check_int(self.memory_mb, "passage_cache_memory_mb", 0)
+        check_int(self.disk_mb, "passage_cache_disk_mb", 0)

@@ -29,7 +29,7 @@ from shared_core.kv_prefix import (
     store_for,
     weights_version,
 )
-from shared_core.runtime.protocol import CostCurve, SessionLM
+from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
 from shared_core.runtime.protocol import KVSession as RuntimeSession
 
 _MIN_CAPACITY = 256
@@ -207,6 +207,7 @@ class KVSession:
         self.forwards = 0
         self.position_offset = 0
         self.reused_tokens = 0  # prompt ids whose KV came from the model's prefix store
+        self.passage_report: PassageReport | None = None  # torch has no passage cache yet
         self._prefilled_only = True  # every cached position came from a completed prefill
 
     @torch.inference_mode()

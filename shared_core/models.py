@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shared_core.config import DEFAULT_EMBEDDER, LOAD_LM_BACKEND, check_backend, suggest_kwargs
+from shared_core.config import (
+    DEFAULT_EMBEDDER,
+    DEFAULT_PASSAGE_CACHE,
+    LOAD_LM_BACKEND,
+    check_backend,
+    suggest_kwargs,
+)
 from shared_core.device import apply_thread_setting, resolve_device, resolve_dtype
 from shared_core.embedded import (
     CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
@@ -47,6 +53,8 @@ from shared_core.model_sources import (
     quiet_progress_bars,
     resolve_lm_source,
 )
+from shared_core.passage_cache import attach as attach_passage_cache
+from shared_core.passage_cache import config_from
 from shared_core.redact import redact
 
 if TYPE_CHECKING:
@@ -211,7 +219,10 @@ def _warn_if_probe_failed() -> None:
 def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
             cpu_linears: str = "dtype", backend: str = LOAD_LM_BACKEND, n_ctx: int | None = None,
-            exact: bool = False, prefix_cache: bool | int | None = None) -> LM:
+            exact: bool = False, prefix_cache: bool | int | None = None,
+            passage_cache: str | None = DEFAULT_PASSAGE_CACHE, recompute_share: float | None = None,
+            passage_cache_memory_mb: int | None = None, passage_cache_disk_mb: int | None = None
+            ) -> LM:
     """Load a causal LM by embedded alias, Hugging Face id, local folder or GGUF file.
 
     Args:
@@ -237,6 +248,14 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             calls*). ``None`` (default) or ``True``: on; ``False`` or ``0``: off; ``n``: on with
             up to ``n`` idle contexts of ``n_ctx`` positions (llama.cpp) or ``n`` MiB of kept KV
             (torch; default: a quarter of the weights' bytes, at most 256 MiB).
+        passage_cache: llama.cpp: the passage (chunk) KV cache (docs/backends.md, *Passage
+            cache*): ``None`` (default) off; ``"exact"`` reuses exact prompt prefixes in blocks,
+            also across processes (token-identical to a cold prefill with ``exact=True``);
+            ``"blend"`` reuses cached passages anywhere in a prompt and recomputes
+            ``recompute_share`` of their tokens (refused with ``exact=True``).
+        recompute_share: blend: the share of reused tokens recomputed (default 0.15).
+        passage_cache_memory_mb / passage_cache_disk_mb: the byte budgets of the cache's memory
+            tier and of its disk tier under ``$SPECRAG_CACHE/passage_kv`` (0: no disk tier).
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         msg = "name_or_path must be a non-empty string"
@@ -256,12 +275,17 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     from shared_core.backends.llamacpp import prefix_cache_settings
 
     llama_settings = {"n_ctx": n_ctx, "exact": exact, **prefix_cache_settings(prefix_cache)}
+    cache_config = config_from(passage_cache, exact=exact, recompute_share=recompute_share,
+                               memory_mb=passage_cache_memory_mb, disk_mb=passage_cache_disk_mb)
     source = resolve_lm_source(name_or_path.strip())
     choice = choose_backend(backend, source, device, dtype, cpu_linears)
     if choice.backend == "llama.cpp":
-        return _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings,
-                              pick_format=backend == "auto")
-    _refuse_llamacpp_settings(n_ctx)
+        lm = _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings,
+                            pick_format=backend == "auto")
+        if cache_config is not None:
+            attach_passage_cache(lm.model, cache_config)
+        return lm
+    _refuse_llamacpp_settings(n_ctx, cache_config)
     apply_thread_setting()
     if source.gguf is not None:
         entry = source.entry
@@ -283,10 +307,14 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     return lm
 
 
-def _refuse_llamacpp_settings(n_ctx: int | None) -> None:
-    """ValueError naming ``n_ctx`` given for a model that loads on torch."""
+def _refuse_llamacpp_settings(n_ctx: int | None, cache_config: object = None) -> None:
+    """ValueError naming ``n_ctx`` or ``passage_cache`` given for a model that loads on torch."""
     if n_ctx is not None:
         msg = "n_ctx is a llama.cpp setting; it needs backend='llama.cpp' (or 'auto')"
+        raise ValueError(msg)
+    if cache_config is not None:
+        msg = ("passage_cache runs on llama.cpp for now; it needs backend='llama.cpp' (or 'auto' "
+               "with a GGUF on a CPU)")
         raise ValueError(msg)
 
 

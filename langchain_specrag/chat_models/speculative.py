@@ -193,6 +193,8 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
             usage["input_token_details"] = {"cache_read": report["cached_prompt_tokens"]}
         metadata = {"model_name": redact(self.model), "finish_reason": report["finish_reason"],
                     "engine": call.engine, "speculative_stats": report["speculative_stats"]}
+        if report["passage_cache"]:  # reused / recomputed / read prompt ids (passage_cache)
+            metadata["passage_cache"] = report["passage_cache"]
         return {"usage_metadata": usage, "response_metadata": metadata}
 
     def _message(self, result: GenerationResult, call: ChatCall) -> AIMessage:

@@ -89,9 +89,13 @@ def _share_prefix(lm: LlamaCppLM, slot: _Slot, rows: Sequence[Sequence[int]], sh
         return
     kept = len(slot.tokens or ())
     slot.tokens = None  # vouches for nothing until the prefix is whole: a failure clears it
+    cache = getattr(lm.model, "passage_cache", None)  # exact: stored blocks of the prefix
+    restored = kept if cache is None else cache.restore_shared(slot, rows[0][:shared], kept)
     step = _feed_step(lm, slot)
-    _Batch(lm, slot).feed([rows[0][:shared]], [kept], lambda r, t: False, first_sequence=0,
+    _Batch(lm, slot).feed([rows[0][:shared]], [restored], lambda r, t: False, first_sequence=0,
                           step=step)
+    if cache is not None:
+        cache.store_shared(slot, rows[0][:shared], restored)
     slot.tokens = list(rows[0][:shared])
     for seq in range(1, len(rows) + 1):
         lm.model.llama.llama_memory_seq_cp(slot.memory, 0, seq, -1, -1)
@@ -128,12 +132,20 @@ def generate_parallel(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_
     """
     _check_rows(lm, prompts, max_new_tokens)
     shared = _shared_length(prompts, max(map(len, prompts)))
+    cache = getattr(lm.model, "passage_cache", None)
+    if cache is not None:  # blend: each row's passages from the cache (shared_core.passage_cache)
+        shared = cache.shared_limit(prompts, shared)
     slot = _acquire(lm, prompts, shared)
     try:
         _share_prefix(lm, slot, prompts, shared)
+        starts = [shared] * len(prompts)
+        if cache is not None:
+            vouched, slot.tokens = slot.tokens, None  # a failure while filling clears it all
+            starts = cache.fill_rows(lm, slot, prompts, shared)
+            slot.tokens = vouched
         batch = _Batch(lm, slot)
-        last = batch.feed(prompts, [shared] * len(prompts),
-                          lambda r, t: t == len(prompts[r]) - 1, step=_feed_step(lm, slot))
+        last = batch.feed(prompts, starts, lambda r, t: t == len(prompts[r]) - 1,
+                          step=_feed_step(lm, slot))
         rows: list[tuple[list[int], list[float]]] = [([], []) for _ in prompts]
         logits = {r: last[(r, len(p) - 1)] for r, p in enumerate(prompts)}
         if on_prefilled is not None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from shared_core.backends.llamacpp_prefix import vouched_write as _writes
 from shared_core.kv_prefix import common_prefix_length
-from shared_core.runtime.protocol import SessionLM
+from shared_core.runtime.protocol import PassageReport, SessionLM
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +75,8 @@ class LlamaCppSession:
         self._copied: list[int] = []  # cell positions of tokens copied by copy_positions
         self._writing = 0  # nested _writes methods running
         self._failed = False  # a write raised: the context is cleared when released
+        self.blended = False  # cells placed by the passage cache's blend (not a plain prefix)
+        self.passage_report: PassageReport | None = None  # what the passage cache did in the first prefill
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -99,7 +101,8 @@ class LlamaCppSession:
 
     def _vouch(self) -> None:
         """Tell the context which ids its sequence 0 holds, if that is all it holds."""
-        plain = self._tree is None and not self._copied and not self.position_offset
+        plain = (self._tree is None and not self._copied and not self.position_offset
+                 and not self.blended)
         if self._slot is not None:
             self._slot.tokens = list(self.tokens) if plain and not self._failed else None
 
@@ -157,6 +160,9 @@ class LlamaCppSession:
         A session without a context yet takes the one caching the longest prefix of ``ids`` and
         decodes only the rest (at least the last id)."""
         self._check_window(len(ids))
+        cache = getattr(self.lm.model, "passage_cache", None)
+        if cache is not None and self._slot is None and ids:
+            return cache.prefill(self, ids)  # shared_core.passage_cache.llamacpp
         if self._slot is None and ids:
             self._borrow(ids)
             ids = ids[len(self.tokens):]
@@ -280,6 +286,7 @@ class LlamaCppSession:
         self.tokens = []
         self._copied = []
         self.position_offset = 0
+        self.blended = False
 
     @_writes
     def sync(self, ids: Sequence[int]) -> list[int]:
@@ -309,6 +316,7 @@ class LlamaCppSession:
         clone.tokens = list(self.tokens)
         clone.position_offset = self.position_offset
         clone._copied = list(self._copied)
+        clone.blended = self.blended
         clone.forwards = self.forwards
         clone._vouch()
         return clone

@@ -26,6 +26,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "rss": ("shared_core.bench.rss", "add_arguments", "run"),
     "tools": ("shared_core.bench.tools", "add_arguments", "run"),
     "chat": ("shared_core.bench.chat", "add_arguments", "run"),
+    "passage-cache": ("shared_core.bench.passage_cache", "add_arguments", "run"),
     "probe-dtype": ("shared_core.bench.probes", "add_dtype_arguments", "run_dtype"),
     "probe-contention": ("shared_core.bench.probes", "add_contention_arguments", "run_contention"),
     "probe-verify": ("shared_core.bench.probes", "add_verify_arguments", "run_verify"),

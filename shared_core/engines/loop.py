@@ -199,6 +199,9 @@ class Run:
             self.session.prefill(self.prompt_ids[:-1])
             synchronize(self.lm.device)
         self.stats.cached_prompt_tokens = self.session.reused_tokens
+        report = self.session.passage_report
+        if report is not None:  # reused / recomputed / read prompt ids (shared_core.passage_cache)
+            self.stats.extra["passage_cache"] = report.as_dict()
         return self.prompt_ids[-1]
 
     def stream(self, blocks: Callable[[Run], Iterator[list[int]]],

@@ -59,6 +59,12 @@ class Capabilities:
     invariant_tokens: int | None = None
 
 
+class PassageReport(Protocol):
+    """Prompt ids a passage cache reused, recomputed and read in a session's first prefill."""
+
+    def as_dict(self) -> dict[str, Any]: ...
+
+
 @runtime_checkable
 class KVSession(Protocol):
     """One model, one growing token sequence and its KV cache.
@@ -73,6 +79,7 @@ class KVSession(Protocol):
     forwards: int  # forwards run (prefill chunks, extends, trees)
     position_offset: int  # added to the position of every token fed from now on
     reused_tokens: int  # prompt ids the first prefill took from KV the model kept
+    passage_report: PassageReport | None  # what a passage cache did in the first prefill
 
     def __len__(self) -> int: ...
 

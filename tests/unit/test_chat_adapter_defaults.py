@@ -15,7 +15,14 @@ from llama_index.core.llms.custom import CustomLLM
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
 from shared_core.chat_adapters import CHAT_SETTINGS, DEFAULT_ENGINE, ChatSettings
-from shared_core.config import DEFAULT_BACKEND, DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, SamplingConfig
+from shared_core.config import (
+    DEFAULT_BACKEND,
+    DEFAULT_LM,
+    DEFAULT_MAX_NEW_TOKENS,
+    DEFAULT_PASSAGE_CACHE,
+    PassageCacheConfig,
+    SamplingConfig,
+)
 from shared_core.engines.baseline import autoregressive_generate
 
 # Settings only one framework has, each for a documented reason.
@@ -40,7 +47,11 @@ def test_defaults_are_the_config_constants() -> None:
     expected = {"model": DEFAULT_LM, "engine": DEFAULT_ENGINE, "engine_options": {},
                 "temperature": sampling.temperature, "top_k": sampling.top_k,
                 "top_p": sampling.top_p, "seed": sampling.seed, "stop": None, "documents": None,
-                "device": None, "dtype": None, "backend": DEFAULT_BACKEND, "prefix_cache": None}
+                "device": None, "dtype": None, "backend": DEFAULT_BACKEND, "prefix_cache": None,
+                "passage_cache": DEFAULT_PASSAGE_CACHE,
+                "recompute_share": PassageCacheConfig.recompute_share,
+                "passage_cache_memory_mb": PassageCacheConfig.memory_mb,
+                "passage_cache_disk_mb": PassageCacheConfig.disk_mb}
     assert set(expected) == set(CHAT_SETTINGS)
     chat, llm = ChatSpeculative(), SpeculativeLLM()
     for name, value in expected.items():
@@ -57,6 +68,24 @@ def test_bad_settings_are_refused_the_same_way(field: str) -> None:
     for cls, name in ((ChatSpeculative, "max_tokens"), (SpeculativeLLM, "max_new_tokens")):
         with pytest.raises(ValueError, match=name):
             cls(**{name: 0})
+
+
+@pytest.mark.parametrize(("setting", "value", "error"), [
+    ("passage_cache", "fast", ValueError), ("recompute_share", 2.0, ValueError),
+    ("recompute_share", "most", TypeError), ("passage_cache_memory_mb", -1, ValueError),
+    ("passage_cache_disk_mb", 1.5, TypeError)])
+def test_bad_passage_cache_settings_name_the_setting(setting: str, value: Any,
+                                                     error: type[Exception]) -> None:
+    extra = {} if setting == "passage_cache" else {"passage_cache": "blend"}
+    for cls in (ChatSpeculative, SpeculativeLLM):
+        with pytest.raises((error, ValueError), match=setting):
+            cls(**{setting: value, **extra})
+
+
+def test_a_passage_cache_on_a_torch_model_is_refused_naming_it(tiny_target: Any) -> None:
+    chat = ChatSpeculative(lm=tiny_target, model="tiny", max_tokens=2, passage_cache="exact")
+    with pytest.raises(ValueError, match=r"passage_cache='exact' runs on llama\.cpp"):
+        chat.invoke([HumanMessage(PROMPT)])
 
 
 @pytest.fixture(scope="module")

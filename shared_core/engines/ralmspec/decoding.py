@@ -17,6 +17,7 @@ from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.lm import runtime_threads
 from shared_core.output import OutputTracker
+from shared_core.passage_cache import register_passage_ids
 from shared_core.rag_config import (
     RaLMSpecConfig,
     format_prompt,
@@ -60,6 +61,7 @@ class RaLMPrompt:
         key = doc_key(doc)
         if key not in self._doc_ids:
             self._doc_ids[key] = self.lm.encode(doc.text)[: self.config.max_doc_tokens]
+            register_passage_ids(self.lm, self._doc_ids[key])  # a blend cache may hold it
         return self._doc_ids[key]
 
     def ids(self, doc: Document, generated: Sequence[int]) -> list[int]:

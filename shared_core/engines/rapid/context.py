@@ -16,6 +16,7 @@ from shared_core.config import (
     check_text,
 )
 from shared_core.engines.rapid.prompts import EncodedContext, IndexedContext, RapidPrompt, join_chunks
+from shared_core.passage_cache import register_passages
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
 from shared_core.runtime.protocol import SessionLM
 from shared_core.token_config import RapidConfig
@@ -96,6 +97,7 @@ class RapidContext:
             return self._indexes[key]
         chunks = chunk_documents([Document("context", context)], self.lm.tokenizer,
                                  self.config.chunk_tokens)
+        register_passages(self.lm, [c.text for c in chunks])  # a blend cache may hold them
         retriever = DenseRetriever(self.embedder)
         retriever.add(chunks)
         n_tokens = chunks[-1].metadata["token_end"] if chunks else 0

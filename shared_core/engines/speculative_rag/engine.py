@@ -31,6 +31,7 @@ from shared_core.engines.speculative_rag.prompts import (
     draft_prompt,
     parse_answer_first,
     parse_draft,
+    passage_texts,
     rag_prompt,
 )
 from shared_core.engines.speculative_rag.results import (
@@ -52,6 +53,7 @@ from shared_core.engines.speculative_rag.subsets import (
 from shared_core.engines.timing import PhaseClock, timed
 from shared_core.model_cache import cached_embedder
 from shared_core.model_lock import lock_for
+from shared_core.passage_cache import register_passages
 from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import check_retriever, retrieve
@@ -246,6 +248,7 @@ class SpeculativeRAG:
                          [docs[i] for i in s])
         clock = PhaseClock()
         with lock_for(lm):
+            register_passages(lm, passage_texts(docs))  # a blend cache reads them from its store
             rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill=prefill,
                                   answer_first=answer_first, clock=clock)
             stats.draft_prefill_s, stats.draft_decode_s = clock.split()
@@ -364,6 +367,7 @@ def standard_rag(lm: ModelLM, question: str, documents: Sequence[Any],
     prompt = rag_prompt(lm, question, docs)
     check_length(lm, prompt, max_new_tokens, "the standard-RAG prompt", question, docs)
     clock = PhaseClock()
+    register_passages(lm, passage_texts(docs))  # a blend cache reads them from its store
     [(ids, _)] = generate_batch(lm, [prompt], max_new_tokens, prefill="Answer:", clock=clock)
     prefill_s, decode_s = clock.split()
     raw = "Answer:" + lm.decode(ids)

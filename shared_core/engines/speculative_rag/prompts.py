@@ -86,8 +86,14 @@ def parse_draft(text: str) -> tuple[str, str, bool]:
 # --------------------------------------------------------------------------- prompts
 
 
+def passage_texts(docs: Sequence[Document]) -> list[str]:
+    """The documents' texts as the prompts show them (whitespace collapsed): what a passage
+    cache is told to look for (:func:`shared_core.passage_cache.register_passages`)."""
+    return [" ".join(d.text.split()) for d in docs]
+
+
 def _format_docs(docs: Sequence[Document]) -> str:
-    return "\n".join(f"Document [{i + 1}]: {' '.join(d.text.split())}" for i, d in enumerate(docs))
+    return "\n".join(f"Document [{i + 1}]: {text}" for i, text in enumerate(passage_texts(docs)))
 
 
 def render_prompt(lm: ModelLM, body: str, prefill: str) -> list[int]:

@@ -1,0 +1,336 @@
+"""The passage cache on llama.cpp with the embedded SmolLM2.
+
+``exact``: a warm prefill (blocks restored from memory or from the disk tier in another process)
+gives the greedy tokens of a cold one. Condition: ``load_lm(exact=True)`` and one thread
+(``SPECRAG_NUM_THREADS=1``); llama.cpp's batched rows are bit-stable only without weight
+repacking. ``blend``: reuses passages anywhere and reports what it reused and recomputed (its
+quality is measured by ``python -m shared_core.bench passage-cache``, not asserted here). A
+failed assembly leaves an empty session, a cleared context and only whole store entries.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shared_core.config import PassageCacheConfig
+from shared_core.embedded import cache_dir
+from shared_core.models import load_lm
+from shared_core.passage_cache import attach, passage_stats, register_passages, warm_passages
+from shared_core.passage_cache.llamacpp import BLOCK, PLACE_SEQ, RECOMPUTE_SEQ
+from shared_core.passage_cache.store import SUFFIX, _checked_payload
+from tests.tiny import require_llamacpp_smollm2
+
+pytestmark = pytest.mark.integration
+
+require_llamacpp_smollm2()
+
+ROOT = Path(__file__).resolve().parents[2]
+PASSAGES = [
+    "The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast. It "
+    "has eleven sluice gates, each named after a month except June.",
+    "The weir keeper's cottage, painted blue, stands on the east bank next to the fish ladder. "
+    "Visitors may enter it on Sundays between May and September.",
+    "Marta Quell later designed the Orrin aqueduct, which carries water forty kilometres to the "
+    "city of Bellmark across the Sedge valley.",
+]
+N_NEW = 10
+
+
+def prompt_ids(lm, order, question):
+    text = "Context:\n" + "\n\n".join(PASSAGES[i] for i in order) + f"\n\nQuestion: {question}"
+    return list(lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"])
+
+
+def greedy(lm, ids, n=N_NEW):
+    session = lm.open_session()
+    logits = session.prefill(ids)
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = session.extend([out[-1]])[-1]
+    return out, session
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    before = os.environ.get("SPECRAG_NUM_THREADS")
+    os.environ["SPECRAG_NUM_THREADS"] = "1"
+    yield
+    if before is None:
+        del os.environ["SPECRAG_NUM_THREADS"]
+    else:
+        os.environ["SPECRAG_NUM_THREADS"] = before
+
+
+def _load(mode, **kw):
+    return load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=1024, prefix_cache=False,
+                   passage_cache=mode, **kw)
+
+
+@pytest.fixture(scope="module")
+def exact_model():
+    return _load("exact", exact=True)
+
+
+@pytest.fixture(scope="module")
+def blend_model():
+    return _load("blend")
+
+
+def _fresh(lm, tmp_path, mode, **settings):
+    """The model with a new, empty cache whose disk tier is under ``tmp_path``."""
+    attach(lm.model, PassageCacheConfig(mode=mode, **settings), disk_dir=tmp_path / "passage_kv")
+    return lm
+
+
+def test_exact_warm_equals_cold_and_reuses_blocks(exact_model, tmp_path):
+    lm = _fresh(exact_model, tmp_path, "exact")
+    ids = prompt_ids(lm, [0, 1, 2], "Who built the weir?")
+    cold, session = greedy(lm, ids)
+    assert session.passage_report.reused == 0 and session.passage_report.stored == 2
+    del session
+    warm, session = greedy(lm, ids)
+    assert session.passage_report.reused == 2 * BLOCK == session.reused_tokens
+    assert session.passage_report.read == len(ids) - 2 * BLOCK
+    assert warm == cold
+    other = prompt_ids(lm, [1, 0, 2], "Who built the weir?")  # another prefix: nothing reused
+    _, session = greedy(lm, other, 1)
+    assert session.passage_report.reused == 0
+
+
+_CHILD = """
+import json, sys
+from shared_core.models import load_lm
+from shared_core.passage_cache import passage_stats
+sys.path.insert(0, {tests!r})
+from integration.test_passage_cache_llamacpp import greedy, prompt_ids
+lm = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=1024, prefix_cache=False,
+             exact=True, passage_cache="exact")
+out, session = greedy(lm, prompt_ids(lm, [2, 0], "What did Marta Quell design?"))
+print(json.dumps({{"tokens": out, "report": session.passage_report.as_dict(),
+                   "store": passage_stats(lm)["store"]}}))
+"""
+
+
+def _child(tmp_path):
+    cache = tmp_path / "cache"
+    if not cache.exists():  # its own passage_kv beside the machine's tokenizer cache
+        cache.mkdir()
+        (cache / "tokenizers").symlink_to(cache_dir() / "tokenizers")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECRAG_NUM_THREADS": "1",
+           "SPECRAG_CACHE": str(cache)}
+    code = _CHILD.format(tests=str(ROOT / "tests"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300, check=True, cwd=tmp_path)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_exact_blocks_survive_a_process_restart_on_the_disk_tier(tmp_path):
+    first = _child(tmp_path)
+    second = _child(tmp_path)
+    assert first["report"]["reused"] == 0 and first["report"]["stored"] >= 1
+    assert second["report"]["reused"] == first["report"]["stored"] * BLOCK
+    assert second["store"]["disk_hits"] >= 1 and second["store"]["corrupt"] == 0
+    assert second["tokens"] == first["tokens"]
+
+
+def test_a_corrupt_block_on_disk_is_recomputed_not_used(exact_model, tmp_path):
+    lm = _fresh(exact_model, tmp_path, "exact")
+    ids = prompt_ids(lm, [0, 2], "Who built the weir?")
+    cold, session = greedy(lm, ids)
+    del session
+    files = sorted((tmp_path / "passage_kv").rglob(f"*{SUFFIX}"))
+    assert files
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    lm.model.passage_cache.store.clear_memory()
+    warm, session = greedy(lm, ids)
+    assert warm == cold
+    assert session.passage_report.reused == 0
+    assert passage_stats(lm)["store"]["corrupt"] == 1  # the first block: the walk stops there
+    assert session.passage_report.stored == len(files)  # written again, whole
+
+
+def test_blend_reuses_passages_in_any_order_and_reports_counts(blend_model, tmp_path):
+    lm = _fresh(blend_model, tmp_path, "blend", recompute_share=0.15)
+    assert warm_passages(lm, PASSAGES, progress=False)["computed"] == 3
+    assert warm_passages(lm, PASSAGES, progress=False) == {"passages": 3, "computed": 0,
+                                                           "skipped": 3}  # resumable
+    ids = prompt_ids(lm, [2, 0, 1], "How many sluice gates does the weir have?")
+    tokens, session = greedy(lm, ids)
+    report = session.passage_report
+    assert report.reused > 0 and report.computed_alone == 0
+    assert round(0.15 * report.reused) <= report.recomputed <= 3 * round(0.15 * report.reused)
+    assert report.probe > 0
+    assert report.reused + report.read + report.kept == len(ids)
+    assert session.reused_tokens == report.reused
+    assert len(tokens) == N_NEW
+    assert session._slot.tokens is None  # blended cells never serve as an exact prefix
+
+
+REPORT = " ".join(
+    f"Sentence {i} of the report says that the {w} river flows {d} past the old mill of {t}."
+    for i, (w, d, t) in enumerate([
+        ("green", "north", "Arden"), ("slow", "east", "Brill"), ("wide", "south", "Carr"),
+        ("cold", "west", "Dunmore"), ("deep", "north", "Elm"), ("brown", "east", "Fenn"),
+        ("quiet", "south", "Gask"), ("clear", "west", "Holt"), ("grey", "north", "Ince")]))
+
+
+def _chat(lm, text):
+    return list(lm.tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True,
+        return_dict=True)["input_ids"])
+
+
+def test_blend_finds_unregistered_text_by_content_defined_chunks(blend_model, tmp_path):
+    """A plain prompt (nobody registered its passages): content-defined chunks are computed
+    alone the first time and reused by a prompt in another template; no share, no probe."""
+    lm = _fresh(blend_model, tmp_path, "blend", recompute_share=0.0)
+    _, session = greedy(lm, _chat(lm, f"Context:\n{REPORT}\n\nQuestion: which mill?"), 2)
+    first = session.passage_report
+    assert first.reused == 0 and first.computed_alone > 0
+    assert first.recomputed == 0 and first.probe == 0
+    del session
+    other = _chat(lm, f"Read the report, then answer.\n[report] {REPORT} [end]\nWhich river?")
+    _, session = greedy(lm, other, 2)
+    assert session.passage_report.reused > 0
+    assert register_passages(lm, PASSAGES) == 3
+
+
+def _entries_whole(tmp_path):
+    for path in (tmp_path / "passage_kv").rglob(f"*{SUFFIX}"):
+        assert _checked_payload(path.read_bytes(), path.name.removesuffix(SUFFIX)) is not None
+
+
+@pytest.mark.parametrize("mode", ["exact", "blend"])
+def test_an_interrupted_assembly_leaves_context_and_store_consistent(
+        exact_model, blend_model, tmp_path, monkeypatch, mode):
+    lm = _fresh(exact_model if mode == "exact" else blend_model, tmp_path, mode)
+    cache = lm.model.passage_cache
+    if mode == "blend":
+        warm_passages(lm, PASSAGES[:1], progress=False)
+        register_passages(lm, PASSAGES)
+    ids = prompt_ids(lm, [0, 1, 2], "Who built the weir?")
+    reference, session = greedy(lm, ids, 4)
+    del session
+    cache.store.clear_memory()
+    for path in (tmp_path / "passage_kv").rglob(f"*{SUFFIX}"):
+        path.unlink()
+    original = cache.store.put
+    calls = []
+
+    def interrupted(key, payload):
+        calls.append(key)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        original(key, payload)
+
+    monkeypatch.setattr(cache.store, "put", interrupted)
+    session = lm.open_session()
+    with pytest.raises(KeyboardInterrupt):
+        session.prefill(ids)
+    llama, memory = lm.model.llama, session._slot.memory
+    assert session.tokens == []
+    for seq in (0, PLACE_SEQ, RECOMPUTE_SEQ):
+        assert llama.llama_memory_seq_pos_max(memory, seq) == -1
+    _entries_whole(tmp_path)
+    monkeypatch.setattr(cache.store, "put", original)
+    again, _ = greedy(lm, ids, 4)
+    if mode == "exact":
+        assert again == reference
+    assert len(again) == 4
+
+
+def test_bad_settings_name_the_parameter(exact_model):
+    with pytest.raises(ValueError, match="passage_cache"):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp", passage_cache="fast")
+    with pytest.raises(ValueError, match="passage_cache='blend'"):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp", passage_cache="blend", exact=True)
+    with pytest.raises(ValueError, match="recompute_share"):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp", passage_cache="blend",
+                recompute_share=-0.1)
+    with pytest.raises(ValueError, match="passage_cache_memory_mb"):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp", passage_cache="exact",
+                passage_cache_memory_mb=-1)
+    with pytest.raises(ValueError, match=r"passage_cache runs on llama\.cpp"):
+        load_lm("smollm2-135m-instruct", backend="torch", passage_cache="exact")
+    with pytest.raises(ValueError, match="warm_passages needs"):
+        warm_passages(exact_model, PASSAGES, progress=False)
+
+
+def test_the_chat_adapters_turn_it_on_by_one_setting_and_report_it():
+    """``ChatSpeculative`` / ``SpeculativeLLM`` with ``passage_cache="blend"``: the second
+    question over the same report (another template) reads its chunks from the cache, and both
+    frameworks report reused / recomputed / read prompt ids."""
+    from langchain_core.messages import HumanMessage
+    from llama_index.core.base.llms.types import ChatMessage, MessageRole
+
+    from langchain_specrag.chat_models.speculative import ChatSpeculative
+    from llamaindex_specrag.llms.speculative import SpeculativeLLM
+    from shared_core.serving import release
+
+    settings = {"model": "smollm2-135m-instruct", "backend": "llama.cpp", "engine": "autoregressive",
+                "passage_cache": "blend", "passage_cache_disk_mb": 0, "prefix_cache": False}
+    chat = ChatSpeculative(max_tokens=3, **settings)
+    llm = SpeculativeLLM(max_new_tokens=3, **settings)
+    try:
+        chat.invoke([HumanMessage(f"Context:\n{REPORT}\n\nQuestion: which mill?")])
+        reply = chat.invoke([HumanMessage(f"Read this.\n[report] {REPORT} [end]\nWhich river?")])
+        report = reply.response_metadata["passage_cache"]
+        assert report["reused"] > 0
+        assert reply.usage_metadata["input_token_details"]["cache_read"] >= report["reused"]
+        answer = llm.chat([ChatMessage(role=MessageRole.USER,
+                                       content=f"Notes: {REPORT}\nWhat flows past Gask?")])
+        assert answer.raw["passage_cache"]["reused"] > 0
+        assert answer.raw["passage_cache"]["recomputed"] > 0
+    finally:
+        release("smollm2-135m-instruct", None, None, "llama.cpp")
+
+
+def test_standard_rag_and_speculative_rag_drafts_read_passages_from_the_cache(blend_model,
+                                                                              tmp_path):
+    """The engines register their documents; a second question over them in another order
+    reuses every passage (standard RAG's one row, and the drafter's rows)."""
+    from shared_core.engines.speculative_rag.engine import standard_rag
+    from shared_core.engines.speculative_rag.prompts import draft_prompt
+    from shared_core.retrieval.base import Document
+
+    lm = _fresh(blend_model, tmp_path, "blend")
+    cache = lm.model.passage_cache
+    docs = [Document(text=t, id=str(i)) for i, t in enumerate(PASSAGES)]
+    first = standard_rag(lm, "Who built the weir?", docs, 4)
+    assert cache.last.computed_alone > 0 and cache.last.reused == 0
+    again = standard_rag(lm, "What colour is the cottage?", docs[::-1], 4)
+    assert cache.last.reused > 0 and cache.last.computed_alone == 0
+    assert isinstance(first.text, str) and isinstance(again.text, str)
+    rows = [draft_prompt(lm, "Who designed the aqueduct?", [docs[i] for i in subset],
+                         "answer_first", None) for subset in ((0, 2), (1, 2), (2, 0))]
+    outputs = lm.generate_parallel(rows, 3, lambda r, ids: False)
+    assert [len(ids) for ids, _ in outputs] == [3, 3, 3]
+    assert cache.last.reused > 0 and cache.last.computed_alone == 0
+    assert cache.last.recomputed > 0
+
+
+def test_exact_standard_rag_rows_reuse_prefix_blocks_and_equal_a_cold_run(exact_model, tmp_path):
+    """``generate_parallel`` (standard RAG, the drafter's rows) restores the rows' common prefix
+    from stored blocks; the answer equals the cold one token for token."""
+    from shared_core.engines.speculative_rag.prompts import rag_prompt
+    from shared_core.retrieval.base import Document
+
+    lm = _fresh(exact_model, tmp_path, "exact")
+    docs = [Document(text=t, id=str(i)) for i, t in enumerate(PASSAGES)]
+    prompt = rag_prompt(lm, "Who built the weir?", docs)
+    [(cold, _)] = lm.generate_parallel([prompt], 6, lambda r, ids: False)
+    [(warm, _)] = lm.generate_parallel([prompt], 6, lambda r, ids: False)
+    assert lm.model.passage_cache.last.reused == (len(prompt) - 1) // BLOCK * BLOCK > 0
+    assert warm == cold

@@ -1,0 +1,176 @@
+"""The passage cache's chunk store: keys, LRU budgets per tier, digest checks (a corrupt or
+foreign entry is deleted and reads as a miss), atomic writes, and two processes sharing the
+disk tier."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from pathlib import Path
+
+import pytest
+
+from shared_core.config import PassageCacheConfig, check_passage_cache
+from shared_core.passage_cache.store import MAGIC, SUFFIX, ChunkStore, model_identity
+
+IDENTITY = model_identity(path="/m.gguf", size=1, mtime_ns=2, runtime="test")
+
+
+def _store(tmp_path: Path, memory: int = 1 << 20, disk: int = 1 << 20) -> ChunkStore:
+    return ChunkStore(IDENTITY, memory_bytes=memory, disk_bytes=disk, disk_dir=tmp_path)
+
+
+def _disk_files(tmp_path: Path) -> list[Path]:
+    return sorted(tmp_path.rglob(f"*{SUFFIX}"))
+
+
+def test_keys_cover_identity_kind_head_and_ids(tmp_path):
+    store = _store(tmp_path)
+    other = ChunkStore(model_identity(path="/m.gguf", size=1, mtime_ns=3, runtime="test"),
+                       memory_bytes=10, disk_bytes=0)
+    key = store.key("chunk", (), [1, 2, 3])
+    assert key == store.key("chunk", [], (1, 2, 3))
+    assert len({key, store.key("chunk", [7], [1, 2, 3]), store.key("prefix", (), [1, 2, 3]),
+                store.key("chunk", (), [1, 2, 4]), other.key("chunk", (), [1, 2, 3])}) == 5
+
+
+def test_prefix_keys_depend_on_the_whole_prefix(tmp_path):
+    store = _store(tmp_path)
+    a = store.prefix_keys(list(range(10)), 4, 9)
+    b = store.prefix_keys([99, *range(1, 10)], 4, 9)
+    assert [end for end, _ in a] == [4, 8]
+    assert a[0][1] != b[0][1] and a[1][1] != b[1][1]  # block 2 is equal, its prefix is not
+    assert store.prefix_keys(list(range(12)), 4, 8) == a
+
+
+def test_memory_tier_is_lru_within_its_budget(tmp_path):
+    store = _store(tmp_path, memory=300, disk=0)
+    for name in "abc":
+        store.put(name * 64, name.encode() * 100)
+    assert store.get("a" * 64) is not None  # a is now the most recent
+    store.put("d" * 64, b"d" * 100)
+    assert store.get("b" * 64) is None  # the least recently used went
+    assert {k for k in "acd" if store.get(k * 64) is not None} == set("acd")
+    assert store.stats.memory_bytes == 300
+    store.put("e" * 64, b"e" * 301)  # larger than the tier: not kept
+    assert store.get("e" * 64) is None and store.stats.memory_bytes == 300
+
+
+def test_disk_tier_survives_a_new_store_and_evicts_lru(tmp_path):
+    store = _store(tmp_path, memory=0, disk=3 * (len(MAGIC) + 64 + 100))
+    keys = [f"{i:064x}" for i in range(4)]
+    for i, key in enumerate(keys[:3]):
+        store.put(key, bytes([i]) * 100)
+        os.utime(store._path(key), ns=(i, i))
+    again = _store(tmp_path, memory=0, disk=store.disk_budget)
+    assert again.get(keys[1]) == bytes([1]) * 100  # read refreshes its recency
+    again.put(keys[3], b"\x03" * 100)
+    assert len(_disk_files(tmp_path)) == 3
+    assert again.get(keys[0]) is None  # the oldest went
+    assert again.get(keys[1]) is not None and again.get(keys[3]) is not None
+    assert again.stats.disk_hits >= 2
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "foreign"])
+def test_a_damaged_entry_is_deleted_and_reads_as_a_miss(tmp_path, damage):
+    writer = _store(tmp_path, memory=0)
+    key, other = "ab" * 32, "cd" * 32
+    writer.put(key, b"payload" * 50)
+    writer.put(other, b"another" * 50)
+    path = writer._path(key)
+    if damage == "flip":
+        data = bytearray(path.read_bytes())
+        data[-3] ^= 0x40
+        path.write_bytes(bytes(data))
+    elif damage == "truncate":
+        path.write_bytes(path.read_bytes()[:-10])
+    else:  # another entry's file under this key's name
+        path.write_bytes(writer._path(other).read_bytes())
+    reader = _store(tmp_path, memory=0)
+    assert reader.get(key) is None
+    assert not path.exists()
+    assert reader.stats.corrupt == 1 and reader.stats.misses == 1
+    assert reader.get(other) == b"another" * 50
+    reader.put(key, b"payload" * 50)  # recomputed and stored again
+    assert _store(tmp_path, memory=0).get(key) == b"payload" * 50
+
+
+def test_a_failed_write_leaves_no_entry_and_no_temporary_file(tmp_path, monkeypatch):
+    store = _store(tmp_path, memory=0)
+
+    def fail(src: object, dst: object) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", fail)
+    with pytest.raises(OSError, match="disk full"):
+        store.put("ef" * 32, b"x" * 100)
+    monkeypatch.undo()
+    assert _disk_files(tmp_path) == []
+    assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
+    assert store.get("ef" * 32) is None
+
+
+def _writer(folder: str, worker: int, count: int) -> None:
+    store = ChunkStore(IDENTITY, memory_bytes=0, disk_bytes=1 << 24, disk_dir=Path(folder))
+    for i in range(count):
+        key = f"{worker:032x}{i:032x}"
+        store.put(key, bytes([worker, i % 256]) * 500)
+        shared = f"{0:032x}{i:032x}"  # both processes write this one
+        store.put(shared, b"shared" * 100)
+
+
+def test_two_processes_share_the_disk_tier(tmp_path):
+    context = multiprocessing.get_context("spawn")
+    workers = [context.Process(target=_writer, args=(str(tmp_path), w, 20)) for w in (1, 2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join(60)
+        assert w.exitcode == 0
+    store = _store(tmp_path, memory=0, disk=1 << 24)
+    for worker in (1, 2):
+        for i in range(20):
+            assert store.get(f"{worker:032x}{i:032x}") == bytes([worker, i % 256]) * 500
+            assert store.get(f"{0:032x}{i:032x}") == b"shared" * 100
+    assert store.stats.corrupt == 0
+    assert len(_disk_files(tmp_path)) == 60
+
+
+def test_bad_budgets_and_settings_name_the_parameter():
+    with pytest.raises(ValueError, match="memory_bytes"):
+        ChunkStore(IDENTITY, memory_bytes=-1)
+    with pytest.raises(ValueError, match="passage_cache"):
+        check_passage_cache("fast")
+    with pytest.raises(ValueError, match=r"passage_cache='blend'.*exact=True"):
+        check_passage_cache("blend", exact=True)
+    assert check_passage_cache("exact", exact=True) == "exact"
+    with pytest.raises(ValueError, match="recompute_share"):
+        PassageCacheConfig(mode="blend", recompute_share=1.5)
+    with pytest.raises(TypeError, match="recompute_share"):
+        PassageCacheConfig(mode="blend", recompute_share="high")
+    with pytest.raises(ValueError, match="passage_cache_disk_mb"):
+        PassageCacheConfig(disk_mb=-5)
+
+
+def test_warm_up_sources_list_docstore_and_vector_store_texts():
+    from langchain_core.documents import Document as LCDocument
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+    from langchain_core.vectorstores import InMemoryVectorStore
+    from llama_index.core import Document as LIDocument
+    from llama_index.core.storage.docstore import SimpleDocumentStore
+
+    from shared_core.passage_cache import source_texts
+
+    texts = ["first passage text", "second passage text"]
+    assert source_texts(texts) == texts
+    assert source_texts([LCDocument(page_content=t) for t in texts]) == texts
+    docstore = SimpleDocumentStore()
+    docstore.add_documents([LIDocument(text=t) for t in texts])
+    assert sorted(source_texts(docstore)) == texts
+    store = InMemoryVectorStore(DeterministicFakeEmbedding(size=8))
+    store.add_texts(texts)
+    assert sorted(source_texts(store)) == texts
+    with pytest.raises(TypeError, match="texts"):
+        source_texts("one string")
+    with pytest.raises(ValueError, match="texts"):
+        source_texts(["ok", "  "])
