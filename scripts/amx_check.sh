@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The AMX check of issue 37 on a machine with AMX and no network: build the pinned llama.cpp
+# The AMX check on a machine with AMX and no network: build the pinned llama.cpp
 # portable (AMX off), native as released and native with scripts/patches/llamacpp-amx-tiles.patch;
 # run each on a random-weight GGUF with Qwen2.5-1.5B's shapes (a batch then single tokens: the
 # released AMX build crashes there); time prefill, the one-token step and k-token checks after a

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check (issue 39): proves and measures the torch engines on one GPU in a few
+# The prepared GPU check: proves and measures the torch engines on one GPU in a few
 # minutes and writes $OUT/gpu_report.json + $OUT/gpu_k_cost.png (schema: shared_core/bench/gpu.py).
 #
 # The GPU machine has torch, transformers, accelerate, tokenizers, numpy, scipy, matplotlib and

@@ -10,7 +10,7 @@
 # - AMX: two builds. The portable one names the instruction sets one by one from /proc/cpuinfo,
 #   AVX-512 included and AMX left out, and is what `import llama_cpp` loads. The AMX one is native
 #   with scripts/patches/llamacpp-amx-tiles.patch applied (the released AMX kernels segfault in
-#   llama_decode: issue 37); its libraries go to llama_cpp/lib-amx/ beside llama_cpp/lib/, and
+#   llama_decode on AMX Xeons); its libraries go to llama_cpp/lib-amx/ beside llama_cpp/lib/, and
 #   shared_core loads them only after a probe process decoded with them
 #   (shared_core/backends/llamacpp_builds.py), else the portable build, with one log line.
 # pip's own wheel cache is keyed by the sdist alone and would hand an AVX-512 build to an AVX2

@@ -1,4 +1,4 @@
-"""Which llama.cpp build this process loads (issue 37).
+"""Which llama.cpp build this process loads.
 
 ``scripts/install_llamacpp.sh`` installs one build as ``llama_cpp/lib/`` (native without AMX;
 portable, AMX off, on AMX CPUs) and, on AMX CPUs, a native AMX build with

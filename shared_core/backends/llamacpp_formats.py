@@ -1,4 +1,4 @@
-"""A GGUF re-packed into another llama.cpp weight format once per machine (issue 37).
+"""A GGUF re-packed into another llama.cpp weight format once per machine.
 
 ``llama_model_quantize`` re-quantizes a shipped file (Q4_K_M, Q4_1) into Q4_0 or Q8_0 in seconds;
 the result is kept under ``$SPECRAG_CACHE/gguf_formats/`` keyed by the source file (path, size,

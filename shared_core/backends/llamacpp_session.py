@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     import torch
 
 MAX_TREE_LEAVES = 32  # branches of one tree forward (sequences 1..m of a context)
-EXACT_CHUNK = 32  # exact: prefill chunk; with f16 V, 64+ rows took a tiled attention (issue 41)
+EXACT_CHUNK = 32  # exact: prefill chunk; with f16 V, 64+ rows took a tiled attention
 
 
 def decode(lm: SessionLM, slot: Any, entries: Sequence[tuple[int, int, Sequence[int], bool]]) -> Any:

@@ -9,7 +9,7 @@ makes a fresh pool for every decode (llama.cpp's default, polling level 50).
 ggml's workers spin at every barrier of a graph whatever the polling level (``poll`` only sets
 how long an idle worker spins before it sleeps), so a worker descheduled by another process
 stalls all the others until it runs again: on a busy machine more threads can decode slower
-than one (issue 37). :func:`choose_threads` therefore sizes the pool by the cores left free.
+than one. :func:`choose_threads` therefore sizes the pool by the cores left free.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""llama.cpp's ``exact`` mode as measured (issue 41): is a k-token decode bit-equal to k one-token
+"""llama.cpp's ``exact`` mode as measured: is a k-token decode bit-equal to k one-token
 steps, per prefix x threads x flash attention x V-cache type x repacking, and what each way of
 getting there costs.
 

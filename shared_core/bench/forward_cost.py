@@ -55,7 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="rerun in child processes with OMP_WAIT_POLICY set to each value")
     parser.add_argument("--llamacpp", action="store_true",
                         help="also measure the same GGUF on llama.cpp (repacked and exact)")
-    speed = parser.add_argument_group("llama.cpp speed (with --llamacpp --speed; issue 37)")
+    speed = parser.add_argument_group("llama.cpp speed (with --llamacpp --speed)")
     speed.add_argument("--speed", action="store_true",
                        help="prefill tok/s and k-token cost per format x threads x poll x load")
     speed.add_argument("--formats", nargs="+", default=["shipped", "Q4_0", "Q8_0"],

@@ -1,5 +1,5 @@
-"""llama.cpp's speed per build, weight format, thread count, polling level and machine load
-(issue 37): ``python -m shared_core.bench forward-cost --llamacpp --speed ...``.
+"""llama.cpp's speed per build, weight format, thread count, polling level and machine load:
+``python -m shared_core.bench forward-cost --llamacpp --speed ...``.
 
 Driven through the C API, one context per (threads, poll) setting, all measured round by round
 so a change of load hits every setting alike. Per setting: prefill tok/s of ``prefill`` tokens

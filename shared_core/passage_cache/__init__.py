@@ -1,4 +1,4 @@
-"""Passage (chunk) KV cache: a RAG app never reads the same passage twice (issue 36).
+"""Passage (chunk) KV cache: a RAG app never reads the same passage twice.
 
 ``load_lm(..., passage_cache="exact" | "blend")`` attaches a cache to a llama.cpp model
 (:func:`attach`); every session's first prefill then goes through it

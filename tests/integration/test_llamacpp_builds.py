@@ -1,4 +1,4 @@
-"""Which llama.cpp build a process loads, with real probe processes (issue 37).
+"""Which llama.cpp build a process loads, with real probe processes.
 
 On AMX CPUs the install script puts a patched AMX build beside the installed one; it is loaded
 only after a probe process decoded a batch and single tokens with it, else the installed build

@@ -1,4 +1,4 @@
-"""llama.cpp's ``exact`` mode past a short context, with the 2 threads CI runs (issue 41).
+"""llama.cpp's ``exact`` mode past a short context, with the 2 threads CI runs.
 
 With 2 threads and flash attention, ggml-cpu once summed a one-token step's attention in per-thread
 parts of the cache (from 512 cells on) while a k-token decode summed each row alone, so the

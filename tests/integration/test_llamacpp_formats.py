@@ -1,4 +1,4 @@
-"""A shipped GGUF re-packed into another llama.cpp weight format once per machine (issue 37)."""
+"""A shipped GGUF re-packed into another llama.cpp weight format once per machine."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What llama.cpp runs with is reported as it is (issue 40, rows 5 and 9): the stats name
+"""What llama.cpp runs with is reported as it is: the stats name
 llama.cpp's own thread count (not torch's), and an ``n_ctx`` beyond the model's trained window
 is logged as a warning, once."""
 

@@ -1,4 +1,4 @@
-"""Adapters pickled with a LlamaIndex index retriever unpickle offline (issue 40, row 12): the
+"""Adapters pickled with a LlamaIndex index retriever unpickle offline: the
 tiktoken encoding LlamaIndex's tokenizer holds loads from the files llama-index-core ships, never
 from the network (a fetch is made to fail here, with tiktoken's own caches emptied)."""
 

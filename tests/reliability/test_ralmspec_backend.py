@@ -1,4 +1,4 @@
-"""The RaLMSpec adapters on the fast runtime (issue 40, row 4): ``backend=`` as on every other
+"""The RaLMSpec adapters on the fast runtime: ``backend=`` as on every other
 adapter (default ``"auto"``, the one default in :mod:`shared_core.config`, checked when the
 adapter is built), reaching the model cache; and no transformers deprecation warning from our
 model calls."""

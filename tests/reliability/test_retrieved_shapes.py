@@ -1,4 +1,4 @@
-"""Whatever a retriever returns (issue 40, rows 6, 10 and 11): a list, a tuple or a generator is
+"""Whatever a retriever returns: a list, a tuple or a generator is
 converted (only ``retrieve_k`` items read); ``None``, one document, a string or dicts are refused
 naming the retriever, in ``invoke`` and ``ainvoke`` alike, before any model work; documents given
 with the question are cut to ``retrieve_k`` too."""

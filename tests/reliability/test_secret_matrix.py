@@ -1,4 +1,4 @@
-"""Secrets as a class (issue 40, deliverable 1): a credential of each kind is planted in each
+"""Secrets as a class: a credential of each kind is planted in each
 setting that can hold a served model's URL, and every form that setting leaves the process in
 is searched for it: repr, str, pickle, pydantic dumps (``model_dump``, ``model_dump_json``,
 ``dict``, ``json``), LlamaIndex ``to_dict`` / ``to_json``, LangChain ``dumpd`` / ``dumps``, what

@@ -1,4 +1,4 @@
-"""Served-model base URLs as users write them (issue 40, row 3): a path prefix, a query string, a
+"""Served-model base URLs as users write them: a path prefix, a query string, a
 trailing slash or an OpenAI-style ``/v1`` suffix reach the right endpoint, and the base URL's
 query parameters go with every request (a real local HTTP server records path and query)."""
 

@@ -1,4 +1,4 @@
-"""A Speculative RAG prompt too long for the window (issue 40, row 8) blames the input that is
+"""A Speculative RAG prompt too long for the window blames the input that is
 too long (the question, or the documents) with the numbers used: the new tokens are the
 ``max_new_tokens`` the drafts actually get, not the draft and answer budgets added up."""
 

@@ -1,4 +1,4 @@
-"""The tool-result turn as the model's template expects it (issue 40, row 14): a template that
+"""The tool-result turn as the model's template expects it: a template that
 renders a ``tool`` role (SmolLM2's passes any role through) gets the result in a turn of that
 role, one that refuses it a user turn; with the embedded SmolLM2 a forced call, the tool's result
 and the next turn end in a plain-text answer (it wrote an invented ``<tool_response>`` before).

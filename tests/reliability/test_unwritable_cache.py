@@ -1,4 +1,4 @@
-"""An unwritable ``$SPECRAG_CACHE`` (issue 40, row 7): what must write fails at once naming
+"""An unwritable ``$SPECRAG_CACHE``: what must write fails at once naming
 ``SPECRAG_CACHE`` and the fix; what can work without writing does (a tokenizer already built in
 memory is used, with a warning, not thrown away by an ``OSError``)."""
 

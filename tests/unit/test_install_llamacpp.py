@@ -1,4 +1,4 @@
-"""scripts/install_llamacpp.sh and the AMX patch it applies (issue 37), without building.
+"""scripts/install_llamacpp.sh and the AMX patch it applies, without building.
 
 The patch is applied to the pinned sdist's vendored file when the sdist is in the cache (the
 install script downloads it there on AMX machines; no network here); a vendored file the patch

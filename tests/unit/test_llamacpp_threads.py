@@ -1,4 +1,4 @@
-"""The thread count a llama.cpp model gets on a busy machine, and ``stats`` saying so (issue 37).
+"""The thread count a llama.cpp model gets on a busy machine, and ``stats`` saying so.
 
 ggml's workers spin at barriers, so a worker descheduled by another process stalls the rest:
 the count is the usable CPUs less those the load average says are taken, at least one.
