@@ -16,23 +16,10 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from shared_core.bench.gpu_models import CHAT_TEMPLATE, CORPUS
 from shared_core.models import LM, wrap_lm
 
-CORPUS = [
-    "The quick brown fox jumps over the lazy dog.",
-    "Retrieval augmented generation copies spans from retrieved documents.",
-    "Speculative decoding drafts tokens and the target model verifies them in one pass.",
-    "Paris is the capital of France. Berlin is the capital of Germany.",
-    "A suffix automaton finds every occurrence of the longest matching suffix.",
-    "Question: who wrote the report? Answer: the committee wrote the report.",
-    "user: hello there\nassistant: hi, how can I help you today?",
-    "0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20",
-] * 4
-
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
-)
+# one corpus and template for the tests' and the GPU check's in-process tokenizer
 
 
 @functools.lru_cache(maxsize=1)
