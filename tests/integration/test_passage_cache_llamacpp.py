@@ -281,6 +281,7 @@ def test_the_chat_adapters_turn_it_on_by_one_setting_and_report_it():
 
     settings = {"model": "smollm2-135m-instruct", "backend": "llama.cpp", "engine": "autoregressive",
                 "passage_cache": "blend", "passage_cache_disk_mb": 0, "prefix_cache": False}
+    release("smollm2-135m-instruct", None, None, "llama.cpp")  # an earlier test's copy has other settings
     chat = ChatSpeculative(max_tokens=3, **settings)
     llm = SpeculativeLLM(max_new_tokens=3, **settings)
     try:
