@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
-import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from tiny import CORPUS
 
+from shared_core.bench.gpu_checks import HashEmbedder as BenchHashEmbedder
 from shared_core.retrieval import BM25Retriever, Document, Hit
 
 # ----------------------------------------------------------------------------- documents
@@ -92,22 +92,16 @@ RHINE = [
 # ----------------------------------------------------------------------------- embedders
 
 
-class HashEmbedder:
-    """Deterministic bag-of-words embedder: each word (``.`` and ``?`` stripped) adds a
-    pseudo-random vector seeded by its crc32; ``calls`` counts ``encode`` calls."""
+class HashEmbedder(BenchHashEmbedder):
+    """The GPU check's bag-of-words hash embedder; ``calls`` counts ``encode`` calls."""
 
     def __init__(self, dim: int = 32) -> None:
-        self.dim = dim
+        super().__init__(dim)
         self.calls = 0
 
-    def encode(self, texts: list[str], **_: Any) -> np.ndarray:
+    def encode(self, texts: list[str], **kw: Any) -> np.ndarray:
         self.calls += 1
-        out = np.zeros((len(texts), self.dim), dtype=np.float32)
-        for i, text in enumerate(texts):
-            for word in text.lower().replace(".", " ").replace("?", " ").split():
-                rng = np.random.default_rng(zlib.crc32(word.encode()))
-                out[i] += rng.standard_normal(self.dim).astype(np.float32)
-        return out
+        return super().encode(texts, **kw)
 
 
 class BucketEmbedder:
@@ -242,3 +236,14 @@ def check_ralmspec_through_store(lm: Any, store: Any, requests: Callable[[], int
         assert calls == out.stats.retrieval_calls == 1 + out.stats.rounds
         assert calls < ref.stats.retrieval_calls
         assert RaLMSpec(lm, store).generate(question, 24).token_ids == ref.token_ids
+
+
+# Three short passages of one made-up report (the passage-cache tests find them in prompts)
+PASSAGES = [
+    "The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast. It "
+    "has eleven sluice gates, each named after a month except June.",
+    "The weir keeper's cottage, painted blue, stands on the east bank next to the fish ladder. "
+    "Visitors may enter it on Sundays between May and September.",
+    "Marta Quell later designed the Orrin aqueduct, which carries water forty kilometres to the "
+    "city of Bellmark across the Sedge valley.",
+]

@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from fakes import PASSAGES
 
 from shared_core.config import PassageCacheConfig
 from shared_core.embedded import cache_dir
@@ -31,14 +32,6 @@ pytestmark = pytest.mark.integration
 require_llamacpp_smollm2()
 
 ROOT = Path(__file__).resolve().parents[2]
-PASSAGES = [
-    "The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast. It "
-    "has eleven sluice gates, each named after a month except June.",
-    "The weir keeper's cottage, painted blue, stands on the east bank next to the fish ladder. "
-    "Visitors may enter it on Sundays between May and September.",
-    "Marta Quell later designed the Orrin aqueduct, which carries water forty kilometres to the "
-    "city of Bellmark across the Sedge valley.",
-]
 N_NEW = 10
 
 

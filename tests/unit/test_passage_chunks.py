@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from fakes import PASSAGES
 
 from shared_core.passage_cache.chunks import (
     PassageIndex,
@@ -17,14 +18,6 @@ from shared_core.passage_cache.chunks import (
     uncovered_chunks,
 )
 
-PASSAGES = [
-    "The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast. It "
-    "has eleven sluice gates, each named after a month except June.",
-    "The weir keeper's cottage, painted blue, stands on the east bank next to the fish ladder. "
-    "Visitors may enter it on Sundays between May and September.",
-    "Marta Quell later designed the Orrin aqueduct, which carries water forty kilometres to the "
-    "city of Bellmark across the Sedge valley.",
-]
 LONG = " ".join(f"Sentence {i} of the long report says that the {w} river flows {d} past the "
                 f"old mill of {t}." for i, (w, d, t) in enumerate(
                     [("green", "north", "Arden"), ("slow", "east", "Brill"), ("wide", "south", "Carr"),
