@@ -50,7 +50,6 @@ logger = logging.getLogger(__name__)
 BLOCK = 2 * EXACT_CHUNK  # exact: ids per stored prefix block (on the exact prefill grid)
 PROBE_LAYER = 1  # CacheBlend selects on an early layer; layer 0's values see no context
 PLACE_SEQ = MAX_TREE_LEAVES  # scratch sequence a chunk is restored / computed in
-RECOMPUTE_SEQ = MAX_TREE_LEAVES - 1  # scratch sequence a recomputed run is decoded in
 MERGE_GAP = 2  # selected runs this close are recomputed as one (fewer decodes)
 
 
@@ -208,7 +207,7 @@ class LlamaCppPassageCache:
         """After a failure: no scratch cells, and an empty session whose context is cleared."""
         if session._slot is not None:
             llama, memory = self.model.llama, session._slot.memory
-            for seq in (PLACE_SEQ, RECOMPUTE_SEQ):
+            for seq in range(1, PLACE_SEQ + 1):
                 llama.llama_memory_seq_rm(memory, seq, -1, -1)
             session.reset()
         session.tokens = []
@@ -324,20 +323,22 @@ class LlamaCppPassageCache:
         keys = self.store.prefix_keys(ids, BLOCK, first)
         restored = self._restore_prefix(session, ids, keys, report)
         self._store_prefix(session, keys, restored, report)
-        placed = self.fill(session.lm, session._slot, 0, ids[:-1], len(session.tokens), report)
+        placed = self.fill(session.lm, session._slot, 0, ids[:-1], len(session.tokens), report,
+                           scratch=range(1, PLACE_SEQ))
         session.tokens = ids[:-1]
         session.blended = placed > 0
         report.read += 1
         return session._append(ids[-1:], 1)[-1]
 
     def fill(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], have: int,
-             report: PrefillReport) -> int:
+             report: PrefillReport, scratch: Sequence[int]) -> int:
         """Make ``seq`` (holding ``ids[:have]`` at positions ``0..have-1``) hold all of ``ids``:
         cached chunks placed, the rest decoded in place, then the selected share of the reused
-        tokens recomputed. Returns how many chunks were placed (0: a plain prefill)."""
+        tokens recomputed (in the empty ``scratch`` sequences). Returns how many chunks were
+        placed (0: a plain prefill)."""
         ids = [int(t) for t in ids]
         spans = [s for s in self.chunks_of(ids) if s.start >= have]
-        if not self._fits(ids, spans) or seq in (PLACE_SEQ, RECOMPUTE_SEQ):
+        if not self._fits(ids, spans) or not scratch:
             spans = []  # no room for a scratch chunk beside the prompt: a plain prefill
         pos = have
         placed = []
@@ -348,7 +349,7 @@ class LlamaCppPassageCache:
             pos = span.end
         if placed and self.config.recompute_share > 0:
             runs = self._select(lm, ids[:pos], placed, report)
-            self._recompute(lm, slot, seq, ids, runs, report)
+            self._recompute(lm, slot, seq, ids, runs, report, scratch)
         self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
         return len(placed)
 
@@ -422,17 +423,36 @@ class LlamaCppPassageCache:
             return self._probe
 
     def _recompute(self, lm: Any, slot: Any, seq: int, ids: list[int],
-                   runs: Sequence[tuple[int, int]], report: PrefillReport) -> None:
-        """Decode each run again after ``seq``'s cells before it (in a scratch sequence, since a
-        sequence only accepts positions after its last one) and swap its cells in."""
+                   runs: Sequence[tuple[int, int]], report: PrefillReport,
+                   scratch: Sequence[int]) -> None:
+        """Decode the selected runs again with full attention and swap their cells into ``seq``.
+
+        A sequence only accepts positions right after its last one, so each run is decoded in a
+        scratch sequence holding ``seq``'s cells before it; one ``llama_decode`` takes as many
+        runs as there are scratch sequences and batch rows (a CPU step costs about as much for
+        one row as for dozens). A run therefore sees the cached KV of the selected tokens before
+        it, where CacheBlend's layer-wise recompute (§4.1) lets it see their recomputed KV."""
+        for group in _groups(runs, len(scratch), slot.n_batch):
+            self._recompute_group(lm, slot, seq, ids, group, scratch, report)
+
+    def _recompute_group(self, lm: Any, slot: Any, seq: int, ids: list[int],
+                         runs: Sequence[tuple[int, int]], scratch: Sequence[int],
+                         report: PrefillReport) -> None:
         llama, memory = self.model.llama, slot.memory
-        for a, b in runs:
-            llama.llama_memory_seq_rm(memory, RECOMPUTE_SEQ, -1, -1)
-            llama.llama_memory_seq_cp(memory, seq, RECOMPUTE_SEQ, 0, a)
-            self._decode_range(lm, slot, RECOMPUTE_SEQ, ids, a, b, report, counted=False)
-            llama.llama_memory_seq_rm(memory, seq, a, b)
-            self._copy_in(slot, RECOMPUTE_SEQ, a, b, seq)
-            report.recomputed += b - a
+        entries = []
+        for (a, b), tmp in zip(runs, scratch, strict=False):
+            llama.llama_memory_seq_rm(memory, tmp, -1, -1)
+            llama.llama_memory_seq_cp(memory, seq, tmp, 0, a)
+            entries.extend((ids[p], p, (tmp,), False) for p in range(a, b))
+        try:
+            decode(lm, slot, entries)
+            for (a, b), tmp in zip(runs, scratch, strict=False):
+                llama.llama_memory_seq_rm(memory, seq, a, b)
+                llama.llama_memory_seq_cp(memory, tmp, seq, a, b)
+                report.recomputed += b - a
+        finally:
+            for tmp in scratch[: len(runs)]:
+                llama.llama_memory_seq_rm(memory, tmp, -1, -1)
 
     # -- shared steps
 
@@ -484,14 +504,15 @@ class LlamaCppPassageCache:
         ``shared`` ids) hold all of the row but its last id; the ids each row still needs
         decoded (its last). A no-op (``[shared] * len(rows)``) in exact mode, or when the rows'
         sequences would collide with the scratch ones."""
-        if self.mode != "blend" or len(rows) + first_sequence > RECOMPUTE_SEQ:
+        scratch = range(first_sequence + len(rows), PLACE_SEQ)
+        if self.mode != "blend" or not scratch:
             return [shared] * len(rows)
         report = PrefillReport(prompt=sum(map(len, rows)), kept=shared * len(rows))
         try:
             for r, row in enumerate(rows):
-                self.fill(lm, slot, r + first_sequence, row[:-1], shared, report)
+                self.fill(lm, slot, r + first_sequence, row[:-1], shared, report, scratch)
         except BaseException:
-            for seq in (PLACE_SEQ, RECOMPUTE_SEQ):
+            for seq in (*scratch, PLACE_SEQ):
                 self.model.llama.llama_memory_seq_rm(slot.memory, seq, -1, -1)
             raise
         report.read += len(rows)
@@ -510,6 +531,22 @@ class LlamaCppPassageCache:
         finally:
             self.model.llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
         return True
+
+
+def _groups(runs: Sequence[tuple[int, int]], width: int, rows: int
+            ) -> list[list[tuple[int, int]]]:
+    """Consecutive runs in groups of at most ``width`` runs and ``rows`` ids (one decode each);
+    a run longer than ``rows`` is split (its parts are decoded in order)."""
+    pieces = [(a, min(a + rows, b)) for start, b in runs for a in range(start, b, rows)]
+    groups: list[list[tuple[int, int]]] = []
+    size = 0
+    for a, b in pieces:
+        if not groups or len(groups[-1]) == width or size + b - a > rows:
+            groups.append([])
+            size = 0
+        groups[-1].append((a, b))
+        size += b - a
+    return groups
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:

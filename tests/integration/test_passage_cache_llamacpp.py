@@ -23,7 +23,8 @@ from shared_core.config import PassageCacheConfig
 from shared_core.embedded import cache_dir
 from shared_core.models import load_lm
 from shared_core.passage_cache import attach, passage_stats, register_passages, warm_passages
-from shared_core.passage_cache.llamacpp import BLOCK, PLACE_SEQ, RECOMPUTE_SEQ
+from shared_core.passage_cache import llamacpp as passage_llamacpp
+from shared_core.passage_cache.llamacpp import BLOCK, PLACE_SEQ
 from shared_core.passage_cache.store import SUFFIX, _checked_payload
 from tests.tiny import require_llamacpp_smollm2
 
@@ -154,14 +155,24 @@ def test_a_corrupt_block_on_disk_is_recomputed_not_used(exact_model, tmp_path):
     assert session.passage_report.stored == len(files)  # written again, whole
 
 
-def test_blend_reuses_passages_in_any_order_and_reports_counts(blend_model, tmp_path):
+def test_blend_reuses_passages_in_any_order_and_reports_counts(blend_model, tmp_path,
+                                                              monkeypatch):
     lm = _fresh(blend_model, tmp_path, "blend", recompute_share=0.15)
     assert warm_passages(lm, PASSAGES, progress=False)["computed"] == 3
     assert warm_passages(lm, PASSAGES, progress=False) == {"passages": 3, "computed": 0,
                                                            "skipped": 3}  # resumable
     ids = prompt_ids(lm, [2, 0, 1], "How many sluice gates does the weir have?")
+    batches = []
+    original = passage_llamacpp.decode
+    monkeypatch.setattr(passage_llamacpp, "decode",
+                        lambda lm_, slot, entries: batches.append(entries) or original(
+                            lm_, slot, entries))
     tokens, session = greedy(lm, ids)
     report = session.passage_report
+    recomputing = [b for b in batches if b and b[0][2][0] not in (0, PLACE_SEQ)]
+    assert len(recomputing) == 1  # every selected run in one decode, each in its own sequence
+    assert sum(map(len, recomputing)) == report.recomputed
+    assert len({e[2] for e in recomputing[0]}) > 1
     assert report.reused > 0 and report.computed_alone == 0
     assert round(0.15 * report.reused) <= report.recomputed <= 3 * round(0.15 * report.reused)
     assert report.probe > 0
@@ -234,7 +245,7 @@ def test_an_interrupted_assembly_leaves_context_and_store_consistent(
         session.prefill(ids)
     llama, memory = lm.model.llama, session._slot.memory
     assert session.tokens == []
-    for seq in (0, PLACE_SEQ, RECOMPUTE_SEQ):
+    for seq in range(PLACE_SEQ + 1):
         assert llama.llama_memory_seq_pos_max(memory, seq) == -1
     _entries_whole(tmp_path)
     monkeypatch.setattr(cache.store, "put", original)

@@ -119,3 +119,15 @@ def test_uncovered_chunks_skip_known_spans_and_cut_edges():
     chunks = uncovered_chunks(ids, known)
     assert chunks and all(c.end <= 400 or c.start >= 600 for c in chunks)
     assert all(c.start > 0 and c.end not in (400, 1200) for c in chunks)
+
+
+def test_recompute_groups_fill_decodes_and_split_long_runs_in_order():
+    from shared_core.passage_cache.llamacpp import _groups
+
+    assert _groups([(0, 3), (5, 6), (10, 30)], 2, 8) == [[(0, 3), (5, 6)], [(10, 18)],
+                                                         [(18, 26)], [(26, 30)]]
+    assert _groups([(0, 3), (5, 6), (7, 9)], 31, 512) == [[(0, 3), (5, 6), (7, 9)]]
+    assert _groups([], 31, 512) == []
+    runs = [(a, a + 2) for a in range(0, 200, 5)]
+    groups = _groups(runs, 31, 512)
+    assert [len(g) for g in groups] == [31, 9] and list(itertools.chain(*groups)) == runs
