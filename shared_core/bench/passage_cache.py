@@ -75,7 +75,8 @@ def _answer(lm: Any, ids: list[int], max_new: int) -> dict[str, Any]:
     report = session.passage_report
     return {"ttft_s": ttft, "first": out[0], "tokens": out,
             "text": lm.tokenizer.decode(out, skip_special_tokens=True),
-            "cache": report.as_dict() if report is not None else None}
+            "cache": report.as_dict() if report is not None else None,
+            "steps_s": dict(report.seconds) if report is not None else None}
 
 
 def _questions(dataset: str, limit: int, k: int) -> list[tuple[dict[str, Any], list[Any]]]:

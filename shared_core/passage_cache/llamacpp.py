@@ -9,19 +9,23 @@ runs the first ``prefill`` of every session on that model:
   only exact prefixes are reused, restored at the positions they were computed at and never
   shifted. The rest is decoded as a cold prefill decodes it; with ``load_lm(exact=True)`` the
   output equals a cold prefill's token for token.
-- **blend**: the cached chunks found in the prompt (:mod:`.chunks`) are placed where they occur:
+- **blend**: the prompt's head up to its first chunk (a RAG template's fixed instructions) is
+  reused as exact prefix blocks of ``HEAD_BLOCK`` ids. The cached chunks found in the prompt
+  (:mod:`.chunks`) are placed where they occur:
   a chunk's KV, computed alone after the fixed head :attr:`head` (empty: the chunk starts at
   position 0, for any prompt format), is restored into a scratch sequence, moved to its place
   with ``llama_memory_seq_add`` (the K-shift re-rotates the keys at the next decode) and copied
-  into sequence 0 with ``llama_memory_seq_cp``; the ids between chunks are decoded in place.
+  into sequence 0 with ``llama_memory_seq_cp``; the ids between chunks are decoded after them.
   Then a share of the reused tokens is recomputed with full attention (CacheBlend, Yao et al.
   EuroSys 2025, §4: the tokens whose KV deviates most from full attention at an early layer).
   The deviation is measured on layer 1's values (the first layer whose values depend on
   context; values carry no rotary phase, so the shift does not enter it): the whole prompt goes
-  through layers 0-1 only, in a probe context whose evaluation callback stops the graph after
-  layer 1 (about 2/L of a full prefill), and is compared with the values the cached chunk holds.
-  A sequence only accepts positions after its last one, so a run of selected tokens is
-  decoded in a scratch sequence holding sequence 0's cells before it and swapped in.
+  through layer 0 and layer 1's value projection only (:class:`_Probe`, about 1.2/L of a full
+  prefill), and is compared with the values the cached chunk holds.
+  A sequence only accepts positions after its last one, so the gaps between chunks, and then
+  the runs of selected tokens, are each decoded in a scratch sequence holding sequence 0's
+  cells before them and swapped in: one ``llama_decode`` for all gaps, one for all runs
+  (:meth:`LlamaCppPassageCache._decode_runs`).
 
 A failed or interrupted assembly clears the session's context (nothing half-placed is served);
 the store only ever holds whole entries.
@@ -32,8 +36,10 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +54,7 @@ from shared_core.passage_cache.store import MIB, ChunkStore, model_identity
 logger = logging.getLogger(__name__)
 
 BLOCK = 2 * EXACT_CHUNK  # exact: ids per stored prefix block (on the exact prefill grid)
+HEAD_BLOCK = 8  # blend: ids per stored prefix block (no grid to keep; a RAG head is ~50 ids)
 PROBE_LAYER = 1  # CacheBlend selects on an early layer; layer 0's values see no context
 PLACE_SEQ = MAX_TREE_LEAVES  # scratch sequence a chunk is restored / computed in
 MERGE_GAP = 2  # selected runs this close are recomputed as one (fewer decodes)
@@ -65,9 +72,18 @@ class PrefillReport:
     read: int = 0  # decoded in place (gaps, the question, everything not cached)
     probe: int = 0  # blend: ids run through the layer-1 probe
     stored: int = 0  # entries written
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per step (profiling)
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "seconds"}
+
+    @contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
 
 
 def _meta(model: Any, key: str) -> str:
@@ -93,9 +109,10 @@ def identity_of(model: Any) -> str:
 
 
 class _Probe:
-    """A context of the same model whose graph stops after layer ``PROBE_LAYER`` (llama.cpp's
-    evaluation callback returning false ends the computation): layer-1 values at ~2/L of a
-    prefill's cost."""
+    """A context of the same model that reads the prompt's layer-``PROBE_LAYER`` value vectors
+    and stops there: llama.cpp's evaluation callback copies the ``Vcur-1`` tensor out of each
+    ubatch's graph and ends the computation (returning false), so a probe costs about one
+    layer and a projection, not a prefill."""
 
     def __init__(self, model: Any):
         import os
@@ -104,12 +121,24 @@ class _Probe:
         ggml = ctypes.CDLL(os.path.join(os.path.dirname(llama.__file__), "lib", "libggml-base.so"))
         ggml.ggml_get_name.restype = ctypes.c_char_p
         ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-        stop = f"l_out-{PROBE_LAYER}".encode()
+        ggml.ggml_nelements.restype = ctypes.c_int64
+        ggml.ggml_nelements.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                 ctypes.c_size_t]
+        stop = f"Vcur-{PROBE_LAYER}".encode()
+        self.parts: list[np.ndarray] = []
 
         @llama.ggml_backend_sched_eval_callback
         def callback(tensor: Any, ask: bool, user_data: Any) -> bool:
             del user_data
-            return bool(ask) and ggml.ggml_get_name(tensor) == stop
+            if ggml.ggml_get_name(tensor) != stop:
+                return False
+            if ask:
+                return True
+            out = np.empty(ggml.ggml_nelements(tensor), dtype=np.float32)
+            ggml.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+            self.parts.append(out)
+            return False
 
         params = llama.llama_context_default_params()
         params.n_ctx = model.n_ctx
@@ -130,16 +159,22 @@ class _Probe:
         self.n_batch = model.settings.n_batch
         self.lock = threading.Lock()
 
-    def values(self, lm: Any, ids: Sequence[int]) -> Any:
-        """Layer-``PROBE_LAYER`` values of ``ids`` read as one prompt (positions 0..n-1)."""
+    def values(self, lm: Any, ids: Sequence[int]) -> np.ndarray:
+        """Layer-``PROBE_LAYER`` values of ``ids`` read as one prompt: ``[len(ids), width]``."""
         with self.lock:
+            self.parts = []
             self.llama.llama_memory_clear(self.memory, True)
-            for begin in range(0, len(ids), self.n_batch):
-                decode(lm, self, [(int(t), begin + i, (0,), False)
-                                  for i, t in enumerate(ids[begin : begin + self.n_batch])])
-            data = _seq_state(self.llama, self.ctx, 0)
-            self.llama.llama_memory_clear(self.memory, True)
-        return layer_values(data, PROBE_LAYER)
+            try:
+                for begin in range(0, len(ids), self.n_batch):
+                    decode(lm, self, [(int(t), begin + i, (0,), False)
+                                      for i, t in enumerate(ids[begin : begin + self.n_batch])])
+            finally:
+                self.llama.llama_memory_clear(self.memory, True)
+            flat = np.concatenate(self.parts) if self.parts else np.empty(0, np.float32)
+        if len(ids) == 0 or flat.size % len(ids):
+            msg = f"the probe read {flat.size} values for {len(ids)} ids (no Vcur-{PROBE_LAYER}?)"
+            raise StateFormatError(msg)
+        return flat.reshape(len(ids), -1)
 
     def free(self) -> None:
         if self.ctx:
@@ -173,6 +208,11 @@ class LlamaCppPassageCache:
     @property
     def mode(self) -> str:
         return self.config.mode
+
+    @property
+    def block(self) -> int:
+        """Ids per stored exact-prefix block in this mode."""
+        return BLOCK if self.mode == "exact" else HEAD_BLOCK
 
     def stats(self) -> dict[str, Any]:
         """The store's counters and the last prefill's report."""
@@ -217,7 +257,7 @@ class LlamaCppPassageCache:
     def _prefill_exact(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
         session._borrow(ids)
         report.kept = len(session.tokens)
-        keys = self.store.prefix_keys(ids, BLOCK, len(ids) - 1)
+        keys = self.store.prefix_keys(ids, self.block, len(ids) - 1)
         restored = self._restore_prefix(session, ids, keys, report)
         logits = self._feed(session, ids[len(session.tokens):], report, logits=True)
         self._store_prefix(session, keys, restored, report)
@@ -229,7 +269,7 @@ class LlamaCppPassageCache:
         found = self._find_blocks(keys, len(session.tokens))
         if not found:
             return 0
-        start = found[0][0] - BLOCK
+        start = found[0][0] - self.block
         session.rollback(start)
         report.kept = min(report.kept, start)
         restored = self._restore_blocks(session._slot, found, report)
@@ -240,7 +280,7 @@ class LlamaCppPassageCache:
                      ) -> list[tuple[int, str, bytes]]:
         """The stored blocks from the one holding position ``kept`` on, up to the first miss."""
         found = []
-        for end, key in keys[kept // BLOCK :]:
+        for end, key in keys[kept // self.block :]:
             payload = self.store.get(key)
             if payload is None:
                 break
@@ -251,13 +291,13 @@ class LlamaCppPassageCache:
                         report: PrefillReport) -> int:
         """Restore blocks into sequence 0 (which ends where the first begins); the end of the
         last one restored (a refused payload is dropped from the store and ends the walk)."""
-        restored = found[0][0] - BLOCK
+        restored = found[0][0] - self.block
         for end, key, payload in found:
-            if not self._load(slot, payload, end - BLOCK, BLOCK, PLACE_SEQ):
+            if not self._load(slot, payload, end - self.block, self.block, PLACE_SEQ):
                 self.store.discard(key)
                 break
-            self._copy_in(slot, PLACE_SEQ, end - BLOCK, end)
-            report.reused += BLOCK
+            self._copy_in(slot, PLACE_SEQ, end - self.block, end)
+            report.reused += self.block
             restored = end
         return restored
 
@@ -273,31 +313,28 @@ class LlamaCppPassageCache:
             if end <= restored or end > held or key in self.store:
                 continue
             llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
-            llama.llama_memory_seq_cp(memory, 0, PLACE_SEQ, end - BLOCK, end)
+            llama.llama_memory_seq_cp(memory, 0, PLACE_SEQ, end - self.block, end)
             payload = _seq_state(llama, slot.ctx, PLACE_SEQ)
             llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
             self.store.put(key, payload)
             report.stored += 1
 
     def restore_shared(self, slot: Any, ids: Sequence[int], kept: int) -> int:
-        """Exact, several rows (:mod:`shared_core.backends.llamacpp_batch`): restore the stored
-        blocks of the rows' common prefix ``ids`` after the ``kept`` ids sequence 0 holds;
-        how many ids it holds then."""
-        if self.mode != "exact":
-            return kept
-        keys = self.store.prefix_keys(ids, BLOCK, len(ids))
+        """Several rows (:mod:`shared_core.backends.llamacpp_batch`): restore the stored blocks
+        of the rows' common prefix ``ids`` after the ``kept`` ids sequence 0 holds; how many
+        ids it holds then."""
+        keys = self.store.prefix_keys(ids, self.block, len(ids))
         found = self._find_blocks(keys, kept)
         if not found:
             return kept
-        self.model.llama.llama_memory_seq_rm(slot.memory, 0, found[0][0] - BLOCK, -1)
-        self.last = PrefillReport(prompt=len(ids), kept=min(kept, found[0][0] - BLOCK))
+        self.model.llama.llama_memory_seq_rm(slot.memory, 0, found[0][0] - self.block, -1)
+        self.last = PrefillReport(prompt=len(ids), kept=min(kept, found[0][0] - self.block))
         return self._restore_blocks(slot, found, self.last)
 
     def store_shared(self, slot: Any, ids: Sequence[int], restored: int) -> None:
-        """Exact, several rows: store the common prefix's blocks sequence 0 now holds."""
-        if self.mode == "exact":
-            keys = self.store.prefix_keys(ids, BLOCK, len(ids))
-            self._store_blocks(slot, keys, restored, len(ids), self.last)
+        """Several rows: store the common prefix's blocks sequence 0 now holds."""
+        keys = self.store.prefix_keys(ids, self.block, len(ids))
+        self._store_blocks(slot, keys, restored, len(ids), self.last)
 
     # -- blending
 
@@ -318,17 +355,20 @@ class LlamaCppPassageCache:
     def _prefill_blend(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
         spans = self.chunks_of(ids[:-1])
         first = spans[0].start if spans else len(ids) - 1
-        session._borrow(ids[: first + 1])
-        report.kept = len(session.tokens)
-        keys = self.store.prefix_keys(ids, BLOCK, first)
-        restored = self._restore_prefix(session, ids, keys, report)
-        self._store_prefix(session, keys, restored, report)
+        with report.timed("head"):
+            session._borrow(ids[: first + 1])
+            report.kept = len(session.tokens)
+            keys = self.store.prefix_keys(ids, self.block, first)
+            restored = self._restore_prefix(session, ids, keys, report)
         placed = self.fill(session.lm, session._slot, 0, ids[:-1], len(session.tokens), report,
                            scratch=range(1, PLACE_SEQ))
+        with report.timed("head"):  # the head's cells are untouched by placing and recomputing
+            self._store_blocks(session._slot, keys, restored, first, report)
         session.tokens = ids[:-1]
         session.blended = placed > 0
         report.read += 1
-        return session._append(ids[-1:], 1)[-1]
+        with report.timed("last"):
+            return session._append(ids[-1:], 1)[-1]
 
     def fill(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], have: int,
              report: PrefillReport, scratch: Sequence[int]) -> int:
@@ -341,16 +381,27 @@ class LlamaCppPassageCache:
         if not self._fits(ids, spans) or not scratch:
             spans = []  # no room for a scratch chunk beside the prompt: a plain prefill
         pos = have
-        placed = []
+        if spans:
+            with report.timed("read"):  # the head, in place: the chunks go after it
+                self._decode_range(lm, slot, seq, ids, pos, spans[0].start, report)
+            pos = spans[0].start
+        gaps, placed = [], []
         for span in spans:
-            self._decode_range(lm, slot, seq, ids, pos, span.start, report)
-            placed.append((span, self._place(lm, slot, seq, ids[span.start : span.end],
-                                             span.start, report)))
+            if span.start > pos:
+                gaps.append((pos, span.start))
+            with report.timed("place"):
+                placed.append((span, self._place(lm, slot, seq, ids[span.start : span.end],
+                                                 span.start, report)))
             pos = span.end
+        with report.timed("read"):  # between chunks: each gap sees the chunks before it
+            report.read += self._decode_runs(lm, slot, seq, ids, gaps, scratch)
         if placed and self.config.recompute_share > 0:
-            runs = self._select(lm, ids[:pos], placed, report)
-            self._recompute(lm, slot, seq, ids, runs, report, scratch)
-        self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
+            with report.timed("probe"):
+                runs = self._select(lm, ids[:pos], placed, report)
+            with report.timed("recompute"):
+                report.recomputed += self._decode_runs(lm, slot, seq, ids, runs, scratch)
+        with report.timed("read"):
+            self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
         return len(placed)
 
     def _decode_range(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], begin: int,
@@ -403,14 +454,12 @@ class LlamaCppPassageCache:
             return []
         full = self._probe_for().values(lm, ids)
         report.probe += len(ids)
-        by_position = np.full(len(ids), -1, dtype=np.int64)
-        by_position[full.positions] = np.arange(len(full.positions))
         positions, deviations = [], []
         h = len(self.head)
         for span, payload in placed:
             alone = layer_values(payload, PROBE_LAYER)
             where = span.start + (alone.positions - h)
-            rows = full.values[by_position[where]]
+            rows = full[where]
             deviations.append(np.linalg.norm(rows - alone.values, axis=1))
             positions.append(where)
         chosen = np.sort(np.concatenate(positions)[np.argsort(-np.concatenate(deviations))[:count]])
@@ -422,22 +471,24 @@ class LlamaCppPassageCache:
                 self._probe = _Probe(self.model)
             return self._probe
 
-    def _recompute(self, lm: Any, slot: Any, seq: int, ids: list[int],
-                   runs: Sequence[tuple[int, int]], report: PrefillReport,
-                   scratch: Sequence[int]) -> None:
-        """Decode the selected runs again with full attention and swap their cells into ``seq``.
+    def _decode_runs(self, lm: Any, slot: Any, seq: int, ids: list[int],
+                     runs: Sequence[tuple[int, int]], scratch: Sequence[int]) -> int:
+        """Decode each run ``ids[a:b]`` after ``seq``'s cells before it and swap its cells into
+        ``seq`` (replacing what ``seq`` held there); how many ids were decoded.
 
         A sequence only accepts positions right after its last one, so each run is decoded in a
         scratch sequence holding ``seq``'s cells before it; one ``llama_decode`` takes as many
-        runs as there are scratch sequences and batch rows (a CPU step costs about as much for
-        one row as for dozens). A run therefore sees the cached KV of the selected tokens before
-        it, where CacheBlend's layer-wise recompute (§4.1) lets it see their recomputed KV."""
+        runs as there are scratch sequences and batch rows (on a CPU a few rows cost about as
+        much as one; a batch of dozens half as much per row). A run therefore does not see the
+        runs decoded beside it: a gap misses the gaps before it, and a recomputed run sees the
+        cached KV of the selected tokens before it where CacheBlend's layer-wise recompute
+        (§4.1) would show it their recomputed KV."""
         for group in _groups(runs, len(scratch), slot.n_batch):
-            self._recompute_group(lm, slot, seq, ids, group, scratch, report)
+            self._decode_group(lm, slot, seq, ids, group, scratch)
+        return sum(b - a for a, b in runs)
 
-    def _recompute_group(self, lm: Any, slot: Any, seq: int, ids: list[int],
-                         runs: Sequence[tuple[int, int]], scratch: Sequence[int],
-                         report: PrefillReport) -> None:
+    def _decode_group(self, lm: Any, slot: Any, seq: int, ids: list[int],
+                      runs: Sequence[tuple[int, int]], scratch: Sequence[int]) -> None:
         llama, memory = self.model.llama, slot.memory
         entries = []
         for (a, b), tmp in zip(runs, scratch, strict=False):
@@ -449,7 +500,6 @@ class LlamaCppPassageCache:
             for (a, b), tmp in zip(runs, scratch, strict=False):
                 llama.llama_memory_seq_rm(memory, seq, a, b)
                 llama.llama_memory_seq_cp(memory, tmp, seq, a, b)
-                report.recomputed += b - a
         finally:
             for tmp in scratch[: len(runs)]:
                 llama.llama_memory_seq_rm(memory, tmp, -1, -1)

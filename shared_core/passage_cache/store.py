@@ -106,7 +106,7 @@ class ChunkStore:
     def prefix_keys(self, ids: Sequence[int], block: int, limit: int) -> list[tuple[int, str]]:
         """``(end, key)`` for each block boundary ``end <= limit``: the key of the block
         ``ids[end - block:end]`` computed after all of ``ids[:end - block]`` (one pass)."""
-        digest = hashlib.sha256(f"{self.identity}\nprefix\n".encode())
+        digest = hashlib.sha256(f"{self.identity}\nprefix\n{block}\n".encode())
         keys = []
         for end in range(block, limit + 1, block):
             digest.update(ids_bytes(ids[end - block : end]))
