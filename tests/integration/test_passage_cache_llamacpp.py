@@ -340,3 +340,30 @@ def test_exact_standard_rag_rows_reuse_prefix_blocks_and_equal_a_cold_run(exact_
     [(warm, _)] = lm.generate_parallel([prompt], 6, lambda r, ids: False)
     assert lm.model.passage_cache.last.reused == (len(prompt) - 1) // BLOCK * BLOCK > 0
     assert warm == cold
+
+
+def test_the_benchmark_reports_every_method_and_resumes_without_redoing_a_question(tmp_path):
+    """``python -m shared_core.bench passage-cache`` on two questions: every method reported with
+    its paired test, the rows kept, and a second run finds them and runs no question again."""
+    import argparse
+
+    from shared_core.bench import passage_cache as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--model", "smollm2-135m-instruct", "--datasets", "nq",
+                              "--limit", "2", "--shares", "0", "--exact", "1",
+                              "--max-new-tokens", "2", "--kv-dir", str(tmp_path / "kv")])
+    args.out, args.plot = str(tmp_path / "report.json"), None
+    report = bench.run(args)
+    methods = report["datasets"]["nq"]["methods"]
+    assert set(methods) == {"full", "blend_stream", "blend_0", "llama_ram_cache", "exact_cold",
+                            "exact_warm"}
+    assert methods["exact_warm"]["answer_equal"] == "1/1"  # the exact contract
+    assert methods["blend_0"]["cache"]["reused"] > 0
+    assert {"gained", "lost", "p_value"} <= set(methods["blend_0"]["accuracy_vs_full"])
+    rows = (tmp_path / "report.json.rows.jsonl").read_text().splitlines()
+    assert len(rows) == 2
+    again = bench.run(args)
+    assert (tmp_path / "report.json.rows.jsonl").read_text().splitlines() == rows
+    assert again["datasets"]["nq"]["methods"]["full"]["ttft_s"] == methods["full"]["ttft_s"]
