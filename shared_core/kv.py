@@ -207,7 +207,7 @@ class KVSession:
         self.forwards = 0
         self.position_offset = 0
         self.reused_tokens = 0  # prompt ids whose KV came from the model's prefix store
-        self.passage_report: PassageReport | None = None  # torch has no passage cache yet
+        self.passage_report: PassageReport | None = None  # set by a passage cache's first prefill
         self._prefilled_only = True  # every cached position came from a completed prefill
 
     @torch.inference_mode()
@@ -283,7 +283,11 @@ class KVSession:
     def prefill(self, ids: Sequence[int]) -> torch.Tensor | None:
         """Append ``ids`` in chunks ending on multiples of the chunk size; return the ``[V]``
         logits after the last one (None if empty). A fresh session starts from the longest prefix
-        of ``ids`` the model's prefix store holds; a completed prefill stores what it read."""
+        of ``ids`` the model's prefix store holds; a completed prefill stores what it read.
+        On a model with a passage cache, a fresh session's first prefill runs through it."""
+        passages = getattr(self.lm.model, "passage_cache", None)
+        if passages is not None and ids and not self.tokens and not self.position_offset:
+            return passages.prefill(self, ids)  # shared_core.passage_cache.torch_cache
         store = store_for(self.lm.model)
         keep = store is not None and store.budget > 0
         if keep and not self.tokens and not self.position_offset:

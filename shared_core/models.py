@@ -248,9 +248,9 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             calls*). ``None`` (default) or ``True``: on; ``False`` or ``0``: off; ``n``: on with
             up to ``n`` idle contexts of ``n_ctx`` positions (llama.cpp) or ``n`` MiB of kept KV
             (torch; default: a quarter of the weights' bytes, at most 256 MiB).
-        passage_cache: llama.cpp: the passage (chunk) KV cache (docs/backends.md, *Passage
-            cache*): ``None`` (default) off; ``"exact"`` reuses exact prompt prefixes in blocks,
-            also across processes (token-identical to a cold prefill with ``exact=True``);
+        passage_cache: the passage (chunk) KV cache, llama.cpp and torch (docs/backends.md,
+            *Passage cache*): ``None`` (default) off; ``"exact"`` reuses exact prompt prefixes in
+            blocks, also across processes (token-identical to a cold prefill with ``exact=True``);
             ``"blend"`` reuses cached passages anywhere in a prompt and recomputes
             ``recompute_share`` of their tokens (refused with ``exact=True``).
         recompute_share: blend: the share of reused tokens recomputed (default 0.15).
@@ -285,7 +285,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         if cache_config is not None:
             attach_passage_cache(lm.model, cache_config)
         return lm
-    _refuse_llamacpp_settings(n_ctx, cache_config)
+    _refuse_llamacpp_settings(n_ctx)
     apply_thread_setting()
     if source.gguf is not None:
         entry = source.entry
@@ -301,20 +301,18 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
     attach(lm.model, budget_bytes(prefix_cache, lm.model), exact=exact)
+    if cache_config is not None:
+        attach_passage_cache(lm.model, cache_config)  # shared_core.passage_cache.torch_cache
     lm.backend_reason = choice.reason
     logger.info("loaded %s on %s (%s, %d positions)", name_or_path, lm.device, lm.dtype,
                 lm.max_context)
     return lm
 
 
-def _refuse_llamacpp_settings(n_ctx: int | None, cache_config: object = None) -> None:
-    """ValueError naming ``n_ctx`` or ``passage_cache`` given for a model that loads on torch."""
+def _refuse_llamacpp_settings(n_ctx: int | None) -> None:
+    """ValueError naming ``n_ctx`` given for a model that loads on torch."""
     if n_ctx is not None:
         msg = "n_ctx is a llama.cpp setting; it needs backend='llama.cpp' (or 'auto')"
-        raise ValueError(msg)
-    if cache_config is not None:
-        msg = ("passage_cache runs on llama.cpp for now; it needs backend='llama.cpp' (or 'auto' "
-               "with a GGUF on a CPU)")
         raise ValueError(msg)
 
 

@@ -1,8 +1,8 @@
 """Passage (chunk) KV cache: a RAG app never reads the same passage twice.
 
-``load_lm(..., passage_cache="exact" | "blend")`` attaches a cache to a llama.cpp model
-(:func:`attach`); every session's first prefill then goes through it
-(:mod:`.llamacpp`). :func:`warm_passages` fills it ahead of time from the texts an app indexes;
+``load_lm(..., passage_cache="exact" | "blend")`` attaches a cache to a llama.cpp or torch
+model (:func:`attach`); every session's first prefill then goes through it (:mod:`.llamacpp`,
+:mod:`.torch_cache`). :func:`warm_passages` fills it ahead of time from the texts an app indexes;
 :func:`register_passages` tells it which texts a prompt may contain (the RAG engines do);
 :func:`passage_stats` reports what it did.
 
@@ -40,12 +40,17 @@ def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
 
 
 def attach(model: Any, config: PassageCacheConfig, *, disk_dir: Path | None = None) -> Any:
-    """Give a loaded llama.cpp model (``lm.model``) a passage cache, replacing any."""
-    from shared_core.passage_cache.llamacpp import LlamaCppPassageCache
-
+    """Give a loaded llama.cpp or torch model (``lm.model``) a passage cache, replacing any."""
     old = getattr(model, "passage_cache", None)
     if old is not None:
         old.close()
+    if callable(getattr(model, "named_parameters", None)):  # a torch module
+        from shared_core.passage_cache.torch_cache import TorchPassageCache
+
+        model.passage_cache = TorchPassageCache(model, config, disk_dir=disk_dir)
+        return model.passage_cache
+    from shared_core.passage_cache.llamacpp import LlamaCppPassageCache
+
     model.passage_cache = LlamaCppPassageCache(model, config, disk_dir=disk_dir)
     return model.passage_cache
 
@@ -136,16 +141,24 @@ def passage_stats(lm: Any) -> dict[str, Any]:
 
 
 def ensure(lm: Any, config: PassageCacheConfig | None) -> None:
-    """Give ``lm`` the passage cache ``config`` asks for (None: keep what it has). A torch model,
-    a blend cache on an exact model, or a loaded model that already has another cache is refused
-    (ValueError naming ``passage_cache``; a model is loaded once per process)."""
+    """Give ``lm`` the passage cache ``config`` asks for (None: keep what it has). A served
+    model, a blend cache on an exact model, or a loaded model that already has another cache is
+    refused (ValueError naming ``passage_cache``; a model is loaded once per process)."""
     if config is None:
         return
-    if getattr(lm, "backend", "torch") != "llama.cpp":
-        msg = (f"passage_cache={config.mode!r} runs on llama.cpp for now; model "
-               f"{getattr(lm, 'name', lm)!r} runs on {getattr(lm, 'backend', 'torch')}")
+    backend = getattr(lm, "backend", "torch")
+    if backend == "llama.cpp":
+        exact = lm.model.settings.exact
+    elif backend == "torch":
+        from shared_core.kv_prefix import store_for
+
+        store = store_for(lm.model)
+        exact = store is not None and store.exact
+    else:
+        msg = (f"passage_cache={config.mode!r} runs on torch and llama.cpp models; model "
+               f"{getattr(lm, 'name', lm)!r} runs on {backend} (turn on the server's own cache)")
         raise ValueError(msg)
-    check_passage_cache(config.mode, exact=lm.model.settings.exact)
+    check_passage_cache(config.mode, exact=exact)
     current = passage_cache_of(lm)
     if current is None:
         attach(lm.model, config)

@@ -18,11 +18,18 @@ tests below state the contract once; where runtimes differ by design the test re
 
 torch runs on a tiny in-process model (always); llama.cpp on the embedded SmolLM2 GGUF (skipped
 where llama-cpp-python or the model package is missing, a failure in CI).
+
+The passage cache (``shared_core.passage_cache``) states two contracts on both runtimes:
+``exact`` reuses only exact prompt prefixes and its prefill equals a cold one (bit for bit where
+``exact_reuse`` says so); ``blend`` reuses cached passages in any order and reports what it
+reused, recomputed and read. A corrupted entry is recomputed, never used; a failure while a
+prompt is assembled leaves an empty, usable session.
 """
 
 from __future__ import annotations
 
 import gc
+import importlib
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
@@ -32,8 +39,13 @@ from typing import Any
 
 import pytest
 import torch
+from fakes import PASSAGES
 
+from shared_core.config import PassageCacheConfig
 from shared_core.lm import clear_prefix_cache
+from shared_core.passage_cache import attach as attach_passage_cache
+from shared_core.passage_cache import passage_stats, register_passages
+from shared_core.passage_cache.store import SUFFIX, _checked_payload
 from shared_core.runtime.protocol import Capabilities, KVSession, SessionLM
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. Berlin is "
@@ -51,6 +63,7 @@ class ForwardFailed(RuntimeError):
 class Runtime:
     lm: SessionLM
     fail_forward: Callable[[], AbstractContextManager[None]]  # the next forward raises mid-way
+    blend_lm: Callable[[], SessionLM]  # a model a blend cache runs on (loaded on first use)
 
     @property
     def caps(self) -> Capabilities:
@@ -77,7 +90,7 @@ def _torch_runtime() -> Runtime:
         finally:
             handle.remove()
 
-    return Runtime(lm, fail_forward)
+    return Runtime(lm, fail_forward, lambda: lm)
 
 
 def _llamacpp_runtime() -> Runtime:
@@ -105,7 +118,16 @@ def _llamacpp_runtime() -> Runtime:
         finally:
             llamacpp_session.decode = real
 
-    return Runtime(lm, fail_forward)
+    blend: list[SessionLM] = []
+
+    def blend_lm() -> SessionLM:
+        """Without exact=True: the blend's probe reads f16 values (exact runs a bf16 V cache)."""
+        if not blend:
+            blend.append(load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=1024,
+                                 prefix_cache=False))
+        return blend[0]
+
+    return Runtime(lm, fail_forward, blend_lm)
 
 
 RUNTIMES: dict[str, Callable[[], Runtime]] = {"torch": _torch_runtime, "llama.cpp": _llamacpp_runtime}
@@ -371,3 +393,176 @@ def test_a_raising_callback_leaves_the_model_usable(rt: Runtime, ids: list[int])
     same(torch.tensor(again[1][1]), torch.tensor(reference[1][1]), rt.caps.batch_invariant)
     session = session_on(rt, ids[:12])
     same(session.extend([ids[12]]), steps(rt, ids[:12], [ids[12]]), rt.caps.batch_invariant)
+
+
+# ----------------------------------------------------------------------------- passage cache
+
+N_NEW = 6
+
+
+@contextmanager
+def passage_cache(lm: SessionLM, tmp_path: Any, mode: str, **settings: Any) -> Iterator[Any]:
+    """``lm`` with a new, empty passage cache whose disk tier is under ``tmp_path`` (removed
+    after: the module's models serve the other tests without one)."""
+    cache = attach_passage_cache(lm.model, PassageCacheConfig(mode=mode, **settings),
+                                 disk_dir=tmp_path / "passage_kv")
+    try:
+        yield cache
+    finally:
+        cache.close()
+        lm.model.passage_cache = None
+
+
+def rag_prompt(lm: SessionLM, order: list[int], question: str = "Who built the weir?") -> list[int]:
+    text = "Context:\n" + "\n\n".join(PASSAGES[i] for i in order) + f"\n\nQuestion: {question}"
+    return lm.prompt_ids([{"role": "user", "content": text}])
+
+
+def greedy(lm: SessionLM, ids: list[int], n: int = N_NEW
+           ) -> tuple[list[int], torch.Tensor, KVSession]:
+    """``n`` greedy tokens after ``ids`` in a fresh session, the prefill's logits and the session."""
+    session = lm.open_session()
+    first = logits = session.prefill(ids)
+    out: list[int] = []
+    for _ in range(n):
+        assert logits is not None
+        out.append(int(logits.argmax()))
+        logits = session.extend([out[-1]])[-1]
+    assert first is not None
+    return out, first, session
+
+
+def fresh_greedy(lm: SessionLM, ids: list[int], n: int = N_NEW
+                 ) -> tuple[list[int], torch.Tensor, KVSession]:
+    """:func:`greedy` with nothing kept in memory from earlier calls but the passage store."""
+    gc.collect()  # a llama.cpp session hands its context back when collected
+    clear_prefix_cache(lm)
+    return greedy(lm, ids, n)
+
+
+def block_of(cache: Any) -> int:
+    """Ids per stored prefix block of this runtime's cache."""
+    return importlib.import_module(type(cache).__module__).BLOCK
+
+
+def disk_entries(tmp_path: Any) -> list[Any]:
+    return sorted((tmp_path / "passage_kv").rglob(f"*{SUFFIX}"))
+
+
+def test_passage_cache_exact_equals_a_cold_prefill_and_reuses_blocks(rt: Runtime,
+                                                                     tmp_path: Any) -> None:
+    ids = rag_prompt(rt.lm, [0, 1, 2])
+    cold_tokens, cold, _ = fresh_greedy(rt.lm, ids)  # no passage cache
+    with passage_cache(rt.lm, tmp_path, "exact") as cache:
+        first_tokens, first_logits, session = fresh_greedy(rt.lm, ids)
+        first = session.passage_report
+        assert first is not None and first.reused == 0 and first.stored >= 1
+        del session
+        tokens, logits, session = fresh_greedy(rt.lm, ids)
+        report = session.passage_report
+        assert report is not None
+        assert report.reused == first.stored * block_of(cache) == session.reused_tokens
+        assert report.kept == 0 and report.reused + report.read == len(ids)
+        assert tokens == first_tokens == cold_tokens
+        same(logits, cold, rt.caps.exact_reuse)
+        same(first_logits, cold, rt.caps.exact_reuse)
+        del session
+        _, _, session = fresh_greedy(rt.lm, rag_prompt(rt.lm, [1, 0, 2]), 1)
+        assert session.passage_report.reused == 0  # another prefix: nothing reused
+
+
+def test_passage_cache_exact_reads_the_disk_tier_and_recomputes_a_corrupt_entry(
+        rt: Runtime, tmp_path: Any) -> None:
+    ids = rag_prompt(rt.lm, [0, 2])
+    with passage_cache(rt.lm, tmp_path, "exact") as cache:
+        cold_tokens, cold, session = fresh_greedy(rt.lm, ids)
+        del session
+        files = disk_entries(tmp_path)
+        assert files
+        cache.store.clear_memory()
+        tokens, _, session = fresh_greedy(rt.lm, ids)
+        assert session.passage_report.reused == len(files) * block_of(cache)
+        assert passage_stats(rt.lm)["store"]["disk_hits"] == len(files)
+        assert tokens == cold_tokens
+        del session
+        for path in files:
+            data = bytearray(path.read_bytes())
+            data[len(data) // 2] ^= 0xFF
+            path.write_bytes(bytes(data))
+        cache.store.clear_memory()
+        tokens, logits, session = fresh_greedy(rt.lm, ids)
+        assert session.passage_report.reused == 0  # the first block failed: the walk stops
+        assert passage_stats(rt.lm)["store"]["corrupt"] == 1
+        assert session.passage_report.stored >= 1  # the first block, written again whole
+        assert tokens == cold_tokens
+        same(logits, cold, rt.caps.exact_reuse)
+        del session
+        _, _, session = fresh_greedy(rt.lm, ids, 1)  # the next corrupt block is found in turn
+        assert session.passage_report.reused == block_of(cache)
+        assert passage_stats(rt.lm)["store"]["corrupt"] == min(2, len(files))
+
+
+def test_passage_cache_blend_reuses_passages_in_another_order(rt: Runtime, tmp_path: Any) -> None:
+    lm = rt.blend_lm()
+    with passage_cache(lm, tmp_path, "blend", recompute_share=0.15):
+        assert register_passages(lm, PASSAGES[:2]) == 2
+        _, _, session = fresh_greedy(lm, rag_prompt(lm, [0, 1]), 1)
+        first = session.passage_report
+        assert first is not None and first.reused == 0 and first.computed_alone > 0
+        del session
+        ids = rag_prompt(lm, [1, 0], "What did Marta Quell design?")
+        tokens, logits, session = fresh_greedy(lm, ids)
+        report = session.passage_report
+        assert report is not None and report.reused > 0 and report.recomputed > 0
+        assert report.kept + report.reused + report.computed_alone + report.read == len(ids)
+        assert session.reused_tokens == report.kept + report.reused
+        assert logits.shape == (lm.vocab_size,) and bool(torch.isfinite(logits).all())
+        assert len(tokens) == N_NEW and all(0 <= t < lm.vocab_size for t in tokens)
+        assert session.tokens == ids + tokens
+
+
+@pytest.mark.parametrize(("mode", "failure"), [("exact", "store"), ("exact", "forward"),
+                                               ("blend", "store")])
+def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path: Any,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          mode: str, failure: str) -> None:
+    lm = rt.lm if mode == "exact" else rt.blend_lm()
+    ids = rag_prompt(lm, [0, 1, 2])
+    with passage_cache(lm, tmp_path, mode) as cache:
+        if mode == "blend":
+            register_passages(lm, PASSAGES)
+        reference, _, session = fresh_greedy(lm, ids, 3)
+        del session
+        cache.store.clear_memory()
+        for path in disk_entries(tmp_path):
+            path.unlink()
+        original = cache.store.put
+        calls: list[str] = []
+
+        def interrupted(key: str, payload: bytes) -> None:
+            calls.append(key)
+            if len(calls) == 2:
+                raise KeyboardInterrupt
+            original(key, payload)
+
+        gc.collect()
+        clear_prefix_cache(lm)
+        session = lm.open_session()
+        if failure == "store":
+            monkeypatch.setattr(cache.store, "put", interrupted)
+            with pytest.raises(KeyboardInterrupt):
+                session.prefill(ids)
+            monkeypatch.setattr(cache.store, "put", original)
+        else:
+            with rt.fail_forward(), pytest.raises(ForwardFailed):
+                session.prefill(ids)
+        assert session.tokens == [] and len(session) == 0
+        for path in disk_entries(tmp_path):  # only whole entries
+            assert _checked_payload(path.read_bytes(), path.name.removesuffix(SUFFIX))
+        logits = session.prefill(ids)  # the same session reads the prompt again
+        assert logits is not None and session.tokens == ids
+        again = [int(logits.argmax())]
+        for _ in range(2):
+            again.append(int(session.extend([again[-1]])[-1].argmax()))
+        if mode == "exact":
+            assert again == reference

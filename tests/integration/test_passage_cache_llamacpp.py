@@ -267,8 +267,6 @@ def test_bad_settings_name_the_parameter(exact_model):
     with pytest.raises(ValueError, match="passage_cache_memory_mb"):
         load_lm("smollm2-135m-instruct", backend="llama.cpp", passage_cache="exact",
                 passage_cache_memory_mb=-1)
-    with pytest.raises(ValueError, match=r"passage_cache runs on llama\.cpp"):
-        load_lm("smollm2-135m-instruct", backend="torch", passage_cache="exact")
     with pytest.raises(ValueError, match="warm_passages needs"):
         warm_passages(exact_model, PASSAGES, progress=False)
 

@@ -82,10 +82,30 @@ def test_bad_passage_cache_settings_name_the_setting(setting: str, value: Any,
             cls(**{setting: value, **extra})
 
 
-def test_a_passage_cache_on_a_torch_model_is_refused_naming_it(tiny_target: Any) -> None:
-    chat = ChatSpeculative(lm=tiny_target, model="tiny", max_tokens=2, passage_cache="exact")
-    with pytest.raises(ValueError, match=r"passage_cache='exact' runs on llama\.cpp"):
-        chat.invoke([HumanMessage(PROMPT)])
+def test_a_passage_cache_on_a_torch_model_turns_on_by_one_setting_and_reports() -> None:
+    """``ChatSpeculative`` / ``SpeculativeLLM`` on torch models (their own, so the shared ones
+    stay without a cache): exact reuses the stored prefix blocks of the same question, blend the
+    passages of another prompt; both frameworks report it."""
+    from fakes import PASSAGES
+    from tiny import tiny_lm
+
+    context = "\n\n".join(PASSAGES)
+    exact = ChatSpeculative(lm=tiny_lm(num_layers=1, seed=7), model="tiny", max_tokens=2,
+                            engine="autoregressive", passage_cache="exact",
+                            passage_cache_disk_mb=0)
+    first = exact.invoke([HumanMessage(f"{context}\nWho built the weir?")])
+    again = exact.invoke([HumanMessage(f"{context}\nWho built the weir?")])
+    assert first.response_metadata["passage_cache"]["reused"] == 0
+    assert again.response_metadata["passage_cache"]["reused"] > 0
+    assert again.content == first.content
+    blend = SpeculativeLLM(tiny_lm(num_layers=2, seed=8), model="tiny", max_new_tokens=2,
+                           engine="autoregressive", passage_cache="blend", recompute_share=0.2,
+                           passage_cache_disk_mb=0)
+    blend.chat([ChatMessage(role=MessageRole.USER, content=f"Notes: {context}\nWho?")])
+    answer = blend.chat([ChatMessage(role=MessageRole.USER,
+                                     content=f"Read: {context} [end]\nWhat colour?")])
+    assert answer.raw["passage_cache"]["reused"] > 0
+    assert answer.raw["passage_cache"]["recomputed"] > 0
 
 
 @pytest.fixture(scope="module")

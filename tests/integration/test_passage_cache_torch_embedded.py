@@ -1,0 +1,65 @@
+"""The passage cache on torch with the embedded SmolLM2 (real weights, fp32 on CPU): exact
+prefix blocks give a cold prefill's tokens; blend reuses passages in another order and reports
+it (its quality is measured, not asserted: docs/backends.md, *Passage cache*)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fakes import PASSAGES
+
+from shared_core.config import PassageCacheConfig
+from shared_core.lm import clear_prefix_cache
+from shared_core.passage_cache import attach, register_passages
+from shared_core.passage_cache.torch_cache import BLOCK
+
+pytestmark = pytest.mark.integration
+
+
+def prompt(lm, order, question):
+    text = "Context:\n" + "\n\n".join(PASSAGES[i] for i in order) + f"\n\nQuestion: {question}"
+    return lm.prompt_ids([{"role": "user", "content": text}])
+
+
+def greedy(lm, ids, n=6):
+    clear_prefix_cache(lm)
+    session = lm.open_session()
+    first = logits = session.prefill(ids)
+    out = []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = session.extend([out[-1]])[-1]
+    return out, first, session
+
+
+@pytest.fixture
+def cached(smollm, tmp_path):
+    def with_cache(mode, **settings):
+        return attach(smollm.model, PassageCacheConfig(mode=mode, **settings),
+                      disk_dir=tmp_path / "passage_kv")
+    yield with_cache
+    smollm.model.passage_cache = None
+
+
+def test_smollm_exact_warm_equals_cold(smollm, cached):
+    ids = prompt(smollm, [0, 1, 2], "Who built the weir?")
+    _, plain_logits, _ = greedy(smollm, ids)
+    cached("exact")
+    cold, cold_logits, session = greedy(smollm, ids)
+    assert session.passage_report.reused == 0 and session.passage_report.stored >= 1
+    warm, warm_logits, session = greedy(smollm, ids)
+    assert session.passage_report.reused == (len(ids) - 1) // BLOCK * BLOCK > 0
+    assert warm == cold and torch.equal(warm_logits, cold_logits)  # the same forwards
+    torch.testing.assert_close(cold_logits, plain_logits, atol=1e-3, rtol=1e-4)  # other chunks
+
+
+def test_smollm_blend_reuses_passages_in_another_order(smollm, cached):
+    cached("blend", recompute_share=0.3)
+    assert register_passages(smollm, PASSAGES) == 3
+    greedy(smollm, prompt(smollm, [0, 1, 2], "Who built the weir?"), 1)
+    ids = prompt(smollm, [2, 0, 1], "What did Marta Quell design?")
+    tokens, logits, session = greedy(smollm, ids)
+    report = session.passage_report
+    assert report.reused > 0 and report.computed_alone == 0 and report.probe == len(ids)
+    assert abs(report.recomputed - 0.3 * report.reused) <= 1
+    assert len(tokens) == 6 and bool(torch.isfinite(logits).all())

@@ -1,0 +1,171 @@
+"""The passage cache on torch (shared_core.passage_cache.torch_cache) on tiny in-process models:
+the load path, the store keys, refused payloads, the blend's ends (share 0 and 1) and the disk
+tier across processes. The contracts both runtimes share are in tests/conformance."""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from fakes import PASSAGES
+from tiny import tiny_lm
+
+from shared_core.config import PassageCacheConfig
+from shared_core.kv import KVSession
+from shared_core.models import load_lm
+from shared_core.passage_cache import attach, passage_stats, register_passages, warm_passages
+from shared_core.passage_cache.chunks import passage_interior
+from shared_core.passage_cache.torch_blend import ChunkKV
+from shared_core.passage_cache.torch_cache import BLOCK, TorchPassageCache, identity_of
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def prompt(lm, order, question="Who built the weir?"):
+    text = "Context:\n" + "\n\n".join(PASSAGES[i] for i in order) + f"\n\nQuestion: {question}"
+    return lm.prompt_ids([{"role": "user", "content": text}])
+
+
+def greedy(lm, ids, n=4):
+    session = lm.open_session()
+    logits = session.prefill(ids)
+    first, out = logits, []
+    for _ in range(n):
+        out.append(int(logits.argmax()))
+        logits = session.extend([out[-1]])[-1]
+    return out, first, session
+
+
+def test_load_lm_on_torch_attaches_a_passage_cache(tiny_model_folder):
+    lm = load_lm(tiny_model_folder, backend="torch", passage_cache="exact", exact=True,
+                 passage_cache_disk_mb=0)
+    assert isinstance(lm.model.passage_cache, TorchPassageCache)
+    assert lm.model.passage_cache.mode == "exact"
+    ids = prompt(lm, [0, 1])
+    lm.model.specrag_prefix_store.clear()
+    cold, _, _ = greedy(lm, ids)
+    lm.model.specrag_prefix_store.clear()
+    warm, _, session = greedy(lm, ids)
+    assert session.passage_report.reused == (len(ids) - 1) // BLOCK * BLOCK > 0
+    assert warm == cold
+    assert passage_stats(lm)["last"]["reused"] == session.passage_report.reused
+    with pytest.raises(ValueError, match="passage_cache='blend'"):
+        load_lm(tiny_model_folder, backend="torch", passage_cache="blend", exact=True)
+    with pytest.raises(ValueError, match="recompute_share"):
+        load_lm(tiny_model_folder, backend="torch", passage_cache="blend", recompute_share=2)
+    blend = load_lm(tiny_model_folder, backend="torch", passage_cache="blend",
+                    passage_cache_disk_mb=0)
+    assert blend.model.passage_cache.mode == "blend"
+
+
+def test_the_store_key_changes_with_the_weights_and_the_dtype():
+    one, other = tiny_lm(num_layers=1, seed=1), tiny_lm(num_layers=1, seed=2)
+    assert identity_of(one.model) == identity_of(tiny_lm(num_layers=1, seed=1).model)
+    assert identity_of(one.model) != identity_of(other.model)
+    assert identity_of(one.model) != identity_of(copy.deepcopy(one.model).to(torch.float64))
+
+
+def test_changed_weights_never_serve_old_entries(tmp_path):
+    lm = tiny_lm(num_layers=1, seed=4)
+    attach(lm.model, PassageCacheConfig(mode="exact", disk_mb=0))
+    ids = prompt(lm, [0, 1])
+    greedy(lm, ids, 1)
+    assert greedy(lm, ids, 1)[2].passage_report.reused > 0
+    with torch.no_grad():
+        lm.model.lm_head.weight.add_(1e-3)
+    assert greedy(lm, ids, 1)[2].passage_report.reused == 0
+
+
+def test_a_copied_model_gets_an_empty_cache_of_its_own():
+    lm = tiny_lm(num_layers=1, seed=5)
+    attach(lm.model, PassageCacheConfig(mode="exact", disk_mb=0))
+    greedy(lm, prompt(lm, [0, 1]), 1)
+    clone = copy.deepcopy(lm)
+    assert clone.model.passage_cache is not lm.model.passage_cache
+    assert clone.model.passage_cache.store is None  # bound on first use, to the copy's weights
+    _, _, session = greedy(clone, prompt(clone, [0, 1]), 1)
+    assert session.passage_report.reused == 0 and session.passage_report.stored > 0
+
+
+def test_a_foreign_payload_is_dropped_and_recomputed():
+    lm = tiny_lm(num_layers=2, seed=6)
+    cache = attach(lm.model, PassageCacheConfig(mode="blend", recompute_share=0.0, disk_mb=0))
+    register_passages(lm, PASSAGES[:1])
+    inner = passage_interior(lm.tokenizer, PASSAGES[0])
+    assert warm_passages(lm, PASSAGES[:1], progress=False)["computed"] == 1
+    key = cache.store.key("chunk", cache.head, inner)
+    good = ChunkKV.from_bytes(cache.store.get(key))
+    wrong = ChunkKV(ids=good.ids, head_ids=(), position=0, keys=good.keys.double(),
+                    values=good.values.double())  # another dtype
+    cache.store.put(key, wrong.to_bytes())
+    _, _, session = greedy(lm, prompt(lm, [0]), 1)
+    assert session.passage_report.reused == 0
+    assert session.passage_report.computed_alone >= len(inner)
+    assert ChunkKV.from_bytes(cache.store.get(key)).dtype == torch.float32  # stored again
+    cache.store.put(key, b"not a chunk")
+    _, _, session = greedy(lm, prompt(lm, [0]), 1)
+    assert session.passage_report.reused == 0
+
+
+def test_blend_ends_share_zero_reuses_all_share_one_equals_a_full_prefill():
+    lm = tiny_lm(num_layers=3, seed=7)
+    ids = prompt(lm, [2, 0], "What did Marta Quell design?")
+    full = KVSession(lm).prefill(ids)
+    for share in (0.0, 1.0):
+        cache = attach(lm.model, PassageCacheConfig(mode="blend", recompute_share=share,
+                                                    disk_mb=0))
+        register_passages(lm, PASSAGES)
+        warm_passages(lm, PASSAGES, progress=False)
+        _, logits, session = greedy(lm, ids, 2)
+        report = session.passage_report
+        assert report.reused > 0 and report.computed_alone == 0
+        if share == 0.0:
+            assert report.recomputed == 0 and report.probe == 0
+        else:
+            assert report.recomputed == report.reused and report.probe == 0
+            torch.testing.assert_close(logits, full, atol=1e-4, rtol=1e-4)
+        assert cache.last is report
+        assert not session._prefilled_only  # blended KV never enters the exact prefix store
+    lm.model.passage_cache = None
+
+
+_CHILD = """
+import json, sys
+sys.path.insert(0, {tests!r})
+from pathlib import Path
+import torch
+torch.set_num_threads(1)
+from tiny import tiny_lm
+from shared_core.config import PassageCacheConfig
+from shared_core.passage_cache import attach, passage_stats
+from unit.test_passage_cache_torch import greedy, prompt
+lm = tiny_lm(num_layers=2, seed=9)
+attach(lm.model, PassageCacheConfig(mode="exact"), disk_dir=Path({disk!r}))
+out, _, session = greedy(lm, prompt(lm, [2, 0]))
+print(json.dumps({{"tokens": out, "report": session.passage_report.as_dict(),
+                   "store": passage_stats(lm)["store"]}}))
+"""
+
+
+def _child(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    code = _CHILD.format(tests=str(ROOT / "tests"), disk=str(tmp_path / "passage_kv"))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300, check=True, cwd=tmp_path)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.integration  # two fresh interpreters (transformers imports): ~30 s
+def test_exact_blocks_survive_a_process_restart_on_the_disk_tier(tmp_path):
+    first = _child(tmp_path)
+    second = _child(tmp_path)
+    assert first["report"]["reused"] == 0 and first["report"]["stored"] >= 1
+    assert second["report"]["reused"] == first["report"]["stored"] * BLOCK
+    assert second["store"]["disk_hits"] >= 1 and second["store"]["corrupt"] == 0
+    assert second["tokens"] == first["tokens"]
