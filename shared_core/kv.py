@@ -23,7 +23,6 @@ import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from shared_core.config import CacheKind
-from shared_core.host_sync import DeviceTokens, upload
 from shared_core.kv_prefix import (
     Layers,
     PrefixStore,
@@ -31,6 +30,7 @@ from shared_core.kv_prefix import (
     store_for,
     weights_version,
 )
+from shared_core.runtime.host_sync import DeviceTokens, upload
 from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
 from shared_core.runtime.protocol import KVSession as RuntimeSession
 
@@ -262,7 +262,8 @@ class KVSession:
             msg = (f"sequence of {end} tokens exceeds the model window of "
                    f"{self.lm.max_context}; shorten the prompt or lower max_new_tokens")
             raise ValueError(msg)
-        input_ids = (ids.ids if isinstance(ids, DeviceTokens) else upload(ids, self.lm.device))[None]
+        on_device = ids.ids if isinstance(ids, DeviceTokens) else upload(ids, self.lm.device)
+        input_ids = on_device[None]  # never waits: device ids as they are, host ids uploaded
         if position_ids is None and self.position_offset:
             start = len(self._tokens) + self.position_offset
             position_ids = torch.arange(start, start + len(ids), device=self.lm.device)[None]

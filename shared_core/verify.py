@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shared_core.config import SamplingConfig
-from shared_core.host_sync import read_back, read_with
+from shared_core.runtime.host_sync import read_back, read_with
 
 ResidualFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -109,8 +109,9 @@ def accept_greedy(drafted: Sequence[int], target: Sequence[int]) -> Verdict:
 def verify_greedy(draft: torch.Tensor | Sequence[int], logits: torch.Tensor) -> Verdict:
     """Greedy verification: accept drafted tokens while they equal the target's argmax.
 
-    The drafted ids (host ids, a tensor, or :class:`~shared_core.host_sync.DeviceTokens` still
-    on the device) and the ``k + 1`` argmaxes reach the host in one copy: the round's one sync.
+    The drafted ids (host ids, a tensor, or
+    :class:`~shared_core.runtime.host_sync.DeviceTokens` still on the device) and the ``k + 1``
+    argmaxes reach the host in one copy: the round's one sync.
 
     Args:
         draft: ``[k]`` drafted token ids.
@@ -301,7 +302,8 @@ def verify_rapid_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, 
     return verify_sampled(draft, p, q, generator=generator, p_accept=p_hat, residual_fn=residual)
 
 
-def verify_rapid_greedy(draft: torch.Tensor | Sequence[int], logits: torch.Tensor, q: torch.Tensor | None,
+def verify_rapid_greedy(draft: torch.Tensor | Sequence[int], logits: torch.Tensor,
+                        q: torch.Tensor | None,
                         eta: float, *, alpha: float = 0.1, head: RapidHead = "p_hat") -> Verdict:
     """Greedy RAPID: follow argmax p̂ (p and q at temperature 1), argmax z for the bonus row.
 

@@ -23,7 +23,8 @@ Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
                          "error": {"type", "message", "traceback"} (on error),
                          ... the section's fields}},
      "summary": {"equality": {check: [equal, ...]}, "k8_over_step": {shape: ratio},
-                 "ours_over_generate": {shape: ratio}, "aims": {...}}}
+                 "ours_over_generate": {shape: ratio}, "syncs_per_round": {shape: {loop: max}},
+                 "round_split": {shape: {loop: ms per round}}, "aims": {...}}}
 
 A correctness section holds ``models`` (names, drafter noise), ``comparisons`` (one
 :class:`~shared_core.bench.gpu_checks.Comparison` each: ``check``, ``equal``,
@@ -331,10 +332,12 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
     k8: dict[str, float] = {}
     overhead: dict[str, float] = {}
     syncs: dict[str, dict[str, int]] = {}
+    splits: dict[str, dict[str, dict[str, float]]] = {}
     for name, section in sections.items():
         for loop, figures in (section.get("rounds") or {}).items():
             if isinstance(figures, dict) and "syncs_per_round" in figures:
                 syncs.setdefault(name, {})[loop] = figures["syncs_per_round"]["engine_max"]
+                splits.setdefault(name, {})[loop] = figures["split"]
         for c in section.get("comparisons", []):
             if "skipped" not in c.get("detail", {}):
                 equality.setdefault(name, {}).setdefault(c["check"], []).append(c["equal"])
@@ -354,7 +357,7 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
                                for n, loops in syncs.items()},
     }
     return {"equality": equality, "k8_over_step": k8, "ours_over_generate": overhead,
-            "syncs_per_round": syncs, "aims": aims}
+            "syncs_per_round": syncs, "round_split": splits, "aims": aims}
 
 
 def plot(report: dict[str, Any], out: Path) -> None:

@@ -25,13 +25,13 @@ from shared_core.engines.loop import (
     TokenStream,
     autoregressive_blocks,
 )
-from shared_core.host_sync import DeviceTokens
 from shared_core.models import LM
 from shared_core.output import (
     GenerationResult,
     check_int,
     generation_config,
 )
+from shared_core.runtime.host_sync import DeviceTokens
 from shared_core.runtime.protocol import SessionLM
 from shared_core.stats import DecodeStats
 from shared_core.verify import (

@@ -17,7 +17,7 @@ from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.loop import LogitsMask, Run, timed
 from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
-from shared_core.host_sync import DeviceTokens, RoundClock
+from shared_core.runtime.host_sync import DeviceTokens, RoundClock
 from shared_core.runtime.protocol import SessionLM
 from shared_core.token_config import RapidConfig
 from shared_core.verify import (
@@ -141,7 +141,7 @@ def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: Rapid
     stats.prefill_s += draft_prefill
     stats.draft_prefill_s = round(draft_prefill, 4)
     stats.plain_rounds = 0
-    clock = RoundClock(run.lm.device)
+    clock = RoundClock(run.lm.device if schedule is not None else None)  # events: only if read
     while True:
         context = [*session.tokens, pending]
         budget = min(schedule.next() if schedule else config.gamma, run.tracker.remaining - 1)

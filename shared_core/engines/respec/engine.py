@@ -33,10 +33,10 @@ from shared_core.engines.respec.drafting import (
     entropy_rows,
     row_entropies,
 )
-from shared_core.host_sync import DeviceTokens, read_with
 from shared_core.model_lock import lock_for, step_locked
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
+from shared_core.runtime.host_sync import DeviceTokens, read_with
 from shared_core.runtime.protocol import SessionLM
 from shared_core.stats import DecodeStats
 from shared_core.token_config import ReSpecConfig
