@@ -95,8 +95,12 @@ def _mentions_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 @contextmanager
-def count_host_syncs() -> Iterator[SyncCount]:
-    """Count host syncs (see the module) per round while the block runs, in this thread."""
+def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
+    """Count host syncs (see the module) per round while the block runs, in this thread.
+
+    ``device_only`` (on a GPU): count only what really waits there: readbacks of device
+    tensors, uploads to a device, and explicit synchronisations (host-only work is left out).
+    """
     from shared_core import device as device_module
     from shared_core.engines import loop
 
@@ -125,15 +129,34 @@ def count_host_syncs() -> Iterator[SyncCount]:
             return fn(*args, **kwargs)
         return counted
 
-    def from_python(data: Any, *_: Any, **__: Any) -> bool:
-        return not isinstance(data, torch.Tensor)
+    def on_device(t: Any) -> bool:
+        return isinstance(t, torch.Tensor) and t.device.type != "cpu"
 
-    def device_to(_self: Any, *args: Any, **kwargs: Any) -> bool:
-        return _mentions_device(args, kwargs)
+    def from_python(data: Any, *_: Any, **kwargs: Any) -> bool:
+        if isinstance(data, torch.Tensor):
+            return False
+        device = kwargs.get("device")
+        return not device_only or (device is not None and torch.device(device).type != "cpu")
+
+    def device_to(self: Any, *args: Any, **kwargs: Any) -> bool:
+        if not _mentions_device(args, kwargs):
+            return False
+        if not device_only:
+            return True
+        target = kwargs.get("device", next((a for a in args if isinstance(
+            a, (torch.device, str, torch.Tensor))), None))
+        if target is None:
+            return False
+        target = target.device if isinstance(target, torch.Tensor) else torch.device(target)
+        return target.type != self.device.type  # a copy between host and device
+
+    def device_read(self: Any, *_: Any, **__: Any) -> bool:
+        return not device_only or on_device(self)
 
     patches: list[tuple[Any, str, Any]] = []
     for name in READBACKS:
-        patches.append((torch.Tensor, name, wrap(getattr(torch.Tensor, name), name)))
+        patches.append((torch.Tensor, name,
+                        wrap(getattr(torch.Tensor, name), name, device_read)))
     patches.append((torch.Tensor, "to", wrap(torch.Tensor.to, "to(device)", device_to)))
     patches.append((torch, "tensor", wrap(torch.tensor, "torch.tensor", from_python)))
     patches.append((torch, "as_tensor", wrap(torch.as_tensor, "torch.as_tensor", from_python)))
@@ -198,9 +221,10 @@ def waited_time() -> Iterator[dict[str, float]]:
 
 def round_figures(lm: Any, prompt_ids: list[int], new_tokens: int, k: int = 4
                   ) -> dict[str, Any]:
-    """Syncs per round (counted) and a profiler-free time split (timed separately, without the
-    counter's overhead) of the plain loop and draft-model speculative decoding (the model
-    drafting for itself, so every round is a full k-token one) on ``lm``.
+    """Syncs per round (counted; on a GPU only what waits for the device) and a profiler-free
+    time split (timed separately, without the counter's overhead) of the plain loop and
+    draft-model speculative decoding, greedy and sampled (the model drafting for itself, so
+    greedy rounds are full k-token ones) on ``lm``.
 
     ``split``: per round, the wall ms, the ms the host spent blocked in readbacks (``wait_ms``:
     the device still busy) and the rest (``host_ms``: Python, launches, while the device may sit
@@ -217,11 +241,13 @@ def round_figures(lm: Any, prompt_ids: list[int], new_tokens: int, k: int = 4
         "plain": lambda: autoregressive_generate(plain, prompt_ids, new_tokens),
         f"draft_model_k{k}": lambda: speculative_generate(plain, plain, prompt_ids, new_tokens,
                                                           k=k),
+        f"draft_model_k{k}_sampled": lambda: speculative_generate(
+            plain, plain, prompt_ids, new_tokens, k=k, temperature=0.8, seed=0),
     }
     out: dict[str, Any] = {}
     for name, run in runs.items():
         run()  # warm-up (kernels, allocator)
-        with count_host_syncs() as count:
+        with count_host_syncs(device_only=lm.device.type != "cpu") as count:
             result = run()
         synchronize(lm.device)
         with waited_time() as waited:

@@ -122,6 +122,23 @@ def test_the_counter_sees_a_readback_added_to_the_round(tiny_target, tiny_drafte
     assert any("item" in site for site in count.sites)
 
 
+def test_device_only_counting_leaves_host_work_out(tiny_target, tiny_drafter):
+    """On a GPU the check counts only what waits for the device; on a CPU that is nothing but
+    the prefill's explicit synchronisation (the first round)."""
+    def run():
+        return speculative_generate(tiny_target, tiny_drafter, PROMPT, 8, k=3, temperature=0.8,
+                                    seed=1)
+
+    _, everything = counted(run)
+    with count_host_syncs(device_only=True) as device:
+        run()
+    assert max(everything.per_round()) > 1
+    assert device.per_round() == [0] * (len(device.rounds) - 1)
+    assert device.rounds[0]["engine"] == 1
+    assert [site.split(":")[0] for site in device.sites] == ["engine|engines/loop.py"]
+    assert all(site.endswith(":synchronize") for site in device.sites)
+
+
 def test_device_tokens_resolve_once_and_tell_their_parts_and_chains():
     ids = torch.tensor([5, 6, 7])
     tokens = DeviceTokens(ids)
