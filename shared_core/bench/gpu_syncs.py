@@ -222,9 +222,10 @@ def waited_time() -> Iterator[dict[str, float]]:
 def round_figures(lm: Any, prompt_ids: list[int], new_tokens: int, k: int = 4
                   ) -> dict[str, Any]:
     """Syncs per round (counted; on a GPU only what waits for the device) and a profiler-free
-    time split (timed separately, without the counter's overhead) of the plain loop and
+    time split (timed separately, without the counter's overhead) of the plain loop,
     draft-model speculative decoding, greedy and sampled (the model drafting for itself, so
-    greedy rounds are full k-token ones) on ``lm``.
+    greedy rounds are full k-token ones), and ReSpec drafting trees from two documents (the
+    plain loop's output and a corrupted copy) on ``lm``.
 
     ``split``: per round, the wall ms, the ms the host spent blocked in readbacks (``wait_ms``:
     the device still busy) and the rest (``host_ms``: Python, launches, while the device may sit
@@ -235,20 +236,33 @@ def round_figures(lm: Any, prompt_ids: list[int], new_tokens: int, k: int = 4
 
     from shared_core.device import synchronize
     from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+    from shared_core.engines.respec import respec_generate
 
     plain = replace(lm, eos_token_ids=frozenset())  # a random model must not stop early
+    reference: list[int] = []
+
+    def respec_tree() -> Any:
+        """ReSpec drafting trees from two documents: the greedy output and a corrupted copy."""
+        key = list(prompt_ids[-4:])
+        bad = [(t + 7) % lm.vocab_size if i % 5 == 3 else t for i, t in enumerate(reference)]
+        return respec_generate(plain, prompt_ids, new_tokens, documents=[key + bad, key + reference],
+                               use_trigger=False)
+
     runs: dict[str, Callable[[], Any]] = {
         "plain": lambda: autoregressive_generate(plain, prompt_ids, new_tokens),
         f"draft_model_k{k}": lambda: speculative_generate(plain, plain, prompt_ids, new_tokens,
                                                           k=k),
         f"draft_model_k{k}_sampled": lambda: speculative_generate(
             plain, plain, prompt_ids, new_tokens, k=k, temperature=0.8, seed=0),
+        "respec_tree": respec_tree,
     }
     out: dict[str, Any] = {}
     for name, run in runs.items():
         run()  # warm-up (kernels, allocator)
         with count_host_syncs(device_only=lm.device.type != "cpu") as count:
             result = run()
+        if not reference:
+            reference.extend(result.token_ids)  # the plain loop's output: ReSpec's documents
         synchronize(lm.device)
         with waited_time() as waited:
             start = time.perf_counter()
