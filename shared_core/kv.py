@@ -18,6 +18,7 @@ import inspect
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
@@ -29,10 +30,12 @@ from shared_core.kv_prefix import (
     store_for,
     weights_version,
 )
+from shared_core.runtime.host_sync import DeviceTokens, upload
 from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
 from shared_core.runtime.protocol import KVSession as RuntimeSession
 
 _MIN_CAPACITY = 256
+_UNREAD: Any = object()  # the place of a fed id not read back from the device yet
 
 
 def cache_keyword(model: Any) -> str:
@@ -163,15 +166,19 @@ def gather_positions(source: Cache, positions: torch.Tensor, kind: CacheKind) ->
     return cache
 
 
-def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dtype
+def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dtype,
+                        device: torch.device | str | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """4D additive mask ``[1, 1, n, prefix + n]`` and depths ``[n]`` for a token tree.
+    """4D additive mask ``[1, 1, n, prefix + n]`` and depths ``[n]`` for a token tree, on
+    ``device`` (default: the host).
 
-    Every node sees the whole prefix and its own ancestors (itself included), nothing else.
+    Every node sees the whole prefix and its own ancestors (itself included), nothing else. The
+    ``n x n`` ancestry and the depths are worked out on the host (numpy) and uploaded without
+    waiting; the ``prefix`` columns are filled on the device.
     """
     n = len(parents)
-    allowed = torch.zeros((n, n), dtype=torch.bool)
-    depth = torch.zeros(n, dtype=torch.long)
+    allowed = np.zeros((n, n), dtype=np.bool_)
+    depth = np.zeros(n, dtype=np.int64)
     for node, parent in enumerate(parents):
         if parent >= node:
             msg = "tree parents must precede their children (parents[i] < i)"
@@ -180,10 +187,15 @@ def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dt
             allowed[node] = allowed[parent]
             depth[node] = depth[parent] + 1
         allowed[node, node] = True
-    full = torch.cat([torch.ones((n, prefix_len), dtype=torch.bool), allowed], dim=1)
-    mask = torch.zeros((n, prefix_len + n), dtype=dtype)
-    mask.masked_fill_(~full, torch.finfo(dtype).min)
-    return mask[None, None], depth
+    on_device = torch.device(device) if device is not None else torch.device("cpu")
+    blocked = torch.from_numpy(~allowed)
+    depths = torch.from_numpy(depth)
+    if on_device.type != "cpu":
+        blocked = blocked.to(on_device, non_blocking=True)
+        depths = depths.to(on_device, non_blocking=True)
+    mask = torch.zeros((n, prefix_len + n), dtype=dtype, device=on_device)
+    mask[:, prefix_len:].masked_fill_(blocked, torch.finfo(dtype).min)
+    return mask[None, None], depths
 
 
 class KVSession:
@@ -235,7 +247,7 @@ class KVSession:
             raise
 
     def __len__(self) -> int:
-        return len(self.tokens)
+        return len(self._tokens)
 
     def _forward(self, ids: Sequence[int], *, logits_to_keep: int,
                  attention_mask: torch.Tensor | None = None,
@@ -245,26 +257,64 @@ class KVSession:
         If the forward fails or is interrupted (an exception, ``KeyboardInterrupt``) after some
         layers already appended their keys/values, every layer is cut back to ``tokens``.
         """
-        end = len(self.tokens) + self.position_offset + len(ids)
+        end = len(self._tokens) + self.position_offset + len(ids)
         if end > self.lm.max_context:
             msg = (f"sequence of {end} tokens exceeds the model window of "
                    f"{self.lm.max_context}; shorten the prompt or lower max_new_tokens")
             raise ValueError(msg)
-        input_ids = torch.tensor([list(ids)], dtype=torch.long, device=self.lm.device)
+        on_device = ids.ids if isinstance(ids, DeviceTokens) else upload(ids, self.lm.device)
+        input_ids = on_device[None]  # never waits: device ids as they are, host ids uploaded
         if position_ids is None and self.position_offset:
-            start = len(self.tokens) + self.position_offset
+            start = len(self._tokens) + self.position_offset
             position_ids = torch.arange(start, start + len(ids), device=self.lm.device)[None]
         try:
             out = self.lm.model(input_ids=input_ids, **{cache_keyword(self.lm.model): self.cache},
                                 use_cache=True,
                                 attention_mask=attention_mask, position_ids=position_ids,
                                 logits_to_keep=logits_to_keep)
-            self.tokens.extend(ids)
+            self._append(ids)
         except BaseException:
             self.heal()
             raise
         self.forwards += 1
         return out.logits[0]
+
+    def _append(self, ids: Sequence[int]) -> None:
+        """Add fed ids to ``tokens``; ids still on the device (:class:`DeviceTokens`) hold their
+        places until the round's readback resolves them (reading ``tokens`` before resolves)."""
+        if not isinstance(ids, DeviceTokens) or ids.resolved:
+            self._tokens.extend(ids)
+            return
+        start = len(self._tokens)
+        self._tokens.extend([_UNREAD] * len(ids))
+        self._unread.append((start, ids))
+
+        def fill(values: tuple[int, ...]) -> None:
+            held = self._tokens[start : start + len(values)]
+            for i, (now, value) in enumerate(zip(held, values, strict=False)):
+                if now is _UNREAD:
+                    self._tokens[start + i] = value
+            self._unread = [(at, fed) for at, fed in self._unread if fed is not ids]
+
+        ids.on_resolve(fill)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids whose keys/values are cached (ids fed from the device are read here at the
+        latest: the engines' round resolves them first, in its one readback)."""
+        while self._unread:
+            self._unread[0][1].values()  # resolving removes it (see _append)
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, ids: list[int]) -> None:
+        self._tokens = ids
+        self._unread: list[tuple[int, DeviceTokens]] = []  # (start, ids) not read back yet
+
+    def _cut(self, length: int) -> None:
+        """Drop the ids after ``length`` (no readback: places not read yet are simply gone)."""
+        del self._tokens[length:]
+        self._unread = [(at, fed) for at, fed in self._unread if at < length]
 
     def heal(self, limit: int | None = None) -> None:
         """Make the cache and ``tokens`` agree again after an interrupted update.
@@ -273,11 +323,11 @@ class KVSession:
         got ahead are cut back, ``tokens`` is cut to the shortest layer.
         """
         lengths = [layer.get_seq_length() for layer in self.cache.layers]
-        keep = min([len(self.tokens), *lengths, *([limit] if limit is not None else [])])
+        keep = min([len(self._tokens), *lengths, *([limit] if limit is not None else [])])
         for layer, length in zip(self.cache.layers, lengths, strict=True):
             if length > keep:
                 layer.crop(keep - length)
-        del self.tokens[keep:]
+        self._cut(keep)
 
     @torch.inference_mode()
     def prefill(self, ids: Sequence[int]) -> torch.Tensor | None:
@@ -346,13 +396,13 @@ class KVSession:
         if len(ids) != len(parents) or not ids:
             msg = "extend_tree needs one parent per token and at least one token"
             raise ValueError(msg)
-        prefix = len(self.tokens)
-        mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype)
-        positions = (prefix + self.position_offset + depth)[None].to(self.lm.device)
+        prefix = len(self._tokens)
+        mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype, self.lm.device)
+        positions = (prefix + self.position_offset + depth)[None]
         self._tree_prefix = prefix
         self._prefilled_only = False
         return self._forward(ids, logits_to_keep=len(ids),
-                             attention_mask=mask.to(self.lm.device), position_ids=positions)
+                             attention_mask=mask, position_ids=positions)
 
     @torch.inference_mode()
     def keep_path(self, path: Sequence[int]) -> None:
@@ -361,8 +411,7 @@ class KVSession:
         if list(path) == list(range(len(path))):
             self.rollback(prefix + len(path))  # a linear prefix of the node order: just crop
             return
-        positions = torch.tensor([prefix + i for i in path], dtype=torch.long,
-                                 device=self.lm.device)
+        positions = upload([prefix + i for i in path], self.lm.device)
         try:
             keep_positions(self.cache, prefix, positions)
             self.tokens = self.tokens[:prefix] + [self.tokens[prefix + i] for i in path]
@@ -374,7 +423,7 @@ class KVSession:
         """Forget everything after the first ``length`` tokens."""
         try:
             rollback(self.cache, length)
-            del self.tokens[length:]
+            self._cut(length)
         except BaseException:
             self.heal(length)
             raise

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shared_core.config import SamplingConfig
+from shared_core.runtime.host_sync import read_back, read_with
 
 ResidualFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -96,16 +97,28 @@ def greedy_accept_length(draft: torch.Tensor, target: torch.Tensor) -> int:
     return int((draft[:n] == target[:n]).int().cumprod(0).sum().item())
 
 
-def verify_greedy(draft: torch.Tensor, logits: torch.Tensor) -> Verdict:
+def accept_greedy(drafted: Sequence[int], target: Sequence[int]) -> Verdict:
+    """Greedy acceptance on host ids: ``target[i]`` is the target's argmax for the position of
+    ``drafted[i]`` (``len(target) == len(drafted) + 1``)."""
+    n = 0
+    while n < len(drafted) and drafted[n] == target[n]:
+        n += 1
+    return Verdict(n, int(target[n]))
+
+
+def verify_greedy(draft: torch.Tensor | Sequence[int], logits: torch.Tensor) -> Verdict:
     """Greedy verification: accept drafted tokens while they equal the target's argmax.
+
+    The drafted ids (host ids, a tensor, or
+    :class:`~shared_core.runtime.host_sync.DeviceTokens` still on the device) and the ``k + 1``
+    argmaxes reach the host in one copy: the round's one sync.
 
     Args:
         draft: ``[k]`` drafted token ids.
         logits: ``[k + 1, V]`` target logits (row ``i`` predicts drafted token ``i``).
     """
-    target = logits.argmax(-1).cpu()  # the round's one copy to the host
-    n = greedy_accept_length(draft, target[:-1])
-    return Verdict(n, int(target[n].item()))
+    drafted, (target,) = read_with(draft, logits.argmax(-1))  # the round's one copy to the host
+    return accept_greedy(drafted, target)
 
 
 def _default_residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -164,9 +177,9 @@ def tree_children(parents: Sequence[int]) -> dict[int, list[int]]:
     return children
 
 
-def verify_tree(tokens: torch.Tensor, parents: Sequence[int], logits: torch.Tensor,
-                sampling: SamplingConfig, generator: torch.Generator | None = None
-                ) -> TreeVerdict:
+def verify_tree(tokens: torch.Tensor | Sequence[int], parents: Sequence[int], logits: torch.Tensor,
+                sampling: SamplingConfig, generator: torch.Generator | None = None, *,
+                argmax: Sequence[int] | None = None) -> TreeVerdict:
     """Verify a tree of deterministic drafts; return the accepted path and the next token.
 
     Greedy: follow the child whose token is the target's argmax. Sampling: recursive rejection
@@ -179,24 +192,28 @@ def verify_tree(tokens: torch.Tensor, parents: Sequence[int], logits: torch.Tens
         tokens: ``[n]`` token of each node.
         parents: parent node index of each node, ``-1`` for children of the root.
         logits: ``[n + 1, V]``; row 0 follows the root, row ``i + 1`` follows node ``i``.
+        argmax: greedy only: the rows' argmaxes already on the host (the caller read them with
+            what else its round reads back); else they are read here, in one copy.
     """
     children = tree_children(parents)
     path: list[int] = []
     node, row = -1, 0
-    # greedy: every row's argmax in one copy to the host, not one per tree level
-    argmax = logits.argmax(-1).tolist() if sampling.greedy else []
+    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+    if sampling.greedy and argmax is None:  # every row's argmax in one copy, not one per level
+        argmax = read_back(logits.argmax(-1))[0]
     while True:
         kids = children.get(node, [])
         if sampling.greedy:
+            assert argmax is not None
             target = argmax[row]
-            match = next((c for c in kids if int(tokens[c]) == target), None)
+            match = next((c for c in kids if ids[c] == target), None)
             if match is None:
                 return TreeVerdict(tuple(path), target)
         else:
             probs = warp_probs(logits[row], sampling)
             match = None
             for c in kids:
-                token = int(tokens[c])
+                token = ids[c]
                 if torch.rand(1, generator=generator).item() < probs[token].item():
                     match = c
                     break
@@ -285,7 +302,8 @@ def verify_rapid_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, 
     return verify_sampled(draft, p, q, generator=generator, p_accept=p_hat, residual_fn=residual)
 
 
-def verify_rapid_greedy(draft: torch.Tensor, logits: torch.Tensor, q: torch.Tensor | None,
+def verify_rapid_greedy(draft: torch.Tensor | Sequence[int], logits: torch.Tensor,
+                        q: torch.Tensor | None,
                         eta: float, *, alpha: float = 0.1, head: RapidHead = "p_hat") -> Verdict:
     """Greedy RAPID: follow argmax p̂ (p and q at temperature 1), argmax z for the bonus row.
 
@@ -296,14 +314,14 @@ def verify_rapid_greedy(draft: torch.Tensor, logits: torch.Tensor, q: torch.Tens
         logits: ``[k + 1, V]`` raw target logits.
         q: ``[k, V]`` drafter softmax at temperature 1 (what η(q − p) needs), or None.
     """
-    k = draft.shape[0]
+    k = len(draft)
     if eta == 0 or q is None or k == 0:
         return verify_greedy(draft, logits)
     p = torch.softmax(logits[:k].float(), dim=-1)
     target = torch.cat([rapid_target_probs(p, q, eta, alpha, head).argmax(-1),
-                        logits[k:].argmax(-1)]).cpu()  # the round's one copy to the host
-    n = greedy_accept_length(draft, target[:-1])
-    return Verdict(n, int(target[n].item()))
+                        logits[k:].argmax(-1)])
+    drafted, (host_target,) = read_with(draft, target)  # the round's one copy to the host
+    return accept_greedy(drafted, host_target)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,8 @@ Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
                          "error": {"type", "message", "traceback"} (on error),
                          ... the section's fields}},
      "summary": {"equality": {check: [equal, ...]}, "k8_over_step": {shape: ratio},
-                 "ours_over_generate": {shape: ratio}, "aims": {...}}}
+                 "ours_over_generate": {shape: ratio}, "syncs_per_round": {shape: {loop: max}},
+                 "round_split": {shape: {loop: ms per round}}, "aims": {...}}}
 
 A correctness section holds ``models`` (names, drafter noise), ``comparisons`` (one
 :class:`~shared_core.bench.gpu_checks.Comparison` each: ``check``, ``equal``,
@@ -31,7 +32,9 @@ A correctness section holds ``models`` (names, drafter noise), ``comparisons`` (
 ``sampling`` (TV distance of two-token samples from the exact law). A physics section holds
 ``k_cost`` (``{k: {"ms", "over_step"}}``), ``prefill`` (tokens, ms, tok/s), ``decode`` (ours,
 generate, generate with a static cache: tok/s, and whether the tokens agree) and
-``static_cache`` (what our torch path offers). Everything is measured, nothing asserted: in bf16
+``static_cache`` (what our torch path offers) and ``rounds`` (host syncs per round of the plain
+and draft-model loops, counted by :mod:`shared_core.bench.gpu_syncs`, with a wait / host time
+split per round). Everything is measured, nothing asserted: in bf16
 a k-token forward is not bitwise k one-token steps, so near-ties may flip tokens.
 """
 
@@ -62,6 +65,7 @@ from shared_core.bench.gpu_models import (
     machine_facts,
     perturbed_copy,
 )
+from shared_core.bench.gpu_syncs import round_figures
 from shared_core.device import resolve_device, synchronize
 from shared_core.kv import KVSession
 from shared_core.models import LM
@@ -283,6 +287,13 @@ def decode_rates(lm: LM, sizes: Sizes) -> dict[str, Any]:
     return result
 
 
+def round_syncs(lm: LM, sizes: Sizes) -> dict[str, Any]:
+    """Host syncs per round (counted) and the wait / host time split of our plain and
+    speculative loops (:func:`shared_core.bench.gpu_syncs.round_figures`)."""
+    ids = random_ids(sizes.decode_prompt, lm.vocab_size, 5)
+    return round_figures(lm, ids, max(8, sizes.decode_tokens // 3))
+
+
 def physics(shape: Shape, tokenizer: Any, device: torch.device, sizes: Sizes) -> dict[str, Any]:
     lm = None
     try:
@@ -292,7 +303,8 @@ def physics(shape: Shape, tokenizer: Any, device: torch.device, sizes: Sizes) ->
         built = time.perf_counter() - start
         out: dict[str, Any] = {"model": lm.name, "params_b": round(shape.params_b, 3),
                                "dtype": "bfloat16", "build_s": round(built, 2)}
-        for name, fn in (("k_cost", k_cost), ("prefill", prefill_rate), ("decode", decode_rates)):
+        for name, fn in (("k_cost", k_cost), ("prefill", prefill_rate), ("decode", decode_rates),
+                         ("rounds", round_syncs)):
             try:
                 out[name] = fn(lm, sizes)
             except Exception as e:
@@ -319,7 +331,13 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
     equality: dict[str, dict[str, list[bool]]] = {}
     k8: dict[str, float] = {}
     overhead: dict[str, float] = {}
+    syncs: dict[str, dict[str, int]] = {}
+    splits: dict[str, dict[str, dict[str, float]]] = {}
     for name, section in sections.items():
+        for loop, figures in (section.get("rounds") or {}).items():
+            if isinstance(figures, dict) and "syncs_per_round" in figures:
+                syncs.setdefault(name, {})[loop] = figures["syncs_per_round"]["engine_max"]
+                splits.setdefault(name, {})[loop] = figures["split"]
         for c in section.get("comparisons", []):
             if "skipped" not in c.get("detail", {}):
                 equality.setdefault(name, {}).setdefault(c["check"], []).append(c["equal"])
@@ -335,9 +353,12 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
                       for name, checks_ in equality.items()},
         "k8_le_1.15": {n: k8[n] <= AIM_K8 for n in big},
         "ours_ge_0.95_generate": {n: overhead[n] >= AIM_OVERHEAD for n in overhead if n in big},
+        "one_sync_per_round": {n: all(v <= 1 for loop, v in loops.items()
+                                       if not loop.endswith("_sampled"))
+                               for n, loops in syncs.items()},
     }
     return {"equality": equality, "k8_over_step": k8, "ours_over_generate": overhead,
-            "aims": aims}
+            "syncs_per_round": syncs, "round_split": splits, "aims": aims}
 
 
 def plot(report: dict[str, Any], out: Path) -> None:
@@ -388,7 +409,7 @@ def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, fl
         return 600.0 * shape.params_b, 300.0 * shape.params_b
     # eager transformers on a GPU is bound by kernel launches (~15-25 ms a token at these
     # depths), so the cost grows slowly with size; the 7B's weights add their build time
-    return 50.0 + 40.0 * shape.params_b, 25.0 + 4.0 * shape.params_b
+    return 50.0 + 40.0 * shape.params_b, 30.0 + 5.0 * shape.params_b  # + the round figures
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

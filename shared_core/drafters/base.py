@@ -16,7 +16,7 @@ if TYPE_CHECKING:
 class Draft:
     """Proposed continuation: new token ids only, with their draft distribution if sampled."""
 
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]  # a tuple, or DeviceTokens (greedy model drafts, read with the verdict)
     probs: torch.Tensor | None = None  # [k, V] warped draft probabilities; None = deterministic
     source: str = "model"
 

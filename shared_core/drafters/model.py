@@ -9,6 +9,8 @@ import torch
 
 from shared_core.config import CacheKind, SamplingConfig
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, DrafterBase, check_same_vocabulary
+from shared_core.kv import KVSession as TorchSession
+from shared_core.runtime.host_sync import DeviceTokens
 from shared_core.runtime.protocol import SessionLM, open_session
 from shared_core.verify import make_generator, sample, warp_probs
 
@@ -53,17 +55,47 @@ class ModelDrafter(DrafterBase):
         feed = self.session.sync(context[:-1])
         if feed:
             self.session.prefill(feed)
-        tokens: list[int] = []
+        tokens, probs = self.draft_steps(int(context[-1]), k)
+        return Draft(tokens, probs, source="model")
+
+    def draft_steps(self, last: int, k: int, *, greedy_probs: bool = False
+                    ) -> tuple[Sequence[int], torch.Tensor | None]:
+        """``k`` tokens after ``last`` (the session holds what precedes it) and their draft
+        probabilities (None when greedy, unless ``greedy_probs``: the plain softmax).
+
+        Greedy drafting on a torch session never waits for the device: each argmax is written
+        into one ``[k]`` device buffer and fed from there to the next step, and the tokens come
+        back as :class:`DeviceTokens`, read in the round's one readback (the engine's
+        verification). Sampling draws each token on the host generator (one copy per token);
+        other runtimes' sessions (llama.cpp) take host ids.
+        """
         rows: list[torch.Tensor] = []
-        last = int(context[-1])
+        if self.sampling.greedy and isinstance(self.session, TorchSession):
+            out: torch.Tensor | None = None
+            drafted: DeviceTokens | None = None
+            step: Sequence[int] = [last]
+            for i in range(k):
+                logits = self.session.extend(step)[-1][: self.vocab_size]
+                if out is None:
+                    out = torch.empty(k, dtype=torch.long, device=logits.device)
+                    drafted = DeviceTokens(out)
+                out[i : i + 1] = logits.argmax(-1, keepdim=True)
+                if greedy_probs:
+                    rows.append(torch.softmax(logits.float(), dim=-1))
+                assert drafted is not None
+                step = drafted.part(i, i + 1)
+            assert drafted is not None
+            return drafted, torch.stack(rows) if rows else None
+        tokens: list[int] = []
         for _ in range(k):
             logits = self.session.extend([last])[-1][: self.vocab_size]
             if self.sampling.greedy:
                 last = int(logits.argmax())
+                if greedy_probs:
+                    rows.append(torch.softmax(logits.float(), dim=-1))
             else:
                 probs = warp_probs(logits, self.sampling)
                 rows.append(probs)
                 last = sample(probs, self.generator)
             tokens.append(last)
-        probs = torch.stack(rows) if rows else None
-        return Draft(tuple(tokens), probs, source="model")
+        return tuple(tokens), torch.stack(rows) if rows else None

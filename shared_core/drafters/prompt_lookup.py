@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import torch
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, DrafterBase
 
@@ -26,11 +27,11 @@ class PromptLookupDrafter(DrafterBase):
     def propose(self, context: Sequence[int], k: int) -> Draft:
         if k < 1 or len(context) < self.min_ngram + 1:
             return EMPTY_DRAFT
-        ids = torch.as_tensor(context, dtype=torch.long)
+        ids = np.asarray(context, dtype=np.int64)  # host ids: numpy, nothing to wait for
         for n in range(min(self.max_ngram, len(ids) - 1), self.min_ngram - 1, -1):
-            windows = ids[:-1].unfold(0, n, 1)  # [L - n, n], each earlier n-gram
-            hits = (windows == ids[-n:]).all(dim=1).nonzero().flatten()
-            if hits.numel():
+            windows = sliding_window_view(ids[:-1], n)  # [L - n, n], each earlier n-gram
+            hits = np.flatnonzero((windows == ids[-n:]).all(axis=1))
+            if hits.size:
                 start = int(hits[-1]) + n
                 tokens = tuple(int(t) for t in ids[start : start + k])
                 if tokens:

@@ -27,7 +27,7 @@ from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.model import ModelDrafter
 from shared_core.kv import CacheKind
 from shared_core.runtime.protocol import KVSession, SessionLM
-from shared_core.verify import make_generator, sample, warp_probs
+from shared_core.verify import make_generator
 
 
 class RetrievedContextDrafter(ModelDrafter):
@@ -97,18 +97,5 @@ class RetrievedContextDrafter(ModelDrafter):
         feed = self.session.sync(own[:-1])
         if feed:
             self.session.prefill(feed)
-        tokens: list[int] = []
-        rows: list[torch.Tensor] = []
-        last = int(own[-1])
-        for _ in range(k):
-            logits = self.session.extend([last])[-1][: self.vocab_size]  # [V]
-            if self.sampling.greedy:
-                last = int(logits.argmax())
-                if self.greedy_probs:
-                    rows.append(torch.softmax(logits.float(), dim=-1))
-            else:
-                probs = warp_probs(logits, self.sampling)
-                rows.append(probs)
-                last = sample(probs, self.generator)
-            tokens.append(last)
-        return Draft(tuple(tokens), torch.stack(rows) if rows else None, source="retrieved_context")
+        tokens, probs = self.draft_steps(int(own[-1]), k, greedy_probs=self.greedy_probs)
+        return Draft(tokens, probs, source="retrieved_context")

@@ -31,6 +31,7 @@ from shared_core.output import (
     check_int,
     generation_config,
 )
+from shared_core.runtime.host_sync import DeviceTokens
 from shared_core.runtime.protocol import SessionLM
 from shared_core.stats import DecodeStats
 from shared_core.verify import (
@@ -65,11 +66,12 @@ def autoregressive_generate(lm: SessionLM, prompt: Prompt, max_new_tokens: int =
 
 
 def accept_draft(run: Run, draft: Draft, logits: torch.Tensor) -> Verdict:
-    """Step 3: greedy match, or lossless speculative sampling (one-hot q for fixed drafts)."""
-    draft_ids = torch.tensor(draft.tokens, dtype=torch.long)
+    """Step 3: greedy match (drafted ids and argmaxes read back in one copy), or lossless
+    speculative sampling (one-hot q for fixed drafts)."""
     sampling = run.config.sampling
     if sampling.greedy:
-        return verify_greedy(draft_ids, logits)
+        return verify_greedy(draft.tokens, logits)
+    draft_ids = torch.tensor(draft.tokens, dtype=torch.long)
     p = warp_probs(logits, sampling)
     q = draft.probs
     if q is not None and q.shape[-1] != p.shape[-1]:
@@ -85,8 +87,10 @@ def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Iterator[list[int
         budget = min(k, run.tracker.remaining - 1)
         # 1. draft
         draft = drafter.propose(context, budget) if budget > 0 else EMPTY_DRAFT
-        # 2. verify: one target forward over [pending, *draft] (masked when a mask is given)
-        logits = run.masked(session.extend([pending, *draft.tokens]), draft.tokens)
+        # 2. verify: one target forward over [pending, *draft] (masked when a mask is given);
+        #    a greedy model draft is still on the device: nothing waits until step 3's readback
+        logits = run.masked(session.extend(DeviceTokens.chain([pending], draft.tokens)),
+                            draft.tokens)
         stats.target_forwards += 1
         # 3. accept
         verdict = accept_draft(run, draft, logits)

@@ -75,6 +75,13 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
         assert decode["ours"]["tok_s"] > 0 and decode["generate"]["tok_s"] > 0
         # measured, not asserted: in bf16 a near-tie may go either way between the two loops
         assert 0 <= decode["tokens_vs_generate"]["identical_rate"] <= 1
+        for loop in ("plain", "draft_model_k4", "respec_tree"):  # issue 39: one sync a round
+            figures = section["rounds"][loop]
+            assert figures["rounds"] > 1 and figures["syncs_per_round"]["engine_max"] <= 1
+            split = figures["split"]
+            assert split["wall_ms_per_round"] >= split["wait_ms_per_round"] >= 0
+    assert set(report["summary"]["syncs_per_round"]) == {
+        "physics/tiny-a", "physics/tiny-b", "physics/tiny-c"}
     assert set(report["summary"]["ours_over_generate"]) == {
         "physics/tiny-a", "physics/tiny-b", "physics/tiny-c"}
 

@@ -3,7 +3,6 @@ a kept session and the cost-aware γ schedule."""
 
 from __future__ import annotations
 
-import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 
@@ -13,12 +12,12 @@ from shared_core.config import (
     CacheKind,
     GenerationConfig,
 )
-from shared_core.device import synchronize
 from shared_core.draft_length import CostModel, best_draft_length
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.loop import LogitsMask, Run, timed
 from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
+from shared_core.runtime.host_sync import DeviceTokens, RoundClock
 from shared_core.runtime.protocol import SessionLM
 from shared_core.token_config import RapidConfig
 from shared_core.verify import (
@@ -66,12 +65,13 @@ def _accept(run: Run, draft: Draft, logits: torch.Tensor, eta: float, config: Ra
             ) -> Verdict:
     """Step 3: greedy or sampled verification against p̂ (η = 0: exactly lossless)."""
     sampling = run.config.sampling
-    draft_ids = torch.tensor(draft.tokens, dtype=torch.long)
     q = _pad_vocab(draft.probs, logits.shape[-1])
-    if sampling.greedy:
-        return verify_rapid_greedy(draft_ids, logits, q, eta, alpha=config.alpha, head=config.head)
+    if sampling.greedy:  # drafted ids (on the device) and the argmaxes: one copy to the host
+        return verify_rapid_greedy(draft.tokens, logits, q, eta, alpha=config.alpha,
+                                   head=config.head)
     if not draft.tokens or q is None:
         return Verdict(0, choose_token(logits[0], sampling, run.generator))
+    draft_ids = torch.tensor(draft.tokens, dtype=torch.long)
     p = warp_probs(logits, sampling)
     return verify_rapid_sampled(draft_ids, p, q, eta, alpha=config.alpha, head=config.head,
                                 generator=run.generator)
@@ -141,16 +141,18 @@ def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: Rapid
     stats.prefill_s += draft_prefill
     stats.draft_prefill_s = round(draft_prefill, 4)
     stats.plain_rounds = 0
+    clock = RoundClock(run.lm.device if schedule is not None else None)  # events: only if read
     while True:
         context = [*session.tokens, pending]
         budget = min(schedule.next() if schedule else config.gamma, run.tracker.remaining - 1)
         # 1. draft γ tokens on [retrieved context; query; generated]
-        start = time.perf_counter()
+        clock.mark("start")
         draft = drafter.propose(context, budget) if budget > 0 else EMPTY_DRAFT
-        drafted = synced_clock(run.lm.device)
+        clock.mark("drafted")
         # 2. verify: one target forward over [pending, *draft] on [full context; query; generated]
-        logits = session.extend([pending, *draft.tokens])
-        verified = synced_clock(run.lm.device)
+        #    (a greedy draft is still on the device: nothing waits until step 3's readback)
+        logits = session.extend(DeviceTokens.chain([pending], draft.tokens))
+        clock.mark("verified")
         stats.target_forwards += 1
         # 3. accept against p̂ (min(1, p̂/q); adjusted residual on rejection), masked logits
         verdict = _accept(run, draft, run.masked(logits, draft.tokens), eta, config)
@@ -160,14 +162,11 @@ def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: Rapid
         stats.record_round(len(draft), verdict.n_accepted)
         stats.plain_rounds += not draft.tokens
         # 5. adapt: the paper keeps γ constant; adaptive_gamma sizes the next draft by cost
-        if schedule is not None:
-            schedule.observe(len(draft), verdict.n_accepted, drafted - start, verified - drafted)
+        if schedule is not None:  # timed without a sync: read after step 3's readback
+            schedule.observe(len(draft), verdict.n_accepted, clock.seconds("start", "drafted"),
+                             clock.seconds("drafted", "verified"))
         pending = verdict.next_token
         yield block
         if done:
             return
 
-
-def synced_clock(device: torch.device) -> float:
-    synchronize(device)
-    return time.perf_counter()

@@ -86,10 +86,15 @@ def build_tree(candidates: Sequence[Candidate], max_tokens: int
     return tuple(tokens), tuple(parents), tuple(used)
 
 
-def row_entropies(logits: torch.Tensor) -> list[float]:
-    """Shannon entropy (nats) of softmax(logits) per row."""
+def entropy_rows(logits: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy (nats) of softmax(logits) per row, as a float32 tensor on the device."""
     logp = torch.log_softmax(logits.float(), dim=-1)
-    return (-(logp.exp() * logp).sum(-1)).tolist()
+    return -(logp.exp() * logp).sum(-1)
+
+
+def row_entropies(logits: torch.Tensor) -> list[float]:
+    """Shannon entropy (nats) of softmax(logits) per row (one copy to the host)."""
+    return entropy_rows(logits).tolist()
 
 
 @dataclass

@@ -30,15 +30,17 @@ from shared_core.engines.respec.drafting import (
     ReSpecStats,
     TreeDraft,
     build_tree,
+    entropy_rows,
     row_entropies,
 )
 from shared_core.model_lock import lock_for, step_locked
 from shared_core.models import LM
 from shared_core.output import GenerationResult, generation_config
+from shared_core.runtime.host_sync import DeviceTokens, read_with
 from shared_core.runtime.protocol import SessionLM
 from shared_core.stats import DecodeStats
 from shared_core.token_config import ReSpecConfig
-from shared_core.verify import verify_tree, verify_tree_relaxed
+from shared_core.verify import accept_greedy, verify_tree, verify_tree_relaxed
 
 
 class ReSpecDecoder:
@@ -188,16 +190,17 @@ def _respec_blocks(run: Run, request: Request) -> Iterator[list[int]]:
         draft = _draft(request, [*session.tokens, pending], budget)
         # 2. verify: one target forward over [pending, *tree]
         logits = _verify_forward(run, request, pending, draft)
-        # 3. accept (on the masked logits when a mask is given)
-        path, next_token = _accept(run, request, draft,
-                                   run.masked_tree(logits, draft.tokens, draft.parents))
+        # 3. accept (on the masked logits when a mask is given); greedy strict: the round's one
+        #    readback (drafted ids still on the device, every row's argmax and entropy)
+        path, next_token, entropies = _accept(
+            run, request, draft, run.masked_tree(logits, draft.tokens, draft.parents), logits)
         # 4. commit the accepted path, roll back the rest
         _commit(run, draft, path)
         accepted = tuple(draft.tokens[i] for i in path)
         block = [*accepted, next_token]
         emitted, done = run.commit(block)
         # 5. adapt: EMA scores, draft length, entropy history, automaton, fallback back-off
-        _adapt(run, request, draft, path, logits, accepted, block)
+        _adapt(run, request, draft, path, logits, accepted, block, entropies)
         pending = next_token
         yield emitted
         if done:
@@ -230,8 +233,8 @@ def _verify_forward(run: Run, request: Request, pending: int, draft: TreeDraft
     run.stats.target_forwards += 1
     seconds = {"verify": 0.0}
     with timed(seconds, "verify"):
-        if draft.is_chain:
-            logits = run.session.extend([pending, *draft.tokens])
+        if draft.is_chain:  # a greedy model draft stays on the device (read in step 3)
+            logits = run.session.extend(DeviceTokens.chain([pending], draft.tokens))
         else:
             parents = [-1, *(p + 1 for p in draft.parents)]
             logits = run.session.extend_tree([pending, *draft.tokens], parents)
@@ -239,23 +242,33 @@ def _verify_forward(run: Run, request: Request, pending: int, draft: TreeDraft
     return logits
 
 
-def _accept(run: Run, request: Request, draft: TreeDraft, logits: torch.Tensor
-            ) -> tuple[tuple[int, ...], int]:
-    """Accepted node path and the next token (correction or bonus)."""
+def _accept(run: Run, request: Request, draft: TreeDraft, logits: torch.Tensor,
+            raw: torch.Tensor) -> tuple[tuple[int, ...], int, list[float] | None]:
+    """Accepted node path, the next token (correction or bonus) and, when read with them, the
+    entropy of every row of the unmasked logits ``raw`` (else None: :func:`_adapt` reads them)."""
     sampling = run.config.sampling
+    cfg = request.config
+    relaxed = cfg.verification == "relaxed" and draft.source == "retrieval"
+    if sampling.greedy and not relaxed:  # strict greedy: everything in one copy to the host
+        drafted, (argmax, entropies) = read_with(draft.tokens, logits.argmax(-1),
+                                                 entropy_rows(raw))
+        if draft.source != "retrieval":  # a linear draft, or none
+            verdict = accept_greedy(drafted, argmax[: len(drafted) + 1])
+            return tuple(range(verdict.n_accepted)), verdict.next_token, entropies
+        tree = verify_tree(drafted, draft.parents, logits, sampling, argmax=argmax)
+        return tree.path, tree.next_token, entropies
     if draft.source not in ("retrieval", "none"):
         verdict = accept_draft(run, draft.linear, logits)  # strict, with q for model drafts
-        return tuple(range(verdict.n_accepted)), verdict.next_token
+        return tuple(range(verdict.n_accepted)), verdict.next_token, None
     tokens = torch.tensor(draft.tokens, dtype=torch.long)
-    cfg = request.config
-    if cfg.verification == "relaxed" and draft.source == "retrieval":
-        relaxed = verify_tree_relaxed(tokens, draft.parents, logits, top_k=cfg.relaxed_top_k,
-                                      tau=cfg.relaxed_tau, lookahead=cfg.relaxed_lookahead,
-                                      max_relaxed=cfg.max_relaxed)
-        request.counters.relaxed_accepted += relaxed.n_relaxed
-        return relaxed.path, relaxed.next_token
-    verdict = verify_tree(tokens, draft.parents, logits, sampling, run.generator)
-    return verdict.path, verdict.next_token
+    if relaxed:
+        found = verify_tree_relaxed(tokens, draft.parents, logits, top_k=cfg.relaxed_top_k,
+                                    tau=cfg.relaxed_tau, lookahead=cfg.relaxed_lookahead,
+                                    max_relaxed=cfg.max_relaxed)
+        request.counters.relaxed_accepted += found.n_relaxed
+        return found.path, found.next_token, None
+    tree = verify_tree(draft.tokens, draft.parents, logits, sampling, run.generator)
+    return tree.path, tree.next_token, None
 
 
 def _commit(run: Run, draft: TreeDraft, path: tuple[int, ...]) -> None:
@@ -267,7 +280,8 @@ def _commit(run: Run, draft: TreeDraft, path: tuple[int, ...]) -> None:
 
 
 def _adapt(run: Run, request: Request, draft: TreeDraft, path: tuple[int, ...],
-           logits: torch.Tensor, accepted: tuple[int, ...], block: list[int]) -> None:
+           logits: torch.Tensor, accepted: tuple[int, ...], block: list[int],
+           entropies: list[float] | None = None) -> None:
     counters = request.counters
     counters.record(draft.source, len(draft.tokens), len(path))
     run.stats.record_round(len(draft.tokens), len(path))
@@ -282,7 +296,8 @@ def _adapt(run: Run, request: Request, draft: TreeDraft, path: tuple[int, ...],
         if request.fallback is not None:
             request.fallback.observe(len(path))
     rows = [0, *(i + 1 for i in path)][-request.config.lookback :]
-    request.entropies.extend(row_entropies(logits[rows]))
+    request.entropies.extend(row_entropies(logits[rows]) if entropies is None
+                             else [entropies[r] for r in rows])
     request.add(block)
 
 
