@@ -57,6 +57,7 @@ from shared_core.config import (
     BACKENDS,
     DEFAULT_EMBEDDER,
     DEFAULT_LM,
+    DEFAULT_RECOMPUTE_SHARE,
     DEFAULT_SPECRAG_BACKEND,
     DEFAULT_VERIFIER,
 )
@@ -110,10 +111,52 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
         if (m, k) != (cfg.num_drafts, cfg.docs_per_draft):
             variant = engine.with_config(replace(cfg, num_drafts=m, docs_per_draft=k))
             methods[f"grid_m{m}_k{k}"] = (variant.answer, max(n_docs, m * k))
+    if args.passage_cache:
+        cached = _CachedPassages(engine, args.recompute_share)
+        for name in ("rag_drafter", "rag_verifier", "specrag"):
+            if name in methods:
+                methods[f"{name}+cache"] = (cached.around(methods[name][0]), methods[name][1])
     keep = [m.strip() for m in args.methods.split(",")] if args.methods else None
-    return {k: v for k, v in methods.items() if keep is None or k in keep or k.startswith(
-        ("abl_", "grid_", "specrag_tuned", "specrag_answer_first", "specrag_rationale_first",
-         "specrag@"))}
+    return {k: v for k, v in methods.items() if keep is None or k.removesuffix("+cache") in keep
+            or k.startswith(("abl_", "grid_", "specrag_tuned", "specrag_answer_first",
+                             "specrag_rationale_first", "specrag@"))}
+
+
+class _CachedPassages:
+    """``--passage-cache``: blend caches for the drafter and the verifier, on only while a
+    ``+cache`` method runs; the question's passages are warmed first, outside the method's
+    timing (a corpus warmed ahead of time). Prefix reuse is off for every method, so each reads
+    cold what no cache gives it (a method run after another on the same prompt would otherwise
+    take that prompt from the model's idle context)."""
+
+    def __init__(self, engine: SpeculativeRAG, recompute_share: float):
+        from shared_core.config import PassageCacheConfig
+        from shared_core.passage_cache import attach
+
+        self.lms = list({id(lm): lm for lm in (engine.drafter, engine.verifier)}.values())
+        self.caches = []
+        for lm in self.lms:
+            lm.model.prefix_cache = False
+            self.caches.append(attach(lm.model, PassageCacheConfig("blend", recompute_share)))
+            lm.model.passage_cache = None
+
+    def around(self, method: Callable[[str, list[Document]], Any]
+               ) -> Callable[[str, list[Document]], Any]:
+        from shared_core.engines.speculative_rag.prompts import passage_texts
+        from shared_core.passage_cache import register_passages, warm_passages
+
+        def run(question: str, docs: list[Document]) -> Any:
+            try:
+                for lm, cache in zip(self.lms, self.caches, strict=True):
+                    lm.model.passage_cache = cache
+                    register_passages(lm, passage_texts(docs))
+                    warm_passages(lm, passage_texts(docs), progress=False)
+                return method(question, docs)
+            finally:
+                for lm in self.lms:
+                    lm.model.passage_cache = None
+
+        return run
 
 
 FULL_GRID = "5x1,5x2,5x4,10x1,10x2,10x4"
@@ -200,6 +243,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="add specrag_<other order>[@drafter]: every drafter in the other order")
     parser.add_argument("--grid", nargs="?", const=FULL_GRID, default=None,
                         help=f"add m x k points, e.g. 5x1,3x2 (alone: {FULL_GRID})")
+    parser.add_argument("--passage-cache", action="store_true",
+                        help="add rag_drafter+cache, rag_verifier+cache and specrag+cache: the "
+                             "same calls over passages whose KV is cached (blend, llama.cpp)")
+    parser.add_argument("--recompute-share", type=float, default=DEFAULT_RECOMPUTE_SHARE,
+                        help="--passage-cache: the share of reused tokens recomputed")
     parser.add_argument("--data-dir", type=Path, default=None)
     parser.add_argument("--out", default=None, help="JSON report; '{dataset}' is substituted")
     parser.add_argument("--plot", default=None, help="PNG plot; '{dataset}' is substituted")
@@ -292,7 +340,8 @@ def _signature(state: _DatasetRun, args: argparse.Namespace, engine: Speculative
             "cpu": cpu_model_and_flags()[0], "runtime_threads": lm_threads(engine.verifier),
             "config": [cfg.num_drafts, cfg.docs_per_draft, cfg.retrieve_k,
                        cfg.max_draft_tokens, cfg.max_answer_tokens, cfg.draft_order],
-            "methods": sorted(state.outputs)}
+            "methods": sorted(state.outputs),
+            "recompute_share": args.recompute_share if args.passage_cache else None}
 
 
 def _measure(state: _DatasetRun, i: int, methods: dict[str, Any], args: argparse.Namespace,
