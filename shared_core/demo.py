@@ -1,12 +1,19 @@
 """`specrag demo`: the project's job in miniature, on the embedded offline models.
 
 It prints the machine's CPU features, threads and load, indexes a small knowledge base written
-here (a fictional town, so the answers must come from retrieval), then (1) answers with
-Speculative RAG — Qwen2.5-Coder-0.5B drafts answer-first and Qwen2.5-Coder-1.5B verifies
-(SmolLM2-135M and Gemma-3-270M without the ``qwen`` extra) — next to standard RAG with the
-verifier and with the drafter, showing every draft and its scores, and (2) answers with plain
-decoding and every token-level engine, with each engine's measured speed-up, whether its tokens
-equal greedy decoding, and a measured one-line reason where speculation does not pay here.
+here (a fictional town, so the answers must come from retrieval), then, in this order:
+
+1. **what makes a RAG answer faster on this machine**: the passage KV cache. A question is
+   answered cold (full prefill), then asked again through the ``exact`` contract (cold, warm:
+   token-identical); a second question whose retrieved passages overlap the first's in another
+   order is answered with a full prefill and through the ``blend`` contract: time to first token
+   before / after, the cache's report (reused, recomputed and read prompt ids) and whether the
+   answer equals the full prefill's;
+2. **what does not pay here, and why**: plain decoding and every token-level engine (measured
+   speed-ups, whether their tokens equal greedy decoding, a measured one-line reason), then
+   Speculative RAG — Qwen2.5-Coder-0.5B drafts answer-first and Qwen2.5-Coder-1.5B verifies
+   (SmolLM2-135M and Gemma-3-270M without the ``qwen`` extra) — next to standard RAG with the
+   verifier and with the drafter, showing every draft and its scores.
 """
 
 from __future__ import annotations
@@ -59,6 +66,12 @@ QUESTIONS = [
     "Who built the harbor of Veldmark, and in which year?",
     "How long is the Iron Bridge and when did it open?",
 ]
+# The passage cache's pair: the second question's top passages overlap the first's, in another
+# order (MiniLM: harbor, railway, school, library, then railway, school, harbor, bridge).
+CACHE_QUESTIONS = (QUESTIONS[0], "When did the railway reach Veldmark, and how long is the trip "
+                                 "to the capital?")
+CACHE_K = 4  # passages per question in the passage cache section
+CACHE_MAX_NEW_TOKENS = 24
 
 
 @dataclass
@@ -259,9 +272,171 @@ def token_engines_section(lm, retriever, max_new_tokens: int, write: Callable[[s
     return table
 
 
+@dataclass
+class TimedAnswer:
+    """A greedy answer with its time to first token and the passage cache's report."""
+
+    text: str
+    token_ids: list[int]
+    ttft_s: float
+    total_s: float
+    cache: dict[str, int] | None = None
+
+
+def timed_answer(lm, messages: list[dict[str, str]], max_new_tokens: int) -> TimedAnswer:
+    from shared_core.engines.baseline import autoregressive_generate
+
+    start = time.perf_counter()
+    result = autoregressive_generate(lm, messages, max_new_tokens)
+    return TimedAnswer(result.text.strip(), list(result.token_ids), result.stats.prefill_s,
+                       time.perf_counter() - start, result.stats.extra.get("passage_cache"))
+
+
+def compare_answers(reference: TimedAnswer, answer: TimedAnswer) -> str:
+    """Whether ``answer`` equals the full prefill's ``reference`` token for token, else how many
+    leading tokens agree and both texts (the quality cost, measured on this answer)."""
+    if answer.token_ids == reference.token_ids:
+        return f"equal to the full prefill's ({len(answer.token_ids)}/{len(reference.token_ids)} tokens)"
+    agree = shared_prefix(answer.token_ids, reference.token_ids)
+    return (f"DIFFERS from the full prefill's after {agree} of {len(reference.token_ids)} tokens: "
+            f"{answer.text[:80]!r} vs {reference.text[:80]!r}")
+
+
+def cache_line(report: dict[str, int] | None) -> str:
+    """The cache's report of one prefill: prompt ids reused, recomputed, read."""
+    if not report:
+        return "no cache report"
+    reused, recomputed = report["reused"], report["recomputed"]
+    share = f" ({recomputed / reused:.0%} of the reused)" if reused and recomputed else ""
+    alone = (f", {report['computed_alone']} read alone and stored"
+             if report.get("computed_alone") else "")
+    return (f"{report['prompt']} prompt ids: {reused} reused, {recomputed} recomputed{share}, "
+            f"{report['read']} read{alone}")
+
+
+def shared_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading ids ``a`` and ``b`` share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y),
+                min(len(a), len(b)))
+
+
+def _question_rows(retriever, k: int) -> list[dict]:
+    """The two questions' retrieved passages and prompts."""
+    rows = []
+    for question in CACHE_QUESTIONS:
+        hits = retriever.search([question], k)[0]
+        rows.append({"question": question, "passages": [hit.document.id for hit in hits],
+                     "messages": build_prompt(question, [hit.document.text for hit in hits])})
+    return rows
+
+
+def passage_cache_section(retriever, model: str, write: Callable[[str], None],
+                          k: int = CACHE_K, max_new_tokens: int = CACHE_MAX_NEW_TOKENS) -> dict:
+    """The passage KV cache on ``model`` (llama.cpp), measured now: Q1 answered cold (full
+    prefill); Q1 asked again through the exact contract (cold, warm); then Q2, whose passages
+    overlap Q1's in another order, with a full prefill and through the blend contract after Q1
+    went through it. Returns the measured numbers (``{}`` where llama.cpp cannot run ``model``)."""
+    from shared_core.config import DEFAULT_RECOMPUTE_SHARE
+    from shared_core.models import load_lm
+    from shared_core.passage_cache import register_passages
+    from shared_core.passage_cache.llamacpp import BLOCK
+
+    write(f"\n== What makes a RAG answer faster on this machine: the passage KV cache ({model}, "
+          "llama.cpp) ==")
+    try:  # no prompt-prefix reuse, no disk tier: every number below is this run's own reading
+        full = load_lm(model, backend="llama.cpp", prefix_cache=False)
+        cached = load_lm(model, backend="llama.cpp", prefix_cache=False, passage_cache="blend",
+                         passage_cache_disk_mb=0)
+    except (ImportError, OSError, RuntimeError, ValueError) as e:
+        write(f"   skipped: the passage cache runs on llama.cpp, which cannot run {model} here "
+              f"({type(e).__name__}: {e})")
+        return {}
+    write("   On a CPU a RAG answer is mostly reading its passages (prefill); load_lm(..., "
+          'passage_cache="exact" | "blend") keeps the KV of what the model read and reuses it.')
+    q1, q2 = _question_rows(retriever, k)
+    write(f"\nQ1: {q1['question']}\n   passages {q1['passages']}")
+    reference = timed_answer(full, q1["messages"], max_new_tokens)
+    write(f"   full prefill    TTFT {reference.ttft_s:5.2f} s, answer {reference.total_s:5.2f} s"
+          f"  {reference.text[:90]!r}")
+    write(f"   reading was {reference.ttft_s / reference.total_s:.0%} of the answer's time "
+          f"({len(reference.token_ids)} new tokens): what a cache can remove; token-level "
+          "speculation can only shorten the rest (below)")
+    q1["full"] = reference
+    exact = exact_contract(model, q1["messages"], max_new_tokens, write)
+
+    ids = [full.prompt_ids(q["messages"]) for q in (q1, q2)]
+    common = [key for key in q2["passages"] if key in q1["passages"]]
+    order = ("in another order" if common != [key for key in q1["passages"] if key in common]
+             else "in the same order")
+    shared = shared_prefix(*ids)
+    exact_reuse = (f"less than one {BLOCK}-id block for exact reuse" if shared < BLOCK else
+                   f"at most {shared // BLOCK * BLOCK} ids for exact reuse")
+    write(f"\nQ2: {q2['question']}\n   passages {q2['passages']}: {len(common)} of Q1's "
+          f"{len(q1['passages'])}, {order}; Q2 shares its first {shared} prompt ids with Q1: "
+          f"{exact_reuse}")
+    write('   contract blend (load_lm(..., passage_cache="blend"), opt-in): cached passages reused '
+          f"anywhere, in any order, {DEFAULT_RECOMPUTE_SHARE:.0%} of their tokens (those whose "
+          "reused KV deviates most) recomputed with full attention; the answer may differ from a "
+          "full prefill's")
+    register_passages(cached, KNOWLEDGE_BASE.values())  # the texts the app indexes
+    q1["cached"] = timed_answer(cached, q1["messages"], max_new_tokens)
+    write(f"   Q1 through it   TTFT {q1['cached'].ttft_s:5.2f} s "
+          f"({q1['cached'].ttft_s / reference.ttft_s:.2f}x the full prefill's; the cache was empty):"
+          f" {cache_line(q1['cached'].cache)}")
+    q2["full"] = timed_answer(full, q2["messages"], max_new_tokens)
+    q2["cached"] = timed_answer(cached, q2["messages"], max_new_tokens)
+    write(f"   full prefill    TTFT {q2['full'].ttft_s:5.2f} s, answer {q2['full'].total_s:5.2f} s"
+          f"  {q2['full'].text[:90]!r}")
+    write(f"   with the cache  TTFT {q2['cached'].ttft_s:5.2f} s "
+          f"({q2['cached'].ttft_s / q2['full'].ttft_s:.2f}x the full prefill's): "
+          f"{cache_line(q2['cached'].cache)}")
+    write(f"   answer {compare_answers(q2['full'], q2['cached'])}")
+    for q in (q1, q2):
+        q["equal"] = q["cached"].token_ids == q["full"].token_ids
+    speedup = q2["full"].ttft_s / q2["cached"].ttft_s
+    why = ("on passages this short the cache's own work, the layer-1 probe over the prompt and the "
+           "recomputed runs, outweighed the reading it saved")
+    sooner = (f"{speedup:.1f}x sooner" if speedup >= 1.05 else
+              f"no sooner ({why})" if speedup > 0.95 else f"{1 / speedup:.1f}x later ({why})")
+    found = [f"exact reuse gave Q1's first token {1 / max(exact['ratio'], 1e-9):.0f}x sooner, "
+             f"answer token-identical: {exact['equal']}"] if exact else []
+    found.append(f"blend gave Q2's first token {sooner}, answer equal to the full prefill's: "
+                 f"{q2['equal']}")
+    write(f"\nOn this machine: {'; '.join(found)} (blend's quality over many questions: "
+          "`python -m shared_core.bench passage-cache`, results/passage_cache/).")
+    return {"rows": {"Q1": q1, "Q2": q2}, "ttft_speedup": speedup, "exact": exact}
+
+
+def exact_contract(model: str, messages: list[dict[str, str]], max_new_tokens: int,
+                   write: Callable[[str], None]) -> dict:
+    """The same prompt read twice through ``passage_cache="exact"`` on an ``exact=True`` model
+    (a repeated question, a follow-up turn over the same passages, another process through the
+    disk tier): cold, then warm; the warm answer must equal the cold one token for token."""
+    from shared_core.models import load_lm
+
+    try:
+        lm = load_lm(model, backend="llama.cpp", exact=True, prefix_cache=False,
+                     passage_cache="exact", passage_cache_disk_mb=0)
+    except (ImportError, OSError, RuntimeError, ValueError) as e:
+        write(f"   exact contract skipped: {type(e).__name__}: {e}")
+        return {}
+    write('   Q1 asked again: contract exact (load_lm(..., exact=True, passage_cache="exact")): '
+          "exact prompt prefixes reused in 64-id blocks, in memory and on disk across processes")
+    cold = timed_answer(lm, messages, max_new_tokens)
+    warm = timed_answer(lm, messages, max_new_tokens)
+    same = warm.token_ids == cold.token_ids
+    write(f"   exact, cold     TTFT {cold.ttft_s:5.2f} s  {cold.text[:90]!r}")
+    write(f"   exact, warm     TTFT {warm.ttft_s:5.2f} s ({warm.ttft_s / cold.ttft_s:.2f}x the "
+          f"cold read's): {cache_line(warm.cache)}")
+    write(f"   answer {'equal to the cold one token for token' if same else 'DIFFERS'} "
+          f"({len(warm.token_ids)} tokens)")
+    return {"cold": cold, "warm": warm, "equal": same, "ratio": warm.ttft_s / cold.ttft_s}
+
+
 def run_demo(max_new_tokens: int = DEMO_MAX_NEW_TOKENS, write: Callable[[str], None] = logger.info,
              verifier: str | None = None) -> dict:
-    """Machine facts, Speculative RAG vs standard RAG, then the token-level engines; the tables."""
+    """Machine facts; the passage cache (what pays here); then what does not: the token-level
+    engines and Speculative RAG against standard RAG. Returns the measured tables."""
     from shared_core.device import cpu_facts
     from shared_core.models import load_lm
     from shared_core.retrieval import DenseRetriever, Document
@@ -270,11 +445,13 @@ def run_demo(max_new_tokens: int = DEMO_MAX_NEW_TOKENS, write: Callable[[str], N
     write(machine_line(cpu_facts()))
     retriever = DenseRetriever(DEFAULT_EMBEDDER)
     retriever.add([Document(key, text) for key, text in KNOWLEDGE_BASE.items()])
-    specrag = speculative_rag_section(retriever, verifier or pick_verifier(), write,
-                                      *pick_drafter())
+    verifier = verifier or pick_verifier()
+    cache = passage_cache_section(retriever, verifier, write)
+    write("\n== What does not pay here, and why: token-level speculation, then Speculative RAG ==")
     lm = load_lm(DEFAULT_LM, backend=DEFAULT_BACKEND)
-    write(f"\nruntime of the token engines: {lm.backend} ({lm.backend_reason})")
+    write(f"runtime of the token engines: {lm.backend} ({lm.backend_reason})")
     tokens = token_engines_section(lm, retriever, max_new_tokens, write)
     explain_token_speedups(lm, tokens, write)
+    specrag = speculative_rag_section(retriever, verifier, write, *pick_drafter())
     write(f"\ndemo finished in {time.perf_counter() - start:.0f} s")
-    return {"speculative_rag": specrag, "token_engines": tokens}
+    return {"passage_cache": cache, "token_engines": tokens, "speculative_rag": specrag}

@@ -5,10 +5,14 @@ The format is the Hermes / Qwen2.5 one: tool schemas (OpenAI ``{"type": "functio
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``; results go back as
 ``<tool_response>`` turns. A chat template that takes ``tools=`` (Qwen2.5) renders all of it
 itself; for one that does not (SmolLM2) the same text is written into the system turn and the
-assistant turns here, and a tool result goes into a turn of the template's own ``tool`` role
-where the template renders one (SmolLM2's passes any role through), else a user turn: with the
-result as a user turn SmolLM2-135M answered 1 of 6 tool round trips in plain text, writing a
-``<tool_response>`` of its own in the others; as a ``tool`` turn, 5 of 6.
+assistant turns here, and a tool result goes in as the template expects it
+(:func:`tool_role`): a turn of the template's own ``tool`` role where it has one, holding the
+result as it is; else (SmolLM2's template has no tool role, it prints any role name verbatim, and
+one that refuses other roles) a user turn in words, ``Tool result: …`` and a request to answer,
+without the ``<tool_response>`` tags a small model copies into its answer. Measured with
+SmolLM2-135M on 6 forced-call round trips through each framework (12): ``<tool_response>`` in a
+user turn 1 of 6 plain-text answers, in a ``tool`` turn 8 of 12 (4 answers were an invented
+``<tool_response>``), in words in a user turn 12 of 12.
 
 ``tool_choice`` (:func:`check_tool_choice`): ``"auto"`` (the model decides; with a grammar, free
 text in which every ``<tool_call>`` must hold a call of one of the tools with schema-valid
@@ -134,25 +138,41 @@ def _call_json(call: Mapping[str, Any]) -> str:
 
 
 _ROLE_PROBE = "specrag-probe-7f3a"
+_ANY_ROLE = "specrag-role-5c1e"
+RESULT_REQUEST = "Answer my question in a sentence."
+
+
+def _renders_turn(lm: LM, role: str) -> bool:
+    """Whether the template renders a turn of ``role`` (neither refuses nor drops it)."""
+    probe = [{"role": "user", "content": "q"}, {"role": role, "content": _ROLE_PROBE}]
+    try:
+        return _ROLE_PROBE in lm.chat_prompt(probe)
+    except Exception:  # jinja's TemplateError (raise_exception) or the template's own: refused
+        return False
 
 
 def tool_role(lm: LM) -> str:
     """The role a tool result is rendered in by a template without tool support: ``"tool"`` when
-    the template renders a turn of that role (its text and the role's name come out), else
-    ``"user"`` (a template that refuses or drops the role)."""
-    probe = [{"role": "user", "content": "q"}, {"role": "tool", "content": _ROLE_PROBE}]
-    try:
-        text = lm.chat_prompt(probe)
-    except Exception:  # jinja's TemplateError (raise_exception) or the template's own: refused
-        return "user"
-    shown = text.split(_ROLE_PROBE)[0][-40:].lower() if _ROLE_PROBE in text else ""
-    return "tool" if "tool" in shown else "user"
+    the template has a tool role of its own (it renders a ``tool`` turn but refuses or drops a
+    turn of a made-up role), else ``"user"``: a template that refuses or drops the tool role, or
+    one that prints any role name verbatim (SmolLM2's), whose model was never trained on a
+    ``tool`` turn."""
+    return "tool" if _renders_turn(lm, "tool") and not _renders_turn(lm, _ANY_ROLE) else "user"
+
+
+def _result_turn(results: Sequence[str], role: str) -> dict[str, str]:
+    """Consecutive tool results as one turn: as they are in the template's own tool role, else a
+    user turn in words (no tags for the model to copy) asking for the answer."""
+    if role == "tool":
+        return {"role": "tool", "content": "\n\n".join(results)}
+    lines = [f"Tool result: {r}" for r in results]
+    return {"role": role, "content": "\n".join([*lines, RESULT_REQUEST])}
 
 
 def _flatten(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str, Any]],
              result_role: str = "user") -> list[dict[str, str]]:
     """Plain role/content turns carrying the tool format, for templates without tool support
-    (tool results in ``result_role`` turns, consecutive ones in one)."""
+    (consecutive tool results in one ``result_role`` turn, :func:`_result_turn`)."""
     out: list[dict[str, str]] = []
     system = [m["content"] for m in messages[:1] if m["role"] == "system"]
     if tools:
@@ -160,19 +180,21 @@ def _flatten(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str,
         system.append(TOOLS_SYSTEM.format(tools=listed))
     if system:
         out.append({"role": "system", "content": "\n\n".join(s for s in system if s)})
+    results: list[str] = []
     for m in messages[1:] if messages and messages[0]["role"] == "system" else messages:
         if m["role"] == "tool":
-            text = f"<tool_response>\n{m['content']}\n</tool_response>"
-            if out and out[-1]["role"] == result_role and out[-1]["content"].startswith(
-                    "<tool_resp"):
-                out[-1]["content"] += "\n" + text
-            else:
-                out.append({"role": result_role, "content": text})
-        elif m["role"] == "assistant" and m.get("tool_calls"):
+            results.append(m["content"])
+            continue
+        if results:
+            out.append(_result_turn(results, result_role))
+            results = []
+        if m["role"] == "assistant" and m.get("tool_calls"):
             calls = [f"{OPEN}\n{_call_json(c)}\n{CLOSE}" for c in m["tool_calls"]]
             out.append({"role": "assistant", "content": "\n".join([m["content"], *calls]).strip()})
         else:
             out.append({"role": m["role"], "content": m["content"]})
+    if results:
+        out.append(_result_turn(results, result_role))
     return out
 
 

@@ -51,3 +51,76 @@ def test_explain_specrag_names_the_measured_parts() -> None:
     slow = [SpeculativeRAGStats(draft_prefill_s=5.0, draft_decode_s=3.0, verify_s=2.0,
                                 verify_tokens=400, total_s=10.1)]
     assert explain_specrag(standard, slow).startswith("(it does not pay here: drafting took 8.0 s")
+
+
+def test_compare_answers_says_equal_or_where_they_part() -> None:
+    from shared_core.demo import TimedAnswer, compare_answers
+
+    ref = TimedAnswer("Anna Kessel, 1712", [1, 2, 3, 4], 1.0, 2.0)
+    assert compare_answers(ref, TimedAnswer("Anna Kessel, 1712", [1, 2, 3, 4], 0.2, 1.2)) == \
+        "equal to the full prefill's (4/4 tokens)"
+    line = compare_answers(ref, TimedAnswer("Anna Kessel, 1912", [1, 2, 9], 0.2, 1.2))
+    assert line.startswith("DIFFERS from the full prefill's after 2 of 4 tokens")
+    assert "'Anna Kessel, 1912' vs 'Anna Kessel, 1712'" in line
+
+
+def test_cache_line_names_what_the_cache_did() -> None:
+    from shared_core.demo import cache_line
+
+    report = {"prompt": 200, "kept": 0, "reused": 100, "computed_alone": 40, "recomputed": 15,
+              "read": 60, "probe": 140, "stored": 1}
+    assert cache_line(report) == ("200 prompt ids: 100 reused, 15 recomputed (15% of the reused), "
+                                  "60 read, 40 read alone and stored")
+    assert cache_line(None) == "no cache report"
+
+
+def test_the_demo_opens_on_the_passage_cache_then_what_does_not_pay(monkeypatch) -> None:
+    """The first screen is the passage cache; token speculation and Speculative RAG come after,
+    under a heading that says they do not pay here (sections stubbed: no model runs)."""
+    import shared_core.demo as demo
+    import shared_core.models
+    import shared_core.retrieval
+
+    order: list[str] = []
+
+    class Retriever:
+        def __init__(self, embedder):
+            pass
+
+        def add(self, documents):
+            pass
+
+    class LM:
+        backend, backend_reason = "llama.cpp", "stub"
+
+    monkeypatch.setattr(shared_core.retrieval, "DenseRetriever", Retriever)
+    monkeypatch.setattr(shared_core.models, "load_lm", lambda *a, **k: LM())
+    monkeypatch.setattr(demo, "passage_cache_section",
+                        lambda retriever, model, write: order.append("cache") or {"rows": {}})
+    monkeypatch.setattr(demo, "token_engines_section",
+                        lambda lm, retriever, n, write: order.append("tokens") or {})
+    monkeypatch.setattr(demo, "explain_token_speedups", lambda lm, table, write: None)
+    monkeypatch.setattr(demo, "speculative_rag_section",
+                        lambda retriever, verifier, write, *drafter: order.append("specrag") or {})
+    lines: list[str] = []
+    result = demo.run_demo(write=lambda line: (lines.append(line), order.append(line)))
+    assert lines[0].startswith("machine: ")
+    sections = [item for item in order if item in ("cache", "tokens", "specrag")]
+    assert sections == ["cache", "tokens", "specrag"]
+    heading = next(i for i, item in enumerate(order) if "What does not pay here" in item)
+    assert order.index("cache") < heading < order.index("tokens")
+    assert set(result) == {"passage_cache", "token_engines", "speculative_rag"}
+
+
+def test_passage_cache_section_says_why_it_is_skipped_without_llamacpp(monkeypatch) -> None:
+    import shared_core.models
+    from shared_core.demo import passage_cache_section
+
+    def refuse(*args, **kwargs):
+        raise ValueError("llama.cpp is not installed")
+
+    monkeypatch.setattr(shared_core.models, "load_lm", refuse)
+    lines: list[str] = []
+    assert passage_cache_section(None, "smollm2-135m-instruct", lines.append) == {}
+    assert "passage KV cache" in lines[0]
+    assert "skipped" in lines[1] and "llama.cpp is not installed" in lines[1]

@@ -88,8 +88,9 @@ def test_render_without_template_support_writes_the_tool_format(tiny_target):
     listed = "\n" + json.dumps(check_tools([WEATHER])[0])
     assert "Be brief.\n\n" + TOOLS_SYSTEM.format(tools=listed) in text
     assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
-    # the tiny template renders any role: the result goes in a turn of its own "tool" role
-    assert "<|tool|><tool_response>\nsunny\n</tool_response>" in text
+    # the tiny template prints any role name (no tool role of its own): a user turn in words
+    assert "<|user|>Tool result: sunny\nAnswer my question in a sentence." in text
+    assert "<tool_response>" not in text
     assert text.endswith("<|assistant|><tool_call>\n")
 
 
