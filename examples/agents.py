@@ -25,7 +25,7 @@ also says when to stop calling the tool. With ``plain``, Qwen2.5-Coder-1.5B re-i
 call after the tool result: its next-token distribution there puts 0.24 on ``{"`` (the call again,
 as bare JSON) and 0.23 on a code fence, against 0.11 on ``To``; with ``stop`` its greedy reply
 there is the answer, but its first turn then describes the tool in prose instead of calling it
-(results/s11/agents.md). ``--force-first-call`` gives LangChain's agent a middleware that sets
+(results/specrag/2026-11-26b/README.md). ``--force-first-call`` gives LangChain's agent a middleware that sets
 ``tool_choice="required"`` until a tool has answered. ``--no-prefix-cache`` empties the llama.cpp
 prefix cache before every model turn, to time the turns as they were before prefix reuse.
 """
@@ -48,8 +48,8 @@ from langchain_core.tools import StructuredTool
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from langchain_specrag import ChatSpeculative, SpecragEmbeddings
-from shared_core.chat_adapters import DEFAULT_ENGINE
 from shared_core.config import DEFAULT_LM
+from shared_core.frontend.chat import DEFAULT_ENGINE
 
 logger = logging.getLogger("agents")
 HANDBOOK = [
@@ -117,7 +117,7 @@ def stats_line(turn: Turn) -> str:
 
 def render(model: str, turns: list[dict[str, Any]], tools: list[dict[str, Any]]) -> str:
     """The exact prompt text a turn's model sees (the chat template with the tools)."""
-    from shared_core.tool_calls import check_tools, render_prompt
+    from shared_core.decoding.tool_calls import check_tools, render_prompt
 
     lm = _loaded(model)
     return lm.tokenizer.decode(render_prompt(lm, turns, check_tools(tools)))
@@ -126,14 +126,14 @@ def render(model: str, turns: list[dict[str, Any]], tools: list[dict[str, Any]])
 def _loaded(model: str) -> Any:
     """The model object the chat adapters use for ``model`` (same cache, same backend)."""
     from shared_core.config import DEFAULT_BACKEND
-    from shared_core.serving import loaded_model
+    from shared_core.frontend.serving import loaded_model
 
     return loaded_model(model, None, None, DEFAULT_BACKEND)[0]
 
 
 def forget_prefixes(model: str) -> None:
     """Empty the llama.cpp prefix cache of ``model`` (a no-op on torch, which keeps none)."""
-    from shared_core.lm import clear_prefix_cache
+    from shared_core.runtime.lm import clear_prefix_cache
 
     clear_prefix_cache(_loaded(model))
 

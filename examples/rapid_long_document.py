@@ -20,7 +20,7 @@ from llama_index.core.llms import ChatMessage
 
 from langchain_specrag import ChatSpeculative
 from llamaindex_specrag import SpeculativeLLM
-from shared_core.models import load_lm
+from shared_core.runtime.models import load_lm
 
 TOWN = [
     "Velmora is a river town founded in 1791 by the clockmaker Ansel Dorrig.",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from shared_core._lazy import lazy_dir, lazy_getattr
+from shared_core.util._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:
     from llamaindex_specrag.embeddings import SpecragEmbedding

@@ -9,9 +9,9 @@ from llama_index.core.prompts.base import BasePromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from shared_core.config import check_text
-from shared_core.rag_adapters import PROMPT_SENTINELS, check_prompt_variables, rendered_prompt
-from shared_core.rag_config import PROMPT_ROLES, PromptMessages, check_prompt
-from shared_core.rag_settings import refuses_call_kwargs
+from shared_core.config.rag import PROMPT_ROLES, PromptMessages, check_prompt
+from shared_core.frontend.rag import PROMPT_SENTINELS, check_prompt_variables, rendered_prompt
+from shared_core.frontend.rag_settings import refuses_call_kwargs
 
 if TYPE_CHECKING:
     from shared_core.retrieval.base import Document

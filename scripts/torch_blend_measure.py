@@ -1,9 +1,9 @@
 """Blended prefill vs full prefill on real RAG prompts (torch, CPU): quality and time per share.
 
     flock /tmp/specrag-bench.lock python scripts/torch_blend_measure.py --per-dataset 8 \
-        --out results/passage_cache/torch_blend_smollm2.json
+        --out results/system/2026-11-27-passage-cache/torch_blend_smollm2.json
 
-For each question of NQ / SQuAD / PubHealth (``shared_core.bench.specrag_data``), BM25 retrieves
+For each question of NQ / SQuAD / PubHealth (``shared_core.bench.specrag.data``), BM25 retrieves
 ``--docs`` passages from the dataset's corpus and the standard RAG prompt is built as token pieces
 (the head up to ``Document [1]:``, each passage, the labels and the question between them); each
 passage's KV is read alone after that head, then :func:`measure_blend` compares blends with a full
@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from shared_core.bench.specrag_data import load_dataset
-from shared_core.device import cpu_facts
+from shared_core.bench.specrag.data import load_dataset
 from shared_core.engines.speculative_rag.prompts import RAG_INSTRUCTION
-from shared_core.lm import LM
-from shared_core.models import load_lm
-from shared_core.passage_cache.torch_blend import Case, measure_blend, summarize
 from shared_core.retrieval.bm25 import BM25Retriever
+from shared_core.runtime.lm import LM
+from shared_core.runtime.models import load_lm
+from shared_core.runtime.passage_cache.torch_blend import Case, measure_blend, summarize
+from shared_core.util.device import cpu_facts
 
 logger = logging.getLogger("torch_blend_measure")
 MARK = "\x00"

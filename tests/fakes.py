@@ -28,7 +28,7 @@ from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 from tiny import CORPUS
 
-from shared_core.bench.gpu_checks import HashEmbedder as BenchHashEmbedder
+from shared_core.bench.system.gpu_checks import HashEmbedder as BenchHashEmbedder
 from shared_core.retrieval import BM25Retriever, Document, Hit
 
 # ----------------------------------------------------------------------------- documents

@@ -16,8 +16,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from shared_core.bench.gpu_models import CHAT_TEMPLATE, CORPUS
-from shared_core.models import LM, wrap_lm
+from shared_core.bench.system.gpu_models import CHAT_TEMPLATE, CORPUS
+from shared_core.runtime.models import LM, wrap_lm
 
 # one corpus and template for the tests' and the GPU check's in-process tokenizer
 
@@ -37,7 +37,7 @@ def record_steps(monkeypatch: Any) -> list[list[int]]:
     """Patch the chat adapters' engine start so every generation records, in start order, the
     thread id of each engine step (committed block) it runs: structural evidence of where and
     how far a generation ran, where a stopwatch would depend on load."""
-    from shared_core import chat_adapters
+    from shared_core.frontend import chat as chat_adapters
 
     runs: list[list[int]] = []
     real = chat_adapters.start_engine
@@ -124,7 +124,7 @@ def require_llamacpp_smollm2() -> None:
 
     import pytest
 
-    from shared_core.backends.llamacpp import available
+    from shared_core.runtime.llamacpp.lm import available
 
     if not available():
         if os.environ.get("CI"):

@@ -9,7 +9,7 @@ any ``documents`` passed as a field or per call. Engines are resolved by name th
 the returned text (the stop string itself is not included).
 
 Sharing: ``invoke`` holds the model's lock for its whole generation; ``stream`` / ``astream``
-take it for one step at a time and never across a ``yield`` (see ``shared_core.serving``), so a
+take it for one step at a time and never across a ``yield`` (see ``shared_core.frontend.serving``), so a
 half-read stream never blocks another call, in this thread or another. ``ainvoke`` and
 ``astream`` run on worker threads that stop within one step when cancelled or abandoned.
 Tools: ``bind_tools`` (the model's chat template renders them, or the Hermes/Qwen format is
@@ -49,18 +49,18 @@ from langchain_core.tools import BaseTool
 from pydantic import ConfigDict, Field, PrivateAttr
 
 from langchain_specrag.chat_models.structured import structured_output
-from shared_core.chat_adapters import (
+from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
+from shared_core.decoding.output import ChatTurns, GenerationResult, chat_turns
+from shared_core.decoding.tool_calls import InvalidToolCall, ToolCall, check_tool_choice, check_tools
+from shared_core.frontend.chat import (
     ChatCall,
     ChatSettings,
     call_report,
     prepare_call,
     resolve_model,
 )
-from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
-from shared_core.output import ChatTurns, GenerationResult, chat_turns
-from shared_core.redact import redact, redacted_dump
-from shared_core.serving import FairLock, iterate_in_thread
-from shared_core.tool_calls import InvalidToolCall, ToolCall, check_tool_choice, check_tools
+from shared_core.frontend.serving import FairLock, iterate_in_thread
+from shared_core.util.redact import redact, redacted_dump
 
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
@@ -128,7 +128,7 @@ def _tool_fields(call: ChatCall, text: str) -> dict[str, Any]:
 class ChatSpeculative(ChatSettings, BaseChatModel):
     """Chat model running a speculative engine on a local model (default: ReSpec on SmolLM2).
 
-    Settings: :class:`~shared_core.chat_adapters.ChatSettings` (the same as ``SpeculativeLLM``'s)
+    Settings: :class:`~shared_core.frontend.chat.ChatSettings` (the same as ``SpeculativeLLM``'s)
     plus ``max_tokens`` (LangChain's name for the token limit; ``None`` = the default),
     ``streaming`` and a preloaded ``lm``. LangChain's standard ``timeout``, ``max_retries``,
     ``api_key`` and ``base_url`` are accepted and ignored (a local model makes no requests); any

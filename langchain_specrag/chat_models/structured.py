@@ -16,8 +16,8 @@ from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
 
-from shared_core.chat_adapters import check_response_format
-from shared_core.constrained import check_json_schema
+from shared_core.decoding.constrained import check_json_schema
+from shared_core.frontend.chat import check_response_format
 
 METHODS = ("json_schema", "json_mode", "function_calling")
 

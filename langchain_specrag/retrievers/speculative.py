@@ -18,8 +18,8 @@ from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
 from shared_core.config import check_int, check_settings_keys
-from shared_core.rag_adapters import RetrieverSession, check_retriever, hit_metadata, hit_score
-from shared_core.rag_config import SpeculativeRetrievalConfig
+from shared_core.config.rag import SpeculativeRetrievalConfig
+from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_metadata, hit_score
 
 
 def _to_lc(hit: Any) -> LCDocument:

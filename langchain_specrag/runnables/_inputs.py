@@ -10,13 +10,13 @@ from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompt_values import PromptValue, StringPromptValue
 from langchain_core.prompts import BasePromptTemplate
 
-from shared_core.rag_adapters import (
+from shared_core.config.rag import PromptMessages, check_prompt
+from shared_core.frontend.rag import (
     PROMPT_SENTINELS,
     check_prompt_variables,
     question_input,
     rendered_prompt,
 )
-from shared_core.rag_config import PromptMessages, check_prompt
 
 _ROLES = {"human": "user", "system": "system", "ai": "assistant"}
 

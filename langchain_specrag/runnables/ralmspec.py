@@ -23,9 +23,9 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from typing_extensions import TypedDict
 
 from langchain_specrag.runnables._inputs import LangChainPrompt, as_question_input
-from shared_core.rag_adapters import ralmspec_details, ralmspec_documents
-from shared_core.rag_settings import RaLMSpecSettings, refuses_call_kwargs
-from shared_core.serving import iterate_in_thread
+from shared_core.frontend.rag import ralmspec_details, ralmspec_documents
+from shared_core.frontend.rag_settings import RaLMSpecSettings, refuses_call_kwargs
+from shared_core.frontend.serving import iterate_in_thread
 
 
 class RaLMSpecInput(TypedDict):
@@ -39,7 +39,7 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
                        RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]):
     """RaLMSpec (speculative retrieval + batched verification) as a Runnable.
 
-    The settings are :class:`~shared_core.rag_settings.RaLMSpecSettings` (the same as the
+    The settings are :class:`~shared_core.frontend.rag_settings.RaLMSpecSettings` (the same as the
     LlamaIndex ``RaLMSpecQueryEngine``'s; ``retriever`` is any LangChain or specrag retriever),
     plus ``with_details``: return a dict (answer, documents, doc_ids, token_ids, stats).
     """

@@ -29,11 +29,11 @@ from langchain_core.runnables.utils import AddableDict
 from typing_extensions import TypedDict
 
 from langchain_specrag.runnables._inputs import LangChainPrompt, as_question_input
-from shared_core.rag_adapters import specrag_details
-from shared_core.rag_settings import SpeculativeRAGSettings, refuses_call_kwargs
-from shared_core.rag_streams import StageEvent, StreamItem, speculative_rag_stream
+from shared_core.frontend.rag import specrag_details
+from shared_core.frontend.rag_settings import SpeculativeRAGSettings, refuses_call_kwargs
+from shared_core.frontend.rag_streams import StageEvent, StreamItem, speculative_rag_stream
+from shared_core.frontend.serving import iterate_in_thread
 from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
-from shared_core.serving import iterate_in_thread
 
 if TYPE_CHECKING:
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
@@ -57,7 +57,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
                              RunnableSerializable[str | SpeculativeRAGInput, SpeculativeRAGOutput]):
     """Speculative RAG (drafter writes m drafts from diverse document subsets; verifier picks one).
 
-    The settings are :class:`~shared_core.rag_settings.SpeculativeRAGSettings` (the same as the
+    The settings are :class:`~shared_core.frontend.rag_settings.SpeculativeRAGSettings` (the same as the
     LlamaIndex ``SpeculativeRAGQueryEngine``'s, checked when the runnable is built; a changed
     setting takes effect at the next call). A LangChain ``retriever`` is called with child
     callbacks, so its run nests; a LlamaIndex or specrag retriever is queried directly. The

@@ -11,7 +11,7 @@ are cut from the returned text. Engine stats are in ``raw`` / ``additional_kwarg
 
 Sharing: ``complete`` / ``chat`` hold the model's lock for the whole generation; the streaming
 methods take it for one step at a time and never across a ``yield`` (see
-``shared_core.serving``), so a half-read stream never blocks another call. Inputs are validated
+``shared_core.frontend.serving``), so a half-read stream never blocks another call. Inputs are validated
 before the model is loaded: text blocks only (``ImageBlock`` and other media raise
 ``NotImplementedError``), ``content=None`` refused, ``max_new_tokens`` (per call also
 ``max_tokens``) an int >= 1. Each public method checks its call before LlamaIndex's callback
@@ -46,7 +46,9 @@ from llamaindex_specrag.llms.tools import (
     tool_message,
     tool_selections,
 )
-from shared_core.chat_adapters import (
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, check_int
+from shared_core.decoding.tool_calls import ToolCall, template_takes_tools
+from shared_core.frontend.chat import (
     CallRequest,
     ChatCall,
     ChatSettings,
@@ -55,10 +57,8 @@ from shared_core.chat_adapters import (
     resolve_model,
     start_call,
 )
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS, check_int
-from shared_core.redact import redact
-from shared_core.serving import FairLock, iterate_in_thread
-from shared_core.tool_calls import ToolCall, template_takes_tools
+from shared_core.frontend.serving import FairLock, iterate_in_thread
+from shared_core.util.redact import redact
 
 
 async def _last(items: AsyncIterator[Any]) -> Any:
@@ -91,7 +91,7 @@ def _atraced(callback: Callable[[], Callable[..., Any]], llm: Any, first: Any,
 class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     """LlamaIndex LLM running a speculative engine on a local model (default: ReSpec, SmolLM2).
 
-    Settings: :class:`~shared_core.chat_adapters.ChatSettings` (the same as
+    Settings: :class:`~shared_core.frontend.chat.ChatSettings` (the same as
     ``ChatSpeculative``'s) plus ``max_new_tokens`` (the token limit; per call ``max_tokens`` is
     accepted too), ``context_window`` and a preloaded ``lm`` (first positional argument).
 

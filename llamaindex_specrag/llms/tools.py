@@ -16,9 +16,9 @@ from llama_index.core.base.llms.types import (
 )
 from llama_index.core.llms.llm import ToolSelection
 
-from shared_core.chat_adapters import ChatCall
-from shared_core.output import ChatTurns, chat_turns
-from shared_core.tool_calls import InvalidToolCall, ToolCall, check_tools
+from shared_core.decoding.output import ChatTurns, chat_turns
+from shared_core.decoding.tool_calls import InvalidToolCall, ToolCall, check_tools
+from shared_core.frontend.chat import ChatCall
 
 # LlamaIndex roles the chat templates know under another name
 _ROLES = {"developer": "system", "function": "tool", "chatbot": "assistant", "model": "assistant"}

@@ -27,13 +27,13 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore
 
 from llamaindex_specrag._query import CheckedQuery, query_text, source_nodes
-from shared_core.rag_adapters import ralmspec_details, ralmspec_documents
-from shared_core.rag_settings import RaLMSpecSettings
-from shared_core.serving import iterate_in_thread
+from shared_core.frontend.rag import ralmspec_details, ralmspec_documents
+from shared_core.frontend.rag_settings import RaLMSpecSettings
+from shared_core.frontend.serving import iterate_in_thread
 
 if TYPE_CHECKING:
+    from shared_core.decoding.output import GenerationResult
     from shared_core.engines.baseline import TokenStream
-    from shared_core.output import GenerationResult
 
 
 def _nodes(result: GenerationResult) -> list[NodeWithScore]:
@@ -51,7 +51,7 @@ def _deltas(stream: TokenStream, response: Any) -> Iterator[str]:
 class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
     """RaLMSpec as a query engine.
 
-    The settings are :class:`~shared_core.rag_settings.RaLMSpecSettings` (the same as the
+    The settings are :class:`~shared_core.frontend.rag_settings.RaLMSpecSettings` (the same as the
     LangChain ``RaLMSpecRunnable``'s; ``retriever`` is any LlamaIndex or specrag retriever),
     plus ``streaming``: return a (async) streaming response of verified deltas.
     """

@@ -37,12 +37,12 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from pydantic import Field
 
 from llamaindex_specrag._query import CheckedQuery, source_nodes
-from shared_core.rag_adapters import specrag_details
-from shared_core.rag_settings import SpeculativeRAGSettings
-from shared_core.rag_streams import AnswerChunk, StageEvent, speculative_rag_stream
+from shared_core.frontend.rag import specrag_details
+from shared_core.frontend.rag_settings import SpeculativeRAGSettings
+from shared_core.frontend.rag_streams import AnswerChunk, StageEvent, speculative_rag_stream
+from shared_core.frontend.serving import iterate_in_thread
 from shared_core.retrieval.frameworks import llamaindex_retrieve
 from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
-from shared_core.serving import iterate_in_thread
 
 if TYPE_CHECKING:
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
@@ -71,7 +71,7 @@ def stage_event(name: str, data: dict[str, Any]) -> None:
 class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryEngine):
     """Speculative RAG over a retriever (the first positional argument).
 
-    The settings are :class:`~shared_core.rag_settings.SpeculativeRAGSettings` (the same as the
+    The settings are :class:`~shared_core.frontend.rag_settings.SpeculativeRAGSettings` (the same as the
     LangChain ``SpeculativeRAGRunnable``'s, checked when the engine is built; a changed setting
     takes effect at the next query). A LlamaIndex retriever's default 2 nodes (or any number
     from 1) work: with fewer than ``num_drafts * docs_per_draft`` the engine forms fewer /

@@ -17,8 +17,8 @@ from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from llamaindex_specrag._query import query_text
 from shared_core.config import check_int, suggest_kwargs
-from shared_core.rag_adapters import RetrieverSession, check_retriever, hit_metadata, hit_score
-from shared_core.rag_config import SpeculativeRetrievalConfig
+from shared_core.config.rag import SpeculativeRetrievalConfig
+from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_metadata, hit_score
 
 
 def _to_node(hit: Any) -> NodeWithScore:

@@ -13,27 +13,28 @@ from shared_core.bench.common import plot_report, write_report
 
 # name -> (module, add_arguments function, run function)
 BENCHMARKS: dict[str, tuple[str, str, str]] = {
-    "core": ("shared_core.bench.core", "add_arguments", "run"),
-    "kv": ("shared_core.bench.core", "add_kv_arguments", "run_kv"),
+    "core": ("shared_core.bench.system.core", "add_arguments", "run"),
+    "kv": ("shared_core.bench.system.core", "add_kv_arguments", "run_kv"),
     "retrieval": ("shared_core.bench.retrieval", "add_arguments", "run"),
     "specrag": ("shared_core.bench.specrag", "add_arguments", "run"),
-    "specrag-pool": ("shared_core.bench.specrag_selection", "add_pool_arguments", "run_pool"),
+    "specrag-pool": ("shared_core.bench.specrag.selection", "add_pool_arguments", "run_pool"),
     "rapid": ("shared_core.bench.rapid", "add_arguments", "run"),
     "ralmspec": ("shared_core.bench.ralmspec", "add_arguments", "run"),
     "respec": ("shared_core.bench.respec", "add_arguments", "run"),
-    "forward-cost": ("shared_core.bench.forward_cost", "add_arguments", "run"),
-    "exact": ("shared_core.bench.exact", "add_arguments", "run"),
-    "rss": ("shared_core.bench.rss", "add_arguments", "run"),
-    "tools": ("shared_core.bench.tools", "add_arguments", "run"),
+    "forward-cost": ("shared_core.bench.system.forward_cost", "add_arguments", "run"),
+    "exact": ("shared_core.bench.system.exact", "add_arguments", "run"),
+    "rss": ("shared_core.bench.system.rss", "add_arguments", "run"),
+    "tools": ("shared_core.bench.chat.tools", "add_arguments", "run"),
     "chat": ("shared_core.bench.chat", "add_arguments", "run"),
-    "passage-cache": ("shared_core.bench.passage_cache", "add_arguments", "run"),
-    "probe-dtype": ("shared_core.bench.probes", "add_dtype_arguments", "run_dtype"),
-    "probe-contention": ("shared_core.bench.probes", "add_contention_arguments", "run_contention"),
-    "probe-verify": ("shared_core.bench.probes", "add_verify_arguments", "run_verify"),
-    "gpu": ("shared_core.bench.gpu", "add_arguments", "run"),
+    "passage-cache": ("shared_core.bench.system.passage_cache", "add_arguments", "run"),
+    "probe-dtype": ("shared_core.bench.system.probes", "add_dtype_arguments", "run_dtype"),
+    "probe-contention": ("shared_core.bench.system.probes", "add_contention_arguments", "run_contention"),
+    "probe-verify": ("shared_core.bench.system.probes", "add_verify_arguments", "run_verify"),
+    "gpu": ("shared_core.bench.system.gpu", "add_arguments", "run"),
+    "results-index": ("shared_core.bench.results_index", "add_arguments", "run"),
 }
 # benchmarks that write their own report files (--out is a folder)
-WRITE_OWN_REPORT = frozenset({"gpu"})
+WRITE_OWN_REPORT = frozenset({"gpu", "results-index"})
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -160,7 +160,7 @@ def timed_loop(items: Iterable[Any], fn: Callable[[Any], Any], device: Any,
     """Run ``fn`` over ``items`` with a progress bar; return outputs and synchronised wall time."""
     from tqdm.auto import tqdm
 
-    from shared_core.device import synchronize
+    from shared_core.util.device import synchronize
 
     items = list(items)
     outputs: list[Any] = []

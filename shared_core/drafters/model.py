@@ -8,11 +8,11 @@ from dataclasses import replace
 import torch
 
 from shared_core.config import CacheKind, SamplingConfig
+from shared_core.decoding.verify import make_generator, sample, warp_probs
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, DrafterBase, check_same_vocabulary
-from shared_core.kv import KVSession as TorchSession
 from shared_core.runtime.host_sync import DeviceTokens
 from shared_core.runtime.protocol import SessionLM, open_session
-from shared_core.verify import make_generator, sample, warp_probs
+from shared_core.runtime.torch.session import KVSession as TorchSession
 
 
 class ModelDrafter(DrafterBase):

@@ -23,11 +23,11 @@ from collections.abc import Sequence
 import torch
 
 from shared_core.config import SamplingConfig
+from shared_core.decoding.verify import make_generator
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.model import ModelDrafter
-from shared_core.kv import CacheKind
 from shared_core.runtime.protocol import KVSession, SessionLM
-from shared_core.verify import make_generator
+from shared_core.runtime.torch.session import CacheKind
 
 
 class RetrievedContextDrafter(ModelDrafter):

@@ -16,6 +16,18 @@ from typing import Any
 import torch
 
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, CacheKind, GenerationConfig, SamplingConfig
+from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.decoding.output import (
+    GenerationResult,
+    check_int,
+    generation_config,
+)
+from shared_core.decoding.verify import (
+    Verdict,
+    verify_greedy,
+    verify_sampled,
+    warp_probs,
+)
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.engines.loop import (
@@ -25,21 +37,9 @@ from shared_core.engines.loop import (
     TokenStream,
     autoregressive_blocks,
 )
-from shared_core.models import LM
-from shared_core.output import (
-    GenerationResult,
-    check_int,
-    generation_config,
-)
 from shared_core.runtime.host_sync import DeviceTokens
+from shared_core.runtime.models import LM
 from shared_core.runtime.protocol import SessionLM
-from shared_core.stats import DecodeStats
-from shared_core.verify import (
-    Verdict,
-    verify_greedy,
-    verify_sampled,
-    warp_probs,
-)
 
 DEFAULT_DRAFT_TOKENS = 8
 

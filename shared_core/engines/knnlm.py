@@ -32,13 +32,13 @@ import numpy as np
 import torch
 
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
+from shared_core.decoding.decode_stats import RUN_SPECIFIC, DecodeStats
+from shared_core.decoding.output import GenerationResult
 from shared_core.engines.loop import Prompt, Run, TokenStream, timed
 from shared_core.engines.os3 import OS3Scheduler
-from shared_core.output import GenerationResult
 from shared_core.retrieval.dense import blocked_top, paired_scores
 from shared_core.runtime.protocol import SessionLM
-from shared_core.runtime.torch_batch import final_norm
-from shared_core.stats import RUN_SPECIFIC, DecodeStats
+from shared_core.runtime.torch.batch import final_norm
 
 logger = logging.getLogger(__name__)
 

@@ -35,10 +35,8 @@ from typing import Any, Protocol, TypeVar, runtime_checkable
 import torch
 
 from shared_core.config import CacheKind, GenerationConfig, check_unicode
-from shared_core.device import synchronize
-from shared_core.engines.timing import timed
-from shared_core.lm import runtime_threads
-from shared_core.output import (
+from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.decoding.output import (
     ChatTurns,
     GenerationResult,
     OutputTracker,
@@ -46,9 +44,11 @@ from shared_core.output import (
     validate_messages,
     validate_prompt_ids,
 )
+from shared_core.decoding.verify import choose_token, make_generator
+from shared_core.engines.timing import timed
+from shared_core.runtime.lm import runtime_threads
 from shared_core.runtime.protocol import SessionLM, open_session
-from shared_core.stats import DecodeStats
-from shared_core.verify import choose_token, make_generator
+from shared_core.util.device import synchronize
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
 
@@ -86,7 +86,7 @@ def check_logits_mask(mask: Any) -> LogitsMask | None:
 def encode_prompt(lm: SessionLM, prompt: Prompt) -> list[int]:
     """Token ids of a prompt string, a list of chat messages, or ids passed through.
 
-    :class:`~shared_core.output.ChatTurns` were checked at the adapter's edge and are not checked
+    :class:`~shared_core.decoding.output.ChatTurns` were checked at the adapter's edge and are not checked
     again. Ids are checked against the vocabulary (and the window) by :func:`validate_prompt_ids`.
     """
     if isinstance(prompt, ChatTurns):
@@ -115,7 +115,7 @@ class TokenStream(Iterator[str]):
     never resumes: iterating it again raises ``RuntimeError`` / ``StopIteration`` instead of
     returning a truncated result. Each step runs to completion before the next ``next()``; the
     stream holds no lock between steps (callers sharing a model lock per step, see
-    ``shared_core.serving``).
+    ``shared_core.frontend.serving``).
     """
 
     def __init__(self, blocks: Iterator[list[int]], tracker: OutputTracker, stats: DecodeStats,
@@ -206,7 +206,7 @@ class Run:
             synchronize(self.lm.device)
         self.stats.cached_prompt_tokens = self.session.reused_tokens
         report = self.session.passage_report
-        if report is not None:  # reused / recomputed / read prompt ids (shared_core.passage_cache)
+        if report is not None:  # reused / recomputed / read prompt ids (shared_core.runtime.passage_cache)
             self.stats.extra["passage_cache"] = report.as_dict()
         return self.prompt_ids[-1]
 

@@ -6,7 +6,7 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
-from shared_core.rag_config import RaLMSpecConfig
+from shared_core.config.rag import RaLMSpecConfig
 
 
 @dataclass

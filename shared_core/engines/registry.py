@@ -25,7 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared_core.config import GenerationConfig, SamplingConfig, check_kwargs
-from shared_core.token_config import RAPID_OPTIONS, RESPEC_OPTIONS, RapidConfig, ReSpecConfig
+from shared_core.config.tokens import RAPID_OPTIONS, RESPEC_OPTIONS, RapidConfig, ReSpecConfig
 
 if TYPE_CHECKING:
     from shared_core.engines.loop import Prompt, TokenStream
@@ -92,7 +92,7 @@ def start_engine(name: str, lm: SessionLM, prompt: Prompt, generation: Generatio
                  engine_state: dict[str, Any] | None = None, **options: Any) -> TokenStream:
     """Start a generation with the named engine, its arguments checked by the caller (an
     adapter's edge: ``name``, ``generation``, ``options``, a message list as
-    :class:`~shared_core.output.ChatTurns`)."""
+    :class:`~shared_core.decoding.output.ChatTurns`)."""
     module, attr = TOKEN_ENGINES[name].split(":")
     return getattr(importlib.import_module(module), attr)(
         lm, prompt, generation, documents=documents, engine_state=engine_state, **options)
@@ -111,7 +111,7 @@ def stream_engine(name: str, lm: SessionLM, prompt: Prompt, *, max_new_tokens: i
                   ) -> TokenStream:
     """Start a generation with the named engine from loose arguments, checked here (an option's
     value by the engine's config, before any model work); iterate the stream for text deltas."""
-    from shared_core.output import generation_config  # imports torch: not before a generation
+    from shared_core.decoding.output import generation_config  # imports torch: not before a generation
 
     _, fields = _option_fields(check_engine_name(name))
     # the generation arguments are valid names too: the closest to a misspelt one

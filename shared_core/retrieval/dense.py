@@ -178,7 +178,7 @@ class DenseRetriever(DensePersistence):
     def embedder(self) -> Any:
         """The embedder, loaded on first use when it was given by name."""
         if self._embedder is None:
-            from shared_core.model_cache import cached_embedder
+            from shared_core.runtime.model_cache import cached_embedder
 
             self._embedder = cached_embedder(self._embedder_name or DEFAULT_EMBEDDER)
         return self._embedder

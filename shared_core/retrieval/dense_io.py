@@ -3,7 +3,7 @@
 
 A pickled retriever carries its settings, documents and faiss index (faiss serialises it), and
 its embedder as a *name*: the unpickled copy loads it on first use through the process-wide
-cache (:func:`shared_core.model_cache.cached_embedder`), so a copy costs the index, not the
+cache (:func:`shared_core.runtime.model_cache.cached_embedder`), so a copy costs the index, not the
 ≈91 MB MiniLM. An embedder object with no name to reload (a custom ``encode`` object, a model
 loaded by hand) is pickled as the object itself.
 """
@@ -26,7 +26,7 @@ _SLOTS_FILE = "slots.npy"
 
 
 def embedder_name(embedder: Any) -> str | None:
-    """The name an embedder was loaded by (:func:`shared_core.models.load_embedder` records
+    """The name an embedder was loaded by (:func:`shared_core.runtime.models.load_embedder` records
     it on the model), else None."""
     name = getattr(embedder, "specrag_source", None)
     return name if isinstance(name, str) else None

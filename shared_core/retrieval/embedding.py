@@ -32,9 +32,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER, check_bool
-from shared_core.embedded import EMBEDDED_EMBEDDERS
-from shared_core.redact import redact
 from shared_core.retrieval._common import check_int
+from shared_core.runtime.weights.embedded import EMBEDDED_EMBEDDERS
+from shared_core.util.redact import redact
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -128,14 +128,14 @@ class EmbeddingConfig:
 
 
 def cached_embedder(model: str, device: str | None = None) -> SentenceTransformer:
-    """The process-wide :func:`~shared_core.models.load_embedder` result for these arguments.
+    """The process-wide :func:`~shared_core.runtime.models.load_embedder` result for these arguments.
 
     Loaded under a lock, so concurrent first calls load once; a failed load caches nothing.
     """
     key = (model, device)
     with _LOCK:
         if key not in _LOADED:
-            from shared_core.models import load_embedder
+            from shared_core.runtime.models import load_embedder
 
             _LOADED[key] = load_embedder(model, device=device)
         return _LOADED[key]

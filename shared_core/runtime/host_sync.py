@@ -6,7 +6,7 @@ does ``torch.tensor(ids, device="cuda")`` (a pageable copy, then a stream synchr
 torch round loop therefore keeps drafted tokens on the device (:class:`DeviceTokens`: the length
 is known, the values are not), uploads host ids with :func:`upload` (never waits), and reads
 everything the host needs (drafted tokens, the target's argmaxes, row entropies) in one copy,
-:func:`read_back`. ``shared_core.bench.gpu_syncs`` counts what is left, per round, on a CPU too.
+:func:`read_back`. ``shared_core.bench.system.gpu_syncs`` counts what is left, per round, on a CPU too.
 """
 
 from __future__ import annotations

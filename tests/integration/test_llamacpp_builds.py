@@ -19,9 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from shared_core.backends import llamacpp_builds, llamacpp_probe
-from shared_core.backends.llamacpp_builds import LIB_ENV, amx_lib_dir, choose_build, cpu_has_amx
-from shared_core.embedded import embedded_gguf
+from shared_core.runtime.llamacpp import builds as llamacpp_builds
+from shared_core.runtime.llamacpp import probe as llamacpp_probe
+from shared_core.runtime.llamacpp.builds import LIB_ENV, amx_lib_dir, choose_build, cpu_has_amx
+from shared_core.runtime.weights.embedded import embedded_gguf
 from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
@@ -51,7 +52,7 @@ def _installed_lib() -> Path:
 
 def test_an_amx_build_that_fails_its_probe_falls_back_with_one_log_line(fake_amx, caplog):
     (fake_amx / "libllama.so").write_bytes(b"not a shared library")
-    with caplog.at_level(logging.INFO, logger="shared_core.backends"):
+    with caplog.at_level(logging.INFO, logger="shared_core.runtime.llamacpp"):
         choice = choose_build(2)
     assert choice.label == "portable" and choice.lib_dir is None
     assert LIB_ENV not in os.environ
@@ -85,8 +86,8 @@ def test_an_amx_build_that_passes_its_probe_is_the_one_loaded(fake_amx):
 
 
 def test_an_attached_thread_pool_decodes_like_llama_cpps_own():
-    from shared_core.backends.llamacpp import llama_cpp_module
-    from shared_core.bench.llamacpp_speed import DEFAULT_POLL, Setting, SpeedContext, load_model
+    from shared_core.bench.system.llamacpp_speed import DEFAULT_POLL, Setting, SpeedContext, load_model
+    from shared_core.runtime.llamacpp.lm import llama_cpp_module
 
     llama = llama_cpp_module()
     model = load_model(embedded_gguf(MODEL))
@@ -109,7 +110,7 @@ def test_an_attached_thread_pool_decodes_like_llama_cpps_own():
 GREEDY = """
 import json, sys
 from shared_core.engines.baseline import autoregressive_generate
-from shared_core.models import load_lm
+from shared_core.runtime.models import load_lm
 out = {}
 for exact in (False, True):
     lm = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=512, exact=exact)
@@ -139,8 +140,8 @@ def test_the_amx_build_decodes_what_the_portable_build_decodes():
 
 
 def test_a_loaded_model_says_how_its_threads_were_chosen():
-    from shared_core.models import load_lm
-    from shared_core.stats import DecodeStats
+    from shared_core.decoding.decode_stats import DecodeStats
+    from shared_core.runtime.models import load_lm
 
     lm = load_lm(MODEL, backend="llama.cpp", n_ctx=256)
     assert lm.model.threads >= 1 and lm.model.thread_policy

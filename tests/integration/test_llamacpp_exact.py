@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
-from shared_core.models import load_lm
+from shared_core.runtime.models import load_lm
 from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration

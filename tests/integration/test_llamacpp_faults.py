@@ -15,10 +15,10 @@ import sys
 
 import pytest
 
-from shared_core.backends import llamacpp_probe
 from shared_core.engines.baseline import autoregressive_generate
-from shared_core.model_sources import resolve_lm_source
-from shared_core.models import choose_backend, load_lm
+from shared_core.runtime.llamacpp import probe as llamacpp_probe
+from shared_core.runtime.models import choose_backend, load_lm
+from shared_core.runtime.weights.sources import resolve_lm_source
 from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
@@ -67,7 +67,7 @@ def test_a_crashing_probe_falls_back_to_torch_with_one_log_line(verdicts, monkey
     assert lm.backend == "torch"
     assert "crashed with SIGSEGV" in lm.backend_reason, lm.backend_reason
     warnings = [r for r in caplog.records if r.levelno >= logging.WARNING  # a first torch load
-                and not r.name.startswith("shared_core.model_sources")]  # logs its cache build
+                and not r.name.startswith("shared_core.runtime.weights.sources")]  # logs its cache build
     assert len(warnings) == 1 and "falls back to torch" in warnings[0].getMessage()
     assert "crashed with SIGSEGV" in warnings[0].getMessage()
     # kept: the next auto load does not probe again (a probe that would pass is not started)

@@ -6,10 +6,10 @@ import ctypes
 
 import pytest
 
-from shared_core.backends import llamacpp_formats
-from shared_core.backends.llamacpp import llama_cpp_module
-from shared_core.backends.llamacpp_formats import repacked_gguf
-from shared_core.embedded import embedded_gguf
+from shared_core.runtime.llamacpp import formats as llamacpp_formats
+from shared_core.runtime.llamacpp.formats import repacked_gguf
+from shared_core.runtime.llamacpp.lm import llama_cpp_module
+from shared_core.runtime.weights.embedded import embedded_gguf
 from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
@@ -82,7 +82,7 @@ def test_an_8_bit_file_is_never_repacked(tmp_path, monkeypatch):
 
 
 def test_load_lm_auto_runs_the_picked_file_and_says_so(tmp_path, monkeypatch):
-    from shared_core.models import load_lm
+    from shared_core.runtime.models import load_lm
 
     monkeypatch.setattr(llamacpp_formats, "cache_dir", lambda: tmp_path)
     monkeypatch.setattr(llamacpp_formats, "measure_formats", _fake(2.0, 2.0))

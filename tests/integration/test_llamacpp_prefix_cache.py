@@ -13,10 +13,10 @@ import gc
 
 import pytest
 
-from shared_core.backends import llamacpp_session
-from shared_core.backends.llamacpp_session import EXACT_CHUNK
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
-from shared_core.models import load_lm
+from shared_core.runtime.llamacpp import session as llamacpp_session
+from shared_core.runtime.llamacpp.session import EXACT_CHUNK
+from shared_core.runtime.models import load_lm
 from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
@@ -221,7 +221,7 @@ def test_parallel_rows_read_their_shared_prefix_from_the_cache_and_equal_cold(ex
     """Speculative RAG's draft rows (``generate_parallel``) and scoring rows (``span_logprobs``)
     keep their common prefix in sequence 0 of the context they hand back; the next call decodes
     none of it and gives the cold call's tokens and log-probabilities exactly."""
-    from shared_core.backends import llamacpp_batch
+    from shared_core.runtime.llamacpp import batch as llamacpp_batch
 
     prompts = [exact_lm.prompt_ids([{"role": "system", "content": SYSTEM},
                                     {"role": "user", "content": f"Question {i}: {q}"}])

@@ -20,12 +20,12 @@ import pytest
 from fakes import PASSAGES
 
 from shared_core.config import PassageCacheConfig
-from shared_core.embedded import cache_dir
-from shared_core.models import load_lm
-from shared_core.passage_cache import attach, passage_stats, register_passages, warm_passages
-from shared_core.passage_cache import llamacpp as passage_llamacpp
-from shared_core.passage_cache.llamacpp import BLOCK, PLACE_SEQ
-from shared_core.passage_cache.store import SUFFIX, _checked_payload
+from shared_core.runtime.models import load_lm
+from shared_core.runtime.passage_cache import attach, passage_stats, register_passages, warm_passages
+from shared_core.runtime.passage_cache import llamacpp as passage_llamacpp
+from shared_core.runtime.passage_cache.llamacpp import BLOCK, PLACE_SEQ
+from shared_core.runtime.passage_cache.store import SUFFIX, _checked_payload
+from shared_core.runtime.weights.embedded import cache_dir
 from tests.tiny import require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
@@ -102,8 +102,8 @@ def test_exact_warm_equals_cold_and_reuses_blocks(exact_model, tmp_path):
 
 _CHILD = """
 import json, sys
-from shared_core.models import load_lm
-from shared_core.passage_cache import passage_stats
+from shared_core.runtime.models import load_lm
+from shared_core.runtime.passage_cache import passage_stats
 sys.path.insert(0, {tests!r})
 from integration.test_passage_cache_llamacpp import greedy, prompt_ids
 lm = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=1024, prefix_cache=False,
@@ -280,7 +280,7 @@ def test_the_chat_adapters_turn_it_on_by_one_setting_and_report_it():
 
     from langchain_specrag.chat_models.speculative import ChatSpeculative
     from llamaindex_specrag.llms.speculative import SpeculativeLLM
-    from shared_core.serving import release
+    from shared_core.frontend.serving import release
 
     settings = {"model": "smollm2-135m-instruct", "backend": "llama.cpp", "engine": "autoregressive",
                 "passage_cache": "blend", "passage_cache_disk_mb": 0, "prefix_cache": False}
@@ -345,7 +345,7 @@ def test_the_benchmark_reports_every_method_and_resumes_without_redoing_a_questi
     its paired test, the rows kept, and a second run finds them and runs no question again."""
     import argparse
 
-    from shared_core.bench import passage_cache as bench
+    from shared_core.bench.system import passage_cache as bench
 
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)

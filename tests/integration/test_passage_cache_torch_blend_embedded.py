@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shared_core.kv import KVSession
-from shared_core.passage_cache.torch_blend import (
+from shared_core.runtime.passage_cache.torch_blend import (
     Case,
     blend_prefill,
     blend_session,
@@ -14,6 +13,7 @@ from shared_core.passage_cache.torch_blend import (
     rotary_embedding,
     shift_keys,
 )
+from shared_core.runtime.torch.session import KVSession
 
 pytestmark = pytest.mark.integration
 

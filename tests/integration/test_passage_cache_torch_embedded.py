@@ -9,9 +9,9 @@ import torch
 from fakes import PASSAGES
 
 from shared_core.config import PassageCacheConfig
-from shared_core.lm import clear_prefix_cache
-from shared_core.passage_cache import attach, register_passages
-from shared_core.passage_cache.torch_cache import BLOCK
+from shared_core.runtime.lm import clear_prefix_cache
+from shared_core.runtime.passage_cache import attach, register_passages
+from shared_core.runtime.passage_cache.torch_cache import BLOCK
 
 pytestmark = pytest.mark.integration
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from shared_core.embedded import EMBEDDED_LMS, is_installed
+from shared_core.runtime.weights.embedded import EMBEDDED_LMS, is_installed
 
 pytestmark = pytest.mark.integration
 

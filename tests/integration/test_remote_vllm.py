@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.served]
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "smollm2-135m-instruct"
 SAM_CONFIG = json.dumps({"method": "custom_class", "num_speculative_tokens": 8,
-                         "model": "shared_core.integrations.vllm.SuffixAutomatonProposer"})
+                         "model": "shared_core.tools.integrations.vllm.SuffixAutomatonProposer"})
 
 
 def _free_port() -> int:
@@ -69,14 +69,14 @@ def vllm_sam_url():
 
 @pytest.fixture(scope="session")
 def smol():
-    from shared_core.model_cache import cached_lm
+    from shared_core.runtime.model_cache import cached_lm
 
     return cached_lm(MODEL)
 
 
 @pytest.fixture(scope="session")
 def remote(vllm_url, smol):
-    from shared_core.remote import RemoteLM
+    from shared_core.runtime.remote import RemoteLM
 
     lm = RemoteLM(vllm_url, tokenizer=smol)
     yield lm
@@ -160,7 +160,7 @@ def test_speculative_rag_takes_a_server_url(vllm_url):
 
 
 def test_custom_proposer_greedy_output_equals_plain_decoding(vllm_url, vllm_sam_url, smol):
-    from shared_core.remote import RemoteLM
+    from shared_core.runtime.remote import RemoteLM
 
     plain, sam = RemoteLM(vllm_url, tokenizer=smol), RemoteLM(vllm_sam_url, tokenizer=smol)
     prompts = [smol.prompt_ids([{"role": "user", "content": p}])
@@ -172,7 +172,7 @@ def test_custom_proposer_greedy_output_equals_plain_decoding(vllm_url, vllm_sam_
 
 
 def _accepted(lm) -> float:
-    from shared_core.remote.protocol import parse_metrics
+    from shared_core.runtime.remote.protocol import parse_metrics
 
     text = lm.http.request("GET", "/metrics")
     return parse_metrics(text, ["vllm:spec_decode_num_accepted_tokens_total"]).get(

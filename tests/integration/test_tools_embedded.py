@@ -11,7 +11,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel
 
-from shared_core.chat_adapters import ChatSettings, prepare_call
+from shared_core.frontend.chat import ChatSettings, prepare_call
 
 pytestmark = [pytest.mark.integration]
 xgrammar = pytest.importorskip("xgrammar")
@@ -109,7 +109,7 @@ def test_auto_call_is_valid_because_of_the_grammar(smollm, monkeypatch):
     assert not invalid and [c.name for c in calls] == ["get_weather"]
     WeatherArgs.model_validate(calls[0].arguments)
     assert calls[0].arguments == {"city": "Lisbon"}
-    monkeypatch.setattr("shared_core.chat_adapters.xgrammar_available", lambda: False)
+    monkeypatch.setattr("shared_core.frontend.chat.xgrammar_available", lambda: False)
     free, result = _run(smollm, turns, options)
     assert free.constraint is None
     _, calls, invalid = free.parse(result.text)

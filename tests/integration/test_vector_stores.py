@@ -62,7 +62,7 @@ def nq(shared_data) -> tuple[list[Document], list[str]]:
 @pytest.fixture(scope="module")
 def exact(nq) -> tuple[DenseRetriever, np.ndarray]:
     """FAISS exact search over the corpus vectors (the reference) and those vectors."""
-    from shared_core.models import load_embedder
+    from shared_core.runtime.models import load_embedder
 
     dense = DenseRetriever(load_embedder("all-minilm-l6-v2"), index="exact", query_batch_size=1)
     vectors = dense.embed_documents([d.text for d in nq[0]])

@@ -29,7 +29,7 @@ from shared_core.engines.baseline import (
 from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.registry import stream_engine
 from shared_core.engines.respec import ReSpecConfig, ReSpecDecoder
-from shared_core.models import load_lm
+from shared_core.runtime.models import load_lm
 
 Q = "0 1 2 3"
 CONTEXT = " ".join(CORPUS[:8])

@@ -29,6 +29,7 @@ from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
 from langchain_specrag import SpeculativeRetriever as LCSpeculativeRetriever
 from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
 from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
+from shared_core.config.rag import SpeculativeRetrievalConfig
 from shared_core.engines.ralmspec import (
     RaLMSpec,
     RaLMSpecConfig,
@@ -36,8 +37,7 @@ from shared_core.engines.ralmspec import (
     stream_ralmspec,
 )
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig, retrieve
-from shared_core.rag_adapters import RALMSPEC_KNOBS, RETRIEVER_SETTINGS, SPECRAG_KNOBS
-from shared_core.rag_config import SpeculativeRetrievalConfig
+from shared_core.frontend.rag import RALMSPEC_KNOBS, RETRIEVER_SETTINGS, SPECRAG_KNOBS
 from shared_core.retrieval import BM25Retriever, DenseRetriever, Document, chunk_text
 
 DOCS = SPECRAG_DOCS

@@ -20,10 +20,12 @@ from pathlib import Path
 import pytest
 from tiny import tiny_llama, tiny_tokenizer
 
-from shared_core import embedded, models, weights_cache
-from shared_core.embedded import EmbeddedLM, assembled_gguf, build_lock, file_stamp
-from shared_core.file_lock import LockTimeoutError
-from shared_core.weights_cache import MANIFEST, cache_is_valid, write_cache
+from shared_core.runtime import models
+from shared_core.runtime.weights import dequant_cache as weights_cache
+from shared_core.runtime.weights import embedded
+from shared_core.runtime.weights.dequant_cache import MANIFEST, cache_is_valid, write_cache
+from shared_core.runtime.weights.embedded import EmbeddedLM, assembled_gguf, build_lock, file_stamp
+from shared_core.util.file_lock import LockTimeoutError
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -83,7 +85,7 @@ def test_overwritten_in_place_with_size_and_mtime_restored_is_rebuilt(cache, cap
         fh.write(bytes([last[0] ^ 0xFF]))
     os.utime(weights, ns=(before.st_atime_ns, before.st_mtime_ns))
     assert file_stamp(weights) == stamp  # what the size + mtime check saw: unchanged
-    with caplog.at_level(logging.WARNING, logger="shared_core.weights_cache"):
+    with caplog.at_level(logging.WARNING, logger="shared_core.runtime.weights.dequant_cache"):
         assert not cache_is_valid(folder)
     assert "model.safetensors: changed since it was written (SHA-256 differs)" in caplog.text
 
@@ -95,7 +97,7 @@ def test_a_damaged_safetensors_header_is_refused_before_any_digest(cache, caplog
     with weights.open("r+b") as fh:
         fh.write((size * 2).to_bytes(8, "little"))  # a header longer than the file
     monkeypatch.setattr(weights_cache, "sha256_file", lambda path: pytest.fail("digest read"))
-    with caplog.at_level(logging.WARNING, logger="shared_core.weights_cache"):
+    with caplog.at_level(logging.WARNING, logger="shared_core.runtime.weights.dequant_cache"):
         assert not cache_is_valid(folder)
     assert "safetensors header does not match its size" in caplog.text
 
@@ -121,7 +123,7 @@ def test_stale_temp_of_a_killed_writer_is_removed_but_a_live_writers_is_not(cach
     writer = _spawn(f"""
         import sys, time
         from pathlib import Path
-        from shared_core.embedded import build_lock, temp_sibling
+        from shared_core.runtime.weights.embedded import build_lock, temp_sibling
         target = Path({str(target)!r})
         with build_lock(target):
             tmp = temp_sibling(target, directory=True)
@@ -169,7 +171,7 @@ def test_a_stopped_lock_holder_times_out_naming_the_lock_file_and_pid(cache, cap
     holder = _spawn(f"""
         import time
         from pathlib import Path
-        from shared_core.embedded import build_lock
+        from shared_core.runtime.weights.embedded import build_lock
         with build_lock(Path({str(target)!r})):
             print("locked", flush=True)
             time.sleep(120)
@@ -179,7 +181,7 @@ def test_a_stopped_lock_holder_times_out_naming_the_lock_file_and_pid(cache, cap
         holder.send_signal(signal.SIGSTOP)
         while _state(holder.pid) not in "Tt":  # the signal is delivered asynchronously
             pass
-        with caplog.at_level(logging.WARNING, logger="shared_core.file_lock"), \
+        with caplog.at_level(logging.WARNING, logger="shared_core.util.file_lock"), \
                 pytest.raises(LockTimeoutError) as info, build_lock(target, timeout_s=0.5):
             pytest.fail("entered a lock that a stopped process holds")
         message = str(info.value)
@@ -197,7 +199,7 @@ def test_a_gone_holder_whose_lock_was_inherited_is_named(cache):
     holder = _spawn(f"""
         import os, subprocess
         from pathlib import Path
-        from shared_core.embedded import build_lock
+        from shared_core.runtime.weights.embedded import build_lock
         with build_lock(Path({str(target)!r})):
             # a child inherits the open lock file; the holder then dies without unlocking
             fds = [int(fd) for fd in os.listdir("/proc/self/fd") if int(fd) > 2]
@@ -266,7 +268,7 @@ def test_an_assembled_gguf_overwritten_in_place_with_its_stamp_kept_is_rebuilt(
         fh.seek(0)
         fh.write(bytes([first[0] ^ 0xFF]))
     os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))  # same mtime
-    with caplog.at_level(logging.WARNING, logger="shared_core.embedded"):
+    with caplog.at_level(logging.WARNING, logger="shared_core.runtime.weights.embedded"):
         assert assembled_gguf(entry).read_bytes() == whole
     assert "changed since it was assembled (SHA-256 differs)" in caplog.text
 
@@ -286,8 +288,8 @@ def test_a_writer_killed_during_assembly_does_not_break_later_loads(cache, part_
     writer = _spawn(f"""
         import sys, time
         sys.path.insert(0, {site!r})
-        from shared_core import embedded
-        from shared_core.embedded import EmbeddedLM
+        from shared_core.runtime.weights import embedded
+        from shared_core.runtime.weights.embedded import EmbeddedLM
         real_open = embedded.Path.open
         def slow_open(self, *a, **k):  # hold the assembly open half-way
             fh = real_open(self, *a, **k)
@@ -336,7 +338,7 @@ def test_a_local_folder_that_shadows_a_hub_id_loads_with_a_warning(tmp_path, mon
     tiny_llama().save_pretrained(folder)
     tiny_tokenizer().save_pretrained(folder)
     monkeypatch.chdir(tmp_path)
-    with caplog.at_level(logging.WARNING, logger="shared_core.models"):
+    with caplog.at_level(logging.WARNING, logger="shared_core.runtime.models"):
         lm = models.load_lm("HuggingFaceTB/SmolLM2-360M")
     assert lm.vocab_size == len(tiny_tokenizer())
     assert "shadows the hub id" in caplog.text

@@ -24,11 +24,11 @@ from tiny import CORPUS, tiny_lm
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
-from shared_core import serving
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.respec import ReSpecDecoder
-from shared_core.serving import FairLock
+from shared_core.frontend import serving
+from shared_core.frontend.serving import FairLock
 
 N = 16
 CONTEXT = " ".join(CORPUS[:8])

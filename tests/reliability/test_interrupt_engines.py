@@ -28,7 +28,7 @@ from shared_core.engines.baseline import (
 )
 from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.respec import ReSpecConfig, ReSpecDecoder
-from shared_core.kv import KVSession
+from shared_core.runtime.torch.session import KVSession
 
 CONTEXT = " ".join(CORPUS[:8])
 QUERY = "Who wrote the report?"

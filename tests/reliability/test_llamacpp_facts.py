@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from langchain_specrag import ChatSpeculative
-from shared_core.device import THREADS_ENV
-from shared_core.models import load_lm
+from shared_core.runtime.models import load_lm
+from shared_core.util.device import THREADS_ENV
 from tests.tiny import require_llamacpp_smollm2
 
 require_llamacpp_smollm2()
@@ -34,7 +34,7 @@ def test_stats_name_llama_cpps_threads_not_torchs(monkeypatch: pytest.MonkeyPatc
 
 
 def test_n_ctx_beyond_the_trained_window_warns_once(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.WARNING, logger="shared_core.models")
+    caplog.set_level(logging.WARNING, logger="shared_core.runtime.models")
     for _ in range(2):
         lm = load_lm(MODEL, backend="llama.cpp", n_ctx=9000, prefix_cache=False)
     warned = [r.getMessage() for r in caplog.records if "n_ctx=9000" in r.getMessage()]

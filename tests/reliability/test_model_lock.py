@@ -24,8 +24,8 @@ from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
 from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.respec import ReSpecDecoder
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
-from shared_core.model_lock import FairLock, lock_for
 from shared_core.retrieval import BM25Retriever
+from shared_core.runtime.model_lock import FairLock, lock_for
 
 DEADLINE_S = 120  # a deadlock guard, never reached when the code is right
 CONTEXT = " ".join(CORPUS[:8])

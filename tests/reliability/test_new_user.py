@@ -96,7 +96,7 @@ def test_a_level_the_user_sets_on_bm25s_is_kept() -> None:
     ("shared_core", ["LM", "load_embedder", "load_lm"]),
     ("shared_core.engines", ["RaLMSpec", "RapidDecoder", "ReSpecDecoder", "SpeculativeRAG",
                              "autoregressive_generate", "speculative_generate"]),
-    ("shared_core.remote", ["RemoteConfig", "RemoteLM"]),
+    ("shared_core.runtime.remote", ["RemoteConfig", "RemoteLM"]),
     ("langchain_specrag", ["ChatSpeculative", "RaLMSpecRunnable", "SpecragEmbeddings",
                            "SpeculativeRAGRunnable", "SpeculativeRetriever"]),
     ("llamaindex_specrag", ["RaLMSpecQueryEngine", "SpecragEmbedding", "SpeculativeLLM",

@@ -13,9 +13,9 @@ from fakes import ADAPTER_DOCS, LCRetriever, LIRetriever
 
 from langchain_specrag import ChatSpeculative, RaLMSpecRunnable
 from llamaindex_specrag import RaLMSpecQueryEngine
-from shared_core import serving
 from shared_core.config import DEFAULT_BACKEND
-from shared_core.model_lock import lock_for
+from shared_core.frontend import serving
+from shared_core.runtime.model_lock import lock_for
 
 ADAPTERS = {"langchain": lambda **kw: RaLMSpecRunnable(retriever=LCRetriever(ADAPTER_DOCS), **kw),
             "llamaindex": lambda **kw: RaLMSpecQueryEngine(retriever=LIRetriever(ADAPTER_DOCS),

@@ -89,7 +89,7 @@ def test_a_tuple_converts_and_the_llamaindex_engine_takes_any_retriever_kind(eng
 
 
 def test_documents_given_with_the_question_are_cut_to_retrieve_k(engine, caplog) -> None:
-    caplog.set_level(logging.INFO, logger="shared_core.rag_settings")
+    caplog.set_level(logging.INFO, logger="shared_core.frontend.rag_settings")
     many = [LCDocument(page_content=f"Document number {i} about Paris.", id=f"n{i}")
             for i in range(500)]
     runnable = SpeculativeRAGRunnable(engine=engine, retrieve_k=3, with_details=True)

@@ -251,7 +251,7 @@ def test_query_engine_timeout_then_equal_output(lm) -> None:
 
 def test_adapter_timeout_reaches_an_engine_built_from_a_retriever(lm, monkeypatch) -> None:
     """Without a prebuilt engine the setting goes into RaLMSpecConfig through the model cache."""
-    import shared_core.serving as serving
+    import shared_core.frontend.serving as serving
 
     monkeypatch.setattr(serving, "loaded_model", lambda *a, **k: (lm, threading.Lock()))
     slow = Faulty("slow")

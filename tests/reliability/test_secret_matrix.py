@@ -40,8 +40,8 @@ from llamaindex_specrag import SpecragEmbedding
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
 from llamaindex_specrag.query_engines.ralmspec import RaLMSpecQueryEngine
 from llamaindex_specrag.query_engines.speculative_rag import SpeculativeRAGQueryEngine
-from shared_core.remote import RemoteConfig, RemoteLM
-from shared_core.remote.config import API_KEY_ENV
+from shared_core.runtime.remote import RemoteConfig, RemoteLM
+from shared_core.runtime.remote.config import API_KEY_ENV
 
 FAST = RemoteConfig(max_retries=0, connect_timeout_s=5.0)
 MODEL = "smollm2-135m-instruct"

@@ -20,10 +20,10 @@ from langchain_specrag.runnables.ralmspec import RaLMSpecRunnable
 from langchain_specrag.runnables.speculative_rag import SpeculativeRAGRunnable
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
 from llamaindex_specrag.query_engines.ralmspec import RaLMSpecQueryEngine
-from shared_core.models import load_lm
-from shared_core.redact import EXCERPT_CHARS, excerpt, redact
-from shared_core.remote import RemoteConfig, RemoteError, RemoteLM
-from shared_core.remote.http import Transport
+from shared_core.runtime.models import load_lm
+from shared_core.runtime.remote import RemoteConfig, RemoteError, RemoteLM
+from shared_core.runtime.remote.http import Transport
+from shared_core.util.redact import EXCERPT_CHARS, excerpt, redact
 
 PASSWORD = "pw-5ecret-Planted-7781"
 API_KEY = "sk-planted-API-key-0042"

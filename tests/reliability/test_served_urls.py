@@ -10,8 +10,8 @@ from urllib.parse import parse_qsl
 import pytest
 from recording_server import recording_server
 
-from shared_core.remote import RemoteConfig, RemoteError, RemoteLM
-from shared_core.remote.http import Transport
+from shared_core.runtime.remote import RemoteConfig, RemoteError, RemoteLM
+from shared_core.runtime.remote.http import Transport
 
 FAST = RemoteConfig(max_retries=0, connect_timeout_s=5.0)
 

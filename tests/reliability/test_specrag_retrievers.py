@@ -25,7 +25,7 @@ from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
 from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 from shared_core.engines.speculative_rag.subsets import subset_shape
-from shared_core.rag_adapters import RALMSPEC_SETTINGS, SPECRAG_SETTINGS
+from shared_core.frontend.rag import RALMSPEC_SETTINGS, SPECRAG_SETTINGS
 from shared_core.retrieval import Document, Hit
 from shared_core.retrieval.timeout import RETRIEVAL_POOL, RETRIEVAL_WORKERS, call_with_timeout
 
@@ -213,7 +213,7 @@ def test_the_adapters_time_limit_their_own_retrieval(engine):
 
 def test_ralmspec_timed_out_searches_do_not_pile_up_threads():
     """RaLMSpec's own time-limited searches share the same bounded daemon workers."""
-    from shared_core.engines.ralmspec.backends import (
+    from shared_core.engines.ralmspec.retrievers import (
         VERIFY_POOL,
         VERIFY_WORKERS,
         as_backend,

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from shared_core.device import THREADS_ENV, apply_thread_setting
-from shared_core.stats import DecodeStats
+from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.util.device import THREADS_ENV, apply_thread_setting
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -5,7 +5,7 @@ without the ``<tool_response>`` tags SmolLM2 copied into its answers. With the e
 forced call, the tool's result and the next turn end in a plain-text answer in both frameworks
 (it wrote an invented ``<tool_response>`` before: LlamaIndex ``chat_with_tools`` on the weather
 and stock cases, LangChain on the stock case). Both frameworks render through the same
-:func:`~shared_core.tool_calls.render_prompt`."""
+:func:`~shared_core.decoding.tool_calls.render_prompt`."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from langchain_core.messages import HumanMessage, ToolMessage
 from langchain_core.tools import tool
 
 from langchain_specrag import ChatSpeculative
-from shared_core.tool_calls import render_prompt, tool_role
+from shared_core.decoding.tool_calls import render_prompt, tool_role
 
 MODEL = "smollm2-135m-instruct"
 STRICT = ("{% for m in messages %}{% if m['role'] not in ['user', 'assistant', 'system'] %}"

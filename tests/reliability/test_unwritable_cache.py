@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from tiny import tiny_tokenizer
 
-from shared_core import model_sources
-from shared_core.embedded import (
+from shared_core.runtime.weights import sources as model_sources
+from shared_core.runtime.weights.embedded import (
     CACHE_ENV,
     EMBEDDED_LMS,
     CacheNotWritableError,
@@ -51,7 +51,7 @@ def test_a_tokenizer_built_in_memory_is_used_when_it_cannot_be_kept(
     built = tiny_tokenizer()
     monkeypatch.setattr("transformers.AutoTokenizer.from_pretrained",
                         lambda *args, **kwargs: built)  # stands in for seconds of GGUF reading
-    caplog.set_level(logging.WARNING, logger="shared_core.model_sources")
+    caplog.set_level(logging.WARNING, logger="shared_core.runtime.weights.sources")
     gguf = tmp_path / "model.gguf"
     tokenizer = model_sources.load_gguf_tokenizer(gguf, False, digest="0" * 64)
     assert tokenizer is built

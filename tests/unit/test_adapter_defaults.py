@@ -19,18 +19,18 @@ from langchain_specrag import SpeculativeRetriever as LCSpeculativeRetriever
 from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
 from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER, SamplingConfig
-from shared_core.engines.ralmspec import RaLMSpec, SpeculativeRetrieval
-from shared_core.engines.speculative_rag import SpeculativeRAG
-from shared_core.model_lock import lock_for
-from shared_core.rag_adapters import RALMSPEC_SETTINGS, RETRIEVER_SETTINGS, SPECRAG_SETTINGS
-from shared_core.rag_config import (
+from shared_core.config.rag import (
     RALMSPEC_MAX_NEW_TOKENS,
     RaLMSpecConfig,
     SpeculativeRAGConfig,
     SpeculativeRetrievalConfig,
 )
-from shared_core.rag_settings import SpeculativeRAGSettings
+from shared_core.engines.ralmspec import RaLMSpec, SpeculativeRetrieval
+from shared_core.engines.speculative_rag import SpeculativeRAG
+from shared_core.frontend.rag import RALMSPEC_SETTINGS, RETRIEVER_SETTINGS, SPECRAG_SETTINGS
+from shared_core.frontend.rag_settings import SpeculativeRAGSettings
 from shared_core.retrieval import BM25Retriever
+from shared_core.runtime.model_lock import lock_for
 
 DOCS = ADAPTER_DOCS
 

@@ -324,8 +324,8 @@ def test_chat_pair_sets_the_prefix_cache_through_the_resolver_the_same_way(
         tiny_model_folder: str) -> None:
     """Both adapters load their model with ``prefix_cache`` through the one resolver, share that
     copy, and refuse a different setting for it with the same error."""
-    from shared_core import model_cache
-    from shared_core.kv_prefix import ATTRIBUTE, MIB
+    from shared_core.runtime import model_cache
+    from shared_core.runtime.torch.prefix import ATTRIBUTE, MIB
 
     where = {"model": tiny_model_folder, "device": "cpu", "dtype": "float32", "backend": "torch"}
     model_cache.release(*where.values())

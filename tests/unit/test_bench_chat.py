@@ -11,8 +11,8 @@ import pytest
 from tiny import measured, tiny_lm
 
 from shared_core.bench.__main__ import build_parser
-from shared_core.bench.chat_sources import agent_transcript, keyword_search, mt_bench, prompts
-from shared_core.bench.chat_turns import conversation_rows, medians, plot_turns
+from shared_core.bench.chat.sources import agent_transcript, keyword_search, mt_bench, prompts
+from shared_core.bench.chat.turns import conversation_rows, medians, plot_turns
 
 ROWS = [
     {"question_id": 1, "category": "writing", "turns": ["Write a poem.", "Make it shorter."]},

@@ -87,7 +87,7 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
 
 
 def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
-    from shared_core.bench.gpu import Budget, Report
+    from shared_core.bench.system.gpu import Budget, Report
 
     report = Report(tmp_path, {}, Budget(1.0))
     report.section("slow", 5.0, lambda: {"never": True})
@@ -102,15 +102,15 @@ def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
 def bf16_target():
     import torch
 
-    from shared_core.bench.gpu_models import TINY_SHAPES, bench_tokenizer, build_lm
+    from shared_core.bench.system.gpu_models import TINY_SHAPES, bench_tokenizer, build_lm
 
     return build_lm(TINY_SHAPES["tiny-a"], bench_tokenizer(), torch.device("cpu"), torch.bfloat16)
 
 
 def test_divergence_margin_replays_the_reference_step_and_reports_the_tie(bf16_target) -> None:
-    from shared_core.bench.gpu_checks import divergence_margin
+    from shared_core.bench.system.gpu_checks import divergence_margin
     from shared_core.engines.baseline import autoregressive_generate
-    from shared_core.lm import clear_prefix_cache
+    from shared_core.runtime.lm import clear_prefix_cache
 
     prompt = "Paris is the capital of France. Berlin is"
     clear_prefix_cache(bf16_target)
@@ -127,7 +127,7 @@ def test_divergence_margin_replays_the_reference_step_and_reports_the_tie(bf16_t
 
 
 def test_rapid_check_reports_where_and_by_what_margin_it_parts(bf16_target) -> None:
-    from shared_core.bench.gpu_checks import check_rapid
+    from shared_core.bench.system.gpu_checks import check_rapid
 
     comparisons = check_rapid(bf16_target, bf16_target, 6)
     assert len(comparisons) == 4

@@ -1,4 +1,5 @@
-"""The KNN-LM benchmark pieces (shared_core.bench.knnlm) on a tiny model: same tokens, cached store."""
+"""The KNN-LM benchmark pieces (shared_core.bench.ralmspec.knnlm) on a tiny model: same tokens, cached
+store."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from tiny import measured
 
-from shared_core.bench.knnlm import config_knobs, load_datastore, measure
+from shared_core.bench.ralmspec.knnlm import config_knobs, load_datastore, measure
 from shared_core.engines.knnlm import KNNLMConfig
 
 TEXTS = ["Paris is the capital of France. Berlin is the capital of Germany.",

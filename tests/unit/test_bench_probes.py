@@ -23,7 +23,7 @@ def test_help_lists_the_probe_options(probe: str, capsys: pytest.CaptureFixture[
 
 
 def test_console_script_reaches_the_probes(capsys: pytest.CaptureFixture[str]) -> None:
-    from shared_core.cli import main as cli_main
+    from shared_core.tools.cli import main as cli_main
 
     with pytest.raises(SystemExit) as exit_info:
         cli_main(["bench", "probe-verify", "--help"])
@@ -32,7 +32,7 @@ def test_console_script_reaches_the_probes(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_defaults_are_the_recorded_measurements() -> None:
-    """The defaults reproduce the settings behind results/dtype.json, contention4m.json and
+    """The defaults reproduce the settings behind results/system/2026-11-22/dtype.json, contention4m.json and
     rapid/s5_verify_profile.txt."""
     parser = build_parser()
     dtype = parser.parse_args(["probe-dtype"])

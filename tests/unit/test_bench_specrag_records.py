@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from shared_core.bench.specrag_records import (
+from shared_core.bench.specrag.records import (
     append_record,
     load_records,
     record_of,
@@ -91,7 +91,7 @@ def test_grid_points_parse_and_refuse() -> None:
 def test_draft_quality_says_why_a_selection_cannot_win() -> None:
     from dataclasses import replace
 
-    from shared_core.bench.specrag_selection import draft_quality
+    from shared_core.bench.specrag.selection import draft_quality
 
     spec = _results()["specrag"]
     wrong = replace(spec.drafts[0], answer="false, it is not")
@@ -106,7 +106,7 @@ def test_draft_quality_says_why_a_selection_cannot_win() -> None:
 
 
 def test_paired_test_counts_discordant_questions_and_pools() -> None:
-    from shared_core.bench.specrag_selection import SCORE_VARIANTS, mcnemar, paired_test, pool_reports
+    from shared_core.bench.specrag.selection import SCORE_VARIANTS, mcnemar, paired_test, pool_reports
 
     variant = [True, True, True, False, True, False]
     paper = [True, False, False, True, True, False]

@@ -8,8 +8,8 @@ import importlib.util
 import pytest
 from tiny import measured
 
-from shared_core.bench import tools
 from shared_core.bench.__main__ import build_parser
+from shared_core.bench.chat import tools
 
 
 def test_engines_run_case_by_case() -> None:

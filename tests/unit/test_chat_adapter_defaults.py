@@ -14,7 +14,6 @@ from llama_index.core.llms.custom import CustomLLM
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
-from shared_core.chat_adapters import CHAT_SETTINGS, DEFAULT_ENGINE, ChatSettings
 from shared_core.config import (
     DEFAULT_BACKEND,
     DEFAULT_LM,
@@ -24,6 +23,7 @@ from shared_core.config import (
     SamplingConfig,
 )
 from shared_core.engines.baseline import autoregressive_generate
+from shared_core.frontend.chat import CHAT_SETTINGS, DEFAULT_ENGINE, ChatSettings
 
 # Settings only one framework has, each for a documented reason.
 LANGCHAIN_ONLY = {"max_tokens", "streaming", "lm"}  # LangChain's names; lm is a field there

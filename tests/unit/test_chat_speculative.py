@@ -11,8 +11,10 @@ from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
 from tiny import record_steps
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative, to_chat_messages
-from shared_core import chat_adapters, model_cache, serving
 from shared_core.engines.baseline import autoregressive_generate
+from shared_core.frontend import chat as chat_adapters
+from shared_core.frontend import serving
+from shared_core.runtime import model_cache
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +102,7 @@ def test_constructor_loads_nothing(monkeypatch):
 def test_pickles_settings_not_weights_and_reloads_by_name(tiny_model_folder):
     import pickle
 
-    from shared_core.serving import loaded_model
+    from shared_core.frontend.serving import loaded_model
 
     lm, _ = loaded_model(tiny_model_folder)
     chat = ChatSpeculative(lm=lm, model="tiny", max_tokens=8, engine_options={"use_trigger": False})
@@ -208,7 +210,7 @@ def test_streamed_call_chunks_add_up_to_the_parsed_calls():
     from langchain_core.messages import AIMessageChunk
 
     from langchain_specrag.chat_models.speculative import _call_chunk
-    from shared_core.tool_calls import parse_tool_calls
+    from shared_core.decoding.tool_calls import parse_tool_calls
 
     text = ('<tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call>'
             '<tool_call>{"name": "rm", "arguments": {"path": "/"}}</tool_call>'

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from shared_core.lm import clear_prefix_cache
+from shared_core.runtime.lm import clear_prefix_cache
 
 
 def test_empties_a_runtime_that_keeps_prompts() -> None:

@@ -19,13 +19,13 @@ from shared_core.config import (
     check_number,
     check_timeout,
 )
-from shared_core.rag_config import RaLMSpecConfig, SpeculativeRAGConfig, SpeculativeRetrievalConfig
+from shared_core.config.rag import RaLMSpecConfig, SpeculativeRAGConfig, SpeculativeRetrievalConfig
 
 CONFIGS = (SpeculativeRAGConfig, RaLMSpecConfig, SpeculativeRetrievalConfig)
 
 
 def test_configs_import_without_torch_or_numpy() -> None:
-    code = ("import sys; import shared_core.config, shared_core.rag_config; "
+    code = ("import sys; import shared_core.config, shared_core.config.rag; "
             "heavy = [m for m in ('torch', 'numpy', 'transformers') if m in sys.modules]; "
             "assert not heavy, heavy")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
@@ -138,7 +138,7 @@ def test_speculative_retrieval_checks_through_its_config() -> None:
 
 # every module whose public signatures take sampling or token-limit keywords
 SIGNATURE_MODULES = (
-    "shared_core.config", "shared_core.output", "shared_core.engines.baseline",
+    "shared_core.config", "shared_core.decoding.output", "shared_core.engines.baseline",
     "shared_core.engines.respec.engine", "shared_core.engines.rapid.engine",
     "shared_core.engines.rapid.entry", "shared_core.engines.ralmspec.engine",
     "shared_core.engines.knnlm")
@@ -167,7 +167,7 @@ def test_retyped_defaults_equal_their_one_home(module: str) -> None:
     top_p=1.0``) equal SamplingConfig's; token limits are DEFAULT_MAX_NEW_TOKENS (RaLMSpec's:
     RALMSPEC_MAX_NEW_TOKENS)."""
     from shared_core.config import SamplingConfig
-    from shared_core.rag_config import RALMSPEC_MAX_NEW_TOKENS
+    from shared_core.config.rag import RALMSPEC_MAX_NEW_TOKENS
 
     tokens = RALMSPEC_MAX_NEW_TOKENS if "ralmspec" in module else DEFAULT_MAX_NEW_TOKENS
     home = {"temperature": SamplingConfig.temperature, "top_k": SamplingConfig.top_k,

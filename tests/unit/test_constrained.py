@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from shared_core.constrained import Constraint, compile_constraint, grammar_mask
+from shared_core.decoding.constrained import Constraint, compile_constraint, grammar_mask
 
 xgr = pytest.importorskip("xgrammar")
 from xgrammar.contrib.hf import LogitsProcessor  # noqa: E402

@@ -1,4 +1,4 @@
-"""The machine's cost curve (shared_core.backends.llamacpp_cost): impossible curves, measured
+"""The machine's cost curve (shared_core.runtime.llamacpp.cost): impossible curves, measured
 under load, are re-measured once when measured and discarded when read from the cache. The
 measurer is a fake, so nothing here times anything."""
 
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shared_core.backends.llamacpp_cost import Curve, cached_cost_curve, curve_problem
+from shared_core.runtime.llamacpp.cost import Curve, cached_cost_curve, curve_problem
 
 SIZES = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 # kept on this machine's disk (session 11): the first is a real, sane SmolLM2 curve
@@ -94,7 +94,7 @@ def test_an_impossible_measurement_is_measured_once_more(tmp_path: Path,
 
 def test_impossible_twice_is_used_with_a_warning_and_not_kept(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    from shared_core.draft_length import curve_steps
+    from shared_core.decoding.draft_length import curve_steps
 
     path = tmp_path / "curve.json"
     measure = Measurer(HALF_STEP, DIP)

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from shared_core.demo import explain_token_speedups, machine_line, pick_drafter, pick_verifier
-from shared_core.device import cpu_facts
+from shared_core.tools.demo import explain_token_speedups, machine_line, pick_drafter, pick_verifier
+from shared_core.util.device import cpu_facts
 from tests.tiny import tiny_lm
 
 
@@ -39,8 +39,8 @@ def test_drafter_pairs_with_the_verifier():
 
 
 def test_explain_specrag_names_the_measured_parts() -> None:
-    from shared_core.demo import explain_specrag
     from shared_core.engines.speculative_rag import SpeculativeRAGStats, StandardRAGStats
+    from shared_core.tools.demo import explain_specrag
 
     standard = [StandardRAGStats(prompt_tokens=1500, prefill_s=8.0, decode_s=0.5, total_s=8.5)]
     fast = [SpeculativeRAGStats(draft_prefill_s=1.0, draft_decode_s=1.5, verify_s=2.0,
@@ -54,7 +54,7 @@ def test_explain_specrag_names_the_measured_parts() -> None:
 
 
 def test_compare_answers_says_equal_or_where_they_part() -> None:
-    from shared_core.demo import TimedAnswer, compare_answers
+    from shared_core.tools.demo import TimedAnswer, compare_answers
 
     ref = TimedAnswer("Anna Kessel, 1712", [1, 2, 3, 4], 1.0, 2.0)
     assert compare_answers(ref, TimedAnswer("Anna Kessel, 1712", [1, 2, 3, 4], 0.2, 1.2)) == \
@@ -65,7 +65,7 @@ def test_compare_answers_says_equal_or_where_they_part() -> None:
 
 
 def test_cache_line_names_what_the_cache_did() -> None:
-    from shared_core.demo import cache_line
+    from shared_core.tools.demo import cache_line
 
     report = {"prompt": 200, "kept": 0, "reused": 100, "computed_alone": 40, "recomputed": 15,
               "read": 60, "probe": 140, "stored": 1}
@@ -77,9 +77,9 @@ def test_cache_line_names_what_the_cache_did() -> None:
 def test_the_demo_opens_on_the_passage_cache_then_what_does_not_pay(monkeypatch) -> None:
     """The first screen is the passage cache; token speculation and Speculative RAG come after,
     under a heading that says they do not pay here (sections stubbed: no model runs)."""
-    import shared_core.demo as demo
-    import shared_core.models
     import shared_core.retrieval
+    import shared_core.runtime.models
+    import shared_core.tools.demo as demo
 
     order: list[str] = []
 
@@ -94,7 +94,7 @@ def test_the_demo_opens_on_the_passage_cache_then_what_does_not_pay(monkeypatch)
         backend, backend_reason = "llama.cpp", "stub"
 
     monkeypatch.setattr(shared_core.retrieval, "DenseRetriever", Retriever)
-    monkeypatch.setattr(shared_core.models, "load_lm", lambda *a, **k: LM())
+    monkeypatch.setattr(shared_core.runtime.models, "load_lm", lambda *a, **k: LM())
     monkeypatch.setattr(demo, "passage_cache_section",
                         lambda retriever, model, write: order.append("cache") or {"rows": {}})
     monkeypatch.setattr(demo, "token_engines_section",
@@ -113,13 +113,13 @@ def test_the_demo_opens_on_the_passage_cache_then_what_does_not_pay(monkeypatch)
 
 
 def test_passage_cache_section_says_why_it_is_skipped_without_llamacpp(monkeypatch) -> None:
-    import shared_core.models
-    from shared_core.demo import passage_cache_section
+    import shared_core.runtime.models
+    from shared_core.tools.demo import passage_cache_section
 
     def refuse(*args, **kwargs):
         raise ValueError("llama.cpp is not installed")
 
-    monkeypatch.setattr(shared_core.models, "load_lm", refuse)
+    monkeypatch.setattr(shared_core.runtime.models, "load_lm", refuse)
     lines: list[str] = []
     assert passage_cache_section(None, "smollm2-135m-instruct", lines.append) == {}
     assert "passage KV cache" in lines[0]

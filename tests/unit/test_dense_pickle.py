@@ -30,8 +30,8 @@ def _results(retriever: DenseRetriever) -> list[list[tuple[str, float, int]]]:
 @pytest.mark.parametrize("kind", ["exact", "hnsw"])
 @pytest.mark.parametrize("given", ["name", "object"])
 def test_pickle_leaves_the_embedder_weights_out(minilm_name: str, kind: str, given: str) -> None:
-    from shared_core.model_cache import cached_embedder
-    from shared_core.models import load_embedder
+    from shared_core.runtime.model_cache import cached_embedder
+    from shared_core.runtime.models import load_embedder
 
     embedder = minilm_name if given == "name" else load_embedder(minilm_name)
     retriever = DenseRetriever(embedder, index=kind, query_batch_size=1)

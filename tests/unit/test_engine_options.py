@@ -11,9 +11,10 @@ from tiny import CORPUS
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
-from shared_core import chat_adapters, model_cache
 from shared_core.engines.registry import ENGINE_OPTIONS, check_engine_options, engine_function
 from shared_core.engines.respec import ReSpecDecoder, engine, respec_generate
+from shared_core.frontend import chat as chat_adapters
+from shared_core.runtime import model_cache
 
 PROMPT = "Who wrote the report?"
 

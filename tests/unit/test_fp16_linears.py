@@ -8,7 +8,7 @@ import torch
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.engines.respec import respec_generate
-from shared_core.models import load_lm, use_fp16_linears
+from shared_core.runtime.models import load_lm, use_fp16_linears
 from tests.tiny import CORPUS, tiny_lm
 
 PROMPTS = [CORPUS[1] + " " + CORPUS[4], CORPUS[3] + " Paris is", CORPUS[7]]

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 
-from shared_core.backends.gguf_file import GGUFFileError, check_gguf_file
+from shared_core.runtime.llamacpp.gguf_file import GGUFFileError, check_gguf_file
 
 
 @pytest.fixture

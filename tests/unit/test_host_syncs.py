@@ -1,6 +1,6 @@
 """At most one host sync per round in the torch round loop (issue 39 item 2), counted on the CPU.
 
-``shared_core.bench.gpu_syncs.count_host_syncs`` counts every site that would make the host wait
+``shared_core.bench.system.gpu_syncs.count_host_syncs`` counts every site that would make the host wait
 for a GPU (readbacks, blocking uploads, explicit synchronisations) per round, so a regression is
 caught without a GPU. The greedy loops read back once per round; sampled drafting still draws
 each token on the host generator and is only bounded, not held to one.
@@ -13,7 +13,7 @@ import torch
 from fakes import HashEmbedder
 from tiny import CORPUS
 
-from shared_core.bench.gpu_syncs import count_host_syncs
+from shared_core.bench.system.gpu_syncs import count_host_syncs
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.engines.rapid import RapidConfig, RapidDecoder

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from shared_core.embedded import cache_dir
+from shared_core.runtime.weights.embedded import cache_dir
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTALL = ROOT / "scripts" / "install_llamacpp.sh"

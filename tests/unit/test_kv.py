@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
-from shared_core.kv import KVSession, rollback, tree_attention_mask
+from shared_core.runtime.torch.session import KVSession, rollback, tree_attention_mask
 
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 

@@ -10,9 +10,9 @@ from tiny import CORPUS, tiny_lm
 
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.engines.respec import respec_generate
-from shared_core.kv import KVSession
-from shared_core.kv_prefix import EXACT_CHUNK, MIB, PrefixStore, attach, store_for
-from shared_core.lm import clear_prefix_cache
+from shared_core.runtime.lm import clear_prefix_cache
+from shared_core.runtime.torch.prefix import EXACT_CHUNK, MIB, PrefixStore, attach, store_for
+from shared_core.runtime.torch.session import KVSession
 
 SYSTEM = " ".join(CORPUS[:8])
 QUESTIONS = ("Who wrote the report?", "What is the capital of France?", "Count to twenty.")
@@ -110,7 +110,7 @@ def test_the_stored_entry_is_never_written_by_a_session(lm, kind):
 
 
 def _version(lm) -> int:
-    from shared_core.kv_prefix import weights_version
+    from shared_core.runtime.torch.prefix import weights_version
 
     return weights_version(lm.model)
 
@@ -221,7 +221,7 @@ def test_a_bad_budget_names_the_setting(budget):
 
 
 def test_load_lm_takes_the_budget_on_torch(tiny_model_folder):
-    from shared_core import models
+    from shared_core.runtime import models
 
     def budget(value: bool | int) -> int:
         return store_for(models.load_lm(tiny_model_folder, backend="torch", prefix_cache=value).model).budget

@@ -257,11 +257,11 @@ def _edge(source: str, target: str) -> Edge:
 
 
 def test_planted_upward_edge_is_reported() -> None:
-    edges = [_edge("shared_core.engines.baseline", "shared_core.models"),
-             _edge("shared_core.config", "shared_core.models")]
+    edges = [_edge("shared_core.engines.baseline", "shared_core.runtime.models"),
+             _edge("shared_core.config", "shared_core.runtime.models")]
     problems = violations(edges)
     assert len(problems) == 1
-    assert "shared_core.config -> shared_core.models" in problems[0]
+    assert "shared_core.config -> shared_core.runtime.models" in problems[0]
     assert "layer 0 to layer 1" in problems[0]
 
 
@@ -269,7 +269,7 @@ def test_planted_cycle_is_reported_with_its_edges() -> None:
     edges = [_edge("shared_core.engines.a", "shared_core.engines.b"),
              _edge("shared_core.engines.b", "shared_core.engines.c"),
              _edge("shared_core.engines.c", "shared_core.engines.a"),
-             _edge("shared_core.engines.c", "shared_core.kv")]
+             _edge("shared_core.engines.c", "shared_core.runtime.torch.session")]
     problems = violations(edges)
     assert len(problems) == 1
     assert ("shared_core.engines.a -> shared_core.engines.b -> shared_core.engines.c"
@@ -278,17 +278,17 @@ def test_planted_cycle_is_reported_with_its_edges() -> None:
 
 def test_the_old_cycle_would_fail() -> None:
     """engine -> train_drafter -> bench -> engine: two upward edges and one cycle."""
-    edges = [_edge("shared_core.engines.speculative_rag", "shared_core.train_drafter"),
-             _edge("shared_core.train_drafter", "shared_core.bench.specrag"),
+    edges = [_edge("shared_core.engines.speculative_rag", "shared_core.tools.train_drafter"),
+             _edge("shared_core.tools.train_drafter", "shared_core.bench.specrag"),
              _edge("shared_core.bench.specrag", "shared_core.engines.speculative_rag")]
     problems = violations(edges)
     assert sum(p.startswith("upward import") for p in problems) == 1
     assert sum(p.startswith("import cycle") for p in problems) == 1
-    assert "shared_core.engines.speculative_rag -> shared_core.train_drafter" in problems[0]
+    assert "shared_core.engines.speculative_rag -> shared_core.tools.train_drafter" in problems[0]
 
 
 def test_allow_list_and_unmapped_modules() -> None:
-    edge = _edge("shared_core.engines.x", "shared_core.serving")
+    edge = _edge("shared_core.engines.x", "shared_core.frontend.serving")
     assert violations([edge], allowed={(edge.source, edge.target): "temporary"}) == []
     assert violations([_edge("shared_core.newthing", "shared_core.config")]) == [
         UNMAPPED.format("shared_core.newthing")]
@@ -299,16 +299,18 @@ def test_parser_sees_lazy_type_checking_string_and_relative_imports(tmp_path: Pa
     (pkg / "engines").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
     (pkg / "config.py").write_text("")
-    (pkg / "serving.py").write_text("")
-    (pkg / "models.py").write_text("")
+    (pkg / "frontend").mkdir()
+    (pkg / "frontend" / "serving.py").write_text("")
+    (pkg / "runtime").mkdir()
+    (pkg / "runtime" / "models.py").write_text("")
     (pkg / "engines" / "__init__.py").write_text('_LAZY = {"X": "shared_core.engines.eng"}\n')
     (pkg / "engines" / "eng.py").write_text(textwrap.dedent("""
         from typing import TYPE_CHECKING
         from .. import config
         if TYPE_CHECKING:
-            from shared_core.models import LM
+            from shared_core.runtime.models import LM
         def load():
-            from shared_core.serving import loaded_model
+            from shared_core.frontend.serving import loaded_model
         REGISTRY = {"a": "shared_core.config:thing"}
     """))
     files = discover(tmp_path, ["shared_core"])
@@ -318,11 +320,11 @@ def test_parser_sees_lazy_type_checking_string_and_relative_imports(tmp_path: Pa
     assert found == {
         ("shared_core.engines", "shared_core.engines.eng", "string"),
         ("shared_core.engines.eng", "shared_core.config", "top-level"),
-        ("shared_core.engines.eng", "shared_core.models", "type-checking"),
-        ("shared_core.engines.eng", "shared_core.serving", "lazy"),
+        ("shared_core.engines.eng", "shared_core.runtime.models", "type-checking"),
+        ("shared_core.engines.eng", "shared_core.frontend.serving", "lazy"),
         ("shared_core.engines.eng", "shared_core.config", "string"),
     }
     problems = violations(edges)
     assert problems == [
-        "upward import: shared_core.engines.eng -> shared_core.serving (line 7, lazy import)"
+        "upward import: shared_core.engines.eng -> shared_core.frontend.serving (line 7, lazy import)"
         " goes from layer 3 to layer 4"]

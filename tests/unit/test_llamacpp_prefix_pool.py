@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from shared_core.backends.llamacpp_prefix import IdleContexts
+from shared_core.runtime.llamacpp.prefix import IdleContexts
 
 
 def ctx(*ids: int) -> SimpleNamespace:
@@ -59,7 +59,7 @@ def test_the_budget_is_checked(keep):
 
 
 def test_load_lm_prefix_cache_maps_to_the_settings():
-    from shared_core.backends.llamacpp import LlamaCppSettings, prefix_cache_settings
+    from shared_core.runtime.llamacpp.lm import LlamaCppSettings, prefix_cache_settings
 
     assert prefix_cache_settings(None) == {}
     assert prefix_cache_settings(False) == prefix_cache_settings(0) == {"prefix_cache": False}
@@ -71,7 +71,7 @@ def test_load_lm_prefix_cache_maps_to_the_settings():
 
 @pytest.mark.parametrize(("value", "error"), [(-1, ValueError), (1.5, TypeError), ("on", TypeError)])
 def test_load_lm_refuses_a_bad_prefix_cache_before_any_model_work(monkeypatch, value, error):
-    from shared_core import models
+    from shared_core.runtime import models
 
     def refuse(*args, **kwargs):
         raise AssertionError("the model source was resolved")

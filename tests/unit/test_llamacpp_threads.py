@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from shared_core import device
-from shared_core.backends.llamacpp_threads import choose_threads
-from shared_core.stats import DecodeStats
+from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.runtime.llamacpp.threads import choose_threads
+from shared_core.util import device
 
 
 @pytest.mark.parametrize(("cpus", "load", "threads"), [

@@ -13,12 +13,12 @@ from collections.abc import Sequence
 import pytest
 import torch
 
+from shared_core.config.tokens import ReSpecConfig
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.engines.loop import LogitsMask, check_logits_mask
 from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.registry import stream_engine
 from shared_core.engines.respec import ReSpecDecoder
-from shared_core.token_config import ReSpecConfig
 from tests.fakes import HashEmbedder
 from tests.tiny import CORPUS
 

@@ -1,4 +1,4 @@
-"""shared_core.model_cache: one loaded LM per (name, device, dtype) in a process."""
+"""shared_core.runtime.model_cache: one loaded LM per (name, device, dtype) in a process."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from shared_core.model_cache import cached_lm
+from shared_core.runtime.model_cache import cached_lm
 
 
 def test_same_arguments_share_one_model(tiny_model_folder: str) -> None:
@@ -28,7 +28,7 @@ def test_a_failed_load_is_not_cached(tmp_path: Path) -> None:
 
 
 def test_adapters_and_engines_share_one_copy_and_release_drops_both(tiny_model_folder: str) -> None:
-    from shared_core import serving
+    from shared_core.frontend import serving
 
     lm, lock = serving.loaded_model(tiny_model_folder, "cpu", "float32")
     assert lm is cached_lm(tiny_model_folder, device="cpu", dtype="float32")
@@ -38,8 +38,8 @@ def test_adapters_and_engines_share_one_copy_and_release_drops_both(tiny_model_f
 
 
 def test_one_name_resolves_to_one_object_and_one_lock(tiny_model_folder: str) -> None:
-    from shared_core.model_cache import loaded_model, resolve_lm
-    from shared_core.model_lock import lock_for
+    from shared_core.runtime.model_cache import loaded_model, resolve_lm
+    from shared_core.runtime.model_lock import lock_for
 
     lm = resolve_lm(tiny_model_folder, device="cpu", dtype="float32")
     again, lock = loaded_model(tiny_model_folder, "cpu", "float32")
@@ -51,7 +51,8 @@ def test_one_name_resolves_to_one_object_and_one_lock(tiny_model_folder: str) ->
 def test_urls_and_lora_names_resolve_once_through_the_cache(monkeypatch: pytest.MonkeyPatch) -> None:
     """A served model's URL and a tuned drafter's name go through the one cache; settings they
     ignore (device, backend) do not make a second copy."""
-    from shared_core import lora, model_cache, remote
+    from shared_core.runtime import model_cache, remote
+    from shared_core.runtime.weights import lora
 
     made: list[tuple[str, Any]] = []
 
@@ -79,14 +80,14 @@ def test_urls_and_lora_names_resolve_once_through_the_cache(monkeypatch: pytest.
 
 
 def test_lock_for_keeps_one_lock_for_objects_without_weak_references() -> None:
-    from shared_core.model_lock import lock_for
+    from shared_core.runtime.model_lock import lock_for
 
     model = object()  # no __weakref__ slot
     assert lock_for(model) is lock_for(model)
 
 
 def _budget(lm: Any) -> int:
-    from shared_core.kv_prefix import ATTRIBUTE
+    from shared_core.runtime.torch.prefix import ATTRIBUTE
 
     return getattr(lm.model, ATTRIBUTE).budget
 
@@ -95,8 +96,8 @@ def test_prefix_cache_reaches_load_lm_and_a_different_one_is_refused(tiny_model_
                                                                      ) -> None:
     """The resolver passes ``prefix_cache`` to load_lm on the first load; later ``None`` or the
     same setting share that copy, a different one is refused naming it (no second copy)."""
-    from shared_core import model_cache
-    from shared_core.kv_prefix import MIB
+    from shared_core.runtime import model_cache
+    from shared_core.runtime.torch.prefix import MIB
 
     where = (tiny_model_folder, "cpu", "float32")
     model_cache.release(*where)
@@ -121,7 +122,7 @@ def test_prefix_cache_reaches_load_lm_and_a_different_one_is_refused(tiny_model_
 @pytest.mark.parametrize(("bad", "error"), [("4", TypeError), (1.5, TypeError),
                                             (-1, ValueError)])
 def test_a_bad_prefix_cache_is_refused_before_any_load(bad: Any, error: type) -> None:
-    from shared_core import model_cache
+    from shared_core.runtime import model_cache
 
     with pytest.raises(error, match="prefix_cache must be True, False or an int >= 0"):
         model_cache.cached_lm("/no/such/model", prefix_cache=bad)  # not FileNotFoundError
@@ -129,7 +130,7 @@ def test_a_bad_prefix_cache_is_refused_before_any_load(bad: Any, error: type) ->
 
 def test_served_models_ignore_prefix_cache(monkeypatch: pytest.MonkeyPatch
                                                               ) -> None:
-    from shared_core import model_cache, remote
+    from shared_core.runtime import model_cache, remote
 
     monkeypatch.setattr(remote, "RemoteLM", lambda url: object())
     url = "http://127.0.0.1:9/v1"

@@ -6,9 +6,9 @@ import pytest
 import torch
 from tiny import tiny_llama, tiny_tokenizer
 
-from shared_core import models
-from shared_core.device import resolve_device, resolve_dtype
-from shared_core.weights_cache import cache_is_valid, write_cache
+from shared_core.runtime import models
+from shared_core.runtime.weights.dequant_cache import cache_is_valid, write_cache
+from shared_core.util.device import resolve_device, resolve_dtype
 
 
 def test_unknown_alias_and_missing_paths_are_clear_errors(tmp_path):
@@ -95,7 +95,7 @@ def test_gqa_attention_on_cpu_is_bit_identical_for_verification_forwards(monkeyp
     from tiny import tiny_lm
     from transformers.integrations import sdpa_attention
 
-    from shared_core.kv import KVSession
+    from shared_core.runtime.torch.session import KVSession
 
     if "TRANSFORMERS_SDPA_FORCE_GQA" not in inspect.getsource(sdpa_attention.use_gqa_in_sdpa):
         pytest.skip("this transformers version has no TRANSFORMERS_SDPA_FORCE_GQA switch")

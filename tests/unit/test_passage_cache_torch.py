@@ -1,4 +1,4 @@
-"""The passage cache on torch (shared_core.passage_cache.torch_cache) on tiny in-process models:
+"""The passage cache on torch (shared_core.runtime.passage_cache.torch_cache) on tiny in-process models:
 the load path, the store keys, refused payloads, the blend's ends (share 0 and 1) and the disk
 tier across processes. The contracts both runtimes share are in tests/conformance."""
 
@@ -17,12 +17,12 @@ from fakes import PASSAGES
 from tiny import tiny_lm
 
 from shared_core.config import PassageCacheConfig
-from shared_core.kv import KVSession
-from shared_core.models import load_lm
-from shared_core.passage_cache import attach, passage_stats, register_passages, warm_passages
-from shared_core.passage_cache.chunks import passage_interior
-from shared_core.passage_cache.torch_blend import ChunkKV
-from shared_core.passage_cache.torch_cache import BLOCK, TorchPassageCache, identity_of
+from shared_core.runtime.models import load_lm
+from shared_core.runtime.passage_cache import attach, passage_stats, register_passages, warm_passages
+from shared_core.runtime.passage_cache.chunks import passage_interior
+from shared_core.runtime.passage_cache.torch_blend import ChunkKV
+from shared_core.runtime.passage_cache.torch_cache import BLOCK, TorchPassageCache, identity_of
+from shared_core.runtime.torch.session import KVSession
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -143,7 +143,7 @@ import torch
 torch.set_num_threads(1)
 from tiny import tiny_lm
 from shared_core.config import PassageCacheConfig
-from shared_core.passage_cache import attach, passage_stats
+from shared_core.runtime.passage_cache import attach, passage_stats
 from unit.test_passage_cache_torch import greedy, prompt
 lm = tiny_lm(num_layers=2, seed=9)
 attach(lm.model, PassageCacheConfig(mode="exact"), disk_dir=Path({disk!r}))

@@ -1,4 +1,4 @@
-"""Passage KV reuse on torch (shared_core.passage_cache.torch_blend) on tiny random models."""
+"""Passage KV reuse on torch (shared_core.runtime.passage_cache.torch_blend) on tiny random models."""
 
 from __future__ import annotations
 
@@ -10,9 +10,7 @@ import pytest
 import torch
 from tiny import measured, tiny_lm
 
-from shared_core.kv import KVSession
-from shared_core.kv_prefix import attach
-from shared_core.passage_cache.torch_blend import (
+from shared_core.runtime.passage_cache.torch_blend import (
     Case,
     ChunkKV,
     blend_prefill,
@@ -23,6 +21,8 @@ from shared_core.passage_cache.torch_blend import (
     rotary_embedding,
     shift_keys,
 )
+from shared_core.runtime.torch.prefix import attach
+from shared_core.runtime.torch.session import KVSession
 
 ATOL = 1e-4  # fp32, a few layers: observed differences are ~1e-6
 
@@ -88,7 +88,7 @@ def _rope_lm(rope_parameters: dict) -> object:
     from tiny import tiny_llama, tiny_tokenizer
     from transformers import LlamaForCausalLM
 
-    from shared_core.models import wrap_lm
+    from shared_core.runtime.models import wrap_lm
 
     config = tiny_llama(num_layers=2).config
     config.rope_parameters = rope_parameters

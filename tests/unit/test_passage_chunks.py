@@ -8,7 +8,7 @@ import itertools
 import pytest
 from fakes import PASSAGES
 
-from shared_core.passage_cache.chunks import (
+from shared_core.runtime.passage_cache.chunks import (
     PassageIndex,
     Span,
     cdc_chunks,
@@ -28,8 +28,8 @@ LONG = " ".join(f"Sentence {i} of the long report says that the {w} river flows 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from shared_core.embedded import embedded_gguf
-    from shared_core.model_sources import load_gguf_tokenizer
+    from shared_core.runtime.weights.embedded import embedded_gguf
+    from shared_core.runtime.weights.sources import load_gguf_tokenizer
 
     path = embedded_gguf("smollm2-135m-instruct")
     if path is None:
@@ -122,7 +122,7 @@ def test_uncovered_chunks_skip_known_spans_and_cut_edges():
 
 
 def test_recompute_groups_fill_decodes_and_split_long_runs_in_order():
-    from shared_core.passage_cache.llamacpp import _groups
+    from shared_core.runtime.passage_cache.llamacpp import _groups
 
     assert _groups([(0, 3), (5, 6), (10, 30)], 2, 8) == [[(0, 3), (5, 6)], [(10, 18)],
                                                          [(18, 26)], [(26, 30)]]

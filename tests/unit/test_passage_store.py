@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from shared_core.config import PassageCacheConfig, check_passage_cache
-from shared_core.passage_cache.store import MAGIC, SUFFIX, ChunkStore, model_identity
+from shared_core.runtime.passage_cache.store import MAGIC, SUFFIX, ChunkStore, model_identity
 
 IDENTITY = model_identity(path="/m.gguf", size=1, mtime_ns=2, runtime="test")
 
@@ -159,7 +159,7 @@ def test_warm_up_sources_list_docstore_and_vector_store_texts():
     from llama_index.core import Document as LIDocument
     from llama_index.core.storage.docstore import SimpleDocumentStore
 
-    from shared_core.passage_cache import source_texts
+    from shared_core.runtime.passage_cache import source_texts
 
     texts = ["first passage text", "second passage text"]
     assert source_texts(texts) == texts

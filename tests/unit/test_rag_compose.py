@@ -27,10 +27,10 @@ from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
 from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
+from shared_core.config.rag import RaLMSpecConfig, SpeculativeRAGConfig
 from shared_core.engines.ralmspec import RaLMSpec
 from shared_core.engines.speculative_rag import SpeculativeRAG
-from shared_core.rag_config import RaLMSpecConfig, SpeculativeRAGConfig
-from shared_core.rag_streams import answer_chunks
+from shared_core.frontend.rag_streams import answer_chunks
 
 DOCS = ADAPTER_DOCS
 
@@ -296,7 +296,7 @@ def test_the_engine_drafts_with_the_prompt_setting(specrag) -> None:
 def test_ralmspec_answers_with_the_prompt_setting(ralmspec) -> None:
     """The default's own text as a prompt gives the same tokens; another prompt changes the
     prompt and stays identical to RaLMSeq under it (both frameworks)."""
-    from shared_core.rag_config import DEFAULT_INSTRUCTION
+    from shared_core.config.rag import DEFAULT_INSTRUCTION
 
     as_default = DEFAULT_INSTRUCTION + "\n\nPassage: {documents}\n\nQuestion: {question}"
     other = LCPromptTemplate.from_template("Q: {question}\nUse: {documents}")

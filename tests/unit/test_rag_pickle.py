@@ -12,12 +12,12 @@ from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
 from llamaindex_specrag import RaLMSpecQueryEngine, SpeculativeRAGQueryEngine
+from shared_core.config.rag import RaLMSpecConfig, SpeculativeRAGConfig
 from shared_core.engines.ralmspec import RaLMSpec
 from shared_core.engines.speculative_rag import SpeculativeRAG
-from shared_core.models import load_lm
-from shared_core.rag_config import RaLMSpecConfig, SpeculativeRAGConfig
-from shared_core.rag_pickle import ReloadingEngine
+from shared_core.frontend.rag_pickle import ReloadingEngine
 from shared_core.retrieval import BM25Retriever
+from shared_core.runtime.models import load_lm
 
 MAX_BYTES = 4096
 TEXTS = ["Paris is the capital of France.", "Berlin is the capital of Germany.",

@@ -8,11 +8,7 @@ import torch
 from fakes import HashEmbedder
 from tiny import CORPUS, measured
 
-from shared_core.engines.baseline import autoregressive_generate
-from shared_core.engines.rapid import RapidConfig, RapidDecoder, split_prompt
-from shared_core.engines.rapid.rounds import GammaSchedule
-from shared_core.engines.registry import stream_engine
-from shared_core.verify import (
+from shared_core.decoding.verify import (
     rapid_residual,
     rapid_target_probs,
     verify_greedy,
@@ -20,6 +16,10 @@ from shared_core.verify import (
     verify_rapid_sampled,
     verify_sampled,
 )
+from shared_core.engines.baseline import autoregressive_generate
+from shared_core.engines.rapid import RapidConfig, RapidDecoder, split_prompt
+from shared_core.engines.rapid.rounds import GammaSchedule
+from shared_core.engines.registry import stream_engine
 
 CONTEXT = " ".join(CORPUS[:8])  # ~310 tiny tokens: fits the 512-position tiny models
 QUERIES = ["Who wrote the report?", "What is the capital of France?"]

@@ -17,8 +17,8 @@ import pytest
 from tiny import tiny_tokenizer
 
 from shared_core.config import SamplingConfig
-from shared_core.remote import RemoteCapabilityError, RemoteConfig, RemoteError, RemoteLM
-from shared_core.remote.protocol import RemoteProtocolError, parse_metrics, vllm_parse_score
+from shared_core.runtime.remote import RemoteCapabilityError, RemoteConfig, RemoteError, RemoteLM
+from shared_core.runtime.remote.protocol import RemoteProtocolError, parse_metrics, vllm_parse_score
 
 FAST = RemoteConfig(max_retries=2, backoff_s=0.0)
 
@@ -195,7 +195,7 @@ def test_connection_errors_are_retried_with_backoff(tok):
 
 async def test_sync_and_async_requests_share_one_retry_policy(tok):
     """Same outcomes, same attempts, same errors from ``request`` and ``arequest``."""
-    from shared_core.remote.http import Transport
+    from shared_core.runtime.remote.http import Transport
 
     for fail_first, retries in ((2, None), (3, None), (1, 0)):
         outcomes = []

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from shared_core.drafters.suffix_automaton import longest_match_brute
-from shared_core.integrations.vllm import SuffixAutomatonProposer
+from shared_core.tools.integrations.vllm import SuffixAutomatonProposer
 
 
 def _config(k: int = 4, max_len: int = 64) -> SimpleNamespace:

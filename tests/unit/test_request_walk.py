@@ -94,7 +94,7 @@ def test_one_call_converts_documents_once_and_renders_no_prompt(specrag, name) -
                        "check_question": 1, "prompt_messages": 0, "check_prompt": 0,
                        "rendered_prompt": 0}, counted
     assert calls["SpeculativeRAGEngines.get"] == 1  # one engine look-up per call
-    assert any(f.endswith("rag_settings.py") for f in files)  # the walk saw the shared base
+    assert any(f.endswith("frontend/rag_settings.py") for f in files)  # the walk saw the shared base
 
 
 def test_a_changed_prompt_is_rendered_once_at_the_next_call(specrag) -> None:
@@ -140,7 +140,7 @@ def test_one_chat_call_validates_messages_and_generation_settings_once(tiny_targ
     files, calls = walk(call)
     assert {f: calls[f] for f in CHAT_CHECKS} == dict.fromkeys(CHAT_CHECKS, 1), dict(calls)
     assert calls["chat_turns"] == 1 and calls["engine_function"] == 0
-    assert any(f.endswith("chat_adapters.py") for f in files)
+    assert any(f.endswith("frontend/chat.py") for f in files)
     reference = stream_engine("respec", tiny_target, [{"role": "user", "content": CHAT_PROMPT}],
                               max_new_tokens=8).run()
     assert first == call() == reference.text  # the same tokens as the loose-argument path

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from shared_core.config import SamplingConfig
-from shared_core.draft_length import best_draft_length
+from shared_core.decoding.draft_length import best_draft_length
+from shared_core.decoding.verify import relaxed_accept_length, verify_tree_relaxed, warp_probs
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.engines.registry import stream_engine
 from shared_core.engines.respec import (
@@ -19,7 +20,6 @@ from shared_core.engines.respec import (
     entropy_trigger,
     respec_generate,
 )
-from shared_core.verify import relaxed_accept_length, verify_tree_relaxed, warp_probs
 
 PROMPTS = ["0 1 2 3 4 5 6 7 8 9 10 11 12", "Paris is the capital of France. Berlin is"]
 N_NEW = 32
@@ -216,7 +216,7 @@ CPU_CURVE = ((1, 1.0), (2, 1.64), (3, 2.27), (4, 2.56), (8, 4.53), (16, 8.73))
 
 
 def test_a_measured_curve_decides_the_draft_length() -> None:
-    from shared_core.draft_length import CostModel, curve_steps
+    from shared_core.decoding.draft_length import CostModel, curve_steps
 
     assert curve_steps(CPU_CURVE, 1) == 1.0 and curve_steps(CPU_CURVE, 6) == pytest.approx(3.545)
     assert curve_steps(CPU_CURVE, 32) == pytest.approx(2 * 8.73)  # in proportion, beyond

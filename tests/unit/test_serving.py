@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from shared_core.serving import iterate_in_thread
+from shared_core.frontend.serving import iterate_in_thread
 
 
 def _counting(produced: list[int], closed: threading.Event, n: int = 1000) -> Iterator[int]:

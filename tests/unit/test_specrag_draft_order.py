@@ -47,7 +47,8 @@ def test_prompt_prefills_the_answer_marker():
     first = lm.decode(draft_prompt(lm, "capital?", docs, "answer_first"))
     paper = lm.decode(draft_prompt(lm, "capital?", docs, "rationale_first"))
     assert first.rstrip().endswith("Answer:") and paper.rstrip().endswith("Rationale:")
-    assert SpeculativeRAGConfig().draft_order == "answer_first"  # the default: results/s10
+    # the default: results/{demo,specrag}/2026-11-26a
+    assert SpeculativeRAGConfig().draft_order == "answer_first"
     assert "First write a short answer" in first
 
 

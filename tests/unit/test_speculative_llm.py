@@ -78,7 +78,7 @@ def test_metadata_and_options(llm, tiny_target):
 def test_pickles_settings_not_weights_and_reloads_by_name(tiny_model_folder):
     import pickle
 
-    from shared_core.serving import loaded_model
+    from shared_core.frontend.serving import loaded_model
 
     lm, _ = loaded_model(tiny_model_folder)
     llm = SpeculativeLLM(lm, model="tiny", max_new_tokens=6)

@@ -394,9 +394,9 @@ def test_engine_retrieve_accepts_langchain_and_llamaindex_retrievers():
 
 def test_bench_metrics_and_reselection():
     from shared_core.bench.specrag import _path
-    from shared_core.bench.specrag_data import is_correct
-    from shared_core.bench.specrag_report import _drafts_of
-    from shared_core.bench.specrag_selection import draft_oracle, reselect
+    from shared_core.bench.specrag.data import is_correct
+    from shared_core.bench.specrag.report import _drafts_of
+    from shared_core.bench.specrag.selection import draft_oracle, reselect
     from shared_core.engines.speculative_rag import SpeculativeRAGResult, SpeculativeRAGStats
 
     assert is_correct("nq", "It was Wilhelm Conrad Röntgen.", ["Wilhelm Conrad Röntgen"])
@@ -433,9 +433,9 @@ def test_bench_metrics_and_reselection():
 
 
 def test_bench_split_keeps_training_out_of_evaluation():
-    from shared_core.bench.specrag_data import load_dataset
-    from shared_core.data_splits import SQUAD_EVAL_TITLES
-    from shared_core.train_drafter import build_examples
+    from shared_core.bench.specrag.data import load_dataset
+    from shared_core.config.data_splits import SQUAD_EVAL_TITLES
+    from shared_core.tools.train_drafter import build_examples
     from tests.tiny import data_dir
 
     root = data_dir()
@@ -451,7 +451,7 @@ def test_bench_split_keeps_training_out_of_evaluation():
 
 
 def test_drafter_lora_recipe_runs_on_a_tiny_model():
-    from shared_core.train_drafter import encode_example, load_tuned_drafter, train_lora
+    from shared_core.tools.train_drafter import encode_example, load_tuned_drafter, train_lora
 
     lm = tiny_lm(2, seed=5)
     ex = {"question": "capital of France?", "docs": DOCS[:2], "rationale": "Paris is the capital.",
@@ -477,7 +477,7 @@ def test_top_ranked_documents_are_covered_before_lower_ones():
 
 
 def test_lora_training_runs_with_grad_mode_left_off_by_the_caller():
-    from shared_core.train_drafter import encode_example, train_lora
+    from shared_core.tools.train_drafter import encode_example, train_lora
 
     lm = tiny_lm(2, seed=6)
     ex = {"question": "capital of France?", "docs": DOCS[:2], "rationale": "Paris.", "answer": "Paris"}

@@ -1,4 +1,4 @@
-"""tiktoken token counts and prompt-size checks (shared_core.token_budget): offline through
+"""tiktoken token counts and prompt-size checks (shared_core.frontend.token_budget): offline through
 llama-index-core's bundled BPE files, named errors for bad input, budgets at the boundary."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shared_core.token_budget import check_prompt_size, count_tokens, encoding_name, get_encoding
+from shared_core.frontend.token_budget import check_prompt_size, count_tokens, encoding_name, get_encoding
 
 DEAD_PROXY = "http://127.0.0.1:9"  # any download attempt fails at once
 
@@ -25,7 +25,7 @@ def _offline_run(code: str, cache_dir: str | None = None) -> subprocess.Complete
 
 
 def test_bundled_encodings_load_offline_and_leave_the_environment_alone() -> None:
-    code = ("import os, sys\nfrom shared_core.token_budget import count_tokens\n"
+    code = ("import os, sys\nfrom shared_core.frontend.token_budget import count_tokens\n"
             "print(count_tokens('hello world'), count_tokens('hello world', encoding='o200k_base'),"
             " count_tokens('hello world', encoding='gpt-4o-mini'))\n"
             "assert 'TIKTOKEN_CACHE_DIR' not in os.environ\n"
@@ -36,7 +36,7 @@ def test_bundled_encodings_load_offline_and_leave_the_environment_alone() -> Non
 
 
 def test_other_encodings_offline_say_how_to_fix() -> None:
-    code = ("from shared_core.token_budget import count_tokens\n"
+    code = ("from shared_core.frontend.token_budget import count_tokens\n"
             "count_tokens('x', encoding='r50k_base')\n")
     result = _offline_run(code)
     assert result.returncode != 0
@@ -45,7 +45,7 @@ def test_other_encodings_offline_say_how_to_fix() -> None:
 
 
 def test_a_users_cache_setting_is_respected(tmp_path) -> None:
-    code = "from shared_core.token_budget import count_tokens\ncount_tokens('x')\n"
+    code = "from shared_core.frontend.token_budget import count_tokens\ncount_tokens('x')\n"
     result = _offline_run(code, cache_dir=str(tmp_path))  # empty folder: must try to download
     assert result.returncode != 0 and "TIKTOKEN_CACHE_DIR" in result.stderr
 

@@ -6,17 +6,17 @@ import pytest
 from tiny import heavy_imports
 
 from shared_core import config
-from shared_core.token_config import RapidConfig, ReSpecConfig, check_eta
+from shared_core.config.tokens import RapidConfig, ReSpecConfig, check_eta
 
 
 def test_token_configs_import_without_torch_or_numpy() -> None:
-    assert heavy_imports("shared_core.token_config") == []
+    assert heavy_imports("shared_core.config.tokens") == []
     assert heavy_imports("shared_core.engines.rapid") != []  # the check can fail
 
 
 def test_engines_re_export_the_token_configs() -> None:
-    from shared_core import kv
     from shared_core.engines import rapid, respec
+    from shared_core.runtime.torch import session as kv
 
     assert rapid.RapidConfig is RapidConfig
     assert respec.ReSpecConfig is ReSpecConfig
@@ -24,7 +24,7 @@ def test_engines_re_export_the_token_configs() -> None:
 
 
 def test_output_uses_the_config_helpers() -> None:
-    from shared_core import output
+    from shared_core.decoding import output
 
     assert output.check_int is config.check_int
     assert output.check_real is config.check_real

@@ -1,4 +1,4 @@
-"""shared_core.tool_calls: tool choice and tool checks, prompts with tools, forced calls, parsing."""
+"""shared_core.decoding.tool_calls: tool choice and tool checks, prompts with tools, forced calls, parsing."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from shared_core.tool_calls import (
+from shared_core.decoding.tool_calls import (
     TOOLS_SYSTEM,
     ReplyScanner,
     auto_calls,
@@ -162,7 +162,7 @@ def test_auto_calls_grammar_lets_text_through_and_constrains_calls(tiny_target):
     pytest.importorskip("xgrammar")
     import xgrammar as xgr
 
-    from shared_core.constrained import compile_constraint
+    from shared_core.decoding.constrained import compile_constraint
 
     compiled = compile_constraint(tiny_target, auto_calls(check_tools([WEATHER, ADD])))
 

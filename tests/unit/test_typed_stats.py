@@ -13,14 +13,14 @@ import pytest
 from fakes import HashEmbedder
 from tiny import CORPUS, measured
 
+from shared_core.decoding.decode_stats import DecodeStats
 from shared_core.engines.knnlm import KNNDatastore, KNNLMConfig, KNNLMStats, knnlm_generate
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig, RaLMSpecStats
 from shared_core.engines.rapid import RapidConfig, RapidDecoder, RapidStats
 from shared_core.engines.respec import ReSpecStats, respec_generate
 from shared_core.engines.speculative_rag import RAGStats, SpeculativeRAGStats, StandardRAGStats
-from shared_core.rag_adapters import ralmspec_details, ralmspec_documents
+from shared_core.frontend.rag import ralmspec_details, ralmspec_documents
 from shared_core.retrieval import BM25Retriever, Document
-from shared_core.stats import DecodeStats
 
 DOCS = [Document(f"d{i}", text, {"n": i}) for i, text in enumerate(CORPUS[:8])]
 CONFIG = RaLMSpecConfig(max_doc_tokens=32, query_tokens=8, retrieval_stride=2)

@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from shared_core.config import SamplingConfig
-from shared_core.verify import (
+from shared_core.decoding.verify import (
     greedy_accept_length,
     verify_greedy,
     verify_sampled,

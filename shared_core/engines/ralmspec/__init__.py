@@ -33,8 +33,17 @@ from __future__ import annotations
 # backends (retriever protocol + checked calls), cache (+ SpeculativeRetrieval), decoding (prompt,
 # decoder, per-call state), engine (rounds + API); OS³ lives in engines.os3 (shared with KNN-LM).
 from shared_core.config import check_timeout
+from shared_core.config.rag import DEFAULT_INSTRUCTION, RaLMSpecConfig, SpeculativeRetrievalConfig
 from shared_core.engines.os3 import OS3Scheduler
-from shared_core.engines.ralmspec.backends import (
+from shared_core.engines.ralmspec.cache import LocalCache, SpeculativeRetrieval, check_query
+from shared_core.engines.ralmspec.decoding import RaLMCall, RaLMDecoder, RaLMPrompt
+from shared_core.engines.ralmspec.engine import (
+    RaLMSpec,
+    expected_speedup_bound,
+    ralmseq_generate,
+    stream_ralmspec,
+)
+from shared_core.engines.ralmspec.retrievers import (
     BM25Backend,
     DenseBackend,
     SearchBackend,
@@ -48,16 +57,7 @@ from shared_core.engines.ralmspec.backends import (
     retriever_name,
     start_search,
 )
-from shared_core.engines.ralmspec.cache import LocalCache, SpeculativeRetrieval, check_query
-from shared_core.engines.ralmspec.decoding import RaLMCall, RaLMDecoder, RaLMPrompt
-from shared_core.engines.ralmspec.engine import (
-    RaLMSpec,
-    expected_speedup_bound,
-    ralmseq_generate,
-    stream_ralmspec,
-)
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
-from shared_core.rag_config import DEFAULT_INSTRUCTION, RaLMSpecConfig, SpeculativeRetrievalConfig
 from shared_core.retrieval.frameworks import check_rows
 
 __all__ = [

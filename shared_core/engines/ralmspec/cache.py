@@ -8,15 +8,15 @@ from collections.abc import Sequence
 from typing import Any
 
 from shared_core.config import check_text
-from shared_core.engines.ralmspec.backends import (
+from shared_core.config.rag import (
+    SpeculativeRetrievalConfig,
+)
+from shared_core.engines.ralmspec.retrievers import (
     SpeculativeBackend,
     as_backend,
     check_ranked,
     checked_search,
     retriever_name,
-)
-from shared_core.rag_config import (
-    SpeculativeRetrievalConfig,
 )
 from shared_core.retrieval.base import Document, Hit, doc_key
 

@@ -9,23 +9,23 @@ from typing import Any
 import torch
 
 from shared_core.config import CacheKind, GenerationConfig
-from shared_core.engines.loop import TokenStream
-from shared_core.engines.ralmspec.backends import SpeculativeBackend, checked_search
-from shared_core.engines.ralmspec.position import RaLMDecoderState
-from shared_core.engines.ralmspec.served import ServedRaLMDecoder
-from shared_core.engines.ralmspec.stats import RaLMSpecStats
-from shared_core.engines.timing import timed
-from shared_core.lm import runtime_threads
-from shared_core.output import OutputTracker
-from shared_core.passage_cache import register_passage_ids
-from shared_core.rag_config import (
+from shared_core.config.rag import (
     RaLMSpecConfig,
     format_prompt,
 )
+from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.decoding.output import OutputTracker
+from shared_core.decoding.verify import sample, warp_probs
+from shared_core.engines.loop import TokenStream
+from shared_core.engines.ralmspec.position import RaLMDecoderState
+from shared_core.engines.ralmspec.retrievers import SpeculativeBackend, checked_search
+from shared_core.engines.ralmspec.served import ServedRaLMDecoder
+from shared_core.engines.ralmspec.stats import RaLMSpecStats
+from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document, Hit, doc_key
+from shared_core.runtime.lm import runtime_threads
+from shared_core.runtime.passage_cache import register_passage_ids
 from shared_core.runtime.protocol import ModelLM, ServedLM, SessionLM, open_session
-from shared_core.stats import DecodeStats
-from shared_core.verify import sample, warp_probs
 
 _SENTINEL = "\u2063RALM_DOC\u2063"
 

@@ -13,23 +13,23 @@ from typing import Any
 import torch
 
 from shared_core.config import GenerationConfig, SamplingConfig
-from shared_core.engines.loop import TokenStream
-from shared_core.engines.os3 import OS3Scheduler
-from shared_core.engines.ralmspec.backends import as_backend, await_search, start_search
-from shared_core.engines.ralmspec.cache import LocalCache, check_query
-from shared_core.engines.ralmspec.decoding import RaLMCall
-from shared_core.engines.ralmspec.pipeline import run_pipelined
-from shared_core.engines.timing import timed
-from shared_core.models import LM
-from shared_core.output import GenerationResult
-from shared_core.rag_config import (
+from shared_core.config.rag import (
     RALMSPEC_MAX_NEW_TOKENS,
     RaLMSpecConfig,
 )
+from shared_core.decoding.output import GenerationResult
+from shared_core.decoding.verify import greedy_accept_length
+from shared_core.engines.loop import TokenStream
+from shared_core.engines.os3 import OS3Scheduler
+from shared_core.engines.ralmspec.cache import LocalCache, check_query
+from shared_core.engines.ralmspec.decoding import RaLMCall
+from shared_core.engines.ralmspec.pipeline import run_pipelined
+from shared_core.engines.ralmspec.retrievers import as_backend, await_search, start_search
+from shared_core.engines.timing import timed
 from shared_core.retrieval._common import check_int
 from shared_core.retrieval.base import Document, Hit, doc_key
+from shared_core.runtime.models import LM
 from shared_core.runtime.protocol import ServedLM, SessionLM
-from shared_core.verify import greedy_accept_length
 
 
 def _ralmseq_blocks(call: RaLMCall) -> Iterator[list[int]]:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from shared_core.engines.ralmspec.backends import SpeculativeBackend, check_hits, retriever_name
+from shared_core.decoding.output import GenerationResult
 from shared_core.engines.ralmspec.decoding import RaLMCall
-from shared_core.output import GenerationResult
+from shared_core.engines.ralmspec.retrievers import SpeculativeBackend, check_hits, retriever_name
 from shared_core.retrieval.base import Document, Hit
 
 

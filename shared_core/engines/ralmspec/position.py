@@ -13,8 +13,8 @@ from typing import Any
 import torch
 
 from shared_core.config import GenerationConfig, SamplingConfig
-from shared_core.model_lock import lock_for
 from shared_core.retrieval.base import Document, doc_key
+from shared_core.runtime.model_lock import lock_for
 from shared_core.runtime.protocol import ModelLM
 
 _SEED_MIX = 1_000_003

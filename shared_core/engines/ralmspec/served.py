@@ -1,4 +1,4 @@
-"""RaLMSpec / RaLMSeq decoding on a served model (a :class:`~shared_core.remote.RemoteLM`).
+"""RaLMSpec / RaLMSeq decoding on a served model (a :class:`~shared_core.runtime.remote.RemoteLM`).
 
 :class:`ServedRaLMDecoder` has :class:`~shared_core.engines.ralmspec.decoding.RaLMDecoder`'s
 interface (``generated``, ``finished``, ``step``, ``reset_to``); each step is ONE

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shared_core.decoding.decode_stats import RUN_SPECIFIC, DecodeStats
 from shared_core.retrieval.base import Document
-from shared_core.stats import RUN_SPECIFIC, DecodeStats
 
 
 @dataclass

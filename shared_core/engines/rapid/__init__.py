@@ -9,7 +9,7 @@ itself by default: self-speculation; or any same-vocabulary model) drafts γ tok
 ``[full context; query; generated]``. Acceptance uses the retrieval-augmented target
 
     p̂ = softmax(z/T + η(q − p))   (tail where p̂ < α·max p̂ keeps p),  accept w.p. min(1, p̂/q),
-    residual norm(max(0, max(p − q, p − p̂)))   (see ``shared_core.verify``, section RAPID).
+    residual norm(max(0, max(p − q, p − p̂)))   (see ``shared_core.decoding.verify``, section RAPID).
 
 With ``eta == 0`` this is lossless speculative decoding (output identical to the target alone);
 with ``eta > 0`` the engine samples from the modified distribution p̂, not from the target.
@@ -35,13 +35,14 @@ interrupted step (exception, ``KeyboardInterrupt``) leaves the session consisten
 
 from __future__ import annotations
 
+from shared_core.config.tokens import DRAFTER_KV, RapidConfig, check_eta
+
 # prompts (per-question prompts, stats), context (chunk index, retrieval, prompt building),
 # rounds (the RAPID round, γ schedule), engine (RapidDecoder: slots, baselines, streams), entry
 # (the registry's start_rapid, and stream_rapid with loose arguments).
 from shared_core.engines.rapid.engine import RapidDecoder
 from shared_core.engines.rapid.entry import split_prompt, start_rapid, stream_rapid
 from shared_core.engines.rapid.prompts import METHODS, RapidPrompt, RapidStats
-from shared_core.token_config import DRAFTER_KV, RapidConfig, check_eta
 
 __all__ = [
     "DRAFTER_KV",

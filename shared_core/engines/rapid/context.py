@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 from shared_core.config import (
     check_text,
 )
+from shared_core.config.tokens import RapidConfig
 from shared_core.engines.rapid.prompts import EncodedContext, IndexedContext, RapidPrompt, join_chunks
-from shared_core.passage_cache import register_passages
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
+from shared_core.runtime.passage_cache import register_passages
 from shared_core.runtime.protocol import SessionLM
-from shared_core.token_config import RapidConfig
 
 if TYPE_CHECKING:
-    from shared_core.model_lock import FairLock
+    from shared_core.runtime.model_lock import FairLock
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ class RapidContext:
     lm: SessionLM
     draft_lm: SessionLM
     config: RapidConfig
-    _lock: FairLock  # the target model's lock (shared_core.model_lock.lock_for)
+    _lock: FairLock  # the target model's lock (shared_core.runtime.model_lock.lock_for)
     _embedder_spec: Any
     _embedder: Any
     _indexes: OrderedDict[str, IndexedContext]
@@ -46,7 +46,7 @@ class RapidContext:
     @property
     def embedder(self) -> Any:
         if self._embedder is None:
-            from shared_core.model_cache import cached_embedder
+            from shared_core.runtime.model_cache import cached_embedder
 
             self._embedder = cached_embedder(self._embedder_spec)
         return self._embedder

@@ -20,6 +20,8 @@ from shared_core.config import (
     check_text,
     suggest_kwargs,
 )
+from shared_core.config.tokens import RapidConfig, check_eta
+from shared_core.decoding.output import GenerationResult, generation_config
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.loop import LogitsMask, TokenStream, autoregressive_blocks
 from shared_core.engines.rapid.context import RapidContext
@@ -31,10 +33,8 @@ from shared_core.engines.rapid.prompts import (
     chat_parts,
 )
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
-from shared_core.model_lock import lock_for
-from shared_core.output import GenerationResult, generation_config
+from shared_core.runtime.model_lock import lock_for
 from shared_core.runtime.protocol import KVSession, SessionLM, open_session
-from shared_core.token_config import RapidConfig, check_eta
 
 logger = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from shared_core.config import (
     SamplingConfig,
     check_kwargs,
 )
+from shared_core.config.tokens import RapidConfig
+from shared_core.decoding.output import ChatTurns, generation_config, validate_messages
 from shared_core.engines.loop import LogitsMask, Prompt, TokenStream, kept
 from shared_core.engines.rapid.engine import RapidDecoder
-from shared_core.output import ChatTurns, generation_config, validate_messages
 from shared_core.runtime.protocol import SessionLM
-from shared_core.token_config import RapidConfig
 
 
 def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, str]:

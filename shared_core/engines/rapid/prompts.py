@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from shared_core.config.tokens import RapidConfig
+from shared_core.decoding.decode_stats import RUN_SPECIFIC, DecodeStats
 from shared_core.retrieval import DenseRetriever, Document
 from shared_core.runtime.protocol import SessionLM
-from shared_core.stats import RUN_SPECIFIC, DecodeStats
-from shared_core.token_config import RapidConfig
 
 METHODS = ("rapid", "sd", "long_context", "rag")
 _SENTINEL = "\x00RAPID-CONTENT\x00"

@@ -12,21 +12,21 @@ from shared_core.config import (
     CacheKind,
     GenerationConfig,
 )
-from shared_core.draft_length import CostModel, best_draft_length
-from shared_core.drafters.base import EMPTY_DRAFT, Draft
-from shared_core.drafters.retrieved_context import RetrievedContextDrafter
-from shared_core.engines.loop import LogitsMask, Run, timed
-from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
-from shared_core.runtime.host_sync import DeviceTokens, RoundClock
-from shared_core.runtime.protocol import SessionLM
-from shared_core.token_config import RapidConfig
-from shared_core.verify import (
+from shared_core.config.tokens import RapidConfig
+from shared_core.decoding.draft_length import CostModel, best_draft_length
+from shared_core.decoding.verify import (
     Verdict,
     choose_token,
     verify_rapid_greedy,
     verify_rapid_sampled,
     warp_probs,
 )
+from shared_core.drafters.base import EMPTY_DRAFT, Draft
+from shared_core.drafters.retrieved_context import RetrievedContextDrafter
+from shared_core.engines.loop import LogitsMask, Run, timed
+from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
+from shared_core.runtime.host_sync import DeviceTokens, RoundClock
+from shared_core.runtime.protocol import SessionLM
 
 
 class CachedRun(Run):

@@ -18,7 +18,7 @@ The paper's three questions, as coded here:
   generation keeps copying from the same place, so its score carries across rounds.
 - *How* to verify: strict (lossless; greedy argmax path or one-hot recursive rejection sampling)
   for everything by default and always for model drafts; ``verification="relaxed"`` accepts,
-  for retrieved drafts only, near-miss tokens (:func:`shared_core.verify.verify_tree_relaxed`),
+  for retrieved drafts only, near-miss tokens (:func:`shared_core.decoding.verify.verify_tree_relaxed`),
   which CHANGES THE OUTPUT: relaxed outputs are not the target's greedy output.
 
 When retrieval is not triggered (or finds nothing), a fallback drafter proposes: a same-vocabulary
@@ -28,6 +28,8 @@ back, 5 adapt; the cache invariant is the core's (every committed token but ``pe
 """
 
 from __future__ import annotations
+
+from shared_core.config.tokens import CandidateSelection, Fallback, ReSpecConfig, Verification
 
 # drafting (candidates, trees, trigger, per-request state), engine (decoder, round, entry)
 from shared_core.engines.respec.drafting import (
@@ -44,10 +46,9 @@ from shared_core.engines.respec.engine import (
     start_respec,
     stream_respec,
 )
-from shared_core.token_config import CandidateSelection, Fallback, ReSpecConfig, Verification
 
 # the earlier name of CandidateSelection, kept so existing imports work (Speculative RAG's draft
-# selection is shared_core.rag_config.DraftSelection)
+# selection is shared_core.config.rag.DraftSelection)
 Selection = CandidateSelection
 
 __all__ = [

@@ -10,11 +10,11 @@ from typing import Any
 
 import torch
 
-from shared_core.draft_length import CostModel, best_draft_length
+from shared_core.config.tokens import ReSpecConfig
+from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.decoding.draft_length import CostModel, best_draft_length
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.suffix_automaton import DynamicIndex, Match, StaticIndex, StaticMatcher
-from shared_core.stats import DecodeStats
-from shared_core.token_config import ReSpecConfig
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,10 @@ from shared_core.config import (
     check_unicode,
     suggest_kwargs,
 )
+from shared_core.config.tokens import ReSpecConfig
+from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.decoding.output import GenerationResult, generation_config
+from shared_core.decoding.verify import accept_greedy, verify_tree, verify_tree_relaxed
 from shared_core.drafters.base import Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
@@ -33,14 +37,10 @@ from shared_core.engines.respec.drafting import (
     entropy_rows,
     row_entropies,
 )
-from shared_core.model_lock import lock_for, step_locked
-from shared_core.models import LM
-from shared_core.output import GenerationResult, generation_config
 from shared_core.runtime.host_sync import DeviceTokens, read_with
+from shared_core.runtime.model_lock import lock_for, step_locked
+from shared_core.runtime.models import LM
 from shared_core.runtime.protocol import SessionLM
-from shared_core.stats import DecodeStats
-from shared_core.token_config import ReSpecConfig
-from shared_core.verify import accept_greedy, verify_tree, verify_tree_relaxed
 
 
 class ReSpecDecoder:

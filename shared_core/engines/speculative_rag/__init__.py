@@ -44,6 +44,8 @@ text is the rationale.
 
 from __future__ import annotations
 
+from shared_core.config.rag import EMBED_INSTRUCTION, SpeculativeRAGConfig, SubsetStrategy
+
 # One module per step; every public name is re-exported here (the package's API).
 from shared_core.engines.speculative_rag.engine import EventHook, SpeculativeRAG, standard_rag
 from shared_core.engines.speculative_rag.generation import generate_batch
@@ -81,7 +83,6 @@ from shared_core.engines.speculative_rag.subsets import (
     one_per_cluster_subsets,
     same_cluster_subsets,
 )
-from shared_core.rag_config import EMBED_INSTRUCTION, SpeculativeRAGConfig, SubsetStrategy
 from shared_core.retrieval.frameworks import (
     check_document_list,
     check_retriever,

@@ -17,6 +17,7 @@ from shared_core.config import (
     check_backend,
     check_int,
 )
+from shared_core.config.rag import SpeculativeRAGConfig
 from shared_core.engines.speculative_rag.generation import generate_batch
 from shared_core.engines.speculative_rag.inputs import (
     check_model_arg,
@@ -51,13 +52,12 @@ from shared_core.engines.speculative_rag.subsets import (
     subset_shape,
 )
 from shared_core.engines.timing import PhaseClock, timed
-from shared_core.model_cache import cached_embedder
-from shared_core.model_lock import lock_for
-from shared_core.passage_cache import register_passages
-from shared_core.rag_config import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import check_retriever, retrieve
 from shared_core.retrieval.timeout import call_with_timeout
+from shared_core.runtime.model_cache import cached_embedder
+from shared_core.runtime.model_lock import lock_for
+from shared_core.runtime.passage_cache import register_passages
 
 if TYPE_CHECKING:
 
@@ -71,7 +71,7 @@ class SpeculativeRAG:
     """Speculative RAG: parallel drafts from a small drafter, one batched verifier pass.
 
     Args:
-        drafter: an :class:`~shared_core.models.LM` or a name for :func:`load_lm` (default the
+        drafter: an :class:`~shared_core.runtime.models.LM` or a name for :func:`load_lm` (default the
             embedded SmolLM2-135M-Instruct; ``"smollm2-135m-instruct+specrag"`` adds the shipped
             LoRA adapter tuned as a RAG drafter).
         verifier: an LM or a name (default the embedded Gemma-3-270M base model); ``None`` is
@@ -82,7 +82,7 @@ class SpeculativeRAG:
         dtype: dtype for models given by name (``None``: the device default, fp32 on CPU).
             ``"bfloat16"`` roughly halves latency on CPUs with AMX/AVX-512-BF16, because drafting
             and verification are mostly prompt processing (measured in the benchmark).
-        backend: runtime for models given by name (:func:`shared_core.models.load_lm`):
+        backend: runtime for models given by name (:func:`shared_core.runtime.models.load_lm`):
             ``"auto"`` (``DEFAULT_SPECRAG_BACKEND``: llama.cpp on a CPU once a probe process
             decoded with it, torch on a GPU), ``"torch"`` or ``"llama.cpp"`` (drafts decoded as
             parallel sequences of one context, verifier spans scored in one pass). A dtype keeps
@@ -90,7 +90,7 @@ class SpeculativeRAG:
 
     Models load lazily on first use, through the shared model cache (an engine naming a model
     another engine or adapter loaded uses the same copy); names are validated immediately. Each
-    step holds its model's one lock (:func:`shared_core.model_lock.lock_for`), never retrieval.
+    step holds its model's one lock (:func:`shared_core.runtime.model_lock.lock_for`), never retrieval.
     """
 
     def __init__(self, drafter: ModelLM | str = DEFAULT_LM, verifier: ModelLM | str | None = DEFAULT_VERIFIER,
@@ -112,7 +112,7 @@ class SpeculativeRAG:
             msg = f"dtype must be None or a dtype name such as 'bfloat16', got {dtype!r}"
             raise TypeError(msg)
         if dtype is not None:
-            from shared_core.device import resolve_device, resolve_dtype
+            from shared_core.util.device import resolve_device, resolve_dtype
 
             resolve_dtype(dtype, resolve_device("cpu"))  # a bad dtype fails before any loading
         self.dtype = dtype

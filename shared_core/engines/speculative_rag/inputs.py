@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared_core.config import LOAD_LM_BACKEND
-from shared_core.model_cache import check_model_name as check_model_name  # re-exported
-from shared_core.model_cache import resolve_lm
-from shared_core.rag_config import SpeculativeRAGConfig
+from shared_core.config.rag import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document
 from shared_core.retrieval.frameworks import DocumentList, check_document_list, to_documents
+from shared_core.runtime.model_cache import check_model_name as check_model_name  # re-exported
+from shared_core.runtime.model_cache import resolve_lm
 
 if TYPE_CHECKING:
     from shared_core.runtime.protocol import ModelLM

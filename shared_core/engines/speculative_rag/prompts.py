@@ -10,9 +10,9 @@ import re
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from shared_core.lm import window_text
-from shared_core.rag_config import DraftOrder, PromptMessages, format_prompt
+from shared_core.config.rag import DraftOrder, PromptMessages, format_prompt
 from shared_core.retrieval.base import Document
+from shared_core.runtime.lm import window_text
 
 if TYPE_CHECKING:
 
@@ -88,7 +88,7 @@ def parse_draft(text: str) -> tuple[str, str, bool]:
 
 def passage_texts(docs: Sequence[Document]) -> list[str]:
     """The documents' texts as the prompts show them (whitespace collapsed): what a passage
-    cache is told to look for (:func:`shared_core.passage_cache.register_passages`)."""
+    cache is told to look for (:func:`shared_core.runtime.passage_cache.register_passages`)."""
     return [" ".join(d.text.split()) for d in docs]
 
 
@@ -106,7 +106,7 @@ def render_prompt(lm: ModelLM, body: str, prefill: str) -> list[int]:
 
 def draft_prompt(lm: ModelLM, question: str, docs: Sequence[Document], order: DraftOrder,
                  prompt: PromptMessages | None = None) -> list[int]:
-    """A draft prompt; a caller's ``prompt`` (see ``rag_config.check_prompt``) replaces the
+    """A draft prompt; a caller's ``prompt`` (see ``config.rag.check_prompt``) replaces the
     default body, and the order's format line is appended to its last user turn."""
     if prompt is not None:
         return render_messages(lm, format_prompt(prompt, question, _format_docs(docs)),

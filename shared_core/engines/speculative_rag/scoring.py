@@ -9,9 +9,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from shared_core.config.rag import DraftSelection, SpeculativeRAGConfig
 from shared_core.engines.speculative_rag.prompts import REFLECTION
 from shared_core.engines.speculative_rag.results import AnswerDraft
-from shared_core.rag_config import DraftSelection, SpeculativeRAGConfig
 
 if TYPE_CHECKING:
     from shared_core.runtime.protocol import ModelLM

@@ -1,0 +1,459 @@
+"""The prepared GPU check: ``python -m shared_core.bench gpu --out DIR [--device cuda|cpu]
+[--tiny] [--budget-s N]`` (``scripts/gpu_check.sh`` runs it on a lent GPU machine).
+
+Proves and measures the torch engines on random-weight models at real shapes
+(:mod:`shared_core.bench.system.gpu_models`) in a few minutes. Sections, in order, each timed against
+``--budget-s`` (skipped with ``"skipped: budget"`` when its estimate does not fit), each wrapped
+so that a failure is recorded (type, message, short traceback) and the next one still runs; the
+report is rewritten after every section, so a killed run still leaves one:
+
+1. ``correctness/<shape>/<dtype>`` (smallest shape, fp32 then bf16): every lossless engine
+   against greedy decoding on the same device (:mod:`shared_core.bench.system.gpu_checks`).
+2. ``physics/<shape>`` (bf16, each shape): the k-cost curve, prefill tok/s, our plain decode
+   loop against transformers' ``generate`` (and ``generate`` with a static cache).
+3. ``correctness/llama-<shape>/bf16``: the equality checks once more on a Llama of the smallest
+   shape, when the budget still allows.
+
+Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
+
+    {"schema": "specrag-gpu-check/1", "started": ISO time, "elapsed_s": float,
+     "args": {...}, "machine": {gpu, driver (nvidia_smi), torch, transformers, cuda_runtime, cpu},
+     "budget_s": float,
+     "sections": {name: {"status": "ok" | "error" | "skipped: budget", "elapsed_s": float,
+                         "error": {"type", "message", "traceback"} (on error),
+                         ... the section's fields}},
+     "summary": {"equality": {check: [equal, ...]}, "k8_over_step": {shape: ratio},
+                 "ours_over_generate": {shape: ratio}, "syncs_per_round": {shape: {loop: max}},
+                 "round_split": {shape: {loop: ms per round}}, "aims": {...}}}
+
+A correctness section holds ``models`` (names, drafter noise), ``comparisons`` (one
+:class:`~shared_core.bench.system.gpu_checks.Comparison` each: ``check``, ``equal``,
+``identical_rate``, ``first_divergence``, ``tokens``, ``detail`` with acceptance) and
+``sampling`` (TV distance of two-token samples from the exact law). A physics section holds
+``k_cost`` (``{k: {"ms", "over_step"}}``), ``prefill`` (tokens, ms, tok/s), ``decode`` (ours,
+generate, generate with a static cache: tok/s, and whether the tokens agree) and
+``static_cache`` (what our torch path offers) and ``rounds`` (host syncs per round of the plain
+and draft-model loops, counted by :mod:`shared_core.bench.system.gpu_syncs`, with a wait / host time
+split per round). Everything is measured, nothing asserted: in bf16
+a k-token forward is not bitwise k one-token steps, so near-ties may flip tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shared_core.bench.system import gpu_checks as checks
+from shared_core.bench.system.gpu_models import (
+    SHAPES,
+    TINY_SHAPES,
+    Shape,
+    bench_tokenizer,
+    build_lm,
+    free,
+    machine_facts,
+    perturbed_copy,
+)
+from shared_core.bench.system.gpu_syncs import round_figures
+from shared_core.runtime.models import LM
+from shared_core.runtime.torch.session import KVSession
+from shared_core.util.device import resolve_device, synchronize
+
+logger = logging.getLogger(__name__)
+
+SCHEMA = "specrag-gpu-check/1"
+REPORT_NAME = "gpu_report.json"
+PLOT_NAME = "gpu_k_cost.png"
+KS = (1, 2, 4, 8, 16, 32, 64)
+AIM_K8 = 1.15  # k = 8 check <= 1.15x a one-token step (1.5B and 7B, bf16)
+AIM_OVERHEAD = 0.95  # our loop >= 0.95x generate's tokens/s
+
+
+@dataclass(frozen=True)
+class Sizes:
+    """Token counts and repetitions: real ones on a GPU, toy ones for the CPU dry run."""
+
+    new_tokens: int = 40
+    samples: int = 100
+    k_prefix: int = 512
+    prefill: int = 2048
+    decode_prompt: int = 128
+    decode_tokens: int = 96
+    reps: int = 7
+    warmup: int = 2
+
+    @classmethod
+    def tiny(cls) -> Sizes:
+        return cls(new_tokens=16, samples=20, k_prefix=64, prefill=128, decode_prompt=16,
+                   decode_tokens=16, reps=2, warmup=1)
+
+
+@dataclass
+class Budget:
+    """Wall-clock budget of the run: a section starts only if its estimate fits."""
+
+    total_s: float
+    start: float = field(default_factory=time.perf_counter)
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.start
+
+    def fits(self, estimate_s: float) -> bool:
+        return self.elapsed() + estimate_s <= self.total_s
+
+
+class Report:
+    """The JSON report, rewritten after every section."""
+
+    def __init__(self, out_dir: Path, args: dict[str, Any], budget: Budget) -> None:
+        self.path = out_dir / REPORT_NAME
+        self.budget = budget
+        self.data: dict[str, Any] = {
+            "schema": SCHEMA, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "args": args, "budget_s": budget.total_s, "machine": {}, "sections": {},
+            "summary": {}}
+
+    def write(self) -> None:
+        self.data["elapsed_s"] = round(self.budget.elapsed(), 2)
+        self.data["summary"] = summarize(self.data["sections"])
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
+        tmp.replace(self.path)
+
+    def section(self, name: str, estimate_s: float, body: Callable[[], dict[str, Any]]) -> None:
+        """Run ``body`` if its estimate fits; record its result, or its failure, and write."""
+        if not self.budget.fits(estimate_s):
+            logger.warning("section %s skipped: %.0f s estimated, %.0f s left", name, estimate_s,
+                           self.budget.total_s - self.budget.elapsed())
+            self.data["sections"][name] = {"status": "skipped: budget", "estimate_s": estimate_s}
+            self.write()
+            return
+        logger.info("section %s (estimate %.0f s, elapsed %.0f s)", name, estimate_s,
+                    self.budget.elapsed())
+        start = time.perf_counter()
+        try:
+            result = {"status": "ok", **body()}
+        except Exception as e:  # one failure must not lose the other sections
+            logger.exception("section %s failed", name)
+            result = {"status": "error", "error": {
+                "type": type(e).__name__, "message": str(e)[:2000],
+                "traceback": traceback.format_exc(limit=8)[-4000:]}}
+        result["elapsed_s"] = round(time.perf_counter() - start, 2)
+        self.data["sections"][name] = result
+        self.write()
+
+
+# ------------------------------------------------------------------------------- correctness
+
+
+def correctness(shape: Shape, tokenizer: Any, device: torch.device, dtype: torch.dtype,
+                sizes: Sizes) -> dict[str, Any]:
+    """Every equality check on one shape and dtype (target, target-as-drafter, noisy drafter)."""
+    target = drafter = None
+    try:
+        target = build_lm(shape, tokenizer, device, dtype, seed=0)
+        drafter = perturbed_copy(target, shape.drafter_noise)
+        n = sizes.new_tokens
+        comparisons: list[checks.Comparison] = []
+        steps: dict[str, Callable[[], list[checks.Comparison]]] = {
+            "draft_model": lambda: checks.check_draft_model(
+                target, {"equal": target, "perturbed": drafter}, n),
+            "prompt_lookup": lambda: checks.check_prompt_lookup(target, n),
+            "respec": lambda: checks.check_respec(target, n),
+            "rapid": lambda: checks.check_rapid(target, drafter, n),
+            "ralmspec": lambda: checks.check_ralmspec(target, n),
+            "constrained": lambda: checks.check_constrained(target, drafter, n),
+            "speculative_rag": lambda: checks.check_speculative_rag(drafter, target),
+        }
+        errors = {}
+        for name, step in steps.items():
+            try:
+                comparisons += step()
+            except Exception as e:  # record and go on with the next engine
+                logger.exception("check %s failed", name)
+                errors[name] = {"type": type(e).__name__, "message": str(e)[:1000],
+                                "traceback": traceback.format_exc(limit=6)[-3000:]}
+        try:
+            sampling: Any = checks.check_sampling(target, drafter, sizes.samples)
+        except Exception as e:
+            logger.exception("sampling check failed")
+            errors["sampling"] = {"type": type(e).__name__, "message": str(e)[:1000],
+                                  "traceback": traceback.format_exc(limit=6)[-3000:]}
+            sampling = []
+        return {"models": {"target": target.name, "drafter": drafter.name,
+                           "drafter_noise": shape.drafter_noise, "dtype": str(dtype),
+                           "params_b": round(shape.params_b, 3)},
+                "comparisons": [c.as_dict() for c in comparisons], "sampling": sampling,
+                "errors": errors}
+    finally:
+        free(target, drafter)
+
+
+# ------------------------------------------------------------------------------- physics
+
+
+def _median_ms(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int) -> float:
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
+
+
+def random_ids(count: int, vocab: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count,), generator=generator).tolist()
+
+
+def k_cost(lm: LM, sizes: Sizes, ks: tuple[int, ...] = KS) -> dict[str, Any]:
+    """Time of a k-token verification forward on a ``k_prefix``-token cache, over k = 1."""
+    session = KVSession(lm)
+    session.prefill(random_ids(sizes.k_prefix, lm.vocab_size, 1))
+    base = len(session)
+    extra = random_ids(max(ks), lm.vocab_size, 2)
+
+    def forward(k: int) -> None:
+        session.extend(extra[:k])
+        session.rollback(base)
+
+    costs = {k: _median_ms(lambda k=k: forward(k), lm.device, sizes.reps, sizes.warmup)
+             for k in ks}
+    return {str(k): {"ms": round(ms, 3), "over_step": round(ms / costs[1], 3)}
+            for k, ms in costs.items()}
+
+
+def prefill_rate(lm: LM, sizes: Sizes) -> dict[str, Any]:
+    ids = random_ids(sizes.prefill, lm.vocab_size, 3)
+
+    def once() -> None:
+        KVSession(lm, prefill_chunk=sizes.prefill).prefill(ids)
+
+    ms = _median_ms(once, lm.device, max(2, sizes.reps // 2), 1)
+    return {"tokens": sizes.prefill, "ms": round(ms, 2), "tok_s": round(sizes.prefill / ms * 1e3, 1)}
+
+
+def decode_rates(lm: LM, sizes: Sizes) -> dict[str, Any]:
+    """Our plain greedy loop against ``generate`` (same model, prompt and token count)."""
+    from shared_core.engines.baseline import autoregressive_generate
+
+    plain = replace(lm, eos_token_ids=frozenset())  # a random model must not stop early
+    ids = random_ids(sizes.decode_prompt, lm.vocab_size, 4)
+    n = sizes.decode_tokens
+    outputs: dict[str, list[int]] = {}
+
+    def ours() -> None:
+        outputs["ours"] = autoregressive_generate(plain, ids, n).token_ids
+
+    def generate(**kwargs: Any) -> Callable[[], None]:
+        def run() -> None:
+            with torch.inference_mode():
+                out = lm.model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=n,
+                                        min_new_tokens=n, do_sample=False,
+                                        eos_token_id=None, **kwargs)
+            outputs[kwargs.get("cache_implementation", "generate")] = out[0, len(ids):].tolist()
+        return run
+
+    reps, warm = max(2, sizes.reps // 2), 1
+    result: dict[str, Any] = {"prompt_tokens": len(ids), "new_tokens": n}
+    for name, fn in (("ours", ours), ("generate", generate()),
+                     ("generate_static", generate(cache_implementation="static"))):
+        try:
+            ms = _median_ms(fn, lm.device, reps, warm)
+            result[name] = {"ms": round(ms, 2), "tok_s": round(n / ms * 1e3, 2)}
+        except Exception as e:  # a static cache may be refused by this transformers version
+            result[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
+    if "tok_s" in result["ours"] and "tok_s" in result["generate"]:
+        result["ours_over_generate"] = round(result["ours"]["tok_s"] / result["generate"]["tok_s"], 3)
+        same = checks.compare("ours_vs_generate", outputs["ours"], outputs["generate"])
+        result["tokens_vs_generate"] = {"equal": same.equal, "identical_rate": same.identical_rate,
+                                        "first_divergence": same.first_divergence}
+    return result
+
+
+def round_syncs(lm: LM, sizes: Sizes) -> dict[str, Any]:
+    """Host syncs per round (counted) and the wait / host time split of our plain and
+    speculative loops (:func:`shared_core.bench.system.gpu_syncs.round_figures`)."""
+    ids = random_ids(sizes.decode_prompt, lm.vocab_size, 5)
+    return round_figures(lm, ids, max(8, sizes.decode_tokens // 3))
+
+
+def physics(shape: Shape, tokenizer: Any, device: torch.device, sizes: Sizes) -> dict[str, Any]:
+    lm = None
+    try:
+        start = time.perf_counter()
+        lm = build_lm(shape, tokenizer, device, torch.bfloat16, seed=0)
+        synchronize(device)
+        built = time.perf_counter() - start
+        out: dict[str, Any] = {"model": lm.name, "params_b": round(shape.params_b, 3),
+                               "dtype": "bfloat16", "build_s": round(built, 2)}
+        for name, fn in (("k_cost", k_cost), ("prefill", prefill_rate), ("decode", decode_rates),
+                         ("rounds", round_syncs)):
+            try:
+                out[name] = fn(lm, sizes)
+            except Exception as e:
+                logger.exception("physics %s failed", name)
+                out[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
+                             "traceback": traceback.format_exc(limit=6)[-3000:]}
+        out["static_cache"] = ("not offered: our torch path runs transformers eagerly on its own "
+                               "growing cache (shared_core.runtime.torch.session: GrowingLayer or "
+                               "DynamicCache), no "
+                               "static cache and no CUDA graphs; 'generate_static' above is "
+                               "transformers' static cache, for reference")
+        if device.type == "cuda":
+            out["max_memory_gib"] = round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            torch.cuda.reset_peak_memory_stats(device)
+        return out
+    finally:
+        free(lm)
+
+
+# ------------------------------------------------------------------------------- summary
+
+
+def summarize(sections: dict[str, Any]) -> dict[str, Any]:
+    """The equality matrix, k = 8 ratios, overhead ratios, and the aims as measured."""
+    equality: dict[str, dict[str, list[bool]]] = {}
+    k8: dict[str, float] = {}
+    overhead: dict[str, float] = {}
+    syncs: dict[str, dict[str, int]] = {}
+    splits: dict[str, dict[str, dict[str, float]]] = {}
+    for name, section in sections.items():
+        for loop, figures in (section.get("rounds") or {}).items():
+            if isinstance(figures, dict) and "syncs_per_round" in figures:
+                syncs.setdefault(name, {})[loop] = figures["syncs_per_round"]["engine_max"]
+                splits.setdefault(name, {})[loop] = figures["split"]
+        for c in section.get("comparisons", []):
+            if "skipped" not in c.get("detail", {}):
+                equality.setdefault(name, {}).setdefault(c["check"], []).append(c["equal"])
+        cost = section.get("k_cost", {})
+        if "8" in cost:
+            k8[name] = cost["8"]["over_step"]
+        ratio = section.get("decode", {}).get("ours_over_generate")
+        if ratio is not None:
+            overhead[name] = ratio
+    big = [n for n in k8 if "1.5b" in n or "7b" in n]
+    aims = {
+        "all_equal": {name: all(all(v) for v in checks_.values())
+                      for name, checks_ in equality.items()},
+        "k8_le_1.15": {n: k8[n] <= AIM_K8 for n in big},
+        "ours_ge_0.95_generate": {n: overhead[n] >= AIM_OVERHEAD for n in overhead if n in big},
+        "one_sync_per_round": {n: all(v <= 1 for loop, v in loops.items()
+                                       if not loop.endswith("_sampled"))
+                               for n, loops in syncs.items()},
+    }
+    return {"equality": equality, "k8_over_step": k8, "ours_over_generate": overhead,
+            "syncs_per_round": syncs, "round_split": splits, "aims": aims}
+
+
+def plot(report: dict[str, Any], out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, section in report["sections"].items():
+        cost = section.get("k_cost")
+        if isinstance(cost, dict) and "1" in cost:
+            ks = sorted(int(k) for k in cost)
+            ax.plot(ks, [cost[str(k)]["over_step"] for k in ks], marker="o", label=name)
+    ax.axhline(AIM_K8, color="grey", linestyle=":", label="aim at k = 8")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("k (tokens in one verification forward)")
+    ax.set_ylabel("cost / one-token step")
+    ax.set_title(str(report["machine"].get("gpu", report["machine"].get("device"))))
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+
+
+# ------------------------------------------------------------------------------- CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="results/system/local", help="folder for the report")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: the best one)")
+    parser.add_argument("--tiny", action="store_true", help="toy shapes and token counts")
+    parser.add_argument("--budget-s", type=float, default=330.0,
+                        help="skip sections that would end after this many seconds")
+    parser.add_argument("--shapes", nargs="+", default=None,
+                        help="physics shapes (default: all of the mode's)")
+    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
+                        help="dtypes of the correctness sections (default: both)")
+    parser.add_argument("--only-correctness", action="store_true",
+                        help="skip the physics and the Llama section (a short re-check)")
+
+
+def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, float]:
+    """(correctness, physics) seconds estimated for ``shape``: generous, from its size."""
+    if tiny:
+        return 30.0, 10.0
+    if device.type != "cuda":
+        return 600.0 * shape.params_b, 300.0 * shape.params_b
+    # eager transformers on a GPU is bound by kernel launches (~15-25 ms a token at these
+    # depths), so the cost grows slowly with size; the 7B's weights add their build time
+    return 50.0 + 40.0 * shape.params_b, 30.0 + 5.0 * shape.params_b  # + the round figures
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    if args.budget_s <= 0:
+        msg = f"--budget-s must be positive, got {args.budget_s}"
+        raise ValueError(msg)
+    device = resolve_device(args.device)
+    shapes = TINY_SHAPES if args.tiny else SHAPES
+    chosen = args.shapes or list(shapes)
+    unknown = [s for s in chosen if s not in shapes]
+    if unknown:
+        msg = f"--shapes: unknown {unknown}; choose from {list(shapes)}"
+        raise ValueError(msg)
+    sizes = Sizes.tiny() if args.tiny else Sizes()
+    budget = Budget(args.budget_s)
+    out_dir = Path(args.out)
+    report = Report(out_dir, {"device": str(device), "tiny": args.tiny,
+                              "budget_s": args.budget_s, "shapes": chosen,
+                              "sizes": sizes.__dict__}, budget)
+    try:
+        report.data["machine"] = machine_facts(device)
+    except Exception as e:  # the measurements matter more than their label
+        logger.exception("machine facts failed")
+        report.data["machine"] = {"device": str(device), "error": f"{type(e).__name__}: {e}"}
+    report.write()
+    tokenizer = bench_tokenizer()
+    smallest = shapes[min(chosen, key=lambda s: shapes[s].params_b)]
+    check_s, _ = estimates(smallest, device, args.tiny)
+    for tag in args.dtypes:
+        dtype = torch.float32 if tag == "fp32" else torch.bfloat16
+        report.section(f"correctness/{smallest.name}/{tag}", check_s,
+                       lambda dtype=dtype: correctness(smallest, tokenizer, device, dtype, sizes))
+    for name in [] if args.only_correctness else sorted(chosen, key=lambda s: shapes[s].params_b):
+        shape = shapes[name]
+        report.section(f"physics/{name}", estimates(shape, device, args.tiny)[1],
+                       lambda shape=shape: physics(shape, tokenizer, device, sizes))
+    llama = replace(smallest, name=f"llama-{smallest.name}", arch="llama")
+    if not args.only_correctness:
+        report.section(f"correctness/{llama.name}/bf16", check_s,
+                       lambda: correctness(llama, tokenizer, device, torch.bfloat16, sizes))
+    try:
+        plot(report.data, out_dir / PLOT_NAME)
+    except Exception:  # the JSON is the result; a plot is a convenience
+        logger.exception("plot failed")
+    report.write()
+    return report.data

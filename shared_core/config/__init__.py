@@ -1,0 +1,351 @@
+"""Frozen configuration dataclasses shared by the engines (each default is defined once here).
+
+Torch-free and numpy-free, so the framework adapters can read their defaults from the configs
+(``Field(default=XConfig.field)``). The RAG engines' configs live in :mod:`shared_core.config.rag`,
+the token engines' in :mod:`shared_core.config.tokens`; all validate with the one set of helpers
+below (:func:`check_int`, :func:`check_real`, :func:`check_fields`, :func:`check_config_types`...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import inspect
+import math
+import numbers
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, TypeVar
+
+DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
+DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
+DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedded sentence embedder
+DEFAULT_MAX_NEW_TOKENS = 256
+# Runtimes (shared_core.runtime.models.load_lm): "auto" picks llama.cpp for a GGUF on a CPU when it is
+# installed (measured 3-12x faster per step than torch there), torch on a GPU. The adapters and
+# the demo default to it; load_lm itself (and the model cache under it) defaults to "torch",
+# whose LM exposes a transformers model.
+BACKENDS = ("auto", "torch", "llama.cpp")
+DEFAULT_BACKEND = "auto"
+LOAD_LM_BACKEND = "torch"
+# Speculative RAG (engine and RAG adapters) takes the same rule: on a CPU both its parts are
+# prompt reading and short batched decoding, where llama.cpp's quantized kernels beat torch
+# (results/{demo,specrag}/2026-11-26a; README, "Speculative RAG on llama.cpp"); "auto" still proves llama.cpp
+# in a subprocess first.
+DEFAULT_SPECRAG_BACKEND = DEFAULT_BACKEND
+
+# Sampling: a temperature in (0, MIN_TEMPERATURE) divides logits into overflow (1e-38 turns every
+# logit into inf / nan), and a seed must fit every generator it seeds (torch, numpy, RaLMSpec's
+# per-position mix), so both are refused where sampling settings are validated (SamplingConfig).
+MIN_TEMPERATURE = 1e-4
+MAX_SEED = 2**32 - 1
+
+CacheKind = Literal["prealloc", "dynamic"]
+CACHE_KINDS: tuple[CacheKind, ...] = ("prealloc", "dynamic")
+
+
+def check_backend(backend: object, name: str = "backend") -> str:
+    """``backend`` if it names a runtime, else a ValueError naming the choices."""
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        msg = f"{name}={backend!r} must be one of {BACKENDS}"
+        raise ValueError(msg)
+    return backend
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def check_prefix_cache(prefix_cache: object) -> None:
+    """TypeError / ValueError naming ``prefix_cache`` unless it is None, a bool or an int >= 0."""
+    what = "True, False or an int >= 0 (llama.cpp: idle contexts; torch: a budget in MiB)"
+    if prefix_cache is None or isinstance(prefix_cache, bool):
+        return
+    if not isinstance(prefix_cache, int):
+        msg = f"prefix_cache must be {what}, got {type(prefix_cache).__name__} {prefix_cache!r:.60}"
+        raise TypeError(msg)
+    if prefix_cache < 0:
+        msg = f"prefix_cache must be {what}, got {prefix_cache}"
+        raise ValueError(msg)
+
+
+def check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> None:
+    """TypeError naming ``name`` unless ``value`` is one of ``kinds`` (bool is never a number)."""
+    if isinstance(value, bool) or not isinstance(value, kinds):
+        msg = f"{name} must be {what}, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+
+
+def require(ok: bool, name: str, requirement: str, value: Any) -> None:
+    """ValueError ``"<name> must be <requirement>, got <value>"`` unless ``ok``."""
+    _check(ok, f"{name} must be {requirement}, got {value!r}")
+
+
+def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool = False
+              ) -> int | None:
+    """``value`` as an int: TypeError for a non-integer (bool, float, str; numpy integers pass),
+    ValueError below ``minimum`` (``None``: any integer); ``optional`` also lets None through."""
+    if optional and value is None:
+        return None
+    what = ("an integer" if minimum is None else f"an integer >= {minimum}") + \
+        (" or None" if optional else "")
+    check_type(value, name, (numbers.Integral,), what)
+    require(minimum is None or value >= minimum, name, what, value)
+    return int(value)
+
+
+def check_real(value: Any, name: str) -> float:
+    """``value`` as a finite float: TypeError for bool, str and other non-reals (numpy floats
+    pass), ValueError for inf / nan."""
+    check_type(value, name, (numbers.Real,), "a number")
+    require(math.isfinite(value), name, "finite", value)
+    return float(value)
+
+
+def check_bool(value: Any, name: str) -> bool:
+    """``value`` if it is a bool, else a TypeError naming ``name``."""
+    if not isinstance(value, bool):
+        msg = f"{name} must be a bool, got {type(value).__name__} {value!r}"
+        raise TypeError(msg)
+    return value
+
+
+def check_unicode(value: str, name: str) -> str:
+    """``value`` unless it holds a lone surrogate (e.g. ``"\\ud800"``), which no tokenizer can
+    encode: a ValueError naming ``name`` and the position, instead of an error deep inside one."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            msg = (f"{name} contains a lone surrogate {value[e.start]!r} at position {e.start}; "
+                   "text must be valid Unicode (decode bytes with errors='replace')")
+            raise ValueError(msg) from None
+    return value
+
+
+def check_text(value: Any, name: str) -> str:
+    """A non-empty string (TypeError for another type, ValueError for blank or a lone
+    surrogate), returned as is. (Text to embed may be blank:
+    ``shared_core.retrieval.embedding.check_str``.)"""
+    if not isinstance(value, str):
+        msg = f"{name} must be a str, got {type(value).__name__}"
+        raise TypeError(msg)
+    _check(bool(value.strip()), f"{name} must be a non-empty string")
+    return check_unicode(value, name)
+
+
+def check_kwargs(given: Iterable[str], valid: Iterable[str], owner: str) -> None:
+    """TypeError naming the first unknown keyword argument of ``owner`` and the closest valid
+    name (``difflib``), e.g. ``ChatSpeculative got an unexpected keyword argument 'max_token';
+    did you mean 'max_tokens'?``."""
+    valid = sorted(set(valid))
+    unknown = [name for name in given if name not in valid]
+    if not unknown:
+        return
+    name = str(unknown[0])
+    close = closest_name(name, valid)
+    hint = f"did you mean {close!r}?" if close else f"valid names: {', '.join(valid)}"
+    msg = f"{owner} got an unexpected keyword argument {name!r}; {hint}"
+    raise TypeError(msg)
+
+
+def closest_name(name: str, valid: Iterable[str]) -> str | None:
+    """The valid name ``name`` is most likely a typo of (``difflib``), else one containing it or
+    contained in it (``top_k`` for ``similarity_top_k``), else None."""
+    valid = sorted(set(valid))
+    close = difflib.get_close_matches(name, valid, n=1, cutoff=0.6) or [
+        v for v in valid if len(name) >= 3 and (name in v or v in name)][:1]
+    return close[0] if close else None
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def suggest_kwargs(func: F) -> F:
+    """Refuse an unknown keyword argument of ``func`` with :func:`check_kwargs` (the closest valid
+    name), before the call; for functions and ``__init__`` methods with explicit parameters."""
+    params = inspect.signature(func).parameters.values()
+    valid = frozenset(p.name for p in params if p.name not in ("self", "cls")
+                      and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    owner = func.__qualname__.removesuffix(".__init__")
+
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        if not valid.issuperset(kwargs):
+            check_kwargs(kwargs, valid, owner)
+        return func(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def check_settings_keys(cls: type, data: Any) -> Any:
+    """A pydantic ``model_validator(mode="before")`` body: ``data`` unless it names a setting
+    ``cls`` does not have (:func:`check_kwargs`; a field's alias counts as its name)."""
+    if isinstance(data, dict):
+        fields = getattr(cls, "model_fields", {})
+        names = set(fields)
+        for info in fields.values():
+            for alias in (info.alias, info.validation_alias):
+                names.update(getattr(alias, "choices", None) or ([alias] if alias else []))
+        check_kwargs(data, {n for n in names if isinstance(n, str)}, cls.__name__)
+    return data
+
+
+def check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
+    """ValueError naming ``name`` unless ``value`` is one of ``choices``."""
+    if value not in choices:
+        msg = f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+        raise ValueError(msg)
+
+
+def check_timeout(timeout_s: Any, name: str = "retrieval_timeout_s") -> None:
+    """None or a positive, finite number of seconds."""
+    if timeout_s is None:
+        return
+    what = "None or a number of seconds > 0"
+    check_type(timeout_s, name, (int, float), what)
+    _check(0 < timeout_s < math.inf, f"{name} must be {what}, got {timeout_s!r}")
+
+
+def check_number(value: Any, name: str, low: float, high: float) -> None:
+    """A real number (not bool; numpy floats pass) strictly between ``low`` and ``high`` (the
+    retrievers' closed interval is ``shared_core.retrieval._common.check_closed_range``)."""
+    what = f"a number in ({low}, {high})"
+    check_type(value, name, (numbers.Real,), what)
+    _check(low < value < high, f"{name} must be {what}, got {value!r}")
+
+
+def check_fields(config: object, *, ints: Iterable[str] = (), bools: Iterable[str] = (),
+                 strs: Iterable[str] = ()) -> None:
+    """The type (and ``>= 1`` for ints) of a config's named fields; errors name the field."""
+    for name in ints:
+        check_int(getattr(config, name), name)
+    for name in bools:
+        check_bool(getattr(config, name), name)
+    for name in strs:
+        check_type(getattr(config, name), name, (str,), "a str")
+
+
+def check_config_types(config: Any) -> None:
+    """Type-check a config dataclass's fields against their defaults' types (bool, int, float,
+    str; a ``None`` default allows None or an int), naming the field and the config class."""
+    owner = type(config).__name__
+    for f in dataclasses.fields(config):
+        value, default = getattr(config, f.name), f.default
+        name = f"{f.name} ({owner})"
+        if default is None:
+            if value is not None:
+                check_int(value, name, None)
+        elif isinstance(default, bool):
+            check_bool(value, name)
+        elif isinstance(default, int):
+            check_int(value, name, None)
+        elif isinstance(default, float):
+            check_real(value, name)
+        elif isinstance(default, str):
+            check_type(value, name, (str,), "a str")
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """How the next token is chosen; applied identically to draft and target distributions.
+
+    ``temperature == 0`` means greedy decoding (top-k / top-p are then ignored).
+    """
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0  # 1.0 = no nucleus filter
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        temperature = check_real(self.temperature, "temperature")  # finite: no inf / nan
+        _check(temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
+        _check(temperature == 0 or temperature >= MIN_TEMPERATURE,
+               f"temperature={self.temperature!r} is too small to sample with (logits / "
+               f"temperature overflow); use temperature=0 for greedy decoding or a value >= "
+               f"{MIN_TEMPERATURE}")
+        check_int(self.top_k, "top_k", minimum=0)
+        top_p = check_real(self.top_p, "top_p")
+        _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None:
+            check_int(self.seed, "seed", None)
+            _check(0 <= self.seed <= MAX_SEED,
+                   f"seed must be an integer in [0, 2**32 - 1] or None, got {self.seed}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass(frozen=True)
+class GenerationConfig:
+    """Limits of one generation: how many tokens, and where to stop."""
+
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    stop: tuple[str, ...] = ()
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+
+    def __post_init__(self) -> None:
+        check_type(self.max_new_tokens, "max_new_tokens", (int,), "an integer >= 1")
+        _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        _check(all(isinstance(s, str) and s for s in self.stop),
+               "stop must be a list of non-empty strings")
+
+    @classmethod
+    def build(cls, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
+              stop: Sequence[str] | str | None = None,
+              temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
+              top_p: float = SamplingConfig.top_p, seed: int | None = None) -> GenerationConfig:
+        """Validate loose keyword arguments into a config (the engines' public entry point)."""
+        if isinstance(stop, str):
+            stop = (stop,)
+        return cls(max_new_tokens=max_new_tokens, stop=tuple(stop or ()),
+                   sampling=SamplingConfig(temperature, top_k, top_p, seed))
+
+
+# Passage (chunk) KV cache (shared_core.runtime.passage_cache; docs/backends.md, *Passage cache*):
+# "exact" reuses the KV of exact prompt prefixes only (outputs equal a cold prefill with
+# load_lm(exact=True)); "blend" reuses cached passages anywhere in a prompt and recomputes a share
+# of their tokens so passages attend to each other (CacheBlend, Yao et al. EuroSys 2025: ~15 %).
+PASSAGE_CACHE_MODES = ("exact", "blend")
+DEFAULT_PASSAGE_CACHE: str | None = None  # off unless asked for
+DEFAULT_RECOMPUTE_SHARE = 0.15  # CacheBlend §5: 15 % of the reused tokens
+DEFAULT_PASSAGE_MEMORY_MB = 512  # memory tier of the chunk store (MiB)
+DEFAULT_PASSAGE_DISK_MB = 4096  # disk tier under $SPECRAG_CACHE/passage_kv (MiB; 0: no disk tier)
+
+
+def check_passage_cache(passage_cache: object, *, exact: bool = False) -> str | None:
+    """``passage_cache`` if it is None, ``"exact"`` or ``"blend"``; ``"blend"`` is refused when
+    ``exact`` output was asked for (blending changes outputs). Errors name ``passage_cache``."""
+    if passage_cache is None:
+        return None
+    if not isinstance(passage_cache, str) or passage_cache not in PASSAGE_CACHE_MODES:
+        msg = f"passage_cache must be None or one of {PASSAGE_CACHE_MODES}, got {passage_cache!r:.60}"
+        raise ValueError(msg)
+    if exact and passage_cache == "blend":
+        msg = ("passage_cache='blend' changes outputs and exact=True asks for exact ones; use "
+               "passage_cache='exact' (prefix reuse, token-identical) or exact=False")
+        raise ValueError(msg)
+    return passage_cache
+
+
+@dataclass(frozen=True)
+class PassageCacheConfig:
+    """How a model's passage cache runs (``load_lm(passage_cache=..., recompute_share=...,
+    passage_cache_memory_mb=..., passage_cache_disk_mb=...)``); errors name the parameter."""
+
+    mode: str = "exact"
+    recompute_share: float = DEFAULT_RECOMPUTE_SHARE
+    memory_mb: int = DEFAULT_PASSAGE_MEMORY_MB
+    disk_mb: int = DEFAULT_PASSAGE_DISK_MB
+
+    def __post_init__(self) -> None:
+        if self.mode not in PASSAGE_CACHE_MODES:
+            check_passage_cache(self.mode)
+        share = check_real(self.recompute_share, "recompute_share")
+        require(0 <= share <= 1, "recompute_share", "a number in [0, 1]", self.recompute_share)
+        check_int(self.memory_mb, "passage_cache_memory_mb", 0)
+        check_int(self.disk_mb, "passage_cache_disk_mb", 0)

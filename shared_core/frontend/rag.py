@@ -1,0 +1,324 @@
+"""What the LangChain and LlamaIndex adapters of Speculative RAG and RaLMSpec share.
+
+Framework-neutral (no LangChain / LlamaIndex import; the engines, and with them torch, are
+imported only when an engine is built), so the two adapters of one engine behave the same:
+
+- **settings**: :data:`SPECRAG_SETTINGS`, :data:`RALMSPEC_SETTINGS` and
+  :data:`RETRIEVER_SETTINGS` are what every adapter of that engine accepts, with the defaults of
+  :mod:`shared_core.config.rag` (a test holds both frameworks to these lists); the RAG engines'
+  adapters inherit them as pydantic bases from :mod:`shared_core.frontend.rag_settings`;
+- **a prebuilt** ``engine=``: its models and config are used; a setting passed to the adapter
+  replaces the matching config field, a setting not passed takes the engine's value
+  (:func:`resolve_settings`), so the adapter's attributes show what its engine runs;
+- **engines**: built on first use from the adapter's current settings and rebuilt when one of
+  them changes (the next call sees the change);
+- **locking**: the engines' own only. ``SpeculativeRAG`` holds a model lock for the model work
+  of one answer (engines derived with ``with_config`` share it); a ``RaLMSpec`` call keeps all
+  its state to itself, so concurrent calls need no lock;
+- **speculative retrievers**: the :class:`~shared_core.engines.ralmspec.SpeculativeRetrieval`
+  session opens on first use with the current settings (reopened after a change or ``reset``);
+  a hit's score is the retriever's, ``None`` for a speculated (not yet verified) hit.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+from shared_core.config import check_text
+from shared_core.config.rag import (
+    PromptMessages,
+    RaLMSpecConfig,
+    SpeculativeRAGConfig,
+    check_prompt,
+    specrag_budgets,
+)
+from shared_core.retrieval.base import check_retriever_like
+from shared_core.retrieval.frameworks import DocumentList, to_documents
+
+if TYPE_CHECKING:
+    from shared_core.decoding.output import GenerationResult
+    from shared_core.engines.baseline import TokenStream
+    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecStats, SpeculativeRetrieval
+    from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
+    from shared_core.retrieval.base import Document, Hit
+
+T = TypeVar("T")
+
+SPECRAG_KNOBS = ("num_drafts", "docs_per_draft", "retrieve_k", "prompt", "retrieval_timeout_s")
+# max_new_tokens (None: the engine's budgets) sets both generation budgets (specrag_budgets)
+SPECRAG_SETTINGS = ("retriever", "drafter", "verifier", "dtype", "backend", *SPECRAG_KNOBS,
+                    "max_new_tokens", "engine")
+RALMSPEC_KNOBS = ("retrieval_stride", "speculation_stride", "prefetch", "scheduler",
+                  "async_verify", "retrieval_timeout_s", "prompt")
+RALMSPEC_SETTINGS = ("retriever", "model", "backend", "max_new_tokens", "temperature", "seed",
+                     *RALMSPEC_KNOBS, "baseline", "engine")
+# plus the number of documents returned: ``k`` (LangChain) / ``similarity_top_k`` (LlamaIndex)
+RETRIEVER_SETTINGS = ("retriever", "prefetch_k", "retrieval_timeout_s")
+
+
+# ----------------------------------------------------------------------------- input checks
+
+
+def question_input(value: Any) -> tuple[str, DocumentList | None]:
+    """(question, documents or None) of a question string or a ``{"question", "documents"}``
+    dict, checked before any retrieval or model work; the documents are converted here, once
+    (the engine takes a :class:`DocumentList` as it is)."""
+    if isinstance(value, str):
+        question, docs = value, None
+    elif isinstance(value, dict) and "question" in value:
+        question, docs = value["question"], value.get("documents")
+    else:
+        msg = "input must be a question string or a dict with a 'question' key"
+        raise TypeError(msg)
+    question = check_text(question, "question")
+    return question, None if docs is None else to_documents(docs)
+
+
+# A framework's prompt template is rendered with these in place of its two variables, then turned
+# back into a format string (rendered_prompt): any template syntax (f-string, jinja2, mustache,
+# chat messages) reaches the engines as (role, format string) pairs.
+QUESTION_SENTINEL = "\x00specrag-question\x00"
+DOCUMENTS_SENTINEL = "\x00specrag-documents\x00"
+PROMPT_SENTINELS = {"question": QUESTION_SENTINEL, "documents": DOCUMENTS_SENTINEL}
+
+
+def check_prompt_variables(variables: Iterable[str], name: str = "prompt") -> None:
+    """ValueError naming ``name`` unless a template's input variables are question + documents."""
+    variables = set(variables)
+    if variables != {"question", "documents"}:
+        msg = (f"{name} must take exactly the input variables 'question' and 'documents'; "
+               f"missing: {sorted({'question', 'documents'} - variables)}, "
+               f"unknown: {sorted(variables - {'question', 'documents'})}")
+        raise ValueError(msg)
+
+
+def rendered_prompt(messages: Sequence[tuple[str, str]], name: str = "prompt") -> PromptMessages:
+    """(role, text) pairs rendered with :data:`PROMPT_SENTINELS` as a checked engine prompt."""
+    out = []
+    for role, text in messages:
+        text = text.replace("{", "{{").replace("}", "}}")
+        text = text.replace(QUESTION_SENTINEL, "{question}")
+        out.append((role, text.replace(DOCUMENTS_SENTINEL, "{documents}")))
+    return cast("PromptMessages", check_prompt(tuple(out), name))
+
+
+def check_retriever(value: Any) -> Any:
+    """None or something the engines can search (TypeError naming the retriever otherwise)."""
+    return value if value is None else check_retriever_like(value)
+
+
+def check_prebuilt_engine(value: Any, kind: str) -> Any:
+    """None or a prebuilt engine of ``kind`` (``"SpeculativeRAG"`` or ``"RaLMSpec"``)."""
+    needs = {"SpeculativeRAG": ("answer", "with_config", "config"),
+             "RaLMSpec": ("lm", "backend", "config")}[kind]
+    if value is not None and not all(hasattr(value, a) for a in needs):
+        msg = f"engine must be a shared_core {kind} engine or None, got {type(value).__name__}"
+        raise TypeError(msg)
+    return value
+
+
+def resolve_settings(engine: Any, config_type: type, names: Iterable[str],
+                     given: Mapping[str, Any]) -> dict[str, Any]:
+    """Every setting in ``names``: as ``given`` (what the caller passed), else the prebuilt
+    ``engine``'s config value, else ``config_type``'s default."""
+    source = getattr(engine, "config", None)
+    if not isinstance(source, config_type):
+        source = config_type  # no (valid) engine: a dataclass's class attributes are its defaults
+    return {name: given[name] if name in given else getattr(source, name) for name in names}
+
+
+def engine_settings(config_type: type, names: Iterable[str]) -> Callable[[Any], Any]:
+    """A pydantic ``model_validator(mode="before")`` that applies :func:`resolve_settings` to
+    an adapter's input when a prebuilt ``engine`` is given."""
+    names = tuple(names)
+
+    def validate(data: Any) -> Any:
+        if isinstance(data, dict) and data.get("engine") is not None:
+            data = {**data, **resolve_settings(data["engine"], config_type, names, data)}
+        return data
+
+    return validate
+
+
+def prebuilt_engine_check(kind: str) -> Callable[[Any], Any]:
+    """:func:`check_prebuilt_engine` for ``kind`` as a one-argument pydantic field validator."""
+    return lambda value: check_prebuilt_engine(value, kind)
+
+
+# ----------------------------------------------------------------------------- built from settings
+
+
+def _plain(x: Any) -> bool:
+    return isinstance(x, (str, int, float)) or (isinstance(x, tuple) and all(map(_plain, x)))
+
+
+def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Equal settings: plain values (and tuples of them) by value and type, objects (retrievers,
+    engines) by identity."""
+    return len(a) == len(b) and all(
+        x is y or (type(x) is type(y) and _plain(x) and x == y)
+        for x, y in zip(a, b, strict=True))
+
+
+class SettingsCache:
+    """One object built from settings: built on first use, rebuilt when the settings change.
+
+    Holds its key (so an object's identity cannot be reused while it is cached) and builds under
+    a lock, so concurrent first calls build once.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._key: tuple[Any, ...] | None = None
+        self._value: Any = None
+
+    def get(self, key: tuple[Any, ...], build: Callable[[], T]) -> T:
+        with self._lock:
+            if self._key is None or not _same(self._key, key):
+                self._value = build()
+                self._key = key
+            return self._value
+
+    def clear(self) -> None:
+        with self._lock:
+            self._key = self._value = None
+
+    def __reduce__(self) -> tuple[type, tuple[()]]:
+        return type(self), ()  # a copy (pickle, deepcopy) starts empty: what is cached is no state
+
+
+class SpeculativeRAGEngines:
+    """The :class:`~shared_core.engines.speculative_rag.SpeculativeRAG` for an adapter's settings.
+
+    Changing only ``num_drafts`` / ``docs_per_draft`` / ``retrieve_k`` derives a new engine with
+    ``with_config`` (same loaded models, same model lock); changing a model builds a new one.
+    """
+
+    def __init__(self) -> None:
+        self._models = SettingsCache()
+        self._engines = SettingsCache()
+
+    def get(self, settings: Any, prompt: PromptMessages | None) -> SpeculativeRAG:
+        """The engine for ``settings`` (read, never called back) and the prompt setting already
+        in the engine's form."""
+        check_prebuilt_engine(settings.engine, "SpeculativeRAG")
+        knobs = {name: getattr(settings, name) for name in SPECRAG_KNOBS}
+        knobs["prompt"] = prompt
+        knobs.update(specrag_budgets(settings.max_new_tokens))
+        models = (settings.drafter, settings.verifier, settings.dtype, settings.backend,
+                  settings.engine)
+        base = self._models.get(models, lambda: self._base(settings, knobs))
+        return self._engines.get((base, *knobs.values()),
+                                 lambda: base.with_config(replace(base.config, **knobs)))
+
+    @staticmethod
+    def _base(settings: Any, knobs: dict[str, Any]) -> SpeculativeRAG:
+        from shared_core.engines.speculative_rag import SpeculativeRAG
+
+        if settings.engine is not None:
+            return settings.engine
+        SpeculativeRAGConfig(**knobs)  # bad settings fail before the model names are looked at
+        return SpeculativeRAG(settings.drafter, settings.verifier, dtype=settings.dtype,
+                              backend=settings.backend)
+
+
+class RaLMSpecEngines:
+    """The :class:`~shared_core.engines.ralmspec.RaLMSpec` for an adapter's settings, and a call.
+
+    ``retrieval_timeout_s=None`` keeps the prebuilt engine's setting (by default no limit).
+    """
+
+    def __init__(self) -> None:
+        self._engines = SettingsCache()
+
+    def get(self, settings: Any, prompt: PromptMessages | None) -> RaLMSpec:
+        knobs = {name: getattr(settings, name) for name in RALMSPEC_KNOBS}
+        knobs["prompt"] = prompt
+        if knobs["retrieval_timeout_s"] is None:
+            del knobs["retrieval_timeout_s"]
+        key = (settings.model, settings.backend, settings.retriever, settings.engine,
+               *knobs.values())
+        return self._engines.get(key, lambda: self._build(settings, knobs))
+
+    @staticmethod
+    def _build(settings: Any, knobs: dict[str, Any]) -> RaLMSpec:
+        from shared_core.frontend.serving import ralmspec_engine
+
+        if settings.engine is None:
+            RaLMSpecConfig(**knobs)  # refuse bad settings before a model is loaded
+        return ralmspec_engine(settings.model, settings.retriever, settings.engine,
+                               backend=settings.backend, **knobs)
+
+    def stream(self, settings: Any, question: str, prompt: PromptMessages | None
+               ) -> TokenStream:
+        """RaLMSpec (or RaLMSeq with ``settings.baseline``) for ``question`` as a stream."""
+        engine = self.get(settings, prompt)
+        start = engine.stream_baseline if settings.baseline else engine.stream
+        return start(question, settings.max_new_tokens, temperature=settings.temperature,
+                     seed=settings.seed)
+
+
+class RetrieverSession:
+    """The :class:`~shared_core.engines.ralmspec.SpeculativeRetrieval` of a speculative-retriever
+    adapter: opened on first use, reopened when a setting changes or after :meth:`reset`."""
+
+    def __init__(self) -> None:
+        self._sessions = SettingsCache()
+
+    def get(self, retriever: Any, k: int, prefetch_k: int, retrieval_timeout_s: float | None
+            ) -> SpeculativeRetrieval:
+        def build() -> SpeculativeRetrieval:
+            from shared_core.engines.ralmspec import SpeculativeRetrieval
+
+            return SpeculativeRetrieval(retriever, k=k, prefetch_k=prefetch_k,
+                                        retrieval_timeout_s=retrieval_timeout_s)
+
+        return self._sessions.get((retriever, k, prefetch_k, retrieval_timeout_s), build)
+
+    def reset(self) -> None:
+        self._sessions.clear()
+
+
+# ----------------------------------------------------------------------------- results
+
+
+def specrag_details(result: SpeculativeRAGResult) -> dict[str, Any]:
+    """What both Speculative RAG adapters report beside the answer and the documents."""
+    return {"rationale": result.rationale, "best": result.best,
+            "drafts": [d.as_dict() for d in result.drafts],
+            "scores": [d.score for d in result.drafts], "stats": result.stats.as_dict()}
+
+
+def ralmspec_details(result: GenerationResult) -> dict[str, Any]:
+    """What both RaLMSpec adapters report beside the answer and the documents."""
+    return {"doc_ids": list(_ralm_stats(result).doc_ids),
+            "token_ids": list(result.token_ids), "stats": result.stats.as_dict()}
+
+
+def ralmspec_documents(result: GenerationResult) -> tuple[Document, ...]:
+    """The documents the answer was generated under, each once, in first-use order."""
+    return _ralm_stats(result).documents
+
+
+def _ralm_stats(result: GenerationResult) -> RaLMSpecStats:
+    from shared_core.engines.ralmspec.stats import RaLMSpecStats  # imported with the engine
+
+    stats = result.stats
+    if not isinstance(stats, RaLMSpecStats):
+        msg = f"not a RaLMSpec result: its stats are {type(stats).__name__}"
+        raise TypeError(msg)
+    return stats
+
+
+def hit_score(hit: Hit) -> float | None:
+    """The retriever's score; None (a NaN score) for a speculated hit or a retriever's hit
+    without a score."""
+    return None if math.isnan(hit.score) else hit.score
+
+
+def hit_metadata(hit: Hit) -> dict[str, Any]:
+    return {**hit.document.metadata, "rank": hit.rank}

@@ -1,0 +1,189 @@
+"""The one model resolver and process-wide cache: a name, path, URL or LoRA name -> one model.
+
+:func:`resolve_lm` is how every engine, adapter and benchmark that takes a model *name* gets it:
+
+- an object (an :class:`~shared_core.runtime.lm.LM`, a :class:`~shared_core.runtime.remote.RemoteLM`, a fake)
+  is used as given;
+- ``http://`` / ``https://`` is a served model (vLLM / SGLang), a :class:`RemoteLM`;
+- ``"<base>+specrag"`` is a shipped LoRA-tuned drafter (:mod:`shared_core.runtime.weights.lora`);
+- anything else goes to :func:`~shared_core.runtime.models.load_lm` (alias, hub id, folder, ``.gguf``)
+  on ``backend``.
+
+Each result is kept once per ``(name, device, dtype, backend)``, so two engines (or an engine
+and an adapter) naming the same model share one copy of the weights, and with it the one lock
+of :func:`shared_core.runtime.model_lock.lock_for`. :func:`release` / :func:`release_all` drop loaded
+models (users running a generation keep their reference).
+
+``prefix_cache`` (``load_lm``'s prompt-prefix budget, docs/backends.md) is not part of the key,
+so one model never has two copies: the first load fixes it, ``None`` later takes what was
+loaded, and a different explicit setting for a loaded model is refused (ValueError naming
+``prefix_cache``; release the model first). Served models and tuned drafters ignore it.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any
+
+from shared_core.config import LOAD_LM_BACKEND, check_prefix_cache
+from shared_core.runtime.model_lock import FairLock, lock_for
+from shared_core.runtime.weights.lora import ADAPTERS, SUFFIX
+
+if TYPE_CHECKING:
+    from shared_core.runtime.models import LM
+
+Key = tuple[str, str | None, str | None, str]
+PrefixCache = bool | int | None  # load_lm's prefix_cache
+_LOADED: dict[Key, Any] = {}
+_PREFIX_CACHE: dict[Key, PrefixCache] = {}  # the prefix_cache each model in _LOADED loaded with
+_EMBEDDERS: dict[str, Any] = {}
+_LOCK = threading.Lock()
+_URL_SCHEMES = ("http://", "https://")
+
+
+def is_url(name: str) -> bool:
+    """Whether ``name`` names a served model (an ``http(s)://`` URL)."""
+    return name.strip().lower().startswith(_URL_SCHEMES)
+
+
+def _key(name: str, device: str | None, dtype: str | None, backend: str) -> Key:
+    """The cache key; settings a kind of model ignores are left out, so they share one copy."""
+    if is_url(name):
+        return (name, None, None, "served")
+    if name.endswith(SUFFIX):
+        return (name, None, dtype, "torch")
+    return (name, device, dtype, backend)
+
+
+def _load(name: str, device: str | None, dtype: str | None, backend: str, served: bool,
+          prefix_cache: PrefixCache = None) -> Any:
+    if served and is_url(name):
+        from shared_core.runtime.remote import RemoteLM
+
+        return RemoteLM(name)
+    if name.endswith(SUFFIX):
+        from shared_core.runtime.weights.lora import load_tuned_drafter
+
+        return load_tuned_drafter(name, dtype)
+    from shared_core.runtime.models import load_lm
+
+    return load_lm(name, device=device, dtype=dtype, backend=backend, prefix_cache=prefix_cache)
+
+
+def _prefix_setting(prefix_cache: PrefixCache) -> str | int:
+    """What a ``prefix_cache`` value means: ``"on"`` (the default budget), ``"off"`` or a budget
+    (``True`` is not ``1``: one context / MiB)."""
+    if prefix_cache is None or prefix_cache is True:
+        return "on"
+    if prefix_cache is False or prefix_cache == 0:
+        return "off"
+    return int(prefix_cache)
+
+
+def _check_same_prefix_cache(key: Key, prefix_cache: PrefixCache) -> None:
+    """ValueError naming ``prefix_cache`` when a loaded model was loaded with another one."""
+    loaded = _PREFIX_CACHE.get(key)
+    if prefix_cache is None or key[3] == "served" or key[0].endswith(SUFFIX):
+        return
+    if _prefix_setting(prefix_cache) != _prefix_setting(loaded):
+        msg = (f"prefix_cache={prefix_cache!r}: model {key[0]!r} is already loaded with "
+               f"prefix_cache={loaded!r} and a model is loaded once per process; pass the same "
+               "setting (or leave it None), or release the model first "
+               "(shared_core.frontend.serving.release)")
+        raise ValueError(msg)
+
+
+def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
+              backend: str = LOAD_LM_BACKEND, *, served: bool = True,
+              prefix_cache: PrefixCache = None) -> LM:
+    """The process-wide model for a name, path, URL or LoRA name (see the module docstring).
+
+    ``served=False`` is for callers that need an in-process model (the token engines): a URL
+    then fails naming it, before any connection. Loading happens under a lock, so concurrent
+    first calls load once; a failed load caches nothing and the next call tries again.
+    ``prefix_cache`` reaches :func:`~shared_core.runtime.models.load_lm` on the first load and must
+    agree with it afterwards (module docstring).
+    """
+    check_prefix_cache(prefix_cache)
+    if not served and is_url(name):  # not the cached client: load_lm refuses it, naming the URL
+        return _load(name, device, dtype, backend, served)
+    key = _key(name, device, dtype, backend)
+    with _LOCK:
+        if key in _LOADED:
+            _check_same_prefix_cache(key, prefix_cache)
+        else:
+            _LOADED[key] = _load(name, device, dtype, backend, served, prefix_cache)
+            _PREFIX_CACHE[key] = prefix_cache
+        return _LOADED[key]
+
+
+def resolve_lm(model: Any, *, device: str | None = None, dtype: str | None = None,
+               backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None) -> Any:
+    """``model`` as a model object: a string through the shared cache (:func:`cached_lm`),
+    anything else as given."""
+    if isinstance(model, str):
+        return cached_lm(model, device, dtype, backend, prefix_cache=prefix_cache)
+    return model
+
+
+def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
+                 backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None
+                 ) -> tuple[Any, FairLock]:
+    """The shared in-process ``(model, lock)`` for a model config (the adapters' token engines),
+    loaded on first use; a served model's URL is refused."""
+    lm = cached_lm(model, device, dtype, backend, served=False, prefix_cache=prefix_cache)
+    return lm, lock_for(lm)
+
+
+def release(name: str, device: str | None = None, dtype: str | None = None,
+            backend: str = LOAD_LM_BACKEND) -> bool:
+    """Drop one cached model; True if it was cached.
+
+    Generations already running keep their reference until they end; the next call that names
+    the model loads it again. Adapters look the model up on every call, so they do not pin it.
+    """
+    key = _key(name, device, dtype, backend)
+    with _LOCK:
+        _PREFIX_CACHE.pop(key, None)
+        return _LOADED.pop(key, None) is not None
+
+
+def release_all() -> int:
+    """Drop every cached model; return how many were dropped."""
+    with _LOCK:
+        n = len(_LOADED)
+        _LOADED.clear()
+        _PREFIX_CACHE.clear()
+        return n
+
+
+forget, forget_all = release, release_all  # the names this module had before the resolver
+
+
+def check_model_name(name: Any, param: str) -> None:
+    """Reject an unknown alias or LoRA name before loading anything (objects pass)."""
+    if not isinstance(name, str) or is_url(name):
+        return
+    from shared_core.runtime.weights.embedded import EMBEDDED_LMS
+
+    if name.endswith(SUFFIX) and name not in ADAPTERS:
+        msg = f"{param}={name!r}: no tuned adapter; known: {', '.join(sorted(ADAPTERS))}"
+        raise ValueError(msg)
+    base = name.removesuffix(SUFFIX)
+    if base in EMBEDDED_LMS or "/" in base or base.startswith((".", "~")):
+        return
+    known = ", ".join(sorted(EMBEDDED_LMS))
+    msg = (f"{param}={name!r} is not a known model alias; use one of {known}, a Hugging Face id "
+           "(org/name), a local folder, a served model's URL or an LM object")
+    raise ValueError(msg)
+
+
+def cached_embedder(name: str) -> Any:
+    """The process-wide :func:`~shared_core.runtime.models.load_embedder` result for ``name`` (dense
+    retrievers built or unpickled with an embedder name share one copy)."""
+    with _LOCK:
+        if name not in _EMBEDDERS:
+            from shared_core.runtime.models import load_embedder
+
+            _EMBEDDERS[name] = load_embedder(name)
+        return _EMBEDDERS[name]

@@ -1,0 +1,168 @@
+"""Passage (chunk) KV cache: a RAG app never reads the same passage twice.
+
+``load_lm(..., passage_cache="exact" | "blend")`` attaches a cache to a llama.cpp or torch
+model (:func:`attach`); every session's first prefill then goes through it (:mod:`.llamacpp`,
+:mod:`.torch_cache`). :func:`warm_passages` fills it ahead of time from the texts an app indexes;
+:func:`register_passages` tells it which texts a prompt may contain (the RAG engines do);
+:func:`passage_stats` reports what it did.
+
+- ``"exact"``: only exact prompt prefixes are reused (in blocks, kept in memory and on disk across
+  processes); with ``exact=True`` the output equals a cold prefill's token for token.
+- ``"blend"``: cached passages are reused anywhere in a prompt, in any order, and a share
+  (``recompute_share``) of their tokens is recomputed with full attention (CacheBlend).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from shared_core.config import PassageCacheConfig, check_passage_cache, check_text
+from shared_core.runtime.passage_cache.chunks import passage_interior
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["PassageCacheConfig", "attach", "config_from", "ensure", "passage_cache_of",
+           "passage_stats", "register_passage_ids", "register_passages", "source_texts",
+           "warm_passages"]
+
+
+def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
+                ) -> PassageCacheConfig | None:
+    """``load_lm``'s passage-cache keywords as a config (None: off); errors name the keyword."""
+    mode = check_passage_cache(passage_cache, exact=exact)
+    given = {k: v for k, v in settings.items() if v is not None}
+    if mode is None:
+        return None
+    return PassageCacheConfig(mode=mode, **given)
+
+
+def attach(model: Any, config: PassageCacheConfig, *, disk_dir: Path | None = None) -> Any:
+    """Give a loaded llama.cpp or torch model (``lm.model``) a passage cache, replacing any."""
+    old = getattr(model, "passage_cache", None)
+    if old is not None:
+        old.close()
+    if callable(getattr(model, "named_parameters", None)):  # a torch module
+        from shared_core.runtime.passage_cache.torch_cache import TorchPassageCache
+
+        model.passage_cache = TorchPassageCache(model, config, disk_dir=disk_dir)
+        return model.passage_cache
+    from shared_core.runtime.passage_cache.llamacpp import LlamaCppPassageCache
+
+    model.passage_cache = LlamaCppPassageCache(model, config, disk_dir=disk_dir)
+    return model.passage_cache
+
+
+def passage_cache_of(lm: Any) -> Any:
+    """The model's passage cache, or None."""
+    return getattr(getattr(lm, "model", None), "passage_cache", None)
+
+
+def source_texts(source: Any, name: str = "texts") -> list[str]:
+    """The passage texts of ``source``: a list of strings or documents (``page_content`` /
+    ``text`` / ``get_content()``), a LlamaIndex index or docstore (``.docstore`` / ``.docs``), or
+    a LangChain vector store keeping its texts (``InMemoryVectorStore.store``, FAISS's
+    ``docstore._dict``). Duck-typed: no framework is imported. Errors name ``name``."""
+    source = getattr(source, "docstore", source)
+    for attribute, field in (("docs", None), ("_dict", None), ("store", "text")):
+        table = getattr(source, attribute, None)
+        if isinstance(table, dict):
+            items = list(table.values())
+            source = [item[field] if field and isinstance(item, dict) else item for item in items]
+            break
+    if isinstance(source, str) or not isinstance(source, Iterable):
+        msg = (f"{name} must be a list of strings or documents, or an index / store, got "
+               f"{type(source).__name__}")
+        raise TypeError(msg)
+    return [check_text(_text_of(item), name) for item in source]
+
+
+def _text_of(item: Any) -> Any:
+    for attribute in ("page_content", "text"):
+        value = getattr(item, attribute, None)
+        if isinstance(value, str):
+            return value
+    content = getattr(item, "get_content", None)
+    return content() if callable(content) else item
+
+
+def register_passages(lm: Any, texts: Iterable[Any]) -> int:
+    """Tell a blend cache which passages a prompt may contain (each tokenized alone, found in
+    prompts by its interior); returns how many were indexed. A no-op without a blend cache."""
+    cache = passage_cache_of(lm)
+    if cache is None or cache.mode != "blend":
+        return 0
+    count = 0
+    for text in source_texts(texts):
+        count += bool(cache.index.add_interior(passage_interior(lm.tokenizer, text)))
+    return count
+
+
+def register_passage_ids(lm: Any, ids: Sequence[int]) -> bool:
+    """:func:`register_passages` for a passage whose ids a prompt holds verbatim (an engine that
+    tokenizes a document on its own and splices it in: RaLMSpec)."""
+    cache = passage_cache_of(lm)
+    return cache is not None and cache.mode == "blend" and bool(cache.index.add(ids))
+
+
+def warm_passages(lm: Any, texts: Iterable[Any], *, progress: bool = True) -> dict[str, int]:
+    """Compute and store the KV of each passage ahead of time (blend caches): resumable, since
+    passages already stored are skipped; a tqdm bar with ``progress``. ``texts``: strings,
+    documents, a LlamaIndex index / docstore or a LangChain vector store (:func:`source_texts`).
+    Returns ``{"passages", "computed", "skipped"}``."""
+    cache = passage_cache_of(lm)
+    if cache is None or cache.mode != "blend":
+        msg = ("warm_passages needs a model loaded with passage_cache='blend' (exact reuse keys "
+               "whole prompt prefixes, which a passage alone does not give)")
+        raise ValueError(msg)
+    from tqdm.auto import tqdm
+
+    items = source_texts(texts)
+    computed = skipped = 0
+    for text in tqdm(items, desc="passage KV", disable=not progress, unit="passage"):
+        inner = cache.index.add_interior(passage_interior(lm.tokenizer, text))
+        if not inner:
+            skipped += 1
+            continue
+        if cache.warm(lm, inner):
+            computed += 1
+        else:
+            skipped += 1
+    logger.info("warm_passages: %d computed, %d already stored or too short", computed, skipped)
+    return {"passages": len(items), "computed": computed, "skipped": skipped}
+
+
+def passage_stats(lm: Any) -> dict[str, Any]:
+    """The cache's store counters and its last prefill's report ({} without a cache)."""
+    cache = passage_cache_of(lm)
+    return cache.stats() if cache is not None else {}
+
+
+def ensure(lm: Any, config: PassageCacheConfig | None) -> None:
+    """Give ``lm`` the passage cache ``config`` asks for (None: keep what it has). A served
+    model, a blend cache on an exact model, or a loaded model that already has another cache is
+    refused (ValueError naming ``passage_cache``; a model is loaded once per process)."""
+    if config is None:
+        return
+    backend = getattr(lm, "backend", "torch")
+    if backend == "llama.cpp":
+        exact = lm.model.settings.exact
+    elif backend == "torch":
+        from shared_core.runtime.torch.prefix import store_for
+
+        store = store_for(lm.model)
+        exact = store is not None and store.exact
+    else:
+        msg = (f"passage_cache={config.mode!r} runs on torch and llama.cpp models; model "
+               f"{getattr(lm, 'name', lm)!r} runs on {backend} (turn on the server's own cache)")
+        raise ValueError(msg)
+    check_passage_cache(config.mode, exact=exact)
+    current = passage_cache_of(lm)
+    if current is None:
+        attach(lm.model, config)
+    elif current.config != config:
+        msg = (f"passage_cache={config.mode!r}: model {lm.name!r} already has a passage cache "
+               f"({current.config}); pass the same settings or release the model first")
+        raise ValueError(msg)

@@ -1,0 +1,619 @@
+"""Assembling a prompt's KV from cached chunks in a llama.cpp context (docs/backends.md, *Passage
+cache*; the measured mechanism: ../shared/DESIGN.md §8).
+
+A :class:`LlamaCppPassageCache` is attached to a loaded model (``lm.model.passage_cache``) and
+runs the first ``prefill`` of every session on that model:
+
+- **exact**: the prompt is cut into blocks of ``BLOCK`` ids; the KV of block ``[e - BLOCK, e)``
+  is stored under a key of the *whole* prefix ``ids[:e]`` (:meth:`ChunkStore.prefix_keys`), so
+  only exact prefixes are reused, restored at the positions they were computed at and never
+  shifted. The rest is decoded as a cold prefill decodes it; with ``load_lm(exact=True)`` the
+  output equals a cold prefill's token for token.
+- **blend**: the prompt's head up to its first chunk (a RAG template's fixed instructions) is
+  reused as exact prefix blocks of ``HEAD_BLOCK`` ids. The cached chunks found in the prompt
+  (:mod:`.chunks`) are placed where they occur:
+  a chunk's KV, computed alone after the fixed head :attr:`head` (empty: the chunk starts at
+  position 0, for any prompt format), is restored into a scratch sequence, moved to its place
+  with ``llama_memory_seq_add`` (the K-shift re-rotates the keys at the next decode) and copied
+  into sequence 0 with ``llama_memory_seq_cp``; the ids between chunks are decoded after them.
+  Then a share of the reused tokens is recomputed with full attention (CacheBlend, Yao et al.
+  EuroSys 2025, §4: the tokens whose KV deviates most from full attention at an early layer).
+  The deviation is measured on layer 1's values (the first layer whose values depend on
+  context; values carry no rotary phase, so the shift does not enter it): the whole prompt goes
+  through layer 0 and layer 1's value projection only (:class:`_Probe`, about 1.2/L of a full
+  prefill), and is compared with the values the cached chunk holds.
+  A sequence only accepts positions after its last one, so the gaps between chunks, and then
+  the runs of selected tokens, are each decoded in a scratch sequence holding sequence 0's
+  cells before them and swapped in: one ``llama_decode`` for all gaps, one for all runs
+  (:meth:`LlamaCppPassageCache._decode_runs`).
+
+A failed or interrupted assembly clears the session's context (nothing half-placed is served);
+the store only ever holds whole entries.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shared_core.config import PassageCacheConfig
+from shared_core.runtime.llamacpp.session import EXACT_CHUNK, MAX_TREE_LEAVES, decode
+from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, uncovered_chunks
+from shared_core.runtime.passage_cache.kv_state import StateFormatError, layer_values
+from shared_core.runtime.passage_cache.store import MIB, ChunkStore, model_identity
+
+logger = logging.getLogger(__name__)
+
+BLOCK = 2 * EXACT_CHUNK  # exact: ids per stored prefix block (on the exact prefill grid)
+HEAD_BLOCK = 8  # blend: ids per stored prefix block (no grid to keep; a RAG head is ~50 ids)
+PROBE_LAYER = 1  # CacheBlend selects on an early layer; layer 0's values see no context
+PLACE_SEQ = MAX_TREE_LEAVES  # scratch sequence a chunk is restored / computed in
+MERGE_GAP = 2  # selected runs this close are recomputed as one (fewer decodes)
+
+
+@dataclass
+class PrefillReport:
+    """What one prefill did with the cache (token counts)."""
+
+    prompt: int = 0
+    kept: int = 0  # held by the idle context the session took (in-memory prefix reuse)
+    reused: int = 0  # restored from the store (exact blocks or blended chunks)
+    computed_alone: int = 0  # blend: chunk ids missing from the store, computed alone and stored
+    recomputed: int = 0  # blend: reused ids decoded again with full attention
+    read: int = 0  # decoded in place (gaps, the question, everything not cached)
+    probe: int = 0  # blend: ids run through the layer-1 probe
+    stored: int = 0  # entries written
+    seconds: dict[str, float] = field(default_factory=dict)  # wall time per step (profiling)
+
+    def as_dict(self) -> dict[str, int]:
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "seconds"}
+
+    @contextmanager
+    def timed(self, step: str) -> Iterator[None]:
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
+
+
+def _meta(model: Any, key: str) -> str:
+    buf = ctypes.create_string_buffer(256)
+    n = model.llama.llama_model_meta_val_str(model.ptr, key.encode(), buf, len(buf))
+    return buf.value.decode("utf-8", "replace") if n >= 0 else ""
+
+
+def identity_of(model: Any) -> str:
+    """Everything that makes this model's KV differ (see :func:`model_identity`)."""
+    import llama_cpp
+
+    path = Path(model.path).resolve()
+    stat = path.stat()
+    arch = _meta(model, "general.architecture")
+    return model_identity(
+        path=str(path), size=stat.st_size, mtime_ns=stat.st_mtime_ns, desc=model.describe(),
+        runtime=f"llama.cpp {llama_cpp.__version__}", kv_dtype="f16",
+        rope_freq_base=_meta(model, f"{arch}.rope.freq_base"),
+        rope_scaling=_meta(model, f"{arch}.rope.scaling.type"),
+        rope_scale=_meta(model, f"{arch}.rope.scaling.factor"), n_ctx_orig=model.n_ctx_train,
+        repacked=not model.settings.exact)
+
+
+class _Probe:
+    """A context of the same model that reads the prompt's layer-``PROBE_LAYER`` value vectors
+    and stops there: llama.cpp's evaluation callback copies the ``Vcur-1`` tensor out of each
+    ubatch's graph and ends the computation (returning false), so a probe costs about one
+    layer and a projection, not a prefill."""
+
+    def __init__(self, model: Any):
+        import os
+
+        llama = model.llama
+        ggml = ctypes.CDLL(os.path.join(os.path.dirname(llama.__file__), "lib", "libggml-base.so"))
+        ggml.ggml_get_name.restype = ctypes.c_char_p
+        ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
+        ggml.ggml_nelements.restype = ctypes.c_int64
+        ggml.ggml_nelements.argtypes = [ctypes.c_void_p]
+        ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                                                 ctypes.c_size_t]
+        stop = f"Vcur-{PROBE_LAYER}".encode()
+        self.parts: list[np.ndarray] = []
+
+        @llama.ggml_backend_sched_eval_callback
+        def callback(tensor: Any, ask: bool, user_data: Any) -> bool:
+            del user_data
+            if ggml.ggml_get_name(tensor) != stop:
+                return False
+            if ask:
+                return True
+            out = np.empty(ggml.ggml_nelements(tensor), dtype=np.float32)
+            ggml.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
+            self.parts.append(out)
+            return False
+
+        params = llama.llama_context_default_params()
+        params.n_ctx = model.n_ctx
+        params.n_batch = params.n_ubatch = model.settings.n_batch
+        params.n_seq_max = 1
+        params.n_threads = params.n_threads_batch = model.threads
+        params.no_perf = True
+        params.cb_eval = callback
+        params.cb_eval_user_data = None
+        self.llama, self.model = llama, model
+        self._callback = callback  # kept alive as long as the context
+        self.ctx = llama.llama_init_from_model(model.ptr, params)
+        if not self.ctx:
+            msg = "llama.cpp could not create the passage cache's probe context (out of memory?)"
+            raise MemoryError(msg)
+        self.memory = llama.llama_get_memory(self.ctx)
+        self.batch = llama.llama_batch_init(model.settings.n_batch, 0, 1)
+        self.n_batch = model.settings.n_batch
+        self.lock = threading.Lock()
+
+    def values(self, lm: Any, ids: Sequence[int]) -> np.ndarray:
+        """Layer-``PROBE_LAYER`` values of ``ids`` read as one prompt: ``[len(ids), width]``."""
+        with self.lock:
+            self.parts = []
+            self.llama.llama_memory_clear(self.memory, True)
+            try:
+                for begin in range(0, len(ids), self.n_batch):
+                    decode(lm, self, [(int(t), begin + i, (0,), False)
+                                      for i, t in enumerate(ids[begin : begin + self.n_batch])])
+            finally:
+                self.llama.llama_memory_clear(self.memory, True)
+            flat = np.concatenate(self.parts) if self.parts else np.empty(0, np.float32)
+        if len(ids) == 0 or flat.size % len(ids):
+            msg = f"the probe read {flat.size} values for {len(ids)} ids (no Vcur-{PROBE_LAYER}?)"
+            raise StateFormatError(msg)
+        return flat.reshape(len(ids), -1)
+
+    def free(self) -> None:
+        if self.ctx:
+            self.llama.llama_batch_free(self.batch)
+            self.llama.llama_free(self.ctx)
+            self.ctx = None
+
+
+def _seq_state(llama: Any, ctx: Any, seq: int) -> bytes:
+    size = llama.llama_state_seq_get_size(ctx, seq)
+    buf = (ctypes.c_uint8 * size)()
+    written = llama.llama_state_seq_get_data(ctx, buf, size, seq)
+    return bytes(buf[:written])
+
+
+class LlamaCppPassageCache:
+    """The passage cache of one loaded llama.cpp model (see the module doc)."""
+
+    def __init__(self, model: Any, config: PassageCacheConfig, *, head: Sequence[int] = (),
+                 disk_dir: Path | None = None):
+        self.model = model
+        self.config = config
+        self.head = tuple(int(t) for t in head)
+        self.store = ChunkStore(identity_of(model), memory_bytes=config.memory_mb * MIB,
+                                disk_bytes=config.disk_mb * MIB, disk_dir=disk_dir)
+        self.index = PassageIndex()
+        self.last = PrefillReport()
+        self._probe: _Probe | None = None
+        self._probe_lock = threading.Lock()
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    @property
+    def block(self) -> int:
+        """Ids per stored exact-prefix block in this mode."""
+        return BLOCK if self.mode == "exact" else HEAD_BLOCK
+
+    def stats(self) -> dict[str, Any]:
+        """The store's counters and the last prefill's report."""
+        return {"mode": self.mode, "store": self.store.stats.as_dict(), "last": self.last.as_dict()}
+
+    def close(self) -> None:
+        if self._probe is not None:
+            self._probe.free()
+            self._probe = None
+
+    # -- the session hook
+
+    def prefill(self, session: Any, ids: Sequence[int]) -> Any:
+        """A session's first prefill of ``ids`` through the cache; the ``[V]`` logits after the
+        last id (the session's ``prefill`` contract). Called inside the session's write guard."""
+        ids = [int(t) for t in ids]
+        report = PrefillReport(prompt=len(ids))
+        try:
+            if self.mode == "blend":
+                logits = self._prefill_blend(session, ids, report)
+            else:
+                logits = self._prefill_exact(session, ids, report)
+        except BaseException:
+            self._abandon(session)
+            raise
+        session.reused_tokens = report.kept + report.reused
+        session.passage_report = report
+        self.last = report
+        return logits
+
+    def _abandon(self, session: Any) -> None:
+        """After a failure: no scratch cells, and an empty session whose context is cleared."""
+        if session._slot is not None:
+            llama, memory = self.model.llama, session._slot.memory
+            for seq in range(1, PLACE_SEQ + 1):
+                llama.llama_memory_seq_rm(memory, seq, -1, -1)
+            session.reset()
+        session.tokens = []
+
+    # -- exact prefixes
+
+    def _prefill_exact(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
+        session._borrow(ids)
+        report.kept = len(session.tokens)
+        keys = self.store.prefix_keys(ids, self.block, len(ids) - 1)
+        restored = self._restore_prefix(session, ids, keys, report)
+        logits = self._feed(session, ids[len(session.tokens):], report, logits=True)
+        self._store_prefix(session, keys, restored, report)
+        return logits
+
+    def _restore_prefix(self, session: Any, ids: list[int], keys: list[tuple[int, str]],
+                        report: PrefillReport) -> int:
+        """Restore the stored blocks that follow what the session holds; the end of the last."""
+        found = self._find_blocks(keys, len(session.tokens))
+        if not found:
+            return 0
+        start = found[0][0] - self.block
+        session.rollback(start)
+        report.kept = min(report.kept, start)
+        restored = self._restore_blocks(session._slot, found, report)
+        session.tokens.extend(ids[start:restored])
+        return restored
+
+    def _find_blocks(self, keys: list[tuple[int, str]], kept: int
+                     ) -> list[tuple[int, str, bytes]]:
+        """The stored blocks from the one holding position ``kept`` on, up to the first miss."""
+        found = []
+        for end, key in keys[kept // self.block :]:
+            payload = self.store.get(key)
+            if payload is None:
+                break
+            found.append((end, key, payload))
+        return found
+
+    def _restore_blocks(self, slot: Any, found: list[tuple[int, str, bytes]],
+                        report: PrefillReport) -> int:
+        """Restore blocks into sequence 0 (which ends where the first begins); the end of the
+        last one restored (a refused payload is dropped from the store and ends the walk)."""
+        restored = found[0][0] - self.block
+        for end, key, payload in found:
+            if not self._load(slot, payload, end - self.block, self.block, PLACE_SEQ):
+                self.store.discard(key)
+                break
+            self._copy_in(slot, PLACE_SEQ, end - self.block, end)
+            report.reused += self.block
+            restored = end
+        return restored
+
+    def _store_prefix(self, session: Any, keys: list[tuple[int, str]], restored: int,
+                      report: PrefillReport) -> None:
+        self._store_blocks(session._slot, keys, restored, len(session.tokens), report)
+
+    def _store_blocks(self, slot: Any, keys: list[tuple[int, str]], restored: int, held: int,
+                      report: PrefillReport) -> None:
+        """Store sequence 0's blocks ending after ``restored`` and by ``held`` (unless stored)."""
+        llama, memory = self.model.llama, slot.memory
+        for end, key in keys:
+            if end <= restored or end > held or key in self.store:
+                continue
+            llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
+            llama.llama_memory_seq_cp(memory, 0, PLACE_SEQ, end - self.block, end)
+            payload = _seq_state(llama, slot.ctx, PLACE_SEQ)
+            llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
+            self.store.put(key, payload)
+            report.stored += 1
+
+    def restore_shared(self, slot: Any, ids: Sequence[int], kept: int) -> int:
+        """Several rows (:mod:`shared_core.runtime.llamacpp.batch`): restore the stored blocks
+        of the rows' common prefix ``ids`` after the ``kept`` ids sequence 0 holds; how many
+        ids it holds then."""
+        keys = self.store.prefix_keys(ids, self.block, len(ids))
+        found = self._find_blocks(keys, kept)
+        if not found:
+            return kept
+        self.model.llama.llama_memory_seq_rm(slot.memory, 0, found[0][0] - self.block, -1)
+        self.last = PrefillReport(prompt=len(ids), kept=min(kept, found[0][0] - self.block))
+        return self._restore_blocks(slot, found, self.last)
+
+    def store_shared(self, slot: Any, ids: Sequence[int], restored: int) -> None:
+        """Several rows: store the common prefix's blocks sequence 0 now holds."""
+        keys = self.store.prefix_keys(ids, self.block, len(ids))
+        self._store_blocks(slot, keys, restored, len(ids), self.last)
+
+    # -- blending
+
+    def chunks_of(self, ids: Sequence[int]) -> list[Span]:
+        """The chunks of a prompt to take from (or put into) the store: known passages, then
+        content-defined chunks of what lies between them."""
+        known = self.index.find(ids)
+        spans = sorted([*known, *uncovered_chunks(ids, known)], key=lambda s: s.start)
+        return [s for s in spans if s.start > 0]
+
+    def _fits(self, ids: Sequence[int], spans: Sequence[Span]) -> bool:
+        """Whether the context has cells for the prompt, a scratch chunk and the recomputed
+        share beside it (a recomputed run lives twice until it is swapped in)."""
+        longest = max((len(s) for s in spans), default=0)
+        recompute = int(np.ceil(self.config.recompute_share * len(ids)))
+        return len(ids) + len(self.head) + max(longest, recompute) <= self.model.n_ctx
+
+    def _prefill_blend(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
+        spans = self.chunks_of(ids[:-1])
+        first = spans[0].start if spans else len(ids) - 1
+        with report.timed("head"):
+            session._borrow(ids[: first + 1])
+            report.kept = len(session.tokens)
+            keys = self.store.prefix_keys(ids, self.block, first)
+            restored = self._restore_prefix(session, ids, keys, report)
+        placed = self.fill(session.lm, session._slot, 0, ids[:-1], len(session.tokens), report,
+                           scratch=range(1, PLACE_SEQ))
+        with report.timed("head"):  # the head's cells are untouched by placing and recomputing
+            self._store_blocks(session._slot, keys, restored, first, report)
+        session.tokens = ids[:-1]
+        session.blended = placed > 0
+        report.read += 1
+        with report.timed("last"):
+            return session._append(ids[-1:], 1)[-1]
+
+    def fill(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], have: int,
+             report: PrefillReport, scratch: Sequence[int]) -> int:
+        """Make ``seq`` (holding ``ids[:have]`` at positions ``0..have-1``) hold all of ``ids``:
+        cached chunks placed, the rest decoded in place, then the selected share of the reused
+        tokens recomputed (in the empty ``scratch`` sequences). Returns how many chunks were
+        placed (0: a plain prefill)."""
+        ids = [int(t) for t in ids]
+        spans = [s for s in self.chunks_of(ids) if s.start >= have]
+        if not self._fits(ids, spans) or not scratch:
+            spans = []  # no room for a scratch chunk beside the prompt: a plain prefill
+        pos = have
+        if spans:
+            with report.timed("read"):  # the head, in place: the chunks go after it
+                self._decode_range(lm, slot, seq, ids, pos, spans[0].start, report)
+            pos = spans[0].start
+        gaps, placed = [], []
+        for span in spans:
+            if span.start > pos:
+                gaps.append((pos, span.start))
+            with report.timed("place"):
+                placed.append((span, self._place(lm, slot, seq, ids[span.start : span.end],
+                                                 span.start, report)))
+            pos = span.end
+        with report.timed("read"):  # between chunks: each gap sees the chunks before it
+            report.read += self._decode_runs(lm, slot, seq, ids, gaps, scratch)
+        if placed and self.config.recompute_share > 0:
+            with report.timed("probe"):
+                runs = self._select(lm, ids[:pos], placed, report)
+            with report.timed("recompute"):
+                report.recomputed += self._decode_runs(lm, slot, seq, ids, runs, scratch)
+        with report.timed("read"):
+            self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
+        return len(placed)
+
+    def _decode_range(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], begin: int,
+                      end: int, report: PrefillReport, *, counted: bool = True) -> None:
+        """Decode ``ids[begin:end]`` at their positions in ``seq`` (no logits)."""
+        for first in range(begin, end, slot.n_batch):
+            last = min(first + slot.n_batch, end)
+            decode(lm, slot, [(ids[p], p, (seq,), False) for p in range(first, last)])
+        if counted:
+            report.read += max(end - begin, 0)
+
+    def _place(self, lm: Any, slot: Any, seq: int, chunk: list[int], start: int,
+               report: PrefillReport) -> bytes:
+        """Put ``chunk``'s KV (stored, else computed alone and stored) at ``start`` of ``seq``."""
+        h, n = len(self.head), len(chunk)
+        key = self.store.key("chunk", self.head, chunk)
+        payload = self.store.get(key)
+        if payload is not None and not self._load(slot, payload, h, n, PLACE_SEQ):
+            self.store.discard(key)
+            payload = None
+        if payload is None:
+            payload = self._compute_alone(lm, slot, chunk)
+            self.store.put(key, payload)
+            report.computed_alone += n
+            report.stored += 1
+        else:
+            report.reused += n
+        if start != h:
+            self.model.llama.llama_memory_seq_add(slot.memory, PLACE_SEQ, h, h + n, start - h)
+        self._copy_in(slot, PLACE_SEQ, start, start + n, seq)
+        return payload
+
+    def _compute_alone(self, lm: Any, slot: Any, chunk: list[int]) -> bytes:
+        """Decode ``head + chunk`` alone in the scratch sequence; its state without the head."""
+        llama = self.model.llama
+        llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
+        ids = [*self.head, *chunk]
+        self._decode_range(lm, slot, PLACE_SEQ, ids, 0, len(ids), PrefillReport(), counted=False)
+        if self.head:
+            llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, 0, len(self.head))
+        return _seq_state(llama, slot.ctx, PLACE_SEQ)
+
+    def _select(self, lm: Any, ids: list[int], placed: Sequence[tuple[Span, bytes]],
+                report: PrefillReport) -> list[tuple[int, int]]:
+        """The runs of reused positions to recompute: the ``recompute_share`` of them whose
+        layer-1 values deviate most from the whole prompt's (CacheBlend §4.2)."""
+        total = sum(len(span) for span, _ in placed)
+        count = round(self.config.recompute_share * total)
+        if count == 0:
+            return []
+        full = self._probe_for().values(lm, ids)
+        report.probe += len(ids)
+        positions, deviations = [], []
+        h = len(self.head)
+        for span, payload in placed:
+            alone = layer_values(payload, PROBE_LAYER)
+            where = span.start + (alone.positions - h)
+            rows = full[where]
+            deviations.append(np.linalg.norm(rows - alone.values, axis=1))
+            positions.append(where)
+        chosen = np.sort(np.concatenate(positions)[np.argsort(-np.concatenate(deviations))[:count]])
+        return _runs(chosen.tolist())
+
+    def _probe_for(self) -> _Probe:
+        with self._probe_lock:
+            if self._probe is None:
+                self._probe = _Probe(self.model)
+            return self._probe
+
+    def _decode_runs(self, lm: Any, slot: Any, seq: int, ids: list[int],
+                     runs: Sequence[tuple[int, int]], scratch: Sequence[int]) -> int:
+        """Decode each run ``ids[a:b]`` after ``seq``'s cells before it and swap its cells into
+        ``seq`` (replacing what ``seq`` held there); how many ids were decoded.
+
+        A sequence only accepts positions right after its last one, so each run is decoded in a
+        scratch sequence holding ``seq``'s cells before it; one ``llama_decode`` takes as many
+        runs as there are scratch sequences and batch rows (on a CPU a few rows cost about as
+        much as one; a batch of dozens half as much per row). A run therefore does not see the
+        runs decoded beside it: a gap misses the gaps before it, and a recomputed run sees the
+        cached KV of the selected tokens before it where CacheBlend's layer-wise recompute
+        (§4.1) would show it their recomputed KV."""
+        for group in _groups(runs, len(scratch), slot.n_batch):
+            self._decode_group(lm, slot, seq, ids, group, scratch)
+        return sum(b - a for a, b in runs)
+
+    def _decode_group(self, lm: Any, slot: Any, seq: int, ids: list[int],
+                      runs: Sequence[tuple[int, int]], scratch: Sequence[int]) -> None:
+        llama, memory = self.model.llama, slot.memory
+        entries = []
+        for (a, b), tmp in zip(runs, scratch, strict=False):
+            llama.llama_memory_seq_rm(memory, tmp, -1, -1)
+            llama.llama_memory_seq_cp(memory, seq, tmp, 0, a)
+            entries.extend((ids[p], p, (tmp,), False) for p in range(a, b))
+        try:
+            decode(lm, slot, entries)
+            for (a, b), tmp in zip(runs, scratch, strict=False):
+                llama.llama_memory_seq_rm(memory, seq, a, b)
+                llama.llama_memory_seq_cp(memory, tmp, seq, a, b)
+        finally:
+            for tmp in scratch[: len(runs)]:
+                llama.llama_memory_seq_rm(memory, tmp, -1, -1)
+
+    # -- shared steps
+
+    def _load(self, slot: Any, payload: bytes, first: int, count: int, seq: int) -> bool:
+        """Restore a stored state into ``seq``; False (nothing kept) if llama.cpp refuses it or
+        it does not hold positions ``first .. first + count - 1``."""
+        llama, memory = self.model.llama, slot.memory
+        buf = (ctypes.c_uint8 * len(payload)).from_buffer_copy(payload)
+        ok = llama.llama_state_seq_set_data(slot.ctx, buf, len(payload), seq) != 0
+        ok = ok and (llama.llama_memory_seq_pos_min(memory, seq) == first
+                     and llama.llama_memory_seq_pos_max(memory, seq) == first + count - 1)
+        if not ok:
+            llama.llama_memory_seq_rm(memory, seq, -1, -1)
+            logger.warning("passage cache: llama.cpp refused a stored entry; recomputing it")
+        return ok
+
+    def _copy_in(self, slot: Any, scratch: int, start: int, end: int, seq: int = 0) -> None:
+        """Add ``scratch``'s cells at positions ``[start, end)`` to ``seq``; empty ``scratch``."""
+        llama = self.model.llama
+        llama.llama_memory_seq_cp(slot.memory, scratch, seq, start, end)
+        llama.llama_memory_seq_rm(slot.memory, scratch, -1, -1)
+
+    def _feed(self, session: Any, ids: Sequence[int], report: PrefillReport, *,
+              logits: bool = False) -> Any:
+        """Decode ``ids`` after sequence 0 as a prefill does (exact: in ``EXACT_CHUNK`` pieces);
+        the last row of logits if asked for."""
+        exact = self.model.settings.exact
+        step = min(session.slot.n_batch, EXACT_CHUNK) if exact else session.slot.n_batch
+        out = None
+        for begin in range(0, len(ids), step):
+            last = begin + step >= len(ids)
+            rows = session._append(ids[begin : begin + step], 1 if logits and last else 0)
+            if rows is not None:
+                out = rows[-1]
+        report.read += len(ids)
+        return out
+
+    def shared_limit(self, rows: Sequence[Sequence[int]], shared: int) -> int:
+        """Blend: how much of the rows' common prefix to decode once in sequence 0 (up to the
+        first chunk of the first row: the chunks come from the cache, row by row)."""
+        if self.mode != "blend":
+            return shared
+        spans = self.chunks_of(rows[0][:-1])
+        return min(shared, spans[0].start) if spans else shared
+
+    def fill_rows(self, lm: Any, slot: Any, rows: Sequence[Sequence[int]], shared: int,
+                  first_sequence: int = 1) -> list[int]:
+        """Blend: make row ``r``'s sequence (``r + first_sequence``, holding the rows' first
+        ``shared`` ids) hold all of the row but its last id; the ids each row still needs
+        decoded (its last). A no-op (``[shared] * len(rows)``) in exact mode, or when the rows'
+        sequences would collide with the scratch ones."""
+        scratch = range(first_sequence + len(rows), PLACE_SEQ)
+        if self.mode != "blend" or not scratch:
+            return [shared] * len(rows)
+        report = PrefillReport(prompt=sum(map(len, rows)), kept=shared * len(rows))
+        try:
+            for r, row in enumerate(rows):
+                self.fill(lm, slot, r + first_sequence, row[:-1], shared, report, scratch)
+        except BaseException:
+            for seq in (*scratch, PLACE_SEQ):
+                self.model.llama.llama_memory_seq_rm(slot.memory, seq, -1, -1)
+            raise
+        report.read += len(rows)
+        self.last = report
+        return [len(row) - 1 for row in rows]
+
+    def warm(self, lm: Any, chunk_ids: Sequence[int]) -> bool:
+        """Compute and store one chunk alone (blend) unless stored; True if it was computed."""
+        key = self.store.key("chunk", self.head, chunk_ids)
+        if key in self.store:
+            return False
+        session = lm.open_session()
+        slot = session.slot
+        try:
+            self.store.put(key, self._compute_alone(lm, slot, list(chunk_ids)))
+        finally:
+            self.model.llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
+        return True
+
+
+def _groups(runs: Sequence[tuple[int, int]], width: int, rows: int
+            ) -> list[list[tuple[int, int]]]:
+    """Consecutive runs in groups of at most ``width`` runs and ``rows`` ids (one decode each);
+    a run longer than ``rows`` is split (its parts are decoded in order)."""
+    pieces = [(a, min(a + rows, b)) for start, b in runs for a in range(start, b, rows)]
+    groups: list[list[tuple[int, int]]] = []
+    size = 0
+    for a, b in pieces:
+        if not groups or len(groups[-1]) == width or size + b - a > rows:
+            groups.append([])
+            size = 0
+        groups[-1].append((a, b))
+        size += b - a
+    return groups
+
+
+def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Sorted positions as ``[a, b)`` runs, joining runs at most ``MERGE_GAP`` apart."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and p - runs[-1][1] < MERGE_GAP + 1:
+            runs[-1] = (runs[-1][0], p + 1)
+        else:
+            runs.append((p, p + 1))
+    return runs
+
+
+def check_state_readable(payload: bytes) -> bool:
+    """Whether the probe can read this model's states (f16 / f32 V, no per-cell extensions)."""
+    try:
+        layer_values(payload, PROBE_LAYER)
+    except StateFormatError:
+        return False
+    return True

@@ -1,0 +1,276 @@
+"""A content-addressed store of chunk KV payloads per loaded model: a memory tier and an optional
+disk tier, each with a byte budget and least-recently-used eviction.
+
+A key is the SHA-256 of everything that makes a chunk's KV differ: the model's identity
+(:func:`model_identity`: file, runtime, KV dtype, RoPE settings, kernels), the kind of entry
+(``"prefix"``: the KV of a block computed after the whole prefix before it; ``"chunk"``: a chunk
+computed alone after a fixed head), the head ids it was computed after and its own token ids.
+Payloads are opaque bytes (the runtime serialises them). Every entry on disk carries its key and
+the SHA-256 of its payload, checked on every read: a corrupted, truncated or foreign entry is
+deleted and reported as a miss (the caller recomputes it), never returned.
+
+Disk entries are written to a temporary sibling and renamed into place (``os.replace``), so a
+reader sees a whole entry or none; writes and evictions hold a cross-process lock on the folder
+(:mod:`shared_core.util.file_lock`), so two processes can share it. Recency on disk is the file's
+mtime, refreshed on a read.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from shared_core.runtime.weights.embedded import cache_dir
+from shared_core.util.file_lock import exclusive
+
+logger = logging.getLogger(__name__)
+
+MIB = 1 << 20
+MAGIC = b"SPKV1\n"  # file format of a disk entry: MAGIC, key (32 bytes), payload digest (32), payload
+_HEADER = len(MAGIC) + 64
+SUFFIX = ".kv"
+
+
+def disk_root() -> Path:
+    """``$SPECRAG_CACHE/passage_kv`` (the folder every model's disk tier lives under)."""
+    return cache_dir() / "passage_kv"
+
+
+def ids_bytes(ids: Iterable[int]) -> bytes:
+    """Token ids as little-endian int32 bytes (what keys hash)."""
+    return b"".join(int(i).to_bytes(4, "little", signed=True) for i in ids)
+
+
+def model_identity(**parts: Any) -> str:
+    """A digest of the named parts (model file path, size and mtime, runtime, KV dtype, RoPE
+    base / scale, trained context, kernels...): KV computed under other parts is never served."""
+    text = "\n".join(f"{name}={parts[name]!r}" for name in sorted(parts))
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+@dataclass
+class StoreStats:
+    """Counters of one store (since it was opened)."""
+
+    hits: int = 0
+    misses: int = 0
+    memory_hits: int = 0
+    disk_hits: int = 0
+    puts: int = 0
+    corrupt: int = 0  # entries that failed their digest / key check and were deleted
+    evictions: int = 0
+    memory_bytes: int = 0
+    disk_bytes: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+class ChunkStore:
+    """Chunk KV payloads of one model by content key (see the module doc)."""
+
+    def __init__(self, identity: str, *, memory_bytes: int, disk_bytes: int = 0,
+                 disk_dir: Path | None = None):
+        for name, value in (("memory_bytes", memory_bytes), ("disk_bytes", disk_bytes)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                msg = f"{name} must be an integer >= 0, got {value!r}"
+                raise ValueError(msg)
+        self.identity = identity
+        self.memory_budget = memory_bytes
+        self.disk_budget = disk_bytes
+        self.folder = (disk_dir or disk_root()) / identity[:16] if disk_bytes else None
+        self.stats = StoreStats()
+        self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self.stats.disk_bytes = sum(size for _, size, _ in self._disk_entries())
+
+    # -- keys
+
+    def key(self, kind: str, head: Sequence[int], ids: Sequence[int]) -> str:
+        """The key of a ``kind`` entry for ``ids`` computed after ``head``."""
+        digest = hashlib.sha256(f"{self.identity}\n{kind}\n{len(head)}\n".encode())
+        digest.update(ids_bytes(head))
+        digest.update(ids_bytes(ids))
+        return digest.hexdigest()
+
+    def prefix_keys(self, ids: Sequence[int], block: int, limit: int) -> list[tuple[int, str]]:
+        """``(end, key)`` for each block boundary ``end <= limit``: the key of the block
+        ``ids[end - block:end]`` computed after all of ``ids[:end - block]`` (one pass)."""
+        digest = hashlib.sha256(f"{self.identity}\nprefix\n{block}\n".encode())
+        keys = []
+        for end in range(block, limit + 1, block):
+            digest.update(ids_bytes(ids[end - block : end]))
+            keys.append((end, digest.copy().hexdigest()))
+        return keys
+
+    # -- reads
+
+    def get(self, key: str) -> bytes | None:
+        """The payload stored under ``key`` (memory, then disk), or None (a miss)."""
+        with self._lock:
+            payload = self._memory.get(key)
+            if payload is not None:
+                self._memory.move_to_end(key)
+                self.stats.hits += 1
+                self.stats.memory_hits += 1
+                return payload
+        payload = self._read_disk(key)
+        with self._lock:
+            if payload is None:
+                self.stats.misses += 1
+                return None
+            self.stats.hits += 1
+            self.stats.disk_hits += 1
+            self._remember(key, payload)
+        return payload
+
+    def __contains__(self, key: str) -> bool:
+        with self._lock:
+            if key in self._memory:
+                return True
+        return self.folder is not None and self._path(key).is_file()
+
+    def discard(self, key: str) -> None:
+        """Forget ``key`` in both tiers (the runtime refused its payload)."""
+        with self._lock:
+            payload = self._memory.pop(key, None)
+            if payload is not None:
+                self.stats.memory_bytes -= len(payload)
+        if self.folder is not None:
+            with exclusive(self._lock_path()):
+                self._unlink(self._path(key))
+
+    def _read_disk(self, key: str) -> bytes | None:
+        if self.folder is None:
+            return None
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            logger.warning("passage cache: cannot read %s (%s); recomputing it", path, e)
+            return None
+        payload = _checked_payload(data, key)
+        if payload is None:
+            logger.warning("passage cache: %s is corrupt or foreign (digest or key mismatch); "
+                           "deleted, recomputing it", path)
+            with self._lock:
+                self.stats.corrupt += 1
+            with exclusive(self._lock_path()):
+                self._unlink(path)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(path)  # recency for the disk tier's LRU
+        return payload
+
+    # -- writes
+
+    def put(self, key: str, payload: bytes) -> None:
+        """Store ``payload`` under ``key`` in both tiers (evicting the least recently used)."""
+        with self._lock:
+            self.stats.puts += 1
+            self._remember(key, payload)
+        if self.folder is not None and _HEADER + len(payload) <= self.disk_budget:
+            self._write_disk(key, payload)
+
+    def _remember(self, key: str, payload: bytes) -> None:
+        """Into the memory tier (the caller holds ``_lock``)."""
+        if len(payload) > self.memory_budget:
+            return
+        old = self._memory.pop(key, None)
+        if old is not None:
+            self.stats.memory_bytes -= len(old)
+        while self._memory and self.stats.memory_bytes + len(payload) > self.memory_budget:
+            _, dropped = self._memory.popitem(last=False)
+            self.stats.memory_bytes -= len(dropped)
+            self.stats.evictions += 1
+        self._memory[key] = payload
+        self.stats.memory_bytes += len(payload)
+
+    def _write_disk(self, key: str, payload: bytes) -> None:
+        path = self._path(key)
+        data = MAGIC + bytes.fromhex(key) + hashlib.sha256(payload).digest() + payload
+        with exclusive(self._lock_path()):
+            if path.is_file():
+                return
+            path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+            try:
+                with tmp.open("wb") as fh:
+                    fh.write(data)
+                os.replace(tmp, path)
+            except BaseException:
+                tmp.unlink(missing_ok=True)
+                raise
+            self.stats.disk_bytes += len(data)
+            if self.stats.disk_bytes > self.disk_budget:
+                self._evict_disk()
+
+    def _evict_disk(self) -> None:
+        """Delete the least recently used entries until the tier fits (under the folder lock;
+        recounted from the folder, which other processes also write)."""
+        entries = sorted(self._disk_entries(), key=lambda e: e[2])
+        total = sum(size for _, size, _ in entries)
+        for path, size, _ in entries:
+            if total <= self.disk_budget:
+                break
+            self._unlink(path)
+            total -= size
+            self.stats.evictions += 1
+        self.stats.disk_bytes = total
+
+    def _disk_entries(self) -> list[tuple[Path, int, int]]:
+        assert self.folder is not None
+        out = []
+        for path in self.folder.glob(f"*/*{SUFFIX}"):
+            try:
+                stat = path.stat()
+            except FileNotFoundError:
+                continue
+            out.append((path, stat.st_size, stat.st_mtime_ns))
+        return out
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self.stats.disk_bytes = max(self.stats.disk_bytes - size, 0)
+
+    def _path(self, key: str) -> Path:
+        assert self.folder is not None
+        return self.folder / key[:2] / f"{key}{SUFFIX}"
+
+    def _lock_path(self) -> Path:
+        assert self.folder is not None
+        return self.folder / ".lock"
+
+    def clear_memory(self) -> None:
+        """Empty the memory tier (the disk tier stays)."""
+        with self._lock:
+            self._memory.clear()
+            self.stats.memory_bytes = 0
+
+
+def _checked_payload(data: bytes, key: str) -> bytes | None:
+    """The payload of a disk entry if its magic, key and digest hold, else None."""
+    if len(data) < _HEADER or not data.startswith(MAGIC):
+        return None
+    stored_key = data[len(MAGIC) : len(MAGIC) + 32]
+    digest = data[len(MAGIC) + 32 : _HEADER]
+    payload = data[_HEADER:]
+    if stored_key.hex() != key or hashlib.sha256(payload).digest() != digest:
+        return None
+    return payload

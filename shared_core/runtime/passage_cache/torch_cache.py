@@ -1,0 +1,357 @@
+"""Assembling a prompt's KV from cached chunks in a torch :class:`shared_core.runtime.torch.session.KVSession`
+(docs/backends.md, *Passage cache*); the torch twin of :mod:`.llamacpp`, on the same
+:class:`~.store.ChunkStore` and :mod:`.chunks`.
+
+A :class:`TorchPassageCache` is attached to a loaded model (``lm.model.passage_cache``) and runs
+the first ``prefill`` of every session on that model:
+
+- **exact**: the prompt is cut into blocks of ``BLOCK`` ids (the torch prefix store's exact grid,
+  :data:`shared_core.runtime.torch.prefix.EXACT_CHUNK`); the KV of block ``[e - BLOCK, e)`` is stored under a
+  key of the *whole* prefix ``ids[:e]``, so only exact prefixes are reused, restored at the
+  positions they were computed at. Everything after them is fed on the same grid of
+  ``BLOCK``-position forwards a cold prefill through the cache runs, so a warm prefill runs the
+  very forwards a cold one runs after the restored part: with ``load_lm(exact=True)`` (every
+  prefill, the prefix store's too, on that grid) its logits equal a cold prefill's bit for bit.
+- **blend**: the cached chunks found in the prompt (:mod:`.chunks`: known passages, then
+  content-defined chunks) reuse their KV computed alone at positions ``0..n-1``
+  (:func:`.torch_blend.chunk_kv`), moved to where they occur by rotating the keys
+  (:func:`.torch_blend.shift_keys`); a chunk missing from the store is computed alone and stored.
+  :func:`.torch_blend.blend_prefill` then recomputes ``recompute_share`` of the reused tokens,
+  those whose layer-1 KV deviates most from the whole prompt's (CacheBlend §4.2), and computes the
+  ids no chunk covers. Blended KV never enters the model's exact prefix store.
+
+Payloads are :meth:`.torch_blend.ChunkKV.to_bytes` blobs (safetensors, at the model's dtype);
+one that does not parse, or holds other ids, positions, dtype or shapes, is dropped from the
+store and recomputed. A failed or interrupted assembly leaves an empty session (nothing
+half-placed is served); the store only ever holds whole entries.
+
+The caller holds the model's lock (:func:`shared_core.runtime.model_lock.lock_for`) as for any forward.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from shared_core.config import PassageCacheConfig
+from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, uncovered_chunks
+from shared_core.runtime.passage_cache.llamacpp import PrefillReport
+from shared_core.runtime.passage_cache.store import MIB, ChunkStore, StoreStats, model_identity
+from shared_core.runtime.passage_cache.torch_blend import (
+    ChunkKV,
+    _rotation,
+    blend_prefill,
+    check_model,
+    chunk_kv,
+    install,
+    rotary_embedding,
+)
+from shared_core.runtime.torch.prefix import EXACT_CHUNK, store_for, weights_version
+
+logger = logging.getLogger(__name__)
+
+BLOCK = EXACT_CHUNK  # exact: ids per stored prefix block (on the exact prefill grid)
+SELECT_LAYER = 1  # blend: CacheBlend selects on an early layer; layer 0's KV sees no context
+SAMPLE = 64  # values per parameter in the weights' fingerprint
+
+
+def weights_fingerprint(model: torch.nn.Module) -> str:
+    """A digest of every parameter's name, shape, dtype and ``SAMPLE`` evenly spaced values:
+    two models with other weights (another seed, a fine-tune, fp16 linears) get other keys,
+    without hashing every byte of the weights."""
+    digest = hashlib.sha256()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].float().cpu()
+            digest.update(f"{name}|{tuple(param.shape)}|{param.dtype}\n".encode())
+            digest.update(sample.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def identity_of(model: torch.nn.Module) -> str:
+    """Everything that makes this model's KV differ (see :func:`.store.model_identity`): the
+    weights, the config (RoPE settings included), the KV dtype, the device kind, the kernels."""
+    import transformers
+
+    config = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    param = next(model.parameters())
+    rope = {name: getattr(text, name, None) for name in (
+        "rope_theta", "rope_scaling", "rope_parameters", "partial_rotary_factor",
+        "max_position_embeddings")}
+    try:
+        config_text = config.to_json_string()
+    except (TypeError, ValueError):  # a config holding something json cannot write
+        config_text = repr(config)
+    return model_identity(
+        name=str(getattr(config, "_name_or_path", "")), weights=weights_fingerprint(model),
+        config=hashlib.sha256(config_text.encode()).hexdigest(),
+        runtime=f"torch {torch.__version__} transformers {transformers.__version__}",
+        kv_dtype=str(param.dtype), device=param.device.type, rope=repr(rope),
+        attention=str(getattr(config, "_attn_implementation", None)))
+
+
+def check_blend(model: torch.nn.Module) -> None:
+    """Refuse (ValueError naming ``passage_cache``) a model whose KV blend cannot move:
+    sliding-window layers, or a RoPE whose rotation is not position x a fixed frequency."""
+    lm = SimpleNamespace(backend="torch", model=model, name=type(model).__name__)
+    try:
+        check_model(lm)
+        _rotation(rotary_embedding(lm), 0, 0)
+    except ValueError as e:
+        msg = f"passage_cache='blend' cannot run on this model: {e}; use passage_cache='exact'"
+        raise ValueError(msg) from e
+
+
+def _kv_shape(lm: Any) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of the model's cache."""
+    config = lm.model.config
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return config.num_hidden_layers, heads, dim
+
+
+def _unbound(config: PassageCacheConfig, head: tuple[int, ...], disk_dir: Path | None
+             ) -> TorchPassageCache:
+    return TorchPassageCache(None, config, head=head, disk_dir=disk_dir)
+
+
+class TorchPassageCache:
+    """The passage cache of one loaded torch model (see the module doc)."""
+
+    def __init__(self, model: torch.nn.Module | None, config: PassageCacheConfig, *,
+                 head: Sequence[int] = (), disk_dir: Path | None = None):
+        self.config = config
+        self.head = tuple(int(t) for t in head)
+        self.disk_dir = disk_dir
+        self.index = PassageIndex()
+        self.last = PrefillReport()
+        self.store: ChunkStore | None = None
+        self._model: weakref.ref[torch.nn.Module] | None = None
+        self._version: int | None = None
+        self._bind_lock = threading.Lock()
+        if model is not None:
+            if config.mode == "blend":
+                check_blend(model)
+            self.store_for(model)
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        # a copied model (deepcopy, another dtype) gets an empty cache, keyed by its own weights
+        return _unbound, (self.config, self.head, self.disk_dir)
+
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    def store_for(self, model: torch.nn.Module) -> ChunkStore:
+        """The store keyed by ``model``'s identity (a new one when its weights changed)."""
+        version = weights_version(model)
+        with self._bind_lock:
+            bound = self._model() if self._model is not None else None
+            if self.store is None or bound is not model or version != self._version:
+                if self.store is not None:
+                    logger.info("passage cache: the model's weights changed; new store keys")
+                self.store = ChunkStore(identity_of(model), memory_bytes=self.config.memory_mb * MIB,
+                                        disk_bytes=self.config.disk_mb * MIB,
+                                        disk_dir=self.disk_dir)
+                self._model, self._version = weakref.ref(model), version
+            return self.store
+
+    def stats(self) -> dict[str, Any]:
+        """The store's counters and the last prefill's report."""
+        counters = self.store.stats if self.store is not None else StoreStats()
+        return {"mode": self.mode, "store": counters.as_dict(), "last": self.last.as_dict()}
+
+    def close(self) -> None:
+        """Nothing to free (no probe context on torch)."""
+
+    # -- the session hook
+
+    def prefill(self, session: Any, ids: Sequence[int]) -> torch.Tensor:
+        """An empty session's first prefill of ``ids`` through the cache; the ``[V]`` logits
+        after the last id (the session's ``prefill`` contract)."""
+        ids = [int(t) for t in ids]
+        report = PrefillReport(prompt=len(ids))
+        store = self.store_for(session.lm.model)
+        try:
+            if self.mode == "blend":
+                logits = self._prefill_blend(session, store, ids, report)
+            else:
+                logits = self._prefill_exact(session, store, ids, report)
+        except BaseException:
+            session.reset()  # nothing half-placed is served
+            session.reused_tokens = 0
+            raise
+        session.reused_tokens = report.kept + report.reused
+        session.passage_report = report
+        self.last = report
+        return logits
+
+    # -- exact prefixes
+
+    def _prefill_exact(self, session: Any, store: ChunkStore, ids: list[int],
+                       report: PrefillReport) -> torch.Tensor:
+        prefix = store_for(session.lm.model)
+        keep = prefix is not None and prefix.budget > 0
+        if keep:
+            session._reuse(prefix, ids)  # the model's in-memory prefix store first
+        report.kept = len(session.tokens)
+        keys = store.prefix_keys(ids, BLOCK, len(ids) - 1)
+        restored = self._restore(session, store, ids, keys, report)
+        logits = self._feed(session, ids[len(session.tokens):], report,
+                            step=min(session.prefill_chunk, BLOCK))
+        self._store_blocks(session, store, keys, restored, report)
+        if keep and session._prefilled_only:
+            session._store(prefix)
+        return logits
+
+    def _restore(self, session: Any, store: ChunkStore, ids: list[int],
+                 keys: list[tuple[int, str]], report: PrefillReport) -> int:
+        """Restore the stored blocks that follow what the session holds, up to the first miss
+        (a refused payload is dropped from the store and ends the walk); the end of the last."""
+        found = []
+        for end, key in keys[len(session.tokens) // BLOCK :]:
+            payload = store.get(key)
+            if payload is None:
+                break
+            found.append((end, key, payload))
+        if not found:
+            return 0
+        start = found[0][0] - BLOCK
+        session.rollback(start)
+        report.kept = min(report.kept, start)
+        restored = start
+        for end, key, payload in found:
+            kv = self._parse(session.lm, payload, ids[end - BLOCK : end], end - BLOCK)
+            if kv is None:
+                store.discard(key)
+                break
+            for layer in range(kv.keys.shape[0]):
+                session.cache.update(kv.keys[layer][None], kv.values[layer][None], layer)
+            session.tokens.extend(ids[end - BLOCK : end])
+            report.reused += BLOCK
+            restored = end
+        return restored
+
+    def _parse(self, lm: Any, payload: bytes, ids: Sequence[int], position: int
+               ) -> ChunkKV | None:
+        """The stored KV if it is a chunk of ``ids`` at ``position`` in this model's dtype and
+        shapes; None (logged) otherwise."""
+        try:
+            kv = ChunkKV.from_bytes(payload, device=lm.device)
+        except ValueError as e:
+            logger.warning("passage cache: a stored entry does not parse (%s); recomputing it", e)
+            return None
+        layers, heads, dim = _kv_shape(lm)
+        shape = (kv.keys.shape[0], kv.keys.shape[1], kv.keys.shape[3])
+        if (kv.ids != tuple(ids) or kv.position != position or kv.dtype != lm.dtype
+                or shape != (layers, heads, dim)):
+            logger.warning("passage cache: a stored entry holds other ids, positions, dtype or "
+                           "shapes; recomputing it")
+            return None
+        return kv
+
+    def _feed(self, session: Any, ids: Sequence[int], report: PrefillReport, *, step: int
+              ) -> torch.Tensor:
+        """Feed ``ids`` after what the session holds in forwards ending on multiples of
+        ``step``; the ``[V]`` logits after the last one."""
+        logits = None
+        report.read += len(ids)
+        while ids:
+            size = step - len(session.tokens) % step
+            logits = session._forward(ids[:size], logits_to_keep=1)[-1]
+            ids = ids[size:]
+        assert logits is not None  # the stores keep at most all ids but the last
+        return logits
+
+    def _store_blocks(self, session: Any, store: ChunkStore, keys: list[tuple[int, str]],
+                      restored: int, report: PrefillReport) -> None:
+        """Store the session's blocks ending after ``restored`` (unless stored)."""
+        held = len(session.tokens)
+        for end, key in keys:
+            if end <= restored or end > held or key in store:
+                continue
+            layers = session.cache.layers
+            kv = ChunkKV(ids=tuple(session.tokens[end - BLOCK : end]), head_ids=(),
+                         position=end - BLOCK,
+                         keys=torch.stack([layer.keys[0, :, end - BLOCK : end] for layer in layers]),
+                         values=torch.stack([layer.values[0, :, end - BLOCK : end]
+                                             for layer in layers]))
+            store.put(key, kv.to_bytes())
+            report.stored += 1
+
+    # -- blending
+
+    def chunks_of(self, ids: Sequence[int]) -> list[Span]:
+        """The chunks of a prompt to take from (or put into) the store: known passages, then
+        content-defined chunks of what lies between them (as on llama.cpp)."""
+        known = self.index.find(ids)
+        spans = sorted([*known, *uncovered_chunks(ids, known)], key=lambda s: s.start)
+        return [s for s in spans if s.start > 0]
+
+    def _prefill_blend(self, session: Any, store: ChunkStore, ids: list[int],
+                       report: PrefillReport) -> torch.Tensor:
+        lm = session.lm
+        spans = self.chunks_of(ids[:-1])
+        if not spans:  # nothing to blend: a plain prefill (the prefix store as usual)
+            prefix = store_for(lm.model)
+            keep = prefix is not None and prefix.budget > 0
+            if keep:
+                session._reuse(prefix, ids)
+            report.kept = len(session.tokens)
+            logits = self._feed(session, ids[len(session.tokens):], report,
+                                step=session.prefill_chunk)
+            if keep and session._prefilled_only:
+                session._store(prefix)
+            return logits
+        placed = [(span.start, self._chunk(lm, store, ids[span.start : span.end], report))
+                  for span in spans]
+        layers = _kv_shape(lm)[0]
+        blend = blend_prefill(lm, ids, placed, recompute_share=self.config.recompute_share,
+                              select="deviation", select_layer=min(SELECT_LAYER, layers - 1),
+                              cache=session.kind, prefill_chunk=session.prefill_chunk)
+        install(session, blend)
+        report.recomputed = blend.report.recomputed
+        report.read = blend.report.read
+        report.probe = len(ids) if blend.report.select_layers else 0
+        return blend.logits
+
+    def _chunk(self, lm: Any, store: ChunkStore, chunk: list[int], report: PrefillReport
+               ) -> ChunkKV:
+        """``chunk``'s KV read alone after the head: stored, else computed and stored."""
+        key = store.key("chunk", self.head, chunk)
+        payload = store.get(key)
+        kv = None if payload is None else self._parse(lm, payload, chunk, len(self.head))
+        if payload is not None and kv is None:
+            store.discard(key)
+        if kv is not None:
+            report.reused += len(chunk)
+            return kv
+        kv = chunk_kv(lm, self.head, chunk)
+        store.put(key, kv.to_bytes())
+        report.computed_alone += len(chunk)
+        report.stored += 1
+        return kv
+
+    def warm(self, lm: Any, chunk_ids: Sequence[int]) -> bool:
+        """Compute and store one chunk alone (blend) unless stored; True if it was computed."""
+        from shared_core.runtime.model_lock import lock_for
+
+        store = self.store_for(lm.model)
+        chunk = [int(t) for t in chunk_ids]
+        key = store.key("chunk", self.head, chunk)
+        if key in store:
+            return False
+        with lock_for(lm):
+            store.put(key, chunk_kv(lm, self.head, chunk).to_bytes())
+        return True

@@ -1,0 +1,461 @@
+"""KV-cache sessions: one model, one sequence, cheap rollback.
+
+A :class:`KVSession` owns a transformers ``Cache`` whose layers are preallocated buffers
+(:class:`GrowingLayer`, doubling capacity): appending writes in place, rolling back only moves a
+length counter (gpt-fast's rule: stale slots are never read because the cache exposes exactly
+the valid prefix), and keeping a tree branch gathers its slots into place. ``cache="dynamic"``
+selects transformers' concatenating ``DynamicCache`` instead; both are measured by
+``python -m shared_core.bench kv`` and share the one rollback helper, :func:`rollback`.
+A fresh session's first ``prefill`` starts from the longest prompt prefix the model keeps
+(:mod:`shared_core.runtime.torch.prefix`) and stores what it read.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+
+from shared_core.config import CacheKind
+from shared_core.runtime.host_sync import DeviceTokens, upload
+from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
+from shared_core.runtime.protocol import KVSession as RuntimeSession
+from shared_core.runtime.torch.prefix import (
+    Layers,
+    PrefixStore,
+    common_prefix_length,
+    store_for,
+    weights_version,
+)
+
+_MIN_CAPACITY = 256
+_UNREAD: Any = object()  # the place of a fed id not read back from the device yet
+
+
+def cache_keyword(model: Any) -> str:
+    """The keyword ``model``'s forward takes its KV cache by: ``cache`` where transformers renamed
+    it (passing ``past_key_values`` there warns on every first call), else ``past_key_values``."""
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    forward = getattr(model_class, "forward", None)
+    try:
+        params = inspect.signature(forward).parameters if forward is not None else {}
+    except (TypeError, ValueError):  # no inspectable signature: the long-standing name
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+class GrowingLayer(DynamicLayer):
+    """A cache layer backed by a preallocated ``[B, H, capacity, D]`` buffer."""
+
+    is_croppable = True
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.length = 0
+        self._k = key_states.new_empty((*key_states.shape[:2], 0, key_states.shape[-1]))
+        self._v = value_states.new_empty((*value_states.shape[:2], 0, value_states.shape[-1]))
+        self.is_initialized = True
+        self._publish()
+
+    def _publish(self) -> None:
+        self.keys = self._k[:, :, : self.length]
+        self.values = self._v[:, :, : self.length]
+
+    def _reserve(self, needed: int) -> None:
+        capacity = self._k.shape[2]
+        if needed <= capacity:
+            return
+        new_capacity = max(_MIN_CAPACITY, needed, 2 * capacity)
+        for name in ("_k", "_v"):
+            old = getattr(self, name)
+            buf = old.new_empty((*old.shape[:2], new_capacity, old.shape[-1]))
+            buf[:, :, : self.length] = old[:, :, : self.length]
+            setattr(self, name, buf)
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        end = self.length + key_states.shape[-2]
+        self._reserve(end)
+        self._k[:, :, self.length : end] = key_states
+        self._v[:, :, self.length : end] = value_states
+        self.length = end
+        self._publish()
+        return self.keys, self.values
+
+    def get_seq_length(self) -> int:
+        return self.length if self.is_initialized else 0
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove > 0:
+            msg = "crop takes a negative number of tokens to remove (transformers 5.x semantics)"
+            raise ValueError(msg)
+        if self.is_initialized and tokens_to_remove:
+            self.length = max(0, self.length + tokens_to_remove)
+            self._publish()
+
+    def reset(self) -> None:
+        if self.is_initialized:
+            self.length = 0
+            self._publish()
+
+
+def make_cache(kind: CacheKind) -> Cache:
+    if kind == "prealloc":
+        return Cache(layer_class_to_replicate=GrowingLayer)
+    if kind == "dynamic":
+        return DynamicCache()
+    msg = f"cache={kind!r} is not one of 'prealloc', 'dynamic'"
+    raise ValueError(msg)
+
+
+def rollback(cache: Cache, length: int) -> None:
+    """Keep the first ``length`` positions of every layer (the one rollback helper)."""
+    current = cache.get_seq_length()
+    if length > current or length < 0:
+        msg = f"cannot roll back a cache of {current} positions to {length}"
+        raise ValueError(msg)
+    if length < current:
+        cache.crop(length - current)  # transformers 5.x: a negative count of tokens to remove
+
+
+def keep_positions(cache: Cache, start: int, positions: torch.Tensor) -> None:
+    """Keep positions ``[0, start)`` plus ``positions`` (absolute, ascending) moved to follow.
+
+    Used after a tree forward: the accepted branch's slots are gathered into place (as Medusa
+    does) and everything after them is dropped.
+    """
+    for layer in cache.layers:
+        if not layer.is_initialized:
+            continue
+        n = positions.shape[0]
+        if isinstance(layer, GrowingLayer):
+            for name in ("_k", "_v"):
+                buf = getattr(layer, name)
+                buf[:, :, start : start + n] = buf.index_select(2, positions)
+            layer.length = start + n
+            layer._publish()
+        else:
+            keep = torch.cat([torch.arange(start, device=positions.device), positions])
+            layer.keys = layer.keys.index_select(2, keep)
+            layer.values = layer.values.index_select(2, keep)
+
+
+def gather_positions(source: Cache, positions: torch.Tensor, kind: CacheKind) -> Cache:
+    """A new cache holding ``source``'s keys/values at ``positions`` (ascending), in order.
+
+    The keys keep the rotary phase of their original positions, so a session on the result
+    must feed new tokens at their original positions too (:attr:`KVSession.position_offset`).
+    """
+    cache = make_cache(kind)
+    for layer_idx, layer in enumerate(source.layers):
+        if layer.is_initialized:
+            cache.update(layer.keys.index_select(2, positions),
+                         layer.values.index_select(2, positions), layer_idx)
+    return cache
+
+
+def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dtype,
+                        device: torch.device | str | None = None
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """4D additive mask ``[1, 1, n, prefix + n]`` and depths ``[n]`` for a token tree, on
+    ``device`` (default: the host).
+
+    Every node sees the whole prefix and its own ancestors (itself included), nothing else. The
+    ``n x n`` ancestry and the depths are worked out on the host (numpy) and uploaded without
+    waiting; the ``prefix`` columns are filled on the device.
+    """
+    n = len(parents)
+    allowed = np.zeros((n, n), dtype=np.bool_)
+    depth = np.zeros(n, dtype=np.int64)
+    for node, parent in enumerate(parents):
+        if parent >= node:
+            msg = "tree parents must precede their children (parents[i] < i)"
+            raise ValueError(msg)
+        if parent >= 0:
+            allowed[node] = allowed[parent]
+            depth[node] = depth[parent] + 1
+        allowed[node, node] = True
+    on_device = torch.device(device) if device is not None else torch.device("cpu")
+    blocked = torch.from_numpy(~allowed)
+    depths = torch.from_numpy(depth)
+    if on_device.type != "cpu":
+        blocked = blocked.to(on_device, non_blocking=True)
+        depths = depths.to(on_device, non_blocking=True)
+    mask = torch.zeros((n, prefix_len + n), dtype=dtype, device=on_device)
+    mask[:, prefix_len:].masked_fill_(blocked, torch.finfo(dtype).min)
+    return mask[None, None], depths
+
+
+class KVSession:
+    """One model, one growing token sequence and its KV cache.
+
+    ``tokens`` always lists exactly the ids whose keys/values are cached. ``position_offset``
+    shifts the position of every token fed from now on (default 0: token ``i`` is at position
+    ``i``); :meth:`copy_positions` sets it so that a session holding a subset of another
+    session's tokens continues at the source's positions.
+    """
+
+    def __init__(self, lm: SessionLM, *, cache: CacheKind = "prealloc", prefill_chunk: int = 2048):
+        if prefill_chunk < 1:
+            msg = f"prefill_chunk must be >= 1, got {prefill_chunk}"
+            raise ValueError(msg)
+        self.lm = lm
+        self.kind: CacheKind = cache
+        self.prefill_chunk = prefill_chunk
+        self.cache = make_cache(cache)
+        self.tokens: list[int] = []
+        self.forwards = 0
+        self.position_offset = 0
+        self.reused_tokens = 0  # prompt ids whose KV came from the model's prefix store
+        self.passage_report: PassageReport | None = None  # set by a passage cache's first prefill
+        self._prefilled_only = True  # every cached position came from a completed prefill
+
+    @torch.inference_mode()
+    def copy_positions(self, source: KVSession, positions: Sequence[int]) -> None:
+        """Hold ``source``'s cached tokens at ``positions`` (ascending), dropping the rest.
+
+        For sparse-context self-drafting: the keys keep their rotary phases, and the next token
+        fed gets the position right after ``source``'s last one (``position_offset``).
+        """
+        if source.lm is not self.lm:
+            msg = "copy_positions needs a source session on the same model"
+            raise ValueError(msg)
+        self._prefilled_only = False
+        index = torch.tensor(list(positions), dtype=torch.long, device=self.lm.device)
+        if index.numel() and (bool((index[1:] <= index[:-1]).any()) or int(index[0]) < 0
+                              or int(index[-1]) >= len(source)):
+            msg = f"positions must be ascending and within the source's {len(source)} tokens"
+            raise ValueError(msg)
+        try:
+            self.cache = gather_positions(source.cache, index, self.kind)
+            self.tokens = [source.tokens[i] for i in index.tolist()]
+            self.position_offset = len(source) - len(self.tokens)
+        except BaseException:
+            self.reset()
+            raise
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def _forward(self, ids: Sequence[int], *, logits_to_keep: int,
+                 attention_mask: torch.Tensor | None = None,
+                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One forward over ``ids``, appended to ``tokens`` and the cache together.
+
+        If the forward fails or is interrupted (an exception, ``KeyboardInterrupt``) after some
+        layers already appended their keys/values, every layer is cut back to ``tokens``.
+        """
+        end = len(self._tokens) + self.position_offset + len(ids)
+        if end > self.lm.max_context:
+            msg = (f"sequence of {end} tokens exceeds the model window of "
+                   f"{self.lm.max_context}; shorten the prompt or lower max_new_tokens")
+            raise ValueError(msg)
+        on_device = ids.ids if isinstance(ids, DeviceTokens) else upload(ids, self.lm.device)
+        input_ids = on_device[None]  # never waits: device ids as they are, host ids uploaded
+        if position_ids is None and self.position_offset:
+            start = len(self._tokens) + self.position_offset
+            position_ids = torch.arange(start, start + len(ids), device=self.lm.device)[None]
+        try:
+            out = self.lm.model(input_ids=input_ids, **{cache_keyword(self.lm.model): self.cache},
+                                use_cache=True,
+                                attention_mask=attention_mask, position_ids=position_ids,
+                                logits_to_keep=logits_to_keep)
+            self._append(ids)
+        except BaseException:
+            self.heal()
+            raise
+        self.forwards += 1
+        return out.logits[0]
+
+    def _append(self, ids: Sequence[int]) -> None:
+        """Add fed ids to ``tokens``; ids still on the device (:class:`DeviceTokens`) hold their
+        places until the round's readback resolves them (reading ``tokens`` before resolves)."""
+        if not isinstance(ids, DeviceTokens) or ids.resolved:
+            self._tokens.extend(ids)
+            return
+        start = len(self._tokens)
+        self._tokens.extend([_UNREAD] * len(ids))
+        self._unread.append((start, ids))
+
+        def fill(values: tuple[int, ...]) -> None:
+            held = self._tokens[start : start + len(values)]
+            for i, (now, value) in enumerate(zip(held, values, strict=False)):
+                if now is _UNREAD:
+                    self._tokens[start + i] = value
+            self._unread = [(at, fed) for at, fed in self._unread if fed is not ids]
+
+        ids.on_resolve(fill)
+
+    @property
+    def tokens(self) -> list[int]:
+        """The ids whose keys/values are cached (ids fed from the device are read here at the
+        latest: the engines' round resolves them first, in its one readback)."""
+        while self._unread:
+            self._unread[0][1].values()  # resolving removes it (see _append)
+        return self._tokens
+
+    @tokens.setter
+    def tokens(self, ids: list[int]) -> None:
+        self._tokens = ids
+        self._unread: list[tuple[int, DeviceTokens]] = []  # (start, ids) not read back yet
+
+    def _cut(self, length: int) -> None:
+        """Drop the ids after ``length`` (no readback: places not read yet are simply gone)."""
+        del self._tokens[length:]
+        self._unread = [(at, fed) for at, fed in self._unread if at < length]
+
+    def heal(self, limit: int | None = None) -> None:
+        """Make the cache and ``tokens`` agree again after an interrupted update.
+
+        Keeps the longest prefix every layer still holds (at most ``limit`` tokens): layers that
+        got ahead are cut back, ``tokens`` is cut to the shortest layer.
+        """
+        lengths = [layer.get_seq_length() for layer in self.cache.layers]
+        keep = min([len(self._tokens), *lengths, *([limit] if limit is not None else [])])
+        for layer, length in zip(self.cache.layers, lengths, strict=True):
+            if length > keep:
+                layer.crop(keep - length)
+        self._cut(keep)
+
+    @torch.inference_mode()
+    def prefill(self, ids: Sequence[int]) -> torch.Tensor | None:
+        """Append ``ids`` in chunks ending on multiples of the chunk size; return the ``[V]``
+        logits after the last one (None if empty). A fresh session starts from the longest prefix
+        of ``ids`` the model's prefix store holds; a completed prefill stores what it read.
+        On a model with a passage cache, a fresh session's first prefill runs through it."""
+        passages = getattr(self.lm.model, "passage_cache", None)
+        if passages is not None and ids and not self.tokens and not self.position_offset:
+            return passages.prefill(self, ids)  # shared_core.runtime.passage_cache.torch_cache
+        store = store_for(self.lm.model)
+        keep = store is not None and store.budget > 0
+        if keep and not self.tokens and not self.position_offset:
+            ids = ids[self._reuse(store, ids):]
+        exact = store is not None and store.exact
+        chunk = min(self.prefill_chunk, store.grid) if exact else self.prefill_chunk
+        logits = None
+        try:
+            while ids:
+                size = chunk - (len(self.tokens) + self.position_offset) % chunk
+                logits = self._forward(ids[:size], logits_to_keep=1)[-1]
+                ids = ids[size:]
+        except BaseException:
+            self._prefilled_only = False  # never store what followed a failed or interrupted call
+            raise
+        if keep and self._prefilled_only and not self.position_offset:
+            self._store(store)
+        return logits
+
+    def _reuse(self, store: PrefixStore, ids: Sequence[int]) -> int:
+        """Start from a copy of the longest stored prefix of ``ids``; return its length."""
+        layers, length = store.lookup(ids, weights_version(self.lm.model))
+        if length:
+            cache = make_cache(self.kind)
+            for layer_idx, (keys, values) in enumerate(layers):
+                cache.update(keys[:, :, :length], values[:, :, :length], layer_idx)
+            self.cache, self.tokens = cache, list(ids[:length])
+        self.reused_tokens = length
+        return length
+
+    def _store(self, store: PrefixStore) -> None:
+        """Offer the store this session's KV (cut to the store's grid; it copies what it keeps)."""
+        length = len(self.tokens) // store.grid * store.grid
+        if not length or not all(layer.is_initialized for layer in self.cache.layers):
+            return
+        layers: Layers = [(layer.keys[:, :, :length], layer.values[:, :, :length])
+                          for layer in self.cache.layers]
+        store.put(self.tokens[:length], layers, weights_version(self.lm.model))
+
+    @torch.inference_mode()
+    def extend(self, ids: Sequence[int]) -> torch.Tensor:
+        """Append ``ids`` in ONE forward; return ``[len(ids), V]`` logits, one row per new token."""
+        if not ids:
+            msg = "extend needs at least one token"
+            raise ValueError(msg)
+        self._prefilled_only = False
+        return self._forward(ids, logits_to_keep=len(ids))
+
+    @torch.inference_mode()
+    def extend_tree(self, ids: Sequence[int], parents: Sequence[int]) -> torch.Tensor:
+        """Append a token tree in ONE forward (tree attention mask, depth-based positions).
+
+        Returns ``[n, V]`` logits (row ``i`` follows node ``i``). The cache then holds every node;
+        call :meth:`keep_path` to keep only the accepted branch.
+        """
+        if len(ids) != len(parents) or not ids:
+            msg = "extend_tree needs one parent per token and at least one token"
+            raise ValueError(msg)
+        prefix = len(self._tokens)
+        mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype, self.lm.device)
+        positions = (prefix + self.position_offset + depth)[None]
+        self._tree_prefix = prefix
+        self._prefilled_only = False
+        return self._forward(ids, logits_to_keep=len(ids),
+                             attention_mask=mask, position_ids=positions)
+
+    @torch.inference_mode()
+    def keep_path(self, path: Sequence[int]) -> None:
+        """After :meth:`extend_tree`: keep only the nodes of ``path`` (root-to-leaf order)."""
+        prefix = self._tree_prefix
+        if list(path) == list(range(len(path))):
+            self.rollback(prefix + len(path))  # a linear prefix of the node order: just crop
+            return
+        positions = upload([prefix + i for i in path], self.lm.device)
+        try:
+            keep_positions(self.cache, prefix, positions)
+            self.tokens = self.tokens[:prefix] + [self.tokens[prefix + i] for i in path]
+        except BaseException:
+            self.heal(prefix)  # some layers were gathered, others not: only the prefix is sure
+            raise
+
+    def rollback(self, length: int) -> None:
+        """Forget everything after the first ``length`` tokens."""
+        try:
+            rollback(self.cache, length)
+            self._cut(length)
+        except BaseException:
+            self.heal(length)
+            raise
+
+    @torch.inference_mode()
+    def fork(self) -> KVSession:
+        """An independent copy (same model, copied cache)."""
+        clone = copy.copy(self)
+        clone.cache = copy.deepcopy(self.cache)
+        clone.tokens = list(self.tokens)
+        return clone
+
+    def reset(self) -> None:
+        self.cache = make_cache(self.kind)
+        self.tokens = []
+        self.position_offset = 0
+        self._prefilled_only = True
+
+    def sync(self, ids: Sequence[int]) -> list[int]:
+        """Roll back to the longest common prefix with ``ids``; return the ids still to feed."""
+        common = common_prefix_length(self.tokens, ids)
+        self.rollback(common)
+        return list(ids[common:])
+
+
+def open_session(lm: SessionLM, *, cache: CacheKind = "prealloc") -> RuntimeSession:
+    """A new KV session on ``lm``: a :class:`KVSession` for torch models, the runtime's own
+    session (same methods) for a model of another backend (``lm.open_session``)."""
+    return lm.open_session(cache=cache)
+
+
+def forward_cost_curve(lm: SessionLM) -> CostCurve | None:
+    """``(tokens, one-token steps)`` of a forward, measured once per machine and model, where the
+    runtime measures one (llama.cpp); None on torch, whose engines fit the cost as they run."""
+    return lm.forward_cost_curve()

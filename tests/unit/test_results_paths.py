@@ -1,0 +1,67 @@
+"""Every ``results/...`` path cited in the code, docs, scripts and README exists; ``results/``
+holds data only (no code) and its index is up to date."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+from shared_core.bench.results_index import build_index
+
+ROOT = Path(__file__).resolve().parents[2]
+SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt", ".cfg"}
+_TOKEN = re.compile(r"(?<![\w/.-])results/[\w./{},*-]*[\w/}*]")
+# where a command writes (an output location, not a citation)
+_OUTPUT = re.compile(r"(--out[\s=]\"?|default=\"|OUT:-|\(default |^)$")
+
+
+def _tracked() -> list[str]:
+    out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True, capture_output=True,
+                         text=True).stdout
+    return [p for p in out.split("\0") if p]
+
+
+def _expand(token: str) -> list[str]:
+    m = re.search(r"\{([^{}]*)\}", token)
+    if not m:
+        return [token]
+    return [x for alt in m[1].split(",") for x in _expand(token[:m.start()] + alt + token[m.end():])]
+
+
+def cited_paths() -> list[tuple[str, str]]:
+    """(file, cited path or pattern) for every citation outside results/."""
+    cited = []
+    for rel in _tracked():
+        path = ROOT / rel
+        if rel.startswith("results/") or path.suffix not in SUFFIXES or not path.is_file():
+            continue
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for m in _TOKEN.finditer(text):
+            before = text[max(0, m.start() - 12):m.start()]
+            if _OUTPUT.search(before):
+                continue
+            cited.append((rel, m[0]))
+    return cited
+
+
+def test_every_cited_results_path_exists() -> None:
+    missing = []
+    for rel, token in cited_paths():
+        for pattern in _expand(token.rstrip("/")):
+            if not list(ROOT.glob(pattern)):
+                missing.append(f"{rel}: {token}")
+                break
+    assert len(cited_paths()) > 10, "the scan found too few citations; is it reading the tree?"
+    assert not missing, "cited results paths that do not exist:\n" + "\n".join(sorted(set(missing)))
+
+
+def test_results_hold_no_code() -> None:
+    code = [p for p in _tracked() if p.startswith("results/") and p.endswith(".py")]
+    assert not code, f"results/ is data only; move these into the bench: {code}"
+
+
+def test_results_index_is_up_to_date() -> None:
+    index = (ROOT / "results" / "README.md").read_text(encoding="utf-8")
+    assert index == build_index(ROOT / "results"), \
+        "results/README.md is stale: run `python -m shared_core.bench results-index`"
