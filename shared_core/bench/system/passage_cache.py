@@ -41,6 +41,8 @@ from pathlib import Path
 from statistics import median
 from typing import Any
 
+import numpy as np
+
 from shared_core.bench.common import write_report
 from shared_core.config import DEFAULT_RECOMPUTE_SHARE, PassageCacheConfig
 from shared_core.runtime.weights.embedded import is_installed
@@ -85,6 +87,7 @@ def _answer(lm: Any, ids: list[int], max_new: int) -> dict[str, Any]:
     start = time.perf_counter()
     logits = session.prefill(ids)
     ttft = time.perf_counter() - start
+    first = np.asarray(logits, dtype=np.float64)
     out: list[int] = []
     while len(out) < max_new:
         out.append(int(logits.argmax()))
@@ -95,7 +98,21 @@ def _answer(lm: Any, ids: list[int], max_new: int) -> dict[str, Any]:
     return {"ttft_s": ttft, "total_s": time.perf_counter() - start, "first": out[0], "tokens": out,
             "text": lm.tokenizer.decode(out, skip_special_tokens=True),
             "cache": report.as_dict() if report is not None else None,
-            "steps_s": dict(report.seconds) if report is not None else None}
+            "steps_s": dict(report.seconds) if report is not None else None,
+            "_logp": first - np.logaddexp.reduce(first)}
+
+
+def _first_kl(rows: dict[str, Any]) -> None:
+    """Each method's KL divergence from its reference's first-token distribution (``full``;
+    ``exact_warm``: ``exact_cold``), a measure of quality that argmax ties do not hide."""
+    for name, result in rows.items():
+        if not isinstance(result, dict) or "_logp" not in result:
+            continue
+        ref = rows["exact_cold" if name == "exact_warm" else "full"]["_logp"]
+        result["first_kl"] = float(np.sum(np.exp(ref) * (ref - result["_logp"])))
+    for result in rows.values():
+        if isinstance(result, dict):
+            result.pop("_logp", None)
 
 
 def _questions(dataset: str, limit: int, k: int) -> list[tuple[dict[str, Any], list[Any]]]:
@@ -189,6 +206,7 @@ def _one_question(lm: Any, caches: _Caches, ids: list[int], texts: list[str],
         row["exact_cold"] = _answer(exact_lm, ids, max_new)
         row["exact_warm"] = _answer(exact_lm, ids, max_new)
         exact_lm.model.passage_cache = None
+    _first_kl(row)
     return row
 
 
@@ -228,7 +246,9 @@ def _summary(dataset: str, rows: list[dict[str, Any]], methods: list[str]) -> di
             "ttft_over_reference_median": round(float(median(ttft_ratio)), 4),
             "reference": "exact_cold" if name == "exact_warm" else "full",
             "first_token_equal": _equal(runs, ref, "first"),
-            "answer_equal": _equal(runs, ref, "tokens"),
+            "answer_equal": _equal(runs, ref, "text" if name == "llama_ram_cache" else "tokens"),
+            "first_kl_mean": mean([m["first_kl"] for m in runs if "first_kl" in m]),
+            "first_kl_n": sum("first_kl" in m for m in runs),
             "accuracy": mean([float(x) for x in right]),
             "accuracy_vs_full": _mcnemar(right, right_full),
             "cache": _cache_totals([m["cache"] for m in runs]),
