@@ -7,7 +7,7 @@ and :class:`KVSession`; a served model (:class:`shared_core.runtime.remote.Remot
 :class:`ServedLM`, which has no session. Every model offers :class:`ModelLM`: tokenizer-level
 facts and Speculative RAG's rows (greedy drafts decoded together, span log-probabilities scored
 together). What differs between runtimes by design is a typed field of :class:`Capabilities`,
-which engines read instead of probing attributes; ``tests/unit/test_runtime_conformance.py`` is
+which engines read instead of probing attributes; ``tests/conformance/test_runtimes.py`` is
 the contract every runtime passes.
 """
 
