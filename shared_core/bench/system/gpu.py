@@ -48,7 +48,7 @@ import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -120,7 +120,7 @@ class Report:
         self.path = out_dir / REPORT_NAME
         self.budget = budget
         self.data: dict[str, Any] = {
-            "schema": SCHEMA, "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "schema": SCHEMA, "started": datetime.now(UTC).isoformat(timespec="seconds"),
             "args": args, "budget_s": budget.total_s, "machine": {}, "sections": {},
             "summary": {}}
 
