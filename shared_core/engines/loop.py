@@ -16,7 +16,7 @@ Cache invariant of the loops: the session holds every committed token except the
 (``pending``); each target forward starts with ``pending``, so its first logits row predicts the
 first drafted token and no logits are carried between rounds.
 
-Host syncs (issue 39): a greedy round waits for the device once, in the readback of its verdict
+Host syncs: a greedy round waits for the device once, in the readback of its verdict
 (:mod:`shared_core.runtime.host_sync`): ids are uploaded without waiting, a model draft stays on
 the device (:class:`~shared_core.runtime.host_sync.DeviceTokens`) and its tokens come back with
 the target's argmaxes in one copy. Sampled rounds add the host generator's draws; a logits mask
