@@ -373,9 +373,10 @@ class LlamaCppPassageCache:
     def fill(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], have: int,
              report: PrefillReport, scratch: Sequence[int]) -> int:
         """Make ``seq`` (holding ``ids[:have]`` at positions ``0..have-1``) hold all of ``ids``:
-        cached chunks placed, the rest decoded in place, then the selected share of the reused
-        tokens recomputed (in the empty ``scratch`` sequences). Returns how many chunks were
-        placed (0: a plain prefill)."""
+        the ids before the first chunk decoded in place, cached chunks placed, the gaps between
+        them decoded, the selected share of the reused tokens recomputed (both in the empty
+        ``scratch`` sequences), then the ids after the last chunk decoded in place. Returns how
+        many chunks were placed (0: a plain prefill)."""
         ids = [int(t) for t in ids]
         spans = [s for s in self.chunks_of(ids) if s.start >= have]
         if not self._fits(ids, spans) or not scratch:
