@@ -146,11 +146,12 @@ class _CachedPassages:
         from shared_core.runtime.passage_cache import register_passages, warm_passages
 
         def run(question: str, docs: list[Document]) -> Any:
+            texts = passage_texts(docs)
             try:
                 for lm, cache in zip(self.lms, self.caches, strict=True):
                     lm.model.passage_cache = cache
-                    register_passages(lm, passage_texts(docs))
-                    warm_passages(lm, passage_texts(docs), progress=False)
+                    register_passages(lm, texts)
+                    warm_passages(lm, texts, progress=False)
                 return method(question, docs)
             finally:
                 for lm in self.lms:

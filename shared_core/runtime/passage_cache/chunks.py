@@ -164,3 +164,11 @@ def uncovered_chunks(ids: Sequence[int], known: Sequence[Span], *, min_len: int 
             if span.end + begin < end and span.start > 0 and len(span) >= min_len:
                 out.append(Span(span.start + begin, span.end + begin))
     return out
+
+
+def prompt_chunks(index: PassageIndex, ids: Sequence[int]) -> list[Span]:
+    """The chunks of a prompt to take from (or put into) a store: the known passages ``index``
+    finds, then content-defined chunks of what lies between them; none at position 0."""
+    known = index.find(ids)
+    spans = sorted([*known, *uncovered_chunks(ids, known)], key=lambda s: s.start)
+    return [s for s in spans if s.start > 0]

@@ -47,7 +47,7 @@ import numpy as np
 
 from shared_core.config import PassageCacheConfig
 from shared_core.runtime.llamacpp.session import EXACT_CHUNK, MAX_TREE_LEAVES, decode
-from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, uncovered_chunks
+from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
 from shared_core.runtime.passage_cache.kv_state import StateFormatError, layer_values
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, model_identity
 
@@ -339,11 +339,8 @@ class LlamaCppPassageCache:
     # -- blending
 
     def chunks_of(self, ids: Sequence[int]) -> list[Span]:
-        """The chunks of a prompt to take from (or put into) the store: known passages, then
-        content-defined chunks of what lies between them."""
-        known = self.index.find(ids)
-        spans = sorted([*known, *uncovered_chunks(ids, known)], key=lambda s: s.start)
-        return [s for s in spans if s.start > 0]
+        """The prompt's chunks (:func:`.chunks.prompt_chunks`)."""
+        return prompt_chunks(self.index, ids)
 
     def _fits(self, ids: Sequence[int], spans: Sequence[Span]) -> bool:
         """Whether the context has cells for the prompt, a scratch chunk and the recomputed

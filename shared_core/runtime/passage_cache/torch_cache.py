@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 from shared_core.config import PassageCacheConfig
-from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, uncovered_chunks
+from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
 from shared_core.runtime.passage_cache.llamacpp import PrefillReport
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, StoreStats, model_identity
 from shared_core.runtime.passage_cache.torch_blend import (
@@ -293,11 +293,8 @@ class TorchPassageCache:
     # -- blending
 
     def chunks_of(self, ids: Sequence[int]) -> list[Span]:
-        """The chunks of a prompt to take from (or put into) the store: known passages, then
-        content-defined chunks of what lies between them (as on llama.cpp)."""
-        known = self.index.find(ids)
-        spans = sorted([*known, *uncovered_chunks(ids, known)], key=lambda s: s.start)
-        return [s for s in spans if s.start > 0]
+        """The prompt's chunks (:func:`.chunks.prompt_chunks`)."""
+        return prompt_chunks(self.index, ids)
 
     def _prefill_blend(self, session: Any, store: ChunkStore, ids: list[int],
                        report: PrefillReport) -> torch.Tensor:
