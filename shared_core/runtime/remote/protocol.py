@@ -168,15 +168,16 @@ def sglang_score_body(rows: Sequence[Sequence[int]], starts: Sequence[int]) -> d
 def sglang_parse_score(response: Any, rows: Sequence[Sequence[int]], starts: Sequence[int]
                        ) -> list[list[float | None]]:
     """Per row, log-probs of positions ``starts[i]..len(row)-1`` (earlier positions ``None``)."""
-    out = []
+    out: list[list[float | None]] = []
     for row, start, item in zip(rows, starts, _items(response, len(rows)), strict=True):
         triples = _field(_field(item, "meta_info", "a /generate item"), "input_token_logprobs",
                          "meta_info")
         if len(triples) != len(row) - start:
             msg = f"input_token_logprobs has {len(triples)} entries for positions {start}..{len(row) - 1}"
             raise RemoteProtocolError(msg)
-        values = [None if t[0] is None else float(t[0]) for t in triples]
-        out.append([None] * start + values)
+        values: list[float | None] = [None] * start
+        values += [None if t[0] is None else float(t[0]) for t in triples]
+        out.append(values)
     return out
 
 
