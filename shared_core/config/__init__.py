@@ -16,7 +16,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeVar, overload
 
 DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
 DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
@@ -81,6 +81,15 @@ def check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> 
 def require(ok: bool, name: str, requirement: str, value: Any) -> None:
     """ValueError ``"<name> must be <requirement>, got <value>"`` unless ``ok``."""
     _check(ok, f"{name} must be {requirement}, got {value!r}")
+
+
+@overload
+def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: Literal[False] = False
+              ) -> int: ...
+
+
+@overload
+def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool) -> int | None: ...
 
 
 def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool = False

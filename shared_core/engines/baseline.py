@@ -10,7 +10,7 @@ greedy decoding token for token. The run state, stream and cache invariant: ``en
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,6 +31,7 @@ from shared_core.decoding.verify import (
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.engines.loop import (
+    Blocks,
     LogitsMask,
     Prompt,
     Run,
@@ -79,7 +80,7 @@ def accept_draft(run: Run, draft: Draft, logits: torch.Tensor) -> Verdict:
     return verify_sampled(draft_ids, p, q, generator=run.generator)
 
 
-def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Iterator[list[int]]:
+def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Blocks:
     pending = run.prefill()
     session, stats = run.session, run.stats
     while True:

@@ -25,7 +25,7 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -147,7 +147,7 @@ def _forget_instance(key: int, ref: weakref.ref[Any]) -> None:
             del _INSTANCE_LOCKS[key]
 
 
-def step_locked(lock: FairLock, stream: Iterator[T]) -> Iterator[T]:
+def step_locked(lock: FairLock, stream: Iterator[T]) -> Generator[T, None, None]:
     """Iterate ``stream`` holding ``lock`` for each step only, never across a ``yield``.
 
     The stream is closed when the consumer stops early (``close()``, garbage collection).

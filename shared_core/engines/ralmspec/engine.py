@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +19,7 @@ from shared_core.config.rag import (
 )
 from shared_core.decoding.output import GenerationResult
 from shared_core.decoding.verify import greedy_accept_length
-from shared_core.engines.loop import TokenStream
+from shared_core.engines.loop import Blocks, TokenStream
 from shared_core.engines.os3 import OS3Scheduler
 from shared_core.engines.ralmspec.cache import LocalCache, check_query
 from shared_core.engines.ralmspec.decoding import RaLMCall
@@ -32,7 +32,7 @@ from shared_core.runtime.models import LM
 from shared_core.runtime.protocol import ServedLM, SessionLM
 
 
-def _ralmseq_blocks(call: RaLMCall) -> Iterator[list[int]]:
+def _ralmseq_blocks(call: RaLMCall) -> Blocks:
     """The baseline: retrieve (top-1) with the latest context every ``retrieval_stride`` tokens."""
     decoder = call.decoder
     while not decoder.finished:
@@ -188,7 +188,7 @@ def _accepted_steps(steps: Sequence[_Step], true_hits: Sequence[Sequence[Hit]]) 
     return greedy_accept_length(spec, true)
 
 
-def _ralmspec_blocks(call: RaLMCall) -> Iterator[list[int]]:
+def _ralmspec_blocks(call: RaLMCall) -> Blocks:
     spec = _Speculator(call)
     yield spec.first_step()
     try:

@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from shared_core.config import (
     DEFAULT_EMBEDDER,
@@ -17,7 +17,7 @@ from shared_core.config import (
     check_backend,
     check_int,
 )
-from shared_core.config.rag import SpeculativeRAGConfig
+from shared_core.config.rag import PromptMessages, SpeculativeRAGConfig
 from shared_core.engines.speculative_rag.generation import generate_batch
 from shared_core.engines.speculative_rag.inputs import (
     check_model_arg,
@@ -150,11 +150,13 @@ class SpeculativeRAG:
 
     @property
     def drafter(self) -> ModelLM:
-        return self._get("drafter")
+        drafter: ModelLM = self._get("drafter")
+        return drafter
 
     @property
     def verifier(self) -> ModelLM:
-        return self._get("verifier")
+        verifier: ModelLM = self._get("verifier")
+        return verifier
 
     @property
     def embedder(self) -> Any:
@@ -239,7 +241,8 @@ class SpeculativeRAG:
         lm, cfg = self.drafter, self.config
         answer_first = cfg.draft_order == "answer_first"
         prefill, parse = ("Answer:", parse_answer_first) if answer_first else ("Rationale:", parse_draft)
-        prompts = [draft_prompt(lm, question, [docs[i] for i in s], cfg.draft_order, cfg.prompt)
+        prompt = cast(PromptMessages | None, cfg.prompt)  # checked into pairs by the config
+        prompts = [draft_prompt(lm, question, [docs[i] for i in s], cfg.draft_order, prompt)
                    for s in subsets]
         # a forced answer line is generated after the draft, in the same window
         forced = cfg.max_answer_tokens if cfg.force_answer_line and not answer_first else 0

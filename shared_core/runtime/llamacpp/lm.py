@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from shared_core.config import CacheKind, check_prefix_cache
 from shared_core.runtime.llamacpp.prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
@@ -273,6 +273,9 @@ def _free_model(llama: Any, ptr: Any, idle: IdleContexts) -> None:
 @dataclass
 class LlamaCppLM(LM):
     """An LM run by llama.cpp; ``model`` is a :class:`LlamaCppModel`."""
+
+    if TYPE_CHECKING:  # the field LM declares, narrowed (a dataclass field redeclared would move)
+        model: LlamaCppModel
 
     backend: ClassVar[str] = "llama.cpp"
 

@@ -153,8 +153,9 @@ class Transport:
 
     def _async_client(self) -> httpx.AsyncClient:
         if self._aclient is None:
-            # type: ignore[arg-type]
-            self._aclient = httpx.AsyncClient(**self._kwargs, transport=self._transport)
+            # the caller passes the transport that fits the client it uses
+            self._aclient = httpx.AsyncClient(
+                **self._kwargs, transport=self._transport)  # type: ignore[arg-type]
         return self._aclient
 
     async def arequest(self, method: str, path: str, json: Any = None, *,

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_core.config import SamplingConfig, check_choice, check_int, check_text
-from shared_core.runtime.models import LM
+from shared_core.runtime.lm import ChatTokenizer
 from shared_core.runtime.protocol import Row, Spans, StopRule
 from shared_core.runtime.remote import protocol as P
 from shared_core.runtime.remote.config import ENGINES, Engine, RemoteConfig
@@ -59,7 +59,7 @@ class Capabilities:
     notes: dict[str, str] = field(default_factory=dict)  # why a probe failed
 
 
-class RemoteLM:
+class RemoteLM(ChatTokenizer):
     """A model behind a vLLM (OpenAI completions) or SGLang (native ``/generate``) server.
 
     Args:
@@ -74,11 +74,6 @@ class RemoteLM:
     """
 
     served = True  # engines branch on this: requests instead of local forwards
-    encode = LM.encode
-    decode = LM.decode
-    chat_prompt = LM.chat_prompt
-    prompt_ids = LM.prompt_ids
-    has_chat_template = LM.has_chat_template
 
     def __init__(self, url: str, *, tokenizer: Any = None, engine: Engine = "auto",
                  model: str | None = None, api_key: str | None = None,
@@ -236,8 +231,11 @@ class RemoteLM:
     def _parse_score(self, response: Any, rows: Sequence[Sequence[int]], starts: list[int]
                      ) -> list[list[float | None]]:
         if self.engine == "vllm":
-            full = P.vllm_parse_score(response, rows)
-            return [[None] * s + f[s:] for f, s in zip(full, starts, strict=True)]
+            out: list[list[float | None]] = []
+            for row, start in zip(P.vllm_parse_score(response, rows), starts, strict=True):
+                values: list[float | None] = [None] * start
+                out.append(values + row[start:])
+            return out
         return P.sglang_parse_score(response, rows, starts)
 
     def score_rows(self, rows: Sequence[Sequence[int]], starts: Sequence[int] | None = None
@@ -270,7 +268,8 @@ class RemoteLM:
     def span_logprobs(self, rows: Sequence[Sequence[int]], spans: Spans) -> list[list[float]]:
         """Summed log P over each ``(start, end)`` span of each row, ONE scoring request."""
         self.require("batched_scoring", by="batched scoring (Speculative RAG's verifier)")
-        return [[sum(float(lp[t]) for t in range(max(start, 1), end))  # type: ignore[arg-type]
+        # None only before a row's start (1 here), so every scored lp[t] is a float
+        return [[sum(float(lp[t]) for t in range(max(start, 1), end))  # type: ignore[arg-type, misc]
                  for start, end in row_spans]
                 for lp, row_spans in zip(self.score_rows(rows), spans, strict=True)]
 
