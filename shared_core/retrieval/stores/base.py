@@ -18,7 +18,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -243,7 +243,7 @@ class StoreBackend:
             embedded = self.embedder.documents([docs[i].text for i in missing])
             for i, vector in zip(missing, embedded, strict=True):
                 out[i] = vector
-        return np.stack(out)
+        return np.stack(cast(list[np.ndarray], out))  # every None filled above
 
     def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
         """The best of ``docs`` (a local cache) for the query vector, by the search metric."""
