@@ -78,7 +78,7 @@ def check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> 
         raise TypeError(msg)
 
 
-def require(ok: bool, name: str, requirement: str, value: Any) -> None:
+def require(ok: bool, name: str, requirement: str, value: object) -> None:
     """ValueError ``"<name> must be <requirement>, got <value>"`` unless ``ok``."""
     _check(ok, f"{name} must be {requirement}, got {value!r}")
 
@@ -113,7 +113,7 @@ def check_real(value: Any, name: str) -> float:
     return float(value)
 
 
-def check_bool(value: Any, name: str) -> bool:
+def check_bool(value: object, name: str) -> bool:
     """``value`` if it is a bool, else a TypeError naming ``name``."""
     if not isinstance(value, bool):
         msg = f"{name} must be a bool, got {type(value).__name__} {value!r}"
@@ -134,7 +134,7 @@ def check_unicode(value: str, name: str) -> str:
     return value
 
 
-def check_text(value: Any, name: str) -> str:
+def check_text(value: object, name: str) -> str:
     """A non-empty string (TypeError for another type, ValueError for blank or a lone
     surrogate), returned as is. (Text to embed may be blank:
     ``shared_core.retrieval.embedding.check_str``.)"""
@@ -202,7 +202,7 @@ def check_settings_keys(cls: type, data: Any) -> Any:
     return data
 
 
-def check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
+def check_choice(value: object, name: str, choices: Sequence[str]) -> None:
     """ValueError naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         msg = f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"

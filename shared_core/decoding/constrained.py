@@ -69,7 +69,7 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
-def _check_schema_node(node: Any, where: str) -> None:
+def _check_schema_node(node: object, where: str) -> None:
     """The ``type`` keywords of a schema and its subschemas (a bool is a valid schema)."""
     if isinstance(node, bool):
         return

@@ -75,7 +75,7 @@ class LogitsMask(Protocol):
     def is_terminated(self) -> bool: ...
 
 
-def check_logits_mask(mask: Any) -> LogitsMask | None:
+def check_logits_mask(mask: object) -> LogitsMask | None:
     """``mask`` if it is None or has ``mask``/``commit``/``is_terminated``, else a TypeError."""
     if mask is not None and not isinstance(mask, LogitsMask):
         msg = ("logits_mask must be None or a LogitsMask (mask(logits, drafted), commit(tokens), "

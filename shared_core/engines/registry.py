@@ -57,7 +57,7 @@ def check_engine_name(name: str) -> str:
     return name
 
 
-def check_engine_options(name: str, options: Any) -> dict[str, Any]:
+def check_engine_options(name: str, options: object) -> dict[str, Any]:
     """``options`` if engine ``name`` takes them, checked without importing torch or touching a
     model: an unknown key is a TypeError naming it and the closest valid one, a bad config value
     the config's own TypeError / ValueError naming the field."""

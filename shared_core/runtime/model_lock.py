@@ -116,7 +116,7 @@ _INSTANCE_LOCKS: dict[int, tuple[weakref.ref[Any], FairLock]] = {}
 _PINNED: dict[int, tuple[Any, FairLock]] = {}  # objects that cannot be weakly referenced
 
 
-def lock_for(model: Any) -> FairLock:
+def lock_for(model: object) -> FairLock:
     """The one lock of ``model`` (any object: a cached model, an LM the caller loaded, a served
     client), created on first use and held weakly: the entry goes away with the model."""
     key = id(model)

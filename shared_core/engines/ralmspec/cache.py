@@ -118,5 +118,5 @@ class SpeculativeRetrieval:
                 for row, doc in zip(hits, docs, strict=True)]
 
 
-def check_query(query: Any, name: str = "query") -> None:
+def check_query(query: object, name: str = "query") -> None:
     check_text(query, name)

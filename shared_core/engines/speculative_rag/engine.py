@@ -184,7 +184,7 @@ class SpeculativeRAG:
         docs, skipped = drop_blank(documents)  # retrieve() returned ours already
         return docs, skipped, time.perf_counter() - start
 
-    def _check_call(self, question: Any, documents: Sequence[Any] | None, retriever: Any
+    def _check_call(self, question: object, documents: Sequence[Any] | None, retriever: Any
                     ) -> tuple[str, tuple[list[Document], int] | None]:
         """Everything checkable before retrieval and any model work: the stripped question and
         the given documents, converted once (with text, and how many blank ones were left out;

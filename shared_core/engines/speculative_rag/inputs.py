@@ -82,7 +82,7 @@ def load_model(model: ModelLM | str, dtype: str | None, backend: str = LOAD_LM_B
 _NOT_MODELS = (bool, int, float, complex, bytes, list, tuple, dict, set)
 
 
-def check_model_arg(model: Any, param: str, *, optional: bool) -> None:
+def check_model_arg(model: object, param: str, *, optional: bool) -> None:
     if model is None and not optional:
         msg = f"{param} must be a model name or an LM, got None"
         raise TypeError(msg)

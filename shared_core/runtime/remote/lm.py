@@ -315,7 +315,7 @@ class RemoteLM(ChatTokenizer):
 Generation = P.Generation
 
 
-def _check_prompts(prompts: Any, name: str) -> None:
+def _check_prompts(prompts: object, name: str) -> None:
     if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
         msg = f"{name} must be a non-empty list of token-id lists"
         raise TypeError(msg) if not isinstance(prompts, Sequence) else ValueError(msg)
