@@ -16,7 +16,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, TypedDict, TypeVar, overload
 
 DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
 DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
@@ -287,6 +287,16 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The keyword options of :meth:`GenerationConfig.build` (an engine's ``**sampling``)."""
+
+    stop: Sequence[str] | str | None
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
 
 
 @dataclass(frozen=True)

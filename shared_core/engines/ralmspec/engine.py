@@ -8,11 +8,11 @@ import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.config import GenerationConfig, SamplingConfig, SamplingOptions
 from shared_core.config.rag import (
     RALMSPEC_MAX_NEW_TOKENS,
     RaLMSpecConfig,
@@ -235,20 +235,20 @@ class RaLMSpec:
         self.backend = as_backend(retriever)
         self.config = config or RaLMSpecConfig()
 
-    def _call(self, question: str, max_new_tokens: int, sampling: dict[str, Any]) -> RaLMCall:
+    def _call(self, question: str, max_new_tokens: int, sampling: SamplingOptions) -> RaLMCall:
         check_query(question, "question")
         check_int(max_new_tokens, "max_new_tokens")
         generation = GenerationConfig.build(max_new_tokens, **sampling)
         return RaLMCall(self.lm, self.backend, question, self.config, generation)
 
     def stream(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
-               **sampling: Any) -> TokenStream:
+               **sampling: Unpack[SamplingOptions]) -> TokenStream:
         """RaLMSpec as a stream of verified text deltas; ``.result`` once exhausted."""
         call = self._call(question, max_new_tokens, sampling)
         return call.stream(_ralmspec_blocks(call))
 
     def stream_baseline(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
-                        **sampling: Any) -> TokenStream:
+                        **sampling: Unpack[SamplingOptions]) -> TokenStream:
         """RaLMSeq (retrieve every stride, no speculation) as a stream."""
         call = self._call(question, max_new_tokens, sampling)
         return call.stream(_ralmseq_blocks(call))
@@ -262,7 +262,7 @@ class RaLMSpec:
                            top_p=top_p, stop=stop, seed=seed).run()
 
     def batch(self, questions: Sequence[str], max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
-              **sampling: Any) -> list[GenerationResult]:
+              **sampling: Unpack[SamplingOptions]) -> list[GenerationResult]:
         """RaLMSpec on each question in order, pipelined: question i+1's first retrieval rides in
         question i's last batched search (see :mod:`.pipeline`); outputs as ``generate``'s."""
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence):
@@ -277,7 +277,7 @@ class RaLMSpec:
         return run_pipelined(calls, self.backend, _ralmspec_blocks)
 
     async def abatch(self, questions: Sequence[str],
-                     max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, **sampling: Any
+                     max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, **sampling: Unpack[SamplingOptions]
                      ) -> list[GenerationResult]:
         """:meth:`batch` on a worker thread (the event loop stays free)."""
         return await asyncio.to_thread(self.batch, questions, max_new_tokens, **sampling)
@@ -293,14 +293,15 @@ class RaLMSpec:
 
 def ralmseq_generate(lm: SessionLM, retriever: Any, question: str,
                      max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
-                     config: RaLMSpecConfig | None = None, **sampling: Any) -> GenerationResult:
+                     config: RaLMSpecConfig | None = None, **sampling: Unpack[SamplingOptions]
+                     ) -> GenerationResult:
     """The iterative RaLM baseline (RaLMSeq) as a function."""
     return RaLMSpec(lm, retriever, config).generate_baseline(question, max_new_tokens, **sampling)
 
 
 def stream_ralmspec(lm: SessionLM, prompt: Any, *, max_new_tokens: int,
                     documents: Sequence[str] | None = None, retriever: Any = None,
-                    config: RaLMSpecConfig | None = None, **sampling: Any) -> TokenStream:
+                    config: RaLMSpecConfig | None = None, **sampling: Unpack[SamplingOptions]) -> TokenStream:
     """Registry-style entry: ``prompt`` is the question; retrieval from ``retriever``, or from a
     BM25 index over ``documents`` when no retriever is given."""
     if not isinstance(prompt, str):
