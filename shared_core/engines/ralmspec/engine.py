@@ -221,7 +221,7 @@ class RaLMSpec:
     result or a timeout ends that call only; the next call starts from scratch.
     """
 
-    def __init__(self, lm: SessionLM | ServedLM, retriever: Any, config: RaLMSpecConfig | None = None):
+    def __init__(self, lm: SessionLM | ServedLM, retriever: object, config: RaLMSpecConfig | None = None):
         if not isinstance(lm, LM | ServedLM):
             msg = f"lm must be an LM (from load_lm or wrap_lm) or a RemoteLM, got {type(lm).__name__}"
             raise TypeError(msg)
@@ -291,7 +291,7 @@ class RaLMSpec:
                                     top_k=top_k, top_p=top_p, stop=stop, seed=seed).run()
 
 
-def ralmseq_generate(lm: SessionLM, retriever: Any, question: str,
+def ralmseq_generate(lm: SessionLM, retriever: object, question: str,
                      max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
                      config: RaLMSpecConfig | None = None, **sampling: Unpack[SamplingOptions]
                      ) -> GenerationResult:
@@ -300,7 +300,7 @@ def ralmseq_generate(lm: SessionLM, retriever: Any, question: str,
 
 
 def stream_ralmspec(lm: SessionLM, prompt: Any, *, max_new_tokens: int,
-                    documents: Sequence[str] | None = None, retriever: Any = None,
+                    documents: Sequence[str] | None = None, retriever: object = None,
                     config: RaLMSpecConfig | None = None, **sampling: Unpack[SamplingOptions]) -> TokenStream:
     """Registry-style entry: ``prompt`` is the question; retrieval from ``retriever``, or from a
     BM25 index over ``documents`` when no retriever is given."""

@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_core.config import SamplingConfig, check_choice, check_int, check_text
 from shared_core.runtime.lm import ChatTokenizer
@@ -24,6 +24,9 @@ from shared_core.runtime.remote import protocol as P
 from shared_core.runtime.remote.config import ENGINES, Engine, RemoteConfig
 from shared_core.runtime.remote.http import RemoteError, Transport
 from shared_core.util.redact import redact
+
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +80,8 @@ class RemoteLM(ChatTokenizer):
 
     def __init__(self, url: str, *, tokenizer: Any = None, engine: Engine = "auto",
                  model: str | None = None, api_key: str | None = None,
-                 config: RemoteConfig | None = None, transport: Any = None) -> None:
+                 config: RemoteConfig | None = None,
+                 transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
         check_text(url, "url")
         if not url.startswith(("http://", "https://")):
             msg = f"url must start with http:// or https://, got {redact(url)!r}"
