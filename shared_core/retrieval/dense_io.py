@@ -30,7 +30,7 @@ _INDEX_FILE = "index.faiss"
 _SLOTS_FILE = "slots.npy"
 
 
-def embedder_name(embedder: Any) -> str | None:
+def embedder_name(embedder: object) -> str | None:
     """The name an embedder was loaded by (:func:`shared_core.runtime.models.load_embedder` records
     it on the model), else None."""
     name = getattr(embedder, "specrag_source", None)
