@@ -94,7 +94,7 @@ class RaLMDecoder(RaLMDecoderState):
             if feed:
                 self.session.prefill(feed)
                 self.stats.target_forwards += 1
-                self.stats.prefill_tokens += len(feed)
+                self.stats.prefill_tokens = (self.stats.prefill_tokens or 0) + len(feed)  # 0: __init__
             self.doc, self.pending = doc, ids[-1]
 
     def _choose(self, logits: torch.Tensor) -> int:

@@ -299,7 +299,7 @@ def ralmseq_generate(lm: SessionLM, retriever: object, question: str,
     return RaLMSpec(lm, retriever, config).generate_baseline(question, max_new_tokens, **sampling)
 
 
-def stream_ralmspec(lm: SessionLM, prompt: Any, *, max_new_tokens: int,
+def stream_ralmspec(lm: SessionLM, prompt: object, *, max_new_tokens: int,
                     documents: Sequence[str] | None = None, retriever: object = None,
                     config: RaLMSpecConfig | None = None, **sampling: Unpack[SamplingOptions]) -> TokenStream:
     """Registry-style entry: ``prompt`` is the question; retrieval from ``retriever``, or from a

@@ -138,7 +138,7 @@ def _check_models(lm: object, config: object, draft_lm: object) -> None:
         raise TypeError(msg)
 
 
-def _corpus_texts(corpus: Any) -> list[str]:
+def _corpus_texts(corpus: object) -> list[str]:
     """The texts of a ``corpus`` argument: a list of strings (TypeError naming ``corpus``)."""
     if isinstance(corpus, (str, bytes)) or not isinstance(corpus, Iterable):
         msg = (f"corpus must be a list of texts or a StaticIndex, got {type(corpus).__name__}"
@@ -350,7 +350,7 @@ def start_respec(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
     return decoder.start(prompt, generation, documents=documents, logits_mask=logits_mask)
 
 
-def _corpus_key(corpus: Any) -> Hashable:
+def _corpus_key(corpus: object) -> Hashable:
     """A corpus by content (a list of texts) or identity (an index); a corpus of any other kind
     gets a key of its own (the decoder refuses it, naming ``corpus``)."""
     if corpus is None or isinstance(corpus, StaticIndex):
