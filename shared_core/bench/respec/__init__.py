@@ -109,12 +109,12 @@ def _llamacpp_methods(lm: LlamaCppLM, max_new: int) -> dict[str, Callable[[list[
 
     model = lm.model
 
-    def build(**kw: Any) -> Any:
+    def build(**kw: Any) -> Llama:
         return Llama(model_path=str(model.path), n_ctx=model.n_ctx, n_batch=model.settings.n_batch,
                      n_threads=model.threads, n_threads_batch=model.threads, flash_attn=True,
                      verbose=False, **kw)
 
-    def theirs(llm: Any) -> Callable[[list[int]], Any]:
+    def theirs(llm: Llama) -> Callable[[list[int]], Any]:
         def call(ids: list[int]) -> tuple[list[int], None]:
             # Llama.generate reuses the KV of the longest prefix shared with its previous call (the
             # warm-up prompt is the first timed one, and chat templates share a system prefix);
