@@ -186,7 +186,7 @@ def suggest_kwargs(func: F) -> F:
             check_kwargs(kwargs, valid, owner)
         return func(*args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # the same signature as ``func``
 
 
 def check_settings_keys(cls: type, data: Any) -> Any:

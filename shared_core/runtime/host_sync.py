@@ -142,7 +142,7 @@ class DeviceTokens(Sequence[int]):
             return self.values() == tuple(other)
         return NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as a list
 
     def __repr__(self) -> str:
         shown = self._values if self._values is not None else f"<{len(self)} on {self.ids.device}>"

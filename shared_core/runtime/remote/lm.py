@@ -284,6 +284,7 @@ class RemoteLM(ChatTokenizer):
         _check_prompts(continuations, "continuations")
         rows = [list(prefix) + list(c) for c in continuations]
         scored = self.score_rows(rows, [len(prefix)] * len(rows))
+        # None only before each row's start (len(prefix)), cut off here
         return [[float(v) for v in s[len(prefix):]] for s in scored]  # type: ignore[arg-type]
 
     def prefix_cache_stats(self) -> dict[str, float]:
