@@ -202,7 +202,7 @@ class RemoteLM(ChatTokenizer):
         rows = [p for p in prompts for _ in range(n)]  # one item per sample
         return "/generate", [P.sglang_generate_body(rows, max_new_tokens, sampling, stop_token_ids)]
 
-    def _parse_generate(self, response: Any, num_prompts: int, n: int) -> list[list[Generation]]:
+    def _parse_generate(self, response: object, num_prompts: int, n: int) -> list[list[Generation]]:
         if self.engine == "vllm":
             return P.vllm_parse_generate(response, num_prompts, n)
         flat = P.sglang_parse_generate(response, num_prompts * n)
@@ -232,7 +232,7 @@ class RemoteLM(ChatTokenizer):
             return "/v1/completions", P.vllm_score_body(self.model, rows), starts
         return "/generate", P.sglang_score_body(rows, starts), starts
 
-    def _parse_score(self, response: Any, rows: Sequence[Sequence[int]], starts: list[int]
+    def _parse_score(self, response: object, rows: Sequence[Sequence[int]], starts: list[int]
                      ) -> list[list[float | None]]:
         if self.engine == "vllm":
             out: list[list[float | None]] = []
