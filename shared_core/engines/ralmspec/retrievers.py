@@ -161,7 +161,7 @@ def check_hits(hits: Any, n_queries: int, name: str) -> list[list[Hit]]:
     return [list(row) for row in hits]
 
 
-def check_ranked(doc: Any, name: str) -> Document:
+def check_ranked(doc: object, name: str) -> Document:
     if not isinstance(doc, Document):
         msg = f"retriever {name}.rank returned {type(doc).__name__}; expected a Document"
         raise TypeError(msg)
