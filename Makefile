@@ -40,10 +40,13 @@ demo: install $(VENV)/.qwen
 
 test: install
 	$(PY) -m ruff check shared_core langchain_specrag llamaindex_specrag tests examples
+	$(PY) -m mypy
 	$(PY) -m pytest -q tests
 
+# mypy reads its settings and the package it checks (shared_core) from pyproject.toml.
 lint: install
 	$(PY) -m ruff check shared_core langchain_specrag llamaindex_specrag tests examples
+	$(PY) -m mypy
 
 clean:
 	rm -rf $(VENV)

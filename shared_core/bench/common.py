@@ -65,7 +65,7 @@ def threads() -> int:
     return torch.get_num_threads()
 
 
-def lm_threads(lm: Any) -> int:
+def lm_threads(lm: object) -> int:
     """Threads of a loaded model's runtime: llama.cpp's own count, else torch's."""
     return int(getattr(getattr(lm, "model", None), "threads", 0) or threads())
 

@@ -108,8 +108,8 @@ def build_index(results: Path) -> str:
                   "|---|---|---|---|---|---|"]
         for run in sorted(p for p in subject.iterdir() if p.is_dir() and p.name != "local"):
             files = sorted(p for p in run.iterdir() if p.is_file())
-            reports = [(f, _load(f)) for f in files if f.suffix == ".json"]
-            reports = [(f, r) for f, r in reports if r is not None]
+            loaded = [(f, _load(f)) for f in files if f.suffix == ".json"]
+            reports = [(f, r) for f, r in loaded if r is not None]
             for f, r in reports:
                 lines.append(f"| `{run.name}` | [{f.name}]({subject.name}/{run.name}/{f.name}) "
                              f"| {date_of(r, run.name)} | {machine_of(r)} "

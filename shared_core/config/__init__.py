@@ -16,7 +16,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypedDict, TypeVar, overload
 
 DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
 DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
@@ -78,9 +78,18 @@ def check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> 
         raise TypeError(msg)
 
 
-def require(ok: bool, name: str, requirement: str, value: Any) -> None:
+def require(ok: bool, name: str, requirement: str, value: object) -> None:
     """ValueError ``"<name> must be <requirement>, got <value>"`` unless ``ok``."""
     _check(ok, f"{name} must be {requirement}, got {value!r}")
+
+
+@overload
+def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: Literal[False] = False
+              ) -> int: ...
+
+
+@overload
+def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool) -> int | None: ...
 
 
 def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool = False
@@ -104,7 +113,7 @@ def check_real(value: Any, name: str) -> float:
     return float(value)
 
 
-def check_bool(value: Any, name: str) -> bool:
+def check_bool(value: object, name: str) -> bool:
     """``value`` if it is a bool, else a TypeError naming ``name``."""
     if not isinstance(value, bool):
         msg = f"{name} must be a bool, got {type(value).__name__} {value!r}"
@@ -125,7 +134,7 @@ def check_unicode(value: str, name: str) -> str:
     return value
 
 
-def check_text(value: Any, name: str) -> str:
+def check_text(value: object, name: str) -> str:
     """A non-empty string (TypeError for another type, ValueError for blank or a lone
     surrogate), returned as is. (Text to embed may be blank:
     ``shared_core.retrieval.embedding.check_str``.)"""
@@ -177,7 +186,7 @@ def suggest_kwargs(func: F) -> F:
             check_kwargs(kwargs, valid, owner)
         return func(*args, **kwargs)
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # the same signature as ``func``
 
 
 def check_settings_keys(cls: type, data: Any) -> Any:
@@ -193,7 +202,7 @@ def check_settings_keys(cls: type, data: Any) -> Any:
     return data
 
 
-def check_choice(value: Any, name: str, choices: Sequence[str]) -> None:
+def check_choice(value: object, name: str, choices: Sequence[str]) -> None:
     """ValueError naming ``name`` unless ``value`` is one of ``choices``."""
     if value not in choices:
         msg = f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
@@ -278,6 +287,16 @@ class SamplingConfig:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+
+class SamplingOptions(TypedDict, total=False):
+    """The keyword options of :meth:`GenerationConfig.build` (an engine's ``**sampling``)."""
+
+    stop: Sequence[str] | str | None
+    temperature: float
+    top_k: int
+    top_p: float
+    seed: int | None
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 import string
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from shared_core.config import (
     CacheKind,
@@ -47,7 +47,7 @@ def _fields(template: str, name: str) -> list[str]:
         raise ValueError(msg) from None
 
 
-def check_prompt(prompt: Any, name: str = "prompt") -> PromptMessages | None:
+def check_prompt(prompt: object, name: str = "prompt") -> PromptMessages | None:
     """None, or a prompt as (role, format string) pairs: a format string is one user message.
 
     Every variable must be ``{question}`` or ``{documents}``; both must appear, ``{documents}``

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Literal, get_args
 
 from shared_core.config import (
     CACHE_KINDS,
@@ -31,7 +31,7 @@ CandidateSelection = Literal["ema", "first"]  # ReSpec: which retrieved candidat
 Fallback = Literal["auto", "model", "prompt_lookup", "none"]
 
 
-def check_eta(eta: Any) -> float:
+def check_eta(eta: object) -> float:
     """RAPID's η: a finite number >= 0 (TypeError / ValueError naming ``eta``)."""
     eta = check_real(eta, "eta")
     require(math.isfinite(eta) and eta >= 0, "eta", "a finite number >= 0", eta)

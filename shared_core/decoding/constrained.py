@@ -69,7 +69,7 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
 _SUBSCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
 
 
-def _check_schema_node(node: Any, where: str) -> None:
+def _check_schema_node(node: object, where: str) -> None:
     """The ``type`` keywords of a schema and its subschemas (a bool is a valid schema)."""
     if isinstance(node, bool):
         return
@@ -96,7 +96,7 @@ def _check_schema_node(node: Any, where: str) -> None:
             _check_schema_node(sub, f"{where}.{key}.{name}")
 
 
-def check_json_schema(schema: Any, name: str = "schema") -> dict[str, Any]:
+def check_json_schema(schema: Any, name: str = "schema") -> dict[str, Any] | bool:
     """``schema`` if it is a JSON schema a constraint can be built from, else a TypeError /
     ValueError naming ``name``, raised before any model work (not when decoding starts).
 
@@ -117,7 +117,8 @@ def check_json_schema(schema: Any, name: str = "schema") -> dict[str, Any]:
         except Exception as e:  # xgrammar raises RuntimeError / ValueError with its parser's text
             msg = f"{name} is not a usable JSON schema: {e}"
             raise ValueError(msg) from None
-    return schema
+    checked: dict[str, Any] | bool = schema  # a dict, or a bool (a valid schema too)
+    return checked
 
 
 def xgrammar_available() -> bool:

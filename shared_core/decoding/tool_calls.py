@@ -112,7 +112,7 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
     return [t["function"]["name"] for t in tools]
 
 
-def check_tool_choice(tool_choice: Any, tools: Sequence[Mapping[str, Any]]) -> str:
+def check_tool_choice(tool_choice: object, tools: Sequence[Mapping[str, Any]]) -> str:
     """``"auto"``, ``"none"``, ``"required"`` or a tool's name (ValueError naming tool_choice)."""
     if isinstance(tool_choice, Mapping):  # {"type": "function", "function": {"name": ...}}
         tool_choice = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
@@ -253,7 +253,7 @@ def _new_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def _one_call(item: Any, known: Sequence[str], raw: str) -> ToolCall | InvalidToolCall:
+def _one_call(item: object, known: Sequence[str], raw: str) -> ToolCall | InvalidToolCall:
     if not isinstance(item, Mapping) or not isinstance(item.get("name"), str):
         return InvalidToolCall(None, raw, _new_id(), "a tool call must be a JSON object with a 'name'")
     name = item["name"]

@@ -10,12 +10,18 @@ greedy decoding token for token. The run state, stream and cache invariant: ``en
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Unpack
 
 import torch
 
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS, CacheKind, GenerationConfig, SamplingConfig
+from shared_core.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    CacheKind,
+    GenerationConfig,
+    SamplingConfig,
+    SamplingOptions,
+)
 from shared_core.decoding.decode_stats import DecodeStats
 from shared_core.decoding.output import (
     GenerationResult,
@@ -31,6 +37,7 @@ from shared_core.decoding.verify import (
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.engines.loop import (
+    Blocks,
     LogitsMask,
     Prompt,
     Run,
@@ -46,7 +53,7 @@ DEFAULT_DRAFT_TOKENS = 8
 
 def stream_autoregressive(lm: SessionLM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                           cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None,
-                          **sampling: Any) -> TokenStream:
+                          **sampling: Unpack[SamplingOptions]) -> TokenStream:
     """Plain decoding, one token per forward, as a stream of text deltas."""
     config = generation_config(max_new_tokens, **sampling)
     return Run(lm, prompt, config, cache, logits_mask).stream(autoregressive_blocks)
@@ -79,7 +86,7 @@ def accept_draft(run: Run, draft: Draft, logits: torch.Tensor) -> Verdict:
     return verify_sampled(draft_ids, p, q, generator=run.generator)
 
 
-def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Iterator[list[int]]:
+def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Blocks:
     pending = run.prefill()
     session, stats = run.session, run.stats
     while True:
@@ -109,7 +116,8 @@ def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Iterator[list[int
 def stream_speculative(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Prompt,
                        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                        k: int = DEFAULT_DRAFT_TOKENS, cache: CacheKind = "prealloc",
-                       logits_mask: LogitsMask | None = None, **sampling: Any) -> TokenStream:
+                       logits_mask: LogitsMask | None = None, **sampling: Unpack[SamplingOptions]
+                       ) -> TokenStream:
     """Speculative decoding as a stream of text deltas (one per verified block)."""
     k = check_int(k, "k (draft tokens per round)", minimum=1)
     config = generation_config(max_new_tokens, **sampling)

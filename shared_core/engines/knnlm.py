@@ -34,7 +34,7 @@ import torch
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
 from shared_core.decoding.decode_stats import RUN_SPECIFIC, DecodeStats
 from shared_core.decoding.output import GenerationResult
-from shared_core.engines.loop import Prompt, Run, TokenStream, timed
+from shared_core.engines.loop import Blocks, Prompt, Run, TokenStream, timed
 from shared_core.engines.os3 import OS3Scheduler
 from shared_core.retrieval.dense import blocked_top, paired_scores
 from shared_core.runtime.protocol import SessionLM
@@ -140,7 +140,9 @@ class KNNDatastore:
         keys = rng.standard_normal((n, self.keys.shape[1]), dtype=np.float32)
         keys *= scale / np.linalg.norm(keys, axis=1, keepdims=True)
         values = rng.integers(0, int(self.values.max()) + 1, size=n)
-        self.__init__(np.concatenate([self.keys, keys]), np.concatenate([self.values, values]))
+        # rebuilds the derived arrays as a new datastore would
+        self.__init__(  # type: ignore[misc]
+            np.concatenate([self.keys, keys]), np.concatenate([self.values, values]))
 
     def search(self, queries: np.ndarray, k: int) -> np.ndarray:
         """Exact top-``k`` entry ids ``[n, k]`` by squared L2, one pass over the keys.
@@ -220,7 +222,9 @@ class KNNRun(Run):
         self.stats.target_forwards += 1
         return torch.softmax(logits.double(), -1), hidden.pop()[-1].cpu().numpy()
 
-    def choose(self, p_lm: torch.Tensor, query: np.ndarray, ids: np.ndarray) -> int:
+    # KNN-LM's choice also reads the query state and its neighbours' ids
+    def choose(self, p_lm: torch.Tensor, query: np.ndarray,  # type: ignore[override]
+               ids: np.ndarray) -> int:
         p_knn = self.store.knn_probs(query, ids, p_lm.shape[-1], self.knn.temperature)
         lam = self.knn.lmbda
         return int((lam * p_knn + (1 - lam) * p_lm).argmax().item())  # kNN-LM interpolation
@@ -231,14 +235,14 @@ class KNNRun(Run):
         self.stats.retrieval_calls += 1
         return ids
 
-    def stream_blocks(self, blocks: Iterator[list[int]]) -> TokenStream:
+    def stream_blocks(self, blocks: Blocks) -> TokenStream:
         def close(stats: DecodeStats) -> None:
             self.stats.retrieval_s = round(self.stats.retrieval_s, 4)
 
         return TokenStream(blocks, self.tracker, self.stats, close)
 
 
-def _baseline_blocks(run: KNNRun) -> Iterator[list[int]]:
+def _baseline_blocks(run: KNNRun) -> Blocks:
     """Retrieve at every token."""
     with capture_hidden(run.lm) as hidden:
         run.session.prefill(run.prompt_ids[:-1])
@@ -284,7 +288,9 @@ class _KNNSpeculator:
         base = len(run.session)  # the session holds prompt + generated[:-1]
         start_len = len(run.generated)
         # 1. speculate up to s tokens from the cache
-        queries, tokens, p_lms = [], [], []
+        queries: list[np.ndarray] = []
+        tokens: list[int] = []
+        p_lms: list[torch.Tensor] = []
         while len(tokens) < self.stride and not run.finished:
             query, token, p_lm = self.speculate(pending, hidden)
             queries.append(query)
@@ -318,7 +324,7 @@ class _KNNSpeculator:
         return run.generated[-1]
 
 
-def _speculative_blocks(run: KNNRun) -> Iterator[list[int]]:
+def _speculative_blocks(run: KNNRun) -> Blocks:
     spec = _KNNSpeculator(run)
     with capture_hidden(run.lm) as hidden:
         run.session.prefill(run.prompt_ids[:-1])

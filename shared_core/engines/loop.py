@@ -29,8 +29,8 @@ import numbers
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Sequence
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from collections.abc import Callable, Generator, Hashable, Iterator, Sequence
+from typing import Any, Protocol, Self, TypeVar, cast, runtime_checkable
 
 import torch
 
@@ -51,6 +51,7 @@ from shared_core.runtime.protocol import SessionLM, open_session
 from shared_core.util.device import synchronize
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
+Blocks = Generator[list[int], None, None]  # an engine's committed token blocks, one per round
 
 
 @runtime_checkable
@@ -74,7 +75,7 @@ class LogitsMask(Protocol):
     def is_terminated(self) -> bool: ...
 
 
-def check_logits_mask(mask: Any) -> LogitsMask | None:
+def check_logits_mask(mask: object) -> LogitsMask | None:
     """``mask`` if it is None or has ``mask``/``commit``/``is_terminated``, else a TypeError."""
     if mask is not None and not isinstance(mask, LogitsMask):
         msg = ("logits_mask must be None or a LogitsMask (mask(logits, drafted), commit(tokens), "
@@ -97,7 +98,7 @@ def encode_prompt(lm: SessionLM, prompt: Prompt) -> list[int]:
         items = list(prompt)
         if items and all(isinstance(t, numbers.Integral) and not isinstance(t, bool)
                          for t in items):
-            return [int(t) for t in items]
+            return [int(cast(numbers.Integral, t)) for t in items]
         if items and all(isinstance(m, dict) for m in items):
             return lm.prompt_ids(validate_messages(items))
         if not items:
@@ -118,7 +119,7 @@ class TokenStream(Iterator[str]):
     ``shared_core.frontend.serving``).
     """
 
-    def __init__(self, blocks: Iterator[list[int]], tracker: OutputTracker, stats: DecodeStats,
+    def __init__(self, blocks: Blocks, tracker: OutputTracker, stats: DecodeStats,
                  on_close: Callable[[DecodeStats], None] | None = None):
         self._blocks = blocks
         self._tracker = tracker
@@ -210,7 +211,7 @@ class Run:
             self.stats.extra["passage_cache"] = report.as_dict()
         return self.prompt_ids[-1]
 
-    def stream(self, blocks: Callable[[Run], Iterator[list[int]]],
+    def stream(self, blocks: Callable[[Self], Blocks],
                on_close: Callable[[DecodeStats], None] | None = None) -> TokenStream:
         return TokenStream(blocks(self), self.tracker, self.stats, on_close)
 
@@ -264,7 +265,7 @@ class Run:
         return block, False
 
 
-def autoregressive_blocks(run: Run) -> Iterator[list[int]]:
+def autoregressive_blocks(run: Run) -> Blocks:
     """Plain decoding: one target forward per token."""
     pending = run.prefill()
     while True:

@@ -57,7 +57,7 @@ def check_engine_name(name: str) -> str:
     return name
 
 
-def check_engine_options(name: str, options: Any) -> dict[str, Any]:
+def check_engine_options(name: str, options: object) -> dict[str, Any]:
     """``options`` if engine ``name`` takes them, checked without importing torch or touching a
     model: an unknown key is a TypeError naming it and the closest valid one, a bad config value
     the config's own TypeError / ValueError naming the field."""
@@ -84,7 +84,8 @@ def _option_fields(name: str) -> tuple[type | None, set[str]]:
 
 def engine_function(name: str) -> Callable[..., TokenStream]:
     module, attr = TOKEN_ENGINES[check_engine_name(name)].split(":")
-    return getattr(importlib.import_module(module), attr)
+    engine: Callable[..., TokenStream] = getattr(importlib.import_module(module), attr)
+    return engine
 
 
 def start_engine(name: str, lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
@@ -94,8 +95,8 @@ def start_engine(name: str, lm: SessionLM, prompt: Prompt, generation: Generatio
     adapter's edge: ``name``, ``generation``, ``options``, a message list as
     :class:`~shared_core.decoding.output.ChatTurns`)."""
     module, attr = TOKEN_ENGINES[name].split(":")
-    return getattr(importlib.import_module(module), attr)(
-        lm, prompt, generation, documents=documents, engine_state=engine_state, **options)
+    start: Callable[..., TokenStream] = getattr(importlib.import_module(module), attr)
+    return start(lm, prompt, generation, documents=documents, engine_state=engine_state, **options)
 
 
 _GENERATION_ARGUMENTS = ("max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed",

@@ -5,11 +5,10 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, MutableMapping
 from contextlib import contextmanager
-from typing import Any
 
 
 @contextmanager
-def timed(target: Any, name: str) -> Iterator[None]:
+def timed(target: object, name: str) -> Iterator[None]:
     """Add the wall seconds of the ``with`` body to ``target.name`` (or ``target[name]`` for a
     dict, starting at 0), also when the body raises."""
     start = time.perf_counter()

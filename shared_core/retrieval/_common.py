@@ -109,7 +109,7 @@ def top_k(scores: np.ndarray, k: int) -> np.ndarray:
     return candidates[order[:k]]
 
 
-def hits_from(docs: Sequence[Document], scores: Sequence[float]) -> list[Hit]:
+def hits_from(docs: Sequence[Document], scores: Sequence[float] | np.ndarray) -> list[Hit]:
     pairs = zip(docs, scores, strict=True)
     return [Hit(document=d, score=float(s), rank=r) for r, (d, s) in enumerate(pairs)]
 

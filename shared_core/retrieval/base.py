@@ -21,7 +21,7 @@ class Document:
         check_document_fields(self.id, self.text, self.metadata, "Document")
 
 
-def check_document_fields(doc_id: Any, text: Any, metadata: Any, where: str) -> None:
+def check_document_fields(doc_id: object, text: object, metadata: object, where: str) -> None:
     """TypeError/ValueError naming the field (``where.id`` ...) unless the fields are well typed.
 
     Run at construction so that a bad document never reaches an index or an engine (a non-str

@@ -41,7 +41,7 @@ def _check_sizes(chunk_tokens: int, overlap: int) -> None:
         raise ValueError(msg)
 
 
-def _check_tokenizer(tokenizer: Any) -> None:
+def _check_tokenizer(tokenizer: object) -> None:
     if not callable(getattr(tokenizer, "encode", None)):
         msg = f"tokenizer must be a Hugging Face tokenizer (e.g. lm.tokenizer), got {tokenizer!r}"
         raise TypeError(msg)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -50,6 +50,8 @@ from shared_core.retrieval.faiss_index import (
 
 if TYPE_CHECKING:
     import faiss
+
+    from shared_core.retrieval.faiss_index import NumpyFlatIP
 
 logger = logging.getLogger(__name__)
 
@@ -109,9 +111,9 @@ class DenseRetriever(DensePersistence):
         for name, value in (("hnsw_m", hnsw_m), ("ef_construction", ef_construction),
                             ("ef_search", ef_search), ("batch_size", batch_size)):
             _common.check_int(value, name)
-        for name, value in (("num_threads", num_threads), ("gemm_min_batch", gemm_min_batch),
-                            ("query_batch_size", query_batch_size)):
-            _common.check_int(value, name, optional=True)
+        for name, optional in (("num_threads", num_threads), ("gemm_min_batch", gemm_min_batch),
+                               ("query_batch_size", query_batch_size)):
+            _common.check_int(optional, name, optional=True)
         if not isinstance(embedder, str) and not callable(getattr(embedder, "encode", None)):
             msg = "embedder must be a model name or an object with an encode(list[str]) method"
             raise TypeError(msg)
@@ -126,7 +128,7 @@ class DenseRetriever(DensePersistence):
         self.gemm_min_batch = gemm_min_batch
         self._embedder_name = embedder if isinstance(embedder, str) else None
         self._embedder = None if isinstance(embedder, str) else embedder
-        self._index: faiss.Index | None = None
+        self._index: faiss.Index | NumpyFlatIP | None = None
         self._docs: list[Document] = []
         self._position: dict[str, int] = {}  # corpus doc id -> index position
         self._slots = np.zeros(0, dtype=np.int64)  # index position -> doc number, or -1-pad number
@@ -137,6 +139,11 @@ class DenseRetriever(DensePersistence):
     def __len__(self) -> int:
         """Number of corpus documents (padding excluded)."""
         return len(self._docs)
+
+    @property
+    def _built(self) -> faiss.Index | NumpyFlatIP:
+        """The index, read only once documents were added (an empty retriever has none)."""
+        return cast("faiss.Index | NumpyFlatIP", self._index)
 
     @property
     def ntotal(self) -> int:
@@ -227,11 +234,12 @@ class DenseRetriever(DensePersistence):
         return normalise(vectors)
 
     def _append(self, vectors: np.ndarray, slots: np.ndarray) -> None:
-        if self._index is None:
-            self._index = new_index(self.index_kind, vectors.shape[1], self.hnsw_m,
-                                    self.ef_construction, self.ef_search)
+        index = self._index
+        if index is None:
+            index = self._index = new_index(self.index_kind, vectors.shape[1], self.hnsw_m,
+                                            self.ef_construction, self.ef_search)
         with faiss_threads(self.num_threads):
-            self._index.add(vectors)
+            index.add(vectors)
         self._slots = np.concatenate([self._slots, slots])
 
     # ------------------------------------------------------------------ building
@@ -320,7 +328,7 @@ class DenseRetriever(DensePersistence):
         lengths = [r.size for r in rows]
         positions = np.concatenate(rows)
         scores = paired_scores(np.repeat(vectors, lengths, axis=0),
-                                self._index.reconstruct_batch(positions))
+                                self._built.reconstruct_batch(positions))
         bounds = np.cumsum([0, *lengths])
         return [self._ranked_hits(positions[a:b], scores[a:b], k)
                 for a, b in itertools.pairwise(bounds.tolist())]
@@ -329,8 +337,8 @@ class DenseRetriever(DensePersistence):
         """Index positions ``[n_queries, n]`` of the best-scoring entries by float32 scores."""
         if (self.index_kind == "exact" and self.gemm_min_batch is not None
                 and vectors.shape[0] >= self.gemm_min_batch):
-            return gemm_candidates(self._index, vectors, n)
-        return faiss_candidates(self._index, vectors, n, kind=self.index_kind,
+            return gemm_candidates(self._built, vectors, n)
+        return faiss_candidates(self._built, vectors, n, kind=self.index_kind,
                                 ef_search=self.ef_search, num_threads=self.num_threads)
 
     def _ranked_hits(self, positions: np.ndarray, scores: np.ndarray, k: int) -> list[Hit]:
@@ -365,5 +373,5 @@ class DenseRetriever(DensePersistence):
         queries = self._check_vectors(vectors, None, "vectors")
         positions = np.unique(self._positions(doc_ids))
         scores = pair_scores(queries, self.vectors_for([]) if positions.size == 0 else
-                              self._index.reconstruct_batch(positions))
+                              self._built.reconstruct_batch(positions))
         return [self._ranked_hits(positions, row, k) for row in scores]

@@ -13,11 +13,16 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import numpy as np
 
 from shared_core.retrieval import _common
+
+if TYPE_CHECKING:
+    import faiss
+
+    from shared_core.retrieval.base import Document
 
 logger = logging.getLogger(__name__)
 
@@ -25,7 +30,7 @@ _INDEX_FILE = "index.faiss"
 _SLOTS_FILE = "slots.npy"
 
 
-def embedder_name(embedder: Any) -> str | None:
+def embedder_name(embedder: object) -> str | None:
     """The name an embedder was loaded by (:func:`shared_core.runtime.models.load_embedder` records
     it on the model), else None."""
     name = getattr(embedder, "specrag_source", None)
@@ -38,6 +43,31 @@ class DensePersistence:
     # set by DenseRetriever.__init__
     _embedder_name: str | None
     _embedder: Any
+
+    if TYPE_CHECKING:  # the rest of DenseRetriever this mixin reads (dense imports this module)
+        index_kind: str
+        hnsw_m: int
+        ef_construction: int
+        ef_search: int
+        batch_size: int
+        query_batch_size: int
+        gemm_min_batch: int | None
+        _index: faiss.Index | None
+        _docs: list[Document]
+        _position: dict[str, int]
+        _slots: np.ndarray
+        _pad_positions: np.ndarray
+
+        def __init__(self, embedder: Any, **options: Any) -> None: ...
+
+        @property
+        def ntotal(self) -> int: ...
+
+        @property
+        def num_padding(self) -> int: ...
+
+        @property
+        def dim(self) -> int | None: ...
 
     def _config(self) -> dict[str, Any]:
         return {"index": self.index_kind, "hnsw_m": self.hnsw_m,

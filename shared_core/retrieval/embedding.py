@@ -27,7 +27,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -46,7 +46,7 @@ _LOADED: dict[tuple[str, str | None], SentenceTransformer] = {}
 _LOCK = threading.Lock()
 
 
-def check_model(model: Any, name: str = "model") -> str:
+def check_model(model: object, name: str = "model") -> str:
     """An embedded alias, a hub id (``owner/name``) or an existing local folder."""
     if not isinstance(model, str):
         msg = f"{name} must be a str (alias, hub id or folder), got {type(model).__name__} {model!r}"
@@ -63,7 +63,7 @@ def check_model(model: Any, name: str = "model") -> str:
     raise ValueError(msg)
 
 
-def check_device(device: Any, name: str = "device") -> str | None:
+def check_device(device: object, name: str = "device") -> str | None:
     """``None`` (best available) or ``cpu`` / ``cuda`` / ``cuda:N`` / ``mps``, without torch."""
     if device is None:
         return None
@@ -76,7 +76,7 @@ def check_device(device: Any, name: str = "device") -> str | None:
     return device
 
 
-def check_str(text: Any, name: str = "text") -> str:
+def check_str(text: object, name: str = "text") -> str:
     """``text`` if it is a str, blank or empty included (a TypeError otherwise): anything can be
     embedded. Question and query text, which must not be blank, is
     :func:`shared_core.config.check_text`'s."""
@@ -86,7 +86,7 @@ def check_str(text: Any, name: str = "text") -> str:
     return text
 
 
-def check_texts(texts: Any, name: str = "texts") -> list[str]:
+def check_texts(texts: object, name: str = "texts") -> list[str]:
     """A list (or other sequence) of strings; a bare string is refused, an empty list is fine."""
     if isinstance(texts, (str, bytes)):
         msg = f"{name} must be a list of strings, not one string; wrap it in a list"

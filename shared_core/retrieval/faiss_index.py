@@ -85,7 +85,7 @@ def new_index(kind: IndexKind, dim: int, hnsw_m: int, ef_construction: int, ef_s
     return index
 
 
-def faiss_candidates(index: faiss.Index, vectors: np.ndarray, n: int, *, kind: IndexKind,
+def faiss_candidates(index: faiss.Index | NumpyFlatIP, vectors: np.ndarray, n: int, *, kind: IndexKind,
                      ef_search: int, num_threads: int | None) -> np.ndarray:
     """Positions ``[n_queries, n]`` of the best entries by faiss' float32 scores (HNSW may
     return ``-1`` for missing ones); HNSW's beam is widened to ``n`` when narrower."""
@@ -101,7 +101,7 @@ def faiss_candidates(index: faiss.Index, vectors: np.ndarray, n: int, *, kind: I
     return positions
 
 
-def gemm_candidates(index: faiss.Index, vectors: np.ndarray, n: int) -> np.ndarray:
+def gemm_candidates(index: faiss.Index | NumpyFlatIP, vectors: np.ndarray, n: int) -> np.ndarray:
     """Top-``n`` positions by blocked matrix products over a zero-copy view of a flat index's
     storage (one read of the stored vectors per batch of queries)."""
     if isinstance(index, NumpyFlatIP):

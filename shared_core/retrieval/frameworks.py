@@ -47,7 +47,7 @@ def to_documents(items: Sequence[Any]) -> DocumentList:
     return docs
 
 
-def check_retriever(retriever: Any) -> None:
+def check_retriever(retriever: object) -> None:
     if not any(callable(getattr(retriever, m, None)) for m in ("search", "invoke", "retrieve")):
         msg = f"retriever of type {type(retriever).__name__} has no search/invoke/retrieve method"
         raise TypeError(msg)
@@ -74,7 +74,7 @@ EXPECTED_DOCUMENTS = ("a list of documents (LangChain Documents, LlamaIndex node
                       "specrag Documents)")
 
 
-def _one_document(item: Any) -> bool:
+def _one_document(item: object) -> bool:
     return isinstance(item, (Document, Hit)) or hasattr(item, "page_content") or hasattr(
         item, "get_content") or hasattr(item, "node")
 
@@ -112,7 +112,7 @@ def _converted(items: Any, name: str) -> DocumentList:
         raise TypeError(msg) from None
 
 
-def check_document_list(documents: Any) -> None:
+def check_document_list(documents: object) -> None:
     """``documents`` is a list/tuple of items, not one string, one document or a mapping."""
     if isinstance(documents, (str, bytes, dict, Document)) or not isinstance(documents, Sequence):
         msg = (f"documents must be a list of documents (strings, Documents, LangChain Documents "
@@ -125,7 +125,7 @@ def check_document_list(documents: Any) -> None:
 EXPECTED_HITS = "list[list[Hit]] (one list of Hit(document, score, rank) per query, best first)"
 
 
-def check_rows(rows: Any, n_queries: int, where: str) -> Any:
+def check_rows(rows: object, n_queries: int, where: str) -> Any:
     """A sequence with one row per query (the rows themselves are checked by the caller)."""
     if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Sequence):
         msg = f"retriever {where} returned {type(rows).__name__}; expected {EXPECTED_HITS}"
@@ -137,7 +137,7 @@ def check_rows(rows: Any, n_queries: int, where: str) -> Any:
     return rows
 
 
-def _doc_id(text: str, given: Any) -> str:
+def _doc_id(text: str, given: object) -> str:
     return str(given) if given else "sha1-" + hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
@@ -161,7 +161,7 @@ def _converted_hits(items: Any, name: str, kind: str, row: int, convert: Callabl
     return [Hit(h.document, h.score, r) for r, h in enumerate(hits)]
 
 
-def _score(value: Any, doc_id: str) -> float:
+def _score(value: object, doc_id: str) -> float:
     """A framework result's score as a float: NaN (no score, shown as None) where it has none,
     never an invented 0.0; a TypeError naming the document for a non-number."""
     if value is None:

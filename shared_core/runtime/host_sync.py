@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, overload
+from typing import Any, cast, overload
 
 import numpy as np
 import torch
@@ -142,7 +142,7 @@ class DeviceTokens(Sequence[int]):
             return self.values() == tuple(other)
         return NotImplemented
 
-    __hash__ = None  # type: ignore[assignment]
+    __hash__ = None  # type: ignore[assignment]  # unhashable, as a list
 
     def __repr__(self) -> str:
         shown = self._values if self._values is not None else f"<{len(self)} on {self.ids.device}>"
@@ -165,7 +165,8 @@ def read_with(tokens: Sequence[int] | torch.Tensor, *tensors: torch.Tensor
     host = host_tokens(tokens)
     if host is not None:
         return host, read_back(*tensors)
-    ids = tokens.ids if isinstance(tokens, DeviceTokens) else tokens
+    # host ids returned above: what is left is on the device
+    ids = tokens.ids if isinstance(tokens, DeviceTokens) else cast(torch.Tensor, tokens)
     first, *rest = read_back(ids, *tensors)
     if isinstance(tokens, DeviceTokens):
         tokens.resolve(first)
@@ -197,5 +198,5 @@ class RoundClock:
         a, b = self.marks[start], self.marks[end]
         if self.cuda:
             b.synchronize()
-            return a.elapsed_time(b) / 1000.0
-        return b - a
+            return float(a.elapsed_time(b)) / 1000.0
+        return float(b - a)

@@ -8,14 +8,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
 from shared_core.config import CacheKind
-from shared_core.runtime.protocol import Capabilities, CostCurve, ModelLM, Row, Spans, StopRule
+from shared_core.runtime.protocol import Capabilities, CostCurve, KVSession, ModelLM, Row, Spans, StopRule
 from shared_core.util.device import current_threads
 
 if TYPE_CHECKING:
     import torch
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
-
-    from shared_core.runtime.torch.session import KVSession
 
 # A plain chat format for base models that ship no chat template (e.g. Gemma-3-270M base).
 FALLBACK_CHAT_TEMPLATE = (
@@ -33,8 +31,51 @@ def runtime_threads(lm: object) -> int | None:
         return own
     return current_threads() if getattr(lm, "backend", None) == "torch" else None
 
+
+class ChatTokenizer:
+    """:class:`~shared_core.runtime.protocol.ModelLM`'s tokenizer methods over ``self.tokenizer``
+    (a transformers tokenizer), shared by the in-process :class:`LM` and the served model."""
+
+    tokenizer: PreTrainedTokenizerBase
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.tokenizer, "chat_template", None))
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
+        return text
+
+    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
+        """Render chat messages with the model's template (plain fallback for base models)."""
+        template = None if self.has_chat_template else FALLBACK_CHAT_TEMPLATE
+        rendered: str = self.tokenizer.apply_chat_template(
+            list(messages), tokenize=False, add_generation_prompt=True, chat_template=template
+        )
+        return rendered
+
+    def prompt_ids(self, prompt: str | Sequence[dict[str, str]]) -> list[int]:
+        """Token ids for a raw prompt string or a list of chat messages."""
+        if isinstance(prompt, str):
+            if not prompt:
+                msg = "prompt must be a non-empty string or a list of messages"
+                raise ValueError(msg)
+            # BOS-style special tokens as the tokenizer adds them for a fresh sequence.
+            return list(self.tokenizer.encode(prompt))
+        if not prompt:
+            msg = "messages must not be empty"
+            raise ValueError(msg)
+        # A chat template writes its own special tokens; the plain fallback of a base model does
+        # not, so it gets BOS as any fresh sequence does (without it Gemma-3 base babbles).
+        add_special = not self.has_chat_template
+        return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
+
+
 @dataclass
-class LM:
+class LM(ChatTokenizer):
     """A causal LM, its tokenizer and the facts engines need about them."""
 
     model: PreTrainedModel
@@ -66,9 +107,9 @@ class LM:
                             any_positions=True, hidden_states=True, measured_cost=False)
 
     def open_session(self, *, cache: CacheKind = "prealloc") -> KVSession:
-        from shared_core.runtime.torch.session import KVSession
+        from shared_core.runtime.torch.session import KVSession as TorchSession
 
-        return KVSession(self, cache=cache)
+        return TorchSession(self, cache=cache)
 
     def generate_parallel(self, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                           stop: StopRule, on_prefilled: Callable[[], None] | None = None
@@ -92,39 +133,6 @@ class LM:
 
     def describe_window(self) -> str:
         return f"the {self.max_context}-token window of {self.name}"
-
-    @property
-    def has_chat_template(self) -> bool:
-        return bool(getattr(self.tokenizer, "chat_template", None))
-
-    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
-
-    def chat_prompt(self, messages: Sequence[dict[str, str]]) -> str:
-        """Render chat messages with the model's template (plain fallback for base models)."""
-        template = None if self.has_chat_template else FALLBACK_CHAT_TEMPLATE
-        return self.tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=True, chat_template=template
-        )
-
-    def prompt_ids(self, prompt: str | Sequence[dict[str, str]]) -> list[int]:
-        """Token ids for a raw prompt string or a list of chat messages."""
-        if isinstance(prompt, str):
-            if not prompt:
-                msg = "prompt must be a non-empty string or a list of messages"
-                raise ValueError(msg)
-            # BOS-style special tokens as the tokenizer adds them for a fresh sequence.
-            return list(self.tokenizer.encode(prompt))
-        if not prompt:
-            msg = "messages must not be empty"
-            raise ValueError(msg)
-        # A chat template writes its own special tokens; the plain fallback of a base model does
-        # not, so it gets BOS as any fresh sequence does (without it Gemma-3 base babbles).
-        add_special = not self.has_chat_template
-        return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
 
 
 def window_text(lm: ModelLM) -> str:

@@ -23,18 +23,18 @@ loaded, and a different explicit setting for a loaded model is refused (ValueErr
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from shared_core.config import LOAD_LM_BACKEND, check_prefix_cache
 from shared_core.runtime.model_lock import FairLock, lock_for
 from shared_core.runtime.weights.lora import ADAPTERS, SUFFIX
 
 if TYPE_CHECKING:
-    from shared_core.runtime.models import LM
+    from shared_core.runtime.protocol import ModelLM, SessionLM
 
 Key = tuple[str, str | None, str | None, str]
 PrefixCache = bool | int | None  # load_lm's prefix_cache
-_LOADED: dict[Key, Any] = {}
+_LOADED: dict[Key, ModelLM] = {}
 _PREFIX_CACHE: dict[Key, PrefixCache] = {}  # the prefix_cache each model in _LOADED loaded with
 _EMBEDDERS: dict[str, Any] = {}
 _LOCK = threading.Lock()
@@ -56,7 +56,7 @@ def _key(name: str, device: str | None, dtype: str | None, backend: str) -> Key:
 
 
 def _load(name: str, device: str | None, dtype: str | None, backend: str, served: bool,
-          prefix_cache: PrefixCache = None) -> Any:
+          prefix_cache: PrefixCache = None) -> ModelLM:
     if served and is_url(name):
         from shared_core.runtime.remote import RemoteLM
 
@@ -95,7 +95,7 @@ def _check_same_prefix_cache(key: Key, prefix_cache: PrefixCache) -> None:
 
 def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
               backend: str = LOAD_LM_BACKEND, *, served: bool = True,
-              prefix_cache: PrefixCache = None) -> LM:
+              prefix_cache: PrefixCache = None) -> ModelLM:
     """The process-wide model for a name, path, URL or LoRA name (see the module docstring).
 
     ``served=False`` is for callers that need an in-process model (the token engines): a URL
@@ -117,8 +117,8 @@ def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
         return _LOADED[key]
 
 
-def resolve_lm(model: Any, *, device: str | None = None, dtype: str | None = None,
-               backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None) -> Any:
+def resolve_lm(model: str | ModelLM, *, device: str | None = None, dtype: str | None = None,
+               backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None) -> ModelLM:
     """``model`` as a model object: a string through the shared cache (:func:`cached_lm`),
     anything else as given."""
     if isinstance(model, str):
@@ -128,11 +128,11 @@ def resolve_lm(model: Any, *, device: str | None = None, dtype: str | None = Non
 
 def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
                  backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None
-                 ) -> tuple[Any, FairLock]:
+                 ) -> tuple[SessionLM, FairLock]:
     """The shared in-process ``(model, lock)`` for a model config (the adapters' token engines),
     loaded on first use; a served model's URL is refused."""
     lm = cached_lm(model, device, dtype, backend, served=False, prefix_cache=prefix_cache)
-    return lm, lock_for(lm)
+    return cast("SessionLM", lm), lock_for(lm)  # served=False: cached_lm refused a URL
 
 
 def release(name: str, device: str | None = None, dtype: str | None = None,
@@ -160,7 +160,7 @@ def release_all() -> int:
 forget, forget_all = release, release_all  # the names this module had before the resolver
 
 
-def check_model_name(name: Any, param: str) -> None:
+def check_model_name(name: object, param: str) -> None:
     """Reject an unknown alias or LoRA name before loading anything (objects pass)."""
     if not isinstance(name, str) or is_url(name):
         return

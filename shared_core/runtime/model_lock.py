@@ -25,7 +25,7 @@ import logging
 import threading
 import weakref
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from typing import Any, TypeVar
 
 logger = logging.getLogger(__name__)
@@ -116,7 +116,7 @@ _INSTANCE_LOCKS: dict[int, tuple[weakref.ref[Any], FairLock]] = {}
 _PINNED: dict[int, tuple[Any, FairLock]] = {}  # objects that cannot be weakly referenced
 
 
-def lock_for(model: Any) -> FairLock:
+def lock_for(model: object) -> FairLock:
     """The one lock of ``model`` (any object: a cached model, an LM the caller loaded, a served
     client), created on first use and held weakly: the entry goes away with the model."""
     key = id(model)
@@ -147,7 +147,7 @@ def _forget_instance(key: int, ref: weakref.ref[Any]) -> None:
             del _INSTANCE_LOCKS[key]
 
 
-def step_locked(lock: FairLock, stream: Iterator[T]) -> Iterator[T]:
+def step_locked(lock: FairLock, stream: Iterator[T]) -> Generator[T, None, None]:
     """Iterate ``stream`` holding ``lock`` for each step only, never across a ``yield``.
 
     The stream is closed when the consumer stops early (``close()``, garbage collection).

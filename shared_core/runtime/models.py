@@ -393,6 +393,7 @@ def load_embedder(name: str = DEFAULT_EMBEDDER, *, device: str | torch.device | 
             raise
         raise OSError(hub_unreachable_message(name, why, tuple(EMBEDDED_EMBEDDERS),
                                                "or a sentence-transformers folder")) from e
-    model.specrag_source = source  # what a pickled DenseRetriever reloads it by
+    # what a pickled DenseRetriever reloads it by (nn.Module's __setattr__ is typed for modules)
+    model.specrag_source = source  # type: ignore[assignment]
     return model
 

@@ -22,10 +22,14 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 from shared_core.config import DEFAULT_BACKEND, DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
 from shared_core.config.rag import DraftOrder, SpeculativeRAGConfig
 from shared_core.runtime.lm import clear_prefix_cache
+
+if TYPE_CHECKING:
+    from shared_core.runtime.protocol import SessionLM
 
 logger = logging.getLogger(__name__)
 # The pair of the papers' regime (a verifier three times the drafter, one tokenizer), used when
@@ -152,7 +156,8 @@ def speculative_rag_section(retriever, verifier: str, write: Callable[[str], Non
           f"RAG = {verifier} (or {drafter}) reading every passage ==")
     engine = SpeculativeRAG(drafter, verifier, embedder=retriever.embedder, backend=DEFAULT_BACKEND,
                             config=SpeculativeRAGConfig(draft_order=draft_order))
-    write(f"   runtime: {engine.verifier.backend} ({engine.verifier.backend_reason})")
+    verifier_lm = cast("SessionLM", engine.verifier)  # DEFAULT_BACKEND: an in-process model
+    write(f"   runtime: {verifier_lm.backend} ({verifier_lm.backend_reason})")
     docs = [hit.document for hit in retriever.search([QUESTIONS[0]], len(KNOWLEDGE_BASE))[0]]
     engine.answer(QUESTIONS[0], docs)  # warm-up (loads both models)
     engine.standard_rag(QUESTIONS[0], docs)

@@ -114,7 +114,7 @@ def _acquire(fh: object, lock_path: Path, timeout: float) -> None:
     noted = False
     while True:
         try:
-            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[arg-type]
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)  # type: ignore[arg-type]  # an open file
             if noted:
                 logger.warning("acquired %s after %.0f s", lock_path, time.monotonic() - start)
             return

@@ -134,10 +134,11 @@ def strip_credentials(value: object) -> object:
             return without_credentials(value)
         except ValueError:  # not a URL after all (a bad port): redact instead
             return redact(value)
-    if type(value) in (list, tuple):  # exact types: a subclass may not rebuild from a list
-        return type(value)(strip_credentials(item) for item in value)  # type: ignore[call-arg]
-    if type(value) is dict:
-        return {key: strip_credentials(item) for key, item in value.items()}  # type: ignore[attr-defined]
+    # exact types: a subclass may not rebuild from a list
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):
+        return type(value)(strip_credentials(item) for item in value)
+    if isinstance(value, dict) and type(value) is dict:
+        return {key: strip_credentials(item) for key, item in value.items()}
     return value
 
 
@@ -147,9 +148,9 @@ def redacted_dump(value: Any) -> Any:
     if isinstance(value, str):
         return redact_urls(value)
     if type(value) in (list, tuple):
-        return type(value)(redacted_dump(item) for item in value)  # type: ignore[call-arg]
+        return type(value)(redacted_dump(item) for item in value)
     if type(value) is dict:
-        return {key: redacted_dump(item) for key, item in value.items()}  # type: ignore[attr-defined]
+        return {key: redacted_dump(item) for key, item in value.items()}
     return value
 
 

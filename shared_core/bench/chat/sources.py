@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import zip_longest
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_core.bench.common import read_jsonl
 from shared_core.decoding.constrained import Constraint, xgrammar_available
@@ -40,6 +40,9 @@ from shared_core.decoding.tool_calls import (
     parse_tool_calls,
     render_prompt,
 )
+
+if TYPE_CHECKING:
+    from shared_core.runtime.lm import LM
 
 logger = logging.getLogger(__name__)
 Message = dict[str, Any]
@@ -93,7 +96,7 @@ class Conversation:
                  "tool_call_id": c["id"]} for c in reply.get("tool_calls", [])]
 
 
-def walk(conversation: Conversation, lm: Any, answer: Callable[[int, list[int]], str],
+def walk(conversation: Conversation, lm: LM, answer: Callable[[int, list[int]], str],
          max_turns: int) -> list[Message]:
     """Run ``conversation`` for at most ``max_turns`` replies; ``answer(turn, prompt_ids)`` gives
     each reply's text (what follows any prefill). Returns the whole history."""
@@ -167,7 +170,7 @@ def agent_transcript(example: Path = AGENT_EXAMPLE, system: str = "stop") -> Con
         tools=tools, first_prefill=f"{OPEN}\n", search=keyword_search(constants["HANDBOOK"]))
 
 
-def prompts(conversation: Conversation, lm: Any, replies: Sequence[str]) -> list[list[int]]:
+def prompts(conversation: Conversation, lm: LM, replies: Sequence[str]) -> list[list[int]]:
     """Each turn's prompt ids when the model replies ``replies`` in order (for tests and checks)."""
     seen: list[list[int]] = []
 

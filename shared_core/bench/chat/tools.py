@@ -45,7 +45,8 @@ class _Settings(ChatSettings):
 
 
 def _tool(name: str, description: str, **params: tuple[type, str]) -> dict[str, Any]:
-    model = create_model(name, **{k: (t, ...) for k, (t, _) in params.items()})
+    fields: dict[str, Any] = {k: (t, ...) for k, (t, _) in params.items()}
+    model = create_model(name, **fields)
     schema = model.model_json_schema()
     for key, (_, doc) in params.items():
         schema["properties"][key]["description"] = doc
@@ -171,7 +172,8 @@ def _generate(settings: _Settings, turns: list[dict[str, Any]], options: dict[st
 
 def _args_valid(tool: str, args: dict[str, Any]) -> bool:
     params = next(t for t in TOOLS if t["function"]["name"] == tool)["function"]["parameters"]
-    types = {"string": str, "integer": int, "number": (int, float)}
+    types: dict[str, type | tuple[type, ...]] = {"string": str, "integer": int,
+                                                 "number": (int, float)}
     props = params["properties"]
     return set(args) == set(params.get("required", [])) and all(
         isinstance(v, types[props[k]["type"]]) and not isinstance(v, bool)
@@ -230,8 +232,9 @@ def _tool_scores(runs: list[Run], prompts: list[Any]) -> dict[str, str]:
         counts["called"] += first is not None
         right = first is not None and first.name == tool
         counts["right_tool"] += right
-        counts["right_tool_valid_args"] += right and _args_valid(tool, first.arguments)
-        counts["expected_args"] += right and _expected(first.arguments, want)
+        if first is not None and right:
+            counts["right_tool_valid_args"] += _args_valid(tool, first.arguments)
+            counts["expected_args"] += _expected(first.arguments, want)
     return {k: f"{v}/{len(prompts)}" for k, v in counts.items()}
 
 
@@ -301,7 +304,7 @@ def _compare(name: str, engines: list[str], runs: dict[str, list[Run]],
 def _parts(args: argparse.Namespace, settings: _Settings) -> list[tuple[str, list[Any], Any, Any]]:
     """(method prefix, cases, case runner, scorer) of each selected part and mode."""
     prompts, items = TOOL_PROMPTS[: args.limit], EXTRACTION[: args.limit]
-    out = []
+    out: list[tuple[str, list[Any], Any, Any]] = []
     if args.part in ("tools", "both"):
         out += [(f"tools/{choice}", prompts, _tool_case(settings, choice),
                  lambda runs, p=prompts: _tool_scores(runs, p)) for choice in args.tool_choices]

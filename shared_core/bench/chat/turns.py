@@ -16,14 +16,14 @@ import os
 import statistics
 import time
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from shared_core.bench.chat.sources import Conversation, walk
 from shared_core.decoding.constrained import Constraint, grammar_mask
 from shared_core.decoding.output import generation_config
-from shared_core.engines.loop import Run, autoregressive_blocks
+from shared_core.engines.loop import Blocks, Run, autoregressive_blocks
 from shared_core.runtime.lm import clear_prefix_cache
 from shared_core.runtime.models import LM
 
@@ -49,7 +49,7 @@ def timed_turn(lm: LM, ids: list[int], max_new_tokens: int,
     marks: list[float] = []
     mask = grammar_mask(lm, constraint) if constraint is not None else None
 
-    def blocks(run: Run) -> Iterator[list[int]]:
+    def blocks(run: Run) -> Blocks:
         for block in autoregressive_blocks(run):
             marks.append(time.perf_counter())
             yield block

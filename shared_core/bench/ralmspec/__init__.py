@@ -27,7 +27,7 @@ import logging
 import os
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -35,9 +35,13 @@ from shared_core.bench.common import MethodResult, data_dir, make_report, read_j
 from shared_core.bench.ralmspec import stores as ralmspec_stores
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
 
+if TYPE_CHECKING:
+    from shared_core.runtime.lm import LM
+    from shared_core.runtime.remote import RemoteLM
+
 logger = logging.getLogger(__name__)
 
-ABLATION = {
+ABLATION: dict[str, dict[str, Any]] = {
     "base": {"prefetch": False, "scheduler": False, "async_verify": False},
     "+P": {"prefetch": True, "scheduler": False, "async_verify": False},
     "+S": {"prefetch": False, "scheduler": True, "async_verify": False},
@@ -262,7 +266,8 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
 
     _pipelined_methods(args.pipelined)  # bad names fail before any model or corpus work
     # the models layer's resolver: a URL is a served model (RemoteLM), a name loads in-process
-    lm = resolve_lm(args.remote) if args.remote else resolve_lm(args.model, dtype=args.dtype)
+    lm = cast("LM | RemoteLM",  # a URL gives a RemoteLM, a name an LM
+              resolve_lm(args.remote) if args.remote else resolve_lm(args.model, dtype=args.dtype))
     corpus, rows = _load(args.limit)
     corpus = corpus[: args.corpus_limit] if args.corpus_limit else corpus
     warmup, questions = rows[0]["question"], [r["question"] for r in rows[1:]]

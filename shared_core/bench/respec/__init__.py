@@ -23,7 +23,7 @@ import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from shared_core.bench.common import (
     MethodResult,
@@ -35,6 +35,11 @@ from shared_core.bench.common import (
 )
 from shared_core.config import DEFAULT_LM
 from shared_core.runtime.lm import clear_prefix_cache
+
+if TYPE_CHECKING:
+    from shared_core.runtime.llamacpp.lm import LlamaCppLM
+    from shared_core.runtime.lm import LM
+    from shared_core.runtime.protocol import ModelLM
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +86,7 @@ class _Acc:
     counters: dict[str, float] = field(default_factory=dict)
 
 
-def load_prompts(lm: Any, categories: list[str], limit: int) -> list[_Sample]:
+def load_prompts(lm: ModelLM, categories: list[str], limit: int) -> list[_Sample]:
     rows = read_jsonl(data_dir() / "spec_bench" / "question.jsonl")
     by_cat: dict[str, list[dict[str, Any]]] = {}
     for row in rows:
@@ -97,19 +102,19 @@ def load_prompts(lm: Any, categories: list[str], limit: int) -> list[_Sample]:
     return samples
 
 
-def _llamacpp_methods(lm: Any, max_new: int) -> dict[str, Callable[[list[int]], Any]]:
+def _llamacpp_methods(lm: LlamaCppLM, max_new: int) -> dict[str, Callable[[list[int]], Any]]:
     """llama-cpp-python's own decoding of the same GGUF, threads and context size."""
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     model = lm.model
 
-    def build(**kw: Any) -> Any:
+    def build(**kw: Any) -> Llama:
         return Llama(model_path=str(model.path), n_ctx=model.n_ctx, n_batch=model.settings.n_batch,
                      n_threads=model.threads, n_threads_batch=model.threads, flash_attn=True,
                      verbose=False, **kw)
 
-    def theirs(llm: Any) -> Callable[[list[int]], Any]:
+    def theirs(llm: Llama) -> Callable[[list[int]], Any]:
         def call(ids: list[int]) -> tuple[list[int], None]:
             # Llama.generate reuses the KV of the longest prefix shared with its previous call (the
             # warm-up prompt is the first timed one, and chat templates share a system prefix);
@@ -135,7 +140,7 @@ def _llamacpp_methods(lm: Any, max_new: int) -> dict[str, Callable[[list[int]], 
     }
 
 
-def _methods(lm: Any, names: list[str], max_new: int, drafter: Any = None
+def _methods(lm: LM, names: list[str], max_new: int, drafter: LM | None = None
              ) -> dict[str, Callable[[list[int]], Any]]:
     import torch
 
@@ -159,8 +164,8 @@ def _methods(lm: Any, names: list[str], max_new: int, drafter: Any = None
 
     table: dict[str, Callable[[list[int]], Any]] = {}
     if lm.backend == "llama.cpp":
-        table.update(_llamacpp_methods(lm, max_new) if any(n.startswith("llama_cpp") for n in names)
-                     else {})
+        table.update(_llamacpp_methods(cast("LlamaCppLM", lm), max_new)
+                     if any(n.startswith("llama_cpp") for n in names) else {})
     if drafter is not None:
         table["draft_model"] = ours(lambda lm, ids, n: speculative_generate(lm, drafter, ids, n, k=4))
     table |= {
@@ -289,14 +294,14 @@ def _merge(accs: list[_Acc]) -> _Acc:
     return out
 
 
-def _relaxed_quality(lm: Any, relaxed: MethodResult, strict: MethodResult) -> dict[str, float]:
+def _relaxed_quality(lm: ModelLM, relaxed: MethodResult, strict: MethodResult) -> dict[str, float]:
     pairs = list(zip(relaxed.outputs, strict.outputs, strict=True))
     exact = sum(a == b for a, b in pairs) / max(len(pairs), 1)
     rouge = sum(rouge_l(lm.decode(a), lm.decode(b)) for a, b in pairs) / max(len(pairs), 1)
     return {"exact_match_vs_strict": round(exact, 3), "rouge_l_vs_strict": round(rouge, 4)}
 
 
-def _report(lm: Any, args: argparse.Namespace, names: list[str], categories: list[str],
+def _report(lm: LM, args: argparse.Namespace, names: list[str], categories: list[str],
             samples: list[_Sample], accs: dict[tuple[str, str], _Acc], load_before: str
             ) -> dict[str, Any]:
 

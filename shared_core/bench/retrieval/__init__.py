@@ -26,6 +26,7 @@ import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,9 @@ def _latency(search: Callable[[list[Any]], Any], pool: Sequence[Any], batch: int
     search(list(pool[:batch]))  # warm-up
     single, batched = [], []
     for r in range(repeats):
-        _, t1 = _timed(lambda r=r: search([pool[r % len(pool)]]))
+        _, t1 = _timed(partial(search, [pool[r % len(pool)]]))
         group = [pool[(repeats + r * batch + j) % len(pool)] for j in range(batch)]
-        _, tb = _timed(lambda g=group: search(g))
+        _, tb = _timed(partial(search, group))
         single.append(t1)
         batched.append(tb)
     t1, tb = statistics.median(single), statistics.median(batched)
@@ -141,8 +142,8 @@ def _dense_methods(args: argparse.Namespace, corpus: list[Document],
     retrievers = {"exact": exact,
                   "hnsw": DenseRetriever(embedder, index="hnsw", **dense_kwargs)}
     for name, retriever in retrievers.items():
-        _, build_s = _timed(lambda r=retriever: r.add(corpus, vectors=doc_vectors))
-        results, search_s = _timed(lambda r=retriever: r.search_vectors(query_vectors, k=5))
+        _, build_s = _timed(partial(retriever.add, corpus, vectors=doc_vectors))
+        results, search_s = _timed(partial(retriever.search_vectors, query_vectors, k=5))
         methods[name] = {**_recall(results, questions), "embed_docs_s": embed_s,
                          "build_s": round(build_s, 4), "embed_queries_s": query_s,
                          "search_all_s": round(search_s, 4)}

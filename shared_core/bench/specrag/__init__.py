@@ -42,7 +42,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from shared_core.bench.common import lm_threads, write_report
 from shared_core.bench.specrag.data import DATASETS, load_dataset
@@ -68,6 +68,10 @@ from shared_core.engines.speculative_rag import (
 )
 from shared_core.retrieval.base import Document
 from shared_core.util.device import cpu_model_and_flags
+
+if TYPE_CHECKING:
+    from shared_core.config.rag import DraftOrder
+    from shared_core.runtime.protocol import SessionLM
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +104,7 @@ def build_methods(engine: SpeculativeRAG, args: argparse.Namespace
             drafter, engine.verifier, embedder=engine.embedder, config=cfg, dtype=engine.dtype,
             backend=engine.backend)
         methods[f"specrag@{drafter}"] = (drafters[f"@{drafter}"].answer, n_docs)
-    other_order = "answer_first" if cfg.draft_order == "rationale_first" else "rationale_first"
+    other_order: DraftOrder = "answer_first" if cfg.draft_order == "rationale_first" else "rationale_first"
     for suffix, drafting in drafters.items() if args.other_order else ():
         variant = drafting.with_config(replace(cfg, draft_order=other_order))
         methods[f"specrag_{other_order}{suffix}"] = (variant.answer, n_docs)
@@ -133,7 +137,8 @@ class _CachedPassages:
         from shared_core.config import PassageCacheConfig
         from shared_core.runtime.passage_cache import attach
 
-        self.lms = list({id(lm): lm for lm in (engine.drafter, engine.verifier)}.values())
+        lms = {id(lm): lm for lm in (engine.drafter, engine.verifier)}.values()
+        self.lms = [cast("SessionLM", lm) for lm in lms]  # a passage cache runs in process
         self.caches = []
         for lm in self.lms:
             lm.model.prefix_cache = False

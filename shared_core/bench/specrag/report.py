@@ -4,6 +4,7 @@ drafting method, machine facts, and the accuracy-latency plot."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 from collections import Counter
@@ -36,7 +37,7 @@ def _summary(dataset: str, questions: list[dict[str, Any]], outputs: list[Any],
         stats=mean_stats)
 
 
-def build_report(state: Any, args: Any, engine: Any) -> dict[str, Any]:
+def build_report(state: Any, args: argparse.Namespace, engine: Any) -> dict[str, Any]:
     """The JSON report (docs/architecture.md, *Benchmark reports*) of the questions of ``state``
     (a dataset run) measured so far."""
     n = len(next(iter(state.outputs.values())))

@@ -58,7 +58,7 @@ class Config:
 
 def configs(threads: int) -> dict[str, Config]:
     """The configurations the report compares (``threads``: what CI and users run, 2 here)."""
-    exact = {"repack": False, "flash_attn": FLASH_ON, "type_v": EXACT_TYPE_V}
+    exact: dict[str, Any] = {"repack": False, "flash_attn": FLASH_ON, "type_v": EXACT_TYPE_V}
     table = [
         Config(f"default@t{threads}", True, threads, threads, chunk=DEFAULT_N_BATCH),
         Config("default@t1", True, 1, 1, chunk=DEFAULT_N_BATCH),

@@ -49,6 +49,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -233,7 +234,7 @@ def k_cost(lm: LM, sizes: Sizes, ks: tuple[int, ...] = KS) -> dict[str, Any]:
         session.extend(extra[:k])
         session.rollback(base)
 
-    costs = {k: _median_ms(lambda k=k: forward(k), lm.device, sizes.reps, sizes.warmup)
+    costs = {k: _median_ms(partial(forward, k), lm.device, sizes.reps, sizes.warmup)
              for k in ks}
     return {str(k): {"ms": round(ms, 3), "over_step": round(ms / costs[1], 3)}
             for k, ms in costs.items()}
@@ -442,11 +443,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for tag in args.dtypes:
         dtype = torch.float32 if tag == "fp32" else torch.bfloat16
         report.section(f"correctness/{smallest.name}/{tag}", check_s,
-                       lambda dtype=dtype: correctness(smallest, tokenizer, device, dtype, sizes))
+                       partial(correctness, smallest, tokenizer, device, dtype, sizes))
     for name in [] if args.only_correctness else sorted(chosen, key=lambda s: shapes[s].params_b):
         shape = shapes[name]
         report.section(f"physics/{name}", estimates(shape, device, args.tiny)[1],
-                       lambda shape=shape: physics(shape, tokenizer, device, sizes))
+                       partial(physics, shape, tokenizer, device, sizes))
     llama = replace(smallest, name=f"llama-{smallest.name}", arch="llama")
     if not args.only_correctness:
         report.section(f"correctness/{llama.name}/bf16", check_s,

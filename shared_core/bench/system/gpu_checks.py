@@ -13,7 +13,7 @@ import zlib
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -23,6 +23,7 @@ from shared_core.config import SamplingConfig
 from shared_core.decoding.verify import warp_probs
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.engines.loop import Prompt, encode_prompt
+from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.retrieval.base import Document, Hit
 from shared_core.runtime.lm import clear_prefix_cache
 from shared_core.runtime.models import LM
@@ -248,7 +249,7 @@ def check_rapid(target: LM, drafter: LM, n: int) -> list[Comparison]:
 def check_ralmspec(target: LM, n: int) -> list[Comparison]:
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
 
-    small = {"max_doc_tokens": 48, "query_tokens": 8}
+    small: dict[str, Any] = {"max_doc_tokens": 48, "query_tokens": 8}
     configs = {"base": RaLMSpecConfig(prefetch=False, scheduler=False, async_verify=False, **small),
                "+PSA": RaLMSpecConfig(prefetch_k=4, **small)}
     out = []
@@ -257,9 +258,11 @@ def check_ralmspec(target: LM, n: int) -> list[Comparison]:
             engine = RaLMSpec(target, HashRetriever(RALM_DOCS), config)
             reference = engine.generate_baseline(query, n)
             result = engine.generate(query, n)
+            stats = cast(RaLMSpecStats, result.stats)
+            ref_stats = cast(RaLMSpecStats, reference.stats)
             out.append(compare(f"ralmspec/{name}", result.token_ids, reference.token_ids,
-                               query=query, doc_ids_equal=result.stats.doc_ids
-                               == reference.stats.doc_ids[: len(result.stats.doc_ids)],
+                               query=query, doc_ids_equal=stats.doc_ids
+                               == ref_stats.doc_ids[: len(stats.doc_ids)],
                                **acceptance(result.stats)))
     return out
 
@@ -315,13 +318,13 @@ def check_speculative_rag(drafter: LM, verifier: LM) -> list[Comparison]:
 
 
 @torch.inference_mode()
-def _two_token_law(lm: LM, ids: list[int], sampling: SamplingConfig) -> dict[tuple[int, int], float]:
+def _two_token_law(lm: LM, ids: list[int], sampling: SamplingConfig) -> dict[tuple[int, ...], float]:
     """The exact law of the first two sampled tokens (top-k keeps the support small)."""
     def probs(seq: list[int]) -> torch.Tensor:
         logits = lm.model(input_ids=torch.tensor([seq], device=lm.device)).logits[0, -1]
         return warp_probs(logits, sampling).cpu()
 
-    p1, law = probs(ids), {}
+    p1, law = probs(ids), dict[tuple[int, ...], float]()
     for t1 in p1.nonzero().flatten().tolist():
         p2 = probs([*ids, t1])
         for t2 in p2.nonzero().flatten().tolist():

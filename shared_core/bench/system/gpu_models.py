@@ -79,7 +79,7 @@ SHAPES = {
     "qwen2.5-7b": Shape("qwen2.5-7b", 3584, 28, 28, 4, 18944, 152064, 1e6, False),
 }
 # CPU dry run: the same code at toy sizes (vocabulary above the tokenizer's, as Qwen pads it)
-_TOY = {"max_positions": 2048, "init_range": 0.1, "drafter_noise": 0.03}
+_TOY: dict[str, Any] = {"max_positions": 2048, "init_range": 0.1, "drafter_noise": 0.03}
 TINY_SHAPES = {
     "tiny-a": Shape("tiny-a", 64, 2, 4, 2, 128, 512, 1e4, True, **_TOY),
     "tiny-b": Shape("tiny-b", 96, 2, 4, 2, 192, 512, 1e4, True, **_TOY),

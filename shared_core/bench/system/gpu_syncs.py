@@ -28,9 +28,12 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from shared_core.runtime.lm import LM
 
 READBACKS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
 
@@ -219,7 +222,7 @@ def waited_time() -> Iterator[dict[str, float]]:
                 setattr(torch.Tensor, name, fn)
 
 
-def round_figures(lm: Any, prompt_ids: list[int], new_tokens: int, k: int = 4
+def round_figures(lm: LM, prompt_ids: list[int], new_tokens: int, k: int = 4
                   ) -> dict[str, Any]:
     """Syncs per round (counted; on a GPU only what waits for the device) and a profiler-free
     time split (timed separately, without the counter's overhead) of the plain loop,

@@ -11,6 +11,7 @@ competing CPU-bound process started here. Perplexity of each format on a fixed t
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import ctypes
 import logging
@@ -23,6 +24,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from shared_core.runtime.llamacpp.lm import llama_cpp_module
@@ -47,7 +49,7 @@ class Setting:
 class SpeedContext:
     """One context (and its attached pool) of a loaded model."""
 
-    def __init__(self, llama: Any, model: Any, setting: Setting, n_ctx: int):
+    def __init__(self, llama: ModuleType, model: Any, setting: Setting, n_ctx: int):
         params = llama.llama_context_default_params()
         params.n_ctx, params.n_batch, params.n_ubatch = n_ctx, n_ctx, n_ctx
         params.n_threads = params.n_threads_batch = setting.threads
@@ -195,7 +197,7 @@ def loadavg() -> list[float]:
     return [round(x, 2) for x in os.getloadavg()]
 
 
-def speed_report(args: Any) -> dict[str, Any]:
+def speed_report(args: argparse.Namespace) -> dict[str, Any]:
     """Per model and format: perplexity, then every (threads, poll) setting measured quiet and
     beside a busy process (``args`` from ``forward-cost --llamacpp --speed``)."""
     from shared_core.runtime.llamacpp.builds import build_facts
@@ -227,8 +229,8 @@ def _keep_partial(report: dict[str, Any], out: str | None) -> None:
         Path(f"{out}.partial").write_text(json.dumps(report, indent=1, default=str))
 
 
-def _format_report(llama: Any, source: Path, fmt: str, settings: list[Setting], text: str,
-                   args: Any) -> dict[str, Any]:
+def _format_report(llama: ModuleType, source: Path, fmt: str, settings: list[Setting], text: str,
+                   args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.runtime.llamacpp.formats import repacked_gguf
 
     path = source if fmt == "shipped" else repacked_gguf(llama, source, fmt)
@@ -304,7 +306,7 @@ def _qa_prompt(row: dict[str, Any]) -> str:
             "<|im_end|>\n<|im_start|>assistant\n")
 
 
-def _greedy(llama: Any, context: SpeedContext, vocab: Any, prompt: str, max_new: int) -> str:
+def _greedy(llama: ModuleType, context: SpeedContext, vocab: Any, prompt: str, max_new: int) -> str:
     import numpy as np
 
     data = prompt.encode()

@@ -20,11 +20,14 @@ from __future__ import annotations
 import argparse
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_core.bench.common import mean_ms
 from shared_core.config import DEFAULT_LM, DEFAULT_VERIFIER
 from shared_core.runtime.models import LM, load_lm
+
+if TYPE_CHECKING:
+    from shared_core.runtime.torch.session import KVSession
 
 DEFAULT_MODEL = DEFAULT_LM
 
@@ -53,7 +56,7 @@ def _session(lm: LM, ids: list[int]) -> Any:
     return session
 
 
-def _forward_ms(session: Any, tokens: list[int], repeats: int, warmup: int = 3) -> float:
+def _forward_ms(session: KVSession, tokens: list[int], repeats: int, warmup: int = 3) -> float:
     """Mean ms of one forward of ``tokens`` on ``session``, rolled back after each."""
 
     def forward() -> None:
@@ -188,7 +191,7 @@ def add_verify_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-profile", action="store_true", help="skip the torch profile")
 
 
-def _profile_table(session: Any, tokens: list[int]) -> str:
+def _profile_table(session: KVSession, tokens: list[int]) -> str:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:

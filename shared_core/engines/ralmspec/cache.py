@@ -55,7 +55,7 @@ class SpeculativeRetrieval:
     queue, so it can be retried.
     """
 
-    def __init__(self, retriever: Any, *, k: int = SpeculativeRetrievalConfig.k,
+    def __init__(self, retriever: object, *, k: int = SpeculativeRetrievalConfig.k,
                  prefetch_k: int = SpeculativeRetrievalConfig.prefetch_k,
                  retrieval_timeout_s: float | None = None):
         SpeculativeRetrievalConfig(k, prefetch_k, retrieval_timeout_s)  # named errors
@@ -118,5 +118,5 @@ class SpeculativeRetrieval:
                 for row, doc in zip(hits, docs, strict=True)]
 
 
-def check_query(query: Any, name: str = "query") -> None:
+def check_query(query: object, name: str = "query") -> None:
     check_text(query, name)

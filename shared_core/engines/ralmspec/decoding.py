@@ -3,20 +3,21 @@ RNG draw per output position) and the per-call state."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, cast
 
 import torch
 
 from shared_core.config import CacheKind, GenerationConfig
 from shared_core.config.rag import (
+    PromptMessages,
     RaLMSpecConfig,
     format_prompt,
 )
 from shared_core.decoding.decode_stats import DecodeStats
 from shared_core.decoding.output import OutputTracker
 from shared_core.decoding.verify import sample, warp_probs
-from shared_core.engines.loop import TokenStream
+from shared_core.engines.loop import Blocks, TokenStream
 from shared_core.engines.ralmspec.position import RaLMDecoderState
 from shared_core.engines.ralmspec.retrievers import SpeculativeBackend, checked_search
 from shared_core.engines.ralmspec.served import ServedRaLMDecoder
@@ -43,7 +44,8 @@ class RaLMPrompt:
             raise ValueError(msg)
         content = f"{config.instruction}\n\nPassage: {_SENTINEL}\n\nQuestion: {question.strip()}"
         messages = ([{"role": "user", "content": content}] if config.prompt is None  # a caller's
-                    else format_prompt(config.prompt, question.strip(), _SENTINEL))  # prompt=
+                    else format_prompt(cast(PromptMessages, config.prompt),  # checked pairs
+                                       question.strip(), _SENTINEL))  # prompt=
         rendered = lm.chat_prompt(messages)
         head, tail = rendered.split(_SENTINEL)
         self.lm = lm
@@ -92,7 +94,7 @@ class RaLMDecoder(RaLMDecoderState):
             if feed:
                 self.session.prefill(feed)
                 self.stats.target_forwards += 1
-                self.stats.prefill_tokens += len(feed)
+                self.stats.prefill_tokens = (self.stats.prefill_tokens or 0) + len(feed)  # 0: __init__
             self.doc, self.pending = doc, ids[-1]
 
     def _choose(self, logits: torch.Tensor) -> int:
@@ -162,7 +164,7 @@ class RaLMCall:
         with timed(self.stats, "retrieval_s"):
             return self.backend.encode(query)
 
-    def stream(self, blocks: Iterator[list[int]]) -> TokenStream:
+    def stream(self, blocks: Blocks) -> TokenStream:
         def close(_: DecodeStats) -> None:
             stats = self.stats
             stats.retrieval_s = round(stats.retrieval_s, 4)

@@ -6,20 +6,20 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Unpack
 
 import torch
 
-from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.config import GenerationConfig, SamplingConfig, SamplingOptions
 from shared_core.config.rag import (
     RALMSPEC_MAX_NEW_TOKENS,
     RaLMSpecConfig,
 )
 from shared_core.decoding.output import GenerationResult
 from shared_core.decoding.verify import greedy_accept_length
-from shared_core.engines.loop import TokenStream
+from shared_core.engines.loop import Blocks, TokenStream
 from shared_core.engines.os3 import OS3Scheduler
 from shared_core.engines.ralmspec.cache import LocalCache, check_query
 from shared_core.engines.ralmspec.decoding import RaLMCall
@@ -32,7 +32,7 @@ from shared_core.runtime.models import LM
 from shared_core.runtime.protocol import ServedLM, SessionLM
 
 
-def _ralmseq_blocks(call: RaLMCall) -> Iterator[list[int]]:
+def _ralmseq_blocks(call: RaLMCall) -> Blocks:
     """The baseline: retrieve (top-1) with the latest context every ``retrieval_stride`` tokens."""
     decoder = call.decoder
     while not decoder.finished:
@@ -188,7 +188,7 @@ def _accepted_steps(steps: Sequence[_Step], true_hits: Sequence[Sequence[Hit]]) 
     return greedy_accept_length(spec, true)
 
 
-def _ralmspec_blocks(call: RaLMCall) -> Iterator[list[int]]:
+def _ralmspec_blocks(call: RaLMCall) -> Blocks:
     spec = _Speculator(call)
     yield spec.first_step()
     try:
@@ -221,7 +221,7 @@ class RaLMSpec:
     result or a timeout ends that call only; the next call starts from scratch.
     """
 
-    def __init__(self, lm: SessionLM | ServedLM, retriever: Any, config: RaLMSpecConfig | None = None):
+    def __init__(self, lm: SessionLM | ServedLM, retriever: object, config: RaLMSpecConfig | None = None):
         if not isinstance(lm, LM | ServedLM):
             msg = f"lm must be an LM (from load_lm or wrap_lm) or a RemoteLM, got {type(lm).__name__}"
             raise TypeError(msg)
@@ -235,20 +235,20 @@ class RaLMSpec:
         self.backend = as_backend(retriever)
         self.config = config or RaLMSpecConfig()
 
-    def _call(self, question: str, max_new_tokens: int, sampling: dict[str, Any]) -> RaLMCall:
+    def _call(self, question: str, max_new_tokens: int, sampling: SamplingOptions) -> RaLMCall:
         check_query(question, "question")
         check_int(max_new_tokens, "max_new_tokens")
         generation = GenerationConfig.build(max_new_tokens, **sampling)
         return RaLMCall(self.lm, self.backend, question, self.config, generation)
 
     def stream(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
-               **sampling: Any) -> TokenStream:
+               **sampling: Unpack[SamplingOptions]) -> TokenStream:
         """RaLMSpec as a stream of verified text deltas; ``.result`` once exhausted."""
         call = self._call(question, max_new_tokens, sampling)
         return call.stream(_ralmspec_blocks(call))
 
     def stream_baseline(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
-                        **sampling: Any) -> TokenStream:
+                        **sampling: Unpack[SamplingOptions]) -> TokenStream:
         """RaLMSeq (retrieve every stride, no speculation) as a stream."""
         call = self._call(question, max_new_tokens, sampling)
         return call.stream(_ralmseq_blocks(call))
@@ -262,7 +262,7 @@ class RaLMSpec:
                            top_p=top_p, stop=stop, seed=seed).run()
 
     def batch(self, questions: Sequence[str], max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
-              **sampling: Any) -> list[GenerationResult]:
+              **sampling: Unpack[SamplingOptions]) -> list[GenerationResult]:
         """RaLMSpec on each question in order, pipelined: question i+1's first retrieval rides in
         question i's last batched search (see :mod:`.pipeline`); outputs as ``generate``'s."""
         if isinstance(questions, (str, bytes)) or not isinstance(questions, Sequence):
@@ -277,7 +277,7 @@ class RaLMSpec:
         return run_pipelined(calls, self.backend, _ralmspec_blocks)
 
     async def abatch(self, questions: Sequence[str],
-                     max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, **sampling: Any
+                     max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, **sampling: Unpack[SamplingOptions]
                      ) -> list[GenerationResult]:
         """:meth:`batch` on a worker thread (the event loop stays free)."""
         return await asyncio.to_thread(self.batch, questions, max_new_tokens, **sampling)
@@ -291,16 +291,17 @@ class RaLMSpec:
                                     top_k=top_k, top_p=top_p, stop=stop, seed=seed).run()
 
 
-def ralmseq_generate(lm: SessionLM, retriever: Any, question: str,
+def ralmseq_generate(lm: SessionLM, retriever: object, question: str,
                      max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
-                     config: RaLMSpecConfig | None = None, **sampling: Any) -> GenerationResult:
+                     config: RaLMSpecConfig | None = None, **sampling: Unpack[SamplingOptions]
+                     ) -> GenerationResult:
     """The iterative RaLM baseline (RaLMSeq) as a function."""
     return RaLMSpec(lm, retriever, config).generate_baseline(question, max_new_tokens, **sampling)
 
 
-def stream_ralmspec(lm: SessionLM, prompt: Any, *, max_new_tokens: int,
-                    documents: Sequence[str] | None = None, retriever: Any = None,
-                    config: RaLMSpecConfig | None = None, **sampling: Any) -> TokenStream:
+def stream_ralmspec(lm: SessionLM, prompt: object, *, max_new_tokens: int,
+                    documents: Sequence[str] | None = None, retriever: object = None,
+                    config: RaLMSpecConfig | None = None, **sampling: Unpack[SamplingOptions]) -> TokenStream:
     """Registry-style entry: ``prompt`` is the question; retrieval from ``retriever``, or from a
     BM25 index over ``documents`` when no retriever is given."""
     if not isinstance(prompt, str):

@@ -13,13 +13,15 @@ question's output equals RaLMSeq's.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 from shared_core.decoding.output import GenerationResult
+from shared_core.engines.loop import Blocks
 from shared_core.engines.ralmspec.decoding import RaLMCall
 from shared_core.engines.ralmspec.retrievers import SpeculativeBackend, check_hits, retriever_name
+from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.retrieval.base import Document, Hit
 
 
@@ -85,7 +87,7 @@ class PipelinedBackend:
 
 
 def run_pipelined(calls: list[RaLMCall], backend: SpeculativeBackend,
-                  blocks: Callable[[RaLMCall], Iterator[list[int]]]) -> list[GenerationResult]:
+                  blocks: Callable[[RaLMCall], Blocks]) -> list[GenerationResult]:
     """Run ``calls`` in order, each next first retrieval riding on the previous last search."""
     results: list[GenerationResult] = []
     served: _Ride | None = None
@@ -98,8 +100,9 @@ def run_pipelined(calls: list[RaLMCall], backend: SpeculativeBackend,
         view = PipelinedBackend(backend, call, served, rider)
         call.backend = view
         result = call.stream(blocks(call)).run()
-        result.stats.backend_searches = view.searches
-        result.stats.first_retrieval_pipelined = served is not None and view.served is None
+        stats = cast(RaLMSpecStats, result.stats)  # a RaLMCall's stats
+        stats.backend_searches = view.searches
+        stats.first_retrieval_pipelined = served is not None and view.served is None
         results.append(result)
         served = rider if rider is not None and rider.hits is not None else None
     return results

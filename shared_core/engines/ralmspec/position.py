@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.retrieval.base import Document, doc_key
 from shared_core.runtime.model_lock import lock_for
 from shared_core.runtime.protocol import ModelLM
@@ -24,7 +25,8 @@ class RaLMDecoderState:
     """Output so far under the current document, the token budget, stats, the seed and the
     model's lock."""
 
-    def __init__(self, lm: ModelLM, prompt: Any, generation: GenerationConfig, stats: Any) -> None:
+    def __init__(self, lm: ModelLM, prompt: Any, generation: GenerationConfig, stats: RaLMSpecStats
+                 ) -> None:
         self.lm = lm
         # the model's one lock: decoders hold it for their own model work only (one step, one
         # reset), never while the engine waits for a retriever

@@ -9,11 +9,17 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from shared_core.retrieval.base import Document, Hit
 from shared_core.retrieval.frameworks import EXPECTED_HITS, check_rows, framework_search
 from shared_core.retrieval.timeout import BoundedWorkers
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from shared_core.retrieval.bm25 import BM25Retriever
+    from shared_core.retrieval.dense import DenseRetriever
 
 
 class SpeculativeBackend(Protocol):
@@ -29,12 +35,13 @@ class SpeculativeBackend(Protocol):
 class DenseBackend:
     """``DenseRetriever``: the query vector is computed once (speculation) and reused to verify."""
 
-    def __init__(self, retriever: Any):
+    def __init__(self, retriever: DenseRetriever):
         self.retriever = retriever
         self.name = type(retriever).__name__
 
-    def encode(self, query: str) -> Any:
-        return self.retriever.embed_queries([query])[0]
+    def encode(self, query: str) -> np.ndarray:
+        vector: np.ndarray = self.retriever.embed_queries([query])[0]
+        return vector
 
     def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
         import numpy as np
@@ -49,11 +56,11 @@ class DenseBackend:
 class BM25Backend:
     """``BM25Retriever``: the cache is ranked with the corpus-wide BM25 statistics."""
 
-    def __init__(self, retriever: Any):
+    def __init__(self, retriever: BM25Retriever):
         self.retriever = retriever
         self.name = type(retriever).__name__
 
-    def encode(self, query: str) -> Any:
+    def encode(self, query: str) -> str:
         return query
 
     def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
@@ -85,8 +92,8 @@ class SearchBackend:
         self._search = search
         self._rank = rank
         owner = getattr(search, "__self__", None)
-        self.name = name or (type(owner).__name__ if owner is not None else
-                             getattr(search, "__qualname__", "search"))
+        self.name: str = name or (type(owner).__name__ if owner is not None else
+                                  str(getattr(search, "__qualname__", "search")))
 
     def encode(self, query: str) -> Any:
         return query
@@ -104,9 +111,9 @@ def as_backend(retriever: Any) -> SpeculativeBackend:
     Framework classes are recognised by duck typing, so this module imports neither framework.
     """
     if all(hasattr(retriever, a) for a in ("encode", "search", "rank")):
-        return retriever
+        return cast(SpeculativeBackend, retriever)
     if hasattr(retriever, "search_vectors") and hasattr(retriever, "search_subset"):
-        return DenseBackend(retriever)
+        return DenseBackend(retriever)  # duck-typed: a DenseRetriever or a look-alike
     if hasattr(retriever, "tokenize") and hasattr(retriever, "search_subset"):
         return BM25Backend(retriever)
     from shared_core.retrieval.stores.convert import from_store, is_framework_store
@@ -124,7 +131,7 @@ def as_backend(retriever: Any) -> SpeculativeBackend:
     raise TypeError(msg)
 
 
-def retriever_name(backend: Any) -> str:
+def retriever_name(backend: object) -> str:
     """The name error messages use for the retriever behind ``backend``."""
     if isinstance(backend, (DenseBackend, BM25Backend, SearchBackend)):
         return backend.name
@@ -154,7 +161,7 @@ def check_hits(hits: Any, n_queries: int, name: str) -> list[list[Hit]]:
     return [list(row) for row in hits]
 
 
-def check_ranked(doc: Any, name: str) -> Document:
+def check_ranked(doc: object, name: str) -> Document:
     if not isinstance(doc, Document):
         msg = f"retriever {name}.rank returned {type(doc).__name__}; expected a Document"
         raise TypeError(msg)

@@ -18,8 +18,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from shared_core.config import GenerationConfig
+from shared_core.config import CacheKind, GenerationConfig
 from shared_core.engines.ralmspec.position import RaLMDecoderState
+from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document
 from shared_core.runtime.protocol import ServedLM
@@ -28,8 +29,8 @@ from shared_core.runtime.protocol import ServedLM
 class ServedRaLMDecoder(RaLMDecoderState):
     """Generates under a given document through a model server, ``retrieval_stride`` at a time."""
 
-    def __init__(self, lm: ServedLM, prompt: Any, generation: GenerationConfig, stats: Any,
-                 cache: Any = None) -> None:
+    def __init__(self, lm: ServedLM, prompt: Any, generation: GenerationConfig,
+                 stats: RaLMSpecStats, cache: CacheKind | None = None) -> None:
         lm.require("token_ids_io", by="RaLMSpec on a served model")
         super().__init__(lm, prompt, generation, stats)
         self.lm: ServedLM = lm
@@ -57,5 +58,5 @@ class ServedRaLMDecoder(RaLMDecoderState):
         new = new if eos is None else new[: eos + 1]
         self.generated.extend(new)
         self.stats.target_forwards += 1
-        self.stats.served_requests += 1
+        self.stats.served_requests = (self.stats.served_requests or 0) + 1  # 0 from __init__
         return len(new)

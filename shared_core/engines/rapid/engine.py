@@ -6,7 +6,7 @@ import dataclasses
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,7 +23,7 @@ from shared_core.config import (
 from shared_core.config.tokens import RapidConfig, check_eta
 from shared_core.decoding.output import GenerationResult, generation_config
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
-from shared_core.engines.loop import LogitsMask, TokenStream, autoregressive_blocks
+from shared_core.engines.loop import Blocks, LogitsMask, TokenStream, autoregressive_blocks
 from shared_core.engines.rapid.context import RapidContext
 from shared_core.engines.rapid.prompts import (
     METHODS,
@@ -191,9 +191,10 @@ class RapidDecoder(RapidContext):
             msg = f"method must be one of {METHODS}, got {method!r}"
             raise ValueError(msg)
         eta = self.config.eta if eta is None else check_eta(eta)
-        overrides = {name: value for name, value in (("gamma", gamma), ("drafter_kv", drafter_kv),
-                                                     ("adaptive_gamma", adaptive_gamma))
-                     if value is not None}
+        overrides: dict[str, Any] = {
+            name: value for name, value in (("gamma", gamma), ("drafter_kv", drafter_kv),
+                                            ("adaptive_gamma", adaptive_gamma))
+            if value is not None}
         config = dataclasses.replace(self.config, **overrides) if overrides else self.config
         self._check_drafter_kv(config.drafter_kv)
         prompt = self.prepare(context, query, gen.max_new_tokens, drafter_kv=config.drafter_kv)
@@ -238,11 +239,11 @@ class RapidDecoder(RapidContext):
 
     def _slot_blocks(self, run: CachedRun, method: str, eta: float, prompt: RapidPrompt,
                      config: RapidConfig, schedule: GammaSchedule | None
-                     ) -> Iterator[list[int]]:
+                     ) -> Blocks:
         """One generation on a checked-out slot; every step under the decoder's lock."""
         with self._lock:
             slot = self._checkout(method, run.prompt_ids)
-        blocks: Iterator[list[int]] | None = None
+        blocks: Blocks | None = None
         try:
             run.session = slot.session(method)
             if method in ("long_context", "rag"):

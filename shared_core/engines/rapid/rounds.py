@@ -4,7 +4,7 @@ a kept session and the cost-aware γ schedule."""
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -23,7 +23,7 @@ from shared_core.decoding.verify import (
 )
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
-from shared_core.engines.loop import LogitsMask, Run, timed
+from shared_core.engines.loop import Blocks, LogitsMask, Run, timed
 from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
 from shared_core.runtime.host_sync import DeviceTokens, RoundClock
 from shared_core.runtime.protocol import SessionLM
@@ -126,7 +126,7 @@ class GammaSchedule:
 
 def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: RapidPrompt,
                   eta: float, config: RapidConfig, schedule: GammaSchedule | None
-                  ) -> Iterator[list[int]]:
+                  ) -> Blocks:
     """The RAPID round, written as named steps (one committed block per round)."""
     pending = run.prefill()
     session, stats = run.session, run.stats

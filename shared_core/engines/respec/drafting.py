@@ -29,7 +29,7 @@ class Candidate:
 class TreeDraft:
     """Draft tokens of one round as a tree (a chain for linear drafts)."""
 
-    tokens: tuple[int, ...]
+    tokens: Sequence[int]  # a tuple, or a linear draft's DeviceTokens
     parents: tuple[int, ...]  # -1 = child of the root (the pending token)
     source: str  # "retrieval", "model", "prompt_lookup" or "none"
     candidates: tuple[Candidate, ...] = ()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from collections.abc import Hashable, Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Hashable, Iterable, Sequence
+from typing import Any, cast
 
 import torch
 
@@ -27,7 +27,7 @@ from shared_core.drafters.model import ModelDrafter
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.drafters.suffix_automaton import StaticIndex
 from shared_core.engines.baseline import accept_draft
-from shared_core.engines.loop import LogitsMask, Prompt, Run, TokenStream, kept, timed
+from shared_core.engines.loop import Blocks, LogitsMask, Prompt, Run, TokenStream, kept, timed
 from shared_core.engines.respec.drafting import (
     NO_DRAFT,
     Request,
@@ -108,7 +108,8 @@ class ReSpecDecoder:
         with lock:
             run = Run(self.lm, prompt, config, self.config.cache, logits_mask,
                       stats_type=ReSpecStats)
-            request = Request(self.config, docs, self.static, self._fallback(config), run.stats,
+            stats = cast(ReSpecStats, run.stats)  # stats_type=ReSpecStats
+            request = Request(self.config, docs, self.static, self._fallback(config), stats,
                               cost_curve=self.lm.forward_cost_curve())
         drafter = request.fallback
 
@@ -137,7 +138,7 @@ def _check_models(lm: object, config: object, draft_lm: object) -> None:
         raise TypeError(msg)
 
 
-def _corpus_texts(corpus: Any) -> list[str]:
+def _corpus_texts(corpus: object) -> list[str]:
     """The texts of a ``corpus`` argument: a list of strings (TypeError naming ``corpus``)."""
     if isinstance(corpus, (str, bytes)) or not isinstance(corpus, Iterable):
         msg = (f"corpus must be a list of texts or a StaticIndex, got {type(corpus).__name__}"
@@ -165,6 +166,7 @@ def _document_ids(lm: SessionLM, documents: Sequence[str | Sequence[int]] | str 
             out.append(lm.encode(check_unicode(doc, f"documents[{i}]")))
         elif isinstance(doc, Sequence) and all(isinstance(t, int) and not isinstance(t, bool)
                                                for t in doc):
+            doc = cast(Sequence[int], doc)  # every item an int (just checked)
             bad = [t for t in doc if not 0 <= t < lm.vocab_size]
             if bad:
                 msg = (f"documents contain token id {bad[0]} outside the vocabulary "
@@ -180,7 +182,7 @@ def _document_ids(lm: SessionLM, documents: Sequence[str | Sequence[int]] | str 
 
 # -- the round, as named steps ----------------------------------------------------------------
 
-def _respec_blocks(run: Run, request: Request) -> Iterator[list[int]]:
+def _respec_blocks(run: Run, request: Request) -> Blocks:
     pending = run.prefill()
     request.add(run.prompt_ids)
     session = run.session
@@ -348,7 +350,7 @@ def start_respec(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
     return decoder.start(prompt, generation, documents=documents, logits_mask=logits_mask)
 
 
-def _corpus_key(corpus: Any) -> Hashable:
+def _corpus_key(corpus: object) -> Hashable:
     """A corpus by content (a list of texts) or identity (an index); a corpus of any other kind
     gets a key of its own (the decoder refuses it, naming ``corpus``)."""
     if corpus is None or isinstance(corpus, StaticIndex):

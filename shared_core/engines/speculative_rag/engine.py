@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from shared_core.config import (
     DEFAULT_EMBEDDER,
@@ -17,7 +17,7 @@ from shared_core.config import (
     check_backend,
     check_int,
 )
-from shared_core.config.rag import SpeculativeRAGConfig
+from shared_core.config.rag import PromptMessages, SpeculativeRAGConfig
 from shared_core.engines.speculative_rag.generation import generate_batch
 from shared_core.engines.speculative_rag.inputs import (
     check_model_arg,
@@ -95,7 +95,7 @@ class SpeculativeRAG:
 
     def __init__(self, drafter: ModelLM | str = DEFAULT_LM, verifier: ModelLM | str | None = DEFAULT_VERIFIER,
                  *, embedder: Any = DEFAULT_EMBEDDER,
-                 retriever: Any = None, config: SpeculativeRAGConfig | None = None,
+                 retriever: object = None, config: SpeculativeRAGConfig | None = None,
                  dtype: str | None = None, backend: str = DEFAULT_SPECRAG_BACKEND) -> None:
         check_backend(backend)
         check_model_arg(drafter, "drafter", optional=False)
@@ -150,18 +150,20 @@ class SpeculativeRAG:
 
     @property
     def drafter(self) -> ModelLM:
-        return self._get("drafter")
+        drafter: ModelLM = self._get("drafter")
+        return drafter
 
     @property
     def verifier(self) -> ModelLM:
-        return self._get("verifier")
+        verifier: ModelLM = self._get("verifier")
+        return verifier
 
     @property
     def embedder(self) -> Any:
         return self._get("embedder")
 
     def _documents(self, question: str, given: tuple[list[Document], int] | None,
-                   retriever: Any, k: int) -> tuple[list[Document], int, float]:
+                   retriever: object, k: int) -> tuple[list[Document], int, float]:
         """(documents with text, how many blank ones were left out, retrieval seconds): the
         ``given`` documents as :meth:`_check_call` converted them, else the retriever's. Called
         outside any model lock (a slow retriever blocks only its own call), time-limited by
@@ -182,7 +184,7 @@ class SpeculativeRAG:
         docs, skipped = drop_blank(documents)  # retrieve() returned ours already
         return docs, skipped, time.perf_counter() - start
 
-    def _check_call(self, question: Any, documents: Sequence[Any] | None, retriever: Any
+    def _check_call(self, question: object, documents: Sequence[Any] | None, retriever: object
                     ) -> tuple[str, tuple[list[Document], int] | None]:
         """Everything checkable before retrieval and any model work: the stripped question and
         the given documents, converted once (with text, and how many blank ones were left out;
@@ -239,7 +241,8 @@ class SpeculativeRAG:
         lm, cfg = self.drafter, self.config
         answer_first = cfg.draft_order == "answer_first"
         prefill, parse = ("Answer:", parse_answer_first) if answer_first else ("Rationale:", parse_draft)
-        prompts = [draft_prompt(lm, question, [docs[i] for i in s], cfg.draft_order, cfg.prompt)
+        prompt = cast(PromptMessages | None, cfg.prompt)  # checked into pairs by the config
+        prompts = [draft_prompt(lm, question, [docs[i] for i in s], cfg.draft_order, prompt)
                    for s in subsets]
         # a forced answer line is generated after the draft, in the same window
         forced = cfg.max_answer_tokens if cfg.force_answer_line and not answer_first else 0
@@ -307,7 +310,7 @@ class SpeculativeRAG:
         return out
 
     def answer(self, question: str, documents: Sequence[Any] | None = None, *,
-               retriever: Any = None, on_event: EventHook | None = None) -> SpeculativeRAGResult:
+               retriever: object = None, on_event: EventHook | None = None) -> SpeculativeRAGResult:
         """Answer ``question`` from ``documents`` (or the top ``retrieve_k`` of a retriever)."""
         if on_event is not None and not callable(on_event):
             msg = f"on_event must be a callable or None, got {type(on_event).__name__}"
@@ -342,7 +345,7 @@ class SpeculativeRAG:
 
     def standard_rag(self, question: str, documents: Sequence[Any] | None = None, *,
                      model: Literal["drafter", "verifier"] = "verifier",
-                     retriever: Any = None) -> StandardRAGResult:
+                     retriever: object = None) -> StandardRAGResult:
         """The paper's Standard RAG: one model, all documents in one prompt, same parsing."""
         if model not in ("drafter", "verifier"):
             msg = f"model must be 'drafter' or 'verifier', got {model!r}"

@@ -35,7 +35,7 @@ def drop_blank(docs: Sequence[Document]) -> tuple[list[Document], int]:
 EMPTY_DOCUMENTS = "documents is empty: pass at least one document or a retriever that returns some"
 
 
-def check_question(question: Any) -> str:
+def check_question(question: object) -> str:
     """The stripped question (TypeError for a non-str, ValueError for a blank one)."""
     if not isinstance(question, str):
         msg = f"question must be a str, got {type(question).__name__}"
@@ -56,7 +56,7 @@ def given_documents(documents: Sequence[Any]) -> tuple[list[Document], int]:
     return drop_blank(docs)
 
 
-def check_inputs(question: Any, documents: Sequence[Any] | None,
+def check_inputs(question: object, documents: Sequence[Any] | None,
                  config: SpeculativeRAGConfig | None = None) -> str:
     """Validate before any model work; return the stripped question. Any number of documents
     from one up forms subsets (:func:`~.subsets.subset_shape`), so ``config`` sets no minimum
@@ -82,7 +82,7 @@ def load_model(model: ModelLM | str, dtype: str | None, backend: str = LOAD_LM_B
 _NOT_MODELS = (bool, int, float, complex, bytes, list, tuple, dict, set)
 
 
-def check_model_arg(model: Any, param: str, *, optional: bool) -> None:
+def check_model_arg(model: object, param: str, *, optional: bool) -> None:
     if model is None and not optional:
         msg = f"{param} must be a model name or an LM, got None"
         raise TypeError(msg)

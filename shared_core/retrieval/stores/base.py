@@ -18,7 +18,7 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -46,14 +46,14 @@ def normalise(vectors: Any) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.float32)
 
 
-def check_client(client: Any, methods: tuple[str, ...], expected: str) -> None:
+def check_client(client: object, methods: tuple[str, ...], expected: str) -> None:
     """TypeError naming ``client`` unless it has every method a store calls on it."""
     if not all(callable(getattr(client, m, None)) for m in methods):
         msg = f"client must be {expected}, got {type(client).__name__}"
         raise TypeError(msg)
 
 
-def check_name(value: Any, param: str) -> None:
+def check_name(value: object, param: str) -> None:
     """ValueError naming ``param`` unless ``value`` is a non-empty str (a collection / index)."""
     if not isinstance(value, str) or not value:
         msg = f"{param} must be a non-empty str, got {value!r}"
@@ -243,7 +243,7 @@ class StoreBackend:
             embedded = self.embedder.documents([docs[i].text for i in missing])
             for i, vector in zip(missing, embedded, strict=True):
                 out[i] = vector
-        return np.stack(out)
+        return np.stack(cast(list[np.ndarray], out))  # every None filled above
 
     def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
         """The best of ``docs`` (a local cache) for the query vector, by the search metric."""

@@ -31,13 +31,13 @@ def _wrapped_store(obj: Any) -> Any:
     return inner if plain else obj
 
 
-def is_framework_store(obj: Any) -> bool:
+def is_framework_store(obj: object) -> bool:
     """Whether :func:`from_store` knows how to reach the client inside ``obj``."""
     obj = _wrapped_store(obj)
     return isinstance(obj, StoreBackend) or _kind(obj) is not None
 
 
-def _kind(obj: Any) -> str | None:
+def _kind(obj: object) -> str | None:
     module, name = type(obj).__module__, type(obj).__name__
     for qualified in SUPPORTED:
         package, cls = qualified.split(".")

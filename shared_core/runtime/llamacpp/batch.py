@@ -104,7 +104,8 @@ def _share_prefix(lm: LlamaCppLM, slot: _Slot, rows: Sequence[Sequence[int]], sh
 def _feed_step(lm: LlamaCppLM, slot: _Slot) -> int:
     """Tokens per decode when reading rows: ``exact`` keeps every decode under the size that was
     measured bit-equal to smaller ones (as a session's prefill does)."""
-    return min(slot.n_batch, EXACT_CHUNK) if lm.model.settings.exact else slot.n_batch
+    step: int = min(slot.n_batch, EXACT_CHUNK) if lm.model.settings.exact else slot.n_batch
+    return step
 
 
 def _check_rows(lm: LlamaCppLM, rows: Sequence[Sequence[int]], extra: int) -> None:

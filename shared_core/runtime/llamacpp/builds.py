@@ -18,6 +18,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from shared_core.runtime.llamacpp.probe import ProbeVerdict, probe_llamacpp
@@ -84,7 +85,7 @@ def _fall_back(verdict: ProbeVerdict) -> BuildChoice:
     return BuildChoice(None, "portable", f"the AMX build failed its probe: {verdict.reason}")
 
 
-def build_facts(llama: Any) -> dict[str, Any]:
+def build_facts(llama: ModuleType) -> dict[str, Any]:
     """What the loaded library is, for benchmark reports: folder, label, ggml's own feature line
     and the install script's BUILD_INFO when it can be found."""
     lib = Path(llama.llama_cpp._base_path)

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from shared_core.runtime.weights.embedded import cache_dir
@@ -40,7 +41,7 @@ def format_path(source: Path, fmt: str, version: str) -> Path:
     return cache_dir() / "gguf_formats" / f"{source.stem}.{fmt}.{key}.gguf"
 
 
-def repacked_gguf(llama: Any, source: Path, fmt: str, *, threads: int | None = None) -> Path:
+def repacked_gguf(llama: ModuleType, source: Path, fmt: str, *, threads: int | None = None) -> Path:
     """``source`` as ``fmt`` (a key of ``FTYPES``), made once and kept (:func:`format_path`)."""
     if fmt not in FTYPES:
         msg = f"format {fmt!r} is not one of {sorted(FTYPES)}"
@@ -99,7 +100,7 @@ def choose_format(source: Path, threads: int,
     return FormatChoice(repacked_gguf(llama, source, CANDIDATE), CANDIDATE, verdict["reason"])
 
 
-def _new_verdict(llama: Any, source: Path, threads: int,
+def _new_verdict(llama: ModuleType, source: Path, threads: int,
                  measure: Callable[[list[Path], int], list[dict[str, float]]]) -> dict[str, Any]:
     kind = file_type(llama, source)
     if not kind.startswith(FOUR_FIVE_BIT):
@@ -114,7 +115,7 @@ def _new_verdict(llama: Any, source: Path, threads: int,
             "measured": {"shipped": shipped, CANDIDATE: candidate}}
 
 
-def file_type(llama: Any, path: Path) -> str:
+def file_type(llama: ModuleType, path: Path) -> str:
     """The weight type word of ``llama_model_desc`` (e.g. ``Q4_K - Medium`` gives ``Q4_K``)."""
     params = llama.llama_model_default_params()
     params.use_extra_bufts = False  # mapped, not repacked: the header is all that is read here
@@ -155,7 +156,7 @@ def measure_formats(paths: list[Path], threads: int) -> list[dict[str, float]]:
 class _FormatRun:
     """One file loaded with one context, for :func:`measure_formats`."""
 
-    def __init__(self, llama: Any, path: Path, threads: int):
+    def __init__(self, llama: ModuleType, path: Path, threads: int):
         self.llama = llama
         self.model = llama.llama_model_load_from_file(str(path).encode(),
                                                       llama.llama_model_default_params())

@@ -57,7 +57,8 @@ class _Reader:
 
     def scalar(self, fmt: str) -> int | float | bool:
         size = struct.calcsize("<" + fmt)
-        return struct.unpack("<" + fmt, self.take(size))[0]
+        value: int | float | bool = struct.unpack("<" + fmt, self.take(size))[0]
+        return value
 
     def count(self, what: str) -> int:
         value = int(self.scalar("Q"))

@@ -28,7 +28,8 @@ import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from shared_core.config import CacheKind, check_prefix_cache
 from shared_core.runtime.llamacpp.prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
@@ -50,12 +51,13 @@ _RUNTIME_LOCK = threading.Lock()
 _RUNTIME: dict[str, Any] = {}
 
 
-def llama_cpp_module() -> Any:
+def llama_cpp_module() -> ModuleType:
     """``llama_cpp`` (the C API binding), initialised once per process with its logging routed to
     ``logging`` at debug level (the callback object is kept: a collected one crashes the next load)."""
     with _RUNTIME_LOCK:
         if "module" in _RUNTIME:
-            return _RUNTIME["module"]
+            module: ModuleType = _RUNTIME["module"]
+            return module
         from shared_core.runtime.llamacpp.builds import choose_build
 
         build = choose_build(default_threads())
@@ -132,7 +134,7 @@ def prefix_cache_settings(prefix_cache: bool | int | None) -> dict[str, Any]:
     return {"prefix_cache": False} if prefix_cache == 0 else {"idle_contexts": prefix_cache}
 
 
-def context_params(llama: Any, n_ctx: int, n_batch: int, threads: int, exact: bool) -> Any:
+def context_params(llama: ModuleType, n_ctx: int, n_batch: int, threads: int, exact: bool) -> Any:
     """The ``llama_context_params`` of a session's context (``exact``: see the module doc)."""
     params = llama.llama_context_default_params()
     params.n_ctx = n_ctx
@@ -153,7 +155,7 @@ def context_params(llama: Any, n_ctx: int, n_batch: int, threads: int, exact: bo
 class _Slot:
     """One llama_context with its batch buffer (owned by one session at a time)."""
 
-    def __init__(self, llama: Any, model_ptr: Any, n_ctx: int, n_batch: int, threads: int,
+    def __init__(self, llama: ModuleType, model_ptr: Any, n_ctx: int, n_batch: int, threads: int,
                  exact: bool = False):
         params = context_params(llama, n_ctx, n_batch, threads, exact)
         self.llama = llama
@@ -263,7 +265,7 @@ class LlamaCppModel:
         return frozenset(i for i in ids if 0 <= i < self.n_vocab)
 
 
-def _free_model(llama: Any, ptr: Any, idle: IdleContexts) -> None:
+def _free_model(llama: ModuleType, ptr: Any, idle: IdleContexts) -> None:
     for slot in idle:
         slot.free()
     idle.clear()
@@ -273,6 +275,9 @@ def _free_model(llama: Any, ptr: Any, idle: IdleContexts) -> None:
 @dataclass
 class LlamaCppLM(LM):
     """An LM run by llama.cpp; ``model`` is a :class:`LlamaCppModel`."""
+
+    if TYPE_CHECKING:  # the field LM declares, narrowed (a dataclass field redeclared would move)
+        model: LlamaCppModel
 
     backend: ClassVar[str] = "llama.cpp"
 

@@ -130,4 +130,4 @@ def vouched_write(method: _F) -> _F:
             self._vouch()
         return result
 
-    return wrapper  # type: ignore[return-value]
+    return wrapper  # type: ignore[return-value]  # the same signature as ``method``

@@ -163,7 +163,8 @@ class LlamaCppSession:
         self._check_window(len(ids))
         cache = getattr(self.lm.model, "passage_cache", None)
         if cache is not None and self._slot is None and ids:
-            return cache.prefill(self, ids)  # shared_core.runtime.passage_cache.llamacpp
+            restored: torch.Tensor = cache.prefill(self, ids)  # runtime.passage_cache.llamacpp
+            return restored
         if self._slot is None and ids:
             self._borrow(ids)
             ids = ids[len(self.tokens):]

@@ -19,6 +19,7 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -45,7 +46,7 @@ def _loaded(name: str) -> ctypes.CDLL:
     return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | ctypes.RTLD_GLOBAL)
 
 
-def _bind(llama: Any) -> dict[str, Any]:
+def _bind(llama: ModuleType) -> dict[str, Any]:
     base, cpu = _loaded("libggml-base.so.0"), _loaded("libggml-cpu.so.0")
     base.ggml_threadpool_params_init.argtypes = [ctypes.POINTER(ThreadpoolParams), ctypes.c_int]
     base.ggml_threadpool_params_init.restype = None
@@ -67,7 +68,7 @@ class Threadpool:
     """A ggml thread pool of ``threads`` workers polling at ``poll`` (0: sleep at once when idle,
     100: spin longest), attached to llama.cpp contexts for both single tokens and batches."""
 
-    def __init__(self, llama: Any, threads: int, poll: int):
+    def __init__(self, llama: ModuleType, threads: int, poll: int):
         self._api = _bind(llama)
         params = ThreadpoolParams()
         self._api["init"](ctypes.byref(params), threads)
@@ -120,6 +121,6 @@ def choose_threads(asked: int | None, *, cpus: int | None = None,
                                  "(ggml's workers spin at barriers; a descheduled one stalls all)")
 
 
-def library_dir(llama: Any) -> Path:
+def library_dir(llama: ModuleType) -> Path:
     """The folder ``llama_cpp`` loaded its shared libraries from."""
     return Path(llama.llama_cpp._base_path)

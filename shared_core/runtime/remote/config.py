@@ -49,4 +49,4 @@ class RemoteConfig:
 
     def backoff(self, attempt: int) -> float:
         """Seconds to sleep before retry number ``attempt`` (0-based)."""
-        return min(self.backoff_max_s, self.backoff_s * 2**attempt)
+        return min(self.backoff_max_s, self.backoff_s * 2.0**attempt)

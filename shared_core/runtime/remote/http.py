@@ -83,6 +83,7 @@ def _result(method: str, url: str, response: httpx.Response) -> Any:
 
 def _failure(method: str, url: str, attempts: int, exc: Exception | None,
              response: httpx.Response | None) -> RemoteError:
+    # no exception: there is a response
     why = f"{type(exc).__name__}: {excerpt(exc)}" if exc is not None else \
         f"HTTP {response.status_code}: {excerpt(response.text)}"  # type: ignore[union-attr]
     return RemoteError(f"{method} {url} failed after {attempts} attempt(s): {why}",
@@ -105,9 +106,11 @@ class _Retries:
         if not _retryable(exc, response):
             if exc is not None:
                 raise RemoteError(f"{self.method} {self.url}: {excerpt(exc)}") from exc
+            # no exception: there is a response
             return True, _result(self.method, self.url, response)  # type: ignore[arg-type]
         if attempt + 1 >= self.attempts:
             raise _failure(self.method, self.url, self.attempts, exc, response)
+        # no exception: there is a response
         logger.info("retrying %s %s (attempt %d): %s", self.method, self.url, attempt + 1,
                     excerpt(exc) if exc is not None else response.status_code)  # type: ignore[union-attr]
         return False, self._backoff(attempt)
@@ -129,6 +132,7 @@ class Transport:
                                    max_keepalive_connections=config.max_connections),
         }
         self._transport = transport
+        # the caller passes the transport that fits the client it uses
         self._client = httpx.Client(**self._kwargs, transport=transport)  # type: ignore[arg-type]
         self._aclient: httpx.AsyncClient | None = None
 
@@ -153,8 +157,9 @@ class Transport:
 
     def _async_client(self) -> httpx.AsyncClient:
         if self._aclient is None:
-            # type: ignore[arg-type]
-            self._aclient = httpx.AsyncClient(**self._kwargs, transport=self._transport)
+            # the caller passes the transport that fits the client it uses
+            self._aclient = httpx.AsyncClient(
+                **self._kwargs, transport=self._transport)  # type: ignore[arg-type]
         return self._aclient
 
     async def arequest(self, method: str, path: str, json: Any = None, *,

@@ -15,15 +15,18 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_core.config import SamplingConfig, check_choice, check_int, check_text
-from shared_core.runtime.models import LM
+from shared_core.runtime.lm import ChatTokenizer
 from shared_core.runtime.protocol import Row, Spans, StopRule
 from shared_core.runtime.remote import protocol as P
 from shared_core.runtime.remote.config import ENGINES, Engine, RemoteConfig
 from shared_core.runtime.remote.http import RemoteError, Transport
 from shared_core.util.redact import redact
+
+if TYPE_CHECKING:
+    import httpx
 
 logger = logging.getLogger(__name__)
 
@@ -59,7 +62,7 @@ class Capabilities:
     notes: dict[str, str] = field(default_factory=dict)  # why a probe failed
 
 
-class RemoteLM:
+class RemoteLM(ChatTokenizer):
     """A model behind a vLLM (OpenAI completions) or SGLang (native ``/generate``) server.
 
     Args:
@@ -74,15 +77,11 @@ class RemoteLM:
     """
 
     served = True  # engines branch on this: requests instead of local forwards
-    encode = LM.encode
-    decode = LM.decode
-    chat_prompt = LM.chat_prompt
-    prompt_ids = LM.prompt_ids
-    has_chat_template = LM.has_chat_template
 
     def __init__(self, url: str, *, tokenizer: Any = None, engine: Engine = "auto",
                  model: str | None = None, api_key: str | None = None,
-                 config: RemoteConfig | None = None, transport: Any = None) -> None:
+                 config: RemoteConfig | None = None,
+                 transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
         check_text(url, "url")
         if not url.startswith(("http://", "https://")):
             msg = f"url must start with http:// or https://, got {redact(url)!r}"
@@ -203,7 +202,7 @@ class RemoteLM:
         rows = [p for p in prompts for _ in range(n)]  # one item per sample
         return "/generate", [P.sglang_generate_body(rows, max_new_tokens, sampling, stop_token_ids)]
 
-    def _parse_generate(self, response: Any, num_prompts: int, n: int) -> list[list[Generation]]:
+    def _parse_generate(self, response: object, num_prompts: int, n: int) -> list[list[Generation]]:
         if self.engine == "vllm":
             return P.vllm_parse_generate(response, num_prompts, n)
         flat = P.sglang_parse_generate(response, num_prompts * n)
@@ -233,11 +232,14 @@ class RemoteLM:
             return "/v1/completions", P.vllm_score_body(self.model, rows), starts
         return "/generate", P.sglang_score_body(rows, starts), starts
 
-    def _parse_score(self, response: Any, rows: Sequence[Sequence[int]], starts: list[int]
+    def _parse_score(self, response: object, rows: Sequence[Sequence[int]], starts: list[int]
                      ) -> list[list[float | None]]:
         if self.engine == "vllm":
-            full = P.vllm_parse_score(response, rows)
-            return [[None] * s + f[s:] for f, s in zip(full, starts, strict=True)]
+            out: list[list[float | None]] = []
+            for row, start in zip(P.vllm_parse_score(response, rows), starts, strict=True):
+                values: list[float | None] = [None] * start
+                out.append(values + row[start:])
+            return out
         return P.sglang_parse_score(response, rows, starts)
 
     def score_rows(self, rows: Sequence[Sequence[int]], starts: Sequence[int] | None = None
@@ -270,7 +272,8 @@ class RemoteLM:
     def span_logprobs(self, rows: Sequence[Sequence[int]], spans: Spans) -> list[list[float]]:
         """Summed log P over each ``(start, end)`` span of each row, ONE scoring request."""
         self.require("batched_scoring", by="batched scoring (Speculative RAG's verifier)")
-        return [[sum(float(lp[t]) for t in range(max(start, 1), end))  # type: ignore[arg-type]
+        # None only before a row's start (1 here), so every scored lp[t] is a float
+        return [[sum(float(lp[t]) for t in range(max(start, 1), end))  # type: ignore[arg-type, misc]
                  for start, end in row_spans]
                 for lp, row_spans in zip(self.score_rows(rows), spans, strict=True)]
 
@@ -281,6 +284,7 @@ class RemoteLM:
         _check_prompts(continuations, "continuations")
         rows = [list(prefix) + list(c) for c in continuations]
         scored = self.score_rows(rows, [len(prefix)] * len(rows))
+        # None only before each row's start (len(prefix)), cut off here
         return [[float(v) for v in s[len(prefix):]] for s in scored]  # type: ignore[arg-type]
 
     def prefix_cache_stats(self) -> dict[str, float]:
@@ -316,7 +320,7 @@ class RemoteLM:
 Generation = P.Generation
 
 
-def _check_prompts(prompts: Any, name: str) -> None:
+def _check_prompts(prompts: object, name: str) -> None:
     if not isinstance(prompts, Sequence) or isinstance(prompts, str) or not prompts:
         msg = f"{name} must be a non-empty list of token-id lists"
         raise TypeError(msg) if not isinstance(prompts, Sequence) else ValueError(msg)

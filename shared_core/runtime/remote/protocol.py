@@ -46,7 +46,7 @@ def _sampling_fields(sampling: SamplingConfig) -> dict[str, Any]:
     return fields
 
 
-def _field(obj: Any, key: str, what: str) -> Any:
+def _field(obj: object, key: str, what: str) -> Any:
     if not isinstance(obj, dict) or key not in obj:
         msg = f"server response has no {key!r} in {what}: {str(obj)[:200]}"
         raise RemoteProtocolError(msg)
@@ -67,7 +67,7 @@ def vllm_generate_body(model: str, prompts: Sequence[Sequence[int]], max_new_tok
     return body
 
 
-def vllm_parse_generate(response: Any, num_prompts: int, n: int) -> list[list[Generation]]:
+def vllm_parse_generate(response: object, num_prompts: int, n: int) -> list[list[Generation]]:
     """Per prompt, its ``n`` generations (choices come prompt-major, ``index`` = i * n + j)."""
     choices = sorted(_field(response, "choices", "the completion response"),
                      key=lambda c: _field(c, "index", "a choice"))
@@ -93,7 +93,7 @@ def vllm_score_body(model: str, rows: Sequence[Sequence[int]]) -> dict[str, Any]
             "logprobs": 0, "prompt_logprobs": 0, "return_token_ids": True, "temperature": 0.0}
 
 
-def vllm_parse_score(response: Any, rows: Sequence[Sequence[int]]) -> list[list[float | None]]:
+def vllm_parse_score(response: object, rows: Sequence[Sequence[int]]) -> list[list[float | None]]:
     """Per row, log P(row[t] | row[:t]) for every position t (``None`` at t = 0)."""
     choices = sorted(_field(response, "choices", "the completion response"),
                      key=lambda c: _field(c, "index", "a choice"))
@@ -142,7 +142,7 @@ def _items(response: Any, count: int) -> list[dict[str, Any]]:
     return items
 
 
-def sglang_parse_generate(response: Any, num_prompts: int) -> list[Generation]:
+def sglang_parse_generate(response: object, num_prompts: int) -> list[Generation]:
     out = []
     for item in _items(response, num_prompts):
         meta = _field(item, "meta_info", "a /generate item")
@@ -165,18 +165,19 @@ def sglang_score_body(rows: Sequence[Sequence[int]], starts: Sequence[int]) -> d
             "return_logprob": True, "logprob_start_len": list(starts), "top_logprobs_num": 0}
 
 
-def sglang_parse_score(response: Any, rows: Sequence[Sequence[int]], starts: Sequence[int]
+def sglang_parse_score(response: object, rows: Sequence[Sequence[int]], starts: Sequence[int]
                        ) -> list[list[float | None]]:
     """Per row, log-probs of positions ``starts[i]..len(row)-1`` (earlier positions ``None``)."""
-    out = []
+    out: list[list[float | None]] = []
     for row, start, item in zip(rows, starts, _items(response, len(rows)), strict=True):
         triples = _field(_field(item, "meta_info", "a /generate item"), "input_token_logprobs",
                          "meta_info")
         if len(triples) != len(row) - start:
             msg = f"input_token_logprobs has {len(triples)} entries for positions {start}..{len(row) - 1}"
             raise RemoteProtocolError(msg)
-        values = [None if t[0] is None else float(t[0]) for t in triples]
-        out.append([None] * start + values)
+        values: list[float | None] = [None] * start
+        values += [None if t[0] is None else float(t[0]) for t in triples]
+        out.append(values)
     return out
 
 

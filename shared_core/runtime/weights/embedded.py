@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from urllib.parse import urlsplit
 
@@ -304,7 +305,7 @@ def assembled_gguf(entry: EmbeddedLM) -> Path:
             with tmp.open("wb") as out:
                 for part in parts:
                     with part.open("rb") as fh:
-                        for block in iter(lambda fh=fh: fh.read(1 << 22), b""):
+                        for block in iter(partial(fh.read, 1 << 22), b""):
                             digest.update(block)
                             out.write(block)
             if digest.hexdigest() != entry.sha256:
