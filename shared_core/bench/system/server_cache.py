@@ -59,7 +59,7 @@ class ServerCacheReuse:
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int, threads: int,
                  n_batch: int, cache_reuse: int = 16, *, cache_prompt: bool = True,
-                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S):
+                 start_timeout_s: float = DEFAULT_START_TIMEOUT_S, log_verbosity: int = 3):
         if not xllamacpp_installed():
             msg = ("llama-server's cache needs the xllamacpp wheel (llama.cpp's server): "
                    "pip install 'specrag[bench]'")
@@ -69,7 +69,8 @@ class ServerCacheReuse:
             msg = f"no GGUF file at {path}"
             raise FileNotFoundError(msg)
         self.config = {"model": str(path), "n_ctx": int(n_ctx), "threads": int(threads),
-                       "n_batch": int(n_batch), "cache_reuse": int(cache_reuse)}
+                       "n_batch": int(n_batch), "cache_reuse": int(cache_reuse),
+                       "log_verbosity": int(log_verbosity)}
         self.cache_prompt = cache_prompt
         self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115 - kept open for the child's life
             prefix="specrag-llama-server-", suffix=".log", delete=False)
@@ -90,11 +91,12 @@ class ServerCacheReuse:
                     self.address, path.name, threads, n_ctx, cache_reuse)
 
     @classmethod
-    def for_lm(cls, lm: Any, cache_reuse: int = 16, *, cache_prompt: bool = True) -> ServerCacheReuse:
-        """The server on a loaded llama.cpp ``LM``'s file, context, threads and batch."""
+    def for_lm(cls, lm: Any, cache_reuse: int = 16, **options: Any) -> ServerCacheReuse:
+        """The server on a loaded llama.cpp ``LM``'s file, context, threads and batch
+        (``options``: the constructor's keywords)."""
         model = lm.model
         return cls(model.path, model.n_ctx, model.threads, model.settings.n_batch, cache_reuse,
-                   cache_prompt=cache_prompt)
+                   **options)
 
     @property
     def pid(self) -> int | None:
@@ -259,6 +261,7 @@ def _serve() -> None:
         params.cache_prompt = True
         params.cpuparams.n_threads = params.cpuparams_batch.n_threads = config["threads"]
         params.n_gpu_layers = 0
+        params.verbosity = config["log_verbosity"]
         params.sampling.temp = 0.0
         params.sampling.top_k = 1
         server = xllamacpp.Server(params)
