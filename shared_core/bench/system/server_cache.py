@@ -54,7 +54,10 @@ class ServerCacheReuse:
     server generated, the end-of-generation id included when it stopped there; ``text``; and
     ``cache``: the server's own counts, ``prompt_tokens`` = ``evaluated`` + ``reused``).
     ``steps_s`` holds the server's own prompt and generation times. With ``cache_prompt=False``
-    every request is read whole (a cold server: the reference for its TTFT).
+    every request is read whole (a cold server: the reference for its TTFT). The server's other
+    settings are its defaults, among them its RAM prompt cache (``--cache-ram``, 8 GiB), which
+    only ever restores a common prefix. ``log_verbosity`` is llama.cpp's log level in the
+    child's log (4 adds debug lines).
     """
 
     def __init__(self, model_path: str | os.PathLike[str], n_ctx: int, threads: int,
@@ -105,15 +108,19 @@ class ServerCacheReuse:
 
     def _wait_ready(self, timeout_s: float) -> str:
         """The child's listening address once it has loaded the model and answers ``/health``."""
-        assert self._proc is not None and self._proc.stdout is not None
+        proc = self._proc
+        assert proc is not None and proc.stdout is not None
+        stdout = proc.stdout
         line: list[bytes] = []
-        reader = threading.Thread(target=lambda: line.append(self._proc.stdout.readline()),
-                                  daemon=True)
+        reader = threading.Thread(target=lambda: line.append(stdout.readline()), daemon=True)
         reader.start()
         deadline = time.monotonic() + timeout_s
         reader.join(timeout_s)
         if not line or not line[0].strip():
-            code = self._proc.poll()
+            code = proc.poll()
+            if line:  # its stdout closed: the child is ending or has ended
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    code = proc.wait(10)
             why = (f"it exited with status {code}" if code is not None
                    else f"it was not ready after {timeout_s:.0f} s")
             msg = f"llama-server (xllamacpp) did not start: {why}. Its log:\n{self._log_tail()}"
@@ -136,7 +143,7 @@ class ServerCacheReuse:
                         return address
                 finally:
                     conn.close()
-            if time.monotonic() > deadline or self._proc.poll() is not None:
+            if time.monotonic() > deadline or proc.poll() is not None:
                 msg = (f"llama-server (xllamacpp) at {address} never answered /health. "
                        f"Its log:\n{self._log_tail()}")
                 raise RuntimeError(msg)
