@@ -75,9 +75,10 @@ def greedy_with_margins(lm, ids: list[int], n: int) -> tuple[list[int], list[flo
     tokens: list[int] = []
     margins: list[float] = []
     while len(tokens) < n:
-        top2 = np.sort(np.asarray(logits, dtype=np.float64))[-2:]
+        row = np.asarray(logits, dtype=np.float64)
+        top2 = np.sort(row)[-2:]
         margins.append(float(top2[1] - top2[0]))
-        tokens.append(int(np.argmax(logits)))
+        tokens.append(int(np.argmax(row)))
         if tokens[-1] in lm.eos_token_ids:
             break
         logits = session.extend([tokens[-1]])[-1]
