@@ -162,8 +162,7 @@ class ServerCacheReuse:
             raise RuntimeError(msg)
         body = json.dumps({"prompt": [int(i) for i in ids], "n_predict": int(max_new),
                            "temperature": 0.0, "top_k": 1, "cache_prompt": self.cache_prompt,
-                           "stream": True,
-                           "return_tokens": True, "id_slot": 0})
+                           "stream": True, "return_tokens": True, "id_slot": 0})
         conn = http.client.HTTPConnection(self._host, self._port, timeout=600)
         start = time.perf_counter()
         ttft: float | None = None
@@ -192,7 +191,7 @@ class ServerCacheReuse:
         finally:
             conn.close()
         total = time.perf_counter() - start
-        if ttft is None:  # nothing generated (an end-of-generation id first): the whole call
+        if ttft is None:  # no token streamed (max_new 0): the whole call
             ttft = total
         timings = final.get("timings") or {}
         evaluated = int(timings.get("prompt_n", 0))
