@@ -136,7 +136,8 @@ class ServerCacheReuse:
         parts = urlsplit(address)
         while True:
             with contextlib.suppress(OSError):
-                conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=5)
+                conn = http.client.HTTPConnection(parts.hostname or "127.0.0.1", parts.port,
+                                                  timeout=5)
                 try:
                     conn.request("GET", "/health")
                     if conn.getresponse().status == 200:
