@@ -200,13 +200,12 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         return params
 
     def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
-        return chat_model(self, self.adapter_state(self.lm), override)
+        return chat_model(self, self.lm, override)
 
     def _chat(self, messages: list[BaseMessage], stop: list[str] | None,
               kwargs: dict[str, Any]) -> ChatStream:
         """The one core call, checked now (before any model work)."""
-        return chat(self, to_chat_messages(messages), {**kwargs, "stop": stop},
-                    self.adapter_state(self.lm))
+        return chat(self, to_chat_messages(messages), {**kwargs, "stop": stop}, self.lm)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any

@@ -148,7 +148,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
         """The preloaded LM, else the shared cache's (looked up per call, so
         ``serving.release`` frees it)."""
-        return chat_model(self, self.adapter_state(self._lm), override)
+        return chat_model(self, self._lm, override)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -166,7 +166,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
                    ) -> ChatStream:
         """The one core call, checked now, before any model work (``kwargs`` is left as given:
         LlamaIndex's callback reports it)."""
-        return chat(self, prompt, kwargs, self.adapter_state(self._lm), parse_tools=parse_tools)
+        return chat(self, prompt, kwargs, self._lm, parse_tools=parse_tools)
 
     def _messages(self, prompt: str, formatted: bool) -> Prompt:
         if formatted:

@@ -6,7 +6,7 @@ imported when a generation starts), so the two adapters accept the same settings
 (:class:`~shared_core.frontend.chat_settings.ChatSettings`) and behave the same; each keeps only
 its framework's message and response conversion around one call::
 
-    stream = chat(settings, turns, options, settings.adapter_state(lm))
+    stream = chat(settings, turns, options, lm)
     stream.finish()          # invoke / complete: the whole generation under the model's lock
     for event in stream: ... # stream: ReplyDelta per step, then Finished
 
@@ -87,7 +87,7 @@ __all__ = ["CALL_OPTIONS", "CHAT_SETTINGS", "DEFAULT_ENGINE", "MAX_TOKEN_NAMES",
 
 
 def chat(settings: ChatSettings, prompt: Prompt, options: Mapping[str, Any],
-         state: AdapterState | None = None, *, parse_tools: bool = True) -> ChatStream:
+         lm: SessionLM | None = None, *, parse_tools: bool = True) -> ChatStream:
     """One chat call, checked now, run when read (see the module doc).
 
     ``prompt``: a message list (checked into :class:`ChatTurns` unless it is one already), a
@@ -95,17 +95,18 @@ def chat(settings: ChatSettings, prompt: Prompt, options: Mapping[str, Any],
     call's keyword arguments, any of :data:`CALL_OPTIONS` (another name is a TypeError naming the
     closest one); a ``None`` for ``stop``, ``documents`` or the token limit means the setting.
     ``documents`` may be strings, our documents or either framework's documents / nodes.
-    ``state``: the adapter's preloaded model and engine state (None: neither).
+    ``lm``: the adapter's preloaded model (None: the settings' model, loaded by name).
     ``parse_tools=False`` leaves a reply's tool calls in its text (a completion).
     """
-    request = _checked_request(settings, prompt, dict(options), state or AdapterState())
+    request = _checked_request(settings, prompt, dict(options), settings.adapter_state(lm))
     return ChatStream(request, parse_tools=parse_tools)
 
 
-def chat_model(settings: ChatSettings, state: AdapterState, override: str | None = None
+def chat_model(settings: ChatSettings, lm: SessionLM | None = None, override: str | None = None
                ) -> tuple[SessionLM, FairLock]:
-    """The model a call of these settings runs on and its lock (loaded now if needed)."""
-    return _load(_model_of(settings, state, override), settings.prefix_cache,
+    """The model a call of these settings runs on and its lock (loaded now if needed): see
+    :func:`chat` for ``lm``, ``override`` is a per-call ``model``."""
+    return _load(_model_of(settings, settings.adapter_state(lm), override), settings.prefix_cache,
                  settings.passage_cache_config())
 
 

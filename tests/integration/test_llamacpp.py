@@ -233,7 +233,7 @@ def test_ralmspec_equals_ralmseq_on_llama_cpp(exact_lm):
 
 def test_constrained_respec_equals_constrained_greedy_on_llama_cpp(exact_lm):
     pytest.importorskip("xgrammar")
-    from shared_core.frontend.chat import AdapterState, ChatSettings, chat
+    from shared_core.frontend.chat import ChatSettings, chat
 
     class Settings(ChatSettings):
         max_new_tokens: int = 40
@@ -246,7 +246,7 @@ def test_constrained_respec_equals_constrained_greedy_on_llama_cpp(exact_lm):
     outputs = []
     for engine in ("autoregressive", "respec"):
         stream = chat(Settings(), turns, {"engine": engine, "response_format": {
-            "type": "json_schema", "schema": schema}}, AdapterState(lm=exact_lm))
+            "type": "json_schema", "schema": schema}}, exact_lm)
         outputs.append(stream.finish().reply.result)
     assert outputs[1].token_ids == outputs[0].token_ids
     parsed = json.loads(outputs[0].text)  # schema-valid (what SmolLM2 reads into it is its own)

@@ -11,7 +11,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel
 
-from shared_core.frontend.chat import AdapterState, ChatSettings, chat
+from shared_core.frontend.chat import ChatSettings, chat
 
 pytestmark = [pytest.mark.integration]
 xgrammar = pytest.importorskip("xgrammar")
@@ -37,7 +37,7 @@ class _Settings(ChatSettings):
 
 
 def _run(lm, turns, options):
-    stream = chat(_Settings(), turns, options, AdapterState(lm=lm))
+    stream = chat(_Settings(), turns, options, lm)
     return stream, stream.finish().reply
 
 

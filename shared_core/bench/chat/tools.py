@@ -164,7 +164,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _generate(settings: _Settings, turns: list[dict[str, Any]], options: dict[str, Any]
               ) -> tuple[Any, Any]:
-    reply = chat(settings, turns, options).finish().reply
+    # a copy per call: no engine state (decoders) carried from one prompt to the next
+    reply = chat(settings.model_copy(deep=True), turns, options).finish().reply
     return reply, reply.result
 
 
