@@ -84,6 +84,7 @@ def _atraced(callback: Callable[[], Callable[..., Any]], llm: Any, first: Any,
 
 
 def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:
+    """Each response holds the text so far and its ``delta``; the last one, the report."""
     text = ""
     for event in events:
         if isinstance(event, Finished):
@@ -96,12 +97,14 @@ def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:
 
 
 def _chat_steps(stream: ChatStream, events: Iterator[ChatEvent]) -> ChatResponseGen:
+    """Each response holds the message so far (with tools: content without the calls' text, the
+    calls completed so far) and its ``delta``; the last one equals ``chat``'s reply."""
     content, found = "", []
     for event in events:
         if isinstance(event, Finished):
             raw = event.report.as_dict()
-            yield ChatResponse(message=reply_message(event.reply, bool(stream.tools)), delta="", raw=raw,
-                               additional_kwargs=dict(raw))
+            message = reply_message(event.reply, bool(stream.tools))
+            yield ChatResponse(message=message, delta="", raw=raw, additional_kwargs=dict(raw))
             return
         content, found = content + event.text, [*found, *event.calls]
         message = (tool_message(content, found) if stream.tools
@@ -112,7 +115,7 @@ def _chat_steps(stream: ChatStream, events: Iterator[ChatEvent]) -> ChatResponse
 class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     """LlamaIndex LLM running a speculative engine on a local model (default: ReSpec, SmolLM2).
 
-    Settings: :class:`~shared_core.frontend.chat.ChatSettings` (the same as
+    Settings: :class:`~shared_core.frontend.chat_settings.ChatSettings` (the same as
     ``ChatSpeculative``'s) plus ``max_new_tokens`` (the token limit; per call ``max_tokens`` is
     accepted too), ``context_window`` and a preloaded ``lm`` (first positional argument).
 
@@ -198,9 +201,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
 
     @staticmethod
     def _stream_chat(stream: ChatStream) -> ChatResponseGen:
-        """Each response holds the message so far (with tools: content without the calls' text,
-        the calls completed so far) and its ``delta``; the last one equals ``chat``'s reply.
-        The model is resolved now."""
+        """The model is resolved now; the lock is taken per step, never while the caller reads."""
         return _chat_steps(stream, iter(stream.open()))
 
     # -- FunctionCallingLLM ---------------------------------------------------------------------

@@ -82,8 +82,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 __all__ = ["CALL_OPTIONS", "CHAT_SETTINGS", "DEFAULT_ENGINE", "MAX_TOKEN_NAMES", "AdapterState",
-           "CallReport", "ChatEvent", "ChatSettings", "ChatStream", "Finished", "FoundCall", "ModelKey",
-           "Reply", "ReplyDelta", "chat", "chat_model", "check_response_format"]
+           "CallReport", "ChatEvent", "ChatSettings", "ChatStream", "Finished", "FoundCall",
+           "ModelKey", "Reply", "ReplyDelta", "chat", "chat_model", "check_response_format"]
 
 
 def chat(settings: ChatSettings, prompt: Prompt, options: Mapping[str, Any],
