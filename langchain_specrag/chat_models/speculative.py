@@ -221,18 +221,20 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         stream = self._chat(messages, stop, kwargs)
         index = 0
         for event in stream:
-            if isinstance(event, Finished):
-                yield _last_chunk(event)
-                continue
-            if event.text or not stream.tools:
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=event.text))
-                if run_manager is not None and event.text:
-                    run_manager.on_llm_new_token(event.text, chunk=chunk)
+            # without tools every step is a chunk; with tools, only content and calls are
+            last = isinstance(event, Finished)
+            delta = event.rest if last else event
+            if delta.text or not (last or stream.tools):
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta.text))
+                if run_manager is not None and delta.text:
+                    run_manager.on_llm_new_token(delta.text, chunk=chunk)
                 yield chunk
-            for call in event.calls:
+            for call in delta.calls:
                 yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
                     _call_chunk(call, index)]))
                 index += 1
+            if last:
+                yield _last_chunk(event)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any

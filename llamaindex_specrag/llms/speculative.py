@@ -89,7 +89,7 @@ def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:
     for event in events:
         if isinstance(event, Finished):
             raw = event.report.as_dict()
-            yield CompletionResponse(text=event.reply.text, delta="", raw=raw,
+            yield CompletionResponse(text=event.reply.text, delta=event.rest.text, raw=raw,
                                      additional_kwargs=dict(raw))
             return
         text += event.text
@@ -104,7 +104,8 @@ def _chat_steps(stream: ChatStream, events: Iterator[ChatEvent]) -> ChatResponse
         if isinstance(event, Finished):
             raw = event.report.as_dict()
             message = reply_message(event.reply, bool(stream.tools))
-            yield ChatResponse(message=message, delta="", raw=raw, additional_kwargs=dict(raw))
+            yield ChatResponse(message=message, delta=event.rest.text, raw=raw,
+                               additional_kwargs=dict(raw))
             return
         content, found = content + event.text, [*found, *event.calls]
         message = (tool_message(content, found) if stream.tools

@@ -290,9 +290,10 @@ class _Opened:
 
 class ChatStream:
     """One checked chat call (from :func:`chat`). Iterate it for a :class:`ReplyDelta` per
-    engine step and a last :class:`Finished` (the model's lock taken per step, never while the
-    caller reads), or call :meth:`finish` for the whole generation under the lock. Each read
-    runs the generation anew; the model loads on the first (or at :meth:`open`)."""
+    engine step and a last :class:`Finished` with the rest of the reply (the model's lock taken
+    per step, never while the caller reads), or call :meth:`finish` for the whole generation
+    under the lock. Each read runs the generation anew; the model loads on the first (or at
+    :meth:`open`)."""
 
     def __init__(self, request: _Request, *, parse_tools: bool) -> None:
         self._request = request
@@ -331,7 +332,7 @@ class ChatStream:
         if scanner is not None:
             scanner.feed(result.text)
             scanner.close()
-        return self._finished(result, scanner)
+        return self._finished(result, scanner, None)
 
     def __iter__(self) -> Iterator[ChatEvent]:
         opened = self._open()
@@ -345,12 +346,12 @@ class ChatStream:
             text, calls = scanner.feed(delta)
             if text or calls:  # with tools, a step that decided nothing yields nothing
                 yield ReplyDelta(text, tuple(calls))
-        if scanner is not None:
+        rest = ReplyDelta("")
+        if scanner is not None:  # what the end of the reply decided
             text, calls = scanner.close()
-            if text or calls:
-                yield ReplyDelta(text, tuple(calls))
+            rest = ReplyDelta(text, tuple(calls))
         assert stream.result is not None
-        yield self._finished(stream.result, scanner)
+        yield self._finished(stream.result, scanner, rest)
 
     def _open(self) -> _Opened:
         opened = self.open()._opened
@@ -370,7 +371,9 @@ class ChatStream:
     def _scanner(self) -> ReplyScanner | None:
         return ReplyScanner(self.tools, self._prefill) if self.tools else None
 
-    def _finished(self, result: GenerationResult, scanner: ReplyScanner | None) -> Finished:
+    def _finished(self, result: GenerationResult, scanner: ReplyScanner | None,
+                  rest: ReplyDelta | None) -> Finished:
+        """The last event; ``rest`` None: nothing was yielded before it (the whole reply)."""
         if scanner is None:
             reply = Reply(result.text, result.text, (), (), result)
         else:
@@ -378,4 +381,6 @@ class ChatStream:
                           tuple(scanner.invalid), result)
         report = CallReport.of(result, self._request.engine, self._request.model_name,
                                tool_calls=bool(reply.tool_calls))
-        return Finished(reply, report)
+        if rest is None:
+            rest = ReplyDelta(reply.content, tuple(scanner.found) if scanner else ())
+        return Finished(reply, report, rest)

@@ -1,7 +1,8 @@
 """What a chat call yields (:class:`~shared_core.frontend.chat.ChatStream`): a
-:class:`ReplyDelta` per engine step, then one :class:`Finished` with the whole :class:`Reply` and
-its :class:`CallReport`. Plain frozen data, no framework types: each adapter turns them into its
-framework's chunks, messages and responses."""
+:class:`ReplyDelta` per engine step, then one :class:`Finished` with the whole :class:`Reply`, its
+:class:`CallReport` and the rest of the reply (the deltas and the rest add up to the reply).
+Plain frozen data, no framework types: each adapter turns them into its framework's chunks,
+messages and responses."""
 
 from __future__ import annotations
 
@@ -67,10 +68,13 @@ class CallReport:
 
 @dataclass(frozen=True)
 class Finished:
-    """The end of a call: the whole reply and its report."""
+    """The end of a call: the whole reply, its report, and ``rest``: what the reply holds beyond
+    the :class:`ReplyDelta` events before it (content and calls decided only when the reply
+    ended; with :meth:`~shared_core.frontend.chat.ChatStream.finish`, the whole reply)."""
 
     reply: Reply
     report: CallReport
+    rest: ReplyDelta
 
 
 ChatEvent = ReplyDelta | Finished
