@@ -46,18 +46,21 @@ from langchain_core.messages.tool import ToolCallChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from pydantic import ConfigDict, Field, PrivateAttr
+from pydantic import ConfigDict, Field
 
 from langchain_specrag.chat_models.structured import structured_output
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
-from shared_core.decoding.output import ChatTurns, GenerationResult, chat_turns
-from shared_core.decoding.tool_calls import InvalidToolCall, ToolCall, check_tool_choice, check_tools
+from shared_core.decoding.output import ChatTurns, chat_turns
+from shared_core.decoding.tool_calls import check_tool_choice, check_tools
 from shared_core.frontend.chat import (
-    ChatCall,
+    CallReport,
     ChatSettings,
-    call_report,
-    prepare_call,
-    resolve_model,
+    ChatStream,
+    Finished,
+    FoundCall,
+    Reply,
+    chat,
+    chat_model,
 )
 from shared_core.frontend.serving import FairLock, iterate_in_thread
 from shared_core.util.redact import redact, redacted_dump
@@ -106,7 +109,7 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> ChatTurns:
     return chat_turns([_turn(i, m) for i, m in enumerate(messages)])
 
 
-def _call_chunk(call: ToolCall | InvalidToolCall, index: int) -> ToolCallChunk:
+def _call_chunk(call: FoundCall, index: int) -> ToolCallChunk:
     """One whole call as a chunk. LangChain re-parses chunk arguments when chunks are added, so
     an invalid call's raw text goes as a JSON string: it stays invalid (never a runnable call)."""
     args = json.dumps(call.arguments, ensure_ascii=False)  # an object, or a string if invalid
@@ -114,25 +117,49 @@ def _call_chunk(call: ToolCall | InvalidToolCall, index: int) -> ToolCallChunk:
                          type="tool_call_chunk")
 
 
-def _tool_fields(call: ChatCall, text: str) -> dict[str, Any]:
+def _reply_fields(reply: Reply) -> dict[str, Any]:
     """The message fields of a reply: content, tool calls, invalid tool calls."""
-    content, calls, invalid = call.parse(text)
-    return {"content": content,
+    return {"content": reply.content,
             "tool_calls": [{"name": c.name, "args": c.arguments, "id": c.id, "type": "tool_call"}
-                           for c in calls],
+                           for c in reply.tool_calls],
             "invalid_tool_calls": [{"name": c.name, "args": c.arguments, "id": c.id,
                                     "error": c.error, "type": "invalid_tool_call"}
-                                   for c in invalid]}
+                                   for c in reply.invalid_tool_calls]}
+
+
+def _report_fields(report: CallReport) -> dict[str, Any]:
+    """Usage and metadata of a finished call (a valid tool call, if any, is the finish)."""
+    usage = UsageMetadata(input_tokens=report.prompt_tokens,
+                          output_tokens=report.completion_tokens,
+                          total_tokens=report.prompt_tokens + report.completion_tokens)
+    if report.cached_prompt_tokens:  # prompt ids whose KV the runtime kept (llama.cpp)
+        usage["input_token_details"] = {"cache_read": report.cached_prompt_tokens}
+    metadata = {"model_name": redact(report.model), "finish_reason": report.finish_reason,
+                "engine": report.engine, "speculative_stats": report.speculative_stats}
+    if report.passage_cache:  # reused / recomputed / read prompt ids (passage_cache)
+        metadata["passage_cache"] = report.passage_cache
+    return {"usage_metadata": usage, "response_metadata": metadata}
+
+
+def _message(done: Finished) -> AIMessage:
+    return AIMessage(**_reply_fields(done.reply), **_report_fields(done.report))
+
+
+def _last_chunk(done: Finished) -> ChatGenerationChunk:
+    """The final chunk: usage and metadata (``finish_reason`` "tool_calls" after a valid call,
+    as ``invoke`` reports it)."""
+    return ChatGenerationChunk(message=AIMessageChunk(content="", **_report_fields(done.report),
+                                                      chunk_position="last"))
 
 
 class ChatSpeculative(ChatSettings, BaseChatModel):
     """Chat model running a speculative engine on a local model (default: ReSpec on SmolLM2).
 
-    Settings: :class:`~shared_core.frontend.chat.ChatSettings` (the same as ``SpeculativeLLM``'s)
-    plus ``max_tokens`` (LangChain's name for the token limit; ``None`` = the default),
-    ``streaming`` and a preloaded ``lm``. LangChain's standard ``timeout``, ``max_retries``,
-    ``api_key`` and ``base_url`` are accepted and ignored (a local model makes no requests); any
-    other unknown setting is a ``TypeError`` naming the closest valid one.
+    Settings: :class:`~shared_core.frontend.chat_settings.ChatSettings` (the same as
+    ``SpeculativeLLM``'s) plus ``max_tokens`` (LangChain's name for the token limit; ``None`` =
+    the default), ``streaming`` and a preloaded ``lm``. LangChain's standard ``timeout``,
+    ``max_retries``, ``api_key`` and ``base_url`` are accepted and ignored (a local model makes
+    no requests); any other unknown setting is a ``TypeError`` naming the closest valid one.
 
     Example:
         ``ChatSpeculative(model="smollm2-135m-instruct", max_tokens=128).invoke("Hi")``
@@ -140,15 +167,15 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
     IGNORED_SETTINGS: ClassVar[tuple[str, ...]] = ("timeout", "max_retries", "api_key", "base_url")
+    TOKEN_LIMIT: ClassVar[str] = "max_tokens"
 
     model: str = Field(default=DEFAULT_LM, alias="model_name")
     max_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     streaming: bool = False
     lm: Any = Field(default=None, exclude=True)  # a preloaded shared_core LM (optional)
-    _engine_state: dict[str, Any] = PrivateAttr(default_factory=dict)  # e.g. RAPID's decoders
 
-    def _preloaded_lm(self) -> Any:
-        return self.lm
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.reduce_with(self.lm)
 
     @property
     def _llm_type(self) -> str:
@@ -173,78 +200,52 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         return params
 
     def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
-        return resolve_model(self, self.lm, override)
+        return chat_model(self, self.lm, override)
 
-    def _call(self, messages: list[BaseMessage], stop: list[str] | None,
-              kwargs: dict[str, Any]) -> ChatCall:
-        """Validate one call (before any model work)."""
-        return prepare_call(self, to_chat_messages(messages), {**kwargs, "stop": stop},
-                            lm=self.lm, engine_state=self._engine_state,
-                            limit_name="max_tokens")
-
-    def _final(self, result: GenerationResult, call: ChatCall, tool_calls: bool
-               ) -> dict[str, Any]:
-        """Usage and metadata of a finished call (a valid tool call, if any, is the finish)."""
-        report = call_report(result, call.engine, self.model, tool_calls=tool_calls)
-        usage = UsageMetadata(input_tokens=report["prompt_tokens"],
-                              output_tokens=report["completion_tokens"],
-                              total_tokens=report["prompt_tokens"] + report["completion_tokens"])
-        if report["cached_prompt_tokens"]:  # prompt ids whose KV the runtime kept (llama.cpp)
-            usage["input_token_details"] = {"cache_read": report["cached_prompt_tokens"]}
-        metadata = {"model_name": redact(self.model), "finish_reason": report["finish_reason"],
-                    "engine": call.engine, "speculative_stats": report["speculative_stats"]}
-        if report["passage_cache"]:  # reused / recomputed / read prompt ids (passage_cache)
-            metadata["passage_cache"] = report["passage_cache"]
-        return {"usage_metadata": usage, "response_metadata": metadata}
-
-    def _message(self, result: GenerationResult, call: ChatCall) -> AIMessage:
-        fields = _tool_fields(call, result.text)
-        return AIMessage(**fields, **self._final(result, call, bool(fields["tool_calls"])))
+    def _chat(self, messages: list[BaseMessage], stop: list[str] | None,
+              kwargs: dict[str, Any]) -> ChatStream:
+        """The one core call, checked now (before any model work)."""
+        return chat(self, to_chat_messages(messages), {**kwargs, "stop": stop}, self.lm)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
                   ) -> ChatResult:
-        call = self._call(messages, stop, kwargs)
-        return ChatResult(generations=[ChatGeneration(message=self._message(call.run(), call))])
+        done = self._chat(messages, stop, kwargs).finish()
+        return ChatResult(generations=[ChatGeneration(message=_message(done))])
 
     def _stream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                 run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
                 ) -> Iterator[ChatGenerationChunk]:
         """Text deltas as they come; with tools, each call as a ``tool_call_chunks`` chunk once
         complete (its text never in the content), so the chunks add up to ``invoke``'s message."""
-        call = self._call(messages, stop, kwargs)
-        index, valid = 0, False
-        for text, found, result in call.reply_steps():
-            if text or (not call.tools and result is None):
-                chunk = ChatGenerationChunk(message=AIMessageChunk(content=text))
-                if run_manager is not None and text:
-                    run_manager.on_llm_new_token(text, chunk=chunk)
+        stream = self._chat(messages, stop, kwargs)
+        index = 0
+        for event in stream:
+            # without tools every step is a chunk; with tools, only content and calls are
+            last = isinstance(event, Finished)
+            delta = event.rest if last else event
+            if delta.text or not (last or stream.tools):
+                chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta.text))
+                if run_manager is not None and delta.text:
+                    run_manager.on_llm_new_token(delta.text, chunk=chunk)
                 yield chunk
-            for c in found:
+            for call in delta.calls:
                 yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
-                    _call_chunk(c, index)]))
-                index, valid = index + 1, valid or isinstance(c, ToolCall)
-            if result is not None:
-                yield self._last_chunk(result, call, valid)
-
-    def _last_chunk(self, result: GenerationResult, call: ChatCall, tool_calls: bool
-                    ) -> ChatGenerationChunk:
-        """The final chunk: usage and metadata (``finish_reason`` "tool_calls" after a valid
-        call, as ``invoke`` reports it)."""
-        final = self._final(result, call, tool_calls)
-        return ChatGenerationChunk(message=AIMessageChunk(content="", **final,
-                                                          chunk_position="last"))
+                    _call_chunk(call, index)]))
+                index += 1
+            if last:
+                yield _last_chunk(event)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
                          ) -> ChatResult:
         # step by step on a worker thread: a cancelled call stops within one step
-        call = self._call(messages, stop, kwargs)
-        result = None
-        async for _, result in iterate_in_thread(call.steps()):  # noqa: B007 - the last is the result
+        stream = self._chat(messages, stop, kwargs).open()
+        done = None
+        async for done in iterate_in_thread(iter(stream)):  # noqa: B007 - the last is Finished
             pass
-        assert result is not None
-        return ChatResult(generations=[ChatGeneration(message=self._message(result, call))])
+        assert isinstance(done, Finished)
+        return ChatResult(generations=[ChatGeneration(message=_message(done))])
 
     async def _astream(self, messages: list[BaseMessage], stop: list[str] | None = None,
                        run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any

@@ -23,8 +23,8 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from typing_extensions import TypedDict
 
 from langchain_specrag.runnables._inputs import LangChainPrompt, as_question_input
-from shared_core.frontend.rag import ralmspec_details, ralmspec_documents
-from shared_core.frontend.rag_settings import RaLMSpecSettings, refuses_call_kwargs
+from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, refuses_call_kwargs
+from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecAnswer
 from shared_core.frontend.serving import iterate_in_thread
 
 
@@ -46,15 +46,15 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
 
     with_details: bool = False
 
-    def _output(self, result: Any) -> RaLMSpecOutput:
+    def _output(self, answer: RaLMSpecAnswer) -> RaLMSpecOutput:
         if not self.with_details:
-            return result.text
+            return answer.text
         docs = [LCDocument(page_content=d.text, metadata=dict(d.metadata), id=d.id)
-                for d in ralmspec_documents(result)]
-        return {"answer": result.text, "documents": docs, **ralmspec_details(result)}
+                for d in answer.documents]
+        return {"answer": answer.text, "documents": docs, **answer.details}
 
     def _run(self, value: Any) -> RaLMSpecOutput:
-        return self._output(self._stream(as_question_input(value)[0]).run())
+        return self._output(ralmspec(self, as_question_input(value)[0]).finish())
 
     @refuses_call_kwargs
     def invoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
@@ -71,7 +71,8 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
 
     def _deltas(self, inputs: Iterator[Any]) -> Iterator[str]:
         for value in inputs:
-            yield from self._stream(as_question_input(value)[0])
+            yield from (e.text for e in ralmspec(self, as_question_input(value)[0])
+                        if isinstance(e, AnswerDelta))
 
     @refuses_call_kwargs
     def stream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,

@@ -21,7 +21,7 @@ runs: the callback reads ``metadata``, which without a ``context_window`` loads 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -47,18 +47,13 @@ from llamaindex_specrag.llms.tools import (
     tool_selections,
 )
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, check_int
-from shared_core.decoding.tool_calls import ToolCall, template_takes_tools
-from shared_core.frontend.chat import (
-    CallRequest,
-    ChatCall,
-    ChatSettings,
-    call_report,
-    check_call,
-    resolve_model,
-    start_call,
-)
+from shared_core.decoding.tool_calls import template_takes_tools
+from shared_core.frontend.chat import ChatEvent, ChatSettings, ChatStream, Finished, chat, chat_model
 from shared_core.frontend.serving import FairLock, iterate_in_thread
 from shared_core.util.redact import redact
+
+if TYPE_CHECKING:
+    from shared_core.engines.loop import Prompt
 
 
 async def _last(items: AsyncIterator[Any]) -> Any:
@@ -88,10 +83,40 @@ def _atraced(callback: Callable[[], Callable[..., Any]], llm: Any, first: Any,
     return callback()(method)(llm, first, **kwargs)
 
 
+def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:
+    """Each response holds the text so far and its ``delta``; the last one, the report."""
+    text = ""
+    for event in events:
+        if isinstance(event, Finished):
+            raw = event.report.as_dict()
+            yield CompletionResponse(text=event.reply.text, delta=event.rest.text, raw=raw,
+                                     additional_kwargs=dict(raw))
+            return
+        text += event.text
+        yield CompletionResponse(text=text, delta=event.text, raw=None, additional_kwargs={})
+
+
+def _chat_steps(stream: ChatStream, events: Iterator[ChatEvent]) -> ChatResponseGen:
+    """Each response holds the message so far (with tools: content without the calls' text, the
+    calls completed so far) and its ``delta``; the last one equals ``chat``'s reply."""
+    content, found = "", []
+    for event in events:
+        if isinstance(event, Finished):
+            raw = event.report.as_dict()
+            message = reply_message(event.reply, bool(stream.tools))
+            yield ChatResponse(message=message, delta=event.rest.text, raw=raw,
+                               additional_kwargs=dict(raw))
+            return
+        content, found = content + event.text, [*found, *event.calls]
+        message = (tool_message(content, found) if stream.tools
+                   else ChatMessage(role=MessageRole.ASSISTANT, content=content))
+        yield ChatResponse(message=message, delta=event.text, raw=None, additional_kwargs={})
+
+
 class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     """LlamaIndex LLM running a speculative engine on a local model (default: ReSpec, SmolLM2).
 
-    Settings: :class:`~shared_core.frontend.chat.ChatSettings` (the same as
+    Settings: :class:`~shared_core.frontend.chat_settings.ChatSettings` (the same as
     ``ChatSpeculative``'s) plus ``max_new_tokens`` (the token limit; per call ``max_tokens`` is
     accepted too), ``context_window`` and a preloaded ``lm`` (first positional argument).
 
@@ -107,7 +132,6 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     context_window: int | None = Field(default=None, description="None = the model's window")
     _lm: Any = PrivateAttr(default=None)  # a preloaded shared_core LM (else the shared cache)
-    _engine_state: dict[str, Any] = PrivateAttr(default_factory=dict)  # e.g. RAPID's decoders
 
     @field_validator("context_window", mode="before")
     @classmethod
@@ -118,8 +142,8 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         super().__init__(**kwargs)
         self._lm = lm
 
-    def _preloaded_lm(self) -> Any:
-        return self._lm
+    def __reduce__(self) -> tuple[Any, ...]:
+        return self.reduce_with(self._lm)
 
     @classmethod
     def class_name(cls) -> str:
@@ -128,7 +152,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
         """The preloaded LM, else the shared cache's (looked up per call, so
         ``serving.release`` frees it)."""
-        return resolve_model(self, self._lm, override)
+        return chat_model(self, self._lm, override)
 
     @property
     def metadata(self) -> LLMMetadata:
@@ -142,71 +166,44 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         return template_takes_tools(self._model()[0])
 
     # -- one generation path ----------------------------------------------------------------
-    def _check(self, prompt: str | list[dict[str, str]], kwargs: dict[str, Any]) -> CallRequest:
-        """Validate one call once, before any model work (``kwargs`` is left as given: LlamaIndex's
-        callback reports it)."""
-        return check_call(self, prompt, dict(kwargs), limit_name="max_new_tokens")
+    def _chat_call(self, prompt: Prompt, kwargs: dict[str, Any], *, parse_tools: bool = True
+                   ) -> ChatStream:
+        """The one core call, checked now, before any model work (``kwargs`` is left as given:
+        LlamaIndex's callback reports it)."""
+        return chat(self, prompt, kwargs, self._lm, parse_tools=parse_tools)
 
-    def _start(self, request: CallRequest) -> ChatCall:
-        """The checked call on its model (loaded now if needed)."""
-        return start_call(request, self, lm=self._lm, engine_state=self._engine_state)
-
-    def _steps(self, call: ChatCall) -> Iterator[tuple[str, str, dict[str, Any] | None]]:
-        text = ""
-        for delta, result in call.steps():
-            if result is not None:
-                yield result.text, "", call_report(result, call.engine, self.model)
-                return
-            text += delta
-            yield text, delta, None
-
-    def _messages(self, prompt: str, formatted: bool) -> str | list[dict[str, str]]:
+    def _messages(self, prompt: str, formatted: bool) -> Prompt:
         if formatted:
             return prompt
         turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*turns, {"role": "user", "content": prompt}]
 
-    def _complete(self, request: CallRequest) -> CompletionResponse:
-        call = self._start(request)
-        result = call.run()  # the whole generation under the lock
-        raw = call_report(result, call.engine, self.model)
-        return CompletionResponse(text=result.text, raw=raw, additional_kwargs=dict(raw))
+    def _completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> ChatStream:
+        """A completion leaves tool calls in the text."""
+        return self._chat_call(self._messages(prompt, formatted), kwargs, parse_tools=False)
 
-    def _stream_complete(self, request: CallRequest) -> CompletionResponseGen:
+    @staticmethod
+    def _complete(stream: ChatStream) -> CompletionResponse:
+        done = stream.finish()  # the whole generation under the lock
+        raw = done.report.as_dict()
+        return CompletionResponse(text=done.reply.text, raw=raw, additional_kwargs=dict(raw))
+
+    @staticmethod
+    def _stream_complete(stream: ChatStream) -> CompletionResponseGen:
         """The model is resolved now; the lock is taken per step, never while the caller reads."""
-        steps = self._steps(self._start(request))
-        return (CompletionResponse(text=text, delta=delta, raw=raw,
-                                   additional_kwargs=dict(raw or {}))
-                for text, delta, raw in steps)
+        return _completion_steps(iter(stream.open()))
 
-    def _chat(self, request: CallRequest) -> ChatResponse:
-        call = self._start(request)
-        result = call.run()
-        message = reply_message(call, result.text)
-        raw = call_report(result, call.engine, self.model,
-                          tool_calls=bool(message.additional_kwargs.get("tool_calls")))
-        return ChatResponse(message=message, raw=raw, additional_kwargs=dict(raw))
+    @staticmethod
+    def _chat(stream: ChatStream) -> ChatResponse:
+        done = stream.finish()
+        raw = done.report.as_dict()
+        return ChatResponse(message=reply_message(done.reply, bool(stream.tools)), raw=raw,
+                            additional_kwargs=dict(raw))
 
-    def _stream_chat(self, request: CallRequest) -> ChatResponseGen:
-        return self._chat_steps(self._start(request))  # the model is resolved now
-
-    def _chat_steps(self, call: ChatCall) -> ChatResponseGen:
-        """Each response holds the message so far (with tools: content without the calls' text,
-        the calls completed so far) and its ``delta``; the last one equals ``chat``'s reply."""
-        if not call.tools:
-            for text, delta, raw in self._steps(call):
-                yield ChatResponse(message=reply_message(call, text), delta=delta, raw=raw,
-                                   additional_kwargs=dict(raw or {}))
-            return
-        content, found = "", []
-        for delta, calls, result in call.reply_steps():
-            content, found = content + delta, found + calls
-            raw = None if result is None else call_report(
-                result, call.engine, self.model,
-                tool_calls=any(isinstance(c, ToolCall) for c in found))
-            if delta or calls or raw is not None:
-                yield ChatResponse(message=tool_message(content, found), delta=delta, raw=raw,
-                                   additional_kwargs=dict(raw or {}))
+    @staticmethod
+    def _stream_chat(stream: ChatStream) -> ChatResponseGen:
+        """The model is resolved now; the lock is taken per step, never while the caller reads."""
+        return _chat_steps(stream, iter(stream.open()))
 
     # -- FunctionCallingLLM ---------------------------------------------------------------------
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
@@ -223,57 +220,57 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     # -- public API: sync, streaming, and async on worker threads ---------------------------
     # each checks its call first, then runs inside LlamaIndex's callback (``_traced``)
     def complete(self, prompt: str, formatted: bool = False, **kwargs: Any) -> CompletionResponse:
-        request = self._check(self._messages(prompt, formatted), kwargs)
+        stream = self._completion(prompt, formatted, kwargs)
         return _traced(llm_completion_callback, self, prompt, kwargs,
-                       lambda: self._complete(request))
+                       lambda: self._complete(stream))
 
     def stream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any
                         ) -> CompletionResponseGen:
-        request = self._check(self._messages(prompt, formatted), kwargs)
+        stream = self._completion(prompt, formatted, kwargs)
         return _traced(llm_completion_callback, self, prompt, kwargs,
-                       lambda: self._stream_complete(request))
+                       lambda: self._stream_complete(stream))
 
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any
                         ) -> CompletionResponse:
-        request = self._check(self._messages(prompt, formatted), kwargs)
+        stream = self._completion(prompt, formatted, kwargs)
 
         async def run() -> CompletionResponse:
             # step by step on a worker thread: a cancelled call stops within one step
-            return await _last(iterate_in_thread(self._stream_complete(request)))
+            return await _last(iterate_in_thread(self._stream_complete(stream)))
 
         return await _atraced(llm_completion_callback, self, prompt, kwargs, run)
 
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any
                                ) -> CompletionResponseAsyncGen:
-        request = self._check(self._messages(prompt, formatted), kwargs)
+        stream = self._completion(prompt, formatted, kwargs)
 
         async def run() -> CompletionResponseAsyncGen:
-            return iterate_in_thread(self._stream_complete(request))
+            return iterate_in_thread(self._stream_complete(stream))
 
         return await _atraced(llm_completion_callback, self, prompt, kwargs, run)
 
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        request = self._check(chat_dicts(messages), kwargs)
-        return _traced(llm_chat_callback, self, messages, kwargs, lambda: self._chat(request))
+        stream = self._chat_call(chat_dicts(messages), kwargs)
+        return _traced(llm_chat_callback, self, messages, kwargs, lambda: self._chat(stream))
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        request = self._check(chat_dicts(messages), kwargs)
+        stream = self._chat_call(chat_dicts(messages), kwargs)
         return _traced(llm_chat_callback, self, messages, kwargs,
-                       lambda: self._stream_chat(request))
+                       lambda: self._stream_chat(stream))
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        request = self._check(chat_dicts(messages), kwargs)
+        stream = self._chat_call(chat_dicts(messages), kwargs)
 
         async def run() -> ChatResponse:
-            return await _last(iterate_in_thread(self._stream_chat(request)))
+            return await _last(iterate_in_thread(self._stream_chat(stream)))
 
         return await _atraced(llm_chat_callback, self, messages, kwargs, run)
 
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
                            ) -> ChatResponseAsyncGen:
-        request = self._check(chat_dicts(messages), kwargs)
+        stream = self._chat_call(chat_dicts(messages), kwargs)
 
         async def run() -> ChatResponseAsyncGen:
-            return iterate_in_thread(self._stream_chat(request))
+            return iterate_in_thread(self._stream_chat(stream))
 
         return await _atraced(llm_chat_callback, self, messages, kwargs, run)

@@ -18,7 +18,7 @@ from llama_index.core.llms.llm import ToolSelection
 
 from shared_core.decoding.output import ChatTurns, chat_turns
 from shared_core.decoding.tool_calls import InvalidToolCall, ToolCall, check_tools
-from shared_core.frontend.chat import ChatCall
+from shared_core.frontend.chat import Reply
 
 # LlamaIndex roles the chat templates know under another name
 _ROLES = {"developer": "system", "function": "tool", "chatbot": "assistant", "model": "assistant"}
@@ -66,13 +66,12 @@ def chat_dicts(messages: Sequence[ChatMessage]) -> ChatTurns:
     return chat_turns(out)
 
 
-def reply_message(call: ChatCall, text: str) -> ChatMessage:
+def reply_message(reply: Reply, tools: bool) -> ChatMessage:
     """The assistant message of a reply: text, plus ToolCallBlocks and OpenAI-style
-    ``additional_kwargs["tool_calls"]`` when tools were offered."""
-    if not call.tools:
-        return ChatMessage(role=MessageRole.ASSISTANT, content=text)
-    content, calls, invalid = call.parse(text)
-    return tool_message(content, [*calls, *invalid])
+    ``additional_kwargs["tool_calls"]`` when ``tools`` were offered."""
+    if not tools:
+        return ChatMessage(role=MessageRole.ASSISTANT, content=reply.text)
+    return tool_message(reply.content, [*reply.tool_calls, *reply.invalid_tool_calls])
 
 
 def tool_message(content: str, found: Sequence[ToolCall | InvalidToolCall]) -> ChatMessage:

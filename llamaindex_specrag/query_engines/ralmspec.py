@@ -27,25 +27,26 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore
 
 from llamaindex_specrag._query import CheckedQuery, query_text, source_nodes
-from shared_core.frontend.rag import ralmspec_details, ralmspec_documents
-from shared_core.frontend.rag_settings import RaLMSpecSettings
+from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec
+from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecStream
 from shared_core.frontend.serving import iterate_in_thread
 
 if TYPE_CHECKING:
-    from shared_core.decoding.output import GenerationResult
-    from shared_core.engines.baseline import TokenStream
+    from shared_core.frontend.rag_streams import RaLMSpecAnswer
 
 
-def _nodes(result: GenerationResult) -> list[NodeWithScore]:
-    return source_nodes(ralmspec_documents(result), score=None)
+def _nodes(answer: RaLMSpecAnswer) -> list[NodeWithScore]:
+    return source_nodes(answer.documents, score=None)
 
 
-def _deltas(stream: TokenStream, response: Any) -> Iterator[str]:
-    """The stream's deltas; at its end the result's nodes and details go into ``response``."""
-    yield from stream
-    if stream.result is not None:
-        response.source_nodes = _nodes(stream.result)
-        response.metadata = ralmspec_details(stream.result)
+def _deltas(stream: RaLMSpecStream, response: Any) -> Iterator[str]:
+    """The stream's deltas; at its end the answer's nodes and details go into ``response``."""
+    for event in stream:
+        if isinstance(event, AnswerDelta):
+            yield event.text
+        else:
+            response.source_nodes = _nodes(event)
+            response.metadata = event.details
 
 
 class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
@@ -59,11 +60,11 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
     streaming: bool = False
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
-        stream = self._stream(query_text(query_str))  # settings and model checked here
+        stream = ralmspec(self, query_text(query_str))  # settings and model checked here
         if not self.streaming:
-            result = stream.run()
-            return Response(response=result.text, source_nodes=_nodes(result),
-                            metadata=ralmspec_details(result))
+            answer = stream.finish()
+            return Response(response=answer.text, source_nodes=_nodes(answer),
+                            metadata=answer.details)
 
         def deltas() -> Iterator[str]:  # runs once ``response`` exists
             yield from _deltas(stream, response)
@@ -74,7 +75,7 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
         if not self.streaming:
             return await asyncio.to_thread(self.custom_query, query_str)
-        stream = await asyncio.to_thread(self._stream, query_text(query_str))
+        stream = await asyncio.to_thread(ralmspec, self, query_text(query_str))
 
         async def deltas() -> AsyncIterator[str]:
             async for delta in iterate_in_thread(_deltas(stream, response)):

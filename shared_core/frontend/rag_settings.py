@@ -57,12 +57,12 @@ from shared_core.frontend.rag import (
     prebuilt_engine_check,
 )
 from shared_core.frontend.rag_pickle import portable_state
+from shared_core.frontend.rag_streams import RaLMSpecStream
 from shared_core.retrieval.frameworks import DocumentList, retrieve, retrieved_documents
 from shared_core.retrieval.timeout import call_with_timeout
 from shared_core.util.redact import redacted_dump, redacted_repr_args
 
 if TYPE_CHECKING:
-    from shared_core.engines.baseline import TokenStream
     from shared_core.engines.ralmspec import RaLMSpec
     from shared_core.engines.speculative_rag import SpeculativeRAG
     from shared_core.retrieval.base import Document
@@ -299,6 +299,10 @@ class RaLMSpecSettings(RAGSettings):
     def _engine(self) -> RaLMSpec:
         return self._engines.get(self, self.engine_prompt())
 
-    def _stream(self, question: str) -> TokenStream:
-        return self._engines.stream(self, question, self.engine_prompt())
+
+def ralmspec(settings: RaLMSpecSettings, question: str) -> RaLMSpecStream:
+    """The RaLMSpec adapters' one call: RaLMSpec (RaLMSeq with ``baseline``) for a checked
+    ``question`` on the engine of the current settings (built on first use, rebuilt after a
+    change), started now; read it to the end or stream it."""
+    return RaLMSpecStream(settings._engines.stream(settings, question, settings.engine_prompt()))
 

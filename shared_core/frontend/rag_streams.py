@@ -6,7 +6,8 @@ written, drafts scored), then the chosen answer in word-sized chunks whose conca
 answer. :func:`speculative_rag_stream` runs the engine on a worker thread and yields both kinds of
 item in that order; each adapter turns them into its framework's chunks (LangChain: custom
 events + ``AddableDict`` / ``str`` chunks; LlamaIndex: a ``StreamingResponse``). RaLMSpec streams
-natively: its ``TokenStream`` yields verified deltas, which both adapters pass through.
+natively: :class:`RaLMSpecStream` (what :func:`shared_core.frontend.rag_settings.ralmspec` returns)
+yields an :class:`AnswerDelta` per verified step, then the :class:`RaLMSpecAnswer`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ import re
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from shared_core.frontend.rag import ralmspec_details, ralmspec_documents
+
+if TYPE_CHECKING:
+    from shared_core.decoding.output import GenerationResult
+    from shared_core.engines.baseline import TokenStream
+    from shared_core.retrieval.base import Document
 
 _CHUNK = re.compile(r"\S+\s*|\s+")
 
@@ -78,4 +86,51 @@ def speculative_rag_stream(answer: Callable[[Callable[[str, dict[str, Any]], Non
             return
 
 
-__all__ = ["AnswerChunk", "StageEvent", "StreamItem", "answer_chunks", "speculative_rag_stream"]
+@dataclass(frozen=True)
+class AnswerDelta:
+    """Verified answer text of one RaLMSpec step."""
+
+    text: str
+
+
+@dataclass(frozen=True)
+class RaLMSpecAnswer:
+    """The end of a RaLMSpec call: the answer, the documents it was generated under (each once,
+    in first-use order) and the details both adapters report (:func:`ralmspec_details`)."""
+
+    text: str
+    documents: tuple[Document, ...]
+    details: dict[str, Any]
+
+    @classmethod
+    def of(cls, result: GenerationResult) -> RaLMSpecAnswer:
+        return cls(result.text, tuple(ralmspec_documents(result)), ralmspec_details(result))
+
+
+RaLMSpecEvent = AnswerDelta | RaLMSpecAnswer
+
+
+class RaLMSpecStream:
+    """A started RaLMSpec (or RaLMSeq) generation: iterate it for an :class:`AnswerDelta` per
+    verified step, then the :class:`RaLMSpecAnswer`, or :meth:`finish` it for the answer. A
+    consumer that stops early stops the generation."""
+
+    def __init__(self, tokens: TokenStream) -> None:
+        self._tokens = tokens
+
+    def finish(self) -> RaLMSpecAnswer:
+        return RaLMSpecAnswer.of(self._tokens.run())
+
+    def __iter__(self) -> Iterator[RaLMSpecEvent]:
+        try:
+            for text in self._tokens:
+                yield AnswerDelta(text)
+        finally:
+            if self._tokens.result is None:
+                self._tokens.close()
+        assert self._tokens.result is not None
+        yield RaLMSpecAnswer.of(self._tokens.result)
+
+
+__all__ = ["AnswerChunk", "AnswerDelta", "RaLMSpecAnswer", "RaLMSpecEvent", "RaLMSpecStream",
+           "StageEvent", "StreamItem", "answer_chunks", "speculative_rag_stream"]

@@ -233,7 +233,7 @@ def test_ralmspec_equals_ralmseq_on_llama_cpp(exact_lm):
 
 def test_constrained_respec_equals_constrained_greedy_on_llama_cpp(exact_lm):
     pytest.importorskip("xgrammar")
-    from shared_core.frontend.chat import ChatSettings, prepare_call
+    from shared_core.frontend.chat import ChatSettings, chat
 
     class Settings(ChatSettings):
         max_new_tokens: int = 40
@@ -245,10 +245,9 @@ def test_constrained_respec_equals_constrained_greedy_on_llama_cpp(exact_lm):
                                          "teaches maths in Hamburg."}]
     outputs = []
     for engine in ("autoregressive", "respec"):
-        call = prepare_call(Settings(), turns, {"engine": engine, "response_format": {
-            "type": "json_schema", "schema": schema}}, lm=exact_lm, engine_state={},
-            limit_name="max_new_tokens")
-        outputs.append(call.run())
+        stream = chat(Settings(), turns, {"engine": engine, "response_format": {
+            "type": "json_schema", "schema": schema}}, exact_lm)
+        outputs.append(stream.finish().reply.result)
     assert outputs[1].token_ids == outputs[0].token_ids
     parsed = json.loads(outputs[0].text)  # schema-valid (what SmolLM2 reads into it is its own)
     assert isinstance(parsed["name"], str) and isinstance(parsed["age"], int)

@@ -11,7 +11,7 @@ from typing import Literal
 import pytest
 from pydantic import BaseModel
 
-from shared_core.frontend.chat import ChatSettings, prepare_call
+from shared_core.frontend.chat import ChatSettings, chat
 
 pytestmark = [pytest.mark.integration]
 xgrammar = pytest.importorskip("xgrammar")
@@ -37,9 +37,8 @@ class _Settings(ChatSettings):
 
 
 def _run(lm, turns, options):
-    call = prepare_call(_Settings(), turns, dict(options), lm=lm, engine_state={},
-                        limit_name="max_new_tokens")
-    return call, call.run()
+    stream = chat(_Settings(), turns, options, lm)
+    return stream, stream.finish().reply
 
 
 @pytest.mark.parametrize("text", TEXTS)
@@ -48,8 +47,8 @@ def test_constrained_respec_equals_constrained_greedy_and_validates(smollm, text
     fmt = {"response_format": {"type": "json_schema", "schema": Person.model_json_schema()}}
     _, plain = _run(smollm, turns, {**fmt, "engine": "autoregressive"})
     _, fast = _run(smollm, turns, {**fmt, "engine": "respec"})
-    assert fast.token_ids == plain.token_ids
-    assert plain.stats.finish_reason == "stop"
+    assert fast.result.token_ids == plain.result.token_ids
+    assert plain.result.stats.finish_reason == "stop"
     Person.model_validate_json(plain.text)
 
 
@@ -57,10 +56,10 @@ def test_constrained_respec_equals_constrained_greedy_and_validates(smollm, text
 def test_forced_tool_call_with_speculation_equals_plain(smollm, choice):
     turns = [{"role": "user", "content": "What's the weather like in Lisbon right now?"}]
     options = {"tools": [WEATHER], "tool_choice": choice}
-    call, plain = _run(smollm, turns, {**options, "engine": "autoregressive"})
+    _, plain = _run(smollm, turns, {**options, "engine": "autoregressive"})
     _, fast = _run(smollm, turns, {**options, "engine": "respec"})
-    assert fast.token_ids == plain.token_ids
-    _, calls, invalid = call.parse(plain.text)
+    assert fast.result.token_ids == plain.result.token_ids
+    calls, invalid = plain.tool_calls, plain.invalid_tool_calls
     assert not invalid and [(c.name, c.arguments) for c in calls] == [
         ("get_weather", {"city": "Lisbon"})]
 
@@ -98,21 +97,21 @@ def test_auto_constrained_respec_equals_auto_constrained_greedy(smollm, question
     call, plain = _run(smollm, turns, {**options, "engine": "autoregressive"})
     _, fast = _run(smollm, turns, {**options, "engine": "respec"})
     assert call.constraint is not None and call.constraint.kind == "structural_tag"
-    assert fast.token_ids == plain.token_ids
+    assert fast.result.token_ids == plain.result.token_ids
 
 
 def test_auto_call_is_valid_because_of_the_grammar(smollm, monkeypatch):
     turns = [{"role": "user", "content": ASKS_FOR_CALL}]
     options = {"tools": [WEATHER, ADD], "tool_choice": "auto", "engine": "respec"}
-    call, result = _run(smollm, turns, options)
-    _, calls, invalid = call.parse(result.text)
+    _, reply = _run(smollm, turns, options)
+    calls, invalid = reply.tool_calls, reply.invalid_tool_calls
     assert not invalid and [c.name for c in calls] == ["get_weather"]
     WeatherArgs.model_validate(calls[0].arguments)
     assert calls[0].arguments == {"city": "Lisbon"}
     monkeypatch.setattr("shared_core.frontend.chat.xgrammar_available", lambda: False)
-    free, result = _run(smollm, turns, options)
+    free, reply = _run(smollm, turns, options)
     assert free.constraint is None
-    _, calls, invalid = free.parse(result.text)
+    calls, invalid = reply.tool_calls, reply.invalid_tool_calls
     assert not calls and invalid  # the same model unconstrained: no valid call
 
 

@@ -115,3 +115,26 @@ def test_runnable_schemas() -> None:
 
     schema = RaLMSpecRunnable().get_input_schema().model_json_schema()
     assert schema["$defs"]["RaLMSpecInput"]["required"] == ["question"]
+
+
+def test_one_core_call_streams_what_finish_returns_and_stops_when_abandoned(tiny_target) -> None:
+    from langchain_specrag import RaLMSpecRunnable
+    from shared_core.frontend.rag_settings import ralmspec
+    from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecAnswer
+
+    engine = RaLMSpec(tiny_target, LCRetriever(_hits), CONFIG)
+    runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=16, async_verify=False)
+    *deltas, answer = list(ralmspec(runnable, "who wrote the report?"))
+    assert all(isinstance(d, AnswerDelta) for d in deltas) and isinstance(answer, RaLMSpecAnswer)
+    whole = ralmspec(runnable, "who wrote the report?").finish()
+    assert "".join(d.text for d in deltas) == answer.text == whole.text
+    assert answer.details["token_ids"] == whole.details["token_ids"]
+    assert [d.id for d in answer.documents] == [d.id for d in whole.documents]
+    stream = ralmspec(runnable, "who wrote the report?")
+    events = iter(stream)
+    next(events)
+    tokens = stream._tokens
+    events.close()  # the consumer stops: the generation is stopped, not left running
+    with pytest.raises(StopIteration):
+        next(tokens)
+    assert tokens.result is None

@@ -11,7 +11,7 @@ benchmark (not from the shared data):
   constrained decoding (xgrammar), for each engine; constrained ReSpec compared token for token
   with constrained plain decoding.
 
-Every call goes through :func:`shared_core.frontend.chat.prepare_call` (what ``ChatSpeculative``
+Every call goes through :func:`shared_core.frontend.chat.chat` (what ``ChatSpeculative``
 and ``SpeculativeLLM`` run), greedy, one model, one process, after a warm-up call per engine.
 The engines are interleaved: each prompt runs on every engine in turn before the next prompt,
 so on a shared machine they see the same load; the report has the total and the per-prompt
@@ -31,7 +31,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ValidationError, create_model
 
 from shared_core.config import DEFAULT_LM
-from shared_core.frontend.chat import ChatSettings, prepare_call
+from shared_core.frontend.chat import ChatSettings, chat
 from shared_core.util.device import cpu_facts
 
 logger = logging.getLogger(__name__)
@@ -165,9 +165,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def _generate(settings: _Settings, turns: list[dict[str, Any]], options: dict[str, Any]
               ) -> tuple[Any, Any]:
-    call = prepare_call(settings, turns, dict(options), lm=None, engine_state={},
-                        limit_name="max_new_tokens")
-    return call, call.run()
+    # a copy per call: no engine state (decoders) carried from one prompt to the next
+    reply = chat(settings.model_copy(deep=True), turns, options).finish().reply
+    return reply, reply.result
 
 
 def _args_valid(tool: str, args: dict[str, Any]) -> bool:
@@ -189,7 +189,7 @@ def _expected(args: dict[str, Any], want: dict[str, Any]) -> bool:
     return all(same(args.get(k), v) for k, v in want.items())
 
 
-Run = tuple[Any, Any]  # (ChatCall, GenerationResult)
+Run = tuple[Any, Any]  # (Reply, GenerationResult)
 
 
 def _interleaved(cases: list[Any], engines: list[str], one: Callable[[Any, str], Run]
@@ -226,8 +226,8 @@ def _speed(runs: list[Run], walls: list[float]) -> dict[str, Any]:
 
 def _tool_scores(runs: list[Run], prompts: list[Any]) -> dict[str, str]:
     counts = {"called": 0, "right_tool": 0, "right_tool_valid_args": 0, "expected_args": 0}
-    for (call, result), (_, tool, want) in zip(runs, prompts, strict=True):
-        _, calls, _ = call.parse(result.text)
+    for (reply, _), (_, tool, want) in zip(runs, prompts, strict=True):
+        calls = reply.tool_calls
         first = calls[0] if calls else None
         counts["called"] += first is not None
         right = first is not None and first.name == tool
