@@ -647,12 +647,12 @@ def test_parallel_rows_read_their_passages_from_the_cache(rt: Runtime, tmp_path:
         if mode == "blend":
             register_passages(lm, PASSAGES)
         cold = _parallel(lm, rows)
-        assert cache.last.reused == 0 and cache.last.stored >= 1
+        assert cache.last.stored >= 1  # a later row may reuse what an earlier one stored
         warm = _parallel(lm, rows)
         report = cache.last
         assert report.reused > 0 and report.computed_alone == 0
         assert passage_stats(lm)["last"]["reused"] == report.reused
         if mode == "blend":
-            assert report.recomputed == report.reused
+            assert report.recomputed >= report.reused  # every reused id (llama.cpp: runs join gaps)
             assert report.kept + report.reused + report.read == sum(map(len, rows))
         assert warm == cold == reference

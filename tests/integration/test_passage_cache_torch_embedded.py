@@ -63,3 +63,27 @@ def test_smollm_blend_reuses_passages_in_another_order(smollm, cached):
     assert report.reused > 0 and report.computed_alone == 0 and report.probe == len(ids)
     assert abs(report.recomputed - 0.3 * report.reused) <= 1
     assert len(tokens) == 6 and bool(torch.isfinite(logits).all())
+
+
+def test_the_benchmark_runs_every_torch_method_on_the_same_report(tmp_path):
+    """``python -m shared_core.bench passage-cache --backend torch`` on two questions: the
+    llama.cpp report's methods but LlamaRAMCache, the exact contract, the backend named."""
+    import argparse
+
+    from shared_core.bench.system import passage_cache as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--backend", "torch", "--model", "smollm2-135m-instruct",
+                              "--datasets", "nq", "--limit", "2", "--shares", "0", "--exact", "1",
+                              "--max-new-tokens", "2", "--kv-dir", str(tmp_path / "kv")])
+    args.out, args.plot = str(tmp_path / "report.json"), None
+    report = bench.run(args)
+    assert report["backend"] == "torch" and report["n_ctx"] is None
+    methods = report["datasets"]["nq"]["methods"]
+    assert set(methods) == {"full", "blend_stream", "blend_0", "exact_cold", "exact_warm"}
+    assert methods["exact_warm"]["answer_equal"] == "1/1"  # the exact contract
+    assert methods["exact_warm"]["cache"]["reused"] > 0
+    assert methods["blend_0"]["cache"]["reused"] > 0
+    assert methods["blend_0"]["steps_s"] and "place" in methods["blend_0"]["steps_s"]
+    assert {"gained", "lost", "p_value"} <= set(methods["blend_0"]["accuracy_vs_full"])
