@@ -525,7 +525,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   if streams[d].rows}
             write_report(report, getattr(args, "out", None))
         report["bytes"] = _entry_bytes(caches.blend[DEFAULT_RECOMPUTE_SHARE], lm, all_texts)
-        if caches.exact is not None:  # exact entries are whole blocks: bytes per token exactly
+        if caches.exact is not None and caches.exact.store.stats.puts:
+            # exact entries are whole blocks: bytes per token exactly (none when no new question ran)
             stats = caches.exact.store.stats
             tokens = (stats.puts - stats.evictions) * caches.exact.block
             report["bytes"].update(
