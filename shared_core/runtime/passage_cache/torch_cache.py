@@ -19,6 +19,11 @@ the first ``prefill`` of every session on that model:
   :func:`.torch_blend.blend_prefill` then recomputes ``recompute_share`` of the reused tokens,
   those whose layer-1 KV deviates most from the whole prompt's (CacheBlend §4.2), and computes the
   ids no chunk covers. Blended KV never enters the model's exact prefix store.
+- **rows** (``generate_parallel``, :meth:`TorchPassageCache.fill_rows`): each row's KV but its
+  last id, assembled the same way (blend: the rows' common head read once and passed to
+  :func:`.torch_blend.blend_prefill` as exact KV; exact: each row through the prefix blocks), and
+  the rows then decoded together in one left-padded batch
+  (:mod:`shared_core.runtime.torch.batch`).
 
 Payloads are :meth:`.torch_blend.ChunkKV.to_bytes` blobs (safetensors, at the model's dtype);
 one that does not parse, or holds other ids, positions, dtype or shapes, is dropped from the
