@@ -73,7 +73,7 @@ logger = logging.getLogger(__name__)
 BLOCK = EXACT_CHUNK  # exact: ids per stored prefix block (on the exact prefill grid)
 SELECT_LAYER = 1  # blend: CacheBlend selects on an early layer; layer 0's KV sees no context
 SAMPLE = 64  # values per parameter in the weights' fingerprint
-ROW_CACHE = "dynamic"  # rows are copied into one padded batch: no growth buffer to keep
+ROW_CACHE: CacheKind = "dynamic"  # rows are copied into one padded batch: no growth buffer to keep
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
