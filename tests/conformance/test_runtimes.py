@@ -21,9 +21,10 @@ where llama-cpp-python or the model package is missing, a failure in CI).
 
 The passage cache (``shared_core.runtime.passage_cache``) states two contracts on both runtimes:
 ``exact`` reuses only exact prompt prefixes and its prefill equals a cold one (bit for bit where
-``exact_reuse`` says so); ``blend`` reuses cached passages in any order and reports what it
-reused, recomputed and read. A corrupted entry is recomputed, never used; a failure while a
-prompt is assembled leaves an empty, usable session.
+``exact_reuse`` says so), also in another process reading the disk tier; ``blend`` reuses cached
+passages in any order and reports what it reused, recomputed and read. ``generate_parallel``'s
+rows take their passages from the cache too. A corrupted entry is recomputed, never used; a
+failure while a prompt is assembled leaves an empty, usable session.
 """
 
 from __future__ import annotations
@@ -31,10 +32,14 @@ from __future__ import annotations
 import gc
 import importlib
 import importlib.util
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -59,11 +64,15 @@ class ForwardFailed(RuntimeError):
     """Raised by a runtime's forward made to fail (:attr:`Runtime.fail_forward`)."""
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
 @dataclass
 class Runtime:
     lm: SessionLM
     fail_forward: Callable[[], AbstractContextManager[None]]  # the next forward raises mid-way
     blend_lm: Callable[[], SessionLM]  # a model a blend cache runs on (loaded on first use)
+    load_exact_code: str  # Python binding ``lm`` with an exact cache whose disk tier is ``disk``
 
     @property
     def caps(self) -> Capabilities:
@@ -90,7 +99,10 @@ def _torch_runtime() -> Runtime:
         finally:
             handle.remove()
 
-    return Runtime(lm, fail_forward, lambda: lm)
+    load = ("from tiny import tiny_lm\n"
+            "lm = tiny_lm(num_layers=2, seed=9)\n"
+            "attach(lm.model, PassageCacheConfig(mode='exact'), disk_dir=disk)\n")
+    return Runtime(lm, fail_forward, lambda: lm, load)
 
 
 def _llamacpp_runtime() -> Runtime:
@@ -127,7 +139,11 @@ def _llamacpp_runtime() -> Runtime:
                                  prefix_cache=False))
         return blend[0]
 
-    return Runtime(lm, fail_forward, blend_lm)
+    load = ("from shared_core.runtime.models import load_lm\n"
+            "lm = load_lm('smollm2-135m-instruct', backend='llama.cpp', n_ctx=1024, exact=True,\n"
+            "             prefix_cache=False)\n"
+            "attach(lm.model, PassageCacheConfig(mode='exact'), disk_dir=disk)\n")
+    return Runtime(lm, fail_forward, blend_lm, load)
 
 
 RUNTIMES: dict[str, Callable[[], Runtime]] = {"torch": _torch_runtime, "llama.cpp": _llamacpp_runtime}
@@ -502,6 +518,42 @@ def test_passage_cache_exact_reads_the_disk_tier_and_recomputes_a_corrupt_entry(
         assert passage_stats(rt.lm)["store"]["corrupt"] == min(2, len(files))
 
 
+_RESTART_CHILD = """
+import json, sys
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from shared_core.config import PassageCacheConfig
+from shared_core.runtime.passage_cache import attach, passage_stats
+disk = Path({disk!r})
+{load}
+from conformance.test_runtimes import greedy, rag_prompt
+out, _, session = greedy(lm, rag_prompt(lm, [2, 0], "What did Marta Quell design?"))
+print(json.dumps({{"tokens": out, "report": session.passage_report.as_dict(),
+                   "store": passage_stats(lm)["store"], "block": lm.model.passage_cache.block}}))
+"""
+
+
+def _restarted(rt: Runtime, tmp_path: Any) -> dict[str, Any]:
+    """A fresh interpreter's greedy answer through an exact cache on ``tmp_path``'s disk tier."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECRAG_NUM_THREADS": "1"}
+    code = _RESTART_CHILD.format(tests=str(ROOT / "tests"), disk=str(tmp_path / "passage_kv"),
+                                 load=rt.load_exact_code)
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                         timeout=300, check=True, cwd=tmp_path)
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.integration  # two fresh interpreters (transformers imports): ~30 s
+def test_passage_cache_exact_blocks_survive_a_process_restart_on_the_disk_tier(
+        rt: Runtime, tmp_path: Any) -> None:
+    first = _restarted(rt, tmp_path)
+    second = _restarted(rt, tmp_path)
+    assert first["report"]["reused"] == 0 and first["report"]["stored"] >= 1
+    assert second["report"]["reused"] == first["report"]["stored"] * first["block"]
+    assert second["store"]["disk_hits"] >= 1 and second["store"]["corrupt"] == 0
+    assert second["tokens"] == first["tokens"]
+
+
 def test_passage_cache_blend_reuses_passages_in_another_order(rt: Runtime, tmp_path: Any) -> None:
     lm = rt.blend_lm()
     with passage_cache(lm, tmp_path, "blend", recompute_share=0.15):
@@ -566,3 +618,41 @@ def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path:
             again.append(int(session.extend([again[-1]])[-1].argmax()))
         if mode == "exact":
             assert again == reference
+
+
+def _rows(lm: SessionLM) -> list[list[int]]:
+    """Three RAG rows sharing more than one exact block of prefix (template and two passages)."""
+    return [rag_prompt(lm, [0, 1, 2]), rag_prompt(lm, [0, 1, 2], "What did Marta Quell design?"),
+            rag_prompt(lm, [0, 1])]
+
+
+def _parallel(lm: SessionLM, rows: list[list[int]]) -> list[list[int]]:
+    """Greedy rows of ``generate_parallel`` with nothing kept in memory but the passage store."""
+    gc.collect()  # a llama.cpp session hands its context back when collected
+    clear_prefix_cache(lm)
+    return [ids for ids, _ in lm.generate_parallel(rows, N_NEW, lambda row, out: False)]
+
+
+@pytest.mark.parametrize("mode", ["exact", "blend"])
+def test_parallel_rows_read_their_passages_from_the_cache(rt: Runtime, tmp_path: Any,
+                                                          mode: str) -> None:
+    """``generate_parallel`` (standard RAG's row, Speculative RAG's drafter rows) takes the rows'
+    passages from the cache: a second call reuses stored ids and reports it; in exact mode and at
+    recompute share 1.0 the rows equal a model's without a cache."""
+    lm = rt.lm if mode == "exact" else rt.blend_lm()
+    rows = _rows(lm)
+    reference = _parallel(lm, rows)  # no passage cache
+    settings = {"recompute_share": 1.0} if mode == "blend" else {}
+    with passage_cache(lm, tmp_path, mode, **settings) as cache:
+        if mode == "blend":
+            register_passages(lm, PASSAGES)
+        cold = _parallel(lm, rows)
+        assert cache.last.stored >= 1  # a later row may reuse what an earlier one stored
+        warm = _parallel(lm, rows)
+        report = cache.last
+        assert report.reused > 0 and report.computed_alone == 0
+        assert passage_stats(lm)["last"]["reused"] == report.reused
+        if mode == "blend":
+            assert report.recomputed >= report.reused  # every reused id (llama.cpp: runs join gaps)
+            assert report.kept + report.reused + report.read == sum(map(len, rows))
+        assert warm == cold == reference

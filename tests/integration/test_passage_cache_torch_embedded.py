@@ -63,3 +63,51 @@ def test_smollm_blend_reuses_passages_in_another_order(smollm, cached):
     assert report.reused > 0 and report.computed_alone == 0 and report.probe == len(ids)
     assert abs(report.recomputed - 0.3 * report.reused) <= 1
     assert len(tokens) == 6 and bool(torch.isfinite(logits).all())
+
+
+def test_standard_rag_and_speculative_rag_drafts_read_passages_from_the_cache(smollm, cached):
+    """The engines register their documents; a second question over them in another order
+    reuses every passage (standard RAG's one row, and the drafter's rows)."""
+    from shared_core.engines.speculative_rag.engine import standard_rag
+    from shared_core.engines.speculative_rag.prompts import draft_prompt
+    from shared_core.retrieval.base import Document
+
+    cache = cached("blend")
+    docs = [Document(text=t, id=str(i)) for i, t in enumerate(PASSAGES)]
+    first = standard_rag(smollm, "Who built the weir?", docs, 4)
+    assert cache.last.computed_alone > 0 and cache.last.reused == 0
+    again = standard_rag(smollm, "What colour is the cottage?", docs[::-1], 4)
+    assert cache.last.reused > 0 and cache.last.computed_alone == 0
+    assert isinstance(first.text, str) and isinstance(again.text, str)
+    rows = [draft_prompt(smollm, "Who designed the aqueduct?", [docs[i] for i in subset],
+                         "answer_first", None) for subset in ((0, 2), (1, 2), (2, 0))]
+    outputs = smollm.generate_parallel(rows, 3, lambda r, ids: False)
+    assert [len(ids) for ids, _ in outputs] == [3, 3, 3]
+    report = cache.last
+    assert report.reused > 0 and report.computed_alone == 0 and report.recomputed > 0
+    assert report.kept > 0  # the rows' common head, read once
+    assert report.kept + report.reused + report.read == sum(map(len, rows))
+
+
+def test_the_benchmark_runs_every_torch_method_on_the_same_report(tmp_path):
+    """``python -m shared_core.bench passage-cache --backend torch`` on two questions: the
+    llama.cpp report's methods but LlamaRAMCache, the exact contract, the backend named."""
+    import argparse
+
+    from shared_core.bench.system import passage_cache as bench
+
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--backend", "torch", "--model", "smollm2-135m-instruct",
+                              "--datasets", "nq", "--limit", "2", "--shares", "0", "--exact", "1",
+                              "--max-new-tokens", "2", "--kv-dir", str(tmp_path / "kv")])
+    args.out, args.plot = str(tmp_path / "report.json"), None
+    report = bench.run(args)
+    assert report["backend"] == "torch" and report["n_ctx"] is None
+    methods = report["datasets"]["nq"]["methods"]
+    assert set(methods) == {"full", "blend_stream", "blend_0", "exact_cold", "exact_warm"}
+    assert methods["exact_warm"]["answer_equal"] == "1/1"  # the exact contract
+    assert methods["exact_warm"]["cache"]["reused"] > 0
+    assert methods["blend_0"]["cache"]["reused"] > 0
+    assert methods["blend_0"]["steps_s"] and "place" in methods["blend_0"]["steps_s"]
+    assert {"gained", "lost", "p_value"} <= set(methods["blend_0"]["accuracy_vs_full"])

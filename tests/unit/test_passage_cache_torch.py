@@ -1,15 +1,11 @@
 """The passage cache on torch (shared_core.runtime.passage_cache.torch_cache) on tiny in-process models:
-the load path, the store keys, refused payloads, the blend's ends (share 0 and 1) and the disk
-tier across processes. The contracts both runtimes share are in tests/conformance."""
+the load path, the store keys, refused payloads and the blend's ends (share 0 and 1). The
+contracts both runtimes share (the disk tier across processes among them) are in
+tests/conformance."""
 
 from __future__ import annotations
 
 import copy
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,8 +19,6 @@ from shared_core.runtime.passage_cache.chunks import passage_interior
 from shared_core.runtime.passage_cache.torch_blend import ChunkKV
 from shared_core.runtime.passage_cache.torch_cache import BLOCK, TorchPassageCache, identity_of
 from shared_core.runtime.torch.session import KVSession
-
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def prompt(lm, order, question="Who built the weir?"):
@@ -133,39 +127,3 @@ def test_blend_ends_share_zero_reuses_all_share_one_equals_a_full_prefill():
         assert cache.last is report
         assert not session._prefilled_only  # blended KV never enters the exact prefix store
     lm.model.passage_cache = None
-
-
-_CHILD = """
-import json, sys
-sys.path.insert(0, {tests!r})
-from pathlib import Path
-import torch
-torch.set_num_threads(1)
-from tiny import tiny_lm
-from shared_core.config import PassageCacheConfig
-from shared_core.runtime.passage_cache import attach, passage_stats
-from unit.test_passage_cache_torch import greedy, prompt
-lm = tiny_lm(num_layers=2, seed=9)
-attach(lm.model, PassageCacheConfig(mode="exact"), disk_dir=Path({disk!r}))
-out, _, session = greedy(lm, prompt(lm, [2, 0]))
-print(json.dumps({{"tokens": out, "report": session.passage_report.as_dict(),
-                   "store": passage_stats(lm)["store"]}}))
-"""
-
-
-def _child(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    code = _CHILD.format(tests=str(ROOT / "tests"), disk=str(tmp_path / "passage_kv"))
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
-                         timeout=300, check=True, cwd=tmp_path)
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.integration  # two fresh interpreters (transformers imports): ~30 s
-def test_exact_blocks_survive_a_process_restart_on_the_disk_tier(tmp_path):
-    first = _child(tmp_path)
-    second = _child(tmp_path)
-    assert first["report"]["reused"] == 0 and first["report"]["stored"] >= 1
-    assert second["report"]["reused"] == first["report"]["stored"] * BLOCK
-    assert second["store"]["disk_hits"] >= 1 and second["store"]["corrupt"] == 0
-    assert second["tokens"] == first["tokens"]

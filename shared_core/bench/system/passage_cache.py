@@ -1,5 +1,6 @@
 """``python -m shared_core.bench passage-cache``: the passage KV cache's hit rate, time to first
-token and agreement with full prefill on a RAG query stream (llama.cpp).
+token and agreement with full prefill on a RAG query stream, on llama.cpp or torch
+(``--backend``; the report's ``backend`` says which ran).
 
 Per dataset (NQ / SQuAD / PubHealth from ``../shared/data``, :mod:`.specrag_data`), each question
 gets its top-``k`` BM25 passages in the standard-RAG prompt (the Speculative RAG engine's
@@ -16,9 +17,14 @@ warm by accident):
   prefill through an exact cache with nothing stored and again with its blocks stored; the warm
   read's greedy answer must equal the cold one (the exact contract).
 
-- ``llama_ram_cache`` (``--ram-cache``): what a llama-cpp-python user has today, the same GGUF
-  file in ``llama_cpp.Llama`` with a ``LlamaRAMCache`` on the same stream (it reuses the longest
-  prefix of an earlier prompt: the template head), same threads, greedy, streamed for its TTFT.
+- ``llama_ram_cache`` (``--ram-cache``, llama.cpp only, on by default there): what a
+  llama-cpp-python user has today, the same GGUF file in ``llama_cpp.Llama`` with a
+  ``LlamaRAMCache`` on the same stream (it reuses the longest prefix of an earlier prompt: the
+  template head), same threads, greedy, streamed for its TTFT.
+
+On torch (``--backend torch``) the same methods run on ``load_lm(model, backend="torch",
+passage_cache=..., prefix_cache=False)``; ``--ram-cache`` and ``--n-ctx`` are llama.cpp's and
+refused there before any model is loaded.
 
 Accuracy differences against ``full`` get McNemar's exact test (a two-sided binomial test on the
 discordant pairs). The run resumes: each finished question is appended to ``<out>.rows.jsonl``
@@ -43,26 +49,31 @@ from typing import Any
 
 import numpy as np
 
-from shared_core.bench.common import write_report
+from shared_core.bench.common import lm_threads, write_report
 from shared_core.config import DEFAULT_RECOMPUTE_SHARE, PassageCacheConfig
 from shared_core.runtime.weights.embedded import is_installed
-from shared_core.util.device import cpu_facts
+from shared_core.util.device import cpu_facts, threads_from_env
 
 logger = logging.getLogger(__name__)
 
 QWEN = "qwen2.5-coder-1.5b-instruct"
 SMOLLM2 = "smollm2-135m-instruct"
+BACKENDS = ("llama.cpp", "torch")
+N_CTX = 4096  # llama.cpp positions per context (torch models keep their own window)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help=f"default: {QWEN} if installed, else {SMOLLM2}")
+    parser.add_argument("--backend", choices=BACKENDS, default="llama.cpp",
+                        help="the runtime the caches run on (default llama.cpp)")
     parser.add_argument("--datasets", default="nq,squad,pubhealth")
     parser.add_argument("--limit", type=int, default=20, help="questions per dataset")
     parser.add_argument("--k", type=int, default=5, help="passages per question")
     parser.add_argument("--shares", default="0,0.05,0.15,0.3")
     parser.add_argument("--max-new-tokens", type=int, default=16)
-    parser.add_argument("--n-ctx", type=int, default=4096)
+    parser.add_argument("--n-ctx", type=int, default=None,
+                        help=f"llama.cpp only: positions per context (default {N_CTX})")
     parser.add_argument("--exact", type=int, default=10, metavar="N",
                         help="measure the exact contract on an exact=True model for the first N "
                              "questions of each dataset (0: not at all)")
@@ -71,14 +82,54 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sees the stream's store); default $SPECRAG_CACHE/bench/passage-kv")
     parser.add_argument("--no-new", action="store_true",
                         help="run no new question: report the rows an earlier run left")
-    parser.add_argument("--ram-cache", action=argparse.BooleanOptionalAction, default=True,
-                        help="also run llama-cpp-python's Llama + LlamaRAMCache on the stream")
+    parser.add_argument("--ram-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run llama-cpp-python's Llama + LlamaRAMCache on the stream "
+                             "(llama.cpp only; default: on there)")
 
 
-def _load(model: str, n_ctx: int, *, exact: bool) -> Any:
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse options the chosen backend does not have (ValueError naming the option), before
+    any model is loaded."""
+    backend = getattr(args, "backend", "llama.cpp")
+    if backend not in BACKENDS:
+        msg = f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
+        raise ValueError(msg)
+    if backend == "llama.cpp":
+        return
+    if args.ram_cache:
+        msg = ("--ram-cache runs llama-cpp-python's LlamaRAMCache, which exists only on "
+               "--backend llama.cpp; drop it (or pass --no-ram-cache) with --backend torch")
+        raise ValueError(msg)
+    if args.n_ctx is not None:
+        msg = "--n-ctx is a llama.cpp setting; torch models keep their own window (drop it)"
+        raise ValueError(msg)
+
+
+def _load(model: str, backend: str, n_ctx: int | None, *, exact: bool) -> Any:
     from shared_core.runtime.models import load_lm
 
+    if backend == "torch":
+        return load_lm(model, backend="torch", exact=exact, prefix_cache=False)
     return load_lm(model, backend="llama.cpp", n_ctx=n_ctx, exact=exact, prefix_cache=False)
+
+
+def _cache_class(backend: str) -> Any:
+    """The backend's passage cache class."""
+    if backend == "torch":
+        from shared_core.runtime.passage_cache.torch_cache import TorchPassageCache
+
+        return TorchPassageCache
+    from shared_core.runtime.passage_cache.llamacpp import LlamaCppPassageCache
+
+    return LlamaCppPassageCache
+
+
+def _threads(lm: Any, backend: str) -> tuple[int, str]:
+    """The threads the model runs on and how they were chosen."""
+    if backend == "llama.cpp":
+        return lm.model.threads, lm.model.thread_policy
+    chosen = "$SPECRAG_NUM_THREADS" if threads_from_env() else "torch.get_num_threads()"
+    return lm_threads(lm), f"torch: {chosen}"
 
 
 def _answer(lm: Any, ids: list[int], max_new: int) -> dict[str, Any]:
@@ -131,20 +182,19 @@ class _Caches:
     the model per method; the exact caches on the exact model."""
 
     def __init__(self, lm: Any, exact_lm: Any | None, shares: list[float], blend_dir: Path,
-                 exact_dir: Path):
-        from shared_core.runtime.passage_cache.llamacpp import LlamaCppPassageCache
-
+                 exact_dir: Path, backend: str = "llama.cpp"):
+        cache_class = _cache_class(backend)
         self.lm, self.exact_lm = lm, exact_lm
-        base = LlamaCppPassageCache(lm.model, PassageCacheConfig(mode="blend", disk_mb=1 << 20),
-                                    disk_dir=blend_dir)
+        base = cache_class(lm.model, PassageCacheConfig(mode="blend", disk_mb=1 << 20),
+                           disk_dir=blend_dir)
         self.blend: dict[float, Any] = {}
         for share in sorted({*shares, DEFAULT_RECOMPUTE_SHARE}):
-            cache = LlamaCppPassageCache(lm.model, PassageCacheConfig("blend", share),
-                                         disk_dir=blend_dir)
+            cache = cache_class(lm.model, PassageCacheConfig("blend", share), disk_dir=blend_dir)
             cache.store, cache.index = base.store, base.index
-            cache._probe_for = base._probe_for  # one probe context for all shares
+            if backend == "llama.cpp":
+                cache._probe_for = base._probe_for  # one probe context for all shares
             self.blend[share] = cache
-        self.exact = None if exact_lm is None else LlamaCppPassageCache(
+        self.exact = None if exact_lm is None else cache_class(
             exact_lm.model, PassageCacheConfig(mode="exact"), disk_dir=exact_dir)
 
     def use(self, cache: Any) -> None:
@@ -288,14 +338,28 @@ def _bytes_per_token(caches: _Caches, cached_tokens: int) -> dict[str, Any]:
     return out
 
 
-def _kv_bytes_per_token(lm: Any) -> int:
-    """f16 K + V bytes of one token over all layers (what a cached token should cost)."""
+def _kv_shape(lm: Any, backend: str) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of the model."""
+    if backend == "torch":
+        from shared_core.runtime.passage_cache.torch_cache import kv_shape
+
+        return kv_shape(lm)
     model = lm.model
     llama = model.llama
     layers = int(llama.llama_model_n_layer(model.ptr))
     heads_kv = int(llama.llama_model_n_head_kv(model.ptr))
     head_dim = int(llama.llama_model_n_embd(model.ptr)) // int(llama.llama_model_n_head(model.ptr))
-    return layers * 2 * heads_kv * head_dim * 2
+    return layers, heads_kv, head_dim
+
+
+def _kv_bytes_per_token(lm: Any, backend: str) -> dict[str, Any]:
+    """K + V bytes of one token over all layers in f16 and in the KV dtype the cache stores
+    (llama.cpp: f16; torch: the model's dtype): what a cached token should cost."""
+    layers, heads_kv, head_dim = _kv_shape(lm, backend)
+    values = layers * 2 * heads_kv * head_dim
+    dtype, size = ("f16", 2) if backend == "llama.cpp" else (str(lm.dtype), lm.dtype.itemsize)
+    return {"kv_bytes_per_token_f16": values * 2, "kv_dtype": dtype,
+            "kv_bytes_per_token": values * size}
 
 
 def _rows_path(out: str | None) -> Path | None:
@@ -396,22 +460,29 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.runtime.passage_cache import register_passages, warm_passages
     from shared_core.runtime.weights.embedded import cache_dir
 
+    check_args(args)
+    backend = getattr(args, "backend", "llama.cpp")
     name = args.model or (QWEN if is_installed(QWEN) else SMOLLM2)
     shares = [float(s) for s in args.shares.split(",")]
+    n_ctx = None if backend == "torch" else args.n_ctx or N_CTX
     load_before = os.getloadavg()
-    lm = _load(name, args.n_ctx, exact=False)
-    exact_lm = _load(name, args.n_ctx, exact=True) if args.exact else None
-    ram = _RamCacheLlama(lm) if args.ram_cache else None
+    lm = _load(name, backend, n_ctx, exact=False)
+    exact_lm = _load(name, backend, n_ctx, exact=True) if args.exact else None
+    ram_cache = backend == "llama.cpp" if args.ram_cache is None else args.ram_cache
+    ram = _RamCacheLlama(lm) if ram_cache else None
     methods = ["full", "blend_stream", *[f"blend_{s:g}" for s in shares], "llama_ram_cache",
                "exact_cold", "exact_warm"]
     settings = {"model": name, "k": args.k, "shares": shares, "max_new_tokens": args.max_new_tokens,
-                "n_ctx": args.n_ctx}
+                "n_ctx": n_ctx}
+    if backend != "llama.cpp":  # llama.cpp rows written before --backend existed stay resumable
+        settings["backend"] = backend
+    threads, policy = _threads(lm, backend)
     report: dict[str, Any] = {
-        "engine": "passage-cache", "model": name, "backend": "llama.cpp",
-        "threads": lm.model.threads, "thread_policy": lm.model.thread_policy,
+        "engine": "passage-cache", "model": name, "backend": backend,
+        "threads": threads, "thread_policy": policy,
         "machine": cpu_facts(), "load_avg_before": load_before, **settings,
         "limit": args.limit, "exact_questions": args.exact,
-        "kv_bytes_per_token_f16": _kv_bytes_per_token(lm), "datasets": {},
+        **_kv_bytes_per_token(lm, backend), "datasets": {},
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }
     rows_path = _rows_path(getattr(args, "out", None))
@@ -419,7 +490,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     all_texts: list[str] = []
     with tempfile.TemporaryDirectory(prefix="specrag-passage-bench-") as folder:
         kv_dir = Path(args.kv_dir) if args.kv_dir else cache_dir() / "bench" / "passage-kv"
-        caches = _Caches(lm, exact_lm, shares, kv_dir / name, Path(folder))
+        caches = _Caches(lm, exact_lm, shares, kv_dir / name, Path(folder), backend)
         datasets = args.datasets.split(",")
         streams = {d: _Stream(d, _questions(d, args.limit, args.k)) for d in datasets}
         for index in range(args.limit):  # the datasets in turn: a run cut short covers each
@@ -454,11 +525,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                   if streams[d].rows}
             write_report(report, getattr(args, "out", None))
         report["bytes"] = _entry_bytes(caches.blend[DEFAULT_RECOMPUTE_SHARE], lm, all_texts)
-        if caches.exact is not None:  # exact entries are whole blocks: bytes per token exactly
-            from shared_core.runtime.passage_cache.llamacpp import BLOCK
-
+        if caches.exact is not None and caches.exact.store.stats.puts:
+            # exact entries are whole blocks: bytes per token exactly (none when no new question ran)
             stats = caches.exact.store.stats
-            tokens = (stats.puts - stats.evictions) * BLOCK
+            tokens = (stats.puts - stats.evictions) * caches.exact.block
             report["bytes"].update(
                 exact_memory_bytes_per_token=round(stats.memory_bytes / max(tokens, 1), 1),
                 exact_disk_bytes_per_token=round(stats.disk_bytes / max(tokens, 1), 1))

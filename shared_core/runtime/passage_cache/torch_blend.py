@@ -30,8 +30,9 @@ import math
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, Protocol
 
 import torch
 from safetensors.torch import load as st_load
@@ -230,17 +231,31 @@ def shift_keys(chunk: ChunkKV, delta: int, rope: torch.nn.Module) -> ChunkKV:
 class BlendReport:
     """Where a blended prompt's KV came from: ``reused`` tokens kept their chunk KV,
     ``recomputed`` reused tokens were computed again in the prompt, ``read`` tokens no chunk
-    covered were computed as in a normal prefill; ``select_layers`` layers ran over the whole
-    prompt to choose the recomputed tokens (0: no selection pass)."""
+    covered were computed as in a normal prefill, ``kept`` tokens were the given ``head``;
+    ``select_layers`` layers ran over the whole prompt to choose the recomputed tokens (0: no
+    selection pass)."""
 
     reused: int
     recomputed: int
     read: int
     select_layers: int = 0
+    kept: int = 0
 
     @property
     def total(self) -> int:
-        return self.reused + self.recomputed + self.read
+        return self.reused + self.recomputed + self.read + self.kept
+
+
+class StepTimer(Protocol):
+    """Where a blend's wall time goes (``PrefillReport.timed``): one context per step."""
+
+    def timed(self, step: str) -> AbstractContextManager[None]: ...
+
+
+class _Untimed:
+    def timed(self, step: str) -> AbstractContextManager[None]:
+        del step
+        return contextlib.nullcontext()
 
 
 @dataclass(eq=False)
@@ -261,15 +276,30 @@ class _Layout(NamedTuple):
     values: torch.Tensor
     covered: torch.Tensor  # [N] bool: a chunk covers the position
     starts: list[tuple[int, int]]  # (start, length) of each chunk in the prompt
+    fixed: int = 0  # positions [0, fixed) hold the head's exact KV (never recomputed)
 
 
-def _check_spans(prompt_ids: Sequence[int], spans: Sequence[tuple[int, ChunkKV]]
+def _check_head(prompt_ids: Sequence[int], head: ChunkKV | None) -> int:
+    """The head's length (0 without one); it must be the prompt's start, at position 0, and
+    leave at least the prompt's last id to compute."""
+    if head is None:
+        return 0
+    if head.position != 0 or tuple(prompt_ids[:len(head)]) != head.ids:
+        msg = "head must hold the KV of prompt_ids[:len(head)] at positions 0.."
+        raise ValueError(msg)
+    if len(head) >= len(prompt_ids):
+        msg = f"head ({len(head)} ids) must be shorter than prompt_ids ({len(prompt_ids)})"
+        raise ValueError(msg)
+    return len(head)
+
+
+def _check_spans(prompt_ids: Sequence[int], spans: Sequence[tuple[int, ChunkKV]], first: int = 0
                  ) -> list[tuple[int, ChunkKV]]:
     ordered = sorted(spans, key=lambda span: span[0])
-    end = 0
+    end = first
     for start, chunk in ordered:
         if start < end:
-            msg = f"spans overlap or start before 0 at position {start}"
+            msg = f"spans overlap or start before {first} (the head's end) at position {start}"
             raise ValueError(msg)
         if tuple(prompt_ids[start:start + len(chunk)]) != chunk.ids:
             msg = f"spans: the chunk placed at {start} does not match prompt_ids there"
@@ -278,7 +308,8 @@ def _check_spans(prompt_ids: Sequence[int], spans: Sequence[tuple[int, ChunkKV]]
     return ordered
 
 
-def _layout(lm: LM, n: int, spans: list[tuple[int, ChunkKV]]) -> _Layout:
+def _layout(lm: LM, n: int, spans: list[tuple[int, ChunkKV]], head: ChunkKV | None = None
+            ) -> _Layout:
     config = lm.model.config
     layers = config.num_hidden_layers
     kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
@@ -297,7 +328,11 @@ def _layout(lm: LM, n: int, spans: list[tuple[int, ChunkKV]]) -> _Layout:
         keys[:, :, start:start + len(chunk)] = moved.keys.to(lm.device, lm.dtype)
         values[:, :, start:start + len(chunk)] = moved.values.to(lm.device, lm.dtype)
         covered[start:start + len(chunk)] = True
-    return _Layout(keys, values, covered, [(s, len(c)) for s, c in spans])
+    fixed = 0 if head is None else len(head)
+    if head is not None:
+        keys[:, :, :fixed] = head.keys.to(lm.device, lm.dtype)
+        values[:, :, :fixed] = head.values.to(lm.device, lm.dtype)
+    return _Layout(keys, values, covered, [(s, len(c)) for s, c in spans], fixed)
 
 
 class _Stop(Exception):
@@ -305,9 +340,10 @@ class _Stop(Exception):
 
 
 @torch.no_grad()
-def _early_layers(lm: LM, prompt_ids: Sequence[int], last_layer: int, chunk: int) -> DynamicCache:
+def _early_layers(lm: LM, prompt_ids: Sequence[int], last_layer: int, chunk: int,
+                  head: ChunkKV | None = None) -> DynamicCache:
     """The exact KV of layers ``0 .. last_layer`` over the whole prompt (the rest not run), fed
-    ``chunk`` positions at a time as a session prefills."""
+    ``chunk`` positions at a time as a session prefills; a ``head``'s KV is taken as it is."""
     owner = threading.get_ident()
 
     def stop(*_: Any) -> None:
@@ -317,9 +353,14 @@ def _early_layers(lm: LM, prompt_ids: Sequence[int], last_layer: int, chunk: int
     attention = lm.model.get_decoder().layers[last_layer].self_attn
     handle = attention.register_forward_hook(stop)
     cache = DynamicCache()
+    fixed = 0 if head is None else len(head)
+    for layer in range(last_layer + 1 if fixed else 0):
+        assert head is not None
+        cache.update(head.keys[layer][None].to(lm.device, lm.dtype),
+                     head.values[layer][None].to(lm.device, lm.dtype), layer)
     ids = torch.tensor([list(prompt_ids)], device=lm.device)
     try:
-        for first in range(0, ids.shape[1], chunk):
+        for first in range(fixed, ids.shape[1], chunk):
             with contextlib.suppress(_Stop):
                 lm.model(input_ids=ids[:, first:first + chunk], cache=cache, use_cache=True,
                          logits_to_keep=1)
@@ -412,12 +453,15 @@ def _check_blend_args(recompute_share: float, select: str, select_layer: int, lm
 def blend_prefill(lm: LM, prompt_ids: Sequence[int], spans: Sequence[tuple[int, ChunkKV]], *,
                   recompute_share: float = 0.15, select: Select = "deviation",
                   select_layer: int = 1, cache: CacheKind = "prealloc",
-                  prefill_chunk: int = 2048) -> Blend:
+                  prefill_chunk: int = 2048, head: ChunkKV | None = None,
+                  steps: StepTimer | None = None) -> Blend:
     """The prompt's cache from chunk KV placed at ``spans`` (``(start, chunk)``: the chunk's ids
     are ``prompt_ids[start:start + len(chunk)]``), the uncovered tokens computed normally and
     ``recompute_share`` of the covered tokens recomputed (chosen by ``select``; the prompt's last
     token always is, for its logits). Share 1.0 equals a full prefill; 0.0 is pure reuse.
-    Forwards take at most ``prefill_chunk`` new positions, as :class:`KVSession` prefills."""
+    ``head``: the exact KV of the prompt's first ids (a prefix several prompts share, computed
+    once), taken as it is; the spans follow it. Forwards take at most ``prefill_chunk`` new
+    positions, as :class:`KVSession` prefills. ``steps`` times the probe and the recompute."""
     check_model(lm)
     if not prompt_ids:
         msg = "prompt_ids must not be empty"
@@ -429,24 +473,29 @@ def blend_prefill(lm: LM, prompt_ids: Sequence[int], spans: Sequence[tuple[int, 
     if prefill_chunk < 1:
         msg = f"prefill_chunk must be >= 1, got {prefill_chunk}"
         raise ValueError(msg)
-    layout = _layout(lm, len(prompt_ids), _check_spans(prompt_ids, spans))
+    steps = steps or _Untimed()
+    fixed = _check_head(prompt_ids, head)
+    layout = _layout(lm, len(prompt_ids), _check_spans(prompt_ids, spans, fixed), head)
     n_covered = int(layout.covered.sum())
     count = math.floor(recompute_share * n_covered + 0.5)
     fresh = score = None
-    if select == "deviation" and 0 < count < n_covered:
-        fresh = _early_layers(lm, prompt_ids, select_layer, prefill_chunk)
-        score = _deviation(layout, fresh, select_layer)
-    selected = _pick(layout, count, select, score)
+    with steps.timed("probe"):
+        if select == "deviation" and 0 < count < n_covered:
+            fresh = _early_layers(lm, prompt_ids, select_layer, prefill_chunk, head)
+            score = _deviation(layout, fresh, select_layer)
+        selected = _pick(layout, count, select, score)
     recompute = ~layout.covered
+    recompute[:fixed] = False
     recompute[selected] = True
     recompute[-1] = True
     new, past = recompute.nonzero().flatten(), (~recompute).nonzero().flatten()
-    blended, logits = _recompute(lm, prompt_ids, layout, past, new, fresh, prefill_chunk)
+    with steps.timed("recompute"):
+        blended, logits = _recompute(lm, prompt_ids, layout, past, new, fresh, prefill_chunk)
     order = torch.cat([past, new]).argsort()
     n_selected = int((recompute & layout.covered).sum())
     report = BlendReport(reused=n_covered - n_selected, recomputed=n_selected,
-                         read=len(prompt_ids) - n_covered,
-                         select_layers=select_layer + 1 if fresh is not None else 0)
+                         read=len(prompt_ids) - n_covered - fixed,
+                         select_layers=select_layer + 1 if fresh is not None else 0, kept=fixed)
     return Blend(ids=list(prompt_ids), cache=_in_order(blended, order, cache), logits=logits,
                  report=report, kind=cache, selected=selected.tolist())
 

@@ -19,6 +19,11 @@ the first ``prefill`` of every session on that model:
   :func:`.torch_blend.blend_prefill` then recomputes ``recompute_share`` of the reused tokens,
   those whose layer-1 KV deviates most from the whole prompt's (CacheBlend §4.2), and computes the
   ids no chunk covers. Blended KV never enters the model's exact prefix store.
+- **rows** (``generate_parallel``, :meth:`TorchPassageCache.fill_rows`): each row's KV but its
+  last id, assembled the same way (blend: the rows' common head read once and passed to
+  :func:`.torch_blend.blend_prefill` as exact KV; exact: each row through the prefix blocks), and
+  the rows then decoded together in one left-padded batch
+  (:mod:`shared_core.runtime.torch.batch`).
 
 Payloads are :meth:`.torch_blend.ChunkKV.to_bytes` blobs (safetensors, at the model's dtype);
 one that does not parse, or holds other ids, positions, dtype or shapes, is dropped from the
@@ -41,26 +46,34 @@ from typing import Any
 
 import torch
 
-from shared_core.config import PassageCacheConfig
+from shared_core.config import CacheKind, PassageCacheConfig
 from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
 from shared_core.runtime.passage_cache.llamacpp import PrefillReport
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, StoreStats, model_identity
 from shared_core.runtime.passage_cache.torch_blend import (
     ChunkKV,
     _rotation,
+    _stack,
     blend_prefill,
     check_model,
     chunk_kv,
     install,
     rotary_embedding,
 )
-from shared_core.runtime.torch.prefix import EXACT_CHUNK, store_for, weights_version
+from shared_core.runtime.torch.prefix import (
+    EXACT_CHUNK,
+    common_prefix_length,
+    store_for,
+    weights_version,
+)
+from shared_core.runtime.torch.session import KVSession
 
 logger = logging.getLogger(__name__)
 
 BLOCK = EXACT_CHUNK  # exact: ids per stored prefix block (on the exact prefill grid)
 SELECT_LAYER = 1  # blend: CacheBlend selects on an early layer; layer 0's KV sees no context
 SAMPLE = 64  # values per parameter in the weights' fingerprint
+ROW_CACHE: CacheKind = "dynamic"  # rows are copied into one padded batch: no growth buffer to keep
 
 
 def weights_fingerprint(model: torch.nn.Module) -> str:
@@ -112,13 +125,31 @@ def check_blend(model: torch.nn.Module) -> None:
         raise ValueError(msg) from e
 
 
-def _kv_shape(lm: Any) -> tuple[int, int, int]:
+def kv_shape(lm: Any) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the model's cache."""
     config = lm.model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers, heads, dim
+
+
+RowKV = tuple[torch.Tensor, torch.Tensor]  # a row's keys and values, [layers, heads, n, dim]
+
+
+def _empty_row(lm: Any) -> RowKV:
+    layers, heads, dim = kv_shape(lm)
+    empty = torch.zeros((layers, heads, 0, dim), dtype=lm.dtype, device=lm.device)
+    return empty, empty
+
+
+def _add(total: PrefillReport, part: PrefillReport) -> None:
+    """Add ``part``'s counts and step times to ``total`` (its prompt length aside)."""
+    for name, value in part.as_dict().items():
+        if name != "prompt":
+            setattr(total, name, getattr(total, name) + value)
+    for step, seconds in part.seconds.items():
+        total.seconds[step] = total.seconds.get(step, 0.0) + seconds
 
 
 def _unbound(config: PassageCacheConfig, head: tuple[int, ...], disk_dir: Path | None
@@ -152,6 +183,11 @@ class TorchPassageCache:
     @property
     def mode(self) -> str:
         return self.config.mode
+
+    @property
+    def block(self) -> int:
+        """Ids per stored exact-prefix block."""
+        return BLOCK
 
     def store_for(self, model: torch.nn.Module) -> ChunkStore:
         """The store keyed by ``model``'s identity (a new one when its weights changed)."""
@@ -203,14 +239,17 @@ class TorchPassageCache:
                        report: PrefillReport) -> torch.Tensor:
         prefix = store_for(session.lm.model)
         keep = prefix is not None and prefix.budget > 0
-        if keep:
-            session._reuse(prefix, ids)  # the model's in-memory prefix store first
-        report.kept = len(session.tokens)
-        keys = store.prefix_keys(ids, BLOCK, len(ids) - 1)
-        restored = self._restore(session, store, ids, keys, report)
-        logits = self._feed(session, ids[len(session.tokens):], report,
-                            step=min(session.prefill_chunk, BLOCK))
-        self._store_blocks(session, store, keys, restored, report)
+        with report.timed("head"):
+            if keep:
+                session._reuse(prefix, ids)  # the model's in-memory prefix store first
+            report.kept = len(session.tokens)
+            keys = store.prefix_keys(ids, BLOCK, len(ids) - 1)
+            restored = self._restore(session, store, ids, keys, report)
+        with report.timed("read"):
+            logits = self._feed(session, ids[len(session.tokens):], report,
+                                step=min(session.prefill_chunk, BLOCK))
+        with report.timed("store"):
+            self._store_blocks(session, store, keys, restored, report)
         if keep and session._prefilled_only:
             session._store(prefix)
         return logits
@@ -252,7 +291,7 @@ class TorchPassageCache:
         except ValueError as e:
             logger.warning("passage cache: a stored entry does not parse (%s); recomputing it", e)
             return None
-        layers, heads, dim = _kv_shape(lm)
+        layers, heads, dim = kv_shape(lm)
         shape = (kv.keys.shape[0], kv.keys.shape[1], kv.keys.shape[3])
         if (kv.ids != tuple(ids) or kv.position != position or kv.dtype != lm.dtype
                 or shape != (layers, heads, dim)):
@@ -301,27 +340,43 @@ class TorchPassageCache:
         lm = session.lm
         spans = self.chunks_of(ids[:-1])
         if not spans:  # nothing to blend: a plain prefill (the prefix store as usual)
-            prefix = store_for(lm.model)
-            keep = prefix is not None and prefix.budget > 0
-            if keep:
-                session._reuse(prefix, ids)
-            report.kept = len(session.tokens)
+            return self._plain(session, ids, report)
+        with report.timed("place"):
+            placed = [(span.start, self._chunk(lm, store, ids[span.start : span.end], report))
+                      for span in spans]
+        blend = self._blend(lm, ids, placed, None, report, cache=session.kind,
+                            prefill_chunk=session.prefill_chunk)
+        install(session, blend)
+        return blend.logits
+
+    def _plain(self, session: Any, ids: list[int], report: PrefillReport) -> torch.Tensor:
+        """A prefill with no chunk to place (the model's prefix store as usual)."""
+        prefix = store_for(session.lm.model)
+        keep = prefix is not None and prefix.budget > 0
+        if keep:
+            session._reuse(prefix, ids)
+        report.kept = len(session.tokens)
+        with report.timed("read"):
             logits = self._feed(session, ids[len(session.tokens):], report,
                                 step=session.prefill_chunk)
-            if keep and session._prefilled_only:
-                session._store(prefix)
-            return logits
-        placed = [(span.start, self._chunk(lm, store, ids[span.start : span.end], report))
-                  for span in spans]
-        layers = _kv_shape(lm)[0]
+        if keep and session._prefilled_only:
+            session._store(prefix)
+        return logits
+
+    def _blend(self, lm: Any, ids: list[int], placed: list[tuple[int, ChunkKV]],
+               head: ChunkKV | None, report: PrefillReport, *, cache: CacheKind,
+               prefill_chunk: int | None = None) -> Any:
+        """:func:`.torch_blend.blend_prefill` at this cache's share (forwards of at most
+        ``prefill_chunk`` positions; None: its default); its counts added to ``report``."""
+        layers = kv_shape(lm)[0]
+        chunking = {} if prefill_chunk is None else {"prefill_chunk": prefill_chunk}
         blend = blend_prefill(lm, ids, placed, recompute_share=self.config.recompute_share,
                               select="deviation", select_layer=min(SELECT_LAYER, layers - 1),
-                              cache=session.kind, prefill_chunk=session.prefill_chunk)
-        install(session, blend)
-        report.recomputed = blend.report.recomputed
-        report.read = blend.report.read
-        report.probe = len(ids) if blend.report.select_layers else 0
-        return blend.logits
+                              cache=cache, head=head, steps=report, **chunking)
+        report.recomputed += blend.report.recomputed
+        report.read += blend.report.read
+        report.probe += len(ids) - blend.report.kept if blend.report.select_layers else 0
+        return blend
 
     def _chunk(self, lm: Any, store: ChunkStore, chunk: list[int], report: PrefillReport
                ) -> ChunkKV:
@@ -339,6 +394,71 @@ class TorchPassageCache:
         report.computed_alone += len(chunk)
         report.stored += 1
         return kv
+
+    # -- several rows (generate_parallel)
+
+    def fill_rows(self, lm: Any, rows: Sequence[Sequence[int]]) -> list[RowKV]:
+        """The KV of each row but its last id (the caller feeds that one for its logits), each
+        row's passages taken from the store; the call's report is :attr:`last`.
+
+        Blend: the rows' common prefix, up to the first chunk of the first row (a template's
+        instructions), is read once; each row's chunks are then placed after it, the ids between
+        them read and ``recompute_share`` of the reused ids recomputed, as a session's first
+        prefill does. Exact: each row is prefilled through the exact prefix blocks, so the rows'
+        common prefix comes from the blocks the first row stored and a row reads in full only
+        what follows its last stored block."""
+        heads = [[int(t) for t in row[:-1]] for row in rows]
+        report = PrefillReport(prompt=sum(len(row) for row in rows))
+        store = self.store_for(lm.model)
+        if self.mode == "blend":
+            kvs = self._blend_rows(lm, store, heads, report)
+        else:
+            kvs = [self._exact_row(lm, store, ids, report) for ids in heads]
+        report.read += len(rows)
+        self.last = report
+        return kvs
+
+    def _exact_row(self, lm: Any, store: ChunkStore, ids: list[int], report: PrefillReport
+                   ) -> RowKV:
+        if not ids:
+            return _empty_row(lm)
+        session = KVSession(lm, cache=ROW_CACHE)
+        part = PrefillReport(prompt=len(ids))
+        self._prefill_exact(session, store, ids, part)
+        _add(report, part)
+        return _stack(session.cache, 0)
+
+    def _blend_rows(self, lm: Any, store: ChunkStore, heads: list[list[int]],
+                    report: PrefillReport) -> list[RowKV]:
+        shared = self._shared_head(heads)
+        head = None
+        if shared:
+            with report.timed("read"):
+                head = chunk_kv(lm, (), heads[0][:shared])
+            report.read += shared
+            report.kept += shared * (len(heads) - 1)
+        return [self._blend_row(lm, store, ids, head, report) for ids in heads]
+
+    def _shared_head(self, heads: list[list[int]]) -> int:
+        """How many leading ids every row shares, up to the first row's first chunk (the
+        chunks come from the store, row by row)."""
+        shared = min(len(ids) for ids in heads)
+        for ids in heads[1:]:
+            shared = min(shared, common_prefix_length(heads[0], ids))
+        spans = self.chunks_of(heads[0][:-1])
+        return min(shared, spans[0].start) if spans else shared
+
+    def _blend_row(self, lm: Any, store: ChunkStore, ids: list[int], head: ChunkKV | None,
+                   report: PrefillReport) -> RowKV:
+        fixed = len(head) if head is not None else 0
+        if len(ids) == fixed:
+            return (head.keys, head.values) if head is not None else _empty_row(lm)
+        spans = [span for span in self.chunks_of(ids[:-1]) if span.start >= fixed]
+        with report.timed("place"):
+            placed = [(span.start, self._chunk(lm, store, ids[span.start : span.end], report))
+                      for span in spans]
+        blend = self._blend(lm, ids, placed, head, report, cache=ROW_CACHE)
+        return _stack(blend.cache, 0)
 
     def warm(self, lm: Any, chunk_ids: Sequence[int]) -> bool:
         """Compute and store one chunk alone (blend) unless stored; True if it was computed."""

@@ -4,6 +4,9 @@ The sibling of :mod:`shared_core.runtime.llamacpp.batch`, behind the same two me
 :class:`shared_core.runtime.protocol.ModelLM` (``generate_parallel``, ``span_logprobs``).
 Drafting is ONE left-padded ``generate`` over all prompts with a per-row stop; scoring is ONE
 right-padded decoder forward over all rows, the LM head run only on the positions that are scored.
+On a model with a passage cache (:mod:`shared_core.runtime.passage_cache.torch_cache`), each
+row's KV but its last id is assembled by the cache (its passages from the store) and the
+``generate`` starts from those rows, left-padded like the prompts.
 :func:`final_norm` finds the module whose output is the final hidden state (KNN-LM's keys).
 """
 
@@ -16,6 +19,7 @@ from shared_core.runtime.protocol import Row, SessionLM, Spans, StopRule
 
 if TYPE_CHECKING:
     import torch
+    from transformers.cache_utils import Cache
 
 _LM_HEAD_CHUNK = 64  # positions per LM-head call when scoring spans (bounds memory)
 
@@ -73,11 +77,13 @@ def generate_parallel(lm: SessionLM, prompts: Sequence[Sequence[int]], max_new_t
     lengths = [-1] * len(prompts)
     criteria = _stop_criteria(ids.shape[1], stop, lengths, on_prefilled)
     with torch.inference_mode():
+        past = _cached_rows(lm, prompts, ids.shape[1] - 1)
         out = lm.model.generate(
             input_ids=ids.to(lm.device), attention_mask=mask.to(lm.device),
             max_new_tokens=max_new_tokens, do_sample=False, temperature=None, top_p=None,
             top_k=None, pad_token_id=pad_id, eos_token_id=None, stopping_criteria=[criteria],
-            output_logits=True, return_dict_in_generate=True)  # EOS ends a row only by ``stop``
+            output_logits=True, return_dict_in_generate=True,  # EOS ends a row only by ``stop``
+            **past)
         new = out.sequences[:, ids.shape[1]:]  # [B, T]
         logits = torch.stack(out.logits, dim=1).float()  # [B, T, V]
         logp = torch.log_softmax(logits, dim=-1).gather(-1, new.unsqueeze(-1)).squeeze(-1)
@@ -86,6 +92,37 @@ def generate_parallel(lm: SessionLM, prompts: Sequence[Sequence[int]], max_new_t
         n = lengths[row] if lengths[row] >= 0 else new.shape[1]
         results.append((new[row, :n].tolist(), logp[row, :n].tolist()))
     return results
+
+
+def _cached_rows(lm: SessionLM, prompts: Sequence[Sequence[int]], width: int
+                 ) -> dict[str, Cache]:
+    """``generate``'s cache keyword for rows assembled by the model's passage cache ({} without
+    one): row ``r``'s KV of all its ids but the last, right-aligned in ``width`` positions (the
+    prompts are left-padded: the padding is masked, and ``generate`` then feeds only the last
+    column)."""
+    import torch
+    from transformers.cache_utils import DynamicCache
+
+    from shared_core.runtime.torch.session import cache_keyword
+
+    passages = getattr(lm.model, "passage_cache", None)
+    if passages is None:
+        return {}
+    rows = passages.fill_rows(lm, prompts)
+    if width == 0:  # one-id prompts: nothing before the ids generate feeds
+        return {}
+    layers, heads, _, dim = rows[0][0].shape
+    shape = (len(rows), heads, width, dim)
+    cache = DynamicCache()
+    for layer in range(layers):
+        keys = torch.zeros(shape, dtype=lm.dtype, device=lm.device)
+        values = torch.zeros_like(keys)
+        for r, (row_keys, row_values) in enumerate(rows):
+            n = row_keys.shape[2]
+            keys[r, :, width - n:] = row_keys[layer]
+            values[r, :, width - n:] = row_values[layer]
+        cache.update(keys, values, layer)
+    return {cache_keyword(lm.model): cache}
 
 
 def _head_logprobs(lm: SessionLM, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

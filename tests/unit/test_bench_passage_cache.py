@@ -1,0 +1,42 @@
+"""``python -m shared_core.bench passage-cache``'s options per backend, checked before any model
+is loaded (the runs themselves: tests/integration/test_passage_cache_*)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from shared_core.bench.system import passage_cache as bench
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(list(argv))
+    args.out = args.plot = None
+    return args
+
+
+def _no_model(*_: object, **__: object) -> None:
+    raise AssertionError("a model was loaded before the options were checked")
+
+
+@pytest.mark.parametrize(("argv", "option"), [
+    (("--backend", "torch", "--ram-cache"), "--ram-cache"),
+    (("--backend", "torch", "--n-ctx", "2048"), "--n-ctx"),
+])
+def test_llamacpp_only_options_are_refused_on_torch_before_any_model_work(
+        monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...], option: str) -> None:
+    monkeypatch.setattr(bench, "_load", _no_model)
+    with pytest.raises(ValueError, match=option):
+        bench.run(_args(*argv))
+
+
+def test_the_backends_defaults_pass_the_check() -> None:
+    bench.check_args(_args())
+    bench.check_args(_args("--backend", "torch"))
+    bench.check_args(_args("--backend", "torch", "--no-ram-cache"))
+    bench.check_args(_args("--ram-cache", "--n-ctx", "2048"))
+    with pytest.raises(SystemExit):  # argparse names the choices
+        _args("--backend", "vllm")
