@@ -637,8 +637,10 @@ def _parallel(lm: SessionLM, rows: list[list[int]]) -> list[list[int]]:
 def test_parallel_rows_read_their_passages_from_the_cache(rt: Runtime, tmp_path: Any,
                                                           mode: str) -> None:
     """``generate_parallel`` (standard RAG's row, Speculative RAG's drafter rows) takes the rows'
-    passages from the cache: a second call reuses stored ids and reports it; in exact mode and at
-    recompute share 1.0 the rows equal a model's without a cache."""
+    passages from the cache: a second call reuses stored ids and reports it; in exact mode the
+    rows equal a model's without a cache. Blend promises no equality, even at recompute share 1.0
+    (llama.cpp recomputes in other batch shapes than a prefill, and a near tie may flip), so there
+    only the counts are the contract."""
     lm = rt.lm if mode == "exact" else rt.blend_lm()
     rows = _rows(lm)
     reference = _parallel(lm, rows)  # no passage cache
@@ -655,4 +657,6 @@ def test_parallel_rows_read_their_passages_from_the_cache(rt: Runtime, tmp_path:
         if mode == "blend":
             assert report.recomputed >= report.reused  # every reused id (llama.cpp: runs join gaps)
             assert report.kept + report.reused + report.read == sum(map(len, rows))
-        assert warm == cold == reference
+            assert all(0 < len(r) <= N_NEW for r in warm)
+        else:
+            assert warm == cold == reference
