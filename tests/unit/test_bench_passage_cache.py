@@ -25,6 +25,7 @@ def _no_model(*_: object, **__: object) -> None:
 @pytest.mark.parametrize(("argv", "option"), [
     (("--backend", "torch", "--ram-cache"), "--ram-cache"),
     (("--backend", "torch", "--n-ctx", "2048"), "--n-ctx"),
+    (("--backend", "torch", "--server-cache"), "--server-cache"),
 ])
 def test_llamacpp_only_options_are_refused_on_torch_before_any_model_work(
         monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...], option: str) -> None:
@@ -40,3 +41,14 @@ def test_the_backends_defaults_pass_the_check() -> None:
     bench.check_args(_args("--ram-cache", "--n-ctx", "2048"))
     with pytest.raises(SystemExit):  # argparse names the choices
         _args("--backend", "vllm")
+
+
+def test_server_cache_without_xllamacpp_is_refused_before_any_model_work(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared_core.bench.system import server_cache
+
+    monkeypatch.setattr(bench, "_load", _no_model)
+    monkeypatch.setattr(server_cache, "xllamacpp_installed", lambda: False)
+    with pytest.raises(ValueError, match="--server-cache"):
+        bench.run(_args("--server-cache"))
+    bench.check_args(_args())  # only the default asked for it: skipped with a warning

@@ -21,9 +21,17 @@ warm by accident):
   llama-cpp-python user has today, the same GGUF file in ``llama_cpp.Llama`` with a
   ``LlamaRAMCache`` on the same stream (it reuses the longest prefix of an earlier prompt: the
   template head), same threads, greedy, streamed for its TTFT.
+- ``llama_server_cache_reuse`` (``--server-cache``, llama.cpp only, on by default there when the
+  ``xllamacpp`` wheel of the ``bench`` extra is installed): what a llama.cpp server user has,
+  llama.cpp's server in a child process (:mod:`.server_cache`), one slot, ``--cache-reuse 16``,
+  the same file, threads and batch, greedy, fed the prompt's ids; TTFT is its first streamed
+  token, ``cache`` the server's own counts of evaluated and reused ids. The wheel is another
+  build of llama.cpp (AVX2), so its cold read and its near ties differ from ours: compare its
+  reuse with its own counts, not its answers with ``full``'s.
 
 On torch (``--backend torch``) the same methods run on ``load_lm(model, backend="torch",
-passage_cache=..., prefix_cache=False)``; ``--ram-cache`` and ``--n-ctx`` are llama.cpp's and
+passage_cache=..., prefix_cache=False)``; ``--ram-cache``, ``--server-cache`` and ``--n-ctx`` are
+llama.cpp's and
 refused there before any model is loaded.
 
 Accuracy differences against ``full`` get McNemar's exact test (a two-sided binomial test on the
@@ -85,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ram-cache", action=argparse.BooleanOptionalAction, default=None,
                         help="also run llama-cpp-python's Llama + LlamaRAMCache on the stream "
                              "(llama.cpp only; default: on there)")
+    parser.add_argument("--server-cache", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run llama.cpp's server (xllamacpp) with --cache-reuse 16 on "
+                             "the stream (llama.cpp only; default: on there if installed)")
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -95,10 +106,19 @@ def check_args(args: argparse.Namespace) -> None:
         msg = f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
         raise ValueError(msg)
     if backend == "llama.cpp":
+        from shared_core.bench.system.server_cache import xllamacpp_installed
+
+        if getattr(args, "server_cache", None) and not xllamacpp_installed():
+            msg = "--server-cache needs the xllamacpp wheel (pip install -e '.[bench]')"
+            raise ValueError(msg)
         return
     if args.ram_cache:
         msg = ("--ram-cache runs llama-cpp-python's LlamaRAMCache, which exists only on "
                "--backend llama.cpp; drop it (or pass --no-ram-cache) with --backend torch")
+        raise ValueError(msg)
+    if getattr(args, "server_cache", None):
+        msg = ("--server-cache runs llama.cpp's server, which exists only on --backend "
+               "llama.cpp; drop it (or pass --no-server-cache) with --backend torch")
         raise ValueError(msg)
     if args.n_ctx is not None:
         msg = "--n-ctx is a llama.cpp setting; torch models keep their own window (drop it)"
@@ -230,9 +250,22 @@ class _RamCacheLlama:
                 "cache": None, "steps_s": None}
 
 
+def _server(lm: Any, backend: str, asked: bool | None) -> Any:
+    """llama.cpp's server with ``--cache-reuse`` on the same file (None: not asked for, torch,
+    or xllamacpp missing where it was only the default)."""
+    from shared_core.bench.system.server_cache import ServerCacheReuse, xllamacpp_installed
+
+    if backend != "llama.cpp" or asked is False:
+        return None
+    if not xllamacpp_installed():  # only the default asked for it (check_args refuses the rest)
+        logger.warning("llama_server_cache_reuse skipped: xllamacpp is not installed")
+        return None
+    return ServerCacheReuse.for_lm(lm)
+
+
 def _one_question(lm: Any, caches: _Caches, ids: list[int], texts: list[str],
                   shares: list[float], max_new: int, *, exact: bool,
-                  ram: _RamCacheLlama | None) -> dict[str, Any]:
+                  ram: _RamCacheLlama | None, server: Any = None) -> dict[str, Any]:
     from shared_core.runtime.passage_cache import register_passages, warm_passages
 
     row: dict[str, Any] = {"prompt_tokens": len(ids)}
@@ -250,6 +283,8 @@ def _one_question(lm: Any, caches: _Caches, ids: list[int], texts: list[str],
     caches.use(None)
     if ram is not None:
         row["llama_ram_cache"] = ram.answer(ids, max_new)
+    if server is not None:
+        row["llama_server_cache_reuse"] = server.answer(ids, max_new)
     if exact and caches.exact is not None:
         exact_lm = caches.exact_lm
         exact_lm.model.passage_cache = caches.exact
@@ -470,8 +505,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     exact_lm = _load(name, backend, n_ctx, exact=True) if args.exact else None
     ram_cache = backend == "llama.cpp" if args.ram_cache is None else args.ram_cache
     ram = _RamCacheLlama(lm) if ram_cache else None
+    server = _server(lm, backend, getattr(args, "server_cache", None))
     methods = ["full", "blend_stream", *[f"blend_{s:g}" for s in shares], "llama_ram_cache",
-               "exact_cold", "exact_warm"]
+               "llama_server_cache_reuse", "exact_cold", "exact_warm"]
     settings = {"model": name, "k": args.k, "shares": shares, "max_new_tokens": args.max_new_tokens,
                 "n_ctx": n_ctx}
     if backend != "llama.cpp":  # llama.cpp rows written before --backend existed stay resumable
@@ -512,7 +548,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     continue
                 else:
                     row = _one_question(lm, caches, ids, texts, shares, args.max_new_tokens,
-                                        exact=index < args.exact, ram=ram)
+                                        exact=index < args.exact, ram=ram, server=server)
                     row.update(dataset=dataset, id=question["id"], gold=question["gold"],
                                settings=settings)
                     _append_row(rows_path, row)
@@ -532,6 +568,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["bytes"].update(
                 exact_memory_bytes_per_token=round(stats.memory_bytes / max(tokens, 1), 1),
                 exact_disk_bytes_per_token=round(stats.disk_bytes / max(tokens, 1), 1))
+    if server is not None:
+        server.close()
     report["load_avg_after"] = os.getloadavg()
     if getattr(args, "plot", None):
         plot(report, args.plot)
