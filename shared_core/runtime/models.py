@@ -35,7 +35,7 @@ from shared_core.config import (
 )
 from shared_core.runtime.lm import FALLBACK_CHAT_TEMPLATE, LM  # noqa: F401  (re-exported)
 from shared_core.runtime.passage_cache import attach as attach_passage_cache
-from shared_core.runtime.passage_cache import config_from
+from shared_core.runtime.passage_cache import chunk_head, config_from
 from shared_core.runtime.torch.prefix import attach, budget_bytes
 from shared_core.runtime.weights.embedded import (
     CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
@@ -284,7 +284,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         lm = _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings,
                             pick_format=backend == "auto")
         if cache_config is not None:
-            attach_passage_cache(lm.model, cache_config)
+            attach_passage_cache(lm.model, cache_config, head=chunk_head(lm))
         return lm
     _refuse_llamacpp_settings(n_ctx)
     apply_thread_setting()
@@ -303,7 +303,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         use_fp16_linears(lm)
     attach(lm.model, budget_bytes(prefix_cache, lm.model), exact=exact)
     if cache_config is not None:
-        attach_passage_cache(lm.model, cache_config)  # shared_core.runtime.passage_cache.torch_cache
+        attach_passage_cache(lm.model, cache_config, head=chunk_head(lm))
     lm.backend_reason = choice.reason
     logger.info("loaded %s on %s (%s, %d positions)", name_or_path, lm.device, lm.dtype,
                 lm.max_context)

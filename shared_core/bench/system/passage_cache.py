@@ -203,13 +203,17 @@ class _Caches:
 
     def __init__(self, lm: Any, exact_lm: Any | None, shares: list[float], blend_dir: Path,
                  exact_dir: Path, backend: str = "llama.cpp"):
+        from shared_core.runtime.passage_cache import chunk_head
+
         cache_class = _cache_class(backend)
         self.lm, self.exact_lm = lm, exact_lm
+        head = chunk_head(lm)
         base = cache_class(lm.model, PassageCacheConfig(mode="blend", disk_mb=1 << 20),
-                           disk_dir=blend_dir)
+                           head=head, disk_dir=blend_dir)
         self.blend: dict[float, Any] = {}
         for share in sorted({*shares, DEFAULT_RECOMPUTE_SHARE}):
-            cache = cache_class(lm.model, PassageCacheConfig("blend", share), disk_dir=blend_dir)
+            cache = cache_class(lm.model, PassageCacheConfig("blend", share), head=head,
+                                disk_dir=blend_dir)
             cache.store, cache.index = base.store, base.index
             if backend == "llama.cpp":
                 cache._probe_for = base._probe_for  # one probe context for all shares

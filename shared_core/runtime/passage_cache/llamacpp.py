@@ -24,8 +24,9 @@ runs the first ``prefill`` of every session on that model:
   prefill), and is compared with the values the cached chunk holds.
   A sequence only accepts positions after its last one, so the gaps between chunks, and then
   the runs of selected tokens, are each decoded in a scratch sequence holding sequence 0's
-  cells before them and swapped in: one ``llama_decode`` for all gaps, one for all runs
-  (:meth:`LlamaCppPassageCache._decode_runs`).
+  cells before them and swapped in: one ``llama_decode`` for all gaps, then one per chunk for
+  its selected runs, chunk after chunk, so each chunk's recomputed tokens attend to the
+  recomputed tokens of the chunks before it (:meth:`LlamaCppPassageCache._decode_runs`).
 
 A failed or interrupted assembly clears the session's context (nothing half-placed is served);
 the store only ever holds whole entries.
@@ -204,6 +205,7 @@ class LlamaCppPassageCache:
         self.last = PrefillReport()
         self._probe: _Probe | None = None
         self._probe_lock = threading.Lock()
+        self._head_state: bytes | None = None  # the head's KV, read once
 
     @property
     def mode(self) -> str:
@@ -397,7 +399,9 @@ class LlamaCppPassageCache:
             with report.timed("probe"):
                 runs = self._select(lm, ids[:pos], placed, report)
             with report.timed("recompute"):
-                report.recomputed += self._decode_runs(lm, slot, seq, ids, runs, scratch)
+                for chunk_runs in _by_chunk(runs, [span for span, _ in placed]):
+                    report.recomputed += self._decode_runs(lm, slot, seq, ids, chunk_runs,
+                                                           scratch)
         with report.timed("read"):
             self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
         return len(placed)
@@ -433,13 +437,17 @@ class LlamaCppPassageCache:
         return payload
 
     def _compute_alone(self, lm: Any, slot: Any, chunk: list[int]) -> bytes:
-        """Decode ``head + chunk`` alone in the scratch sequence; its state without the head."""
+        """Decode ``head + chunk`` alone in the scratch sequence (the head's KV restored once
+        it has been read); the state without the head."""
         llama = self.model.llama
         llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
-        ids = [*self.head, *chunk]
-        self._decode_range(lm, slot, PLACE_SEQ, ids, 0, len(ids), PrefillReport(), counted=False)
-        if self.head:
-            llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, 0, len(self.head))
+        ids, h = [*self.head, *chunk], len(self.head)
+        if h and not (self._head_state and self._load(slot, self._head_state, 0, h, PLACE_SEQ)):
+            self._decode_range(lm, slot, PLACE_SEQ, ids, 0, h, PrefillReport(), counted=False)
+            self._head_state = _seq_state(llama, slot.ctx, PLACE_SEQ)
+        self._decode_range(lm, slot, PLACE_SEQ, ids, h, len(ids), PrefillReport(), counted=False)
+        if h:
+            llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, 0, h)
         return _seq_state(llama, slot.ctx, PLACE_SEQ)
 
     def _select(self, lm: Any, ids: list[int], placed: Sequence[tuple[Span, bytes]],
@@ -479,8 +487,12 @@ class LlamaCppPassageCache:
         runs as there are scratch sequences and batch rows (on a CPU a few rows cost about as
         much as one; a batch of dozens half as much per row). A run therefore does not see the
         runs decoded beside it: a gap misses the gaps before it, and a recomputed run sees the
-        cached KV of the selected tokens before it where CacheBlend's layer-wise recompute
-        (§4.1) would show it their recomputed KV."""
+        cached KV of the selected tokens before it in the same decode where CacheBlend's
+        layer-wise recompute (§4.1) would show it their recomputed KV. :meth:`fill` therefore
+        decodes one chunk's runs at a time: the runs of one chunk see each other's cached KV,
+        which already holds that chunk's own attention, and the recomputed KV of every chunk
+        before them (measured on the 0.5B: first-token KL to a full prefill 0.33 against 0.47
+        with all runs in one decode, at 15 %)."""
         for group in _groups(runs, len(scratch), slot.n_batch):
             self._decode_group(lm, slot, seq, ids, group, scratch)
         return sum(b - a for a, b in runs)
@@ -595,6 +607,18 @@ def _groups(runs: Sequence[tuple[int, int]], width: int, rows: int
         groups[-1].append((a, b))
         size += b - a
     return groups
+
+
+def _by_chunk(runs: Sequence[tuple[int, int]], spans: Sequence[Span]
+              ) -> list[list[tuple[int, int]]]:
+    """Sorted runs grouped by the sorted chunk they start in (runs outside every chunk last)."""
+    groups: list[list[tuple[int, int]]] = [[] for _ in range(len(spans) + 1)]
+    starts = [span.start for span in spans]
+    for run in runs:
+        at = int(np.searchsorted(starts, run[0], side="right")) - 1
+        inside = at >= 0 and run[0] < spans[at].end
+        groups[at if inside else len(spans)].append(run)
+    return [group for group in groups if group]
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
