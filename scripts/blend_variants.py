@@ -23,14 +23,13 @@ from __future__ import annotations
 import json
 import logging
 import sys
-import time
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
 from shared_core.bench.specrag.data import is_correct
-from shared_core.bench.system.passage_cache import _load, _questions
+from shared_core.bench.system.passage_cache import _answer, _load, _questions
 from shared_core.config import PassageCacheConfig
 from shared_core.engines.speculative_rag.prompts import passage_texts, rag_prompt
 from shared_core.runtime.passage_cache import chunk_head, register_passages, warm_passages
@@ -78,22 +77,6 @@ class _Variant(LlamaCppPassageCache):
             module._by_chunk = _by_chunk
 
 
-def _answer(lm: Any, ids: list[int]) -> dict[str, Any]:
-    session = lm.open_session()
-    start = time.perf_counter()
-    logits = session.prefill(ids)
-    ttft = time.perf_counter() - start
-    first = np.asarray(logits, dtype=np.float64)
-    out: list[int] = []
-    while len(out) < MAX_NEW:
-        out.append(int(logits.argmax()))
-        if out[-1] in lm.eos_token_ids:
-            break
-        logits = session.extend([out[-1]])[-1]
-    return {"ttft": ttft, "logp": first - np.logaddexp.reduce(first), "tokens": out,
-            "text": lm.tokenizer.decode(out, skip_special_tokens=True)}
-
-
 def _template_head(lm: Any, dataset: str) -> tuple[int, ...]:
     """The RAG prompt's own head: the common prefix of two prompts, up to "Document [1]:"."""
     first, second = (rag_prompt(lm, q["question"], d) for q, d in _questions(dataset, 2, 5))
@@ -119,10 +102,10 @@ def main() -> None:
             ids = rag_prompt(lm, question["question"], docs)
             heads["sink"] = tuple(ids[:1])
             lm.model.passage_cache = None
-            full = _answer(lm, ids)
+            full = _answer(lm, ids, MAX_NEW)
             row: dict[str, Any] = {"ds": dataset, "id": question["id"], "n": len(ids),
                                    "full_ok": is_correct(dataset, full["text"], question["gold"]),
-                                   "full_ttft": full["ttft"], "m": {}}
+                                   "full_ttft": full["ttft_s"], "m": {}}
             for name in variants:
                 head, select, order, share = name.split(":")
                 if name not in caches:
@@ -133,12 +116,13 @@ def main() -> None:
                 lm.model.passage_cache = caches[name]
                 register_passages(lm, passage_texts(docs))
                 warm_passages(lm, passage_texts(docs), progress=False)
-                got = _answer(lm, ids)
-                kl = float(np.sum(np.exp(full["logp"]) * (full["logp"] - got["logp"])))
+                got = _answer(lm, ids, MAX_NEW)
+                ref, logp = full["_logp"], got["_logp"]
+                kl = float(np.sum(np.exp(ref) * (ref - logp)))
                 row["m"][name] = {"kl": kl, "first": got["tokens"][0] == full["tokens"][0],
                                   "same": got["tokens"] == full["tokens"],
                                   "ok": is_correct(dataset, got["text"], question["gold"]),
-                                  "ttft": got["ttft"]}
+                                  "ttft": got["ttft_s"]}
             lm.model.passage_cache = None
             rows.append(row)
             logger.info("%s %s %s", dataset, question["id"],
