@@ -349,7 +349,7 @@ class LlamaCppPassageCache:
         share beside it (a recomputed run lives twice until it is swapped in)."""
         longest = max((len(s) for s in spans), default=0)
         recompute = int(np.ceil(self.config.recompute_share * len(ids)))
-        return len(ids) + len(self.head) + max(longest, recompute) <= self.model.n_ctx
+        return bool(len(ids) + len(self.head) + max(longest, recompute) <= self.model.n_ctx)
 
     def _prefill_blend(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
         spans = self.chunks_of(ids[:-1])
@@ -500,7 +500,7 @@ class LlamaCppPassageCache:
     def _decode_group(self, lm: Any, slot: Any, seq: int, ids: list[int],
                       runs: Sequence[tuple[int, int]], scratch: Sequence[int]) -> None:
         llama, memory = self.model.llama, slot.memory
-        entries = []
+        entries: list[tuple[int, int, tuple[int, ...], bool]] = []
         for (a, b), tmp in zip(runs, scratch, strict=False):
             llama.llama_memory_seq_rm(memory, tmp, -1, -1)
             llama.llama_memory_seq_cp(memory, seq, tmp, 0, a)
@@ -527,7 +527,7 @@ class LlamaCppPassageCache:
         if not ok:
             llama.llama_memory_seq_rm(memory, seq, -1, -1)
             logger.warning("passage cache: llama.cpp refused a stored entry; recomputing it")
-        return ok
+        return bool(ok)
 
     def _copy_in(self, slot: Any, scratch: int, start: int, end: int, seq: int = 0) -> None:
         """Add ``scratch``'s cells at positions ``[start, end)`` to ``seq``; empty ``scratch``."""
