@@ -42,7 +42,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
@@ -51,6 +51,11 @@ from shared_core.runtime.llamacpp.session import EXACT_CHUNK, MAX_TREE_LEAVES, d
 from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
 from shared_core.runtime.passage_cache.kv_state import StateFormatError, layer_values
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, model_identity
+
+if TYPE_CHECKING:
+    from shared_core.runtime.llamacpp.lm import LlamaCppModel, _Slot
+    from shared_core.runtime.llamacpp.session import LlamaCppSession
+    from shared_core.runtime.protocol import SessionLM
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +92,13 @@ class PrefillReport:
             self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
 
 
-def _meta(model: Any, key: str) -> str:
+def _meta(model: LlamaCppModel, key: str) -> str:
     buf = ctypes.create_string_buffer(256)
     n = model.llama.llama_model_meta_val_str(model.ptr, key.encode(), buf, len(buf))
     return buf.value.decode("utf-8", "replace") if n >= 0 else ""
 
 
-def identity_of(model: Any) -> str:
+def identity_of(model: LlamaCppModel) -> str:
     """Everything that makes this model's KV differ (see :func:`model_identity`)."""
     import llama_cpp
 
@@ -115,11 +120,12 @@ class _Probe:
     ubatch's graph and ends the computation (returning false), so a probe costs about one
     layer and a projection, not a prefill."""
 
-    def __init__(self, model: Any):
+    def __init__(self, model: LlamaCppModel):
         import os
 
         llama = model.llama
-        ggml = ctypes.CDLL(os.path.join(os.path.dirname(llama.__file__), "lib", "libggml-base.so"))
+        lib = os.path.join(os.path.dirname(str(llama.__file__)), "lib", "libggml-base.so")
+        ggml = ctypes.CDLL(lib)
         ggml.ggml_get_name.restype = ctypes.c_char_p
         ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
         ggml.ggml_nelements.restype = ctypes.c_int64
@@ -160,7 +166,7 @@ class _Probe:
         self.n_batch = model.settings.n_batch
         self.lock = threading.Lock()
 
-    def values(self, lm: Any, ids: Sequence[int]) -> np.ndarray:
+    def values(self, lm: SessionLM, ids: Sequence[int]) -> np.ndarray:
         """Layer-``PROBE_LAYER`` values of ``ids`` read as one prompt: ``[len(ids), width]``."""
         with self.lock:
             self.parts = []
@@ -194,7 +200,7 @@ def _seq_state(llama: Any, ctx: Any, seq: int) -> bytes:
 class LlamaCppPassageCache:
     """The passage cache of one loaded llama.cpp model (see the module doc)."""
 
-    def __init__(self, model: Any, config: PassageCacheConfig, *, head: Sequence[int] = (),
+    def __init__(self, model: LlamaCppModel, config: PassageCacheConfig, *, head: Sequence[int] = (),
                  disk_dir: Path | None = None):
         self.model = model
         self.config = config
@@ -227,7 +233,7 @@ class LlamaCppPassageCache:
 
     # -- the session hook
 
-    def prefill(self, session: Any, ids: Sequence[int]) -> Any:
+    def prefill(self, session: LlamaCppSession, ids: Sequence[int]) -> Any:
         """A session's first prefill of ``ids`` through the cache; the ``[V]`` logits after the
         last id (the session's ``prefill`` contract). Called inside the session's write guard."""
         ids = [int(t) for t in ids]
@@ -245,7 +251,7 @@ class LlamaCppPassageCache:
         self.last = report
         return logits
 
-    def _abandon(self, session: Any) -> None:
+    def _abandon(self, session: LlamaCppSession) -> None:
         """After a failure: no scratch cells, and an empty session whose context is cleared."""
         if session._slot is not None:
             llama, memory = self.model.llama, session._slot.memory
@@ -256,7 +262,7 @@ class LlamaCppPassageCache:
 
     # -- exact prefixes
 
-    def _prefill_exact(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
+    def _prefill_exact(self, session: LlamaCppSession, ids: list[int], report: PrefillReport) -> Any:
         session._borrow(ids)
         report.kept = len(session.tokens)
         keys = self.store.prefix_keys(ids, self.block, len(ids) - 1)
@@ -265,7 +271,7 @@ class LlamaCppPassageCache:
         self._store_prefix(session, keys, restored, report)
         return logits
 
-    def _restore_prefix(self, session: Any, ids: list[int], keys: list[tuple[int, str]],
+    def _restore_prefix(self, session: LlamaCppSession, ids: list[int], keys: list[tuple[int, str]],
                         report: PrefillReport) -> int:
         """Restore the stored blocks that follow what the session holds; the end of the last."""
         found = self._find_blocks(keys, len(session.tokens))
@@ -289,7 +295,7 @@ class LlamaCppPassageCache:
             found.append((end, key, payload))
         return found
 
-    def _restore_blocks(self, slot: Any, found: list[tuple[int, str, bytes]],
+    def _restore_blocks(self, slot: _Slot, found: list[tuple[int, str, bytes]],
                         report: PrefillReport) -> int:
         """Restore blocks into sequence 0 (which ends where the first begins); the end of the
         last one restored (a refused payload is dropped from the store and ends the walk)."""
@@ -303,11 +309,11 @@ class LlamaCppPassageCache:
             restored = end
         return restored
 
-    def _store_prefix(self, session: Any, keys: list[tuple[int, str]], restored: int,
+    def _store_prefix(self, session: LlamaCppSession, keys: list[tuple[int, str]], restored: int,
                       report: PrefillReport) -> None:
         self._store_blocks(session._slot, keys, restored, len(session.tokens), report)
 
-    def _store_blocks(self, slot: Any, keys: list[tuple[int, str]], restored: int, held: int,
+    def _store_blocks(self, slot: _Slot, keys: list[tuple[int, str]], restored: int, held: int,
                       report: PrefillReport) -> None:
         """Store sequence 0's blocks ending after ``restored`` and by ``held`` (unless stored)."""
         llama, memory = self.model.llama, slot.memory
@@ -321,7 +327,7 @@ class LlamaCppPassageCache:
             self.store.put(key, payload)
             report.stored += 1
 
-    def restore_shared(self, slot: Any, ids: Sequence[int], kept: int) -> int:
+    def restore_shared(self, slot: _Slot, ids: Sequence[int], kept: int) -> int:
         """Several rows (:mod:`shared_core.runtime.llamacpp.batch`): restore the stored blocks
         of the rows' common prefix ``ids`` after the ``kept`` ids sequence 0 holds; how many
         ids it holds then."""
@@ -333,7 +339,7 @@ class LlamaCppPassageCache:
         self.last = PrefillReport(prompt=len(ids), kept=min(kept, found[0][0] - self.block))
         return self._restore_blocks(slot, found, self.last)
 
-    def store_shared(self, slot: Any, ids: Sequence[int], restored: int) -> None:
+    def store_shared(self, slot: _Slot, ids: Sequence[int], restored: int) -> None:
         """Several rows: store the common prefix's blocks sequence 0 now holds."""
         keys = self.store.prefix_keys(ids, self.block, len(ids))
         self._store_blocks(slot, keys, restored, len(ids), self.last)
@@ -351,7 +357,7 @@ class LlamaCppPassageCache:
         recompute = int(np.ceil(self.config.recompute_share * len(ids)))
         return bool(len(ids) + len(self.head) + max(longest, recompute) <= self.model.n_ctx)
 
-    def _prefill_blend(self, session: Any, ids: list[int], report: PrefillReport) -> Any:
+    def _prefill_blend(self, session: LlamaCppSession, ids: list[int], report: PrefillReport) -> Any:
         spans = self.chunks_of(ids[:-1])
         first = spans[0].start if spans else len(ids) - 1
         with report.timed("head"):
@@ -367,9 +373,11 @@ class LlamaCppPassageCache:
         session.blended = placed > 0
         report.read += 1
         with report.timed("last"):
-            return session._append(ids[-1:], 1)[-1]
+            rows = session._append(ids[-1:], 1)
+        assert rows is not None  # one row of logits was asked for
+        return rows[-1]
 
-    def fill(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], have: int,
+    def fill(self, lm: SessionLM, slot: _Slot, seq: int, ids: Sequence[int], have: int,
              report: PrefillReport, scratch: Sequence[int]) -> int:
         """Make ``seq`` (holding ``ids[:have]`` at positions ``0..have-1``) hold all of ``ids``:
         the ids before the first chunk decoded in place, cached chunks placed, the gaps between
@@ -406,7 +414,7 @@ class LlamaCppPassageCache:
             self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
         return len(placed)
 
-    def _decode_range(self, lm: Any, slot: Any, seq: int, ids: Sequence[int], begin: int,
+    def _decode_range(self, lm: SessionLM, slot: _Slot, seq: int, ids: Sequence[int], begin: int,
                       end: int, report: PrefillReport, *, counted: bool = True) -> None:
         """Decode ``ids[begin:end]`` at their positions in ``seq`` (no logits)."""
         for first in range(begin, end, slot.n_batch):
@@ -415,7 +423,7 @@ class LlamaCppPassageCache:
         if counted:
             report.read += max(end - begin, 0)
 
-    def _place(self, lm: Any, slot: Any, seq: int, chunk: list[int], start: int,
+    def _place(self, lm: SessionLM, slot: _Slot, seq: int, chunk: list[int], start: int,
                report: PrefillReport) -> bytes:
         """Put ``chunk``'s KV (stored, else computed alone and stored) at ``start`` of ``seq``."""
         h, n = len(self.head), len(chunk)
@@ -436,7 +444,7 @@ class LlamaCppPassageCache:
         self._copy_in(slot, PLACE_SEQ, start, start + n, seq)
         return payload
 
-    def _compute_alone(self, lm: Any, slot: Any, chunk: list[int]) -> bytes:
+    def _compute_alone(self, lm: SessionLM, slot: _Slot, chunk: list[int]) -> bytes:
         """Decode ``head + chunk`` alone in the scratch sequence (the head's KV restored once
         it has been read); the state without the head."""
         llama = self.model.llama
@@ -450,7 +458,7 @@ class LlamaCppPassageCache:
             llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, 0, h)
         return _seq_state(llama, slot.ctx, PLACE_SEQ)
 
-    def _select(self, lm: Any, ids: list[int], placed: Sequence[tuple[Span, bytes]],
+    def _select(self, lm: SessionLM, ids: list[int], placed: Sequence[tuple[Span, bytes]],
                 report: PrefillReport) -> list[tuple[int, int]]:
         """The runs of reused positions to recompute: the ``recompute_share`` of them whose
         layer-1 values deviate most from the whole prompt's (CacheBlend §4.2)."""
@@ -477,7 +485,7 @@ class LlamaCppPassageCache:
                 self._probe = _Probe(self.model)
             return self._probe
 
-    def _decode_runs(self, lm: Any, slot: Any, seq: int, ids: list[int],
+    def _decode_runs(self, lm: SessionLM, slot: _Slot, seq: int, ids: list[int],
                      runs: Sequence[tuple[int, int]], scratch: Sequence[int]) -> int:
         """Decode each run ``ids[a:b]`` after ``seq``'s cells before it and swap its cells into
         ``seq`` (replacing what ``seq`` held there); how many ids were decoded.
@@ -497,7 +505,7 @@ class LlamaCppPassageCache:
             self._decode_group(lm, slot, seq, ids, group, scratch)
         return sum(b - a for a, b in runs)
 
-    def _decode_group(self, lm: Any, slot: Any, seq: int, ids: list[int],
+    def _decode_group(self, lm: SessionLM, slot: _Slot, seq: int, ids: list[int],
                       runs: Sequence[tuple[int, int]], scratch: Sequence[int]) -> None:
         llama, memory = self.model.llama, slot.memory
         entries: list[tuple[int, int, tuple[int, ...], bool]] = []
@@ -516,7 +524,7 @@ class LlamaCppPassageCache:
 
     # -- shared steps
 
-    def _load(self, slot: Any, payload: bytes, first: int, count: int, seq: int) -> bool:
+    def _load(self, slot: _Slot, payload: bytes, first: int, count: int, seq: int) -> bool:
         """Restore a stored state into ``seq``; False (nothing kept) if llama.cpp refuses it or
         it does not hold positions ``first .. first + count - 1``."""
         llama, memory = self.model.llama, slot.memory
@@ -529,13 +537,13 @@ class LlamaCppPassageCache:
             logger.warning("passage cache: llama.cpp refused a stored entry; recomputing it")
         return bool(ok)
 
-    def _copy_in(self, slot: Any, scratch: int, start: int, end: int, seq: int = 0) -> None:
+    def _copy_in(self, slot: _Slot, scratch: int, start: int, end: int, seq: int = 0) -> None:
         """Add ``scratch``'s cells at positions ``[start, end)`` to ``seq``; empty ``scratch``."""
         llama = self.model.llama
         llama.llama_memory_seq_cp(slot.memory, scratch, seq, start, end)
         llama.llama_memory_seq_rm(slot.memory, scratch, -1, -1)
 
-    def _feed(self, session: Any, ids: Sequence[int], report: PrefillReport, *,
+    def _feed(self, session: LlamaCppSession, ids: Sequence[int], report: PrefillReport, *,
               logits: bool = False) -> Any:
         """Decode ``ids`` after sequence 0 as a prefill does (exact: in ``EXACT_CHUNK`` pieces);
         the last row of logits if asked for."""
@@ -558,7 +566,7 @@ class LlamaCppPassageCache:
         spans = self.chunks_of(rows[0][:-1])
         return min(shared, spans[0].start) if spans else shared
 
-    def fill_rows(self, lm: Any, slot: Any, rows: Sequence[Sequence[int]], shared: int,
+    def fill_rows(self, lm: SessionLM, slot: _Slot, rows: Sequence[Sequence[int]], shared: int,
                   first_sequence: int = 1) -> list[int]:
         """Blend: make row ``r``'s sequence (``r + first_sequence``, holding the rows' first
         ``shared`` ids) hold all of the row but its last id; the ids each row still needs
@@ -579,12 +587,12 @@ class LlamaCppPassageCache:
         self.last = report
         return [len(row) - 1 for row in rows]
 
-    def warm(self, lm: Any, chunk_ids: Sequence[int]) -> bool:
+    def warm(self, lm: SessionLM, chunk_ids: Sequence[int]) -> bool:
         """Compute and store one chunk alone (blend) unless stored; True if it was computed."""
         key = self.store.key("chunk", self.head, chunk_ids)
         if key in self.store:
             return False
-        session = lm.open_session()
+        session = cast("LlamaCppSession", lm.open_session())  # this model's runtime
         slot = session.slot
         try:
             self.store.put(key, self._compute_alone(lm, slot, list(chunk_ids)))
