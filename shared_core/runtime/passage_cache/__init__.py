@@ -17,10 +17,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from shared_core.config import PassageCacheConfig, check_passage_cache, check_text
 from shared_core.runtime.passage_cache.chunks import passage_interior
+
+if TYPE_CHECKING:
+    from shared_core.runtime.protocol import ModelLM, SessionLM
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +42,7 @@ def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
     return PassageCacheConfig(mode=mode, **given)
 
 
-def chunk_head(lm: Any) -> tuple[int, ...]:
+def chunk_head(lm: ModelLM) -> tuple[int, ...]:
     """The ids a blend cache reads each passage after when it computes the passage alone: the
     model's chat template up to a user turn's content (a base model: what its tokenizer puts
     before any text, such as BOS). Read alone from position 0, a passage's first token becomes
@@ -80,7 +83,7 @@ def attach(model: Any, config: PassageCacheConfig, *, head: Sequence[int] = (),
     return model.passage_cache
 
 
-def passage_cache_of(lm: Any) -> Any:
+def passage_cache_of(lm: ModelLM) -> Any:
     """The model's passage cache, or None."""
     return getattr(getattr(lm, "model", None), "passage_cache", None)
 
@@ -113,7 +116,7 @@ def _text_of(item: Any) -> Any:
     return content() if callable(content) else item
 
 
-def register_passages(lm: Any, texts: Iterable[Any]) -> int:
+def register_passages(lm: ModelLM, texts: Iterable[Any]) -> int:
     """Tell a blend cache which passages a prompt may contain (each tokenized alone, found in
     prompts by its interior); returns how many were indexed. A no-op without a blend cache."""
     cache = passage_cache_of(lm)
@@ -125,14 +128,14 @@ def register_passages(lm: Any, texts: Iterable[Any]) -> int:
     return count
 
 
-def register_passage_ids(lm: Any, ids: Sequence[int]) -> bool:
+def register_passage_ids(lm: ModelLM, ids: Sequence[int]) -> bool:
     """:func:`register_passages` for a passage whose ids a prompt holds verbatim (an engine that
     tokenizes a document on its own and splices it in: RaLMSpec)."""
     cache = passage_cache_of(lm)
     return cache is not None and cache.mode == "blend" and bool(cache.index.add(ids))
 
 
-def warm_passages(lm: Any, texts: Iterable[Any], *, progress: bool = True) -> dict[str, int]:
+def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -> dict[str, int]:
     """Compute and store the KV of each passage ahead of time (blend caches): resumable, since
     passages already stored are skipped; a tqdm bar with ``progress``. ``texts``: strings,
     documents, a LlamaIndex index / docstore or a LangChain vector store (:func:`source_texts`).
@@ -159,34 +162,35 @@ def warm_passages(lm: Any, texts: Iterable[Any], *, progress: bool = True) -> di
     return {"passages": len(items), "computed": computed, "skipped": skipped}
 
 
-def passage_stats(lm: Any) -> dict[str, Any]:
+def passage_stats(lm: ModelLM) -> dict[str, Any]:
     """The cache's store counters and its last prefill's report ({} without a cache)."""
     cache = passage_cache_of(lm)
     return cache.stats() if cache is not None else {}
 
 
-def ensure(lm: Any, config: PassageCacheConfig | None) -> None:
+def ensure(lm: ModelLM, config: PassageCacheConfig | None) -> None:
     """Give ``lm`` the passage cache ``config`` asks for (None: keep what it has). A served
     model, a blend cache on an exact model, or a loaded model that already has another cache is
     refused (ValueError naming ``passage_cache``; a model is loaded once per process)."""
     if config is None:
         return
     backend = getattr(lm, "backend", "torch")
-    if backend == "llama.cpp":
-        exact = lm.model.settings.exact
-    elif backend == "torch":
-        from shared_core.runtime.torch.prefix import store_for
-
-        store = store_for(lm.model)
-        exact = store is not None and store.exact
-    else:
+    if backend not in ("llama.cpp", "torch"):
         msg = (f"passage_cache={config.mode!r} runs on torch and llama.cpp models; model "
                f"{getattr(lm, 'name', lm)!r} runs on {backend} (turn on the server's own cache)")
         raise ValueError(msg)
+    local = cast("SessionLM", lm)  # an in-process runtime, checked above
+    if backend == "llama.cpp":
+        exact = bool(local.model.settings.exact)
+    else:
+        from shared_core.runtime.torch.prefix import store_for
+
+        store = store_for(local.model)
+        exact = store is not None and store.exact
     check_passage_cache(config.mode, exact=exact)
     current = passage_cache_of(lm)
     if current is None:
-        attach(lm.model, config, head=chunk_head(lm))
+        attach(local.model, config, head=chunk_head(lm))
     elif current.config != config:
         msg = (f"passage_cache={config.mode!r}: model {lm.name!r} already has a passage cache "
                f"({current.config}); pass the same settings or release the model first")
