@@ -52,3 +52,20 @@ def test_server_cache_without_xllamacpp_is_refused_before_any_model_work(
     with pytest.raises(ValueError, match="--server-cache"):
         bench.run(_args("--server-cache"))
     bench.check_args(_args())  # only the default asked for it: skipped with a warning
+
+
+def test_the_ram_cache_baseline_counts_the_logits_each_entry_holds() -> None:
+    """llama-cpp-python's LlamaRAMCache counts an entry's KV state only; each entry also holds
+    the logits buffer (n_batch x n_vocab floats), which the bench's budget counts too."""
+    pytest.importorskip("llama_cpp")
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    cache = bench.counted_ram_cache(capacity_bytes=5 << 19)  # 2.5 MiB
+    scores = np.zeros((4, 1 << 16), dtype=np.single)  # 1 MiB of logits
+    ids = np.zeros(8, dtype=np.intc)
+    for key in range(3):
+        cache[(key,)] = SimpleNamespace(llama_state_size=100, scores=scores.copy(), input_ids=ids)
+    assert list(cache.cache_state) == [(1,), (2,)]  # the oldest out: 3 MiB over a 2.5 MiB budget
+    assert cache.cache_size <= 5 << 19

@@ -20,7 +20,8 @@ warm by accident):
 - ``llama_ram_cache`` (``--ram-cache``, llama.cpp only, on by default there): what a
   llama-cpp-python user has today, the same GGUF file in ``llama_cpp.Llama`` with a
   ``LlamaRAMCache`` on the same stream (it reuses the longest prefix of an earlier prompt: the
-  template head), same threads, greedy, streamed for its TTFT.
+  template head), same threads, greedy, streamed for its TTFT; its 2 GiB budget counts every
+  byte of an entry (:func:`counted_ram_cache`).
 - ``llama_server_cache_reuse`` (``--server-cache``, llama.cpp only, on by default there when the
   ``xllamacpp`` wheel of the ``bench`` extra is installed): what a llama.cpp server user has,
   llama.cpp's server in a child process (:mod:`.server_cache`), one slot, ``--cache-reuse 16``,
@@ -225,6 +226,23 @@ class _Caches:
         self.lm.model.passage_cache = cache
 
 
+def counted_ram_cache(capacity_bytes: int) -> Any:
+    """llama-cpp-python's ``LlamaRAMCache`` with every byte of an entry counted against its
+    budget. Its own count is the KV state alone, but each entry also holds a copy of the
+    ``Llama``'s logits buffer (``n_batch x n_vocab`` float32: 311 MB for Qwen2.5's 151,936 ids
+    at ``n_batch`` 512), so its default 2 GiB holds about 100 GB and a long stream runs out of
+    memory. Eviction order (least recently used) and lookup (longest prefix) are unchanged."""
+    import llama_cpp
+
+    class CountedRAMCache(llama_cpp.LlamaRAMCache):  # type: ignore[misc]
+        @property
+        def cache_size(self) -> int:
+            return sum(state.llama_state_size + state.scores.nbytes + state.input_ids.nbytes
+                       for state in self.cache_state.values())
+
+    return CountedRAMCache(capacity_bytes=capacity_bytes)
+
+
 class _RamCacheLlama:
     """llama-cpp-python's own high-level path on the same file: ``Llama`` + ``LlamaRAMCache``."""
 
@@ -235,7 +253,7 @@ class _RamCacheLlama:
                                    n_batch=lm.model.settings.n_batch,
                                    n_threads=lm.model.threads, n_threads_batch=lm.model.threads,
                                    verbose=False)
-        self.llm.set_cache(llama_cpp.LlamaRAMCache(capacity_bytes=2 << 30))
+        self.llm.set_cache(counted_ram_cache(2 << 30))
         self.tokenizer = lm.tokenizer
 
     def answer(self, ids: list[int], max_new: int) -> dict[str, Any]:
