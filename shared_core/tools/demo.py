@@ -408,7 +408,7 @@ def passage_cache_section(retriever, model: str, write: Callable[[str], None],
     found.append(f"blend gave Q2's first token {sooner}, answer equal to the full prefill's: "
                  f"{q2['equal']}")
     write(f"\nOn this machine: {'; '.join(found)} (blend's quality over many questions: "
-          "`python -m shared_core.bench passage-cache`, results/system/2026-11-27-passage-cache/).")
+          "`python -m shared_core.bench passage-cache`, results/system/2026-11-28-passage-cache-qwen0.5b/).")
     return {"rows": {"Q1": q1, "Q2": q2}, "ttft_speedup": speedup, "exact": exact}
 
 
