@@ -573,6 +573,33 @@ def test_passage_cache_blend_reuses_passages_in_another_order(rt: Runtime, tmp_p
         assert session.tokens == ids + tokens
 
 
+
+def test_standard_rag_registers_its_documents_and_the_drafter_rows_reuse_them(
+        rt: Runtime, tmp_path: Any) -> None:
+    """The engines register the documents they read: standard RAG's second question over them in
+    another order, and Speculative RAG's drafter rows, reuse every passage."""
+    from shared_core.engines.speculative_rag.engine import standard_rag
+    from shared_core.engines.speculative_rag.prompts import draft_prompt
+    from shared_core.retrieval.base import Document
+
+    lm = rt.blend_lm()
+    docs = [Document(text=t, id=str(i)) for i, t in enumerate(PASSAGES)]
+    with passage_cache(lm, tmp_path, "blend") as cache:
+        gc.collect()
+        clear_prefix_cache(lm)
+        first = standard_rag(lm, "Who built the weir?", docs, 4)
+        assert cache.last.computed_alone > 0 and cache.last.reused == 0
+        again = standard_rag(lm, "What colour is the cottage?", docs[::-1], 4)
+        assert cache.last.reused > 0 and cache.last.computed_alone == 0
+        assert isinstance(first.text, str) and isinstance(again.text, str)
+        rows = [draft_prompt(lm, "Who designed the aqueduct?", [docs[i] for i in subset],
+                             "answer_first", None) for subset in ((0, 2), (1, 2), (2, 0))]
+        outputs = lm.generate_parallel(rows, 3, lambda r, ids: False)
+        assert [len(ids) for ids, _ in outputs] == [3, 3, 3]
+        report = cache.last
+        assert report.reused > 0 and report.computed_alone == 0 and report.recomputed > 0
+        assert report.kept + report.reused + report.read == sum(map(len, rows))
+
 @pytest.mark.parametrize(("mode", "failure"), [("exact", "store"), ("exact", "forward"),
                                                ("blend", "store")])
 def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path: Any,

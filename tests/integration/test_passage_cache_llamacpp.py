@@ -262,30 +262,6 @@ def test_the_chat_adapters_turn_it_on_by_one_setting_and_report_it():
         release("smollm2-135m-instruct", None, None, "llama.cpp")
 
 
-def test_standard_rag_and_speculative_rag_drafts_read_passages_from_the_cache(blend_model,
-                                                                              tmp_path):
-    """The engines register their documents; a second question over them in another order
-    reuses every passage (standard RAG's one row, and the drafter's rows)."""
-    from shared_core.engines.speculative_rag.engine import standard_rag
-    from shared_core.engines.speculative_rag.prompts import draft_prompt
-    from shared_core.retrieval.base import Document
-
-    lm = _fresh(blend_model, tmp_path, "blend")
-    cache = lm.model.passage_cache
-    docs = [Document(text=t, id=str(i)) for i, t in enumerate(PASSAGES)]
-    first = standard_rag(lm, "Who built the weir?", docs, 4)
-    assert cache.last.computed_alone > 0 and cache.last.reused == 0
-    again = standard_rag(lm, "What colour is the cottage?", docs[::-1], 4)
-    assert cache.last.reused > 0 and cache.last.computed_alone == 0
-    assert isinstance(first.text, str) and isinstance(again.text, str)
-    rows = [draft_prompt(lm, "Who designed the aqueduct?", [docs[i] for i in subset],
-                         "answer_first", None) for subset in ((0, 2), (1, 2), (2, 0))]
-    outputs = lm.generate_parallel(rows, 3, lambda r, ids: False)
-    assert [len(ids) for ids, _ in outputs] == [3, 3, 3]
-    assert cache.last.reused > 0 and cache.last.computed_alone == 0
-    assert cache.last.recomputed > 0
-
-
 def test_exact_standard_rag_rows_reuse_prefix_blocks_and_equal_a_cold_run(exact_model, tmp_path):
     """``generate_parallel`` (standard RAG, the drafter's rows) restores the rows' common prefix
     from stored blocks; the answer equals the cold one token for token."""

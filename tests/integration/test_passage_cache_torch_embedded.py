@@ -65,30 +65,6 @@ def test_smollm_blend_reuses_passages_in_another_order(smollm, cached):
     assert len(tokens) == 6 and bool(torch.isfinite(logits).all())
 
 
-def test_standard_rag_and_speculative_rag_drafts_read_passages_from_the_cache(smollm, cached):
-    """The engines register their documents; a second question over them in another order
-    reuses every passage (standard RAG's one row, and the drafter's rows)."""
-    from shared_core.engines.speculative_rag.engine import standard_rag
-    from shared_core.engines.speculative_rag.prompts import draft_prompt
-    from shared_core.retrieval.base import Document
-
-    cache = cached("blend")
-    docs = [Document(text=t, id=str(i)) for i, t in enumerate(PASSAGES)]
-    first = standard_rag(smollm, "Who built the weir?", docs, 4)
-    assert cache.last.computed_alone > 0 and cache.last.reused == 0
-    again = standard_rag(smollm, "What colour is the cottage?", docs[::-1], 4)
-    assert cache.last.reused > 0 and cache.last.computed_alone == 0
-    assert isinstance(first.text, str) and isinstance(again.text, str)
-    rows = [draft_prompt(smollm, "Who designed the aqueduct?", [docs[i] for i in subset],
-                         "answer_first", None) for subset in ((0, 2), (1, 2), (2, 0))]
-    outputs = smollm.generate_parallel(rows, 3, lambda r, ids: False)
-    assert [len(ids) for ids, _ in outputs] == [3, 3, 3]
-    report = cache.last
-    assert report.reused > 0 and report.computed_alone == 0 and report.recomputed > 0
-    assert report.kept > 0  # the rows' common head, read once
-    assert report.kept + report.reused + report.read == sum(map(len, rows))
-
-
 def test_the_benchmark_runs_every_torch_method_on_the_same_report(tmp_path):
     """``python -m shared_core.bench passage-cache --backend torch`` on two questions: the
     llama.cpp report's methods but LlamaRAMCache, the exact contract, the backend named."""
