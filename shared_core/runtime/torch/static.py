@@ -240,7 +240,8 @@ def take(lm: Any, owner: object) -> StaticKV:
     capacity = capacity_for(lm)
     device = torch.device(lm.device)
     idle = _POOL.get(lm.model, [])
-    cache = next((c for c in idle if c.capacity == capacity and c.start.device == device), None)
+    cache = next((c for c in reversed(idle)  # the last given back: its graph was the last run
+                  if c.capacity == capacity and c.start.device == device), None)
     if cache is not None:
         idle.remove(cache)
         cache.move_to(0)
