@@ -29,7 +29,6 @@ from shared_core.runtime.host_sync import DeviceTokens, upload
 from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
 from shared_core.runtime.protocol import KVSession as RuntimeSession
 from shared_core.runtime.torch import static
-from shared_core.runtime.torch.static import StaticKV
 from shared_core.runtime.torch.prefix import (
     Layers,
     PrefixStore,
@@ -37,6 +36,7 @@ from shared_core.runtime.torch.prefix import (
     store_for,
     weights_version,
 )
+from shared_core.runtime.torch.static import StaticKV
 
 _MIN_CAPACITY = 256
 _UNREAD: Any = object()  # the place of a fed id not read back from the device yet
