@@ -234,6 +234,14 @@ def test_the_static_step_traces_to_one_graph_across_steps_and_rollbacks(tiny_tar
                     s.rollback(i)
             torch.testing.assert_close(session.extend([ids[i]]), reference.extend([ids[i]]),
                                        atol=1e-4, rtol=1e-4)
+        # another session, fed at shifted positions (copy_positions): still the same graph
+        kept = [i for i in range(len(ids)) if i % 3]
+        sparse, sparse_reference = KVSession(tiny_target, cache="static"), KVSession(tiny_target)
+        sparse.copy_positions(session, kept)
+        sparse_reference.copy_positions(reference, kept)
+        for token in (5, 9, 11):
+            torch.testing.assert_close(sparse.extend([token]), sparse_reference.extend([token]),
+                                       atol=1e-4, rtol=1e-4)
         assert counters["stats"]["unique_graphs"] == 1
     finally:
         static.compiled_step.cache_clear()

@@ -312,10 +312,10 @@ class KVSession:
         """:meth:`_forward` on a static cache: positions and mask come from its counter
         (:func:`shared_core.runtime.torch.static.static_step`); a failed forward has not moved
         the counter, so nothing needs healing."""
+        held.shift_positions(self.position_offset)
         try:
             logits = static.run_step(self.lm.model, held, input_ids, cache_keyword(self.lm.model),
-                                     self.position_offset, self.lm.dtype, logits_to_keep,
-                                     attention_mask, position_ids)
+                                     self.lm.dtype, logits_to_keep, attention_mask, position_ids)
         except BaseException:
             held.move_to(held.length)  # the device counter back to the host's, moved or not
             raise

@@ -87,10 +87,15 @@ class StaticKV(Cache):
             raise ValueError(msg)
         super().__init__(layers=[SlotLayer(capacity, self) for _ in types])
         self.capacity = capacity
-        with torch.inference_mode():  # sessions update it under inference mode
+        with torch.inference_mode():  # sessions update them under inference mode
             self.start = torch.zeros((), dtype=torch.long, device=device)
+            # added to every position (KVSession.position_offset): a tensor, so that a new
+            # offset does not recompile the step
+            self.shift = torch.zeros((), dtype=torch.long, device=device)
         torch._dynamo.mark_static_address(self.start)
+        torch._dynamo.mark_static_address(self.shift)
         self.length = 0
+        self.offset = 0  # the host's copy of ``shift``
 
     def move_to(self, length: int) -> None:
         """Hold the first ``length`` slots (a rollback, or a load's end)."""
@@ -100,6 +105,13 @@ class StaticKV(Cache):
         with torch.inference_mode():
             self.start.fill_(length)
         self.length = length
+
+    def shift_positions(self, offset: int) -> None:
+        """Feed new tokens at position ``slot + offset`` (a no-op when it already is)."""
+        if offset != self.offset:
+            with torch.inference_mode():
+                self.shift.fill_(offset)
+            self.offset = offset
 
     def advance(self, count: int) -> None:
         """Count ``count`` slots the last forward wrote (:func:`static_step` moved ``start``)."""
@@ -149,13 +161,10 @@ class StaticKV(Cache):
                    "(at most the model window) or shorten the prompt or max_new_tokens")
             raise ValueError(msg)
 
-    def mask(self, count: int, dtype: torch.dtype) -> torch.Tensor:
-        """``[1, 1, count, capacity]`` additive mask: new token ``i`` sees slots ``<= start + i``."""
-        return _causal_mask(self.start, count, self.capacity, dtype)
-
 
 def _causal_mask(start: torch.Tensor, count: int, capacity: int, dtype: torch.dtype
                  ) -> torch.Tensor:
+    """``[1, 1, count, capacity]`` additive mask: new token ``i`` sees slots ``<= start + i``."""
     rows = start + torch.arange(count, device=start.device)
     cols = torch.arange(capacity, device=start.device)
     mask = torch.zeros((count, capacity), dtype=dtype, device=start.device)
@@ -163,16 +172,16 @@ def _causal_mask(start: torch.Tensor, count: int, capacity: int, dtype: torch.dt
 
 
 def static_step(model: Any, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
-                position_offset: int, dtype: torch.dtype, logits_to_keep: int,
+                dtype: torch.dtype, logits_to_keep: int,
                 attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """One forward of ``input_ids`` (``[1, n]``) written at slots ``[start, start + n)``; returns
-    ``[1, logits_to_keep, V]`` logits. Positions default to ``start + position_offset + i`` and
+    ``[1, logits_to_keep, V]`` logits. Positions default to ``start + shift + i`` and
     the mask to causal-by-slot; a given ``attention_mask`` (``[1, 1, n, start + n]``, a tree's)
     is widened to every slot, the ones after it blocked."""
     count = input_ids.shape[1]
     if position_ids is None:
-        position_ids = (cache.start + position_offset
+        position_ids = (cache.start + cache.shift
                         + torch.arange(count, device=cache.start.device))[None]
     if attention_mask is None:
         attention_mask = _causal_mask(cache.start, count, cache.capacity, dtype)
@@ -203,18 +212,17 @@ def compiles(device: torch.device) -> bool:
 
 
 def run_step(model: Any, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
-             position_offset: int, dtype: torch.dtype, logits_to_keep: int,
+             dtype: torch.dtype, logits_to_keep: int,
              attention_mask: torch.Tensor | None = None,
              position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`static_step`, compiled for a plain one-token step on a compiling device."""
     plain = attention_mask is None and position_ids is None and input_ids.shape[1] == 1
     if not (plain and compiles(input_ids.device)):
-        return static_step(model, cache, input_ids, keyword, position_offset, dtype,
-                           logits_to_keep, attention_mask, position_ids)
+        return static_step(model, cache, input_ids, keyword, dtype, logits_to_keep,
+                           attention_mask, position_ids)
     # a replay overwrites the last one's outputs: mark the step, hand out a copy
     torch.compiler.cudagraph_mark_step_begin()
-    logits = compiled_step()(model, cache, input_ids, keyword, position_offset, dtype,
-                             logits_to_keep)
+    logits = compiled_step()(model, cache, input_ids, keyword, dtype, logits_to_keep)
     return logits.clone()
 
 
