@@ -261,10 +261,14 @@ def decode_rates(lm: LM, sizes: Sizes) -> dict[str, Any]:
     n = sizes.decode_tokens
     outputs: dict[str, list[int]] = {}
 
+    # sized like generate's static cache (prompt + new tokens), rounded up: every step attends
+    # over the whole capacity
+    fitted = replace(plain, static_capacity=min(lm.max_context, -(-(len(ids) + n) // 256) * 256))
+
     def ours(cache: CacheKind = "prealloc") -> Callable[[], None]:
         def run() -> None:
             name = "ours" if cache == "prealloc" else f"ours_{cache}"
-            outputs[name] = autoregressive_generate(plain, ids, n, cache=cache).token_ids
+            outputs[name] = autoregressive_generate(fitted, ids, n, cache=cache).token_ids
         return run
 
     def generate(**kwargs: Any) -> Callable[[], None]:

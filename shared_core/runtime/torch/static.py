@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -229,6 +230,9 @@ def run_step(model: Any, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
 # ------------------------------------------------------------------------------- the pool
 
 _POOL: weakref.WeakKeyDictionary[Any, list[StaticKV]] = weakref.WeakKeyDictionary()
+# engines open sessions from worker threads (RaLMSpec, RAPID); reentrant because a garbage
+# collection inside take() may run a finalizer (_give_back) on the same thread
+_POOL_LOCK = threading.RLock()
 
 
 def capacity_for(lm: Any) -> int:
@@ -247,11 +251,15 @@ def take(lm: Any, owner: object) -> StaticKV:
     pool has one), given back to the pool when ``owner`` is collected."""
     capacity = capacity_for(lm)
     device = torch.device(lm.device)
-    idle = _POOL.get(lm.model, [])
-    cache = next((c for c in reversed(idle)  # the last given back: its graph was the last run
-                  if c.capacity == capacity and c.start.device == device), None)
+    if device.type == "cuda" and device.index is None:  # as the buffers name it: "cuda:0"
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _POOL_LOCK:
+        idle = _POOL.get(lm.model, [])
+        cache = next((c for c in reversed(idle)  # the last given back: its graph ran last
+                      if c.capacity == capacity and c.start.device == device), None)
+        if cache is not None:
+            idle.remove(cache)
     if cache is not None:
-        idle.remove(cache)
         cache.move_to(0)
     else:
         cache = StaticKV(lm.model.config, capacity, device)
@@ -264,6 +272,7 @@ def _give_back(model_ref: weakref.ref[Any], cache: StaticKV) -> None:
     model = model_ref()
     if model is None:
         return
-    idle = _POOL.setdefault(model, [])
-    if len(idle) < _POOL_PER_MODEL:
-        idle.append(cache)
+    with _POOL_LOCK:
+        idle = _POOL.setdefault(model, [])
+        if len(idle) < _POOL_PER_MODEL:
+            idle.append(cache)
