@@ -41,8 +41,10 @@ DEFAULT_SPECRAG_BACKEND = DEFAULT_BACKEND
 MIN_TEMPERATURE = 1e-4
 MAX_SEED = 2**32 - 1
 
-CacheKind = Literal["prealloc", "dynamic"]
-CACHE_KINDS: tuple[CacheKind, ...] = ("prealloc", "dynamic")
+# "static": fixed-capacity buffers whose one-token step is compiled (CUDA graphs) on CUDA
+# (shared_core.runtime.torch.static; docs/backends.md, "Static cache")
+CacheKind = Literal["prealloc", "dynamic", "static"]
+CACHE_KINDS: tuple[CacheKind, ...] = ("prealloc", "dynamic", "static")
 
 
 def check_backend(backend: object, name: str = "backend") -> str:

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from shared_core.config import (
+    CACHE_KINDS,
     CacheKind,
     check_choice,
     check_fields,
@@ -188,7 +189,7 @@ class RaLMSpecConfig:
                    f"max_speculation_stride={self.max_speculation_stride}")
             raise ValueError(msg)
         check_number(self.gamma_max, "gamma_max", 0.0, 1.0)
-        check_choice(self.cache, "cache", ("prealloc", "dynamic"))
+        check_choice(self.cache, "cache", CACHE_KINDS)
         check_timeout(self.retrieval_timeout_s)
         object.__setattr__(self, "prompt", check_prompt(self.prompt))
 

@@ -86,6 +86,9 @@ class LM(ChatTokenizer):
     max_context: int
     eos_token_ids: frozenset[int] = field(default_factory=frozenset)
     linear_weights: str = "dtype"  # "fp16": decoder linears run fp16 weights (use_fp16_linears)
+    # positions a cache="static" session holds; None: the window, at most 4096
+    # (shared_core.runtime.torch.static.DEFAULT_STATIC_CAPACITY)
+    static_capacity: int | None = None
     backend: ClassVar[str] = "torch"  # the runtime; subclasses for other runtimes override it
     backend_reason: str = "built by the caller"  # why load_lm chose this runtime
     served: ClassVar[bool] = False  # runs in this process (shared_core.runtime.protocol)

@@ -33,7 +33,7 @@ def hf_greedy(lm, prompt: str, n: int) -> list[int]:
 
 
 @pytest.mark.parametrize("prompt", PROMPTS)
-@pytest.mark.parametrize("cache", ["prealloc", "dynamic"])
+@pytest.mark.parametrize("cache", ["prealloc", "dynamic", "static"])
 def test_autoregressive_equals_transformers_generate(tiny_target, prompt, cache):
     result = autoregressive_generate(tiny_target, prompt, 32, cache=cache)
     assert result.token_ids == hf_greedy(tiny_target, prompt, 32)
@@ -56,6 +56,23 @@ def test_speculative_greedy_equals_reference(tiny_target, tiny_drafter, prompt, 
     if drafter_kind == "weak":  # rollback must have been exercised
         assert result.stats.accepted < result.stats.drafted
         assert result.stats.draft_forwards > 0
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("drafter_kind", ["weak", "prompt_lookup"])
+def test_speculative_on_a_static_cache_equals_prealloc(tiny_target, tiny_drafter, prompt,
+                                                      drafter_kind):
+    """Rejected drafts roll the static cache back by its counter (the weak drafter's own static
+    session too); the tokens equal the growing cache's."""
+    def run(cache: str):
+        drafter = tiny_drafter if drafter_kind == "weak" else PromptLookupDrafter()
+        return speculative_generate(tiny_target, drafter, prompt, 32, k=4, cache=cache)
+
+    static, prealloc = run("static"), run("prealloc")
+    assert static.token_ids == prealloc.token_ids
+    assert static.stats.accepted < static.stats.drafted  # rollbacks happened
+    assert (static.stats.drafted, static.stats.accepted) == (prealloc.stats.drafted,
+                                                             prealloc.stats.accepted)
 
 
 def test_speculative_sampling_reproducible_and_valid(tiny_target, tiny_drafter):

@@ -73,6 +73,9 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
         assert section["prefill"]["tok_s"] > 0
         decode = section["decode"]
         assert decode["ours"]["tok_s"] > 0 and decode["generate"]["tok_s"] > 0
+        assert decode["ours_static"]["tok_s"] > 0  # cache="static", eager on a CPU
+        assert 0 <= decode["tokens_static_vs_ours"]["identical_rate"] <= 1
+        assert section["static_cache"].startswith("offered: cache='static'")
         # measured, not asserted: in bf16 a near-tie may go either way between the two loops
         assert 0 <= decode["tokens_vs_generate"]["identical_rate"] <= 1
         for loop in ("plain", "draft_model_k4", "respec_tree"):  # issue 39: one sync a round

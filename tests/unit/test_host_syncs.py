@@ -36,18 +36,21 @@ def counted(run):
     return result, count
 
 
-def test_plain_loop_reads_one_token_per_round(tiny_target, reference):
-    result, count = counted(lambda: autoregressive_generate(tiny_target, PROMPT, N_NEW))
+@pytest.mark.parametrize("cache", ["prealloc", "static"])
+def test_plain_loop_reads_one_token_per_round(tiny_target, reference, cache):
+    result, count = counted(lambda: autoregressive_generate(tiny_target, PROMPT, N_NEW,
+                                                            cache=cache))
     assert result.token_ids == reference
     assert len(count.rounds) == len(reference)
     assert max(count.per_round()) <= BOUND, count.summary()
     assert max(count.per_round("model")) == 0, count.summary()
 
 
+@pytest.mark.parametrize("cache", ["prealloc", "static"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_draft_model_round_syncs_once(tiny_target, tiny_drafter, reference, k):
+def test_draft_model_round_syncs_once(tiny_target, tiny_drafter, reference, k, cache):
     result, count = counted(lambda: speculative_generate(tiny_target, tiny_drafter, PROMPT,
-                                                         N_NEW, k=k))
+                                                         N_NEW, k=k, cache=cache))
     assert result.token_ids == reference
     assert result.stats.rounds == len(count.rounds) > 2
     assert result.stats.accepted < result.stats.drafted  # rejections (rollback) happen too

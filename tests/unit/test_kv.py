@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import gc
+from dataclasses import replace
+
 import pytest
 import torch
 from transformers.cache_utils import DynamicCache
 
+from shared_core.runtime.torch import static
 from shared_core.runtime.torch.session import KVSession, rollback, tree_attention_mask
+from shared_core.runtime.torch.static import DEFAULT_STATIC_CAPACITY, StaticKV
 
+KINDS = ["prealloc", "dynamic", "static"]
 TEXT = "The quick brown fox jumps over the lazy dog. Paris is the capital of France."
 
 
@@ -36,7 +42,7 @@ def test_transformers_dynamic_cache_crop_semantics():
         rollback(cache, 4)
 
 
-@pytest.mark.parametrize("kind", ["prealloc", "dynamic"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_prefill_extend_rollback_match_a_full_forward(tiny_target, ids, full_logits, kind):
     session = KVSession(tiny_target, cache=kind, prefill_chunk=4)
     last = session.prefill(ids[:10])
@@ -47,7 +53,7 @@ def test_prefill_extend_rollback_match_a_full_forward(tiny_target, ids, full_log
     torch.testing.assert_close(session.extend(ids[12:]), full_logits[12:], atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("kind", ["prealloc", "dynamic"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_tree_forward_equals_branches_and_keep_path(tiny_target, ids, kind):
     prefix, branch_a, branch_b = ids[:8], ids[8:11], [7, 9]
     session = KVSession(tiny_target, cache=kind)
@@ -77,13 +83,16 @@ def test_tree_mask_lets_nodes_see_prefix_and_ancestors_only():
         tree_attention_mask([1, -1], 0, torch.float32)
 
 
-def test_fork_is_independent(tiny_target, ids):
-    session = KVSession(tiny_target)
+@pytest.mark.parametrize("kind", KINDS)
+def test_fork_is_independent(tiny_target, ids, full_logits, kind):
+    session = KVSession(tiny_target, cache=kind)
     session.prefill(ids[:6])
     clone = session.fork()
     clone.extend(ids[6:9])
     assert len(session) == 6 and session.cache.get_seq_length() == 6
     assert len(clone) == 9
+    torch.testing.assert_close(session.extend(ids[6:8]), full_logits[6:8], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(clone.extend(ids[9:11]), full_logits[9:11], atol=1e-4, rtol=1e-4)
 
 
 def test_sync_rolls_back_to_common_prefix(tiny_target, ids):
@@ -99,7 +108,7 @@ def test_window_overflow_is_a_clear_error(tiny_target):
         session.prefill([5] * (tiny_target.max_context + 1))
 
 
-@pytest.mark.parametrize("kind", ["prealloc", "dynamic"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_copy_positions_attends_to_the_kept_tokens_at_their_positions(tiny_target, ids, kind):
     """A session on a subset of another's tokens = the full forward with the rest masked out."""
     n, dropped = 14, [3, 4, 5, 9]
@@ -123,3 +132,117 @@ def test_copy_positions_attends_to_the_kept_tokens_at_their_positions(tiny_targe
         sparse.copy_positions(source, [4, 2])
     with pytest.raises(ValueError, match="ascending"):
         sparse.copy_positions(source, [0, n])
+
+
+# ------------------------------------------------------------------------ cache="static"
+
+
+def test_static_overflow_names_the_setting_and_leaves_the_session_usable(tiny_target, ids,
+                                                                         full_logits):
+    lm = replace(tiny_target, static_capacity=16)
+    session = KVSession(lm, cache="static")
+    session.prefill(ids[:10])
+    session.extend(ids[10:16])  # exactly full
+    with pytest.raises(ValueError, match="static_capacity"):
+        session.extend(ids[16:17])
+    with pytest.raises(ValueError, match="static_capacity"):
+        KVSession(lm, cache="static").prefill(ids[:17])
+    assert session.tokens == ids[:16] and session.cache.get_seq_length() == 16
+    session.rollback(12)
+    torch.testing.assert_close(session.extend(ids[12:16]), full_logits[12:16], atol=1e-4,
+                               rtol=1e-4)
+    with pytest.raises(ValueError, match="static_capacity"):
+        replace(tiny_target, static_capacity=tiny_target.max_context + 1).open_session(
+            cache="static")
+
+
+def test_static_rollback_moves_one_counter_and_stale_slots_are_not_read(tiny_target, ids,
+                                                                        full_logits):
+    session = KVSession(tiny_target, cache="static")
+    cache = session.cache
+    assert isinstance(cache, StaticKV) and cache.capacity == min(tiny_target.max_context,
+                                                                 DEFAULT_STATIC_CAPACITY)
+    session.prefill(ids[:10])
+    session.extend([5, 6, 7, 8])  # written at slots 10..13, then dropped
+    session.rollback(10)
+    assert int(cache.start) == cache.length == 10
+    written = cache.layers[0].keys[:, :, 10:14]
+    assert written.abs().sum() > 0  # the stale keys are still there: only the counter moved
+    torch.testing.assert_close(session.extend(ids[10:]), full_logits[10:], atol=1e-4, rtol=1e-4)
+    assert session.cache is cache  # a static session keeps its buffers
+
+
+def test_a_failed_static_forward_leaves_counter_and_tokens_agreeing(tiny_target, ids,
+                                                                    full_logits):
+    session = KVSession(tiny_target, cache="static")
+    session.prefill(ids[:8])
+
+    def hook(*_):
+        raise RuntimeError("layer 1 failed")
+
+    handle = tiny_target.model.model.layers[1].register_forward_pre_hook(hook)
+    try:
+        with pytest.raises(RuntimeError, match="layer 1"):
+            session.extend(ids[8:11])
+    finally:
+        handle.remove()
+    assert session.tokens == ids[:8] and int(session.cache.start) == session.cache.length == 8
+    torch.testing.assert_close(session.extend(ids[8:12]), full_logits[8:12], atol=1e-4,
+                               rtol=1e-4)
+
+
+def test_static_buffers_serve_the_next_session(tiny_target, ids, full_logits):
+    first = KVSession(tiny_target, cache="static")
+    first.prefill(ids)
+    buffer = first.cache.layers[0].keys
+    del first
+    gc.collect()
+    second = KVSession(tiny_target, cache="static")  # the pooled cache, emptied
+    assert second.cache.length == 0
+    second.prefill(ids[:5])
+    assert second.cache.layers[0].keys is buffer  # same address: a captured graph replays
+    torch.testing.assert_close(second.extend(ids[5:9]), full_logits[5:9], atol=1e-4, rtol=1e-4)
+
+
+def test_static_refuses_a_passage_cache(tiny_target, ids, monkeypatch):
+    monkeypatch.setattr(tiny_target.model, "passage_cache", object(), raising=False)
+    with pytest.raises(ValueError, match="passage cache"):
+        KVSession(tiny_target, cache="static").prefill(ids[:4])
+
+
+def test_the_static_step_traces_to_one_graph_across_steps_and_rollbacks(tiny_target, ids,
+                                                                        monkeypatch):
+    """What CUDA compiles (fullgraph, static shapes), traced on the CPU with dynamo's eager
+    backend: one graph serves every one-token step, before and after rollbacks, and its
+    logits equal the growing cache's."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(static, "COMPILE_DEVICES", frozenset({"cpu"}))
+    monkeypatch.setattr(static, "COMPILE_OPTIONS",
+                        {"backend": "eager", "fullgraph": True, "dynamic": False})
+    static.compiled_step.cache_clear()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        reference, session = KVSession(tiny_target), KVSession(tiny_target, cache="static")
+        reference.prefill(ids[:10])
+        session.prefill(ids[:10])
+        for i in range(10, len(ids)):
+            if i % 4 == 0:  # a rejected draft: two tokens in, rolled back, re-fed one by one
+                for s in (reference, session):
+                    s.extend([3, 4])
+                    s.rollback(i)
+            torch.testing.assert_close(session.extend([ids[i]]), reference.extend([ids[i]]),
+                                       atol=1e-4, rtol=1e-4)
+        # another session, fed at shifted positions (copy_positions): still the same graph
+        kept = [i for i in range(len(ids)) if i % 3]
+        sparse, sparse_reference = KVSession(tiny_target, cache="static"), KVSession(tiny_target)
+        sparse.copy_positions(session, kept)
+        sparse_reference.copy_positions(reference, kept)
+        for token in (5, 9, 11):
+            torch.testing.assert_close(sparse.extend([token]), sparse_reference.extend([token]),
+                                       atol=1e-4, rtol=1e-4)
+        assert counters["stats"]["unique_graphs"] == 1
+    finally:
+        static.compiled_step.cache_clear()
+        torch._dynamo.reset()

@@ -28,7 +28,7 @@ def lm():
     return tiny_lm(num_layers=2, seed=0)
 
 
-@pytest.fixture(params=["prealloc", "dynamic"])
+@pytest.fixture(params=["prealloc", "dynamic", "static"])
 def kind(request) -> str:
     return request.param
 

@@ -39,6 +39,7 @@ CONFIGS = {
     "s=5,stride=1": RaLMSpecConfig(speculation_stride=5, scheduler=False, retrieval_stride=1,
                                    **SMALL),
     "+PSA,overlap=3": RaLMSpecConfig(prefetch_k=4, overlap_steps=3, **SMALL),
+    "+PSA,static": RaLMSpecConfig(prefetch_k=4, cache="static", **SMALL),
 }
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
@@ -318,3 +320,17 @@ def test_split_prompt_and_registry(tiny_target):
     with pytest.raises(TypeError, match="unexpected keyword argument 'gama'; did you mean 'gamma'"):
         stream_engine("rapid", tiny_target, QUERIES[0], max_new_tokens=4, documents=[CONTEXT],
                       gama=3)
+
+
+@pytest.mark.parametrize("drafter_kv", ["own", "target"])
+def test_eta_zero_on_a_static_cache_is_exact(tiny_target, tiny_drafter, drafter_kv):
+    """RAPID's sessions on cache="static": context reuse, the target-KV drafter's gathered
+    positions (copy_positions) and rollbacks keep greedy decoding's tokens."""
+    decoder = RapidDecoder(tiny_target, draft_lm=tiny_drafter if drafter_kv == "own" else None,
+                           embedder=HashEmbedder(), config=replace(TINY, cache="static"))
+    for query in QUERIES:
+        prompt = decoder.prepare(CONTEXT, query, 24, drafter_kv=drafter_kv)
+        result = decoder.speculative(CONTEXT, query, 24, drafter_kv=drafter_kv)
+        reference = autoregressive_generate(tiny_target, list(prompt.target_ids), 24)
+        assert result.token_ids == reference.token_ids
+        assert result.stats.draft_forwards > 0

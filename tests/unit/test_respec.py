@@ -59,7 +59,8 @@ def _documents(lm, prompt: str, ref: list[int], kind: str) -> list[list[int]]:
 @pytest.mark.parametrize("docs", ["none", "good", "bad", "bad_good"])
 @pytest.mark.parametrize("options", [{}, NO_TRIGGER, {**NO_TRIGGER, "num_candidates": 1},
                                      {**NO_TRIGGER, "selection": "first"},
-                                     {**NO_TRIGGER, "max_tree_tokens": 5, "cache": "dynamic"}])
+                                     {**NO_TRIGGER, "max_tree_tokens": 5, "cache": "dynamic"},
+                                     {**NO_TRIGGER, "cache": "static"}])
 def test_strict_greedy_equals_autoregressive(tiny_target, references, prompt, docs, options):
     ref = references[prompt]
     counted = docs == "good" and options.get("use_trigger") is False

@@ -6,6 +6,8 @@ length counter (gpt-fast's rule: stale slots are never read because the cache ex
 the valid prefix), and keeping a tree branch gathers its slots into place. ``cache="dynamic"``
 selects transformers' concatenating ``DynamicCache`` instead; both are measured by
 ``python -m shared_core.bench kv`` and share the one rollback helper, :func:`rollback`.
+``cache="static"`` holds fixed-capacity buffers whose one-token step is compiled on CUDA
+(:mod:`shared_core.runtime.torch.static`); it refuses a passage cache.
 A fresh session's first ``prefill`` starts from the longest prompt prefix the model keeps
 (:mod:`shared_core.runtime.torch.prefix`) and stores what it read.
 """
@@ -26,6 +28,7 @@ from shared_core.config import CacheKind
 from shared_core.runtime.host_sync import DeviceTokens, upload
 from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
 from shared_core.runtime.protocol import KVSession as RuntimeSession
+from shared_core.runtime.torch import static
 from shared_core.runtime.torch.prefix import (
     Layers,
     PrefixStore,
@@ -33,6 +36,7 @@ from shared_core.runtime.torch.prefix import (
     store_for,
     weights_version,
 )
+from shared_core.runtime.torch.static import StaticKV
 
 _MIN_CAPACITY = 256
 _UNREAD: Any = object()  # the place of a fed id not read back from the device yet
@@ -116,7 +120,10 @@ def make_cache(kind: CacheKind) -> Cache:
         return Cache(layer_class_to_replicate=GrowingLayer)
     if kind == "dynamic":
         return DynamicCache()
-    msg = f"cache={kind!r} is not one of 'prealloc', 'dynamic'"
+    if kind == "static":
+        msg = "cache='static' is sized for a model: a KVSession makes it (static.take)"
+        raise ValueError(msg)
+    msg = f"cache={kind!r} is not one of 'prealloc', 'dynamic', 'static'"
     raise ValueError(msg)
 
 
@@ -136,6 +143,9 @@ def keep_positions(cache: Cache, start: int, positions: torch.Tensor) -> None:
     Used after a tree forward: the accepted branch's slots are gathered into place (as Medusa
     does) and everything after them is dropped.
     """
+    if isinstance(cache, StaticKV):
+        cache.gather(start, positions)
+        return
     for layer in cache.layers:
         if not layer.is_initialized:
             continue
@@ -152,12 +162,18 @@ def keep_positions(cache: Cache, start: int, positions: torch.Tensor) -> None:
             layer.values = layer.values.index_select(2, keep)
 
 
-def gather_positions(source: Cache, positions: torch.Tensor, kind: CacheKind) -> Cache:
-    """A new cache holding ``source``'s keys/values at ``positions`` (ascending), in order.
+def gather_positions(source: Cache, positions: torch.Tensor, kind: CacheKind,
+                     into: StaticKV | None = None) -> Cache:
+    """A new cache (or ``into``, a static one, refilled) holding ``source``'s keys/values at
+    ``positions`` (ascending), in order.
 
     The keys keep the rotary phase of their original positions, so a session on the result
     must feed new tokens at their original positions too (:attr:`KVSession.position_offset`).
     """
+    if into is not None:
+        into.load([(layer.keys.index_select(2, positions), layer.values.index_select(2, positions))
+                   for layer in source.layers], positions.shape[0])
+        return into
     cache = make_cache(kind)
     for layer_idx, layer in enumerate(source.layers):
         if layer.is_initialized:
@@ -214,7 +230,8 @@ class KVSession:
         self.lm = lm
         self.kind: CacheKind = cache
         self.prefill_chunk = prefill_chunk
-        self.cache = make_cache(cache)
+        # a static session keeps its buffers for life (reset and loads refill them in place)
+        self.cache = static.take(lm, self) if cache == "static" else make_cache(cache)
         self.tokens: list[int] = []
         self.forwards = 0
         self.position_offset = 0
@@ -239,7 +256,7 @@ class KVSession:
             msg = f"positions must be ascending and within the source's {len(source)} tokens"
             raise ValueError(msg)
         try:
-            self.cache = gather_positions(source.cache, index, self.kind)
+            self.cache = gather_positions(source.cache, index, self.kind, self._static)
             self.tokens = [source.tokens[i] for i in index.tolist()]
             self.position_offset = len(source) - len(self.tokens)
         except BaseException:
@@ -248,6 +265,10 @@ class KVSession:
 
     def __len__(self) -> int:
         return len(self._tokens)
+
+    @property
+    def _static(self) -> StaticKV | None:
+        return self.cache if isinstance(self.cache, StaticKV) else None
 
     def _forward(self, ids: Sequence[int], *, logits_to_keep: int,
                  attention_mask: torch.Tensor | None = None,
@@ -262,8 +283,14 @@ class KVSession:
             msg = (f"sequence of {end} tokens exceeds the model window of "
                    f"{self.lm.max_context}; shorten the prompt or lower max_new_tokens")
             raise ValueError(msg)
+        held = self._static
+        if held is not None:
+            held.check_room(len(self._tokens), len(ids))
         on_device = ids.ids if isinstance(ids, DeviceTokens) else upload(ids, self.lm.device)
         input_ids = on_device[None]  # never waits: device ids as they are, host ids uploaded
+        if held is not None:
+            return self._static_forward(held, ids, input_ids, logits_to_keep, attention_mask,
+                                        position_ids)
         if position_ids is None and self.position_offset:
             start = len(self._tokens) + self.position_offset
             position_ids = torch.arange(start, start + len(ids), device=self.lm.device)[None]
@@ -278,6 +305,24 @@ class KVSession:
             raise
         self.forwards += 1
         return out.logits[0]
+
+    def _static_forward(self, held: StaticKV, ids: Sequence[int], input_ids: torch.Tensor,
+                        logits_to_keep: int, attention_mask: torch.Tensor | None,
+                        position_ids: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`_forward` on a static cache: positions and mask come from its counter
+        (:func:`shared_core.runtime.torch.static.static_step`); a failed forward has not moved
+        the counter, so nothing needs healing."""
+        held.shift_positions(self.position_offset)
+        try:
+            logits = static.run_step(self.lm.model, held, input_ids, cache_keyword(self.lm.model),
+                                     self.lm.dtype, logits_to_keep, attention_mask, position_ids)
+        except BaseException:
+            held.move_to(held.length)  # the device counter back to the host's, moved or not
+            raise
+        held.advance(len(ids))
+        self._append(ids)
+        self.forwards += 1
+        return logits[0]
 
     def _append(self, ids: Sequence[int]) -> None:
         """Add fed ids to ``tokens``; ids still on the device (:class:`DeviceTokens`) hold their
@@ -324,6 +369,12 @@ class KVSession:
         """
         lengths = [layer.get_seq_length() for layer in self.cache.layers]
         keep = min([len(self._tokens), *lengths, *([limit] if limit is not None else [])])
+        held = self._static
+        if held is not None:  # one counter for every layer
+            if held.length > keep:
+                held.move_to(keep)
+            self._cut(keep)
+            return
         for layer, length in zip(self.cache.layers, lengths, strict=True):
             if length > keep:
                 layer.crop(keep - length)
@@ -336,6 +387,10 @@ class KVSession:
         of ``ids`` the model's prefix store holds; a completed prefill stores what it read.
         On a model with a passage cache, a fresh session's first prefill runs through it."""
         passages = getattr(self.lm.model, "passage_cache", None)
+        if passages is not None and self.kind == "static":
+            msg = ("cache='static' does not assemble prompts from a passage cache (it installs "
+                   "caches of its own layout); use cache='prealloc' on this model")
+            raise ValueError(msg)
         if passages is not None and ids and not self.tokens and not self.position_offset:
             return passages.prefill(self, ids)  # shared_core.runtime.passage_cache.torch_cache
         store = store_for(self.lm.model)
@@ -360,7 +415,11 @@ class KVSession:
     def _reuse(self, store: PrefixStore, ids: Sequence[int]) -> int:
         """Start from a copy of the longest stored prefix of ``ids``; return its length."""
         layers, length = store.lookup(ids, weights_version(self.lm.model))
-        if length:
+        held = self._static
+        if length and held is not None:
+            held.load(layers, length)
+            self.tokens = list(ids[:length])
+        elif length:
             cache = make_cache(self.kind)
             for layer_idx, (keys, values) in enumerate(layers):
                 cache.update(keys[:, :, :length], values[:, :, :length], layer_idx)
@@ -432,12 +491,23 @@ class KVSession:
     def fork(self) -> KVSession:
         """An independent copy (same model, copied cache)."""
         clone = copy.copy(self)
-        clone.cache = copy.deepcopy(self.cache)
+        held = self._static
+        if held is not None:
+            clone.cache = static.take(self.lm, clone)
+            if held.length:
+                clone.cache.load([(layer.keys, layer.values) for layer in held.layers],
+                                 held.length)
+        else:
+            clone.cache = copy.deepcopy(self.cache)
         clone.tokens = list(self.tokens)
         return clone
 
     def reset(self) -> None:
-        self.cache = make_cache(self.kind)
+        held = self._static
+        if held is not None:
+            held.move_to(0)
+        else:
+            self.cache = make_cache(self.kind)
         self.tokens = []
         self.position_offset = 0
         self._prefilled_only = True
