@@ -223,18 +223,20 @@ def test_divergences_are_judged_against_one_ulp_of_the_sections_dtype() -> None:
         return {"check": check, "equal": equal, "detail": {"divergence": divergence}}
 
     tie = {"top2_margin": 0.0, "top_logit": 17.5}
-    section = {"models": {"dtype": "torch.bfloat16"}, "comparisons": [
+    models = {"dtype": "torch.bfloat16"}
+    comparisons: list[dict] = [
         comparison("prompt_lookup", False, tie), comparison("rapid_eta0/self", False,
                                                            {**tie, "top2_margin": 0.125}),
         comparison("respec_strict/none", True, None),
-        {"check": "constrained/xgrammar_json", "equal": False, "detail": {"skipped": "x"}}]}
+        {"check": "constrained/xgrammar_json", "equal": False, "detail": {"skipped": "x"}}]
+    section = {"models": models, "comparisons": comparisons}
     judged = divergences_at_ties(section)
     assert judged["verdict"].startswith("not batch-invariant") and judged["at_ties"] == 2
-    section["models"]["dtype"] = "torch.float32"  # 0.125 is far past an fp32 ulp; 0 is a tie
+    models["dtype"] = "torch.float32"  # 0.125 is far past an fp32 ulp; 0 is a tie
     judged = divergences_at_ties(section)
     assert judged["verdict"].startswith("a bug") and judged["at_ties"] == 1
     assert judged["beyond_a_tie"] == ["rapid_eta0/self"] and not judged["all_at_ties"]
-    section["comparisons"].append(comparison("draft_model/perturbed/k4", False, None))
+    comparisons.append(comparison("draft_model/perturbed/k4", False, None))
     assert divergences_at_ties(section)["unexamined"] == ["draft_model/perturbed/k4"]
 
 
