@@ -107,6 +107,17 @@ def test_sampled_draft_model_round_syncs_once(tiny_target, tiny_drafter, k):
     assert count.per_round("engine", skip_first=False)[0] <= BOUND + 1  # + the prefill's wait
 
 
+@pytest.mark.parametrize("eta", [0.0, 0.5])
+def test_sampled_rapid_round_syncs_once(tiny_target, tiny_drafter, eta):
+    config = RapidConfig(chunk_tokens=32, min_rag_tokens=64, gamma=4, eta=eta)
+    decoder = RapidDecoder(tiny_target, draft_lm=tiny_drafter, embedder=HashEmbedder(),
+                           config=config)
+    result, count = counted(lambda: decoder.generate(" ".join(CORPUS[:8]), "Who wrote the report?",
+                                                     16, eta=eta, temperature=0.8, seed=1))
+    assert result.stats.drafted > 0 and len(count.rounds) > 2
+    assert max(count.per_round()) <= BOUND, count.summary()
+
+
 def test_sampled_prompt_lookup_round_syncs_once(tiny_target):
     prompt = "0 1 2 3 4 5 6 7 8 9 10 11 12 0 1 2 3"
     _, count = counted(lambda: speculative_generate(tiny_target, PromptLookupDrafter(), prompt,
