@@ -46,6 +46,9 @@ def test_every_section_is_written_and_ran(report: dict) -> None:
     # no aim shapes among the toys: the Llama equality checks come before the physics
     assert list(report["sections"])[:3] == [
         "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "correctness/llama-tiny-a/bf16"]
+    # the sampling test runs in both dtypes on the Qwen shape; the Llama repeats the equalities
+    assert len(report["sections"]["correctness/tiny-a/bf16"]["sampling"]) == 2
+    assert report["sections"]["correctness/llama-tiny-a/bf16"]["sampling"] == []
 
 
 def test_cpu_fp32_equality_holds_for_every_lossless_engine(report: dict) -> None:
@@ -160,13 +163,14 @@ def test_sections_run_most_valuable_first() -> None:
     from shared_core.bench.system.gpu import plan
     from shared_core.bench.system.gpu_models import SHAPES
 
-    order = [(name, dtype) for name, _, _, dtype in plan(SHAPES, list(SHAPES), ["fp32", "bf16"],
-                                                         only_correctness=False)]
-    assert order == [("correctness/qwen2.5-0.5b/fp32", torch.float32),
-                     ("correctness/qwen2.5-0.5b/bf16", torch.bfloat16),
-                     ("physics/qwen2.5-1.5b", None), ("physics/qwen2.5-7b", None),
-                     ("correctness/llama-qwen2.5-0.5b/bf16", torch.bfloat16),
-                     ("physics/qwen2.5-0.5b", None)]
+    order = [(name, kind, dtype) for name, kind, _, dtype in plan(
+        SHAPES, list(SHAPES), ["fp32", "bf16"], only_correctness=False)]
+    assert order == [("correctness/qwen2.5-0.5b/fp32", "correctness", torch.float32),
+                     ("correctness/qwen2.5-0.5b/bf16", "correctness", torch.bfloat16),
+                     ("physics/qwen2.5-1.5b", "physics", None),
+                     ("physics/qwen2.5-7b", "physics", None),
+                     ("correctness/llama-qwen2.5-0.5b/bf16", "equality", torch.bfloat16),
+                     ("physics/qwen2.5-0.5b", "physics", None)]
     assert [n for n, *_ in plan(SHAPES, list(SHAPES), ["bf16"], only_correctness=True)] == [
         "correctness/qwen2.5-0.5b/bf16"]
 
