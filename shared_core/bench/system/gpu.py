@@ -544,11 +544,11 @@ def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, fl
         return 30.0, 10.0
     if device.type != "cuda":
         return 600.0 * shape.params_b, 300.0 * shape.params_b
-    # eager transformers on a GPU is bound by kernel launches (~20-25 ms a forward at these
-    # depths, whatever the width), so a correctness section costs its ~1,700 forwards; physics
-    # is ~20-30 s of timing plus generate's static-cache compile (~30-45 s) and, for the 7B,
-    # ~10 s of building
-    return 40.0 + 40.0 * shape.params_b, 45.0 + 5.0 * shape.params_b
+    # eager transformers on a GPU is bound by kernel launches (~25 ms a forward at these
+    # depths, whatever the width), so a correctness section costs its ~2,100 forwards (an
+    # equality-only one ~1,400); physics is ~20-35 s of timing plus generate's static-cache
+    # compile (~25-45 s) and, for the 7B, ~10 s of building
+    return 30.0 + 45.0 * shape.params_b, 45.0 + 5.0 * shape.params_b
 
 
 AIM_SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b")  # the shapes the k = 8 and overhead aims are about
