@@ -37,7 +37,14 @@ class TreeVerdict:
 
 def make_generator(sampling: SamplingConfig, device: torch.device | str = "cpu"
                    ) -> torch.Generator | None:
-    """A seeded generator when the config has a seed (reproducible sampling), else None."""
+    """A seeded generator on ``device`` when the config has a seed (reproducible sampling),
+    else None (the device's default RNG).
+
+    The engines seed theirs on the model's device, so sampled rounds draw there without a copy
+    to the host: a run's tokens are reproducible for a seed on one device type, while a CPU and
+    a GPU generator with one seed give different streams. A model drafter seeds its own with
+    ``seed + 1`` (see :meth:`~shared_core.drafters.model.ModelDrafter.with_sampling`).
+    """
     if sampling.greedy or sampling.seed is None:
         return None
     generator = torch.Generator(device=device)
