@@ -269,6 +269,8 @@ class SamplingConfig:
     temperature: float = 0.0
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0  # 1.0 = no nucleus filter
+    # seeds a generator on the model's device (decoding.verify.make_generator): reproducible on
+    # one device type, not across a CPU and a GPU
     seed: int | None = None
 
     def __post_init__(self) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from shared_core.config import SamplingConfig
-from shared_core.runtime.host_sync import read_back, read_with
+from shared_core.runtime.host_sync import DeviceTokens, read_back, read_with, upload
 
 ResidualFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -37,7 +37,14 @@ class TreeVerdict:
 
 def make_generator(sampling: SamplingConfig, device: torch.device | str = "cpu"
                    ) -> torch.Generator | None:
-    """A seeded generator when the config has a seed (reproducible sampling), else None."""
+    """A seeded generator on ``device`` when the config has a seed (reproducible sampling),
+    else None (the device's default RNG).
+
+    The engines seed theirs on the model's device, so sampled rounds draw there without a copy
+    to the host: a run's tokens are reproducible for a seed on one device type, while a CPU and
+    a GPU generator with one seed give different streams. A model drafter seeds its own with
+    ``seed + 1`` (see :meth:`~shared_core.drafters.model.ModelDrafter.with_sampling`).
+    """
     if sampling.greedy or sampling.seed is None:
         return None
     generator = torch.Generator(device=device)
@@ -70,8 +77,8 @@ def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None = None) -> int:
-    """Draw one token id from a ``[V]`` probability vector (on the generator's device: the
-    engines seed a CPU generator, so CUDA probabilities are copied over for the draw)."""
+    """Draw one token id from a ``[V]`` probability vector, on the generator's device (the
+    engines seed a generator on the model's device; probabilities elsewhere are copied over)."""
     if generator is not None and probs.device != generator.device:
         probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator).item())
@@ -131,9 +138,31 @@ def _normalise_or(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tenso
     return residual / total if total > 1e-12 else fallback
 
 
-def verify_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None = None, *,
-                   generator: torch.Generator | None = None, p_accept: torch.Tensor | None = None,
-                   residual_fn: ResidualFn | None = None) -> Verdict:
+def _normalise_or_on_device(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
+    """:func:`_normalise_or` without reading the total back: both branches stay tensors."""
+    total = residual.sum()
+    return torch.where(total > 1e-12, residual / total.clamp_min(1e-12), fallback)
+
+
+def _rng_device(generator: torch.Generator | None, device: torch.device) -> torch.device:
+    """Where ``generator`` draws (a seeded generator on another device than the data still
+    works, at the price of a copy); without one, the data's device."""
+    return torch.device(generator.device) if generator is not None else device
+
+
+def _draft_ids(draft: torch.Tensor | Sequence[int], device: torch.device) -> torch.Tensor:
+    """``[k]`` drafted ids on ``device`` without waiting (device ids stay where they are)."""
+    if isinstance(draft, DeviceTokens):
+        return draft.ids.to(device, non_blocking=True)
+    if isinstance(draft, torch.Tensor):
+        return draft.to(device=device, dtype=torch.long, non_blocking=True)
+    return upload(list(draft), device)
+
+
+def verify_sampled(draft: torch.Tensor | Sequence[int], p: torch.Tensor,
+                   q: torch.Tensor | None = None, *, generator: torch.Generator | None = None,
+                   p_accept: torch.Tensor | None = None, residual_fn: ResidualFn | None = None
+                   ) -> Verdict:
     """Lossless speculative sampling (Leviathan et al. 2023, Algorithm 1).
 
     Token ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
@@ -141,32 +170,50 @@ def verify_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor | None 
     accepted a bonus token is drawn from ``p_k``. With ``q=None`` the draft is deterministic
     (prompt lookup, suffix automaton) and ``q_i`` is one-hot on ``x_i``.
 
+    Everything runs on ``p``'s device and the host waits once, for the drafted ids (when they
+    are :class:`~shared_core.runtime.host_sync.DeviceTokens`), the accepted count and the next
+    token together. RNG: ``k`` uniforms, then one draw from the next token's law, both from
+    ``generator`` (seeded on ``p``'s device by the engines; None: the device's default RNG);
+    for a given generator state the verdict is the same as drawing them one by one.
+
     Args:
-        draft: ``[k]`` drafted token ids.
+        draft: ``[k]`` drafted token ids (a tensor, host ids, or device ids).
         p: ``[k + 1, V]`` target probabilities (already warped with the sampling config).
         q: ``[k, V]`` draft probabilities warped with the same config, or None (one-hot).
         p_accept: hook for lossy variants (RAPID's p̂): the distribution used in the acceptance
             ratio and for the bonus token instead of ``p``. ``None`` keeps the rule lossless.
         residual_fn: hook for lossy variants: ``(p_i, q_i) -> unnormalised residual``.
     """
-    k = draft.shape[0]
+    k = len(draft)
+    device = p.device
     p_accept = p if p_accept is None else p_accept
     residual_fn = residual_fn or _default_residual
+    ids = _draft_ids(draft, device)
     if k:
-        rows = torch.arange(k)
-        p_x = p_accept[rows, draft]
-        q_x = torch.ones_like(p_x) if q is None else q[rows, draft]
+        rows = torch.arange(k, device=device)
+        p_x = p_accept[rows, ids]
+        q_x = torch.ones_like(p_x) if q is None else q[rows, ids]
         ratio = torch.clamp(p_x / q_x.clamp_min(1e-20), max=1.0)
-        u = torch.rand(k, generator=generator)
-        n = int((u < ratio.cpu()).int().cumprod(0).sum().item())
+        u = torch.rand(k, generator=generator, device=_rng_device(generator, device))
+        u = u.to(device, non_blocking=True)
+        n = (u < ratio).int().cumprod(0).sum()  # accepted prefix, still on the device
+        # the residual at the first rejection (row n); unused, but computed, when n == k
+        at = n.clamp(max=k - 1).reshape(1)
+        p_n = p.index_select(0, at)[0]
+        q_n = (torch.zeros_like(p_n).index_fill_(0, ids.index_select(0, at), 1.0) if q is None
+               else q.index_select(0, at)[0])
+        residual = _normalise_or_on_device(residual_fn(p_n, q_n), p_n)
+        law = torch.where(n == k, p_accept[k], residual)
     else:
-        n = 0
-    if n == k:
-        return Verdict(k, sample(p_accept[k], generator))
-    q_n = (torch.nn.functional.one_hot(draft[n], p.shape[-1]).to(p.device, p.dtype) if q is None
-           else q[n])
-    residual = _normalise_or(residual_fn(p[n], q_n), p[n])
-    return Verdict(n, sample(residual, generator))
+        n = torch.zeros((), dtype=torch.long, device=device)
+        law = p_accept[0]
+    rng_device = _rng_device(generator, device)
+    if rng_device != device:
+        law = law.to(rng_device)
+    token = torch.multinomial(law, 1, generator=generator)
+    _, (n_host, token_host) = read_with(draft if isinstance(draft, DeviceTokens) else [],
+                                        n.reshape(1), token)  # the round's one copy
+    return Verdict(int(n_host[0]), int(token_host[0]))
 
 
 def tree_children(parents: Sequence[int]) -> dict[int, list[int]]:
@@ -214,7 +261,9 @@ def verify_tree(tokens: torch.Tensor | Sequence[int], parents: Sequence[int], lo
             match = None
             for c in kids:
                 token = ids[c]
-                if torch.rand(1, generator=generator).item() < probs[token].item():
+                u = torch.rand(1, generator=generator,
+                               device=_rng_device(generator, probs.device))
+                if u.item() < probs[token].item():
                     match = c
                     break
                 removed = probs.index_fill(0, torch.tensor([token], device=probs.device), 0.0)
@@ -275,8 +324,8 @@ def rapid_residual(p: torch.Tensor, q: torch.Tensor, p_hat: torch.Tensor) -> tor
     return torch.clamp(torch.maximum(p - q, p - p_hat), min=0.0)
 
 
-def verify_rapid_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, eta: float, *,
-                         alpha: float = 0.1, head: RapidHead = "p_hat",
+def verify_rapid_sampled(draft: torch.Tensor | Sequence[int], p: torch.Tensor, q: torch.Tensor,
+                         eta: float, *, alpha: float = 0.1, head: RapidHead = "p_hat",
                          generator: torch.Generator | None = None) -> Verdict:
     """RAPID speculative sampling: accept x_i with min(1, p̂_i(x_i) / q_i(x_i)) (paper Eq. 9).
 
@@ -286,13 +335,13 @@ def verify_rapid_sampled(draft: torch.Tensor, p: torch.Tensor, q: torch.Tensor, 
     ``eta == 0`` is exactly :func:`verify_sampled` (lossless).
 
     Args:
-        draft: ``[k]`` drafted token ids.
+        draft: ``[k]`` drafted token ids (a tensor, host ids, or device ids).
         p: ``[k + 1, V]`` warped target probabilities.
         q: ``[k, V]`` warped draft probabilities (same sampling config).
     """
     if eta == 0:
         return verify_sampled(draft, p, q, generator=generator)
-    k = draft.shape[0]
+    k = len(draft)
     p_hat = torch.cat([rapid_target_probs(p[:k], q, eta, alpha, head), p[k:]])
 
     def residual(p_n: torch.Tensor, q_n: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ class ModelDrafter(DrafterBase):
         self.lm = lm
         self.sampling = sampling or SamplingConfig()
         self.session = open_session(lm, cache=cache)
-        self.generator = make_generator(self.sampling)
+        self.generator = make_generator(self.sampling, lm.device)
         self.vocab_size = target.vocab_size if target is not None else lm.vocab_size
 
     @property
@@ -45,7 +45,7 @@ class ModelDrafter(DrafterBase):
         """
         self.sampling = sampling
         own_seed = None if sampling.seed is None else sampling.seed + 1
-        self.generator = make_generator(replace(sampling, seed=own_seed))
+        self.generator = make_generator(replace(sampling, seed=own_seed), self.lm.device)
         return self
 
     @torch.inference_mode()
@@ -63,14 +63,14 @@ class ModelDrafter(DrafterBase):
         """``k`` tokens after ``last`` (the session holds what precedes it) and their draft
         probabilities (None when greedy, unless ``greedy_probs``: the plain softmax).
 
-        Greedy drafting on a torch session never waits for the device: each argmax is written
-        into one ``[k]`` device buffer and fed from there to the next step, and the tokens come
-        back as :class:`DeviceTokens`, read in the round's one readback (the engine's
-        verification). Sampling draws each token on the host generator (one copy per token);
-        other runtimes' sessions (llama.cpp) take host ids.
+        Drafting on a torch session never waits for the device: each token (the argmax, or a
+        draw from the warped probabilities with the drafter's generator, seeded on the model's
+        device) is written into one ``[k]`` device buffer and fed from there to the next step,
+        and the tokens come back as :class:`DeviceTokens`, read in the round's one readback (the
+        engine's verification). Other runtimes' sessions (llama.cpp) take host ids.
         """
         rows: list[torch.Tensor] = []
-        if self.sampling.greedy and isinstance(self.session, TorchSession):
+        if isinstance(self.session, TorchSession):
             out: torch.Tensor | None = None
             drafted: DeviceTokens | None = None
             step: Sequence[int] = [last]
@@ -79,9 +79,14 @@ class ModelDrafter(DrafterBase):
                 if out is None:
                     out = torch.empty(k, dtype=torch.long, device=logits.device)
                     drafted = DeviceTokens(out)
-                out[i : i + 1] = logits.argmax(-1, keepdim=True)
-                if greedy_probs:
-                    rows.append(torch.softmax(logits.float(), dim=-1))
+                if self.sampling.greedy:
+                    out[i : i + 1] = logits.argmax(-1, keepdim=True)
+                    if greedy_probs:
+                        rows.append(torch.softmax(logits.float(), dim=-1))
+                else:
+                    probs = warp_probs(logits, self.sampling)
+                    rows.append(probs)
+                    out[i : i + 1] = self._draw(probs)
                 assert drafted is not None
                 step = drafted.part(i, i + 1)
             assert drafted is not None
@@ -99,3 +104,10 @@ class ModelDrafter(DrafterBase):
                 last = sample(probs, self.generator)
             tokens.append(last)
         return tuple(tokens), torch.stack(rows) if rows else None
+
+    def _draw(self, probs: torch.Tensor) -> torch.Tensor:
+        """``[1]`` token id drawn from ``probs`` on the device (no readback)."""
+        if self.generator is not None and self.generator.device != probs.device:
+            return torch.multinomial(probs.to(self.generator.device), 1,
+                                     generator=self.generator).to(probs.device)
+        return torch.multinomial(probs, 1, generator=self.generator)

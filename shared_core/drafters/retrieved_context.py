@@ -80,7 +80,7 @@ class RetrievedContextDrafter(ModelDrafter):
         self.sampling = sampling
         seed = None if sampling.seed is None else sampling.seed + 1
         self.generator = make_generator(SamplingConfig(sampling.temperature, sampling.top_k,
-                                                       sampling.top_p, seed))
+                                                       sampling.top_p, seed), self.lm.device)
         self.draft_prompt = list(draft_prompt)
         self.target_prompt_len = int(target_prompt_len)
         self.greedy_probs = greedy_probs

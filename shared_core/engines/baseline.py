@@ -74,16 +74,16 @@ def autoregressive_generate(lm: SessionLM, prompt: Prompt, max_new_tokens: int =
 
 def accept_draft(run: Run, draft: Draft, logits: torch.Tensor) -> Verdict:
     """Step 3: greedy match (drafted ids and argmaxes read back in one copy), or lossless
-    speculative sampling (one-hot q for fixed drafts)."""
+    speculative sampling on the device (one-hot q for fixed drafts; the drafted ids, the
+    accepted count and the next token read back in one copy)."""
     sampling = run.config.sampling
     if sampling.greedy:
         return verify_greedy(draft.tokens, logits)
-    draft_ids = torch.tensor(draft.tokens, dtype=torch.long)
     p = warp_probs(logits, sampling)
     q = draft.probs
     if q is not None and q.shape[-1] != p.shape[-1]:
         q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
-    return verify_sampled(draft_ids, p, q, generator=run.generator)
+    return verify_sampled(draft.tokens, p, q, generator=run.generator)
 
 
 def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Blocks:

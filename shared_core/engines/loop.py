@@ -19,7 +19,9 @@ first drafted token and no logits are carried between rounds.
 Host syncs: a greedy round waits for the device once, in the readback of its verdict
 (:mod:`shared_core.runtime.host_sync`): ids are uploaded without waiting, a model draft stays on
 the device (:class:`~shared_core.runtime.host_sync.DeviceTokens`) and its tokens come back with
-the target's argmaxes in one copy. Sampled rounds add the host generator's draws; a logits mask
+the target's argmaxes in one copy. A sampled draft-model round too: the drafter draws on the
+device with its own generator, acceptance runs on the device with the run's (both seeded there),
+and the drafted ids, the accepted count and the next token come back in one copy; a logits mask
 reads the drafted ids when it masks. ``tests/unit/test_host_syncs.py`` counts them per round.
 """
 
@@ -197,7 +199,8 @@ class Run:
         self.tracker = OutputTracker(lm, config)
         self.stats = stats_type(prompt_tokens=len(self.prompt_ids), backend=lm.backend,
                                 backend_reason=lm.backend_reason, threads=runtime_threads(lm))
-        self.generator = make_generator(config.sampling, "cpu")
+        # seeded on the model's device: sampled rounds draw there and read back once
+        self.generator = make_generator(config.sampling, lm.device)
 
     def prefill(self) -> int:
         """Cache all prompt tokens but the last; return the last one (the first ``pending``)."""

@@ -43,6 +43,12 @@ def test_every_section_is_written_and_ran(report: dict) -> None:
         "physics/tiny-c", "correctness/llama-tiny-a/bf16"}
     assert {s["status"] for s in report["sections"].values()} == {"ok"}
     assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
+    # no aim shapes among the toys: the Llama equality checks come before the physics
+    assert list(report["sections"])[:3] == [
+        "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "correctness/llama-tiny-a/bf16"]
+    # the sampling test runs in both dtypes on the Qwen shape; the Llama repeats the equalities
+    assert len(report["sections"]["correctness/tiny-a/bf16"]["sampling"]) == 2
+    assert report["sections"]["correctness/llama-tiny-a/bf16"]["sampling"] == []
 
 
 def test_cpu_fp32_equality_holds_for_every_lossless_engine(report: dict) -> None:
@@ -63,6 +69,14 @@ def test_cpu_fp32_equality_holds_for_every_lossless_engine(report: dict) -> None
                                                         "sampling/respec_strict"]
     for s in section["sampling"]:
         assert s["outside_support"] == 0  # never a token the warped target law excludes
+    # each greedy reference decoded once and shared: fewer tokens than the checks compared
+    compared = sum(c["tokens"] for c in section["comparisons"]
+                   if c["check"].split("/")[0] in {"draft_model", "prompt_lookup",
+                                                   "respec_strict", "rapid_eta0", "constrained"})
+    assert 0 < section["reference_tokens_decoded"] < compared / 2
+    ties = report["summary"]["divergences_at_ties"]["correctness/tiny-a/fp32"]
+    assert ties == {"unequal": 0, "at_ties": 0, "all_at_ties": True, "beyond_a_tie": [],
+                    "unexamined": [], "verdict": "equal"}
 
 
 def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) -> None:
@@ -76,9 +90,14 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
         assert decode["ours_static"]["tok_s"] > 0  # cache="static", eager on a CPU
         assert 0 <= decode["tokens_static_vs_ours"]["identical_rate"] <= 1
         assert section["static_cache"].startswith("offered: cache='static'")
+        assert decode["ours_static_over_generate_static_spread"]["repeats"] >= 3
+        spread = decode["ours_over_generate_spread"]  # interleaved pairs, after a warm-up
+        assert spread["repeats"] >= 3 and len(decode["ours"]["runs_ms"]) == spread["repeats"]
+        assert spread["min"] <= spread["median"] == decode["ours_over_generate"] <= spread["max"]
         # measured, not asserted: in bf16 a near-tie may go either way between the two loops
         assert 0 <= decode["tokens_vs_generate"]["identical_rate"] <= 1
-        for loop in ("plain", "draft_model_k4", "respec_tree"):  # issue 39: one sync a round
+        for loop in ("plain", "draft_model_k4", "draft_model_k4_sampled", "respec_tree"):
+            # issue 39: one sync a round, sampled rounds included
             figures = section["rounds"][loop]
             assert figures["rounds"] > 1 and figures["syncs_per_round"]["engine_max"] <= 1
             split = figures["split"]
@@ -87,6 +106,7 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
         "physics/tiny-a", "physics/tiny-b", "physics/tiny-c"}
     assert set(report["summary"]["ours_over_generate"]) == {
         "physics/tiny-a", "physics/tiny-b", "physics/tiny-c"}
+    assert all(report["summary"]["aims"]["one_sync_per_round"].values())
 
 
 def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
@@ -139,3 +159,122 @@ def test_rapid_check_reports_where_and_by_what_margin_it_parts(bf16_target) -> N
             assert c.detail["divergence"] is None
         else:  # a tie flipped by bf16 (measured, never asserted): where, and by how much
             assert c.detail["divergence"]["at"] == c.first_divergence
+
+
+def test_sections_run_most_valuable_first() -> None:
+    import torch
+
+    from shared_core.bench.system.gpu import plan
+    from shared_core.bench.system.gpu_models import SHAPES
+
+    order = [(name, kind, dtype) for name, kind, _, dtype in plan(
+        SHAPES, list(SHAPES), ["fp32", "bf16"], only_correctness=False)]
+    assert order == [("correctness/qwen2.5-0.5b/fp32", "correctness", torch.float32),
+                     ("correctness/qwen2.5-0.5b/bf16", "correctness", torch.bfloat16),
+                     ("physics/qwen2.5-1.5b", "physics", None),
+                     ("physics/qwen2.5-7b", "physics", None),
+                     ("correctness/llama-qwen2.5-0.5b/bf16", "equality", torch.bfloat16),
+                     ("physics/qwen2.5-0.5b", "physics", None)]
+    assert [n for n, *_ in plan(SHAPES, list(SHAPES), ["bf16"], only_correctness=True)] == [
+        "correctness/qwen2.5-0.5b/bf16"]
+
+
+def test_interleaved_rates_alternate_the_runs_and_report_the_median_ratio(monkeypatch) -> None:
+    import torch
+
+    from shared_core.bench.system import gpu
+
+    clock = [0.0]
+    calls: list[str] = []
+    costs = {"ours": [9.0, 2.0, 2.2, 1.9], "generate": [9.0, 2.0, 2.0, 2.0]}  # warm-up first
+
+    def run(name: str) -> None:
+        clock[0] += costs[name][sum(c == name for c in calls)]
+        calls.append(name)
+
+    monkeypatch.setattr(gpu.time, "perf_counter", lambda: clock[0])
+    out = gpu.interleaved_rates({"ours": lambda: run("ours"), "generate": lambda: run("generate")},
+                                torch.device("cpu"), tokens=10, repeats=3)
+    assert calls == ["ours", "generate"] * 4
+    assert out["ours"]["runs_ms"] == [2000.0, 2200.0, 1900.0]  # the warm-up left out
+    assert out["ours"]["ms"] == 2000.0 and out["ours"]["tok_s"] == 5.0
+    ratio = out["ratios"]["ours_over_generate"]  # generate's time over ours, pair by pair
+    assert ratio == {"median": 1.0, "min": 0.909, "max": 1.053, "repeats": 3}
+
+
+def test_interleaved_rates_record_a_failing_run_and_time_the_others() -> None:
+    import torch
+
+    from shared_core.bench.system.gpu import interleaved_rates
+
+    def broken() -> None:
+        raise RuntimeError("static cache refused")
+
+    out = interleaved_rates({"ours": lambda: None, "generate": broken}, torch.device("cpu"), 4, 3)
+    assert len(out["ours"]["runs_ms"]) == 3
+    assert out["generate"] == {"error": "RuntimeError: static cache refused"}
+    assert out["ratios"] == {}
+
+
+def test_divergences_are_judged_against_one_ulp_of_the_sections_dtype() -> None:
+    import torch
+
+    from shared_core.bench.system.gpu import divergences_at_ties
+    from shared_core.bench.system.gpu_checks import at_tie, spacing
+
+    assert spacing(20.0, torch.bfloat16) == 0.125 and spacing(-12.0, torch.bfloat16) == 0.0625
+    assert spacing(20.0, torch.float32) == 2.0**-19
+    assert at_tie({"top2_margin": 0.125, "top_logit": 20.0}, torch.bfloat16)
+    assert not at_tie({"top2_margin": 0.125, "top_logit": 12.0}, torch.bfloat16)  # two ulps
+
+    def comparison(check: str, equal: bool, divergence: dict | None) -> dict:
+        return {"check": check, "equal": equal, "detail": {"divergence": divergence}}
+
+    tie = {"top2_margin": 0.0, "top_logit": 17.5}
+    models = {"dtype": "torch.bfloat16"}
+    comparisons: list[dict] = [
+        comparison("prompt_lookup", False, tie), comparison("rapid_eta0/self", False,
+                                                           {**tie, "top2_margin": 0.125}),
+        comparison("respec_strict/none", True, None),
+        {"check": "constrained/xgrammar_json", "equal": False, "detail": {"skipped": "x"}}]
+    section = {"models": models, "comparisons": comparisons}
+    judged = divergences_at_ties(section)
+    assert judged["verdict"].startswith("not batch-invariant") and judged["at_ties"] == 2
+    models["dtype"] = "torch.float32"  # 0.125 is far past an fp32 ulp; 0 is a tie
+    judged = divergences_at_ties(section)
+    assert judged["verdict"].startswith("a bug") and judged["at_ties"] == 1
+    assert judged["beyond_a_tie"] == ["rapid_eta0/self"] and not judged["all_at_ties"]
+    comparisons.append(comparison("draft_model/perturbed/k4", False, None))
+    assert divergences_at_ties(section)["unexamined"] == ["draft_model/perturbed/k4"]
+
+
+def test_references_are_decoded_once_and_serve_shorter_lengths(bf16_target) -> None:
+    from shared_core.bench.system.gpu_checks import References
+    from shared_core.engines.baseline import autoregressive_generate
+
+    prompt = "Paris is the capital of France. Berlin is"
+    refs = References(bf16_target)
+    long = refs.greedy(prompt, 8)
+    assert refs.greedy(prompt, 5) == long[:5] == autoregressive_generate(
+        bf16_target, prompt, 5).token_ids
+    assert refs.decoded == 8
+    masked = refs.greedy(prompt, 5, mask_key="one", make_mask=lambda: _OnlyToken(7))
+    assert masked == [7] * 5 and refs.decoded == 13
+
+
+class _OnlyToken:
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def mask(self, logits, drafted):
+        import torch
+
+        out = torch.full_like(logits, float("-inf"))
+        out[:, self.token] = logits[:, self.token]
+        return out
+
+    def commit(self, tokens) -> None:
+        del tokens
+
+    def is_terminated(self) -> bool:
+        return False

@@ -2,8 +2,7 @@
 
 ``shared_core.bench.system.gpu_syncs.count_host_syncs`` counts every site that would make the host wait
 for a GPU (readbacks, blocking uploads, explicit synchronisations) per round, so a regression is
-caught without a GPU. The greedy loops read back once per round; sampled drafting still draws
-each token on the host generator and is only bounded, not held to one.
+caught without a GPU. Greedy and sampled rounds alike read back once per round.
 """
 
 from __future__ import annotations
@@ -99,13 +98,34 @@ def test_rapid_round_syncs_once(tiny_target, tiny_drafter, eta, adaptive):
     assert max(count.per_round()) <= BOUND, count.summary()
 
 
-def test_sampled_drafting_is_bounded(tiny_target, tiny_drafter):
-    """Sampling draws each drafted token on the host generator (a copy per token) and the
-    acceptance test on the host: bounded by k + a few, not one."""
-    k = 4
-    _, count = counted(lambda: speculative_generate(tiny_target, tiny_drafter, PROMPT, N_NEW,
-                                                    k=k, temperature=0.8, seed=3))
-    assert max(count.per_round()) <= 2 * k + 2, count.summary()
+@pytest.mark.parametrize("k", [1, 4])
+def test_sampled_draft_model_round_syncs_once(tiny_target, tiny_drafter, k):
+    """Sampled drafting draws on the device and the acceptance test runs there: the drafted ids,
+    the accepted count and the next token come back in the round's one copy."""
+    result, count = counted(lambda: speculative_generate(tiny_target, tiny_drafter, PROMPT, N_NEW,
+                                                         k=k, temperature=0.8, seed=3))
+    assert result.stats.rounds == len(count.rounds) > 2
+    assert 0 < result.stats.accepted < result.stats.drafted  # acceptances and rejections
+    assert max(count.per_round()) <= BOUND, count.summary()
+    assert count.per_round("engine", skip_first=False)[0] <= BOUND + 1  # + the prefill's wait
+
+
+@pytest.mark.parametrize("eta", [0.0, 0.5])
+def test_sampled_rapid_round_syncs_once(tiny_target, tiny_drafter, eta):
+    config = RapidConfig(chunk_tokens=32, min_rag_tokens=64, gamma=4, eta=eta)
+    decoder = RapidDecoder(tiny_target, draft_lm=tiny_drafter, embedder=HashEmbedder(),
+                           config=config)
+    result, count = counted(lambda: decoder.generate(" ".join(CORPUS[:8]), "Who wrote the report?",
+                                                     16, eta=eta, temperature=0.8, seed=1))
+    assert result.stats.drafted > 0 and len(count.rounds) > 2
+    assert max(count.per_round()) <= BOUND, count.summary()
+
+
+def test_sampled_prompt_lookup_round_syncs_once(tiny_target):
+    prompt = "0 1 2 3 4 5 6 7 8 9 10 11 12 0 1 2 3"
+    _, count = counted(lambda: speculative_generate(tiny_target, PromptLookupDrafter(), prompt,
+                                                    N_NEW, k=4, temperature=0.8, seed=2))
+    assert max(count.per_round()) <= BOUND, count.summary()
 
 
 def test_the_counter_sees_a_readback_added_to_the_round(tiny_target, tiny_drafter, monkeypatch):
@@ -128,9 +148,9 @@ def test_the_counter_sees_a_readback_added_to_the_round(tiny_target, tiny_drafte
 def test_device_only_counting_leaves_host_work_out(tiny_target, tiny_drafter):
     """On a GPU the check counts only what waits for the device; on a CPU that is nothing but
     the prefill's explicit synchronisation (the first round)."""
-    def run():
-        return speculative_generate(tiny_target, tiny_drafter, PROMPT, 8, k=3, temperature=0.8,
-                                    seed=1)
+    def run():  # sampled tree verification reads each sibling's test on the host
+        return respec_generate(tiny_target, PROMPT, 8, temperature=0.8, seed=1,
+                               draft_lm=tiny_drafter, fallback="model")
 
     _, everything = counted(run)
     with count_host_syncs(device_only=True) as device:

@@ -7,12 +7,16 @@ Proves and measures the torch engines on random-weight models at real shapes
 so that a failure is recorded (type, message, short traceback) and the next one still runs; the
 report is rewritten after every section, so a killed run still leaves one:
 
+Sections, most valuable first (:func:`plan`), so that a budget that still bites drops the least:
+
 1. ``correctness/<shape>/<dtype>`` (smallest shape, fp32 then bf16): every lossless engine
    against greedy decoding on the same device (:mod:`shared_core.bench.system.gpu_checks`).
-2. ``physics/<shape>`` (bf16, each shape): the k-cost curve, prefill tok/s, our plain decode
-   loop against transformers' ``generate`` (and ``generate`` with a static cache).
+2. ``physics/<shape>`` (bf16) for the shapes the aims are about (1.5B, 7B): the k-cost curve,
+   prefill tok/s, our plain decode loop against transformers' ``generate`` (timed interleaved,
+   :func:`interleaved_rates`), and ``generate`` with a static cache.
 3. ``correctness/llama-<shape>/bf16``: the equality checks once more on a Llama of the smallest
-   shape, when the budget still allows.
+   shape (the sampling test, architecture-blind, runs in the Qwen sections only).
+4. ``physics/<shape>`` for the other shapes (0.5B).
 
 Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
 
@@ -22,13 +26,18 @@ Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
      "sections": {name: {"status": "ok" | "error" | "skipped: budget", "elapsed_s": float,
                          "error": {"type", "message", "traceback"} (on error),
                          ... the section's fields}},
-     "summary": {"equality": {check: [equal, ...]}, "k8_over_step": {shape: ratio},
-                 "ours_over_generate": {shape: ratio}, "syncs_per_round": {shape: {loop: max}},
+     "summary": {"equality": {check: [equal, ...]},
+                 "divergences_at_ties": {section: {unequal, at_ties, all_at_ties, verdict, ...}},
+                 "k8_over_step": {shape: ratio}, "ours_over_generate": {shape: median ratio},
+                 "ours_over_generate_spread": {shape: {median, min, max, repeats}},
+                 "ours_static_over_generate_static": {shape: median ratio},
+                 "syncs_per_round": {shape: {loop: max}},
                  "round_split": {shape: {loop: ms per round}}, "aims": {...}}}
 
 A correctness section holds ``models`` (names, drafter noise), ``comparisons`` (one
 :class:`~shared_core.bench.system.gpu_checks.Comparison` each: ``check``, ``equal``,
-``identical_rate``, ``first_divergence``, ``tokens``, ``detail`` with acceptance) and
+``identical_rate``, ``first_divergence``, ``tokens``, ``detail`` with acceptance and, where
+a greedy comparison parts, the ``divergence``: top-2 margin and top logit there) and
 ``sampling`` (TV distance of two-token samples from the exact law). A physics section holds
 ``k_cost`` (``{k: {"ms", "over_step"}}``), ``prefill`` (tokens, ms, tok/s), ``decode`` (ours,
 generate, generate with a static cache, ours on a static cache: tok/s, and whether the tokens
@@ -36,7 +45,8 @@ agree) and
 ``static_cache`` (what our torch path offers) and ``rounds`` (host syncs per round of the plain
 and draft-model loops, counted by :mod:`shared_core.bench.system.gpu_syncs`, with a wait / host time
 split per round). Everything is measured, nothing asserted: in bf16
-a k-token forward is not bitwise k one-token steps, so near-ties may flip tokens.
+a k-token forward is not bitwise k one-token steps, so near-ties may flip tokens;
+``summary.divergences_at_ties`` says per section whether every divergence was such a tie.
 """
 
 from __future__ import annotations
@@ -84,21 +94,29 @@ AIM_OVERHEAD = 0.95  # our loop >= 0.95x generate's tokens/s
 
 @dataclass(frozen=True)
 class Sizes:
-    """Token counts and repetitions: real ones on a GPU, toy ones for the CPU dry run."""
+    """Token counts and repetitions: real ones on a GPU, toy ones for the CPU dry run.
 
-    new_tokens: int = 40
+    On a GPU an eager forward at these shapes is bound by its launches (~20-25 ms each, whatever
+    the shape), so a section's time is about its number of forwards: the counts are what the
+    checks need, no more (``rapid_tokens``: RAPID's drafts from a retrieved context are all
+    rejected on random weights, so every round adds one verified token for five forwards).
+    """
+
+    new_tokens: int = 32
+    rapid_tokens: int = 16
     samples: int = 100
     k_prefix: int = 512
     prefill: int = 2048
     decode_prompt: int = 128
-    decode_tokens: int = 96
+    decode_tokens: int = 64
+    round_tokens: int = 24  # per loop of the syncs-per-round figures
     reps: int = 7
     warmup: int = 2
 
     @classmethod
     def tiny(cls) -> Sizes:
-        return cls(new_tokens=16, samples=20, k_prefix=64, prefill=128, decode_prompt=16,
-                   decode_tokens=16, reps=2, warmup=1)
+        return cls(new_tokens=16, rapid_tokens=8, samples=20, k_prefix=64, prefill=128,
+                   decode_prompt=16, decode_tokens=16, round_tokens=8, reps=2, warmup=1)
 
 
 @dataclass
@@ -161,22 +179,24 @@ class Report:
 
 
 def correctness(shape: Shape, tokenizer: Any, device: torch.device, dtype: torch.dtype,
-                sizes: Sizes) -> dict[str, Any]:
-    """Every equality check on one shape and dtype (target, target-as-drafter, noisy drafter)."""
+                sizes: Sizes, *, with_sampling: bool = True) -> dict[str, Any]:
+    """Every equality check on one shape and dtype (target, target-as-drafter, noisy drafter),
+    and the sampling distribution test unless ``with_sampling`` is False."""
     target = drafter = None
     try:
         target = build_lm(shape, tokenizer, device, dtype, seed=0)
         drafter = perturbed_copy(target, shape.drafter_noise)
         n = sizes.new_tokens
+        refs = checks.References(target)  # each greedy reference decoded once per section
         comparisons: list[checks.Comparison] = []
         steps: dict[str, Callable[[], list[checks.Comparison]]] = {
             "draft_model": lambda: checks.check_draft_model(
-                target, {"equal": target, "perturbed": drafter}, n),
-            "prompt_lookup": lambda: checks.check_prompt_lookup(target, n),
-            "respec": lambda: checks.check_respec(target, n),
-            "rapid": lambda: checks.check_rapid(target, drafter, n),
+                target, {"equal": target, "perturbed": drafter}, n, refs),
+            "prompt_lookup": lambda: checks.check_prompt_lookup(target, n, refs),
+            "respec": lambda: checks.check_respec(target, n, refs),
+            "rapid": lambda: checks.check_rapid(target, drafter, sizes.rapid_tokens, refs),
             "ralmspec": lambda: checks.check_ralmspec(target, n),
-            "constrained": lambda: checks.check_constrained(target, drafter, n),
+            "constrained": lambda: checks.check_constrained(target, drafter, n, refs),
             "speculative_rag": lambda: checks.check_speculative_rag(drafter, target),
         }
         errors = {}
@@ -188,7 +208,8 @@ def correctness(shape: Shape, tokenizer: Any, device: torch.device, dtype: torch
                 errors[name] = {"type": type(e).__name__, "message": str(e)[:1000],
                                 "traceback": traceback.format_exc(limit=6)[-3000:]}
         try:
-            sampling: Any = checks.check_sampling(target, drafter, sizes.samples)
+            sampling: Any = (checks.check_sampling(target, drafter, sizes.samples)
+                             if with_sampling else [])
         except Exception as e:
             logger.exception("sampling check failed")
             errors["sampling"] = {"type": type(e).__name__, "message": str(e)[:1000],
@@ -198,7 +219,7 @@ def correctness(shape: Shape, tokenizer: Any, device: torch.device, dtype: torch
                            "drafter_noise": shape.drafter_noise, "dtype": str(dtype),
                            "params_b": round(shape.params_b, 3)},
                 "comparisons": [c.as_dict() for c in comparisons], "sampling": sampling,
-                "errors": errors}
+                "reference_tokens_decoded": refs.decoded, "errors": errors}
     finally:
         free(target, drafter)
 
@@ -251,6 +272,59 @@ def prefill_rate(lm: LM, sizes: Sizes) -> dict[str, Any]:
     return {"tokens": sizes.prefill, "ms": round(ms, 2), "tok_s": round(sizes.prefill / ms * 1e3, 1)}
 
 
+def interleaved_rates(runs: dict[str, Callable[[], Any]], device: torch.device, tokens: int,
+                      repeats: int, warmup: int = 1) -> dict[str, Any]:
+    """Time ``runs`` (each decoding ``tokens`` tokens) interleaved: a warm-up of each, then
+    ``repeats`` rounds of one run each in turn, so host jitter (both eager loops are bound by
+    launches) lands on all of them alike. Per run: median ms, tok/s and every repeat's ms (or
+    ``error``); ``ratios``: for the first run over each other one, the median and spread of the
+    per-repeat tok/s ratios (first / other), the number an aim is decided on."""
+    failed: dict[str, str] = {}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+
+    def timed(name: str) -> float | None:
+        if name in failed:
+            return None
+        try:
+            synchronize(device)
+            start = time.perf_counter()
+            runs[name]()
+            synchronize(device)
+        except Exception as e:  # one baseline may be refused by this transformers version
+            logger.exception("decode run %s failed", name)
+            failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
+            return None
+        return time.perf_counter() - start
+
+    for _ in range(warmup):
+        for name in runs:
+            timed(name)
+    for _ in range(repeats):
+        for name in runs:
+            elapsed = timed(name)
+            if elapsed is not None:
+                times[name].append(elapsed)
+    out: dict[str, Any] = {}
+    for name in runs:
+        if name in failed or not times[name]:
+            out[name] = {"error": failed.get(name, "no timing")}
+            continue
+        ms = 1000 * statistics.median(times[name])
+        out[name] = {"ms": round(ms, 2), "tok_s": round(tokens / ms * 1e3, 2),
+                     "runs_ms": [round(1000 * t, 2) for t in times[name]]}
+    first, *others = runs
+    ratios: dict[str, Any] = {}
+    for other in others:
+        if "runs_ms" in out[first] and "runs_ms" in out[other]:
+            per_repeat = [b / a for a, b in zip(times[first], times[other], strict=False)]
+            ratios[f"{first}_over_{other}"] = {
+                "median": round(statistics.median(per_repeat), 3),
+                "min": round(min(per_repeat), 3), "max": round(max(per_repeat), 3),
+                "repeats": len(per_repeat)}
+    out["ratios"] = ratios
+    return out
+
+
 def decode_rates(lm: LM, sizes: Sizes) -> dict[str, Any]:
     """Our plain greedy loop against ``generate`` (same model, prompt and token count)."""
     from shared_core.config import CacheKind
@@ -282,22 +356,26 @@ def decode_rates(lm: LM, sizes: Sizes) -> dict[str, Any]:
 
     reps, warm = max(2, sizes.reps // 2), 1
     result: dict[str, Any] = {"prompt_tokens": len(ids), "new_tokens": n}
-    for name, fn in (("ours", ours()), ("generate", generate()),
-                     ("generate_static", generate(cache_implementation="static")),
-                     ("ours_static", ours("static"))):
-        try:
-            ms = _median_ms(fn, lm.device, reps, warm)
-            result[name] = {"ms": round(ms, 2), "tok_s": round(n / ms * 1e3, 2)}
-        except Exception as e:  # a static cache may be refused by this transformers version
-            result[name] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
-    if "tok_s" in result["ours"] and "tok_s" in result["generate"]:
-        result["ours_over_generate"] = round(result["ours"]["tok_s"] / result["generate"]["tok_s"], 3)
+    # each loop interleaved with its transformers counterpart: ratios are medians of >= 3 pairs
+    pairs = [interleaved_rates({"ours": ours(), "generate": generate()}, lm.device, n,
+                               repeats=max(3, reps), warmup=warm),
+             interleaved_rates({"ours_static": ours("static"),
+                                "generate_static": generate(cache_implementation="static")},
+                               lm.device, n, repeats=max(3, reps), warmup=warm)]
+    ratios = {k: v for pair in pairs for k, v in pair.pop("ratios").items()}
+    for pair in pairs:
+        result.update(pair)
+    ratio = ratios.get("ours_over_generate")
+    if ratio is not None:
+        result["ours_over_generate"] = ratio["median"]
+        result["ours_over_generate_spread"] = ratio
         same = checks.compare("ours_vs_generate", outputs["ours"], outputs["generate"])
         result["tokens_vs_generate"] = {"equal": same.equal, "identical_rate": same.identical_rate,
                                         "first_divergence": same.first_divergence}
-    if "tok_s" in result["ours_static"] and "tok_s" in result["generate_static"]:
-        result["ours_static_over_generate_static"] = round(
-            result["ours_static"]["tok_s"] / result["generate_static"]["tok_s"], 3)
+    static = ratios.get("ours_static_over_generate_static")
+    if static is not None and "ours" in outputs:
+        result["ours_static_over_generate_static"] = static["median"]
+        result["ours_static_over_generate_static_spread"] = static
         same = checks.compare("ours_static_vs_ours", outputs["ours_static"], outputs["ours"])
         result["tokens_static_vs_ours"] = {"equal": same.equal,
                                            "identical_rate": same.identical_rate,
@@ -309,7 +387,27 @@ def round_syncs(lm: LM, sizes: Sizes) -> dict[str, Any]:
     """Host syncs per round (counted) and the wait / host time split of our plain and
     speculative loops (:func:`shared_core.bench.system.gpu_syncs.round_figures`)."""
     ids = random_ids(sizes.decode_prompt, lm.vocab_size, 5)
-    return round_figures(lm, ids, max(8, sizes.decode_tokens // 3))
+    return round_figures(lm, ids, sizes.round_tokens)
+
+
+def fresh_static_compile(lm: LM) -> dict[str, Any] | None:
+    """Make ``generate``'s static-cache compile of this model a fresh, static-shape one.
+
+    Dynamo keys its caches on the code objects, which every Qwen2 model shares: compiling the
+    next shape's forward would find the last shape's state and, by automatic dynamic shapes,
+    compile a dynamic-shape graph instead (slower to compile: the 1.5B took ~70 s after the
+    0.5B, where the 7B alone took ~46 s). Returns the compile config set (None off CUDA, where
+    ``generate`` does not compile)."""
+    torch._dynamo.reset()
+    if lm.device.type != "cuda":
+        return None
+    try:
+        from transformers import CompileConfig
+    except ImportError:  # a transformers without it compiles with its own defaults
+        return None
+    config = CompileConfig(dynamic=False)  # transformers' defaults, shapes specialised
+    lm.model.generation_config.compile_config = config
+    return config.to_dict()
 
 
 def physics(shape: Shape, tokenizer: Any, device: torch.device, sizes: Sizes) -> dict[str, Any]:
@@ -322,7 +420,8 @@ def physics(shape: Shape, tokenizer: Any, device: torch.device, sizes: Sizes) ->
         synchronize(device)
         built = time.perf_counter() - start
         out: dict[str, Any] = {"model": lm.name, "params_b": round(shape.params_b, 3),
-                               "dtype": "bfloat16", "build_s": round(built, 2)}
+                               "dtype": "bfloat16", "build_s": round(built, 2),
+                               "static_compile": fresh_static_compile(lm)}
         for name, fn in (("k_cost", k_cost), ("prefill", prefill_rate), ("decode", decode_rates),
                          ("rounds", round_syncs)):
             try:
@@ -353,6 +452,8 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
     equality: dict[str, dict[str, list[bool]]] = {}
     k8: dict[str, float] = {}
     overhead: dict[str, float] = {}
+    spreads: dict[str, dict[str, Any]] = {}
+    statics: dict[str, float] = {}
     syncs: dict[str, dict[str, int]] = {}
     splits: dict[str, dict[str, dict[str, float]]] = {}
     for name, section in sections.items():
@@ -369,18 +470,57 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
         ratio = section.get("decode", {}).get("ours_over_generate")
         if ratio is not None:
             overhead[name] = ratio
+        spread = section.get("decode", {}).get("ours_over_generate_spread")
+        if spread is not None:
+            spreads[name] = spread
+        static = section.get("decode", {}).get("ours_static_over_generate_static")
+        if static is not None:
+            statics[name] = static
     big = [n for n in k8 if "1.5b" in n or "7b" in n]
+    ties = {name: divergences_at_ties(section) for name, section in sections.items()
+            if section.get("comparisons")}
     aims = {
         "all_equal": {name: all(all(v) for v in checks_.values())
                       for name, checks_ in equality.items()},
         "k8_le_1.15": {n: k8[n] <= AIM_K8 for n in big},
         "ours_ge_0.95_generate": {n: overhead[n] >= AIM_OVERHEAD for n in overhead if n in big},
-        "one_sync_per_round": {n: all(v <= 1 for loop, v in loops.items()
-                                       if not loop.endswith("_sampled"))
+        "one_sync_per_round": {n: all(v <= 1 for v in loops.values())
                                for n, loops in syncs.items()},
     }
-    return {"equality": equality, "k8_over_step": k8, "ours_over_generate": overhead,
+    return {"equality": equality, "divergences_at_ties": ties, "k8_over_step": k8,
+            "ours_over_generate": overhead, "ours_over_generate_spread": spreads,
+            "ours_static_over_generate_static": statics,
             "syncs_per_round": syncs, "round_split": splits, "aims": aims}
+
+
+def divergences_at_ties(section: dict[str, Any]) -> dict[str, Any]:
+    """Whether every unequal comparison of a correctness section parted from greedy at a tie
+    (top-2 margin <= one ulp of the section's dtype at the logit's size,
+    :func:`~shared_core.bench.system.gpu_checks.at_tie`): then the engines are right and the
+    forwards merely not batch-invariant; a divergence past a tie, or one not examined, is a bug
+    to look at."""
+    dtype = getattr(torch, str(section.get("models", {}).get("dtype", "torch.float32"))
+                    .removeprefix("torch."), torch.float32)
+    unequal = [c for c in section["comparisons"]
+               if not c["equal"] and "skipped" not in c.get("detail", {})]
+    at_ties, beyond, unexamined = [], [], []
+    for c in unequal:
+        divergence = c.get("detail", {}).get("divergence")
+        if not divergence or "top_logit" not in divergence:
+            unexamined.append(c["check"])
+        elif checks.at_tie(divergence, dtype):
+            at_ties.append(c["check"])
+        else:
+            beyond.append(c["check"])
+    if not unequal:
+        verdict = "equal"
+    elif beyond or unexamined:
+        verdict = "a bug: a divergence past a tie, or one not examined"
+    else:
+        verdict = "not batch-invariant: every divergence at a tie"
+    return {"unequal": len(unequal), "at_ties": len(at_ties), "all_at_ties": not beyond
+            and not unexamined, "beyond_a_tie": beyond, "unexamined": unexamined,
+            "verdict": verdict}
 
 
 def plot(report: dict[str, Any], out: Path) -> None:
@@ -429,9 +569,41 @@ def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, fl
         return 30.0, 10.0
     if device.type != "cuda":
         return 600.0 * shape.params_b, 300.0 * shape.params_b
-    # eager transformers on a GPU is bound by kernel launches (~15-25 ms a token at these
-    # depths), so the cost grows slowly with size; the 7B's weights add their build time
-    return 50.0 + 40.0 * shape.params_b, 30.0 + 5.0 * shape.params_b  # + the round figures
+    # eager transformers on a GPU is bound by kernel launches (~25 ms a forward at these
+    # depths, whatever the width), so a correctness section costs its ~2,100 forwards (an
+    # equality-only one ~1,400); physics is ~20-35 s of timing plus two static-cache compiles
+    # (generate's ~25-45 s, our one-token step's, not yet measured: assumed alike) and, for the
+    # 7B, ~10 s of building
+    return 30.0 + 45.0 * shape.params_b, 70.0 + 5.0 * shape.params_b
+
+
+AIM_SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b")  # the shapes the k = 8 and overhead aims are about
+
+
+def plan(shapes: dict[str, Shape], chosen: list[str], dtypes: list[str], only_correctness: bool
+         ) -> list[tuple[str, str, Shape, torch.dtype | None]]:
+    """The sections in order of value, so that a budget that still bites drops the least:
+    the equality checks on the smallest shape (fp32, then bf16), the physics of the shapes the
+    aims are about, the Llama equality checks, then the other shapes' physics.
+
+    Each entry: (name, kind, shape, dtype of a correctness section); kind "correctness" (the
+    equality checks and the sampling test), "equality" (the equality checks alone: the Llama
+    section, since the sampling test exercises no architecture-specific code and costs a third
+    of a section) or "physics"."""
+    smallest = shapes[min(chosen, key=lambda s: shapes[s].params_b)]
+    out: list[tuple[str, str, Shape, torch.dtype | None]] = [
+        (f"correctness/{smallest.name}/{tag}", "correctness", smallest,
+         torch.float32 if tag == "fp32" else torch.bfloat16) for tag in dtypes]
+    if only_correctness:
+        return out
+    by_size = sorted(chosen, key=lambda s: shapes[s].params_b)
+    aimed = [s for s in by_size if s in AIM_SHAPES]
+    out += [(f"physics/{name}", "physics", shapes[name], None) for name in aimed]
+    llama = replace(smallest, name=f"llama-{smallest.name}", arch="llama")
+    out.append((f"correctness/{llama.name}/bf16", "equality", llama, torch.bfloat16))
+    out += [(f"physics/{name}", "physics", shapes[name], None) for name in by_size
+            if name not in aimed]
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -458,20 +630,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.data["machine"] = {"device": str(device), "error": f"{type(e).__name__}: {e}"}
     report.write()
     tokenizer = bench_tokenizer()
-    smallest = shapes[min(chosen, key=lambda s: shapes[s].params_b)]
-    check_s, _ = estimates(smallest, device, args.tiny)
-    for tag in args.dtypes:
-        dtype = torch.float32 if tag == "fp32" else torch.bfloat16
-        report.section(f"correctness/{smallest.name}/{tag}", check_s,
-                       partial(correctness, smallest, tokenizer, device, dtype, sizes))
-    for name in [] if args.only_correctness else sorted(chosen, key=lambda s: shapes[s].params_b):
-        shape = shapes[name]
-        report.section(f"physics/{name}", estimates(shape, device, args.tiny)[1],
-                       partial(physics, shape, tokenizer, device, sizes))
-    llama = replace(smallest, name=f"llama-{smallest.name}", arch="llama")
-    if not args.only_correctness:
-        report.section(f"correctness/{llama.name}/bf16", check_s,
-                       lambda: correctness(llama, tokenizer, device, torch.bfloat16, sizes))
+    for name, kind, shape, dtype in plan(shapes, chosen, args.dtypes, args.only_correctness):
+        check_s, physics_s = estimates(shape, device, args.tiny)
+        if kind in ("correctness", "equality"):
+            assert dtype is not None
+            report.section(name, check_s if kind == "correctness" else 0.7 * check_s,
+                           partial(correctness, shape, tokenizer, device, dtype, sizes,
+                                   with_sampling=kind == "correctness"))
+        else:
+            report.section(name, physics_s, partial(physics, shape, tokenizer, device, sizes))
     try:
         plot(report.data, out_dir / PLOT_NAME)
     except Exception:  # the JSON is the result; a plot is a convenience

@@ -11,7 +11,7 @@ import logging
 import math
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, cast
 
@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 PROMPTS = ["Paris is the capital of France. Berlin is", "0 1 2 3 4 5 6 7 8 9 10 11 12"]
 CONTEXT = " ".join(CORPUS[:8])
 QUERIES = ["Who wrote the report?", "What is the capital of France?"]
+RESPEC_ROWS = 8  # the k of the replayed verification shape where a ReSpec run parts (a tree's
+# rows vary by round; the margin is read from the one-token step either way)
 RALM_DOCS = [Document(f"d{i}", text) for i, text in enumerate(dict.fromkeys(CORPUS))]
 
 
@@ -70,8 +72,9 @@ def divergence_margin(target: LM, prompt: Prompt, reference: Sequence[int], ours
     Replays the reference's own forwards up to that token (a cold prefill of the prompt but its
     last id, then one-token steps), then reads the same row again from a ``k + 1``-token forward
     over the same cache (a verification's shape; the drafts after the first token do not enter
-    its row, the reference's next tokens fill them). Returns the one-token step's top-2 margin,
-    the reference token's lead over ours in both forwards, and max |Δlogit| between the two rows;
+    its row, the reference's next tokens fill them). Returns the one-token step's top-2 margin
+    and top logit (:func:`at_tie` judges the margin against the dtype's spacing there), the
+    reference token's lead over ours in both forwards, and max |Δlogit| between the two rows;
     None when the outputs are equal or one is a prefix of the other. A flip from bf16 arithmetic
     shows as a small ``top2_margin`` (a few ulps) with ``lead_k_token`` < 0 <= ``lead_one_token``.
     """
@@ -94,11 +97,24 @@ def divergence_margin(target: LM, prompt: Prompt, reference: Sequence[int], ours
         clear_prefix_cache(target)  # what it stored must not warm the next check's run
     top = one.topk(2).values
     return {"at": at, "reference_token": ref_token, "our_token": our_token,
-            "top2_margin": round(float(top[0] - top[1]), 4),
+            "top2_margin": round(float(top[0] - top[1]), 4), "top_logit": round(float(top[0]), 4),
             "lead_one_token": round(float(one[ref_token] - one[our_token]), 4),
             "lead_k_token": round(float(many[ref_token] - many[our_token]), 4),
             "k": k, "max_abs_dlogit": round(float((one - many).abs().max()), 4),
             "argmax_k_token": int(many.argmax())}
+
+
+def spacing(value: float, dtype: torch.dtype) -> float:
+    """The distance from ``|value|`` to the next representable number of ``dtype`` (one ulp)."""
+    magnitude = torch.tensor(abs(value), dtype=dtype)
+    return float(torch.nextafter(magnitude, torch.tensor(math.inf, dtype=dtype)) - magnitude)
+
+
+def at_tie(divergence: dict[str, Any], dtype: torch.dtype) -> bool:
+    """Whether a divergence (:func:`divergence_margin`) happened where the reference's top two
+    logits were at most one ``dtype`` ulp apart at their magnitude: a tie that another forward
+    shape's rounding may break either way (not batch-invariant), not a wrong token."""
+    return divergence["top2_margin"] <= spacing(divergence["top_logit"], dtype)
 
 
 def acceptance(stats: Any) -> dict[str, Any]:
@@ -170,29 +186,66 @@ class AllowedSet:
         return False
 
 
+class References:
+    """Greedy reference decodes of one target, each computed once and shared by every check that
+    compares against it (the draft-model, ReSpec and RAPID checks read the same prompts).
+
+    Greedy decoding of ``n`` tokens runs the same one-token forwards as the first ``n`` steps of a
+    longer decode, so a stored decode serves any shorter length as its prefix. Each decode starts
+    cold (the prefix store is emptied before and after), as the engines' runs do.
+    """
+
+    def __init__(self, target: LM) -> None:
+        self.target = target
+        self._decodes: dict[tuple[Hashable, tuple[int, ...]], list[int]] = {}
+        self.decoded = 0  # reference tokens computed (not served from the store)
+
+    def greedy(self, prompt: Prompt, n: int, *, mask_key: Hashable = None,
+               make_mask: Callable[[], Any] | None = None) -> list[int]:
+        """The target's greedy ``n`` tokens after ``prompt`` (masked by ``make_mask()`` when
+        given; ``mask_key`` names the mask so masked and plain decodes are kept apart)."""
+        ids = tuple(encode_prompt(self.target, prompt))
+        key = (mask_key, ids)
+        stored = self._decodes.get(key)
+        if stored is None or len(stored) < n:
+            clear_prefix_cache(self.target)
+            mask = make_mask() if make_mask is not None else None
+            stored = autoregressive_generate(self.target, list(ids), n, logits_mask=mask).token_ids
+            clear_prefix_cache(self.target)  # what it stored must not warm the check's run
+            self._decodes[key] = stored
+            self.decoded += n
+        return stored[:n]
+
+
 # ------------------------------------------------------------------------------- the checks
 
 
-def check_draft_model(target: LM, drafters: dict[str, LM], n: int) -> list[Comparison]:
+def check_draft_model(target: LM, drafters: dict[str, LM], n: int,
+                      refs: References | None = None) -> list[Comparison]:
+    refs = refs or References(target)
     out = []
     for prompt in PROMPTS:
-        reference = autoregressive_generate(target, prompt, n).token_ids
+        reference = refs.greedy(prompt, n)
         for name, drafter in drafters.items():
             for k in (4, 8):
                 result = speculative_generate(target, drafter, prompt, n, k=k)
                 out.append(compare(f"draft_model/{name}/k{k}", result.token_ids, reference,
-                                   prompt=prompt, **acceptance(result.stats)))
+                                   prompt=prompt,
+                                   divergence=divergence_margin(target, prompt, reference,
+                                                                result.token_ids, k),
+                                   **acceptance(result.stats)))
     return out
 
 
-def check_prompt_lookup(target: LM, n: int) -> list[Comparison]:
+def check_prompt_lookup(target: LM, n: int, refs: References | None = None) -> list[Comparison]:
     from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 
+    refs = refs or References(target)
     out = []
     for prompt in PROMPTS:
         # the prompt repeated: the drafter proposes what followed its last occurrence
         text = f"{prompt} {prompt} {prompt}"
-        reference = autoregressive_generate(target, text, n).token_ids
+        reference = refs.greedy(text, n)
         result = speculative_generate(target, PromptLookupDrafter(), text, n, k=8)
         out.append(compare("prompt_lookup", result.token_ids, reference, prompt=text,
                            divergence=divergence_margin(target, text, reference,
@@ -212,31 +265,37 @@ def _documents(target: LM, prompt: str, reference: list[int]) -> list[list[int]]
     return [key + bad, key + reference]
 
 
-def check_respec(target: LM, n: int) -> list[Comparison]:
+def check_respec(target: LM, n: int, refs: References | None = None) -> list[Comparison]:
     from shared_core.engines.respec import respec_generate
 
+    refs = refs or References(target)
     out = []
     for prompt in PROMPTS:
-        reference = autoregressive_generate(target, prompt, n).token_ids
+        reference = refs.greedy(prompt, n)
         for docs_name, docs in (("none", []), ("good_bad", _documents(target, prompt, reference))):
             result = respec_generate(target, prompt, n, documents=docs, use_trigger=False)
             out.append(compare(f"respec_strict/{docs_name}", result.token_ids, reference,
-                               prompt=prompt, **acceptance(result.stats)))
+                               prompt=prompt,
+                               divergence=divergence_margin(target, prompt, reference,
+                                                            result.token_ids, RESPEC_ROWS),
+                               **acceptance(result.stats)))
     return out
 
 
-def check_rapid(target: LM, drafter: LM, n: int) -> list[Comparison]:
+def check_rapid(target: LM, drafter: LM, n: int, refs: References | None = None
+                ) -> list[Comparison]:
     from shared_core.engines.rapid import RapidConfig, RapidDecoder
 
     config = RapidConfig(chunk_tokens=32, min_rag_tokens=64, gamma=4, eta=0.0)
+    refs = refs or References(target)
     out = []
     for name, draft_lm in (("self", None), ("perturbed", drafter)):
         decoder = RapidDecoder(target, draft_lm=draft_lm, embedder=HashEmbedder(), config=config)
         for query in QUERIES:
             prompt = decoder.prepare(CONTEXT, query, n)
-            clear_prefix_cache(target)
-            reference = autoregressive_generate(target, list(prompt.target_ids), n).token_ids
-            clear_prefix_cache(target)  # cold against cold: a reused prefix is not bit-exact in bf16
+            # cold against cold (the store is emptied around it): a reused prefix is not
+            # bit-exact in bf16
+            reference = refs.greedy(list(prompt.target_ids), n)
             result = decoder.generate(CONTEXT, query, n, eta=0.0)
             # the top-2 margin where they part: a bf16 near-tie, or a wrong token
             divergence = divergence_margin(target, list(prompt.target_ids), reference,
@@ -252,11 +311,15 @@ def check_ralmspec(target: LM, n: int) -> list[Comparison]:
     small: dict[str, Any] = {"max_doc_tokens": 48, "query_tokens": 8}
     configs = {"base": RaLMSpecConfig(prefetch=False, scheduler=False, async_verify=False, **small),
                "+PSA": RaLMSpecConfig(prefetch_k=4, **small)}
+    # P, S and A change only how RaLMSpec speculates: RaLMSeq, the baseline, reads the fields
+    # both configs share, so it runs once per query
+    baselines = {query: RaLMSpec(target, HashRetriever(RALM_DOCS), configs["base"])
+                 .generate_baseline(query, n) for query in QUERIES}
     out = []
     for name, config in configs.items():
         for query in QUERIES:
             engine = RaLMSpec(target, HashRetriever(RALM_DOCS), config)
-            reference = engine.generate_baseline(query, n)
+            reference = baselines[query]
             result = engine.generate(query, n)
             stats = cast(RaLMSpecStats, result.stats)
             ref_stats = cast(RaLMSpecStats, reference.stats)
@@ -267,11 +330,8 @@ def check_ralmspec(target: LM, n: int) -> list[Comparison]:
     return out
 
 
-def _masked_reference(target: LM, prompt: str, n: int, mask: Any) -> list[int]:
-    return autoregressive_generate(target, prompt, n, logits_mask=mask).token_ids
-
-
-def check_constrained(target: LM, drafter: LM, n: int) -> list[Comparison]:
+def check_constrained(target: LM, drafter: LM, n: int, refs: References | None = None
+                      ) -> list[Comparison]:
     """Masked speculative decoding and ReSpec against masked greedy decoding: an allowed-set
     mask always, the xgrammar JSON grammar when xgrammar is installed."""
     from shared_core.decoding.constrained import Constraint, grammar_mask, xgrammar_available
@@ -281,10 +341,11 @@ def check_constrained(target: LM, drafter: LM, n: int) -> list[Comparison]:
         "allowed_set": lambda: AllowedSet([*target.encode(" the fox dog report capital"), 5, 17])}
     if xgrammar_available():
         masks["xgrammar_json"] = lambda: grammar_mask(target, Constraint("json"))
+    refs = refs or References(target)
     out = []
     prompt = PROMPTS[0]
     for name, make in masks.items():
-        reference = _masked_reference(target, prompt, n, make())
+        reference = refs.greedy(prompt, n, mask_key=name, make_mask=make)
         spec = speculative_generate(target, drafter, prompt, n, k=4, logits_mask=make())
         out.append(compare(f"constrained/{name}/draft_model", spec.token_ids, reference,
                            **acceptance(spec.stats)))

@@ -261,7 +261,7 @@ def round_figures(lm: LM, prompt_ids: list[int], new_tokens: int, k: int = 4
     }
     out: dict[str, Any] = {}
     for name, run in runs.items():
-        run()  # warm-up (kernels, allocator)
+        # the counted run is also the timed run's warm-up (kernels, allocator)
         with count_host_syncs(device_only=lm.device.type != "cpu") as count:
             result = run()
         if not reference:

@@ -71,9 +71,8 @@ def _accept(run: Run, draft: Draft, logits: torch.Tensor, eta: float, config: Ra
                                    head=config.head)
     if not draft.tokens or q is None:
         return Verdict(0, choose_token(logits[0], sampling, run.generator))
-    draft_ids = torch.tensor(draft.tokens, dtype=torch.long)
     p = warp_probs(logits, sampling)
-    return verify_rapid_sampled(draft_ids, p, q, eta, alpha=config.alpha, head=config.head,
+    return verify_rapid_sampled(draft.tokens, p, q, eta, alpha=config.alpha, head=config.head,
                                 generator=run.generator)
 
 
