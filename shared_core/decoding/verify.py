@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -25,6 +26,7 @@ class Verdict:
 
     n_accepted: int  # drafted tokens accepted, a prefix of the draft
     next_token: int  # the target's correction (on rejection) or bonus token (all accepted)
+    also: list[Any] | None = None  # sampled: ``read_also``'s values, read in the same copy
 
 
 @dataclass(frozen=True)
@@ -33,6 +35,7 @@ class TreeVerdict:
 
     path: tuple[int, ...]  # node indices of the accepted path (empty = nothing accepted)
     next_token: int
+    also: list[Any] | None = None  # sampled walks: ``read_also``'s values, read in the same copy
 
 
 def make_generator(sampling: SamplingConfig, device: torch.device | str = "cpu"
@@ -161,8 +164,8 @@ def _draft_ids(draft: torch.Tensor | Sequence[int], device: torch.device) -> tor
 
 def verify_sampled(draft: torch.Tensor | Sequence[int], p: torch.Tensor,
                    q: torch.Tensor | None = None, *, generator: torch.Generator | None = None,
-                   p_accept: torch.Tensor | None = None, residual_fn: ResidualFn | None = None
-                   ) -> Verdict:
+                   p_accept: torch.Tensor | None = None, residual_fn: ResidualFn | None = None,
+                   read_also: torch.Tensor | None = None) -> Verdict:
     """Lossless speculative sampling (Leviathan et al. 2023, Algorithm 1).
 
     Token ``x_i`` is accepted with probability ``min(1, p_i(x_i) / q_i(x_i))``; at the first
@@ -183,6 +186,8 @@ def verify_sampled(draft: torch.Tensor | Sequence[int], p: torch.Tensor,
         p_accept: hook for lossy variants (RAPID's p̂): the distribution used in the acceptance
             ratio and for the bonus token instead of ``p``. ``None`` keeps the rule lossless.
         residual_fn: hook for lossy variants: ``(p_i, q_i) -> unnormalised residual``.
+        read_also: a tensor the caller needs on the host too, read back in the same copy
+            (``Verdict.also``, flattened).
     """
     k = len(draft)
     device = p.device
@@ -211,9 +216,10 @@ def verify_sampled(draft: torch.Tensor | Sequence[int], p: torch.Tensor,
     if rng_device != device:
         law = law.to(rng_device)
     token = torch.multinomial(law, 1, generator=generator)
-    _, (n_host, token_host) = read_with(draft if isinstance(draft, DeviceTokens) else [],
-                                        n.reshape(1), token)  # the round's one copy
-    return Verdict(int(n_host[0]), int(token_host[0]))
+    extra = () if read_also is None else (read_also,)
+    _, (n_host, token_host, *also) = read_with(draft if isinstance(draft, DeviceTokens) else [],
+                                               n.reshape(1), token, *extra)  # the one copy
+    return Verdict(int(n_host[0]), int(token_host[0]), also[0] if also else None)
 
 
 def tree_children(parents: Sequence[int]) -> dict[int, list[int]]:
@@ -226,7 +232,8 @@ def tree_children(parents: Sequence[int]) -> dict[int, list[int]]:
 
 def verify_tree(tokens: torch.Tensor | Sequence[int], parents: Sequence[int], logits: torch.Tensor,
                 sampling: SamplingConfig, generator: torch.Generator | None = None, *,
-                argmax: Sequence[int] | None = None) -> TreeVerdict:
+                argmax: Sequence[int] | None = None,
+                read_also: torch.Tensor | None = None) -> TreeVerdict:
     """Verify a tree of deterministic drafts; return the accepted path and the next token.
 
     Greedy: follow the child whose token is the target's argmax. Sampling: recursive rejection
@@ -241,35 +248,71 @@ def verify_tree(tokens: torch.Tensor | Sequence[int], parents: Sequence[int], lo
         logits: ``[n + 1, V]``; row 0 follows the root, row ``i + 1`` follows node ``i``.
         argmax: greedy only: the rows' argmaxes already on the host (the caller read them with
             what else its round reads back); else they are read here, in one copy.
+        read_also: sampling only: a tensor the caller needs on the host too, read back in the
+            walk's one copy (``TreeVerdict.also``, flattened).
     """
     children = tree_children(parents)
+    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
+    if not sampling.greedy:
+        return _walk_sampled_tree(ids, parents, children, logits, sampling, generator,
+                                  read_also)
+    if argmax is None:  # every row's argmax in one copy, not one per level
+        argmax = read_back(logits.argmax(-1))[0]
     path: list[int] = []
     node, row = -1, 0
-    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else [int(t) for t in tokens]
-    if sampling.greedy and argmax is None:  # every row's argmax in one copy, not one per level
-        argmax = read_back(logits.argmax(-1))[0]
     while True:
-        kids = children.get(node, [])
-        if sampling.greedy:
-            assert argmax is not None
-            target = argmax[row]
-            match = next((c for c in kids if ids[c] == target), None)
-            if match is None:
-                return TreeVerdict(tuple(path), target)
-        else:
-            probs = warp_probs(logits[row], sampling)
-            match = None
-            for c in kids:
-                token = ids[c]
-                u = torch.rand(1, generator=generator,
-                               device=_rng_device(generator, probs.device))
-                if u.item() < probs[token].item():
-                    match = c
-                    break
-                removed = probs.index_fill(0, torch.tensor([token], device=probs.device), 0.0)
-                probs = _normalise_or(removed, probs)
-            if match is None:
-                return TreeVerdict(tuple(path), sample(probs, generator))
+        target = argmax[row]
+        match = next((c for c in children.get(node, []) if ids[c] == target), None)
+        if match is None:
+            return TreeVerdict(tuple(path), target)
+        path.append(match)
+        node, row = match, match + 1
+
+
+def _walk_sampled_tree(ids: list[int], parents: Sequence[int], children: dict[int, list[int]],
+                       logits: torch.Tensor, sampling: SamplingConfig,
+                       generator: torch.Generator | None,
+                       read_also: torch.Tensor | None = None) -> TreeVerdict:
+    """:func:`verify_tree`'s sampled walk with one copy to the host for the whole tree.
+
+    Every random number the walk may need is drawn on the device first: a uniform per node (its
+    acceptance test) and, per row, a token from that row's residual (its children's tokens
+    removed, renormalised: what the walk draws when every child fails, and the full row at a
+    leaf). They are read back with each node's target probability ``p_parent(token)``; the host
+    then walks the tree. Sibling ``j`` is accepted with ``p(c_j) / (1 - sum_{i<j} p(c_i))``:
+    ``p`` renormalised after the rejected siblings are removed. Draws the walk does not reach
+    are discarded, which leaves the output's law unchanged (they are independent of it).
+    """
+    probs = warp_probs(logits, sampling)  # [n + 1, V]
+    device = _rng_device(generator, probs.device)
+    if probs.device != device:
+        probs = probs.to(device)
+    rows = upload([parent + 1 for parent in parents], device)
+    node_ids = upload(ids, device)
+    residual = probs.clone()
+    if ids:
+        residual.index_put_((rows, node_ids), torch.zeros(len(ids), device=device))
+    total = residual.sum(-1, keepdim=True)
+    # p == the children's tokens up to rounding leaves no residual mass: p itself then
+    residual = torch.where(total > 1e-12, residual / total.clamp_min(1e-12), probs)
+    drawn = torch.multinomial(residual, 1, generator=generator).reshape(-1)
+    uniforms = torch.rand(len(ids), generator=generator, device=device)
+    targets = probs[rows, node_ids]
+    extra = () if read_also is None else (read_also,)
+    next_tokens, u, p, *also = read_back(drawn, uniforms, targets, *extra)
+    path: list[int] = []
+    node, row = -1, 0
+    while True:
+        removed = 0.0
+        match = None
+        for c in children.get(node, []):
+            remaining = 1.0 - removed
+            if remaining > 1e-12 and u[c] < p[c] / remaining:
+                match = c
+                break
+            removed += p[c]
+        if match is None:
+            return TreeVerdict(tuple(path), int(next_tokens[row]), also[0] if also else None)
         path.append(match)
         node, row = match, match + 1
 

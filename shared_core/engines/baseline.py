@@ -72,10 +72,11 @@ def autoregressive_generate(lm: SessionLM, prompt: Prompt, max_new_tokens: int =
                                  seed=seed).run()
 
 
-def accept_draft(run: Run, draft: Draft, logits: torch.Tensor) -> Verdict:
+def accept_draft(run: Run, draft: Draft, logits: torch.Tensor, *,
+                 read_also: torch.Tensor | None = None) -> Verdict:
     """Step 3: greedy match (drafted ids and argmaxes read back in one copy), or lossless
     speculative sampling on the device (one-hot q for fixed drafts; the drafted ids, the
-    accepted count and the next token read back in one copy)."""
+    accepted count, the next token and, sampled, ``read_also`` read back in one copy)."""
     sampling = run.config.sampling
     if sampling.greedy:
         return verify_greedy(draft.tokens, logits)
@@ -83,7 +84,7 @@ def accept_draft(run: Run, draft: Draft, logits: torch.Tensor) -> Verdict:
     q = draft.probs
     if q is not None and q.shape[-1] != p.shape[-1]:
         q = torch.nn.functional.pad(q, (0, p.shape[-1] - q.shape[-1]))
-    return verify_sampled(draft.tokens, p, q, generator=run.generator)
+    return verify_sampled(draft.tokens, p, q, generator=run.generator, read_also=read_also)
 
 
 def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Blocks:

@@ -146,3 +146,21 @@ def test_tree_sampling_with_sibling_drafts_is_lossless():
         return int(tokens[verdict.path[0]]) if verdict.path else verdict.next_token
 
     assert _p_value(_first_token_counts(draw), p_root) > 1e-3
+
+
+def test_tree_sampling_keeps_the_law_below_an_accepted_node():
+    """Two levels of siblings: given the first token is node 0's, the second follows row 1's
+    law, whether it is a drafted child (nodes 3, 4) or the residual draw after both failed."""
+    tokens, parents = torch.tensor([0, 3, 5, 1, 2]), [-1, -1, -1, 0, 0]
+    logits = torch.randn(6, V, generator=torch.Generator().manual_seed(11))
+    logits[0, 0] += 4.0  # node 0 taken often enough to test what follows it
+    logits[1, 1] += 1.0
+    sampling = SamplingConfig(temperature=1.0)
+    gen = torch.Generator().manual_seed(5)
+    counts = torch.zeros(V)
+    while counts.sum() < N_SAMPLES:
+        verdict = verify_tree(tokens, parents, logits, sampling, gen)
+        if verdict.path[:1] == (0,):
+            second = int(tokens[verdict.path[1]]) if len(verdict.path) > 1 else verdict.next_token
+            counts[second] += 1
+    assert _p_value(counts, warp_probs(logits[1], sampling)) > 1e-3

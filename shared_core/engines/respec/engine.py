@@ -260,17 +260,20 @@ def _accept(run: Run, request: Request, draft: TreeDraft, logits: torch.Tensor,
         tree = verify_tree(drafted, draft.parents, logits, sampling, argmax=argmax)
         return tree.path, tree.next_token, entropies
     if draft.source not in ("retrieval", "none"):
-        verdict = accept_draft(run, draft.linear, logits)  # strict, with q for model drafts
-        return tuple(range(verdict.n_accepted)), verdict.next_token, None
-    tokens = torch.tensor(draft.tokens, dtype=torch.long)
+        # strict, with q for model drafts
+        verdict = accept_draft(run, draft.linear, logits,
+                               read_also=None if sampling.greedy else entropy_rows(raw))
+        return tuple(range(verdict.n_accepted)), verdict.next_token, verdict.also
     if relaxed:
+        tokens = torch.tensor(draft.tokens, dtype=torch.long)
         found = verify_tree_relaxed(tokens, draft.parents, logits, top_k=cfg.relaxed_top_k,
                                     tau=cfg.relaxed_tau, lookahead=cfg.relaxed_lookahead,
                                     max_relaxed=cfg.max_relaxed)
         request.counters.relaxed_accepted += found.n_relaxed
         return found.path, found.next_token, None
-    tree = verify_tree(draft.tokens, draft.parents, logits, sampling, run.generator)
-    return tree.path, tree.next_token, None
+    tree = verify_tree(draft.tokens, draft.parents, logits, sampling, run.generator,
+                       read_also=entropy_rows(raw))
+    return tree.path, tree.next_token, tree.also
 
 
 def _commit(run: Run, draft: TreeDraft, path: tuple[int, ...]) -> None:
