@@ -121,7 +121,11 @@ def check_response_format(response_format: Any) -> Constraint | None:
     if kind == "json_schema":
         schema = response_format.get("schema") or (response_format.get("json_schema") or {}
                                                    ).get("schema")
-        return Constraint("json_schema", check_json_schema(schema, "response_format schema"))
+        checked = check_json_schema(schema, "response_format schema")
+        if not isinstance(checked, dict):  # true / false: valid schemas, but no object's shape
+            msg = f"response_format schema must be a dict, got {type(checked).__name__}"
+            raise ValueError(msg)
+        return Constraint("json_schema", checked)
     msg = ("response_format must be {'type': 'json_object'} or {'type': 'json_schema', "
            f"'schema': {{...}}}}, got {response_format!r:.80}")
     raise ValueError(msg)

@@ -170,7 +170,7 @@ class ChatSettings(BaseModel):
                      check_fields=False)
     @classmethod
     def _generation_field(cls, value: Any, info: ValidationInfo) -> Any:
-        check_generation_field(info.field_name, value)  # TypeError / ValueError naming it
+        check_generation_field(str(info.field_name), value)  # TypeError / ValueError naming it
         return value
 
     def passage_cache_config(self) -> PassageCacheConfig | None:
@@ -204,7 +204,7 @@ class ChatSettings(BaseModel):
         return self.reduce_with(None)  # an adapter with a preloaded model passes it instead
 
     def __repr_args__(self) -> Any:
-        return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
+        return redacted_repr_args(super().__repr_args__())
 
     @field_serializer("*", mode="wrap")
     def _dump_redacted(self, value: Any, handler: SerializerFunctionWrapHandler) -> Any:

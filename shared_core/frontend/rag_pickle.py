@@ -14,12 +14,15 @@ from __future__ import annotations
 import pickle
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from shared_core.engines.registry import check_engine_options
 from shared_core.frontend.token_budget import offline_tiktoken
 from shared_core.runtime.weights.embedded import EMBEDDED_LMS
 from shared_core.util.redact import strip_credentials
+
+if TYPE_CHECKING:
+    from shared_core.runtime.protocol import ServedLM, SessionLM
 
 
 def _model_name(model: Any, role: str) -> str | None:
@@ -50,8 +53,10 @@ def _build_ralmspec(recipe: dict[str, Any], config: Any) -> Any:
     from shared_core.engines.ralmspec import RaLMSpec
     from shared_core.runtime.model_cache import resolve_lm
 
-    return RaLMSpec(resolve_lm(recipe["model"], backend=recipe.get("runtime", "torch")),
-                    recipe["backend"], config)
+    # a URL gives a served model, a name an in-process one: what RaLMSpec takes
+    lm = cast("SessionLM | ServedLM",
+              resolve_lm(recipe["model"], backend=recipe.get("runtime", "torch")))
+    return RaLMSpec(lm, recipe["backend"], config)
 
 
 _BUILDERS = {"SpeculativeRAG": _build_speculative_rag, "RaLMSpec": _build_ralmspec}

@@ -57,7 +57,7 @@ from shared_core.frontend.rag import (
     prebuilt_engine_check,
 )
 from shared_core.frontend.rag_pickle import portable_state
-from shared_core.frontend.rag_streams import RaLMSpecStream
+from shared_core.frontend.rag_streams import RaLMSpecStream, SpeculativeRAGStream
 from shared_core.retrieval.frameworks import DocumentList, retrieve, retrieved_documents
 from shared_core.retrieval.timeout import call_with_timeout
 from shared_core.util.redact import redacted_dump, redacted_repr_args
@@ -150,7 +150,7 @@ class RAGSettings(BaseModel):
         return f"retriever {type(self.retriever).__name__}"
 
     def __repr_args__(self) -> Any:
-        return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
+        return redacted_repr_args(super().__repr_args__())
 
     @field_serializer("*", mode="wrap")
     def _dump_redacted(self, value: Any, handler: SerializerFunctionWrapHandler) -> Any:
@@ -306,3 +306,17 @@ def ralmspec(settings: RaLMSpecSettings, question: str) -> RaLMSpecStream:
     change), started now; read it to the end or stream it."""
     return RaLMSpecStream(settings._engines.stream(settings, question, settings.engine_prompt()))
 
+
+
+def speculative_rag(settings: SpeculativeRAGSettings, question: str,
+                    documents: DocumentList | None = None) -> SpeculativeRAGStream:
+    """The Speculative RAG adapters' one call: Speculative RAG for a checked ``question`` on the
+    engine of the current settings (built on first use, rebuilt after a change), checked now,
+    before any retrieval or model work (no documents and no retriever: ValueError). Documents
+    that came with the question are used (the first ``retrieve_k``); without them the adapter
+    retrieves with its framework's retriever and passes them with
+    :meth:`~shared_core.frontend.rag_streams.SpeculativeRAGStream.with_documents`. Iterate it for
+    the stage events and the answer."""
+    engine = settings._checked_engine(documents is not None)
+    return SpeculativeRAGStream(engine, question,
+                                None if documents is None else settings._given(documents))

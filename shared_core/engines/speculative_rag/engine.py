@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -18,6 +18,15 @@ from shared_core.config import (
     check_int,
 )
 from shared_core.config.rag import PromptMessages, SpeculativeRAGConfig
+from shared_core.engines.speculative_rag.events import (
+    Answered,
+    DocumentsRetrieved,
+    DraftsVerified,
+    DraftsWritten,
+    SpeculativeRAGEvent,
+    StageData,
+    SubsetsSampled,
+)
 from shared_core.engines.speculative_rag.generation import generate_batch
 from shared_core.engines.speculative_rag.inputs import (
     check_model_arg,
@@ -64,7 +73,7 @@ if TYPE_CHECKING:
     from shared_core.runtime.protocol import ModelLM
 
 
-EventHook = Callable[[str, dict[str, Any]], None]
+EventHook = Callable[[str, StageData], None]
 
 
 class SpeculativeRAG:
@@ -309,37 +318,65 @@ class SpeculativeRAG:
             out.append(replace(scored, score=combined_score(scored, cfg)))
         return out
 
-    def answer(self, question: str, documents: Sequence[Any] | None = None, *,
-               retriever: object = None, on_event: EventHook | None = None) -> SpeculativeRAGResult:
-        """Answer ``question`` from ``documents`` (or the top ``retrieve_k`` of a retriever)."""
-        if on_event is not None and not callable(on_event):
-            msg = f"on_event must be a callable or None, got {type(on_event).__name__}"
-            raise TypeError(msg)
-        cfg, emit = self.config, on_event or (lambda _name, _data: None)
+    def stages(self, question: str, documents: Sequence[object] | None = None, *,
+               retriever: object = None) -> Iterator[SpeculativeRAGEvent]:
+        """The round for ``question`` as typed events: a stage event as each stage finishes
+        (:mod:`~shared_core.engines.speculative_rag.events`), then :class:`Answered` with the
+        result. The question, the documents and the retriever are checked now; retrieval and the
+        model work run as the events are read, each model's lock held within one stage, never
+        while the caller reads (a caller that stops early stops the round between stages).
+        ``stats.total_s`` leaves out the time the caller spent between events."""
         question, given = self._check_call(question, documents, retriever)
-        start = time.perf_counter()
+        return self._round(question, given, retriever)
+
+    def _round(self, question: str, given: tuple[list[Document], int] | None,
+               retriever: object) -> Iterator[SpeculativeRAGEvent]:
+        cfg = self.config
+        start, paused = time.perf_counter(), 0.0
+
+        def pause(event: SpeculativeRAGEvent) -> Iterator[SpeculativeRAGEvent]:
+            nonlocal paused
+            left = time.perf_counter()
+            yield event
+            paused += time.perf_counter() - left
+
         docs, skipped, retrieve_s = self._documents(question, given, retriever, cfg.retrieve_k)
         engine, adapted = self._for_documents(len(docs))
         stats = SpeculativeRAGStats(num_documents=len(docs), num_drafts=engine.config.num_drafts,
                                     docs_per_draft=engine.config.docs_per_draft,
                                     retrieve_s=retrieve_s, skipped_documents=skipped,
                                     adapted_subsets=adapted)
-        emit("specrag_retrieved", {"num_documents": len(docs)})
+        yield from pause(DocumentsRetrieved(len(docs)))
         # each step takes its own model's lock, one at a time (never two held: no lock order)
         with timed(stats, "sample_s"):  # 1. multi-perspective subsets
             subsets = engine.sample_subsets(question, docs, stats)
-        emit("specrag_subsets", {"subsets": [list(s) for s in subsets]})
+        yield from pause(SubsetsSampled(tuple(tuple(s) for s in subsets)))
         with timed(stats, "draft_s"):  # 2. batched drafting
             drafts = engine.draft(question, docs, subsets, stats)
-        emit("specrag_drafted", {"answers": [d.answer for d in drafts]})
+        yield from pause(DraftsWritten(tuple(d.answer for d in drafts)))
         with timed(stats, "verify_s"):  # 3. one verifier forward + scores
             drafts = engine.score(question, drafts, stats)
         best = select_best(drafts, cfg.selection, random.Random(f"{cfg.seed}:select:{question}"))
-        emit("specrag_verified", {"scores": [d.score for d in drafts], "best": best})
-        stats.total_s = time.perf_counter() - start
-        return SpeculativeRAGResult(text=drafts[best].answer, rationale=drafts[best].rationale,
-                                    best=best, drafts=tuple(drafts), documents=tuple(docs),
-                                    stats=stats)
+        yield from pause(DraftsVerified(tuple(d.score for d in drafts), best))
+        stats.total_s = time.perf_counter() - start - paused
+        yield Answered(SpeculativeRAGResult(
+            text=drafts[best].answer, rationale=drafts[best].rationale, best=best,
+            drafts=tuple(drafts), documents=tuple(docs), stats=stats))
+
+    def answer(self, question: str, documents: Sequence[object] | None = None, *,
+               retriever: object = None, on_event: EventHook | None = None) -> SpeculativeRAGResult:
+        """Answer ``question`` from ``documents`` (or the top ``retrieve_k`` of a retriever):
+        :meth:`stages` read to the end, each stage event passed to ``on_event(name, data)``."""
+        if on_event is not None and not callable(on_event):
+            msg = f"on_event must be a callable or None, got {type(on_event).__name__}"
+            raise TypeError(msg)
+        for event in self.stages(question, documents, retriever=retriever):
+            if isinstance(event, Answered):
+                return event.result
+            if on_event is not None:
+                on_event(event.name, event.data)
+        msg = "the round ended without an answer"  # unreachable: _round ends with Answered
+        raise AssertionError(msg)
 
     __call__ = answer
 
