@@ -17,12 +17,15 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_core.config import LOAD_LM_BACKEND
 from shared_core.runtime import model_cache
 from shared_core.runtime.model_cache import _LOADED, cached_lm, loaded_model, release, release_all
 from shared_core.runtime.model_lock import _INSTANCE_LOCKS, FairLock, lock_for, step_locked
+
+if TYPE_CHECKING:
+    from shared_core.engines.ralmspec import RaLMSpec
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +47,7 @@ async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
     demand = threading.Semaphore(0)
     stopped = threading.Event()
 
-    def post(kind: str, value: Any) -> None:
+    def post(kind: str, value: object) -> None:
         try:
             loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
         except RuntimeError:  # the loop closed under us: nobody is listening
@@ -85,8 +88,8 @@ async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
         demand.release()  # wake the worker if it waits for demand
 
 
-def ralmspec_engine(model: str, retriever: Any, engine: Any, *, backend: str = LOAD_LM_BACKEND,
-                    **knobs: Any) -> Any:
+def ralmspec_engine(model: str, retriever: object, engine: RaLMSpec | None, *,
+                    backend: str = LOAD_LM_BACKEND, **knobs: Any) -> RaLMSpec:
     """A :class:`~shared_core.engines.ralmspec.RaLMSpec` with an adapter's knobs.
 
     Derived from a prebuilt ``engine`` (its model, retrieval backend and other settings) when

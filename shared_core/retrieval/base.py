@@ -74,6 +74,14 @@ class Retriever(Protocol):
     def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]: ...
 
 
+class TextEncoder(Protocol):
+    """A sentence-transformers model as Speculative RAG's subset sampling uses it: ``encode``
+    turns texts into vectors ``[n, dim]`` (an array, or what ``numpy.asarray`` reads as one)."""
+
+    def encode(self, texts: list[str], /, *, normalize_embeddings: bool = ...,
+               show_progress_bar: bool | None = ...) -> object: ...
+
+
 RETRIEVER_METHODS = ("search", "invoke", "retrieve", "_get_relevant_documents")
 
 

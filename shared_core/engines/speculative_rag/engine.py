@@ -7,7 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from shared_core.config import (
     DEFAULT_EMBEDDER,
@@ -61,7 +61,7 @@ from shared_core.engines.speculative_rag.subsets import (
     subset_shape,
 )
 from shared_core.engines.timing import PhaseClock, timed
-from shared_core.retrieval.base import Document
+from shared_core.retrieval.base import Document, TextEncoder
 from shared_core.retrieval.frameworks import check_retriever, retrieve
 from shared_core.retrieval.timeout import call_with_timeout
 from shared_core.runtime.model_cache import cached_embedder
@@ -103,7 +103,7 @@ class SpeculativeRAG:
     """
 
     def __init__(self, drafter: ModelLM | str = DEFAULT_LM, verifier: ModelLM | str | None = DEFAULT_VERIFIER,
-                 *, embedder: Any = DEFAULT_EMBEDDER,
+                 *, embedder: TextEncoder | str = DEFAULT_EMBEDDER,
                  retriever: object = None, config: SpeculativeRAGConfig | None = None,
                  dtype: str | None = None, backend: str = DEFAULT_SPECRAG_BACKEND) -> None:
         check_backend(backend)
@@ -129,8 +129,10 @@ class SpeculativeRAG:
         self.config = config or SpeculativeRAGConfig()
         self.retriever = retriever
         self._drafter_src, self._verifier_src, self._embedder_src = drafter, verifier, embedder
-        self._models: dict[str, Any] = {}
-        self._load_lock = threading.Lock()  # the lazily filled _models dict
+        # loaded on first use, shared with the engines with_config derives (the same dicts)
+        self._models: dict[str, ModelLM] = {}
+        self._embedders: dict[str, TextEncoder] = {}
+        self._load_lock = threading.Lock()  # the lazily filled dicts
 
     def with_config(self, config: SpeculativeRAGConfig) -> SpeculativeRAG:
         """A new engine with another config that shares this one's (loaded) models."""
@@ -143,33 +145,31 @@ class SpeculativeRAG:
         return other
 
     # -- lazily loaded models
-    def _get(self, role: str) -> Any:
+    def _get(self, role: Literal["drafter", "verifier"]) -> ModelLM:
         with self._load_lock:
             if role not in self._models:
-                src = {"drafter": self._drafter_src, "verifier": self._verifier_src,
-                       "embedder": self._embedder_src}[role]
+                src = self._drafter_src if role == "drafter" else self._verifier_src
                 if src is None:
                     msg = f"{role} is None but this configuration needs it"
                     raise ValueError(msg)
-                if role == "embedder":
-                    self._models[role] = cached_embedder(src) if isinstance(src, str) else src
-                else:
-                    self._models[role] = load_model(src, self.dtype, self.backend)
+                self._models[role] = load_model(src, self.dtype, self.backend)
             return self._models[role]
 
     @property
     def drafter(self) -> ModelLM:
-        drafter: ModelLM = self._get("drafter")
-        return drafter
+        return self._get("drafter")
 
     @property
     def verifier(self) -> ModelLM:
-        verifier: ModelLM = self._get("verifier")
-        return verifier
+        return self._get("verifier")
 
     @property
-    def embedder(self) -> Any:
-        return self._get("embedder")
+    def embedder(self) -> TextEncoder:
+        with self._load_lock:
+            if "embedder" not in self._embedders:
+                src = self._embedder_src
+                self._embedders["embedder"] = cached_embedder(src) if isinstance(src, str) else src
+            return self._embedders["embedder"]
 
     def _documents(self, question: str, given: tuple[list[Document], int] | None,
                    retriever: object, k: int) -> tuple[list[Document], int, float]:
@@ -193,7 +193,7 @@ class SpeculativeRAG:
         docs, skipped = drop_blank(documents)  # retrieve() returned ours already
         return docs, skipped, time.perf_counter() - start
 
-    def _check_call(self, question: object, documents: Sequence[Any] | None, retriever: object
+    def _check_call(self, question: object, documents: Sequence[object] | None, retriever: object
                     ) -> tuple[str, tuple[list[Document], int] | None]:
         """Everything checkable before retrieval and any model work: the stripped question and
         the given documents, converted once (with text, and how many blank ones were left out;
@@ -380,7 +380,7 @@ class SpeculativeRAG:
 
     __call__ = answer
 
-    def standard_rag(self, question: str, documents: Sequence[Any] | None = None, *,
+    def standard_rag(self, question: str, documents: Sequence[object] | None = None, *,
                      model: Literal["drafter", "verifier"] = "verifier",
                      retriever: object = None) -> StandardRAGResult:
         """The paper's Standard RAG: one model, all documents in one prompt, same parsing."""
@@ -398,7 +398,7 @@ class SpeculativeRAG:
         return result
 
 
-def standard_rag(lm: ModelLM, question: str, documents: Sequence[Any],
+def standard_rag(lm: ModelLM, question: str, documents: Sequence[object],
                  max_new_tokens: int = SpeculativeRAGConfig.max_answer_tokens) -> StandardRAGResult:
     """Standard RAG with one model: every document in the prompt, answer parsed as drafts are."""
     question = check_question(question)
