@@ -220,8 +220,8 @@ class SpeculativeRAGEngines:
     def _base(settings: SpeculativeRAGSettings, knobs: dict[str, Any]) -> SpeculativeRAG:
         from shared_core.engines.speculative_rag import SpeculativeRAG
 
-        if settings.engine is not None:
-            return settings.engine
+        if settings.engine is not None:  # checked: a SpeculativeRAG, or the ReloadingEngine of
+            return cast("SpeculativeRAG", settings.engine)  # one that an unpickled adapter holds
         SpeculativeRAGConfig(**knobs)  # bad settings fail before the model names are looked at
         return SpeculativeRAG(settings.drafter, settings.verifier, dtype=settings.dtype,
                               backend=settings.backend)

@@ -163,7 +163,7 @@ def portable_options(engine: str, options: dict[str, Any]) -> dict[str, Any]:
                    "its settings only (numbers, strings, lists of them), never a loaded object: "
                    "pass a name or text instead, or drop the option before pickling")
             raise TypeError(msg)
-    return dict(strip_credentials(options))  # type: ignore[call-overload]
+    return {key: strip_credentials(value) for key, value in options.items()}
 
 
 __all__ = ["ReloadingEngine", "portable_engine", "portable_options", "portable_state"]
