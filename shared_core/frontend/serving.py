@@ -17,7 +17,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared_core.config import LOAD_LM_BACKEND
 from shared_core.runtime import model_cache
@@ -27,6 +27,7 @@ from shared_core.runtime.model_lock import _INSTANCE_LOCKS, FairLock, lock_for, 
 if TYPE_CHECKING:
     from shared_core.engines.ralmspec import RaLMSpec
 
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 __all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_thread",
@@ -34,7 +35,7 @@ __all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_th
            "release_all", "step_locked"]
 
 
-async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
+async def iterate_in_thread(items: Iterator[T]) -> AsyncIterator[T]:
     """Drive a blocking iterator on a worker thread; the event loop stays free.
 
     The worker computes an item only when the consumer asks for one, so a consumer that stops

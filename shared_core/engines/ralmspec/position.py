@@ -8,7 +8,7 @@ generator, so a position regenerated after a rollback (RaLMSpec) draws what RaLM
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +18,9 @@ from shared_core.retrieval.base import Document, doc_key
 from shared_core.runtime.model_lock import lock_for
 from shared_core.runtime.protocol import ModelLM
 
+if TYPE_CHECKING:
+    from shared_core.engines.ralmspec.decoding import RaLMPrompt
+
 _SEED_MIX = 1_000_003
 
 
@@ -25,7 +28,7 @@ class RaLMDecoderState:
     """Output so far under the current document, the token budget, stats, the seed and the
     model's lock."""
 
-    def __init__(self, lm: ModelLM, prompt: Any, generation: GenerationConfig, stats: RaLMSpecStats
+    def __init__(self, lm: ModelLM, prompt: RaLMPrompt, generation: GenerationConfig, stats: RaLMSpecStats
                  ) -> None:
         self.lm = lm
         # the model's one lock: decoders hold it for their own model work only (one step, one
