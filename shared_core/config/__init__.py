@@ -189,7 +189,7 @@ def suggest_kwargs(func: F) -> F:
     return wrapper  # type: ignore[return-value]  # the same signature as ``func``
 
 
-def check_settings_keys(cls: type, data: Any) -> Any:
+def check_settings_keys(cls: type, data: object) -> object:
     """A pydantic ``model_validator(mode="before")`` body: ``data`` unless it names a setting
     ``cls`` does not have (:func:`check_kwargs`; a field's alias counts as its name)."""
     if isinstance(data, dict):

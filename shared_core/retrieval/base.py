@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from shared_core.config import check_unicode
 
@@ -83,9 +83,10 @@ class TextEncoder(Protocol):
 
 
 RETRIEVER_METHODS = ("search", "invoke", "retrieve", "_get_relevant_documents")
+T = TypeVar("T")
 
 
-def check_retriever_like(value: Any, param: str = "retriever") -> Any:
+def check_retriever_like(value: T, param: str = "retriever") -> T:
     """``value`` unless it cannot be a retriever: ours (``search``), LangChain's or LlamaIndex's.
 
     Duck-typed, so adapters can check a retriever at construction without importing an engine.

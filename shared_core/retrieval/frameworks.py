@@ -79,7 +79,7 @@ def _one_document(item: object) -> bool:
         item, "get_content") or hasattr(item, "node")
 
 
-def retrieved_documents(items: Any, name: str, k: int) -> DocumentList:
+def retrieved_documents(items: object, name: str, k: int) -> DocumentList:
     """What retriever ``name`` returned as its top ``k`` Documents: a list or tuple, or any other
     iterable (a generator: only ``k`` items are read); ``None``, one document, a string or a
     mapping is a TypeError naming the retriever and what it should return."""
@@ -104,7 +104,7 @@ def llamaindex_retrieve(retriever: Any, query: Any) -> Any:
         raise TypeError(msg) from e
 
 
-def _converted(items: Any, name: str) -> DocumentList:
+def _converted(items: Sequence[object], name: str) -> DocumentList:
     try:
         return to_documents(items)
     except TypeError as e:
