@@ -21,8 +21,15 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_custom_event
+from langchain_core.callbacks.manager import (
+    AsyncCallbackManagerForChainRun,
+    CallbackManagerForChainRun,
+    adispatch_custom_event,
+    dispatch_custom_event,
+)
 from langchain_core.documents import Document as LCDocument
+from langchain_core.messages import BaseMessage
+from langchain_core.prompt_values import PromptValue
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.utils import AddableDict
@@ -55,6 +62,7 @@ class SpeculativeRAGInput(TypedDict, total=False):
 
 
 SpeculativeRAGOutput = str | dict[str, Any]
+RAGInput = str | SpeculativeRAGInput | PromptValue | list[BaseMessage]  # as_question_input's
 
 
 def _to_lc(doc: Document) -> LCDocument:
@@ -82,7 +90,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         return {"answer": answer.text, **answer.details,
                 "documents": [_to_lc(d) for d in answer.documents]}
 
-    def _rag_call(self, value: Any, config: RunnableConfig) -> SpeculativeRAGStream:
+    def _rag_call(self, value: RAGInput, config: RunnableConfig) -> SpeculativeRAGStream:
         """The core call for one input, with its documents: the input and the settings are
         checked before retrieval and any model work; a LangChain retriever runs with child
         callbacks (its run nests), any other is queried directly."""
@@ -97,7 +105,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
             lambda: retriever.invoke(question, config=config), self.retrieval_timeout_s,
             self._retriever_name())))
 
-    async def _arag_call(self, value: Any, config: RunnableConfig) -> SpeculativeRAGStream:
+    async def _arag_call(self, value: RAGInput, config: RunnableConfig) -> SpeculativeRAGStream:
         if not isinstance(self.retriever, BaseRetriever):
             return await asyncio.to_thread(self._rag_call, value, config)
         question, docs = as_question_input(value)
@@ -124,7 +132,8 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
             yield AddableDict(answer=chunk)
 
     # -- sync: the stages dispatched as custom callback events as they finish
-    def _run(self, value: Any, run_manager: Any, config: RunnableConfig) -> SpeculativeRAGOutput:
+    def _run(self, value: RAGInput, run_manager: CallbackManagerForChainRun,
+             config: RunnableConfig) -> SpeculativeRAGOutput:
         answer = None
         for event in self._rag_call(value, config):
             if isinstance(event, SpeculativeRAGAnswer):
@@ -139,8 +148,8 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         return self._call_with_config(self._run, input, config, run_type="chain", **kwargs)
 
     # -- async: retrieval natively async, the stages on a worker thread (the engine's locks)
-    async def _arun(self, value: Any, run_manager: Any, config: RunnableConfig
-                    ) -> SpeculativeRAGOutput:
+    async def _arun(self, value: RAGInput, run_manager: AsyncCallbackManagerForChainRun,
+                    config: RunnableConfig) -> SpeculativeRAGOutput:
         answer = None
         async for event in iterate_in_thread(iter(await self._arag_call(value, config))):
             if isinstance(event, SpeculativeRAGAnswer):
@@ -156,8 +165,8 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
                                              **kwargs)
 
     # -- streaming: stage events as they happen, then the chosen answer in chunks
-    def _transform(self, inputs: Iterator[Any], run_manager: Any, config: RunnableConfig
-                   ) -> Iterator[SpeculativeRAGOutput]:
+    def _transform(self, inputs: Iterator[RAGInput], run_manager: CallbackManagerForChainRun,
+                   config: RunnableConfig) -> Iterator[SpeculativeRAGOutput]:
         for value in inputs:
             for event in self._rag_call(value, config):
                 if not isinstance(event, SpeculativeRAGAnswer):
@@ -170,8 +179,9 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         yield from self._transform_stream_with_config(iter([input]), self._transform, config,
                                                       **kwargs)
 
-    async def _atransform(self, inputs: AsyncIterator[Any], run_manager: Any,
-                          config: RunnableConfig) -> AsyncIterator[SpeculativeRAGOutput]:
+    async def _atransform(self, inputs: AsyncIterator[RAGInput],
+                          run_manager: AsyncCallbackManagerForChainRun, config: RunnableConfig
+                          ) -> AsyncIterator[SpeculativeRAGOutput]:
         async for value in inputs:
             async for event in iterate_in_thread(iter(await self._arag_call(value, config))):
                 if not isinstance(event, SpeculativeRAGAnswer):
@@ -183,7 +193,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
     async def astream(self, input: str | SpeculativeRAGInput,
                       config: RunnableConfig | None = None, **kwargs: Any
                       ) -> AsyncIterator[SpeculativeRAGOutput]:
-        async def one() -> AsyncIterator[Any]:
+        async def one() -> AsyncIterator[RAGInput]:
             yield input
 
         async for chunk in self._atransform_stream_with_config(one(), self._atransform, config,

@@ -107,7 +107,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
     callback_manager: CallbackManager = Field(default_factory=lambda: CallbackManager([]),
                                               exclude=True)
 
-    def __init__(self, retriever: Any = None, **settings: Any) -> None:
+    def __init__(self, retriever: object = None, **settings: Any) -> None:
         super().__init__(retriever=retriever, **settings)
 
     def _get_prompt_modules(self) -> PromptMixinType:
