@@ -12,9 +12,10 @@ imported only when an engine is built), so the two adapters of one engine behave
   (:func:`resolve_settings`), so the adapter's attributes show what its engine runs;
 - **engines**: built on first use from the adapter's current settings and rebuilt when one of
   them changes (the next call sees the change);
-- **locking**: the engines' own only. ``SpeculativeRAG`` holds a model lock for the model work
-  of one answer (engines derived with ``with_config`` share it); a ``RaLMSpec`` call keeps all
-  its state to itself, so concurrent calls need no lock;
+- **locking**: the engines' own only. Each stage of a ``SpeculativeRAG`` answer holds its
+  model's lock (engines derived with ``with_config`` share the models and so the locks), never
+  while the caller reads a stage event; a ``RaLMSpec`` call keeps all its state to itself, so
+  concurrent calls need no lock;
 - **speculative retrievers**: the :class:`~shared_core.engines.ralmspec.SpeculativeRetrieval`
   session opens on first use with the current settings (reopened after a change or ``reset``);
   a hit's score is the retriever's, ``None`` for a speculated (not yet verified) hit.
@@ -26,7 +27,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Generic, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from shared_core.config import check_text
 from shared_core.config.rag import (
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
     from shared_core.engines.baseline import TokenStream
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecStats, SpeculativeRetrieval
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
-    from shared_core.frontend.rag_settings import RaLMSpecSettings, SpeculativeRAGSettings
     from shared_core.retrieval.base import Document, Hit
 
 T = TypeVar("T")
@@ -191,6 +191,34 @@ class SettingsCache(Generic[T]):
         return type(self), ()  # a copy (pickle, deepcopy) starts empty: what is cached is no state
 
 
+class SpeculativeRAGEngineSettings(Protocol):
+    """What :class:`SpeculativeRAGEngines` reads of an adapter's settings
+    (:class:`~shared_core.frontend.rag_settings.SpeculativeRAGSettings`), besides the
+    :data:`SPECRAG_KNOBS`."""
+
+    drafter: str
+    verifier: str | None
+    dtype: str | None
+    backend: str
+    max_new_tokens: int | None
+    engine: object  # None or a prebuilt engine (check_prebuilt_engine)
+
+
+class RaLMSpecEngineSettings(Protocol):
+    """What :class:`RaLMSpecEngines` reads of an adapter's settings
+    (:class:`~shared_core.frontend.rag_settings.RaLMSpecSettings`), besides the
+    :data:`RALMSPEC_KNOBS`."""
+
+    model: str
+    backend: str
+    retriever: object
+    engine: object  # None or a prebuilt engine (check_prebuilt_engine)
+    baseline: bool
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
+
+
 class SpeculativeRAGEngines:
     """The :class:`~shared_core.engines.speculative_rag.SpeculativeRAG` for an adapter's settings.
 
@@ -202,7 +230,7 @@ class SpeculativeRAGEngines:
         self._models: SettingsCache[SpeculativeRAG] = SettingsCache()
         self._engines: SettingsCache[SpeculativeRAG] = SettingsCache()
 
-    def get(self, settings: SpeculativeRAGSettings, prompt: PromptMessages | None
+    def get(self, settings: SpeculativeRAGEngineSettings, prompt: PromptMessages | None
             ) -> SpeculativeRAG:
         """The engine for ``settings`` (read, never called back) and the prompt setting already
         in the engine's form."""
@@ -217,7 +245,7 @@ class SpeculativeRAGEngines:
                                  lambda: base.with_config(replace(base.config, **knobs)))
 
     @staticmethod
-    def _base(settings: SpeculativeRAGSettings, knobs: dict[str, Any]) -> SpeculativeRAG:
+    def _base(settings: SpeculativeRAGEngineSettings, knobs: dict[str, Any]) -> SpeculativeRAG:
         from shared_core.engines.speculative_rag import SpeculativeRAG
 
         if settings.engine is not None:  # checked: a SpeculativeRAG, or the ReloadingEngine of
@@ -236,7 +264,7 @@ class RaLMSpecEngines:
     def __init__(self) -> None:
         self._engines: SettingsCache[RaLMSpec] = SettingsCache()
 
-    def get(self, settings: RaLMSpecSettings, prompt: PromptMessages | None) -> RaLMSpec:
+    def get(self, settings: RaLMSpecEngineSettings, prompt: PromptMessages | None) -> RaLMSpec:
         knobs = {name: getattr(settings, name) for name in RALMSPEC_KNOBS}
         knobs["prompt"] = prompt
         if knobs["retrieval_timeout_s"] is None:
@@ -246,15 +274,17 @@ class RaLMSpecEngines:
         return self._engines.get(key, lambda: self._build(settings, knobs))
 
     @staticmethod
-    def _build(settings: RaLMSpecSettings, knobs: dict[str, Any]) -> RaLMSpec:
+    def _build(settings: RaLMSpecEngineSettings, knobs: dict[str, Any]) -> RaLMSpec:
         from shared_core.frontend.serving import ralmspec_engine
 
         if settings.engine is None:
             RaLMSpecConfig(**knobs)  # refuse bad settings before a model is loaded
-        return ralmspec_engine(settings.model, settings.retriever, settings.engine,
+        # checked: None, a RaLMSpec, or the ReloadingEngine of one that an unpickled adapter holds
+        engine = cast("RaLMSpec | None", settings.engine)
+        return ralmspec_engine(settings.model, settings.retriever, engine,
                                backend=settings.backend, **knobs)
 
-    def stream(self, settings: RaLMSpecSettings, question: str, prompt: PromptMessages | None
+    def stream(self, settings: RaLMSpecEngineSettings, question: str, prompt: PromptMessages | None
                ) -> TokenStream:
         """RaLMSpec (or RaLMSeq with ``settings.baseline``) for ``question`` as a stream."""
         engine = self.get(settings, prompt)
