@@ -28,14 +28,12 @@ from langchain_core.callbacks.manager import (
     dispatch_custom_event,
 )
 from langchain_core.documents import Document as LCDocument
-from langchain_core.messages import BaseMessage
-from langchain_core.prompt_values import PromptValue
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.utils import AddableDict
 from typing_extensions import TypedDict
 
-from langchain_specrag.runnables._inputs import LangChainPrompt, as_question_input
+from langchain_specrag.runnables._inputs import LangChainPrompt, RAGInput, as_question_input
 from shared_core.frontend.rag_settings import (
     SpeculativeRAGSettings,
     refuses_call_kwargs,
@@ -62,7 +60,6 @@ class SpeculativeRAGInput(TypedDict, total=False):
 
 
 SpeculativeRAGOutput = str | dict[str, Any]
-RAGInput = str | SpeculativeRAGInput | PromptValue | list[BaseMessage]  # as_question_input's
 
 
 def _to_lc(doc: Document) -> LCDocument:
@@ -193,7 +190,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
     async def astream(self, input: str | SpeculativeRAGInput,
                       config: RunnableConfig | None = None, **kwargs: Any
                       ) -> AsyncIterator[SpeculativeRAGOutput]:
-        async def one() -> AsyncIterator[RAGInput]:
+        async def one() -> AsyncIterator[str | SpeculativeRAGInput]:
             yield input
 
         async for chunk in self._atransform_stream_with_config(one(), self._atransform, config,
