@@ -117,7 +117,7 @@ def offline_unpickled(value: object) -> object:
     return _Offline(value) if type(value).__module__.startswith("llama_index") else value
 
 
-def portable_engine(engine: Any) -> Any:
+def portable_engine(engine: Any) -> ReloadingEngine | None:
     """``engine`` as it should pickle: None, or a :class:`ReloadingEngine`."""
     if engine is None or isinstance(engine, ReloadingEngine):
         return engine
