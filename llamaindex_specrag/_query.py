@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from shared_core.retrieval.base import Document
 
 
-def query_text(query: Any) -> str:
+def query_text(query: object) -> str:
     """The question of a ``query``/``retrieve`` argument: a non-empty string or QueryBundle."""
     text = query.query_str if isinstance(query, QueryBundle) else query
     if not isinstance(text, str):
@@ -34,7 +34,7 @@ def source_nodes(documents: Iterable[Document], score: Callable[[Document], floa
                           score=None if score is None else score(d)) for d in documents]
 
 
-def prompt_messages(prompt: Any) -> PromptMessages | None:
+def prompt_messages(prompt: object) -> PromptMessages | None:
     """The engine form of a ``prompt`` setting: None, a format string / (role, text) pairs, or a
     LlamaIndex ``PromptTemplate`` / ``ChatPromptTemplate`` over ``question`` and ``documents``."""
     if not isinstance(prompt, BasePromptTemplate):

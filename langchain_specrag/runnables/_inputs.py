@@ -3,8 +3,7 @@ as the ``prompt`` setting."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
 
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompt_values import PromptValue, StringPromptValue
@@ -17,11 +16,14 @@ from shared_core.frontend.rag import (
     question_input,
     rendered_prompt,
 )
+from shared_core.retrieval.frameworks import DocumentList
 
 _ROLES = {"human": "user", "system": "system", "ai": "assistant"}
+# what the RAG runnables take (as_question_input): a question, a dict with one, a prompt's output
+RAGInput = str | Mapping[str, object] | PromptValue | Sequence[BaseMessage]
 
 
-def _last_human(messages: Sequence[Any]) -> str:
+def _last_human(messages: Sequence[object]) -> str:
     humans = [m for m in messages if isinstance(m, HumanMessage)]
     if not humans:
         msg = "input messages must include a human message: its text is taken as the question"
@@ -29,7 +31,7 @@ def _last_human(messages: Sequence[Any]) -> str:
     return humans[-1].text
 
 
-def as_question_input(value: Any) -> tuple[str, Any]:
+def as_question_input(value: object) -> tuple[str, DocumentList | None]:
     """(question, documents or None) of a runnable's input, checked before any model work.
 
     Accepted: a question string; a ``{"question", "documents"?}`` dict; a prompt's output (a
@@ -50,7 +52,7 @@ def as_question_input(value: Any) -> tuple[str, Any]:
     return question_input(value)
 
 
-def prompt_messages(prompt: Any) -> PromptMessages | None:
+def prompt_messages(prompt: object) -> PromptMessages | None:
     """The engine form of a ``prompt`` setting: None, a format string / (role, text) pairs, or a
     LangChain ``PromptTemplate`` / ``ChatPromptTemplate`` over ``question`` and ``documents``."""
     if not isinstance(prompt, BasePromptTemplate):

@@ -22,7 +22,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from typing_extensions import TypedDict
 
-from langchain_specrag.runnables._inputs import LangChainPrompt, as_question_input
+from langchain_specrag.runnables._inputs import LangChainPrompt, RAGInput, as_question_input
 from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, refuses_call_kwargs
 from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecAnswer
 from shared_core.frontend.serving import iterate_in_thread
@@ -53,7 +53,7 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
                 for d in answer.documents]
         return {"answer": answer.text, "documents": docs, **answer.details}
 
-    def _run(self, value: Any) -> RaLMSpecOutput:
+    def _run(self, value: RAGInput) -> RaLMSpecOutput:
         return self._output(ralmspec(self, as_question_input(value)[0]).finish())
 
     @refuses_call_kwargs
@@ -64,12 +64,12 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
     @refuses_call_kwargs
     async def ainvoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                       **kwargs: Any) -> RaLMSpecOutput:
-        async def run(value: Any) -> RaLMSpecOutput:
+        async def run(value: RAGInput) -> RaLMSpecOutput:
             return await asyncio.to_thread(self._run, value)
 
         return await self._acall_with_config(run, input, config, run_type="chain", **kwargs)
 
-    def _deltas(self, inputs: Iterator[Any]) -> Iterator[str]:
+    def _deltas(self, inputs: Iterator[RAGInput]) -> Iterator[str]:
         for value in inputs:
             yield from (e.text for e in ralmspec(self, as_question_input(value)[0])
                         if isinstance(e, AnswerDelta))
@@ -81,7 +81,7 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
         yield from self._transform_stream_with_config(iter([input]), self._deltas, config,
                                                       **kwargs)
 
-    async def _adeltas(self, inputs: AsyncIterator[Any]) -> AsyncIterator[str]:
+    async def _adeltas(self, inputs: AsyncIterator[RAGInput]) -> AsyncIterator[str]:
         async for value in inputs:
             async for delta in iterate_in_thread(self._deltas(iter([value]))):
                 yield delta
@@ -90,7 +90,7 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
     async def astream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                       **kwargs: Any) -> AsyncIterator[str]:
         """``stream`` on a worker thread (traced as one run); stops when the consumer does."""
-        async def one() -> AsyncIterator[Any]:
+        async def one() -> AsyncIterator[str | RaLMSpecInput]:
             yield input
 
         async for delta in self._atransform_stream_with_config(one(), self._adeltas, config,

@@ -21,22 +21,35 @@ import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import TYPE_CHECKING, Any
 
-from langchain_core.callbacks.manager import adispatch_custom_event, dispatch_custom_event
+from langchain_core.callbacks.manager import (
+    AsyncCallbackManagerForChainRun,
+    CallbackManagerForChainRun,
+    adispatch_custom_event,
+    dispatch_custom_event,
+)
 from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.utils import AddableDict
 from typing_extensions import TypedDict
 
-from langchain_specrag.runnables._inputs import LangChainPrompt, as_question_input
-from shared_core.frontend.rag import specrag_details
-from shared_core.frontend.rag_settings import SpeculativeRAGSettings, refuses_call_kwargs
-from shared_core.frontend.rag_streams import StageEvent, StreamItem, speculative_rag_stream
+from langchain_specrag.runnables._inputs import LangChainPrompt, RAGInput, as_question_input
+from shared_core.frontend.rag_settings import (
+    SpeculativeRAGSettings,
+    refuses_call_kwargs,
+    speculative_rag,
+)
+from shared_core.frontend.rag_streams import (
+    SpeculativeRAGAnswer,
+    SpeculativeRAGStream,
+    SpeculativeRAGStreamEvent,
+    finished,
+)
 from shared_core.frontend.serving import iterate_in_thread
 from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
 
 if TYPE_CHECKING:
-    from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
+    from shared_core.retrieval.base import Document
 
 
 class SpeculativeRAGInput(TypedDict, total=False):
@@ -49,7 +62,7 @@ class SpeculativeRAGInput(TypedDict, total=False):
 SpeculativeRAGOutput = str | dict[str, Any]
 
 
-def _to_lc(doc: Any) -> LCDocument:
+def _to_lc(doc: Document) -> LCDocument:
     return LCDocument(page_content=doc.text, metadata=dict(doc.metadata), id=doc.id)
 
 
@@ -68,71 +81,79 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
 
     with_details: bool = False
 
-    def _output(self, result: SpeculativeRAGResult) -> SpeculativeRAGOutput:
+    def _output(self, answer: SpeculativeRAGAnswer) -> SpeculativeRAGOutput:
         if not self.with_details:
-            return result.text
-        return {"answer": result.text, **specrag_details(result),
-                "documents": [_to_lc(d) for d in result.documents]}
+            return answer.text
+        return {"answer": answer.text, **answer.details,
+                "documents": [_to_lc(d) for d in answer.documents]}
 
-    def _inputs(self, value: Any, config: RunnableConfig
-                ) -> tuple[SpeculativeRAG, str, list[Any]]:
-        """The engine, the question and its documents: input and settings checked before
-        retrieval and any model work."""
+    def _rag_call(self, value: RAGInput, config: RunnableConfig) -> SpeculativeRAGStream:
+        """The core call for one input, with its documents: the input and the settings are
+        checked before retrieval and any model work; a LangChain retriever runs with child
+        callbacks (its run nests), any other is queried directly."""
         question, docs = as_question_input(value)
-        engine = self._checked_engine(docs is not None)
-        if docs is not None:
-            docs = self._given(docs)
-        elif isinstance(self.retriever, BaseRetriever):
-            docs = self._retrieved(call_with_timeout(
-                lambda: self.retriever.invoke(question, config=config), self.retrieval_timeout_s,
-                self._retriever_name()))
-        else:
-            docs = self._retrieve_any(question)
-        return engine, question, docs
-
-    async def _ainputs(self, value: Any, config: RunnableConfig
-                       ) -> tuple[SpeculativeRAG, str, list[Any]]:
+        call = speculative_rag(self, question, docs)
+        if not call.needs_documents:
+            return call
         if not isinstance(self.retriever, BaseRetriever):
-            return await asyncio.to_thread(self._inputs, value, config)
+            return call.with_documents(self._retrieve_any(question))
+        retriever = self.retriever
+        return call.with_documents(self._retrieved(call_with_timeout(
+            lambda: retriever.invoke(question, config=config), self.retrieval_timeout_s,
+            self._retriever_name())))
+
+    async def _arag_call(self, value: RAGInput, config: RunnableConfig) -> SpeculativeRAGStream:
+        if not isinstance(self.retriever, BaseRetriever):
+            return await asyncio.to_thread(self._rag_call, value, config)
         question, docs = as_question_input(value)
-        engine = self._checked_engine(docs is not None)
-        if docs is None:
-            docs = self._retrieved(await await_with_timeout(
-                self.retriever.ainvoke(question, config=config), self.retrieval_timeout_s,
-                self._retriever_name()))
-        else:
-            docs = self._given(docs)
-        return engine, question, docs
+        call = speculative_rag(self, question, docs)
+        if not call.needs_documents:
+            return call
+        return call.with_documents(self._retrieved(await await_with_timeout(
+            self.retriever.ainvoke(question, config=config), self.retrieval_timeout_s,
+            self._retriever_name())))
 
-    # -- sync
-    def _run(self, value: Any, run_manager: Any, config: RunnableConfig) -> SpeculativeRAGOutput:
-        engine, question, docs = self._inputs(value, config)
+    def _chunks(self, event: SpeculativeRAGStreamEvent) -> Iterator[SpeculativeRAGOutput]:
+        """What ``stream`` yields for one event: with ``with_details``, each stage as
+        ``{name: data}``, then the details, then the answer's chunks, all ``AddableDict``s whose
+        sum is ``invoke``'s dict; else only the answer's chunks."""
+        if not isinstance(event, SpeculativeRAGAnswer):
+            if self.with_details:
+                yield AddableDict({event.name: event.data})
+            return
+        if not self.with_details:
+            yield from event.chunks()
+            return
+        yield AddableDict({**event.details, "documents": [_to_lc(d) for d in event.documents]})
+        for chunk in event.chunks():
+            yield AddableDict(answer=chunk)
 
-        def on_event(name: str, data: dict[str, Any]) -> None:
-            dispatch_custom_event(name, data, config=config)
-
-        return self._output(engine.answer(question, docs, on_event=on_event))
+    # -- sync: the stages dispatched as custom callback events as they finish
+    def _run(self, value: RAGInput, run_manager: CallbackManagerForChainRun,
+             config: RunnableConfig) -> SpeculativeRAGOutput:
+        answer = None
+        for event in self._rag_call(value, config):
+            if isinstance(event, SpeculativeRAGAnswer):
+                answer = event
+            else:
+                dispatch_custom_event(event.name, event.data, config=config)
+        return self._output(finished(answer))
 
     @refuses_call_kwargs
     def invoke(self, input: str | SpeculativeRAGInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> SpeculativeRAGOutput:
         return self._call_with_config(self._run, input, config, run_type="chain", **kwargs)
 
-    # -- async: retrieval natively async, model work on a worker thread (engine holds a lock)
-    async def _arun(self, value: Any, run_manager: Any, config: RunnableConfig
-                    ) -> SpeculativeRAGOutput:
-        engine, question, docs = await self._ainputs(value, config)
-        loop = asyncio.get_running_loop()
-        pending: list[Any] = []
-
-        def on_event(name: str, data: dict[str, Any]) -> None:
-            coro = adispatch_custom_event(name, data, config=config)
-            pending.append(asyncio.run_coroutine_threadsafe(coro, loop))
-
-        result = await asyncio.to_thread(engine.answer, question, docs, on_event=on_event)
-        for future in pending:
-            await asyncio.wrap_future(future)
-        return self._output(result)
+    # -- async: retrieval natively async, the stages on a worker thread (the engine's locks)
+    async def _arun(self, value: RAGInput, run_manager: AsyncCallbackManagerForChainRun,
+                    config: RunnableConfig) -> SpeculativeRAGOutput:
+        answer = None
+        async for event in iterate_in_thread(iter(await self._arag_call(value, config))):
+            if isinstance(event, SpeculativeRAGAnswer):
+                answer = event
+            else:
+                await adispatch_custom_event(event.name, event.data, config=config)
+        return self._output(finished(answer))
 
     @refuses_call_kwargs
     async def ainvoke(self, input: str | SpeculativeRAGInput,
@@ -141,33 +162,13 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
                                              **kwargs)
 
     # -- streaming: stage events as they happen, then the chosen answer in chunks
-    @staticmethod
-    def _stream_items(engine: SpeculativeRAG, question: str, docs: list[Any]
-                      ) -> Iterator[StreamItem]:
-        return speculative_rag_stream(
-            lambda on_event: engine.answer(question, docs, on_event=on_event))
-
-    def _chunks(self, item: StreamItem) -> Iterator[SpeculativeRAGOutput]:
-        if isinstance(item, StageEvent):
-            if self.with_details:
-                yield AddableDict({item.name: item.data})
-            return
-        if not self.with_details:
-            yield item.text
-            return
-        if item.result is not None:
-            details = self._output(item.result)
-            del details["answer"]
-            yield AddableDict(details)
-        yield AddableDict(answer=item.text)
-
-    def _transform(self, inputs: Iterator[Any], run_manager: Any, config: RunnableConfig
-                   ) -> Iterator[SpeculativeRAGOutput]:
+    def _transform(self, inputs: Iterator[RAGInput], run_manager: CallbackManagerForChainRun,
+                   config: RunnableConfig) -> Iterator[SpeculativeRAGOutput]:
         for value in inputs:
-            for item in self._stream_items(*self._inputs(value, config)):
-                if isinstance(item, StageEvent):
-                    dispatch_custom_event(item.name, item.data, config=config)
-                yield from self._chunks(item)
+            for event in self._rag_call(value, config):
+                if not isinstance(event, SpeculativeRAGAnswer):
+                    dispatch_custom_event(event.name, event.data, config=config)
+                yield from self._chunks(event)
 
     @refuses_call_kwargs
     def stream(self, input: str | SpeculativeRAGInput, config: RunnableConfig | None = None,
@@ -175,21 +176,21 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         yield from self._transform_stream_with_config(iter([input]), self._transform, config,
                                                       **kwargs)
 
-    async def _atransform(self, inputs: AsyncIterator[Any], run_manager: Any,
-                          config: RunnableConfig) -> AsyncIterator[SpeculativeRAGOutput]:
+    async def _atransform(self, inputs: AsyncIterator[RAGInput],
+                          run_manager: AsyncCallbackManagerForChainRun, config: RunnableConfig
+                          ) -> AsyncIterator[SpeculativeRAGOutput]:
         async for value in inputs:
-            async for item in iterate_in_thread(
-                    self._stream_items(*await self._ainputs(value, config))):
-                if isinstance(item, StageEvent):
-                    await adispatch_custom_event(item.name, item.data, config=config)
-                for chunk in self._chunks(item):
+            async for event in iterate_in_thread(iter(await self._arag_call(value, config))):
+                if not isinstance(event, SpeculativeRAGAnswer):
+                    await adispatch_custom_event(event.name, event.data, config=config)
+                for chunk in self._chunks(event):
                     yield chunk
 
     @refuses_call_kwargs
     async def astream(self, input: str | SpeculativeRAGInput,
                       config: RunnableConfig | None = None, **kwargs: Any
                       ) -> AsyncIterator[SpeculativeRAGOutput]:
-        async def one() -> AsyncIterator[Any]:
+        async def one() -> AsyncIterator[str | SpeculativeRAGInput]:
             yield input
 
         async for chunk in self._atransform_stream_with_config(one(), self._atransform, config,

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from llama_index.core.base.response.schema import (
     AsyncStreamingResponse,
@@ -39,7 +39,8 @@ def _nodes(answer: RaLMSpecAnswer) -> list[NodeWithScore]:
     return source_nodes(answer.documents, score=None)
 
 
-def _deltas(stream: RaLMSpecStream, response: Any) -> Iterator[str]:
+def _deltas(stream: RaLMSpecStream, response: StreamingResponse | AsyncStreamingResponse
+            ) -> Iterator[str]:
     """The stream's deltas; at its end the answer's nodes and details go into ``response``."""
     for event in stream:
         if isinstance(event, AnswerDelta):

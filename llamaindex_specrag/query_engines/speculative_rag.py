@@ -37,15 +37,18 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from pydantic import Field
 
 from llamaindex_specrag._query import CheckedQuery, source_nodes
-from shared_core.frontend.rag import specrag_details
-from shared_core.frontend.rag_settings import SpeculativeRAGSettings
-from shared_core.frontend.rag_streams import AnswerChunk, StageEvent, speculative_rag_stream
+from shared_core.frontend.rag_settings import SpeculativeRAGSettings, speculative_rag
+from shared_core.frontend.rag_streams import (
+    SpeculativeRAGAnswer,
+    SpeculativeRAGStream,
+    SpeculativeRAGStreamEvent,
+    finished,
+)
 from shared_core.frontend.serving import iterate_in_thread
 from shared_core.retrieval.frameworks import llamaindex_retrieve
 from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
 
 if TYPE_CHECKING:
-    from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
     from shared_core.retrieval.base import Document
 
 dispatcher = get_dispatcher(__name__)
@@ -56,16 +59,34 @@ class SpeculativeRAGStageEvent(BaseEvent):
     and its data: the events LangChain's runnable sends as custom callback events."""
 
     name: str
-    data: dict[str, Any]
+    data: dict[str, object]
 
     @classmethod
     def class_name(cls) -> str:
         return "SpeculativeRAGStageEvent"
 
 
-def stage_event(name: str, data: dict[str, Any]) -> None:
-    """The engine's ``on_event`` hook: the stage to LlamaIndex's event handlers."""
-    dispatcher.event(SpeculativeRAGStageEvent(name=name, data=data))
+def _dispatched(event: SpeculativeRAGStreamEvent) -> SpeculativeRAGAnswer | None:
+    """A stage to LlamaIndex's event handlers (None), or the answer (returned)."""
+    if isinstance(event, SpeculativeRAGAnswer):
+        return event
+    dispatcher.event(SpeculativeRAGStageEvent(name=event.name, data=event.data))
+    return None
+
+
+def _response(answer: SpeculativeRAGAnswer, nodes: list[NodeWithScore]) -> Response:
+    return Response(response=answer.text, source_nodes=nodes, metadata=answer.details)
+
+
+def _chunks(call: SpeculativeRAGStream, response: StreamingResponse | AsyncStreamingResponse
+            ) -> Iterator[str]:
+    """The answer's chunks (stages dispatched as they come); the chosen draft's details go into
+    ``response.metadata``."""
+    for event in call:
+        answer = _dispatched(event)
+        if answer is not None:
+            response.metadata = answer.details
+            yield from answer.chunks()
 
 
 class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryEngine):
@@ -86,7 +107,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
     callback_manager: CallbackManager = Field(default_factory=lambda: CallbackManager([]),
                                               exclude=True)
 
-    def __init__(self, retriever: Any = None, **settings: Any) -> None:
+    def __init__(self, retriever: object = None, **settings: Any) -> None:
         super().__init__(retriever=retriever, **settings)
 
     def _get_prompt_modules(self) -> PromptMixinType:
@@ -107,48 +128,30 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
                                          self.retrieval_timeout_s, self._retriever_name())
         return nodes[: self.retrieve_k]
 
-    @staticmethod
-    def _response(result: SpeculativeRAGResult, nodes: list[NodeWithScore]) -> Response:
-        return Response(response=result.text, source_nodes=nodes, metadata=specrag_details(result))
-
-    @staticmethod
-    def _chunks(engine: SpeculativeRAG, question: str, nodes: list[NodeWithScore],
-                response: Any) -> Iterator[str]:
-        """The answer's chunks (stage events dispatched as they come); the chosen draft's
-        details go into ``response.metadata``."""
-        for item in speculative_rag_stream(
-                lambda on_event: engine.answer(question, nodes, on_event=on_event)):
-            if isinstance(item, StageEvent):
-                stage_event(item.name, item.data)
-            elif item.result is not None:
-                response.metadata = specrag_details(item.result)
-            if isinstance(item, AnswerChunk):
-                yield item.text
-
     def _query(self, query_bundle: QueryBundle) -> Response | StreamingResponse:
-        engine = self._checked_engine(has_documents=False)
+        call = speculative_rag(self, query_bundle.query_str)  # checked before retrieval
         nodes = self.retrieve(query_bundle)
-        question = query_bundle.query_str
+        call = call.with_documents(nodes)
         if not self.streaming:
-            return self._response(engine.answer(question, nodes, on_event=stage_event), nodes)
+            answers = [_dispatched(event) for event in call]
+            return _response(finished(answers[-1]), nodes)
 
         def chunks() -> Iterator[str]:  # runs once ``response`` exists
-            yield from self._chunks(engine, question, nodes, response)
+            yield from _chunks(call, response)
 
         response = StreamingResponse(response_gen=chunks(), source_nodes=nodes)
         return response
 
     async def _aquery(self, query_bundle: QueryBundle) -> Response | AsyncStreamingResponse:
-        engine = self._checked_engine(has_documents=False)
+        call = speculative_rag(self, query_bundle.query_str)
         nodes = await self.aretrieve(query_bundle)
-        question = query_bundle.query_str
+        call = call.with_documents(nodes)
         if not self.streaming:
-            result = await asyncio.to_thread(engine.answer, question, nodes,
-                                             on_event=stage_event)
-            return self._response(result, nodes)
+            answers = [_dispatched(event) async for event in iterate_in_thread(iter(call))]
+            return _response(finished(answers[-1]), nodes)
 
         async def chunks() -> AsyncIterator[str]:
-            async for chunk in iterate_in_thread(self._chunks(engine, question, nodes, response)):
+            async for chunk in iterate_in_thread(_chunks(call, response)):
                 yield chunk
 
         response = AsyncStreamingResponse(response_gen=chunks(), source_nodes=nodes)

@@ -73,11 +73,16 @@ def check_prefix_cache(prefix_cache: object) -> None:
         raise ValueError(msg)
 
 
-def check_type(value: object, name: str, kinds: tuple[type, ...], what: str) -> None:
-    """TypeError naming ``name`` unless ``value`` is one of ``kinds`` (bool is never a number)."""
+K = TypeVar("K")
+
+
+def check_type(value: object, name: str, kinds: tuple[type[K], ...], what: str) -> K:
+    """``value`` as one of ``kinds``, else a TypeError naming ``name`` (bool is never a
+    number)."""
     if isinstance(value, bool) or not isinstance(value, kinds):
         msg = f"{name} must be {what}, got {type(value).__name__} {value!r}"
         raise TypeError(msg)
+    return value
 
 
 def require(ok: bool, name: str, requirement: str, value: object) -> None:
@@ -86,15 +91,15 @@ def require(ok: bool, name: str, requirement: str, value: object) -> None:
 
 
 @overload
-def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: Literal[False] = False
+def check_int(value: object, name: str, minimum: int | None = 1, *, optional: Literal[False] = False
               ) -> int: ...
 
 
 @overload
-def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool) -> int | None: ...
+def check_int(value: object, name: str, minimum: int | None = 1, *, optional: bool) -> int | None: ...
 
 
-def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool = False
+def check_int(value: object, name: str, minimum: int | None = 1, *, optional: bool = False
               ) -> int | None:
     """``value`` as an int: TypeError for a non-integer (bool, float, str; numpy integers pass),
     ValueError below ``minimum`` (``None``: any integer); ``optional`` also lets None through."""
@@ -102,17 +107,17 @@ def check_int(value: Any, name: str, minimum: int | None = 1, *, optional: bool 
         return None
     what = ("an integer" if minimum is None else f"an integer >= {minimum}") + \
         (" or None" if optional else "")
-    check_type(value, name, (numbers.Integral,), what)
-    require(minimum is None or value >= minimum, name, what, value)
-    return int(value)
+    number = int(check_type(value, name, (numbers.Integral,), what))
+    require(minimum is None or number >= minimum, name, what, value)
+    return number
 
 
-def check_real(value: Any, name: str) -> float:
+def check_real(value: object, name: str) -> float:
     """``value`` as a finite float: TypeError for bool, str and other non-reals (numpy floats
     pass), ValueError for inf / nan."""
-    check_type(value, name, (numbers.Real,), "a number")
-    require(math.isfinite(value), name, "finite", value)
-    return float(value)
+    number = check_type(value, name, (numbers.Real,), "a number")
+    require(math.isfinite(number), name, "finite", value)
+    return float(number)
 
 
 def check_bool(value: object, name: str) -> bool:
@@ -191,7 +196,7 @@ def suggest_kwargs(func: F) -> F:
     return wrapper  # type: ignore[return-value]  # the same signature as ``func``
 
 
-def check_settings_keys(cls: type, data: Any) -> Any:
+def check_settings_keys(cls: type, data: object) -> object:
     """A pydantic ``model_validator(mode="before")`` body: ``data`` unless it names a setting
     ``cls`` does not have (:func:`check_kwargs`; a field's alias counts as its name)."""
     if isinstance(data, dict):
@@ -211,13 +216,13 @@ def check_choice(value: object, name: str, choices: Sequence[str]) -> None:
         raise ValueError(msg)
 
 
-def check_timeout(timeout_s: Any, name: str = "retrieval_timeout_s") -> None:
+def check_timeout(timeout_s: object, name: str = "retrieval_timeout_s") -> None:
     """None or a positive, finite number of seconds."""
     if timeout_s is None:
         return
     what = "None or a number of seconds > 0"
-    check_type(timeout_s, name, (int, float), what)
-    _check(0 < timeout_s < math.inf, f"{name} must be {what}, got {timeout_s!r}")
+    seconds = check_type(timeout_s, name, (int, float), what)
+    _check(0 < seconds < math.inf, f"{name} must be {what}, got {timeout_s!r}")
 
 
 def check_number(value: Any, name: str, low: float, high: float) -> None:

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from shared_core.runtime.models import LM
+    from shared_core.runtime.protocol import SessionLM
 
 CONSTRAINT_KINDS = ("json_schema", "json", "structural_tag")
 _COMPILERS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
@@ -128,7 +128,7 @@ def xgrammar_available() -> bool:
     return importlib.util.find_spec("xgrammar") is not None
 
 
-def _compiler(lm: LM) -> Any:
+def _compiler(lm: SessionLM) -> Any:
     """One xgrammar compiler per tokenizer (its tables cost about a second to build)."""
     import xgrammar as xgr
 
@@ -142,7 +142,7 @@ def _compiler(lm: LM) -> Any:
         return compiler
 
 
-def compile_constraint(lm: LM, constraint: Constraint) -> Any:
+def compile_constraint(lm: SessionLM, constraint: Constraint) -> Any:
     """The xgrammar ``CompiledGrammar`` of a constraint for this model's tokenizer."""
     import xgrammar as xgr
 
@@ -212,6 +212,6 @@ class GrammarMask:
         return bool(self._matcher.is_terminated())
 
 
-def grammar_mask(lm: LM, constraint: Constraint) -> GrammarMask:
+def grammar_mask(lm: SessionLM, constraint: Constraint) -> GrammarMask:
     """A fresh mask (one per generation) for ``constraint`` on this model's tokenizer."""
     return GrammarMask(compile_constraint(lm, constraint), lm.vocab_size)

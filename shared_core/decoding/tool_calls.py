@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 from shared_core.decoding.constrained import Constraint, check_json_schema
 
 if TYPE_CHECKING:
-    from shared_core.runtime.models import LM
+    from shared_core.runtime.protocol import ModelLM
 
 logger = logging.getLogger(__name__)
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
@@ -127,7 +127,7 @@ def check_tool_choice(tool_choice: object, tools: Sequence[Mapping[str, Any]]) -
     raise ValueError(msg)
 
 
-def template_takes_tools(lm: LM) -> bool:
+def template_takes_tools(lm: ModelLM) -> bool:
     """True if the model's own chat template renders ``tools=`` (e.g. Qwen2.5's)."""
     return "tools" in str(getattr(lm.tokenizer, "chat_template", None) or "")
 
@@ -142,7 +142,7 @@ _ANY_ROLE = "specrag-role-5c1e"
 RESULT_REQUEST = "Answer my question in a sentence."
 
 
-def _renders_turn(lm: LM, role: str) -> bool:
+def _renders_turn(lm: ModelLM, role: str) -> bool:
     """Whether the template renders a turn of ``role`` (neither refuses nor drops it)."""
     probe = [{"role": "user", "content": "q"}, {"role": role, "content": _ROLE_PROBE}]
     try:
@@ -151,7 +151,7 @@ def _renders_turn(lm: LM, role: str) -> bool:
         return False
 
 
-def tool_role(lm: LM) -> str:
+def tool_role(lm: ModelLM) -> str:
     """The role a tool result is rendered in by a template without tool support: ``"tool"`` when
     the template has a tool role of its own (it renders a ``tool`` turn but refuses or drops a
     turn of a made-up role), else ``"user"``: a template that refuses or drops the tool role, or
@@ -198,7 +198,7 @@ def _flatten(messages: Sequence[Mapping[str, Any]], tools: Sequence[Mapping[str,
     return out
 
 
-def render_prompt(lm: LM, messages: Sequence[Mapping[str, Any]],
+def render_prompt(lm: ModelLM, messages: Sequence[Mapping[str, Any]],
                   tools: Sequence[Mapping[str, Any]] = (), prefill: str = "") -> list[int]:
     """Token ids of the conversation with ``tools`` shown and ``prefill`` begun as the reply.
 

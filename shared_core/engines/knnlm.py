@@ -26,7 +26,6 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 import torch
@@ -85,7 +84,8 @@ def capture_hidden(lm: SessionLM) -> Iterator[list[torch.Tensor]]:
     """Collect the final normed hidden states ``[n, H]`` of every forward inside the block."""
     captured: list[torch.Tensor] = []
 
-    def hook(_module: Any, _inputs: Any, output: torch.Tensor) -> None:
+    def hook(_module: torch.nn.Module, _inputs: tuple[torch.Tensor, ...], output: torch.Tensor
+             ) -> None:
         captured.append(output[0].detach().float())
 
     handle = _final_norm(lm).register_forward_hook(hook)

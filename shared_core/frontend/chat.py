@@ -110,7 +110,7 @@ def chat_model(settings: ChatSettings, lm: SessionLM | None = None, override: st
                  settings.passage_cache_config())
 
 
-def check_response_format(response_format: Any) -> Constraint | None:
+def check_response_format(response_format: object) -> Constraint | None:
     """``{"type": "json_object"}`` (any JSON object) or ``{"type": "json_schema", "schema":
     {...}}`` (also OpenAI's ``{"json_schema": {"schema": {...}}}``) as a :class:`Constraint`."""
     if response_format is None or isinstance(response_format, Constraint):
@@ -118,10 +118,14 @@ def check_response_format(response_format: Any) -> Constraint | None:
     kind = response_format.get("type") if isinstance(response_format, dict) else None
     if kind == "json_object":
         return Constraint("json")
-    if kind == "json_schema":
+    if kind == "json_schema" and isinstance(response_format, dict):
         schema = response_format.get("schema") or (response_format.get("json_schema") or {}
                                                    ).get("schema")
-        return Constraint("json_schema", check_json_schema(schema, "response_format schema"))
+        checked = check_json_schema(schema, "response_format schema")
+        if not isinstance(checked, dict):  # true / false: valid schemas, but no object's shape
+            msg = f"response_format schema must be a dict, got {type(checked).__name__}"
+            raise ValueError(msg)
+        return Constraint("json_schema", checked)
     msg = ("response_format must be {'type': 'json_object'} or {'type': 'json_schema', "
            f"'schema': {{...}}}}, got {response_format!r:.80}")
     raise ValueError(msg)
@@ -190,7 +194,7 @@ def _generation(settings: ChatSettings, kwargs: dict[str, Any]) -> GenerationCon
                              **sampling)
 
 
-def _engine_options(settings: ChatSettings, engine: Any, per_call: Any) -> dict[str, Any]:
+def _engine_options(settings: ChatSettings, engine: str, per_call: object) -> dict[str, Any]:
     """The call's engine options (and with them its engine name), checked once: the configured
     options belong to the configured engine, a per-call engine gets its own."""
     if not isinstance(per_call, dict):

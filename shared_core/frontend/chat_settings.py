@@ -137,7 +137,7 @@ class ChatSettings(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _known_settings(cls, data: Any) -> Any:
+    def _known_settings(cls, data: object) -> object:
         if isinstance(data, dict) and any(name in data for name in cls.IGNORED_SETTINGS):
             logger.debug("%s ignores %s: a local model makes no requests", cls.__name__,
                          sorted(set(data) & set(cls.IGNORED_SETTINGS)))
@@ -156,7 +156,7 @@ class ChatSettings(BaseModel):
 
     @field_validator("prefix_cache", mode="before")
     @classmethod
-    def _known_prefix_cache(cls, value: Any) -> Any:
+    def _known_prefix_cache(cls, value: object) -> object:
         check_prefix_cache(value)  # TypeError / ValueError naming it, before any model loads
         return value
 
@@ -169,8 +169,8 @@ class ChatSettings(BaseModel):
     @field_validator(*MAX_TOKEN_NAMES, "temperature", "top_k", "top_p", "seed", mode="before",
                      check_fields=False)
     @classmethod
-    def _generation_field(cls, value: Any, info: ValidationInfo) -> Any:
-        check_generation_field(info.field_name, value)  # TypeError / ValueError naming it
+    def _generation_field(cls, value: object, info: ValidationInfo) -> object:
+        check_generation_field(str(info.field_name), value)  # TypeError / ValueError naming it
         return value
 
     def passage_cache_config(self) -> PassageCacheConfig | None:
@@ -204,10 +204,10 @@ class ChatSettings(BaseModel):
         return self.reduce_with(None)  # an adapter with a preloaded model passes it instead
 
     def __repr_args__(self) -> Any:
-        return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
+        return redacted_repr_args(super().__repr_args__())
 
     @field_serializer("*", mode="wrap")
-    def _dump_redacted(self, value: Any, handler: SerializerFunctionWrapHandler) -> Any:
+    def _dump_redacted(self, value: object, handler: SerializerFunctionWrapHandler) -> Any:
         """``model_dump`` / ``model_dump_json`` / ``to_dict`` mask URL credentials, like repr."""
         return redacted_dump(handler(value))
 

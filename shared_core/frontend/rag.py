@@ -12,9 +12,10 @@ imported only when an engine is built), so the two adapters of one engine behave
   (:func:`resolve_settings`), so the adapter's attributes show what its engine runs;
 - **engines**: built on first use from the adapter's current settings and rebuilt when one of
   them changes (the next call sees the change);
-- **locking**: the engines' own only. ``SpeculativeRAG`` holds a model lock for the model work
-  of one answer (engines derived with ``with_config`` share it); a ``RaLMSpec`` call keeps all
-  its state to itself, so concurrent calls need no lock;
+- **locking**: the engines' own only. Each stage of a ``SpeculativeRAG`` answer holds its
+  model's lock (engines derived with ``with_config`` share the models and so the locks), never
+  while the caller reads a stage event; a ``RaLMSpec`` call keeps all its state to itself, so
+  concurrent calls need no lock;
 - **speculative retrievers**: the :class:`~shared_core.engines.ralmspec.SpeculativeRetrieval`
   session opens on first use with the current settings (reopened after a change or ``reset``);
   a hit's score is the retriever's, ``None`` for a speculated (not yet verified) hit.
@@ -26,7 +27,7 @@ import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Generic, Protocol, TypeVar, cast
 
 from shared_core.config import check_text
 from shared_core.config.rag import (
@@ -63,7 +64,7 @@ RETRIEVER_SETTINGS = ("retriever", "prefetch_k", "retrieval_timeout_s")
 # ----------------------------------------------------------------------------- input checks
 
 
-def question_input(value: Any) -> tuple[str, DocumentList | None]:
+def question_input(value: object) -> tuple[str, DocumentList | None]:
     """(question, documents or None) of a question string or a ``{"question", "documents"}``
     dict, checked before any retrieval or model work; the documents are converted here, once
     (the engine takes a :class:`DocumentList` as it is)."""
@@ -106,12 +107,12 @@ def rendered_prompt(messages: Sequence[tuple[str, str]], name: str = "prompt") -
     return cast("PromptMessages", check_prompt(tuple(out), name))
 
 
-def check_retriever(value: Any) -> Any:
+def check_retriever(value: object) -> object:
     """None or something the engines can search (TypeError naming the retriever otherwise)."""
     return value if value is None else check_retriever_like(value)
 
 
-def check_prebuilt_engine(value: Any, kind: str) -> Any:
+def check_prebuilt_engine(value: T, kind: str) -> T:
     """None or a prebuilt engine of ``kind`` (``"SpeculativeRAG"`` or ``"RaLMSpec"``)."""
     needs = {"SpeculativeRAG": ("answer", "with_config", "config"),
              "RaLMSpec": ("lm", "backend", "config")}[kind]
@@ -121,8 +122,8 @@ def check_prebuilt_engine(value: Any, kind: str) -> Any:
     return value
 
 
-def resolve_settings(engine: Any, config_type: type, names: Iterable[str],
-                     given: Mapping[str, Any]) -> dict[str, Any]:
+def resolve_settings(engine: object, config_type: type, names: Iterable[str],
+                     given: Mapping[str, object]) -> dict[str, object]:
     """Every setting in ``names``: as ``given`` (what the caller passed), else the prebuilt
     ``engine``'s config value, else ``config_type``'s default."""
     source = getattr(engine, "config", None)
@@ -131,12 +132,12 @@ def resolve_settings(engine: Any, config_type: type, names: Iterable[str],
     return {name: given[name] if name in given else getattr(source, name) for name in names}
 
 
-def engine_settings(config_type: type, names: Iterable[str]) -> Callable[[Any], Any]:
+def engine_settings(config_type: type, names: Iterable[str]) -> Callable[[object], object]:
     """A pydantic ``model_validator(mode="before")`` that applies :func:`resolve_settings` to
     an adapter's input when a prebuilt ``engine`` is given."""
     names = tuple(names)
 
-    def validate(data: Any) -> Any:
+    def validate(data: object) -> object:
         if isinstance(data, dict) and data.get("engine") is not None:
             data = {**data, **resolve_settings(data["engine"], config_type, names, data)}
         return data
@@ -144,7 +145,7 @@ def engine_settings(config_type: type, names: Iterable[str]) -> Callable[[Any], 
     return validate
 
 
-def prebuilt_engine_check(kind: str) -> Callable[[Any], Any]:
+def prebuilt_engine_check(kind: str) -> Callable[[object], object]:
     """:func:`check_prebuilt_engine` for ``kind`` as a one-argument pydantic field validator."""
     return lambda value: check_prebuilt_engine(value, kind)
 
@@ -152,11 +153,11 @@ def prebuilt_engine_check(kind: str) -> Callable[[Any], Any]:
 # ----------------------------------------------------------------------------- built from settings
 
 
-def _plain(x: Any) -> bool:
+def _plain(x: object) -> bool:
     return isinstance(x, (str, int, float)) or (isinstance(x, tuple) and all(map(_plain, x)))
 
 
-def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+def _same(a: tuple[object, ...], b: tuple[object, ...]) -> bool:
     """Equal settings: plain values (and tuples of them) by value and type, objects (retrievers,
     engines) by identity."""
     return len(a) == len(b) and all(
@@ -164,7 +165,7 @@ def _same(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
         for x, y in zip(a, b, strict=True))
 
 
-class SettingsCache:
+class SettingsCache(Generic[T]):
     """One object built from settings: built on first use, rebuilt when the settings change.
 
     Holds its key (so an object's identity cannot be reused while it is cached) and builds under
@@ -173,22 +174,49 @@ class SettingsCache:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._key: tuple[Any, ...] | None = None
-        self._value: Any = None
+        self._entry: tuple[tuple[object, ...], T] | None = None
 
-    def get(self, key: tuple[Any, ...], build: Callable[[], T]) -> T:
+    def get(self, key: tuple[object, ...], build: Callable[[], T]) -> T:
         with self._lock:
-            if self._key is None or not _same(self._key, key):
-                self._value = build()
-                self._key = key
-            return self._value
+            entry = self._entry
+            if entry is None or not _same(entry[0], key):
+                entry = self._entry = (key, build())
+            return entry[1]
 
     def clear(self) -> None:
         with self._lock:
-            self._key = self._value = None
+            self._entry = None
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return type(self), ()  # a copy (pickle, deepcopy) starts empty: what is cached is no state
+
+
+class SpeculativeRAGEngineSettings(Protocol):
+    """What :class:`SpeculativeRAGEngines` reads of an adapter's settings
+    (:class:`~shared_core.frontend.rag_settings.SpeculativeRAGSettings`), besides the
+    :data:`SPECRAG_KNOBS`."""
+
+    drafter: str
+    verifier: str | None
+    dtype: str | None
+    backend: str
+    max_new_tokens: int | None
+    engine: object  # None or a prebuilt engine (check_prebuilt_engine)
+
+
+class RaLMSpecEngineSettings(Protocol):
+    """What :class:`RaLMSpecEngines` reads of an adapter's settings
+    (:class:`~shared_core.frontend.rag_settings.RaLMSpecSettings`), besides the
+    :data:`RALMSPEC_KNOBS`."""
+
+    model: str
+    backend: str
+    retriever: object
+    engine: object  # None or a prebuilt engine (check_prebuilt_engine)
+    baseline: bool
+    max_new_tokens: int
+    temperature: float
+    seed: int | None
 
 
 class SpeculativeRAGEngines:
@@ -199,10 +227,11 @@ class SpeculativeRAGEngines:
     """
 
     def __init__(self) -> None:
-        self._models = SettingsCache()
-        self._engines = SettingsCache()
+        self._models: SettingsCache[SpeculativeRAG] = SettingsCache()
+        self._engines: SettingsCache[SpeculativeRAG] = SettingsCache()
 
-    def get(self, settings: Any, prompt: PromptMessages | None) -> SpeculativeRAG:
+    def get(self, settings: SpeculativeRAGEngineSettings, prompt: PromptMessages | None
+            ) -> SpeculativeRAG:
         """The engine for ``settings`` (read, never called back) and the prompt setting already
         in the engine's form."""
         check_prebuilt_engine(settings.engine, "SpeculativeRAG")
@@ -216,11 +245,11 @@ class SpeculativeRAGEngines:
                                  lambda: base.with_config(replace(base.config, **knobs)))
 
     @staticmethod
-    def _base(settings: Any, knobs: dict[str, Any]) -> SpeculativeRAG:
+    def _base(settings: SpeculativeRAGEngineSettings, knobs: dict[str, Any]) -> SpeculativeRAG:
         from shared_core.engines.speculative_rag import SpeculativeRAG
 
-        if settings.engine is not None:
-            return settings.engine
+        if settings.engine is not None:  # checked: a SpeculativeRAG, or the ReloadingEngine of
+            return cast("SpeculativeRAG", settings.engine)  # one that an unpickled adapter holds
         SpeculativeRAGConfig(**knobs)  # bad settings fail before the model names are looked at
         return SpeculativeRAG(settings.drafter, settings.verifier, dtype=settings.dtype,
                               backend=settings.backend)
@@ -233,9 +262,9 @@ class RaLMSpecEngines:
     """
 
     def __init__(self) -> None:
-        self._engines = SettingsCache()
+        self._engines: SettingsCache[RaLMSpec] = SettingsCache()
 
-    def get(self, settings: Any, prompt: PromptMessages | None) -> RaLMSpec:
+    def get(self, settings: RaLMSpecEngineSettings, prompt: PromptMessages | None) -> RaLMSpec:
         knobs = {name: getattr(settings, name) for name in RALMSPEC_KNOBS}
         knobs["prompt"] = prompt
         if knobs["retrieval_timeout_s"] is None:
@@ -245,15 +274,17 @@ class RaLMSpecEngines:
         return self._engines.get(key, lambda: self._build(settings, knobs))
 
     @staticmethod
-    def _build(settings: Any, knobs: dict[str, Any]) -> RaLMSpec:
+    def _build(settings: RaLMSpecEngineSettings, knobs: dict[str, Any]) -> RaLMSpec:
         from shared_core.frontend.serving import ralmspec_engine
 
         if settings.engine is None:
             RaLMSpecConfig(**knobs)  # refuse bad settings before a model is loaded
-        return ralmspec_engine(settings.model, settings.retriever, settings.engine,
+        # checked: None, a RaLMSpec, or the ReloadingEngine of one that an unpickled adapter holds
+        engine = cast("RaLMSpec | None", settings.engine)
+        return ralmspec_engine(settings.model, settings.retriever, engine,
                                backend=settings.backend, **knobs)
 
-    def stream(self, settings: Any, question: str, prompt: PromptMessages | None
+    def stream(self, settings: RaLMSpecEngineSettings, question: str, prompt: PromptMessages | None
                ) -> TokenStream:
         """RaLMSpec (or RaLMSeq with ``settings.baseline``) for ``question`` as a stream."""
         engine = self.get(settings, prompt)
@@ -267,9 +298,9 @@ class RetrieverSession:
     adapter: opened on first use, reopened when a setting changes or after :meth:`reset`."""
 
     def __init__(self) -> None:
-        self._sessions = SettingsCache()
+        self._sessions: SettingsCache[SpeculativeRetrieval] = SettingsCache()
 
-    def get(self, retriever: Any, k: int, prefetch_k: int, retrieval_timeout_s: float | None
+    def get(self, retriever: object, k: int, prefetch_k: int, retrieval_timeout_s: float | None
             ) -> SpeculativeRetrieval:
         def build() -> SpeculativeRetrieval:
             from shared_core.engines.ralmspec import SpeculativeRetrieval

@@ -14,15 +14,21 @@ from __future__ import annotations
 import pickle
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
+from shared_core.config.rag import RaLMSpecConfig, SpeculativeRAGConfig
 from shared_core.engines.registry import check_engine_options
 from shared_core.frontend.token_budget import offline_tiktoken
 from shared_core.runtime.weights.embedded import EMBEDDED_LMS
 from shared_core.util.redact import strip_credentials
 
+if TYPE_CHECKING:
+    from shared_core.engines.ralmspec import RaLMSpec
+    from shared_core.engines.speculative_rag import SpeculativeRAG
+    from shared_core.runtime.protocol import ServedLM, SessionLM
 
-def _model_name(model: Any, role: str) -> str | None:
+
+def _model_name(model: object, role: str) -> str | None:
     """A name :func:`shared_core.load_lm` can load for ``model`` (a name or a loaded LM)."""
     if model is None or isinstance(model, str):
         return model
@@ -38,7 +44,8 @@ def _model_name(model: Any, role: str) -> str | None:
     return name
 
 
-def _build_speculative_rag(recipe: dict[str, Any], config: Any) -> Any:
+def _build_speculative_rag(recipe: dict[str, Any], config: SpeculativeRAGConfig
+                           ) -> SpeculativeRAG:
     from shared_core.engines.speculative_rag import SpeculativeRAG
 
     return SpeculativeRAG(recipe["drafter"], recipe["verifier"], embedder=recipe["embedder"],
@@ -46,30 +53,37 @@ def _build_speculative_rag(recipe: dict[str, Any], config: Any) -> Any:
                           backend=recipe.get("backend", "torch"))
 
 
-def _build_ralmspec(recipe: dict[str, Any], config: Any) -> Any:
+def _build_ralmspec(recipe: dict[str, Any], config: RaLMSpecConfig) -> RaLMSpec:
     from shared_core.engines.ralmspec import RaLMSpec
     from shared_core.runtime.model_cache import resolve_lm
 
-    return RaLMSpec(resolve_lm(recipe["model"], backend=recipe.get("runtime", "torch")),
-                    recipe["backend"], config)
+    # a URL gives a served model, a name an in-process one: what RaLMSpec takes
+    lm = cast("SessionLM | ServedLM",
+              resolve_lm(recipe["model"], backend=recipe.get("runtime", "torch")))
+    return RaLMSpec(lm, recipe["backend"], config)
 
 
-_BUILDERS = {"SpeculativeRAG": _build_speculative_rag, "RaLMSpec": _build_ralmspec}
+def _build(recipe: dict[str, Any], config: SpeculativeRAGConfig | RaLMSpecConfig
+           ) -> SpeculativeRAG | RaLMSpec:
+    if isinstance(config, SpeculativeRAGConfig):
+        return _build_speculative_rag(recipe, config)
+    return _build_ralmspec(recipe, config)
 
 
 class ReloadingEngine:
     """A prebuilt engine as it pickles: model names, config and retriever; the engine is
     rebuilt (models from the shared cache) when first used, and pickles as this again."""
 
-    def __init__(self, kind: str, recipe: dict[str, Any], config: Any) -> None:
+    def __init__(self, kind: str, recipe: dict[str, Any],
+                 config: SpeculativeRAGConfig | RaLMSpecConfig) -> None:
         self.kind, self.recipe, self.config = kind, recipe, config
         self._build_lock = threading.Lock()
-        self._engine: Any = None
+        self._engine: SpeculativeRAG | RaLMSpec | None = None
 
-    def built(self) -> Any:
+    def built(self) -> SpeculativeRAG | RaLMSpec:
         with self._build_lock:
             if self._engine is None:
-                self._engine = _BUILDERS[self.kind](self.recipe, self.config)
+                self._engine = _build(self.recipe, self.config)
             return self._engine
 
     def __getattr__(self, name: str) -> Any:  # only for what this object does not have itself
@@ -85,7 +99,7 @@ class _Offline:
     """A LlamaIndex object as an adapter pickles it: its unpickling (which loads the tiktoken
     encodings it holds) reads the BPE files llama-index-core ships, never the network."""
 
-    def __init__(self, value: Any) -> None:
+    def __init__(self, value: object) -> None:
         self.value = value
 
     def __reduce__(self) -> tuple[Any, tuple[bytes]]:
@@ -97,13 +111,13 @@ def _load_offline(data: bytes) -> Any:
         return pickle.loads(data)  # the adapter's own pickle, loaded by its caller
 
 
-def offline_unpickled(value: Any) -> Any:
+def offline_unpickled(value: object) -> object:
     """``value`` wrapped so that unpickling it never downloads a tiktoken encoding, when it is a
     LlamaIndex object (their tokenizers pickle as encoding names); anything else unchanged."""
     return _Offline(value) if type(value).__module__.startswith("llama_index") else value
 
 
-def portable_engine(engine: Any) -> Any:
+def portable_engine(engine: Any) -> ReloadingEngine | None:
     """``engine`` as it should pickle: None, or a :class:`ReloadingEngine`."""
     if engine is None or isinstance(engine, ReloadingEngine):
         return engine
@@ -128,11 +142,11 @@ def portable_state(state: dict[str, Any]) -> dict[str, Any]:
     return {**state, "engine": portable_engine(state["engine"])}
 
 
-def _plain(value: Any) -> bool:
+def _plain(value: object) -> bool:
     """Numbers, strings, None, and lists / tuples / str-keyed dicts of them."""
     if value is None or isinstance(value, (str, int, float)):
         return True
-    if type(value) in (list, tuple):
+    if isinstance(value, (list, tuple)) and type(value) in (list, tuple):  # not a subclass
         return all(_plain(item) for item in value)
     return type(value) is dict and all(isinstance(k, str) and _plain(v) for k, v in value.items())
 
@@ -149,7 +163,7 @@ def portable_options(engine: str, options: dict[str, Any]) -> dict[str, Any]:
                    "its settings only (numbers, strings, lists of them), never a loaded object: "
                    "pass a name or text instead, or drop the option before pickling")
             raise TypeError(msg)
-    return dict(strip_credentials(options))  # type: ignore[call-overload]
+    return {key: strip_credentials(value) for key, value in options.items()}
 
 
 __all__ = ["ReloadingEngine", "portable_engine", "portable_options", "portable_state"]

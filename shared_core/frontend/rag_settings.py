@@ -25,6 +25,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     SerializerFunctionWrapHandler,
+    ValidationInfo,
     field_serializer,
     field_validator,
     model_validator,
@@ -57,7 +58,7 @@ from shared_core.frontend.rag import (
     prebuilt_engine_check,
 )
 from shared_core.frontend.rag_pickle import portable_state
-from shared_core.frontend.rag_streams import RaLMSpecStream
+from shared_core.frontend.rag_streams import RaLMSpecStream, SpeculativeRAGStream
 from shared_core.retrieval.frameworks import DocumentList, retrieve, retrieved_documents
 from shared_core.retrieval.timeout import call_with_timeout
 from shared_core.util.redact import redacted_dump, redacted_repr_args
@@ -74,7 +75,7 @@ NO_RETRIEVER = ("retriever is None and the input has no 'documents': set a retri
                 "documents with the question")
 
 
-def check_call_kwargs(adapter: BaseModel, kwargs: dict[str, Any]) -> None:
+def check_call_kwargs(adapter: BaseModel, kwargs: dict[str, object]) -> None:
     """TypeError for any keyword argument of a RAG adapter's call (settings are set on the
     adapter), naming the closest setting: ``invoke("q", num_draft=3)``."""
     if not kwargs:
@@ -93,19 +94,19 @@ def refuses_call_kwargs(method: F) -> F:
     own = {p.name for p in inspect.signature(method).parameters.values()
            if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
 
-    def extra(kwargs: dict[str, Any]) -> dict[str, Any]:
+    def extra(kwargs: dict[str, object]) -> dict[str, object]:
         return {k: v for k, v in kwargs.items() if k not in own}
 
     if inspect.iscoroutinefunction(method):
         @functools.wraps(method)
-        async def checked_async(self: Any, *args: Any, **kwargs: Any) -> Any:
+        async def checked_async(self: BaseModel, *args: object, **kwargs: object) -> object:
             check_call_kwargs(self, extra(kwargs))
             return await method(self, *args, **kwargs)
 
         return checked_async  # type: ignore[return-value]
 
     @functools.wraps(method)
-    def checked(self: Any, *args: Any, **kwargs: Any) -> Any:
+    def checked(self: BaseModel, *args: object, **kwargs: object) -> object:
         check_call_kwargs(self, extra(kwargs))
         return method(self, *args, **kwargs)
 
@@ -120,22 +121,22 @@ class RAGSettings(BaseModel):
     # hide_input_in_errors: a ValidationError would echo every setting, a URL's credentials too
     model_config = ConfigDict(arbitrary_types_allowed=True, strict=True, hide_input_in_errors=True)
 
-    retriever: Any = None
-    prompt: Any = None
+    retriever: object = None
+    prompt: object = None
     engine: Any = Field(default=None, exclude=True)
-    _prompt_form: tuple[Any, PromptMessages | None] | None = PrivateAttr(default=None)
+    _prompt_form: tuple[object, PromptMessages | None] | None = PrivateAttr(default=None)
 
     _check_retriever = field_validator("retriever")(check_retriever)
     _known_settings = model_validator(mode="before")(check_settings_keys)
 
     @staticmethod
-    def _prompt_of(value: Any) -> PromptMessages | None:
+    def _prompt_of(value: object) -> PromptMessages | None:
         """The engine form of a ``prompt`` setting (each framework's mixin adds its templates)."""
         return check_prompt(value)
 
     @field_validator("prompt")
     @classmethod
-    def _check_prompt(cls, value: Any) -> Any:
+    def _check_prompt(cls, value: object) -> object:
         cls._prompt_of(value)  # a wrong template fails here, naming ``prompt``
         return value
 
@@ -150,10 +151,10 @@ class RAGSettings(BaseModel):
         return f"retriever {type(self.retriever).__name__}"
 
     def __repr_args__(self) -> Any:
-        return redacted_repr_args(super().__repr_args__())  # type: ignore[misc]
+        return redacted_repr_args(super().__repr_args__())
 
     @field_serializer("*", mode="wrap")
-    def _dump_redacted(self, value: Any, handler: SerializerFunctionWrapHandler) -> Any:
+    def _dump_redacted(self, value: object, handler: SerializerFunctionWrapHandler) -> Any:
         """``model_dump`` / ``model_dump_json`` / ``to_dict`` mask URL credentials, like repr."""
         return redacted_dump(handler(value))
 
@@ -166,7 +167,7 @@ class RAGSettings(BaseModel):
 _SPECRAG_INTS = ("num_drafts", "docs_per_draft", "retrieve_k")
 
 
-def _specrag_given(data: Any) -> Any:
+def _specrag_given(data: object) -> object:
     """``None`` for an integer knob means "not given" (the engine's or the config's value); then
     a prebuilt engine's config fills what is not given."""
     if isinstance(data, dict):
@@ -201,7 +202,7 @@ class SpeculativeRAGSettings(RAGSettings):
     num_drafts: int = Field(default=SpeculativeRAGConfig.num_drafts, ge=1)
     docs_per_draft: int = Field(default=SpeculativeRAGConfig.docs_per_draft, ge=1)
     retrieve_k: int = Field(default=SpeculativeRAGConfig.retrieve_k, ge=1)
-    prompt: Any = SpeculativeRAGConfig.prompt
+    prompt: object = SpeculativeRAGConfig.prompt
     retrieval_timeout_s: float | None = Field(default=SpeculativeRAGConfig.retrieval_timeout_s,
                                               gt=0.0)
     max_new_tokens: int | None = Field(default=None, ge=1)
@@ -211,7 +212,7 @@ class SpeculativeRAGSettings(RAGSettings):
     _check_backend = field_validator("backend")(check_backend)  # also with a prebuilt engine
     _engine_settings = model_validator(mode="before")(_specrag_given)
 
-    def model_post_init(self, context: Any) -> None:
+    def model_post_init(self, context: object) -> None:
         super().model_post_init(context)
         self._engine()  # every setting is checked now; no model is loaded before the first call
 
@@ -224,7 +225,7 @@ class SpeculativeRAGSettings(RAGSettings):
             raise ValueError(NO_RETRIEVER)
         return self._engine()
 
-    def _retrieved(self, found: Any) -> DocumentList:
+    def _retrieved(self, found: object) -> DocumentList:
         """A framework retriever's answer as its top ``retrieve_k`` documents, whatever shape
         it came in (a generator too), or a TypeError naming the retriever."""
         return retrieved_documents(found, type(self.retriever).__name__, self.retrieve_k)
@@ -281,7 +282,7 @@ class RaLMSpecSettings(RAGSettings):
     scheduler: bool = RaLMSpecConfig.scheduler
     async_verify: bool = RaLMSpecConfig.async_verify
     retrieval_timeout_s: float | None = Field(default=RaLMSpecConfig.retrieval_timeout_s, gt=0.0)
-    prompt: Any = RaLMSpecConfig.prompt
+    prompt: object = RaLMSpecConfig.prompt
     baseline: bool = False
     _engines: RaLMSpecEngines = PrivateAttr(default_factory=RaLMSpecEngines)
 
@@ -292,8 +293,9 @@ class RaLMSpecSettings(RAGSettings):
 
     @field_validator("temperature", "seed")
     @classmethod
-    def _check_sampling(cls, value: Any, info: Any) -> Any:  # info: pydantic's ValidationInfo
-        SamplingConfig(**{info.field_name: value})  # finite, not degenerate; seed in range
+    def _check_sampling(cls, value: object, info: ValidationInfo) -> object:
+        given: dict[str, Any] = {str(info.field_name): value}  # typed by the field already
+        SamplingConfig(**given)  # finite, not degenerate; seed in range
         return value
 
     def _engine(self) -> RaLMSpec:
@@ -306,3 +308,17 @@ def ralmspec(settings: RaLMSpecSettings, question: str) -> RaLMSpecStream:
     change), started now; read it to the end or stream it."""
     return RaLMSpecStream(settings._engines.stream(settings, question, settings.engine_prompt()))
 
+
+
+def speculative_rag(settings: SpeculativeRAGSettings, question: str,
+                    documents: DocumentList | None = None) -> SpeculativeRAGStream:
+    """The Speculative RAG adapters' one call: Speculative RAG for a checked ``question`` on the
+    engine of the current settings (built on first use, rebuilt after a change), checked now,
+    before any retrieval or model work (no documents and no retriever: ValueError). Documents
+    that came with the question are used (the first ``retrieve_k``); without them the adapter
+    retrieves with its framework's retriever and passes them with
+    :meth:`~shared_core.frontend.rag_streams.SpeculativeRAGStream.with_documents`. Iterate it for
+    the stage events and the answer."""
+    engine = settings._checked_engine(documents is not None)
+    return SpeculativeRAGStream(engine, question,
+                                None if documents is None else settings._given(documents))

@@ -1,29 +1,30 @@
 """The streaming both frameworks' RAG adapters share (framework-neutral, torch-free).
 
-Speculative RAG knows its answer only once the verifier has scored every draft, so a stream of
-it is: the engine's stage events as they happen (documents retrieved, subsets sampled, drafts
-written, drafts scored), then the chosen answer in word-sized chunks whose concatenation is the
-answer. :func:`speculative_rag_stream` runs the engine on a worker thread and yields both kinds of
-item in that order; each adapter turns them into its framework's chunks (LangChain: custom
-events + ``AddableDict`` / ``str`` chunks; LlamaIndex: a ``StreamingResponse``). RaLMSpec streams
+Speculative RAG knows its answer only once the verifier has scored every draft, so a call of it
+(:class:`SpeculativeRAGStream`, what :func:`shared_core.frontend.rag_settings.speculative_rag`
+returns) yields the engine's typed stage events as they happen (documents retrieved, subsets
+sampled, drafts written, drafts verified), then the :class:`SpeculativeRAGAnswer`, whose
+:meth:`~SpeculativeRAGAnswer.chunks` are the word-sized pieces a stream sends; each adapter turns
+them into its framework's objects (LangChain: custom callback events and ``AddableDict`` / ``str``
+chunks; LlamaIndex: instrumentation events and a (streaming) ``Response``). RaLMSpec streams
 natively: :class:`RaLMSpecStream` (what :func:`shared_core.frontend.rag_settings.ralmspec` returns)
 yields an :class:`AnswerDelta` per verified step, then the :class:`RaLMSpecAnswer`.
 """
 
 from __future__ import annotations
 
-import queue
 import re
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Union
 
-from shared_core.frontend.rag import ralmspec_details, ralmspec_documents
+from shared_core.frontend.rag import ralmspec_details, ralmspec_documents, specrag_details
 
 if TYPE_CHECKING:
     from shared_core.decoding.output import GenerationResult
     from shared_core.engines.baseline import TokenStream
+    from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
+    from shared_core.engines.speculative_rag.events import StageEvent
     from shared_core.retrieval.base import Document
 
 _CHUNK = re.compile(r"\S+\s*|\s+")
@@ -35,55 +36,71 @@ def answer_chunks(text: str) -> list[str]:
 
 
 @dataclass(frozen=True)
-class StageEvent:
-    """One engine stage: ``name`` (``specrag_retrieved`` / ``_subsets`` / ``_drafted`` /
-    ``_verified``) and its data, as the engine's ``on_event`` hook reported it."""
-
-    name: str
-    data: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class AnswerChunk:
-    """A piece of the chosen answer; ``result`` (the engine's result) rides on the first one."""
+class SpeculativeRAGAnswer:
+    """The end of a Speculative RAG call: the chosen answer, the documents it was chosen from
+    and the details both adapters report (:func:`specrag_details`); ``result`` is the engine's."""
 
     text: str
-    result: Any = None
+    documents: tuple[Document, ...]
+    details: dict[str, object]
+    result: SpeculativeRAGResult
+
+    @classmethod
+    def of(cls, result: SpeculativeRAGResult) -> SpeculativeRAGAnswer:
+        return cls(result.text, result.documents, specrag_details(result), result)
+
+    def chunks(self) -> list[str]:
+        """The answer as a stream sends it: word-sized chunks that join to the answer (an empty
+        answer is one empty chunk)."""
+        return answer_chunks(self.text) or [""]
 
 
-StreamItem = StageEvent | AnswerChunk
+SpeculativeRAGStreamEvent = Union["StageEvent", SpeculativeRAGAnswer]
 
 
-def speculative_rag_stream(answer: Callable[[Callable[[str, dict[str, Any]], None]], Any]
-                           ) -> Iterator[StreamItem]:
-    """Run ``answer(on_event)`` on a worker thread; yield its stage events as they happen, then
-    the answer's chunks (the first carries the result; an empty answer is one empty chunk).
+class SpeculativeRAGStream:
+    """A checked Speculative RAG call (from
+    :func:`shared_core.frontend.rag_settings.speculative_rag`): iterate it for the engine's stage
+    events as each stage finishes (typed, :mod:`shared_core.engines.speculative_rag.events`:
+    each has the ``name`` and ``data`` the adapters send on), then one
+    :class:`SpeculativeRAGAnswer`. The round runs as it is read, on the reader's thread, each
+    model's lock held within one stage; a reader that stops early stops it between stages.
 
-    An engine error is raised here, in the consumer. A consumer that stops early does not stop
-    the engine: the answer in progress finishes on its thread (holding the engine's model lock
-    until then) and is dropped.
+    When the input carried no documents (:attr:`needs_documents`) the adapter retrieves them
+    with its framework's retriever and passes them with :meth:`with_documents`.
     """
-    items: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
 
-    def work() -> None:
-        try:
-            items.put(("result", answer(lambda name, data: items.put(("event", (name, data))))))
-        except BaseException as e:  # handed to the consumer, which re-raises it
-            items.put(("error", e))
+    def __init__(self, engine: SpeculativeRAG, question: str,
+                 documents: Sequence[object] | None) -> None:
+        self.engine = engine
+        self.question = question
+        self.documents = documents
 
-    threading.Thread(target=work, name="specrag-stream", daemon=True).start()
-    while True:
-        kind, value = items.get()
-        if kind == "event":
-            yield StageEvent(*value)
-        elif kind == "error":
-            raise value
-        else:
-            chunks = answer_chunks(value.text) or [""]
-            yield AnswerChunk(chunks[0], value)
-            for chunk in chunks[1:]:
-                yield AnswerChunk(chunk)
-            return
+    @property
+    def needs_documents(self) -> bool:
+        return self.documents is None
+
+    def with_documents(self, documents: Sequence[object]) -> SpeculativeRAGStream:
+        """This call over a retriever's top documents (ours, or a framework's documents or
+        nodes: the engine converts them once)."""
+        return SpeculativeRAGStream(self.engine, self.question, documents)
+
+    def __iter__(self) -> Iterator[SpeculativeRAGStreamEvent]:
+        from shared_core.engines.speculative_rag.events import Answered
+
+        if self.documents is None:
+            msg = "no documents: retrieve them and pass them with with_documents()"
+            raise ValueError(msg)
+        for event in self.engine.stages(self.question, self.documents):
+            yield SpeculativeRAGAnswer.of(event.result) if isinstance(event, Answered) else event
+
+
+def finished(answer: SpeculativeRAGAnswer | None) -> SpeculativeRAGAnswer:
+    """The answer a :class:`SpeculativeRAGStream` read to the end ended with."""
+    if answer is None:
+        msg = "the Speculative RAG stream ended without an answer"
+        raise RuntimeError(msg)
+    return answer
 
 
 @dataclass(frozen=True)
@@ -100,7 +117,7 @@ class RaLMSpecAnswer:
 
     text: str
     documents: tuple[Document, ...]
-    details: dict[str, Any]
+    details: dict[str, object]
 
     @classmethod
     def of(cls, result: GenerationResult) -> RaLMSpecAnswer:
@@ -132,5 +149,6 @@ class RaLMSpecStream:
         yield RaLMSpecAnswer.of(self._tokens.result)
 
 
-__all__ = ["AnswerChunk", "AnswerDelta", "RaLMSpecAnswer", "RaLMSpecEvent", "RaLMSpecStream",
-           "StageEvent", "StreamItem", "answer_chunks", "speculative_rag_stream"]
+__all__ = ["AnswerDelta", "RaLMSpecAnswer", "RaLMSpecEvent", "RaLMSpecStream",
+           "SpeculativeRAGAnswer", "SpeculativeRAGStream", "SpeculativeRAGStreamEvent",
+           "answer_chunks", "finished"]

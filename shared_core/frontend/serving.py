@@ -17,13 +17,17 @@ import asyncio
 import logging
 import threading
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared_core.config import LOAD_LM_BACKEND
 from shared_core.runtime import model_cache
 from shared_core.runtime.model_cache import _LOADED, cached_lm, loaded_model, release, release_all
 from shared_core.runtime.model_lock import _INSTANCE_LOCKS, FairLock, lock_for, step_locked
 
+if TYPE_CHECKING:
+    from shared_core.engines.ralmspec import RaLMSpec
+
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 __all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_thread",
@@ -31,7 +35,7 @@ __all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_th
            "release_all", "step_locked"]
 
 
-async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
+async def iterate_in_thread(items: Iterator[T]) -> AsyncIterator[T]:
     """Drive a blocking iterator on a worker thread; the event loop stays free.
 
     The worker computes an item only when the consumer asks for one, so a consumer that stops
@@ -44,7 +48,7 @@ async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
     demand = threading.Semaphore(0)
     stopped = threading.Event()
 
-    def post(kind: str, value: Any) -> None:
+    def post(kind: str, value: object) -> None:
         try:
             loop.call_soon_threadsafe(queue.put_nowait, (kind, value))
         except RuntimeError:  # the loop closed under us: nobody is listening
@@ -85,8 +89,8 @@ async def iterate_in_thread(items: Iterator[Any]) -> AsyncIterator[Any]:
         demand.release()  # wake the worker if it waits for demand
 
 
-def ralmspec_engine(model: str, retriever: Any, engine: Any, *, backend: str = LOAD_LM_BACKEND,
-                    **knobs: Any) -> Any:
+def ralmspec_engine(model: str, retriever: object, engine: RaLMSpec | None, *,
+                    backend: str = LOAD_LM_BACKEND, **knobs: Any) -> RaLMSpec:
     """A :class:`~shared_core.engines.ralmspec.RaLMSpec` with an adapter's knobs.
 
     Derived from a prebuilt ``engine`` (its model, retrieval backend and other settings) when

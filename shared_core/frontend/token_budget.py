@@ -25,7 +25,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shared_core.config import check_int
 
@@ -77,7 +77,7 @@ def offline_tiktoken() -> Iterator[None]:
         yield
 
 
-def encoding_name(encoding: Any) -> str:
+def encoding_name(encoding: object) -> str:
     """The tiktoken encoding name for an encoding name or an OpenAI model name."""
     import tiktoken
 
@@ -110,7 +110,7 @@ def get_encoding(encoding: str = DEFAULT_ENCODING) -> tiktoken.Encoding:
         raise OSError(msg) from e
 
 
-def _check_text(text: Any, name: str) -> list[str]:
+def _check_text(text: object, name: str) -> list[str]:
     if isinstance(text, str):
         return [text]
     if isinstance(text, Sequence) and not isinstance(text, bytes):

@@ -22,7 +22,7 @@ DOCS_FILE = "docs.jsonl"
 PROGRESS_MIN_TEXTS = 256  # show a progress bar (if asked) only above this many texts
 
 
-def check_closed_range(value: Any, name: str, low: float, high: float = float("inf")) -> float:
+def check_closed_range(value: object, name: str, low: float, high: float = float("inf")) -> float:
     """A real number (not bool) in the closed interval ``[low, high]``, as a float: TypeError for
     the type, ValueError for range. (:func:`shared_core.config.check_number` is the open
     interval, with its own messages, used by the configs.)"""

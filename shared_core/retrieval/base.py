@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from shared_core.config import check_unicode
 
@@ -74,10 +74,19 @@ class Retriever(Protocol):
     def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]: ...
 
 
+class TextEncoder(Protocol):
+    """A sentence-transformers model as Speculative RAG's subset sampling uses it: ``encode``
+    turns texts into vectors ``[n, dim]`` (an array, or what ``numpy.asarray`` reads as one)."""
+
+    def encode(self, texts: list[str], /, *, normalize_embeddings: bool = ...,
+               show_progress_bar: bool | None = ...) -> object: ...
+
+
 RETRIEVER_METHODS = ("search", "invoke", "retrieve", "_get_relevant_documents")
+T = TypeVar("T")
 
 
-def check_retriever_like(value: Any, param: str = "retriever") -> Any:
+def check_retriever_like(value: T, param: str = "retriever") -> T:
     """``value`` unless it cannot be a retriever: ours (``search``), LangChain's or LlamaIndex's.
 
     Duck-typed, so adapters can check a retriever at construction without importing an engine.

@@ -79,7 +79,7 @@ def _one_document(item: object) -> bool:
         item, "get_content") or hasattr(item, "node")
 
 
-def retrieved_documents(items: Any, name: str, k: int) -> DocumentList:
+def retrieved_documents(items: object, name: str, k: int) -> DocumentList:
     """What retriever ``name`` returned as its top ``k`` Documents: a list or tuple, or any other
     iterable (a generator: only ``k`` items are read); ``None``, one document, a string or a
     mapping is a TypeError naming the retriever and what it should return."""
@@ -92,7 +92,7 @@ def retrieved_documents(items: Any, name: str, k: int) -> DocumentList:
     return DocumentList(_converted(first, name))
 
 
-def llamaindex_retrieve(retriever: Any, query: Any) -> Any:
+def llamaindex_retrieve(retriever: Any, query: object) -> Any:
     """``retriever.retrieve(query)``; LlamaIndex post-processes what ``_retrieve`` returned, so a
     malformed result (None, a string, plain nodes) fails inside it: that error names the
     retriever and what it should have returned."""
@@ -104,7 +104,7 @@ def llamaindex_retrieve(retriever: Any, query: Any) -> Any:
         raise TypeError(msg) from e
 
 
-def _converted(items: Any, name: str) -> DocumentList:
+def _converted(items: Sequence[object], name: str) -> DocumentList:
     try:
         return to_documents(items)
     except TypeError as e:
@@ -141,7 +141,7 @@ def _doc_id(text: str, given: object) -> str:
     return str(given) if given else "sha1-" + hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
-def _converted_hits(items: Any, name: str, kind: str, row: int, convert: Callable[[Any], Hit],
+def _converted_hits(items: object, name: str, kind: str, row: int, convert: Callable[[Any], Hit],
                k: int) -> list[Hit]:
     """One row of a framework retriever's answer as Hits, or an error naming what was wrong."""
     if isinstance(items, (str, bytes, dict)) or not isinstance(items, Sequence):
@@ -208,7 +208,7 @@ def _llamaindex_search(retriever: Any) -> Callable[[list[str], int], list[list[H
     return search
 
 
-def framework_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]] | None:
+def framework_search(retriever: object) -> Callable[[list[str], int], list[list[Hit]]] | None:
     """``search(queries, k) -> list[list[Hit]]`` over a LangChain or LlamaIndex retriever, or
     None when ``retriever`` is neither (recognised by duck typing: no framework is imported)."""
     module = type(retriever).__module__

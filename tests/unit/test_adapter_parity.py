@@ -32,7 +32,10 @@ from llamaindex_specrag.llms.speculative import SpeculativeLLM
 from llamaindex_specrag.query_engines.speculative_rag import SpeculativeRAGStageEvent
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
+from shared_core.frontend.rag_settings import speculative_rag
+from shared_core.frontend.rag_streams import SpeculativeRAGAnswer
 from shared_core.retrieval import BM25Retriever
+from shared_core.retrieval.frameworks import DocumentList, to_documents
 
 QUESTION = "capital of France?"
 DOCS = list(SPECRAG_DOCS[:6])
@@ -136,6 +139,46 @@ def test_speculative_rag_pair_streams_the_same_answer_and_events(specrag, li_eve
     streamed = "".join(runnable.stream(QUESTION, config={"callbacks": [lc_events]}))
     assert streamed == "".join(query_engine.query(QUESTION).response_gen)
     assert len(lc_events.custom) == 4 and lc_events.custom == li_events.stages
+
+
+async def test_speculative_rag_pair_is_the_same_async(specrag, li_events) -> None:
+    """``ainvoke`` / ``aquery`` and ``astream`` / a streaming ``aquery``: the same answer,
+    details and stage events as each other and as the sync calls."""
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=specrag,
+                                      with_details=True)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(DOCS, score=1.0), engine=specrag)
+    lc_events = LCEvents()
+    details = await runnable.ainvoke(QUESTION, config={"callbacks": [lc_events]})
+    response = await query_engine.aquery(QUESTION)
+    assert details["answer"] == response.response == runnable.invoke(QUESTION)["answer"]
+    for key in ("rationale", "best", "drafts", "scores"):
+        assert details[key] == response.metadata[key], key
+    assert len(lc_events.custom) == 4 and lc_events.custom == li_events.stages
+    plain = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=specrag)
+    streamed = "".join([c async for c in plain.astream(QUESTION)])
+    li_stream = await SpeculativeRAGQueryEngine(LIRetriever(DOCS), engine=specrag,
+                                                streaming=True).aquery(QUESTION)
+    li_streamed = "".join([t async for t in li_stream.async_response_gen()])
+    assert streamed == li_streamed == details["answer"]
+    assert li_stream.metadata["scores"] == details["scores"]
+
+
+def test_speculative_rag_pair_translates_the_one_core_stream(specrag, li_events) -> None:
+    """Both adapters send on the stage events of the core call's stream, in order, as their
+    framework's events, and answer with its answer."""
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=specrag,
+                                      with_details=True)
+    events = list(speculative_rag(runnable, QUESTION, DocumentList(to_documents(DOCS))))
+    core = [(e.name, e.data) for e in events[:-1]]
+    answer = events[-1]
+    assert isinstance(answer, SpeculativeRAGAnswer) and len(core) == 4
+    lc_events = LCEvents()
+    chunks = list(runnable.stream(QUESTION, config={"callbacks": [lc_events]}))
+    assert lc_events.custom == core and [dict(c) for c in chunks[:4]] == [dict([e]) for e in core]
+    assert "".join(c["answer"] for c in chunks if "answer" in c) == answer.text
+    response = SpeculativeRAGQueryEngine(LIRetriever(DOCS), engine=specrag).query(QUESTION)
+    assert li_events.stages == core and response.response == answer.text
+    assert response.metadata["drafts"] == answer.details["drafts"]
 
 
 def test_speculative_rag_pair_accepts_any_retriever_kind(specrag) -> None:

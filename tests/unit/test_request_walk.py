@@ -144,3 +144,61 @@ def test_one_chat_call_validates_messages_and_generation_settings_once(tiny_targ
     reference = stream_engine("respec", tiny_target, [{"role": "user", "content": CHAT_PROMPT}],
                               max_new_tokens=8).run()
     assert first == call() == reference.text  # the same tokens as the loose-argument path
+
+
+def _rag_entries(call: Callable[[], Any]) -> tuple[list[str], list[str], list[str]]:
+    """What the Speculative RAG adapters call of the core call (``speculative_rag`` and the
+    stream it returns), any engine code they call directly (reading an event's data aside), and
+    any adapter code the frontend calls (the decorator that refuses call keywords aside: it
+    wraps the adapter's own method)."""
+    adapters = tuple(str(ROOT / p) for p in ("langchain_specrag", "llamaindex_specrag"))
+    frontend = str(ROOT / "shared_core" / "frontend")
+    engines = str(ROOT / "shared_core" / "engines")
+    events = str(ROOT / "shared_core" / "engines" / "speculative_rag" / "events.py")
+    core_files = (str(ROOT / "shared_core" / "frontend" / "rag_settings.py"),
+                  str(ROOT / "shared_core" / "frontend" / "rag_streams.py"))
+    entered: list[str] = []
+    direct: list[str] = []
+    callbacks: list[str] = []
+
+    def tracer(frame: Any, event: str, arg: Any) -> None:
+        if event != "call":
+            return
+        callee, back = frame.f_code.co_filename, frame.f_back
+        caller = back.f_code.co_filename if back else ""
+        name = frame.f_code.co_qualname
+        if caller.startswith(adapters) and callee in core_files and (
+                name == "speculative_rag" or name.startswith("SpeculativeRAGStream")):
+            entered.append(name)
+        if caller.startswith(adapters) and callee.startswith(engines) and callee != events:
+            direct.append(name)
+        if (caller.startswith(frontend) and callee.startswith(adapters)
+                and back.f_code.co_qualname.split(".")[0] != "refuses_call_kwargs"):
+            callbacks.append(name)
+
+    sys.settrace(tracer)
+    try:
+        call()
+    finally:
+        sys.settrace(None)
+    return entered, direct, callbacks
+
+
+def test_each_rag_adapter_calls_the_core_once_and_never_the_engine(specrag) -> None:
+    """Speculative RAG: adapter → core (``frontend/rag_settings.speculative_rag``) → engine and
+    back; the adapters read the stream it returns, never call the engine themselves, and the
+    core never calls adapter code."""
+    docs = list(SPECRAG_DOCS[:4])
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(docs), engine=specrag)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(docs), engine=specrag)
+    streaming = SpeculativeRAGQueryEngine(LIRetriever(docs), engine=specrag, streaming=True)
+    calls = {"invoke": lambda: runnable.invoke(QUESTION),
+             "stream": lambda: list(runnable.stream(QUESTION)),
+             "query": lambda: query_engine.query(QUESTION),
+             "streaming query": lambda: list(streaming.query(QUESTION).response_gen)}
+    for name, call in calls.items():
+        call()
+        entered, direct, callbacks = _rag_entries(call)
+        assert entered[0] == "speculative_rag" and entered.count("speculative_rag") == 1, (
+            name, entered)
+        assert not direct and not callbacks, (name, direct, callbacks)

@@ -175,6 +175,47 @@ def test_answer_returns_every_draft_with_three_scores(drafter, verifier):
     assert not any(isinstance(v, torch.Tensor) for v in stats.values())
 
 
+def test_stages_yield_typed_events_then_the_answer(drafter, verifier):
+    """The round as typed events, in stage order, ending with the result ``answer`` returns;
+    ``answer``'s ``on_event`` hook sees each event's name and data."""
+    from shared_core.engines.speculative_rag.events import (
+        Answered,
+        DocumentsRetrieved,
+        DraftsVerified,
+        DraftsWritten,
+        SubsetsSampled,
+    )
+
+    eng = engine(drafter, verifier)
+    events = list(eng.stages("capital of France?", DOCS))
+    assert [type(e) for e in events] == [DocumentsRetrieved, SubsetsSampled, DraftsWritten,
+                                         DraftsVerified, Answered]
+    result = events[-1].result
+    assert events[0].num_documents == len(DOCS)
+    assert events[1].subsets == tuple(d.doc_indices for d in result.drafts)
+    assert events[2].answers == tuple(d.answer for d in result.drafts)
+    assert (events[3].scores, events[3].best) == (tuple(d.score for d in result.drafts),
+                                                  result.best)
+    seen = []
+    direct = eng.answer("capital of France?", DOCS, on_event=lambda n, d: seen.append((n, d)))
+    assert seen == [(e.name, e.data) for e in events[:4]]
+    assert seen[1][1] == {"subsets": [list(s) for s in events[1].subsets]}
+    assert (direct.text, direct.drafts) == (result.text, result.drafts)
+
+
+def test_stages_check_now_and_stop_when_the_reader_does(drafter, verifier, monkeypatch):
+    eng = engine(drafter, verifier)
+    with pytest.raises(ValueError, match="question"):
+        eng.stages("  ", DOCS)  # before the first event is read
+    drafted = []
+    monkeypatch.setattr(SpeculativeRAG, "draft", lambda self, *a: drafted.append(a) or [])
+    stages = eng.stages("capital of France?", DOCS)
+    assert [type(next(stages)).__name__ for _ in range(2)] == ["DocumentsRetrieved",
+                                                               "SubsetsSampled"]
+    stages.close()  # the reader stops before drafting: no draft is written
+    assert drafted == []
+
+
 def test_drafter_only_needs_no_verifier(drafter):
     cfg = SpeculativeRAGConfig(num_drafts=2, max_draft_tokens=4, use_self_contain=False,
                                use_self_reflect=False)

@@ -8,11 +8,13 @@ generator, so a position regenerated after a rollback (RaLMSpec) draws what RaLM
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from shared_core.config import GenerationConfig, SamplingConfig
+from shared_core.config.rag import RaLMSpecConfig
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.retrieval.base import Document, doc_key
 from shared_core.runtime.model_lock import lock_for
@@ -21,11 +23,20 @@ from shared_core.runtime.protocol import ModelLM
 _SEED_MIX = 1_000_003
 
 
+class DocumentPrompt(Protocol):
+    """What a decoder reads of its prompt (``decoding.RaLMPrompt``): the ids of the prompt
+    around a document with the output so far, and the engine's config."""
+
+    config: RaLMSpecConfig
+
+    def ids(self, doc: Document, generated: Sequence[int]) -> list[int]: ...
+
+
 class RaLMDecoderState:
     """Output so far under the current document, the token budget, stats, the seed and the
     model's lock."""
 
-    def __init__(self, lm: ModelLM, prompt: Any, generation: GenerationConfig, stats: RaLMSpecStats
+    def __init__(self, lm: ModelLM, prompt: DocumentPrompt, generation: GenerationConfig, stats: RaLMSpecStats
                  ) -> None:
         self.lm = lm
         # the model's one lock: decoders hold it for their own model work only (one step, one

@@ -16,10 +16,9 @@ batch-invariant one (vLLM ``VLLM_BATCH_INVARIANT=1``, CUDA cc >= 8.0 / Intel XPU
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 from shared_core.config import CacheKind, GenerationConfig
-from shared_core.engines.ralmspec.position import RaLMDecoderState
+from shared_core.engines.ralmspec.position import DocumentPrompt, RaLMDecoderState
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document
@@ -29,7 +28,7 @@ from shared_core.runtime.protocol import ServedLM
 class ServedRaLMDecoder(RaLMDecoderState):
     """Generates under a given document through a model server, ``retrieval_stride`` at a time."""
 
-    def __init__(self, lm: ServedLM, prompt: Any, generation: GenerationConfig,
+    def __init__(self, lm: ServedLM, prompt: DocumentPrompt, generation: GenerationConfig,
                  stats: RaLMSpecStats, cache: CacheKind | None = None) -> None:
         lm.require("token_ids_io", by="RaLMSpec on a served model")
         super().__init__(lm, prompt, generation, stats)

@@ -10,7 +10,7 @@ import math
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shared_core.config import (
     check_text,
@@ -36,19 +36,20 @@ class RapidContext:
     draft_lm: SessionLM
     config: RapidConfig
     _lock: FairLock  # the target model's lock (shared_core.runtime.model_lock.lock_for)
-    _embedder_spec: Any
-    _embedder: Any
+    _embedder_spec: object  # a name, or an embedder as DenseRetriever takes one
+    _embedder: object
     _indexes: OrderedDict[str, IndexedContext]
     _encoded: OrderedDict[str, EncodedContext]
     _target_parts: tuple[str, str]
     _draft_parts: tuple[str, str]
 
     @property
-    def embedder(self) -> Any:
+    def embedder(self) -> object:
         if self._embedder is None:
             from shared_core.runtime.model_cache import cached_embedder
 
-            self._embedder = cached_embedder(self._embedder_spec)
+            spec = self._embedder_spec
+            self._embedder = cached_embedder(spec) if isinstance(spec, str) else spec
         return self._embedder
 
     def _encode_context(self, context: str) -> EncodedContext:

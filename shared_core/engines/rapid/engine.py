@@ -89,8 +89,8 @@ class RapidDecoder(RapidContext):
 
     max_idle_slots = 1  # finished slots kept for prefix reuse (each holds the context's KV)
 
-    def __init__(self, lm: SessionLM, *, draft_lm: SessionLM | None = None, embedder: Any = DEFAULT_EMBEDDER,
-                 config: RapidConfig | None = None):
+    def __init__(self, lm: SessionLM, *, draft_lm: SessionLM | None = None,
+                 embedder: object = DEFAULT_EMBEDDER, config: RapidConfig | None = None):
         if config is not None and not isinstance(config, RapidConfig):
             msg = f"config must be a RapidConfig, got {type(config).__name__}"
             raise TypeError(msg)
@@ -104,7 +104,7 @@ class RapidDecoder(RapidContext):
         self._idle = [Slot(lm, self.draft_lm, self.config.cache)]  # most recently used first
         self._busy: list[Slot] = []
         self._embedder_spec = embedder
-        self._embedder: Any = None if isinstance(embedder, str) else embedder
+        self._embedder: object = None if isinstance(embedder, str) else embedder
         self._indexes: OrderedDict[str, IndexedContext] = OrderedDict()
         self._encoded: OrderedDict[str, EncodedContext] = OrderedDict()
         self._schedules: dict[tuple[str, float, str, int], GammaSchedule] = {}

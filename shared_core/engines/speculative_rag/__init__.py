@@ -25,8 +25,12 @@ The pipeline for one question, with the paper's symbols:
    and ``selection="vote"`` returns the answer that most drafts agree on (self-consistency, Wang
    et al. 2023; normalised as SQuAD does), ties broken by the score.
 
-:meth:`SpeculativeRAG.standard_rag` is the paper's "Standard RAG" baseline: one model, every
-retrieved document in its prompt, the same answer parsing.
+:meth:`SpeculativeRAG.stages` runs the round as typed events (:mod:`.events`: documents
+retrieved, subsets sampled, drafts written, drafts verified, then ``Answered`` with the result),
+each model's lock held within one stage; :meth:`SpeculativeRAG.answer` reads it to the end (its
+``on_event(name, data)`` hook sees each stage). :meth:`SpeculativeRAG.standard_rag` is the
+paper's "Standard RAG" baseline: one model, every retrieved document in its prompt, the same
+answer parsing.
 
 **Draft order and parsing.** Drafts are answer-first by default (``draft_order="answer_first"``,
 :func:`parse_answer_first`): the prompt prefills ``Answer:``, so every draft has its answer line,
@@ -48,6 +52,15 @@ from shared_core.config.rag import EMBED_INSTRUCTION, SpeculativeRAGConfig, Subs
 
 # One module per step; every public name is re-exported here (the package's API).
 from shared_core.engines.speculative_rag.engine import EventHook, SpeculativeRAG, standard_rag
+from shared_core.engines.speculative_rag.events import (
+    Answered,
+    DocumentsRetrieved,
+    DraftsVerified,
+    DraftsWritten,
+    SpeculativeRAGEvent,
+    StageEvent,
+    SubsetsSampled,
+)
 from shared_core.engines.speculative_rag.generation import generate_batch
 from shared_core.engines.speculative_rag.inputs import check_inputs, check_model_name, drop_blank
 from shared_core.engines.speculative_rag.prompts import (
@@ -102,16 +115,23 @@ __all__ = [
     "RAG_INSTRUCTION",
     "REFLECTION",
     "AnswerDraft",
+    "Answered",
+    "DocumentsRetrieved",
     "Draft",
+    "DraftsVerified",
+    "DraftsWritten",
     "EventHook",
     "RAGStats",
     "SpeculativeRAG",
     "SpeculativeRAGConfig",
+    "SpeculativeRAGEvent",
     "SpeculativeRAGResult",
     "SpeculativeRAGStats",
+    "StageEvent",
     "StandardRAGResult",
     "StandardRAGStats",
     "SubsetStrategy",
+    "SubsetsSampled",
     "check_document_list",
     "check_inputs",
     "check_model_name",

@@ -5,9 +5,9 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, Literal, cast
+from typing import TYPE_CHECKING, Literal, cast
 
 from shared_core.config import (
     DEFAULT_EMBEDDER,
@@ -18,6 +18,15 @@ from shared_core.config import (
     check_int,
 )
 from shared_core.config.rag import PromptMessages, SpeculativeRAGConfig
+from shared_core.engines.speculative_rag.events import (
+    Answered,
+    DocumentsRetrieved,
+    DraftsVerified,
+    DraftsWritten,
+    SpeculativeRAGEvent,
+    StageData,
+    SubsetsSampled,
+)
 from shared_core.engines.speculative_rag.generation import generate_batch
 from shared_core.engines.speculative_rag.inputs import (
     check_model_arg,
@@ -52,7 +61,7 @@ from shared_core.engines.speculative_rag.subsets import (
     subset_shape,
 )
 from shared_core.engines.timing import PhaseClock, timed
-from shared_core.retrieval.base import Document
+from shared_core.retrieval.base import Document, TextEncoder
 from shared_core.retrieval.frameworks import check_retriever, retrieve
 from shared_core.retrieval.timeout import call_with_timeout
 from shared_core.runtime.model_cache import cached_embedder
@@ -64,7 +73,7 @@ if TYPE_CHECKING:
     from shared_core.runtime.protocol import ModelLM
 
 
-EventHook = Callable[[str, dict[str, Any]], None]
+EventHook = Callable[[str, StageData], None]
 
 
 class SpeculativeRAG:
@@ -94,7 +103,7 @@ class SpeculativeRAG:
     """
 
     def __init__(self, drafter: ModelLM | str = DEFAULT_LM, verifier: ModelLM | str | None = DEFAULT_VERIFIER,
-                 *, embedder: Any = DEFAULT_EMBEDDER,
+                 *, embedder: TextEncoder | str = DEFAULT_EMBEDDER,
                  retriever: object = None, config: SpeculativeRAGConfig | None = None,
                  dtype: str | None = None, backend: str = DEFAULT_SPECRAG_BACKEND) -> None:
         check_backend(backend)
@@ -120,8 +129,10 @@ class SpeculativeRAG:
         self.config = config or SpeculativeRAGConfig()
         self.retriever = retriever
         self._drafter_src, self._verifier_src, self._embedder_src = drafter, verifier, embedder
-        self._models: dict[str, Any] = {}
-        self._load_lock = threading.Lock()  # the lazily filled _models dict
+        # loaded on first use, shared with the engines with_config derives (the same dicts)
+        self._models: dict[str, ModelLM] = {}
+        self._embedders: dict[str, TextEncoder] = {}
+        self._load_lock = threading.Lock()  # the lazily filled dicts
 
     def with_config(self, config: SpeculativeRAGConfig) -> SpeculativeRAG:
         """A new engine with another config that shares this one's (loaded) models."""
@@ -134,33 +145,31 @@ class SpeculativeRAG:
         return other
 
     # -- lazily loaded models
-    def _get(self, role: str) -> Any:
+    def _get(self, role: Literal["drafter", "verifier"]) -> ModelLM:
         with self._load_lock:
             if role not in self._models:
-                src = {"drafter": self._drafter_src, "verifier": self._verifier_src,
-                       "embedder": self._embedder_src}[role]
+                src = self._drafter_src if role == "drafter" else self._verifier_src
                 if src is None:
                     msg = f"{role} is None but this configuration needs it"
                     raise ValueError(msg)
-                if role == "embedder":
-                    self._models[role] = cached_embedder(src) if isinstance(src, str) else src
-                else:
-                    self._models[role] = load_model(src, self.dtype, self.backend)
+                self._models[role] = load_model(src, self.dtype, self.backend)
             return self._models[role]
 
     @property
     def drafter(self) -> ModelLM:
-        drafter: ModelLM = self._get("drafter")
-        return drafter
+        return self._get("drafter")
 
     @property
     def verifier(self) -> ModelLM:
-        verifier: ModelLM = self._get("verifier")
-        return verifier
+        return self._get("verifier")
 
     @property
-    def embedder(self) -> Any:
-        return self._get("embedder")
+    def embedder(self) -> TextEncoder:
+        with self._load_lock:
+            if "embedder" not in self._embedders:
+                src = self._embedder_src
+                self._embedders["embedder"] = cached_embedder(src) if isinstance(src, str) else src
+            return self._embedders["embedder"]
 
     def _documents(self, question: str, given: tuple[list[Document], int] | None,
                    retriever: object, k: int) -> tuple[list[Document], int, float]:
@@ -184,7 +193,7 @@ class SpeculativeRAG:
         docs, skipped = drop_blank(documents)  # retrieve() returned ours already
         return docs, skipped, time.perf_counter() - start
 
-    def _check_call(self, question: object, documents: Sequence[Any] | None, retriever: object
+    def _check_call(self, question: object, documents: Sequence[object] | None, retriever: object
                     ) -> tuple[str, tuple[list[Document], int] | None]:
         """Everything checkable before retrieval and any model work: the stripped question and
         the given documents, converted once (with text, and how many blank ones were left out;
@@ -309,41 +318,69 @@ class SpeculativeRAG:
             out.append(replace(scored, score=combined_score(scored, cfg)))
         return out
 
-    def answer(self, question: str, documents: Sequence[Any] | None = None, *,
-               retriever: object = None, on_event: EventHook | None = None) -> SpeculativeRAGResult:
-        """Answer ``question`` from ``documents`` (or the top ``retrieve_k`` of a retriever)."""
-        if on_event is not None and not callable(on_event):
-            msg = f"on_event must be a callable or None, got {type(on_event).__name__}"
-            raise TypeError(msg)
-        cfg, emit = self.config, on_event or (lambda _name, _data: None)
+    def stages(self, question: str, documents: Sequence[object] | None = None, *,
+               retriever: object = None) -> Iterator[SpeculativeRAGEvent]:
+        """The round for ``question`` as typed events: a stage event as each stage finishes
+        (:mod:`~shared_core.engines.speculative_rag.events`), then :class:`Answered` with the
+        result. The question, the documents and the retriever are checked now; retrieval and the
+        model work run as the events are read, each model's lock held within one stage, never
+        while the caller reads (a caller that stops early stops the round between stages).
+        ``stats.total_s`` leaves out the time the caller spent between events."""
         question, given = self._check_call(question, documents, retriever)
-        start = time.perf_counter()
+        return self._round(question, given, retriever)
+
+    def _round(self, question: str, given: tuple[list[Document], int] | None,
+               retriever: object) -> Iterator[SpeculativeRAGEvent]:
+        cfg = self.config
+        start, paused = time.perf_counter(), 0.0
+
+        def pause(event: SpeculativeRAGEvent) -> Iterator[SpeculativeRAGEvent]:
+            nonlocal paused
+            left = time.perf_counter()
+            yield event
+            paused += time.perf_counter() - left
+
         docs, skipped, retrieve_s = self._documents(question, given, retriever, cfg.retrieve_k)
         engine, adapted = self._for_documents(len(docs))
         stats = SpeculativeRAGStats(num_documents=len(docs), num_drafts=engine.config.num_drafts,
                                     docs_per_draft=engine.config.docs_per_draft,
                                     retrieve_s=retrieve_s, skipped_documents=skipped,
                                     adapted_subsets=adapted)
-        emit("specrag_retrieved", {"num_documents": len(docs)})
+        yield from pause(DocumentsRetrieved(len(docs)))
         # each step takes its own model's lock, one at a time (never two held: no lock order)
         with timed(stats, "sample_s"):  # 1. multi-perspective subsets
             subsets = engine.sample_subsets(question, docs, stats)
-        emit("specrag_subsets", {"subsets": [list(s) for s in subsets]})
+        yield from pause(SubsetsSampled(tuple(tuple(s) for s in subsets)))
         with timed(stats, "draft_s"):  # 2. batched drafting
             drafts = engine.draft(question, docs, subsets, stats)
-        emit("specrag_drafted", {"answers": [d.answer for d in drafts]})
+        yield from pause(DraftsWritten(tuple(d.answer for d in drafts)))
         with timed(stats, "verify_s"):  # 3. one verifier forward + scores
             drafts = engine.score(question, drafts, stats)
         best = select_best(drafts, cfg.selection, random.Random(f"{cfg.seed}:select:{question}"))
-        emit("specrag_verified", {"scores": [d.score for d in drafts], "best": best})
-        stats.total_s = time.perf_counter() - start
-        return SpeculativeRAGResult(text=drafts[best].answer, rationale=drafts[best].rationale,
-                                    best=best, drafts=tuple(drafts), documents=tuple(docs),
-                                    stats=stats)
+        yield from pause(DraftsVerified(tuple(d.score for d in drafts), best))
+        stats.total_s = time.perf_counter() - start - paused
+        yield Answered(SpeculativeRAGResult(
+            text=drafts[best].answer, rationale=drafts[best].rationale, best=best,
+            drafts=tuple(drafts), documents=tuple(docs), stats=stats))
+
+    def answer(self, question: str, documents: Sequence[object] | None = None, *,
+               retriever: object = None, on_event: EventHook | None = None) -> SpeculativeRAGResult:
+        """Answer ``question`` from ``documents`` (or the top ``retrieve_k`` of a retriever):
+        :meth:`stages` read to the end, each stage event passed to ``on_event(name, data)``."""
+        if on_event is not None and not callable(on_event):
+            msg = f"on_event must be a callable or None, got {type(on_event).__name__}"
+            raise TypeError(msg)
+        for event in self.stages(question, documents, retriever=retriever):
+            if isinstance(event, Answered):
+                return event.result
+            if on_event is not None:
+                on_event(event.name, event.data)
+        msg = "the round ended without an answer"  # unreachable: _round ends with Answered
+        raise AssertionError(msg)
 
     __call__ = answer
 
-    def standard_rag(self, question: str, documents: Sequence[Any] | None = None, *,
+    def standard_rag(self, question: str, documents: Sequence[object] | None = None, *,
                      model: Literal["drafter", "verifier"] = "verifier",
                      retriever: object = None) -> StandardRAGResult:
         """The paper's Standard RAG: one model, all documents in one prompt, same parsing."""
@@ -361,7 +398,7 @@ class SpeculativeRAG:
         return result
 
 
-def standard_rag(lm: ModelLM, question: str, documents: Sequence[Any],
+def standard_rag(lm: ModelLM, question: str, documents: Sequence[object],
                  max_new_tokens: int = SpeculativeRAGConfig.max_answer_tokens) -> StandardRAGResult:
     """Standard RAG with one model: every document in the prompt, answer parsed as drafts are."""
     question = check_question(question)

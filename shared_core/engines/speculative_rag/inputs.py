@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shared_core.config import LOAD_LM_BACKEND
 from shared_core.config.rag import SpeculativeRAGConfig
@@ -46,7 +46,7 @@ def check_question(question: object) -> str:
     return question.strip()
 
 
-def given_documents(documents: Sequence[Any]) -> tuple[list[Document], int]:
+def given_documents(documents: Sequence[object]) -> tuple[list[Document], int]:
     """Documents given with a question, converted and checked once (a :class:`DocumentList`
     an adapter's edge converted is taken as it is): those with text, and how many blank ones were
     left out; an empty list or all blank is a ValueError."""
@@ -56,7 +56,7 @@ def given_documents(documents: Sequence[Any]) -> tuple[list[Document], int]:
     return drop_blank(docs)
 
 
-def check_inputs(question: object, documents: Sequence[Any] | None,
+def check_inputs(question: object, documents: Sequence[object] | None,
                  config: SpeculativeRAGConfig | None = None) -> str:
     """Validate before any model work; return the stripped question. Any number of documents
     from one up forms subsets (:func:`~.subsets.subset_shape`), so ``config`` sets no minimum

@@ -7,9 +7,9 @@ import logging
 import math
 import random
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from shared_core.retrieval.base import Document
+from shared_core.retrieval.base import Document, TextEncoder
 
 if TYPE_CHECKING:
     import numpy as np
@@ -20,7 +20,7 @@ PROGRESS_DOCUMENTS = 256  # embedding this many documents takes seconds on a CPU
 logger = logging.getLogger(__name__)
 
 
-def embed_for_question(embedder: Any, question: str, docs: Sequence[Document],
+def embed_for_question(embedder: TextEncoder, question: str, docs: Sequence[Document],
                        instruction: str) -> np.ndarray:
     """Instruction-aware document embeddings: the question is the instruction prefix."""
     import numpy as np
