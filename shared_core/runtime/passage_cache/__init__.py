@@ -9,7 +9,9 @@ model (:func:`attach`); every session's first prefill then goes through it (:mod
 - ``"exact"``: only exact prompt prefixes are reused (in blocks, kept in memory and on disk across
   processes); with ``exact=True`` the output equals a cold prefill's token for token.
 - ``"blend"``: cached passages are reused anywhere in a prompt, in any order, and a share
-  (``recompute_share``) of their tokens is recomputed with full attention (CacheBlend).
+  (``recompute_share``) of their tokens is recomputed with full attention (CacheBlend). A
+  passage not stored yet is, on llama.cpp, read in context and stored after the answer
+  (:func:`store_pending_passages` forces it); on torch, computed alone and stored first.
 """
 
 from __future__ import annotations

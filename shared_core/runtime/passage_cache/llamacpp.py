@@ -27,9 +27,17 @@ runs the first ``prefill`` of every session on that model:
   cells before them and swapped in: one ``llama_decode`` for all gaps, then one per chunk for
   its selected runs, chunk after chunk, so each chunk's recomputed tokens attend to the
   recomputed tokens of the chunks before it (:meth:`LlamaCppPassageCache._decode_runs`).
+- **a miss** (blend): a chunk that is not stored is not placed: it is read in context like a
+  gap (in a decode of its own, after the gaps before it; before the first stored chunk, in
+  place), so it attends to everything before it and is neither probed nor recomputed, and a
+  prompt with no stored chunk is a plain prefill. The chunk is queued and computed alone and
+  stored after the answer (:meth:`LlamaCppPassageCache.store_pending`): when a context goes
+  back to the model and no other is lent out (:meth:`LlamaCppModel.release`), else before the
+  next prefill on the model, in that prefill's context.
 
 A failed or interrupted assembly clears the session's context (nothing half-placed is served);
-the store only ever holds whole entries.
+the store only ever holds whole entries, and an interrupted deferred store queues its chunk
+again.
 """
 
 from __future__ import annotations
