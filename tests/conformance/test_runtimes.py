@@ -692,6 +692,29 @@ def test_passage_cache_blend_reads_unseen_passages_in_context_and_stores_them_af
         assert report.kept + report.reused + report.read == len(ids)
 
 
+def test_passages_read_beside_an_open_session_are_stored_before_the_next_prefill(
+        rt: Runtime, tmp_path: Any) -> None:
+    """While another session holds a context (it may be decoding), nothing is stored when a
+    session is released; the next prefill stores the queue first and reuses it."""
+    lm = rt.blend_lm()
+    with passage_cache(lm, tmp_path, "blend") as cache:
+        if not defers_misses(cache):
+            pytest.skip(f"{type(cache).__name__} computes a missing passage alone first")
+        register_passages(lm, PASSAGES)
+        _, _, first = fresh_greedy(lm, rag_prompt(lm, [0, 1, 2]), 1)
+        held = lm.open_session()
+        assert held.slot is not None  # another session holds a context (it may be decoding)
+        del first
+        gc.collect()
+        assert cache.pending == 3  # released beside a lent context: the queue waits
+        _, _, session = greedy(lm, rag_prompt(lm, [2, 0, 1], "What did Marta Quell design?"), 1)
+        report = session.passage_report
+        assert report is not None and cache.pending == 0 and report.stored >= 3
+        assert "deferred" in report.seconds and report.reused >= 3 * 16
+        assert report.computed_alone == 0 and report.deferred == 0
+        del held, session
+
+
 def test_an_interrupted_deferred_store_keeps_whole_entries_and_the_model_usable(
         rt: Runtime, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     lm = rt.blend_lm()

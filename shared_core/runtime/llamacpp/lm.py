@@ -224,7 +224,6 @@ class LlamaCppModel:
         vouch for its cells (``slot.tokens`` None: cleared on release)."""
         with self._lock:
             slot, common = self._idle.take(prefix if prefix and self.prefix_cache else ())
-            self._lent += 1
         if slot is None:
             slot = _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads,
                          self.settings.exact)
@@ -232,6 +231,8 @@ class LlamaCppModel:
             keep_prefix(slot, common)
         if prefix is None:
             slot.tokens = None
+        with self._lock:
+            self._lent += 1
         return slot
 
     def release(self, slot: _Slot) -> None:
