@@ -24,9 +24,10 @@ runs the first ``prefill`` of every session on that model:
   prefill), and is compared with the values the cached chunk holds.
   A sequence only accepts positions after its last one, so the gaps between chunks, and then
   the runs of selected tokens, are each decoded in a scratch sequence holding sequence 0's
-  cells before them and swapped in: one ``llama_decode`` for all gaps, then one per chunk for
-  its selected runs, chunk after chunk, so each chunk's recomputed tokens attend to the
-  recomputed tokens of the chunks before it (:meth:`LlamaCppPassageCache._decode_runs`).
+  cells before them and swapped in: one ``llama_decode`` for the gaps (one of its own for a
+  gap holding a chunk read in context, below), then one per chunk for its selected runs,
+  chunk after chunk, so each chunk's recomputed tokens attend to the recomputed tokens of the
+  chunks before it (:meth:`LlamaCppPassageCache._decode_runs`).
 - **a miss** (blend): a chunk that is not stored is not placed: it is read in context like a
   gap (in a decode of its own, after the gaps before it; before the first stored chunk, in
   place), so it attends to everything before it and is neither probed nor recomputed, and a
