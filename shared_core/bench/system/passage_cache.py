@@ -10,7 +10,8 @@ warm by accident):
 
 - ``full``: a plain prefill (no cache): TTFT, first token, greedy answer;
 - ``blend_stream``: blend at the default share on the stream as it comes (a passage seen before
-  is in the store, a new one is computed alone and stored): the real hit rate and its TTFT;
+  is in the store; a new one is read in context and stored after the answer on llama.cpp,
+  computed alone and stored before it on torch): the real hit rate and its TTFT;
 - ``blend_<share>``: every share of ``--shares`` once all the question's passages are stored:
   TTFT, first token / answer equal to ``full``'s, accuracy;
 - ``exact_cold`` / ``exact_warm`` (``--exact``): on a second model loaded with ``exact=True``, a
@@ -295,7 +296,12 @@ def _one_question(lm: Any, caches: _Caches, ids: list[int], texts: list[str],
     row["full"] = _answer(lm, ids, max_new)
     caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
     register_passages(lm, texts)
-    row["blend_stream"] = _answer(lm, ids, max_new)
+    stream_cache = caches.blend[DEFAULT_RECOMPUTE_SHARE]
+    before = dict(getattr(stream_cache, "deferred", {}))
+    row["blend_stream"] = _answer(lm, ids, max_new)  # its session is done: misses stored now
+    after = getattr(stream_cache, "deferred", {})
+    row["blend_stream"]["deferred_store"] = {
+        name: after[name] - before.get(name, 0) for name in ("ids", "seconds") if name in after}
     start = time.perf_counter()
     row["warm"] = warm_passages(lm, texts, progress=False)
     row["warm"]["s"] = time.perf_counter() - start
@@ -481,7 +487,8 @@ class _Stream:
     def summary(self, methods: list[str]) -> dict[str, Any]:
         rows = self.rows
         stream = _cache_totals([r["blend_stream"]["cache"] for r in rows]) or {}
-        reused, alone = stream.get("reused", 0), stream.get("computed_alone", 0)
+        reused = stream.get("reused", 0)
+        alone = stream.get("computed_alone", 0) + stream.get("deferred", 0)
         return {
             "n": len(rows), "passages_distinct": len(self.seen),
             "passage_recurrence_token_rate": round(
@@ -496,10 +503,18 @@ class _Stream:
 
     def _warm_rate(self) -> float | None:
         """Seconds to compute and store 1,000 passages alone (what ``warm_passages`` costs), from
-        the stream's misses: the time its placing step took over the ids it computed alone."""
-        seconds = sum((r["blend_stream"].get("steps_s") or {}).get("place", 0.0)
-                      for r in self.rows)
-        alone = sum((r["blend_stream"]["cache"] or {}).get("computed_alone", 0) for r in self.rows)
+        the stream's misses: the time their store took over the ids it computed alone (llama.cpp:
+        the deferred store after each answer; torch: the placing step)."""
+        seconds = alone = 0.0
+        for r in self.rows:
+            stream = r["blend_stream"]
+            deferred = stream.get("deferred_store") or {}
+            if deferred.get("ids"):
+                seconds += deferred["seconds"]
+                alone += deferred["ids"]
+            else:
+                seconds += (stream.get("steps_s") or {}).get("place", 0.0)
+                alone += (stream["cache"] or {}).get("computed_alone", 0)
         if not alone:
             return None
         return round(1000 * seconds / alone * self.passage_tokens / self.occurrences, 1)

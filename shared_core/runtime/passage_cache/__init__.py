@@ -9,7 +9,9 @@ model (:func:`attach`); every session's first prefill then goes through it (:mod
 - ``"exact"``: only exact prompt prefixes are reused (in blocks, kept in memory and on disk across
   processes); with ``exact=True`` the output equals a cold prefill's token for token.
 - ``"blend"``: cached passages are reused anywhere in a prompt, in any order, and a share
-  (``recompute_share``) of their tokens is recomputed with full attention (CacheBlend).
+  (``recompute_share``) of their tokens is recomputed with full attention (CacheBlend). A
+  passage not stored yet is, on llama.cpp, read in context and stored after the answer
+  (:func:`store_pending_passages` forces it); on torch, computed alone and stored first.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PassageCacheConfig", "attach", "chunk_head", "config_from", "ensure", "passage_cache_of",
            "passage_stats", "register_passage_ids", "register_passages", "source_texts",
-           "warm_passages"]
+           "store_pending_passages", "warm_passages"]
 
 
 def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
@@ -160,6 +162,15 @@ def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -
             skipped += 1
     logger.info("warm_passages: %d computed, %d already stored or too short", computed, skipped)
     return {"passages": len(items), "computed": computed, "skipped": skipped}
+
+
+def store_pending_passages(lm: ModelLM) -> int:
+    """Store now the passages a blend cache read in context because they were not stored
+    (llama.cpp: done on its own when the model's last session is released, else before the
+    next prefill); how many were stored. 0 without a cache, or on torch (it stores a passage
+    when it first reads it)."""
+    store_now = getattr(passage_cache_of(lm), "store_pending_now", None)
+    return int(store_now(lm)) if store_now is not None else 0
 
 
 def passage_stats(lm: ModelLM) -> dict[str, Any]:

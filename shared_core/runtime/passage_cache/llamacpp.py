@@ -24,12 +24,21 @@ runs the first ``prefill`` of every session on that model:
   prefill), and is compared with the values the cached chunk holds.
   A sequence only accepts positions after its last one, so the gaps between chunks, and then
   the runs of selected tokens, are each decoded in a scratch sequence holding sequence 0's
-  cells before them and swapped in: one ``llama_decode`` for all gaps, then one per chunk for
-  its selected runs, chunk after chunk, so each chunk's recomputed tokens attend to the
-  recomputed tokens of the chunks before it (:meth:`LlamaCppPassageCache._decode_runs`).
+  cells before them and swapped in: one ``llama_decode`` for the gaps (one of its own for a
+  gap holding a chunk read in context, below), then one per chunk for its selected runs,
+  chunk after chunk, so each chunk's recomputed tokens attend to the recomputed tokens of the
+  chunks before it (:meth:`LlamaCppPassageCache._decode_runs`).
+- **a miss** (blend): a chunk that is not stored is not placed: it is read in context like a
+  gap (in a decode of its own, after the gaps before it; before the first stored chunk, in
+  place), so it attends to everything before it and is neither probed nor recomputed, and a
+  prompt with no stored chunk is a plain prefill. The chunk is queued and computed alone and
+  stored after the answer (:meth:`LlamaCppPassageCache.store_pending`): when a context goes
+  back to the model and no other is lent out (:meth:`LlamaCppModel.release`), else before the
+  next prefill on the model, in that prefill's context.
 
 A failed or interrupted assembly clears the session's context (nothing half-placed is served);
-the store only ever holds whole entries.
+the store only ever holds whole entries, and an interrupted deferred store queues its chunk
+again.
 """
 
 from __future__ import annotations
@@ -38,7 +47,8 @@ import ctypes
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -64,6 +74,7 @@ HEAD_BLOCK = 8  # blend: ids per stored prefix block (no grid to keep; a RAG hea
 PROBE_LAYER = 1  # CacheBlend selects on an early layer; layer 0's values see no context
 PLACE_SEQ = MAX_TREE_LEAVES  # scratch sequence a chunk is restored / computed in
 MERGE_GAP = 2  # selected runs this close are recomputed as one (fewer decodes)
+MAX_PENDING = 1024  # chunks read in context kept queued for storing (the oldest dropped)
 
 
 @dataclass
@@ -73,9 +84,11 @@ class PrefillReport:
     prompt: int = 0
     kept: int = 0  # held by the idle context the session took (in-memory prefix reuse)
     reused: int = 0  # restored from the store (exact blocks or blended chunks)
-    computed_alone: int = 0  # blend: chunk ids missing from the store, computed alone and stored
+    computed_alone: int = 0  # blend: chunk ids computed alone and stored before the answer
+    #   (torch's misses; llama.cpp: only an entry it refused, its misses are read and deferred)
     recomputed: int = 0  # blend: reused ids decoded again with full attention
-    read: int = 0  # decoded in place (gaps, the question, everything not cached)
+    read: int = 0  # decoded in place (gaps, the question, chunks not stored: everything not cached)
+    deferred: int = 0  # blend: of the read ids, those of chunks queued to be stored after the answer
     probe: int = 0  # blend: ids run through the layer-1 probe
     stored: int = 0  # entries written
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per step (profiling)
@@ -190,6 +203,13 @@ class _Probe:
             self.ctx = None
 
 
+@dataclass
+class _Owner:
+    """What :func:`decode` needs of an LM, for a context used outside any session."""
+
+    model: LlamaCppModel
+
+
 def _seq_state(llama: Any, ctx: Any, seq: int) -> bytes:
     size = llama.llama_state_seq_get_size(ctx, seq)
     buf = (ctypes.c_uint8 * size)()
@@ -212,6 +232,9 @@ class LlamaCppPassageCache:
         self._probe: _Probe | None = None
         self._probe_lock = threading.Lock()
         self._head_state: bytes | None = None  # the head's KV, read once
+        self._pending: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # read, to be stored
+        self._pending_lock = threading.Lock()
+        self.deferred = {"stored": 0, "ids": 0, "dropped": 0, "seconds": 0.0}  # store_pending
 
     @property
     def mode(self) -> str:
@@ -224,7 +247,8 @@ class LlamaCppPassageCache:
 
     def stats(self) -> dict[str, Any]:
         """The store's counters and the last prefill's report."""
-        return {"mode": self.mode, "store": self.store.stats.as_dict(), "last": self.last.as_dict()}
+        return {"mode": self.mode, "store": self.store.stats.as_dict(), "last": self.last.as_dict(),
+                "pending": self.pending, "deferred": dict(self.deferred)}
 
     def close(self) -> None:
         if self._probe is not None:
@@ -365,6 +389,9 @@ class LlamaCppPassageCache:
             report.kept = len(session.tokens)
             keys = self.store.prefix_keys(ids, self.block, first)
             restored = self._restore_prefix(session, ids, keys, report)
+        if self.pending:  # what an earlier session read and could not store after its answer
+            with report.timed("deferred"):
+                report.stored += self.store_pending(session._slot)
         placed = self.fill(session.lm, session._slot, 0, ids[:-1], len(session.tokens), report,
                            scratch=range(1, PLACE_SEQ))
         with report.timed("head"):  # the head's cells are untouched by placing and recomputing
@@ -380,29 +407,42 @@ class LlamaCppPassageCache:
     def fill(self, lm: SessionLM, slot: _Slot, seq: int, ids: Sequence[int], have: int,
              report: PrefillReport, scratch: Sequence[int]) -> int:
         """Make ``seq`` (holding ``ids[:have]`` at positions ``0..have-1``) hold all of ``ids``:
-        the ids before the first chunk decoded in place, cached chunks placed, the gaps between
-        them decoded, the selected share of the reused tokens recomputed (both in the empty
-        ``scratch`` sequences), then the ids after the last chunk decoded in place. Returns how
-        many chunks were placed (0: a plain prefill)."""
+        the ids before the first stored chunk decoded in place, stored chunks placed, the gaps
+        between them decoded (a chunk not stored is read there, in context, and queued for
+        :meth:`store_pending`), the selected share of the reused tokens recomputed (both in the
+        empty ``scratch`` sequences), then the ids after the last stored chunk decoded in place.
+        Returns how many chunks were placed (0: a plain prefill)."""
         ids = [int(t) for t in ids]
         spans = [s for s in self.chunks_of(ids) if s.start >= have]
         if not self._fits(ids, spans) or not scratch:
             spans = []  # no room for a scratch chunk beside the prompt: a plain prefill
-        pos = have
-        if spans:
-            with report.timed("read"):  # the head, in place: the chunks go after it
-                self._decode_range(lm, slot, seq, ids, pos, spans[0].start, report)
-            pos = spans[0].start
-        gaps, placed = [], []
+        stored, missing = [], []
         for span in spans:
+            chunk = ids[span.start : span.end]
+            key = self.store.key("chunk", self.head, chunk)
+            payload = self.store.get(key)
+            if payload is None:
+                self._defer(key, chunk)
+                report.deferred += len(span)
+                missing.append(span)
+            else:
+                stored.append((span, key, payload))
+        pos = have
+        if stored:
+            with report.timed("read"):  # the head, in place: the chunks go after it
+                self._decode_range(lm, slot, seq, ids, pos, stored[0][0].start, report)
+            pos = stored[0][0].start
+        gaps, placed = [], []
+        for span, key, payload in stored:
             if span.start > pos:
                 gaps.append((pos, span.start))
             with report.timed("place"):
                 placed.append((span, self._place(lm, slot, seq, ids[span.start : span.end],
-                                                 span.start, report)))
+                                                 span.start, report, key, payload)))
             pos = span.end
         with report.timed("read"):  # between chunks: each gap sees the chunks before it
-            report.read += self._decode_runs(lm, slot, seq, ids, gaps, scratch)
+            for group in _gap_groups(gaps, missing):
+                report.read += self._decode_runs(lm, slot, seq, ids, group, scratch)
         if placed and self.config.recompute_share > 0:
             with report.timed("probe"):
                 runs = self._select(lm, ids[:pos], placed, report)
@@ -424,21 +464,18 @@ class LlamaCppPassageCache:
             report.read += max(end - begin, 0)
 
     def _place(self, lm: SessionLM, slot: _Slot, seq: int, chunk: list[int], start: int,
-               report: PrefillReport) -> bytes:
-        """Put ``chunk``'s KV (stored, else computed alone and stored) at ``start`` of ``seq``."""
+               report: PrefillReport, key: str, payload: bytes) -> bytes:
+        """Put ``chunk``'s stored KV (``payload`` under ``key``; computed alone and stored again
+        if llama.cpp refuses it) at ``start`` of ``seq``."""
         h, n = len(self.head), len(chunk)
-        key = self.store.key("chunk", self.head, chunk)
-        payload = self.store.get(key)
-        if payload is not None and not self._load(slot, payload, h, n, PLACE_SEQ):
+        if self._load(slot, payload, h, n, PLACE_SEQ):
+            report.reused += n
+        else:
             self.store.discard(key)
-            payload = None
-        if payload is None:
             payload = self._compute_alone(lm, slot, chunk)
             self.store.put(key, payload)
             report.computed_alone += n
             report.stored += 1
-        else:
-            report.reused += n
         if start != h:
             self.model.llama.llama_memory_seq_add(slot.memory, PLACE_SEQ, h, h + n, start - h)
         self._copy_in(slot, PLACE_SEQ, start, start + n, seq)
@@ -577,6 +614,9 @@ class LlamaCppPassageCache:
             return [shared] * len(rows)
         report = PrefillReport(prompt=sum(map(len, rows)), kept=shared * len(rows))
         try:
+            if self.pending:
+                with report.timed("deferred"):
+                    report.stored += self.store_pending(slot)
             for r, row in enumerate(rows):
                 self.fill(lm, slot, r + first_sequence, row[:-1], shared, report, scratch)
         except BaseException:
@@ -586,6 +626,82 @@ class LlamaCppPassageCache:
         report.read += len(rows)
         self.last = report
         return [len(row) - 1 for row in rows]
+
+    # -- chunks read in context, stored after the answer
+
+    @property
+    def pending(self) -> int:
+        """Chunks read in context and not stored yet (:meth:`store_pending` stores them)."""
+        return len(self._pending)
+
+    def _defer(self, key: str, chunk: Sequence[int]) -> None:
+        with self._pending_lock:
+            self._pending[key] = tuple(int(t) for t in chunk)
+            self._pending.move_to_end(key)
+            while len(self._pending) > MAX_PENDING:
+                self._pending.popitem(last=False)
+
+    def _requeue(self, key: str, chunk: tuple[int, ...]) -> None:
+        with self._pending_lock:
+            self._pending[key] = chunk
+            self._pending.move_to_end(key, last=False)
+
+    def _room(self, slot: _Slot, chunk: Sequence[int]) -> bool:
+        """Whether ``slot`` has cells for the head and ``chunk`` beside its sequence 0."""
+        held = self.model.llama.llama_memory_seq_pos_max(slot.memory, 0) + 1
+        return bool(held + len(self.head) + len(chunk) <= self.model.n_ctx)
+
+    def store_pending(self, slot: _Slot, *, make_room: bool = False,
+                      stop: Callable[[], bool] | None = None) -> int:
+        """Compute each chunk read in context since the last call alone (after the head, as
+        :meth:`warm` does) in ``slot``'s scratch sequence and store it; how many were stored.
+
+        Sequence 0 is untouched unless ``make_room`` (a released context: it is cleared when
+        the scratch chunk does not fit beside it); otherwise a chunk that does not fit stays
+        queued. ``stop()`` is asked before each chunk (True: the rest stay queued). A chunk
+        that fails (an error) is dropped from the queue (read in context again, it is queued
+        again); an interruption puts it back and re-raises. The store only ever gets whole
+        entries and the scratch sequence is emptied in every case."""
+        owner = cast("SessionLM", _Owner(self.model))
+        done = 0
+        while stop is None or not stop():
+            with self._pending_lock:
+                if not self._pending:
+                    break
+                key, chunk = self._pending.popitem(last=False)
+            if key in self.store:
+                continue
+            if not self._room(slot, chunk):
+                if not make_room:
+                    self._requeue(key, chunk)
+                    break
+                slot.clear()
+                slot.tokens = []
+            start = time.perf_counter()
+            try:
+                self.store.put(key, self._compute_alone(owner, slot, list(chunk)))
+            except Exception:
+                logger.warning("passage cache: could not store a chunk read in context (%d ids); "
+                               "dropped it", len(chunk), exc_info=True)
+                self.deferred["dropped"] += 1
+                continue
+            except BaseException:
+                self._requeue(key, chunk)
+                raise
+            finally:
+                self.model.llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
+            self.deferred["stored"] += 1
+            self.deferred["ids"] += len(chunk)
+            self.deferred["seconds"] += time.perf_counter() - start
+            done += 1
+        return done
+
+    def store_pending_now(self, lm: SessionLM) -> int:
+        """:meth:`store_pending` in a context of its own (lent by the model for the call)."""
+        if not self.pending:
+            return 0
+        session = cast("LlamaCppSession", lm.open_session())  # this model's runtime
+        return self.store_pending(session.slot, make_room=True)
 
     def warm(self, lm: SessionLM, chunk_ids: Sequence[int]) -> bool:
         """Compute and store one chunk alone (blend) unless stored; True if it was computed."""
@@ -615,6 +731,21 @@ def _groups(runs: Sequence[tuple[int, int]], width: int, rows: int
         groups[-1].append((a, b))
         size += b - a
     return groups
+
+
+def _gap_groups(gaps: Sequence[tuple[int, int]], read: Sequence[Span]
+                ) -> list[list[tuple[int, int]]]:
+    """The gaps between placed chunks in decode groups, in order: a gap holding a chunk read in
+    context (``read``) is decoded alone, after every gap before it and before every gap after
+    it, so it and what follows attend to everything before them; the other gaps (a template's
+    separators) share decodes."""
+    groups: list[list[tuple[int, int]]] = [[]]
+    for a, b in gaps:
+        if any(a <= span.start and span.end <= b for span in read):
+            groups.extend([[(a, b)], []])
+        else:
+            groups[-1].append((a, b))
+    return [group for group in groups if group]
 
 
 def _by_chunk(runs: Sequence[tuple[int, int]], spans: Sequence[Span]
