@@ -16,14 +16,14 @@ the cache too. The rows themselves are never kept.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_core.runtime.llamacpp.session import EXACT_CHUNK, decode
 
-# ``lm`` is a shared_core.runtime.llamacpp.lm.LlamaCppLM and ``slot`` one of its contexts; not
-# imported here, because that module imports this one.
-LlamaCppLM = Any
-_Slot = Any
+if TYPE_CHECKING:  # only for the checker: lm.py imports this module
+    import numpy as np
+
+    from shared_core.runtime.llamacpp.lm import LlamaCppLM, _Slot
 
 
 def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
@@ -64,7 +64,7 @@ class _Batch:
         return out
 
 
-def _log_softmax_at(logits: Any, token: int) -> float:
+def _log_softmax_at(logits: np.ndarray, token: int) -> float:
     import numpy as np
 
     top = float(logits.max())
