@@ -163,7 +163,7 @@ def check_document_list(documents: object) -> None:
 EXPECTED_HITS = "list[list[Hit]] (one list of Hit(document, score, rank) per query, best first)"
 
 
-def check_rows(rows: object, n_queries: int, where: str) -> Any:
+def check_rows(rows: object, n_queries: int, where: str) -> Sequence[object]:
     """A sequence with one row per query (the rows themselves are checked by the caller)."""
     if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Sequence):
         msg = f"retriever {where} returned {type(rows).__name__}; expected {EXPECTED_HITS}"
