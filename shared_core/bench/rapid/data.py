@@ -15,6 +15,7 @@ import numpy as np
 from shared_core.bench.common import read_jsonl
 
 if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
     from transformers import PreTrainedTokenizerBase
 
 QUALITY_QUERY = "{question}\n\nAnswer with the letter of the correct option, e.g. (A)."
@@ -61,7 +62,7 @@ def _passage(doc: dict[str, Any], number: int) -> str:
     return f"Document [{number}] (Title: {doc['title']}) {doc['text']}"
 
 
-def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: Any) -> np.ndarray:
+def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: SentenceTransformer) -> np.ndarray:
     """MiniLM vectors of the 2,600 passages, cached on disk (not in the repository)."""
     from shared_core.runtime.models import cache_dir
 
@@ -76,8 +77,8 @@ def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: Any) -> np.ndarra
     return vectors
 
 
-def nq_long_items(root: Path, embedder: Any, tokenizer: PreTrainedTokenizerBase, limit: int, seed: int,
-                  target_tokens: int | None = None, n_distractors: int = 39,
+def nq_long_items(root: Path, embedder: SentenceTransformer, tokenizer: PreTrainedTokenizerBase,
+                  limit: int, seed: int, target_tokens: int | None = None, n_distractors: int = 39,
                   query: str = NQ_QUERY) -> list[Item]:
     """Gold passage at a random position among similar distractors (fixed seed, recorded).
 
