@@ -20,10 +20,13 @@ from typing import TYPE_CHECKING, Any
 
 from shared_core.runtime.llamacpp.session import EXACT_CHUNK, decode
 
-if TYPE_CHECKING:  # only for the checker: lm.py imports this module
+if TYPE_CHECKING:
     import numpy as np
 
-    from shared_core.runtime.llamacpp.lm import LlamaCppLM, _Slot
+# ``lm`` is a shared_core.runtime.llamacpp.lm.LlamaCppLM and ``slot`` one of its contexts; not
+# imported here, because that module imports this one.
+LlamaCppLM = Any
+_Slot = Any
 
 
 def _common_prefix(rows: Sequence[Sequence[int]]) -> int:
