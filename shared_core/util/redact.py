@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, overload
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 MASK = "***"
@@ -140,6 +140,14 @@ def strip_credentials(value: object) -> object:
     if isinstance(value, dict) and type(value) is dict:
         return {key: strip_credentials(item) for key, item in value.items()}
     return value
+
+
+@overload
+def redacted_dump(value: dict[str, Any]) -> dict[str, Any]: ...
+
+
+@overload
+def redacted_dump(value: object) -> object: ...
 
 
 def redacted_dump(value: object) -> object:
