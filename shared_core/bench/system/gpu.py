@@ -211,7 +211,7 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
                 errors[name] = {"type": type(e).__name__, "message": str(e)[:1000],
                                 "traceback": traceback.format_exc(limit=6)[-3000:]}
         try:
-            sampling: Any = (checks.check_sampling(target, drafter, sizes.samples)
+            sampling: list[dict[str, Any]] = (checks.check_sampling(target, drafter, sizes.samples)
                              if with_sampling else [])
         except Exception as e:
             logger.exception("sampling check failed")
