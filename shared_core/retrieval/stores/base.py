@@ -145,7 +145,7 @@ def _langchain(model: object, method: str) -> TypeGuard[LangChainEmbeddings]:
 
 
 def _has_llamaindex(model: object, method: str) -> TypeGuard[LlamaIndexEmbedding]:
-    return callable(getattr(model, method, None))
+    return hasattr(model, method)  # not callable: calling it fails as it always did
 
 
 def _llamaindex(model: object, method: str) -> LlamaIndexEmbedding:
