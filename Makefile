@@ -43,7 +43,8 @@ test: install
 	$(PY) -m mypy
 	$(PY) -m pytest -q tests
 
-# mypy reads its settings and the package it checks (shared_core) from pyproject.toml.
+# mypy reads its settings and the packages it checks (shared_core and the two adapters) from
+# pyproject.toml.
 lint: install
 	$(PY) -m ruff check shared_core langchain_specrag llamaindex_specrag tests examples
 	$(PY) -m mypy

@@ -41,7 +41,7 @@ def prompt_messages(prompt: object) -> PromptMessages | None:
         return check_prompt(prompt)
     check_prompt_variables(set(prompt.template_vars) - set(prompt.kwargs))
     pairs = []
-    for message in prompt.format_messages(**PROMPT_SENTINELS):
+    for message in prompt.format_messages(None, **PROMPT_SENTINELS):  # no LLM: plain text
         role = getattr(message.role, "value", message.role)
         if role not in PROMPT_ROLES:
             msg = f"prompt messages must be system, user or assistant messages, got {role!r}"

@@ -222,8 +222,8 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
         index = 0
         for event in stream:
             # without tools every step is a chunk; with tools, only content and calls are
-            last = isinstance(event, Finished)
-            delta = event.rest if last else event
+            last = event if isinstance(event, Finished) else None
+            delta = event.rest if isinstance(event, Finished) else event
             if delta.text or not (last or stream.tools):
                 chunk = ChatGenerationChunk(message=AIMessageChunk(content=delta.text))
                 if run_manager is not None and delta.text:
@@ -233,8 +233,8 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
                 yield ChatGenerationChunk(message=AIMessageChunk(content="", tool_call_chunks=[
                     _call_chunk(call, index)]))
                 index += 1
-            if last:
-                yield _last_chunk(event)
+            if last is not None:
+                yield _last_chunk(last)
 
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any

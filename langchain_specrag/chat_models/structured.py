@@ -31,9 +31,9 @@ def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any
     if method == "function_calling":
         name = convert_to_openai_tool(schema)["function"]["name"]
         bound = model.bind_tools([schema], tool_choice=name, **trace, **kwargs)
-        parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
-                  else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
-        return bound, parser
+        tools_parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
+                        else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        return bound, tools_parser
     if method == "json_schema":
         if isinstance(schema, dict) and schema.get("type") != "function":  # not an OpenAI tool
             check_json_schema(schema, "schema")  # LangChain's conversion fails unclearly

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Iterator
-from typing import Any
+from typing import Any, cast
 
 from langchain_core.documents import Document as LCDocument
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
@@ -78,8 +78,9 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
     def stream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
                **kwargs: Any) -> Iterator[str]:
         """Verified text deltas (the answer text, also when ``with_details`` is set)."""
-        yield from self._transform_stream_with_config(iter([input]), self._deltas, config,
-                                                      **kwargs)
+        # LangChain types the result by the runnable's output (str | dict); _deltas yields str
+        yield from cast(Iterator[str], self._transform_stream_with_config(
+            iter([input]), self._deltas, config, **kwargs))
 
     async def _adeltas(self, inputs: AsyncIterator[RAGInput]) -> AsyncIterator[str]:
         async for value in inputs:
@@ -93,6 +94,6 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
         async def one() -> AsyncIterator[str | RaLMSpecInput]:
             yield input
 
-        async for delta in self._atransform_stream_with_config(one(), self._adeltas, config,
-                                                               **kwargs):
+        deltas = self._atransform_stream_with_config(one(), self._adeltas, config, **kwargs)
+        async for delta in cast(AsyncIterator[str], deltas):  # typed as the output, as above
             yield delta

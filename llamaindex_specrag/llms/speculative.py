@@ -49,6 +49,7 @@ from llamaindex_specrag.llms.tools import (
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, check_int
 from shared_core.decoding.tool_calls import template_takes_tools
 from shared_core.frontend.chat import ChatEvent, ChatSettings, ChatStream, Finished, chat, chat_model
+from shared_core.frontend.chat_events import FoundCall
 from shared_core.frontend.serving import FairLock, iterate_in_thread
 from shared_core.util.redact import redact
 
@@ -99,7 +100,8 @@ def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:
 def _chat_steps(stream: ChatStream, events: Iterator[ChatEvent]) -> ChatResponseGen:
     """Each response holds the message so far (with tools: content without the calls' text, the
     calls completed so far) and its ``delta``; the last one equals ``chat``'s reply."""
-    content, found = "", []
+    content = ""
+    found: list[FoundCall] = []
     for event in events:
         if isinstance(event, Finished):
             raw = event.report.as_dict()

@@ -15,7 +15,7 @@ over ``question`` and ``documents``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Generator, Iterator
 from typing import TYPE_CHECKING
 
 from llama_index.core.base.response.schema import (
@@ -60,14 +60,17 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
 
     streaming: bool = False
 
-    def custom_query(self, query_str: str) -> Response | StreamingResponse:
-        stream = ralmspec(self, query_text(query_str))  # settings and model checked here
-        if not self.streaming:
-            answer = stream.finish()
-            return Response(response=answer.text, source_nodes=_nodes(answer),
-                            metadata=answer.details)
+    def _answer(self, query_str: str) -> Response:
+        """The whole answer (not streaming)."""
+        answer = ralmspec(self, query_text(query_str)).finish()  # settings and model checked here
+        return Response(response=answer.text, source_nodes=_nodes(answer), metadata=answer.details)
 
-        def deltas() -> Iterator[str]:  # runs once ``response`` exists
+    def custom_query(self, query_str: str) -> Response | StreamingResponse:
+        if not self.streaming:
+            return self._answer(query_str)
+        stream = ralmspec(self, query_text(query_str))  # settings and model checked here
+
+        def deltas() -> Generator[str, None, None]:  # runs once ``response`` exists
             yield from _deltas(stream, response)
 
         response = StreamingResponse(response_gen=deltas())
@@ -75,10 +78,10 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
 
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
         if not self.streaming:
-            return await asyncio.to_thread(self.custom_query, query_str)
+            return await asyncio.to_thread(self._answer, query_str)
         stream = await asyncio.to_thread(ralmspec, self, query_text(query_str))
 
-        async def deltas() -> AsyncIterator[str]:
+        async def deltas() -> AsyncGenerator[str, None]:
             async for delta in iterate_in_thread(_deltas(stream, response)):
                 yield delta
 

@@ -19,7 +19,7 @@ over ``question`` and ``documents``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
@@ -136,7 +136,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
             answers = [_dispatched(event) for event in call]
             return _response(finished(answers[-1]), nodes)
 
-        def chunks() -> Iterator[str]:  # runs once ``response`` exists
+        def chunks() -> Generator[str, None, None]:  # runs once ``response`` exists
             yield from _chunks(call, response)
 
         response = StreamingResponse(response_gen=chunks(), source_nodes=nodes)
@@ -150,7 +150,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
             answers = [_dispatched(event) async for event in iterate_in_thread(iter(call))]
             return _response(finished(answers[-1]), nodes)
 
-        async def chunks() -> AsyncIterator[str]:
+        async def chunks() -> AsyncGenerator[str, None]:
             async for chunk in iterate_in_thread(_chunks(call, response)):
                 yield chunk
 

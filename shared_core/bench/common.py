@@ -16,7 +16,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
+
+if TYPE_CHECKING:
+    import torch
+
+Item = TypeVar("Item")
+Out = TypeVar("Out")
 
 logger = logging.getLogger(__name__)
 
@@ -155,17 +161,18 @@ def plot_report(report: dict[str, Any], out: str | Path | None,
     plt.close(fig)
 
 
-def timed_loop(items: Iterable[Any], fn: Callable[[Any], Any], device: Any,
-               desc: str, progress: bool = True) -> tuple[list[Any], float]:
+def timed_loop(items: Iterable[Item], fn: Callable[[Item], Out],
+               device: torch.device | str | None, desc: str, progress: bool = True
+               ) -> tuple[list[Out], float]:
     """Run ``fn`` over ``items`` with a progress bar; return outputs and synchronised wall time."""
     from tqdm.auto import tqdm
 
     from shared_core.util.device import synchronize
 
-    items = list(items)
-    outputs: list[Any] = []
+    listed = list(items)
+    outputs: list[Out] = []
     total = 0.0
-    for item in tqdm(items, desc=desc, disable=not progress, leave=False):
+    for item in tqdm(listed, desc=desc, disable=not progress, leave=False):
         synchronize(device)
         start = time.perf_counter()
         outputs.append(fn(item))
@@ -174,7 +181,8 @@ def timed_loop(items: Iterable[Any], fn: Callable[[Any], Any], device: Any,
     return outputs, total
 
 
-def mean_ms(fn: Callable[[], Any], repeats: int, *, device: Any = None, warmup: int = 0) -> float:
+def mean_ms(fn: Callable[[], object], repeats: int, *, device: torch.device | str | None = None,
+            warmup: int = 0) -> float:
     """Mean synchronised wall milliseconds of ``fn()`` over ``repeats`` calls, after ``warmup``
     untimed calls (:func:`timed_loop` does the timing)."""
     for _ in range(warmup):

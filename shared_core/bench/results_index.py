@@ -77,7 +77,7 @@ def command_of(report: dict[str, Any], subject: str) -> str:
     return f"`bench {COMMANDS.get(name, name)}`"
 
 
-def _numbers(value: Any, prefix: str = "") -> list[tuple[str, float]]:
+def _numbers(value: object, prefix: str = "") -> list[tuple[str, float]]:
     if isinstance(value, bool):
         return []
     if isinstance(value, int | float):

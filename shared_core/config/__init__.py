@@ -16,7 +16,10 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Any, Literal, TypedDict, TypeVar, overload
+
+if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
 
 DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
 DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
@@ -188,7 +191,7 @@ def suggest_kwargs(func: F) -> F:
     owner = func.__qualname__.removesuffix(".__init__")
 
     @functools.wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
+    def wrapper(*args: object, **kwargs: object) -> object:
         if not valid.issuperset(kwargs):
             check_kwargs(kwargs, valid, owner)
         return func(*args, **kwargs)
@@ -225,12 +228,12 @@ def check_timeout(timeout_s: object, name: str = "retrieval_timeout_s") -> None:
     _check(0 < seconds < math.inf, f"{name} must be {what}, got {timeout_s!r}")
 
 
-def check_number(value: Any, name: str, low: float, high: float) -> None:
+def check_number(value: object, name: str, low: float, high: float) -> None:
     """A real number (not bool; numpy floats pass) strictly between ``low`` and ``high`` (the
     retrievers' closed interval is ``shared_core.retrieval._common.check_closed_range``)."""
     what = f"a number in ({low}, {high})"
-    check_type(value, name, (numbers.Real,), what)
-    _check(low < value < high, f"{name} must be {what}, got {value!r}")
+    real = check_type(value, name, (numbers.Real,), what)
+    _check(low < float(real) < high, f"{name} must be {what}, got {value!r}")
 
 
 def check_fields(config: object, *, ints: Iterable[str] = (), bools: Iterable[str] = (),
@@ -244,7 +247,7 @@ def check_fields(config: object, *, ints: Iterable[str] = (), bools: Iterable[st
         check_type(getattr(config, name), name, (str,), "a str")
 
 
-def check_config_types(config: Any) -> None:
+def check_config_types(config: DataclassInstance) -> None:
     """Type-check a config dataclass's fields against their defaults' types (bool, int, float,
     str; a ``None`` default allows None or an int), naming the field and the config class."""
     owner = type(config).__name__

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
+    from xgrammar import CompiledGrammar
 
     from shared_core.runtime.protocol import SessionLM
 
@@ -163,7 +164,7 @@ def compile_constraint(lm: SessionLM, constraint: Constraint) -> Any:
 class GrammarMask:
     """An xgrammar matcher as the engines' ``LogitsMask`` (see the module docstring)."""
 
-    def __init__(self, compiled: Any, vocab_size: int):
+    def __init__(self, compiled: CompiledGrammar, vocab_size: int):
         import xgrammar as xgr
 
         self._xgr = xgr

@@ -123,33 +123,36 @@ class OutputTracker:
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
-def generation_config(max_new_tokens: Any = DEFAULT_MAX_NEW_TOKENS, *,
-                      name: str = "max_new_tokens", stop: Any = None,
-                      temperature: Any = SamplingConfig.temperature, top_k: Any = SamplingConfig.top_k,
-                      top_p: Any = SamplingConfig.top_p,
-                      seed: Any = None) -> GenerationConfig:
+def generation_config(max_new_tokens: object = DEFAULT_MAX_NEW_TOKENS, *,
+                      name: str = "max_new_tokens", stop: object = None,
+                      temperature: object = SamplingConfig.temperature,
+                      top_k: object = SamplingConfig.top_k, top_p: object = SamplingConfig.top_p,
+                      seed: object = None) -> GenerationConfig:
     """:meth:`GenerationConfig.build` after type checks; ``name`` is the caller's word for
     ``max_new_tokens`` (``"max_tokens"`` in LangChain), so the error names what was passed."""
-    max_new_tokens = check_int(max_new_tokens, name, minimum=1)
-    temperature = check_real(temperature, "temperature")
-    top_k = check_int(top_k, "top_k", minimum=0)
-    top_p = check_real(top_p, "top_p")
-    if seed is not None:
-        seed = check_int(seed, "seed", None)
-    if stop is not None and not isinstance(stop, str):
+    tokens = check_int(max_new_tokens, name, minimum=1)
+    heat = check_real(temperature, "temperature")
+    k = check_int(top_k, "top_k", minimum=0)
+    p = check_real(top_p, "top_p")
+    seed_value = check_int(seed, "seed", None) if seed is not None else None
+    stops: list[str] | str | None = None
+    if isinstance(stop, str):
+        stops = stop
+    elif stop is not None:
         if not isinstance(stop, Iterable) or isinstance(stop, bytes | dict):
             msg = f"stop must be a string or a list of strings, got {type(stop).__name__}"
             raise TypeError(msg)
-        stop = list(stop)
-        bad = [s for s in stop if not isinstance(s, str)]
+        items = list(stop)
+        bad = [s for s in items if not isinstance(s, str)]
         if bad:
             msg = f"stop must be a list of strings, got an item {bad[0]!r}"
             raise TypeError(msg)
-    return GenerationConfig.build(max_new_tokens, stop=stop, temperature=temperature,
-                                  top_k=top_k, top_p=top_p, seed=seed)
+        stops = [s for s in items if isinstance(s, str)]
+    return GenerationConfig.build(tokens, stop=stops, temperature=heat, top_k=k, top_p=p,
+                                  seed=seed_value)
 
 
-def check_generation_field(name: str, value: Any) -> None:
+def check_generation_field(name: str, value: object) -> None:
     """Check one generation setting given alone (an adapter field): ``max_tokens`` /
     ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` or ``seed``; None passes."""
     if value is None:
@@ -157,7 +160,8 @@ def check_generation_field(name: str, value: Any) -> None:
     if name in ("max_tokens", "max_new_tokens"):
         generation_config(value, name=name)
     else:
-        generation_config(1, **{name: value})
+        setting: dict[str, Any] = {name: value}  # the keyword is chosen at run time
+        generation_config(1, **setting)
 
 
 def validate_messages(messages: Sequence[Any]) -> list[dict[str, str]]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncGenerator, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared_core.config import LOAD_LM_BACKEND
@@ -35,7 +35,7 @@ __all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_th
            "release_all", "step_locked"]
 
 
-async def iterate_in_thread(items: Iterator[T]) -> AsyncIterator[T]:
+async def iterate_in_thread(items: Iterator[T]) -> AsyncGenerator[T, None]:
     """Drive a blocking iterator on a worker thread; the event loop stays free.
 
     The worker computes an item only when the consumer asks for one, so a consumer that stops

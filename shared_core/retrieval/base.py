@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeGuard, TypeVar, runtime_checkable
 
 from shared_core.config import check_unicode
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,44 @@ class TextEncoder(Protocol):
 
     def encode(self, texts: list[str], /, *, normalize_embeddings: bool = ...,
                show_progress_bar: bool | None = ...) -> object: ...
+
+
+class Encoder(Protocol):
+    """Any embedder with ``encode(list[str])`` returning vectors ``[n, dim]`` (an array, or what
+    ``numpy.asarray`` reads as one): a sentence-transformers model or a look-alike."""
+
+    def encode(self, texts: list[str], /) -> object: ...
+
+
+class LangChainEmbeddings(Protocol):
+    """A LangChain ``Embeddings`` (``langchain_core.embeddings``)."""
+
+    def embed_query(self, text: str, /) -> list[float]: ...
+
+    def embed_documents(self, texts: list[str], /) -> list[list[float]]: ...
+
+
+class LlamaIndexEmbedding(Protocol):
+    """A LlamaIndex ``BaseEmbedding`` (``llama_index.core.base.embeddings.base``)."""
+
+    def get_query_embedding(self, query: str, /) -> list[float]: ...
+
+    def get_text_embedding_batch(self, texts: list[str], /) -> list[list[float]]: ...
+
+
+EmbeddingModel: TypeAlias = "Encoder | LangChainEmbeddings | LlamaIndexEmbedding"
+#: an embedder as a retriever or store takes it: a model name (loaded on first use) or a model
+EmbedderSpec: TypeAlias = "str | EmbeddingModel"
+
+
+def is_sentence_transformer(model: object) -> TypeGuard[SentenceTransformer]:
+    """Whether ``model`` comes from sentence-transformers (its ``encode`` takes batch options)."""
+    return type(model).__module__.startswith("sentence_transformers")
+
+
+def encodes(model: object) -> TypeGuard[Encoder]:
+    """Whether ``model`` has a callable ``encode`` (checked by duck typing, as everywhere)."""
+    return callable(getattr(model, "encode", None))
 
 
 RETRIEVER_METHODS = ("search", "invoke", "retrieve", "_get_relevant_documents")

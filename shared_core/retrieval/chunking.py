@@ -16,10 +16,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shared_core.retrieval._common import check_int
 from shared_core.retrieval.base import Document
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -61,7 +64,7 @@ def _windows(n_tokens: int, chunk_tokens: int, overlap: int) -> list[tuple[int, 
     return windows
 
 
-def _spans(text: str, tokenizer: Any, chunk_tokens: int, overlap: int) -> list[_Span]:
+def _spans(text: str, tokenizer: PreTrainedTokenizerBase, chunk_tokens: int, overlap: int) -> list[_Span]:
     if not isinstance(text, str):
         msg = f"text must be a str, got {type(text).__name__}"
         raise TypeError(msg)
@@ -83,7 +86,8 @@ def _spans(text: str, tokenizer: Any, chunk_tokens: int, overlap: int) -> list[_
             for a, b in _windows(len(ids), chunk_tokens, overlap)]
 
 
-def chunk_text(text: str, tokenizer: Any, chunk_tokens: int = 512, overlap: int = 0) -> list[str]:
+def chunk_text(text: str, tokenizer: PreTrainedTokenizerBase, chunk_tokens: int = 512,
+               overlap: int = 0) -> list[str]:
     """Split ``text`` into consecutive windows of ``chunk_tokens`` tokens, in document order.
 
     Args:
@@ -98,7 +102,7 @@ def chunk_text(text: str, tokenizer: Any, chunk_tokens: int = 512, overlap: int 
     return [span.text for span in _spans(text, tokenizer, chunk_tokens, overlap)]
 
 
-def chunk_documents(docs: Iterable[Document], tokenizer: Any, chunk_tokens: int = 512,
+def chunk_documents(docs: Iterable[Document], tokenizer: PreTrainedTokenizerBase, chunk_tokens: int = 512,
                     overlap: int = 0) -> list[Document]:
     """Chunk every document with :func:`chunk_text`, keeping document order and chunk order.
 

@@ -24,13 +24,13 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval import _common
-from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.base import Document, Encoder, Hit, is_sentence_transformer
 from shared_core.retrieval.dense_io import DensePersistence
 from shared_core.retrieval.exact_scores import (
     RESCORE_MARGIN,
@@ -100,7 +100,7 @@ class DenseRetriever(DensePersistence):
     metadata={"padding": True})``. Corpus ids may therefore not start with ``"pad-"``.
     """
 
-    def __init__(self, embedder: Any = DEFAULT_EMBEDDER, *, index: IndexKind = "exact",
+    def __init__(self, embedder: Encoder | str = DEFAULT_EMBEDDER, *, index: IndexKind = "exact",
                  hnsw_m: int = 32, ef_construction: int = 200, ef_search: int = 128,
                  batch_size: int = 64, show_progress: bool = False,
                  num_threads: int | None = None, gemm_min_batch: int | None = None,
@@ -182,7 +182,7 @@ class DenseRetriever(DensePersistence):
         return positions
 
     @property
-    def embedder(self) -> Any:
+    def embedder(self) -> Encoder:
         """The embedder, loaded on first use when it was given by name."""
         if self._embedder is None:
             from shared_core.runtime.model_cache import cached_embedder
@@ -195,7 +195,7 @@ class DenseRetriever(DensePersistence):
     def _encode(self, texts: list[str], batch_size: int, desc: str) -> np.ndarray:
         progress = self.show_progress and len(texts) > _common.PROGRESS_MIN_TEXTS
         embedder = self.embedder
-        if type(embedder).__module__.startswith("sentence_transformers"):
+        if is_sentence_transformer(embedder):
             vectors = embedder.encode(texts, batch_size=batch_size, convert_to_numpy=True,
                                       show_progress_bar=progress)
         else:

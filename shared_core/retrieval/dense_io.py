@@ -22,7 +22,7 @@ from shared_core.retrieval import _common
 if TYPE_CHECKING:
     import faiss
 
-    from shared_core.retrieval.base import Document
+    from shared_core.retrieval.base import Document, Encoder
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ class DensePersistence:
 
     # set by DenseRetriever.__init__
     _embedder_name: str | None
-    _embedder: Any
+    _embedder: Encoder | None
 
     if TYPE_CHECKING:  # the rest of DenseRetriever this mixin reads (dense imports this module)
         index_kind: str
@@ -58,7 +58,7 @@ class DensePersistence:
         _slots: np.ndarray
         _pad_positions: np.ndarray
 
-        def __init__(self, embedder: Any, **options: Any) -> None: ...
+        def __init__(self, embedder: Encoder | str, **options: Any) -> None: ...
 
         @property
         def ntotal(self) -> int: ...
@@ -91,7 +91,7 @@ class DensePersistence:
         logger.info("saved dense index (%d vectors) to %s", self.ntotal, path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], embedder: Any = None, *,
+    def load(cls, path: str | os.PathLike[str], embedder: Encoder | str | None = None, *,
              show_progress: bool = False, num_threads: int | None = None) -> Self:
         """Load what :meth:`save` wrote; ``embedder`` defaults to the saved embedder name.
 

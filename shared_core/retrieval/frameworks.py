@@ -7,11 +7,47 @@ import hashlib
 import itertools
 import math
 import numbers
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, Protocol, TypeGuard
 
 from shared_core.config import check_int
 from shared_core.retrieval.base import Document, Hit
+
+
+class LangChainDocument(Protocol):
+    """What is read of a LangChain ``Document`` (``langchain_core.documents``)."""
+
+    @property
+    def page_content(self) -> str: ...
+    @property
+    def id(self) -> str | None: ...
+    @property
+    def metadata(self) -> Mapping[str, object]: ...
+
+
+class LlamaIndexNode(Protocol):
+    """What is read of a LlamaIndex node (``llama_index.core.schema.BaseNode``)."""
+
+    @property
+    def node_id(self) -> str: ...
+    @property
+    def metadata(self) -> Mapping[str, object]: ...
+    def get_content(self) -> str: ...
+
+
+class LlamaIndexResult(Protocol):
+    """What is read of a LlamaIndex ``NodeWithScore``."""
+
+    @property
+    def node(self) -> LlamaIndexNode: ...
+    @property
+    def score(self) -> float | None: ...
+
+
+class LangChainRetriever(Protocol):
+    """A LangChain ``BaseRetriever`` as a verification calls it: one ``batch`` of queries."""
+
+    def batch(self, inputs: list[str], /) -> Sequence[object]: ...
 
 
 class DocumentList(list[Document]):
@@ -53,20 +89,22 @@ def check_retriever(retriever: object) -> None:
         raise TypeError(msg)
 
 
-def retrieve(retriever: Any, question: str, k: int) -> list[Document]:
+def retrieve(retriever: object, question: str, k: int) -> list[Document]:
     """Top-k documents from our Retriever, a LangChain retriever or a LlamaIndex retriever."""
     check_retriever(retriever)
     check_int(k, "k")
     name = type(retriever).__name__
-    if callable(getattr(retriever, "search", None)):
-        rows = retriever.search([question], k)
+    search = getattr(retriever, "search", None)
+    if callable(search):
+        rows = search([question], k)
         if isinstance(rows, (str, dict)) or not isinstance(rows, Sequence) or len(rows) != 1:
             msg = (f"retriever {name}.search returned {type(rows).__name__} for 1 query; "
                    "expected list[list[Hit]] with one row")
             raise TypeError(msg)
         return _converted(rows[0], name)
-    if callable(getattr(retriever, "invoke", None)):
-        return retrieved_documents(retriever.invoke(question), name, k)
+    invoke = getattr(retriever, "invoke", None)
+    if callable(invoke):
+        return retrieved_documents(invoke(question), name, k)
     return retrieved_documents(llamaindex_retrieve(retriever, question), name, k)
 
 
@@ -125,7 +163,7 @@ def check_document_list(documents: object) -> None:
 EXPECTED_HITS = "list[list[Hit]] (one list of Hit(document, score, rank) per query, best first)"
 
 
-def check_rows(rows: object, n_queries: int, where: str) -> Any:
+def check_rows(rows: object, n_queries: int, where: str) -> Sequence[object]:
     """A sequence with one row per query (the rows themselves are checked by the caller)."""
     if isinstance(rows, (str, bytes, dict)) or not isinstance(rows, Sequence):
         msg = f"retriever {where} returned {type(rows).__name__}; expected {EXPECTED_HITS}"
@@ -142,7 +180,7 @@ def _doc_id(text: str, given: object) -> str:
 
 
 def _converted_hits(items: object, name: str, kind: str, row: int, convert: Callable[[Any], Hit],
-               k: int) -> list[Hit]:
+                    k: int) -> list[Hit]:
     """One row of a framework retriever's answer as Hits, or an error naming what was wrong."""
     if isinstance(items, (str, bytes, dict)) or not isinstance(items, Sequence):
         msg = f"retriever {name} returned {type(items).__name__} for query {row}; expected {kind}"
@@ -173,18 +211,18 @@ def _score(value: object, doc_id: str) -> float:
     return float(value)
 
 
-def _from_langchain(d: Any) -> Hit:
+def _from_langchain(d: LangChainDocument) -> Hit:
     doc = Document(_doc_id(d.page_content, d.id), d.page_content, dict(d.metadata))
     return Hit(doc, _score(d.metadata.get("score"), doc.id), 0)
 
 
-def _from_llamaindex(n: Any) -> Hit:
+def _from_llamaindex(n: LlamaIndexResult) -> Hit:
     text = n.node.get_content()
     doc = Document(_doc_id(text, n.node.node_id), text, dict(n.node.metadata))
     return Hit(doc, _score(n.score, doc.id), 0)
 
 
-def _langchain_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
+def _langchain_search(retriever: LangChainRetriever) -> Callable[[list[str], int], list[list[Hit]]]:
     """LangChain ``BaseRetriever``: one ``batch`` call per verification (its thread pool)."""
     name = type(retriever).__name__
 
@@ -196,7 +234,7 @@ def _langchain_search(retriever: Any) -> Callable[[list[str], int], list[list[Hi
     return search
 
 
-def _llamaindex_search(retriever: Any) -> Callable[[list[str], int], list[list[Hit]]]:
+def _llamaindex_search(retriever: object) -> Callable[[list[str], int], list[list[Hit]]]:
     """LlamaIndex ``BaseRetriever``: queries answered in order (it has no batch API)."""
     name = type(retriever).__name__
 
@@ -211,9 +249,14 @@ def _llamaindex_search(retriever: Any) -> Callable[[list[str], int], list[list[H
 def framework_search(retriever: object) -> Callable[[list[str], int], list[list[Hit]]] | None:
     """``search(queries, k) -> list[list[Hit]]`` over a LangChain or LlamaIndex retriever, or
     None when ``retriever`` is neither (recognised by duck typing: no framework is imported)."""
-    module = type(retriever).__module__
-    if hasattr(retriever, "_get_relevant_documents") or module.startswith("langchain"):
+    if _is_langchain_retriever(retriever):
         return _langchain_search(retriever)
     if hasattr(retriever, "_retrieve") and hasattr(retriever, "retrieve"):
         return _llamaindex_search(retriever)
     return None
+
+
+def _is_langchain_retriever(retriever: object) -> TypeGuard[LangChainRetriever]:
+    """A LangChain retriever, by duck typing (its private hook) or by its module."""
+    return hasattr(retriever, "_get_relevant_documents") or \
+        type(retriever).__module__.startswith("langchain")

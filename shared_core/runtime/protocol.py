@@ -21,6 +21,7 @@ from shared_core.config import CacheKind
 
 if TYPE_CHECKING:
     import torch
+    from transformers import PreTrainedTokenizerBase
 
     from shared_core.config import SamplingConfig
     from shared_core.runtime.remote.protocol import Generation
@@ -122,7 +123,7 @@ class ModelLM(Protocol):
     name: str
     max_context: int
     eos_token_ids: frozenset[int]
-    tokenizer: Any  # a transformers tokenizer (every runtime encodes with the same one)
+    tokenizer: PreTrainedTokenizerBase  # a transformers tokenizer (every runtime encodes with the same one)
 
     @property
     def served(self) -> bool:

@@ -42,6 +42,8 @@ from shared_core.drafters.lora import ADAPTER_ROOT, ADAPTERS, TUNED_DRAFT_ORDER,
 from shared_core.retrieval.base import Document
 
 if TYPE_CHECKING:
+    import torch
+
     from shared_core.runtime.models import LM
 
 logger = logging.getLogger(__name__)
@@ -203,7 +205,8 @@ def train(args: argparse.Namespace) -> dict[str, Any]:
     return info
 
 
-def _step(model: Any, batch: list[tuple[list[int], list[int]]], pad_id: int) -> Any:
+def _step(model: torch.nn.Module, batch: list[tuple[list[int], list[int]]], pad_id: int
+          ) -> torch.Tensor:
     import torch
 
     width = max(len(ids) for ids, _ in batch)

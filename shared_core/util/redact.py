@@ -22,7 +22,7 @@ import logging
 import re
 import threading
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, overload
 from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 MASK = "***"
@@ -142,14 +142,22 @@ def strip_credentials(value: object) -> object:
     return value
 
 
-def redacted_dump(value: Any) -> Any:
+@overload
+def redacted_dump(value: dict[str, Any]) -> dict[str, Any]: ...
+
+
+@overload
+def redacted_dump(value: object) -> object: ...
+
+
+def redacted_dump(value: object) -> object:
     """A dumped setting (pydantic's ``model_dump`` output) with the credentials of its URLs
     masked, inside plain lists, tuples and dicts too; anything else unchanged."""
     if isinstance(value, str):
         return redact_urls(value)
-    if type(value) in (list, tuple):
+    if isinstance(value, list | tuple) and type(value) in (list, tuple):
         return type(value)(redacted_dump(item) for item in value)
-    if type(value) is dict:
+    if isinstance(value, dict) and type(value) is dict:
         return {key: redacted_dump(item) for key, item in value.items()}
     return value
 

@@ -36,6 +36,7 @@ from shared_core.bench.ralmspec import stores as ralmspec_stores
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
 
 if TYPE_CHECKING:
+    from shared_core.retrieval import DenseRetriever, Document
     from shared_core.runtime.lm import LM
     from shared_core.runtime.remote import RemoteLM
 
@@ -102,7 +103,7 @@ def _load(limit: int) -> tuple[list[Any], list[dict[str, Any]]]:
     return corpus, read_jsonl(folder / "questions.jsonl", limit=limit + 1)
 
 
-def _doc_vectors(retriever: Any, corpus: list[Any], cache_dir: str) -> np.ndarray:
+def _doc_vectors(retriever: DenseRetriever, corpus: list[Document], cache_dir: str) -> np.ndarray:
     path = os.path.join(cache_dir, f"minilm-{len(corpus)}.npy")
     if os.path.exists(path):
         return np.load(path)
@@ -226,7 +227,7 @@ def replace_pad(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(args), "pad": args.store_pad})
 
 
-def _search_latency(retriever: Any, questions: list[str], repeats: int) -> dict[str, float]:
+def _search_latency(retriever: object, questions: list[str], repeats: int) -> dict[str, float]:
     from shared_core.engines.ralmspec import as_backend
 
     backend = as_backend(retriever)

@@ -17,11 +17,14 @@ import statistics
 import tempfile
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared_core.retrieval.base import Document
+from shared_core.retrieval.base import Document, EmbedderSpec
+
+if TYPE_CHECKING:
+    from shared_core.engines.ralmspec.retrievers import SpeculativeBackend
 
 logger = logging.getLogger(__name__)
 
@@ -49,7 +52,7 @@ def check_stores(value: str) -> list[str]:
     return kinds
 
 
-def _start(kind: str, folder: str, embedder: Any) -> tuple[Any, Callable[[], None]]:
+def _start(kind: str, folder: str, embedder: EmbedderSpec) -> tuple[Any, Callable[[], None]]:
     """A fresh store backend in ``folder`` and a function that stops it."""
     from shared_core.retrieval.stores import MilvusStore, PgVectorStore, QdrantStore
 
@@ -87,7 +90,7 @@ def _padding(n: int, dim: int, start: int, seed: int = 0) -> tuple[list[Document
 class OpenStore:
     """A started, filled store: the backend, its set-up times and a ``close``."""
 
-    def __init__(self, kind: str, corpus: list[Document], vectors: np.ndarray, embedder: Any,
+    def __init__(self, kind: str, corpus: list[Document], vectors: np.ndarray, embedder: EmbedderSpec,
                  total: int, store_dir: str | None):
         self.kind = kind
         self.folder = tempfile.mkdtemp(prefix=f"specrag-{kind}-", dir=store_dir)
@@ -116,7 +119,7 @@ class OpenStore:
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
-def latency(backend: Any, queries: np.ndarray, repeats: int, k: int = 1) -> dict[str, float]:
+def latency(backend: SpeculativeBackend, queries: np.ndarray, repeats: int, k: int = 1) -> dict[str, float]:
     """Median seconds of one batched ``search`` per batch size (first call as warm-up)."""
     out: dict[str, float] = {}
     for n in LATENCY_BATCHES:

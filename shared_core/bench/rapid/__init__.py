@@ -29,7 +29,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -51,6 +51,9 @@ from shared_core.bench.rapid.data import (
 )
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
 from shared_core.config.tokens import RapidConfig
+
+if TYPE_CHECKING:
+    from shared_core.engines.rapid import RapidDecoder
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +156,7 @@ def _aggregate(stats: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def evaluate(decoder: Any, items: list[Item], methods: list[Method], max_new_tokens: int,
+def evaluate(decoder: RapidDecoder, items: list[Item], methods: list[Method], max_new_tokens: int,
              scorer: Callable[[str, Item], bool], progress: bool = True
              ) -> tuple[dict[str, MethodResult], dict[str, Any]]:
     """Run every method on every item (item-major: one context prefill per document)."""

@@ -8,11 +8,15 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from shared_core.bench.common import read_jsonl
+
+if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+    from transformers import PreTrainedTokenizerBase
 
 QUALITY_QUERY = "{question}\n\nAnswer with the letter of the correct option, e.g. (A)."
 NQ_QUERY = "Question: {question}\nAnswer the question with a short phrase."
@@ -58,7 +62,7 @@ def _passage(doc: dict[str, Any], number: int) -> str:
     return f"Document [{number}] (Title: {doc['title']}) {doc['text']}"
 
 
-def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: Any) -> np.ndarray:
+def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: SentenceTransformer) -> np.ndarray:
     """MiniLM vectors of the 2,600 passages, cached on disk (not in the repository)."""
     from shared_core.runtime.models import cache_dir
 
@@ -73,8 +77,8 @@ def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: Any) -> np.ndarra
     return vectors
 
 
-def nq_long_items(root: Path, embedder: Any, tokenizer: Any, limit: int, seed: int,
-                  target_tokens: int | None = None, n_distractors: int = 39,
+def nq_long_items(root: Path, embedder: SentenceTransformer, tokenizer: PreTrainedTokenizerBase,
+                  limit: int, seed: int, target_tokens: int | None = None, n_distractors: int = 39,
                   query: str = NQ_QUERY) -> list[Item]:
     """Gold passage at a random position among similar distractors (fixed seed, recorded).
 
@@ -109,7 +113,7 @@ def nq_long_items(root: Path, embedder: Any, tokenizer: Any, limit: int, seed: i
 
 
 def _pick_distractors(corpus: list[dict[str, Any]], distractors: list[int], gold: int,
-                      tokenizer: Any, target_tokens: int | None, n: int) -> list[int]:
+                      tokenizer: PreTrainedTokenizerBase, target_tokens: int | None, n: int) -> list[int]:
     if target_tokens is None:
         return distractors[:n]
     def size(i: int) -> int:

@@ -37,6 +37,7 @@ from shared_core.config import DEFAULT_LM
 from shared_core.runtime.lm import clear_prefix_cache
 
 if TYPE_CHECKING:
+    from shared_core.decoding.decode_stats import DecodeStats
     from shared_core.runtime.llamacpp.lm import LlamaCppLM
     from shared_core.runtime.lm import LM
     from shared_core.runtime.protocol import ModelLM
@@ -210,7 +211,7 @@ def _load() -> str:
         return "n/a"
 
 
-def _record(acc: _Acc, ids: list[int], stats: Any, elapsed: float) -> None:
+def _record(acc: _Acc, ids: list[int], stats: DecodeStats | None, elapsed: float) -> None:
     acc.result.wall_s += elapsed
     acc.result.new_tokens += len(ids)
     acc.result.outputs.append(ids)

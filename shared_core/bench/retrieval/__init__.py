@@ -35,6 +35,7 @@ import numpy as np
 from shared_core.bench.common import data_dir, read_jsonl
 from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval import BM25Retriever, DenseRetriever, Document, Hit
+from shared_core.retrieval.base import Encoder
 
 logger = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ def _embed(args: argparse.Namespace, what: str, n: int, fn: Callable[[], np.ndar
 
 
 def _dense_methods(args: argparse.Namespace, corpus: list[Document],
-                   questions: list[dict[str, Any]], embedder: Any
+                   questions: list[dict[str, Any]], embedder: Encoder | str
                    ) -> tuple[dict[str, Any], DenseRetriever, np.ndarray]:
     dense_kwargs = {"hnsw_m": args.hnsw_m, "ef_construction": args.ef_construction,
                     "ef_search": args.ef_search, "num_threads": args.faiss_threads,

@@ -66,11 +66,12 @@ from shared_core.engines.speculative_rag import (
     SpeculativeRAG,
     SpeculativeRAGConfig,
 )
-from shared_core.retrieval.base import Document
+from shared_core.retrieval.base import Document, Encoder, Retriever
 from shared_core.util.device import cpu_model_and_flags
 
 if TYPE_CHECKING:
     from shared_core.config.rag import DraftOrder
+    from shared_core.retrieval.dense import DenseRetriever
     from shared_core.runtime.protocol import SessionLM
 
 logger = logging.getLogger(__name__)
@@ -184,7 +185,7 @@ def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def _retrieve_all(retriever: Any, questions: list[dict[str, Any]], k: int
+def _retrieve_all(retriever: Retriever, questions: list[dict[str, Any]], k: int
                   ) -> tuple[list[list[Document]], list[float]]:
     docs, times = [], []
     for q in questions:
@@ -195,7 +196,8 @@ def _retrieve_all(retriever: Any, questions: list[dict[str, Any]], k: int
     return docs, times
 
 
-def _build_retriever(dataset: str, corpus: list[Document], embedder: Any, name: str) -> Any:
+def _build_retriever(dataset: str, corpus: list[Document], embedder: Encoder | str, name: str
+                     ) -> DenseRetriever:
     """Exact dense index over the corpus, cached on disk (faiss + JSON) between runs."""
     import hashlib
 

@@ -20,6 +20,7 @@ from typing import Any
 
 from shared_core.bench.specrag.data import claim_label, is_correct
 from shared_core.engines.speculative_rag import SpeculativeRAGConfig, combined_score, select_best
+from shared_core.engines.speculative_rag.results import SpeculativeRAGResult, SpeculativeRAGStats
 
 # Re-selections of the specrag drafts: name -> the SpeculativeRAGConfig fields that differ. The
 # sel_* variants are this project's selection options (length normalisation, answer vote), not
@@ -42,10 +43,10 @@ SCORE_VARIANTS: dict[str, dict[str, Any]] = {
 @dataclass(frozen=True)
 class Reselected:
     text: str
-    stats: Any
+    stats: SpeculativeRAGStats
 
 
-def reselect(result: Any, variant: str, config: SpeculativeRAGConfig) -> Reselected:
+def reselect(result: SpeculativeRAGResult, variant: str, config: SpeculativeRAGConfig) -> Reselected:
     """The answer a score variant picks from ``result.drafts``; latency drops the verifier
     when the variant does not need it."""
     cfg = replace(config, **SCORE_VARIANTS[variant])

@@ -27,7 +27,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,6 +35,9 @@ from shared_core.config import DEFAULT_LM
 from shared_core.runtime.models import LM, load_lm
 from shared_core.runtime.torch.session import cache_keyword
 from shared_core.util.device import cpu_facts
+
+if TYPE_CHECKING:
+    from transformers.cache_utils import Cache
 
 logger = logging.getLogger(__name__)
 
@@ -99,13 +102,13 @@ def _variant(lm: LM, name: str) -> Callable[..., Any] | None:
     raise ValueError(msg)
 
 
-def _forward(run: Callable[..., Any], ids: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
+def _forward(run: Callable[..., Any], ids: torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
     positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
     out = run(input_ids=ids, **{cache_keyword(run): cache}, position_ids=positions, use_cache=True)
     return out.logits[0].float()
 
 
-def _rollback(cache: Any, length: int) -> None:
+def _rollback(cache: Cache, length: int) -> None:
     """Drop cached positions past ``length`` (transformers 5 crops by a negative count)."""
     extra = cache.get_seq_length() - length
     if extra > 0:

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -81,6 +81,9 @@ from shared_core.bench.system.gpu_syncs import round_figures
 from shared_core.runtime.models import LM
 from shared_core.runtime.torch.session import KVSession
 from shared_core.util.device import resolve_device, synchronize
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -178,7 +181,7 @@ class Report:
 # ------------------------------------------------------------------------------- correctness
 
 
-def correctness(shape: Shape, tokenizer: Any, device: torch.device, dtype: torch.dtype,
+def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device, dtype: torch.dtype,
                 sizes: Sizes, *, with_sampling: bool = True) -> dict[str, Any]:
     """Every equality check on one shape and dtype (target, target-as-drafter, noisy drafter),
     and the sampling distribution test unless ``with_sampling`` is False."""
@@ -208,7 +211,7 @@ def correctness(shape: Shape, tokenizer: Any, device: torch.device, dtype: torch
                 errors[name] = {"type": type(e).__name__, "message": str(e)[:1000],
                                 "traceback": traceback.format_exc(limit=6)[-3000:]}
         try:
-            sampling: Any = (checks.check_sampling(target, drafter, sizes.samples)
+            sampling: list[dict[str, Any]] = (checks.check_sampling(target, drafter, sizes.samples)
                              if with_sampling else [])
         except Exception as e:
             logger.exception("sampling check failed")
@@ -410,7 +413,8 @@ def fresh_static_compile(lm: LM) -> dict[str, Any] | None:
     return config.to_dict()
 
 
-def physics(shape: Shape, tokenizer: Any, device: torch.device, sizes: Sizes) -> dict[str, Any]:
+def physics(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device, sizes: Sizes
+            ) -> dict[str, Any]:
     from shared_core.runtime.torch.static import compiles
 
     lm = None

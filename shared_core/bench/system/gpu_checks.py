@@ -20,6 +20,7 @@ import torch
 
 from shared_core.bench.system.gpu_models import CORPUS
 from shared_core.config import SamplingConfig
+from shared_core.decoding.decode_stats import DecodeStats
 from shared_core.decoding.verify import warp_probs
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.engines.loop import Prompt, encode_prompt
@@ -53,7 +54,7 @@ class Comparison:
         return asdict(self)
 
 
-def compare(check: str, ours: Sequence[int], reference: Sequence[int], **detail: Any
+def compare(check: str, ours: Sequence[int], reference: Sequence[int], **detail: object
             ) -> Comparison:
     ours, reference = list(ours), list(reference)
     longest = max(len(ours), len(reference))
@@ -117,7 +118,7 @@ def at_tie(divergence: dict[str, Any], dtype: torch.dtype) -> bool:
     return divergence["top2_margin"] <= spacing(divergence["top_logit"], dtype)
 
 
-def acceptance(stats: Any) -> dict[str, Any]:
+def acceptance(stats: DecodeStats) -> dict[str, Any]:
     drafted, accepted = int(stats.drafted), int(stats.accepted)
     return {"drafted": drafted, "accepted": accepted, "rounds": int(stats.rounds),
             "acceptance": round(accepted / drafted, 4) if drafted else None}
@@ -130,7 +131,7 @@ class HashEmbedder:
     def __init__(self, dim: int = 32) -> None:
         self.dim = dim
 
-    def encode(self, texts: list[str], **_: Any) -> np.ndarray:
+    def encode(self, texts: list[str], **_: object) -> np.ndarray:
         out = np.zeros((len(texts), self.dim), dtype=np.float32)
         for i, text in enumerate(texts):
             for word in text.lower().replace(".", " ").replace("?", " ").split():

@@ -18,11 +18,14 @@ import logging
 import platform
 import subprocess
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared_core.runtime.models import LM, wrap_lm
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -87,7 +90,7 @@ TINY_SHAPES = {
 }
 
 
-def bench_tokenizer() -> Any:
+def bench_tokenizer() -> PreTrainedTokenizerBase:
     """A byte-level BPE with ~320 tokens trained on :data:`CORPUS` (ids stay below every
     shape's vocabulary; a random model's ids above it decode to nothing)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -106,7 +109,7 @@ def bench_tokenizer() -> Any:
     return fast
 
 
-def model_config(shape: Shape, tokenizer: Any) -> Any:
+def model_config(shape: Shape, tokenizer: PreTrainedTokenizerBase) -> PretrainedConfig:
     from transformers import LlamaConfig, Qwen2Config
 
     common = {
@@ -126,7 +129,7 @@ def model_config(shape: Shape, tokenizer: Any) -> Any:
     raise ValueError(msg)
 
 
-def build_lm(shape: Shape, tokenizer: Any, device: torch.device, dtype: torch.dtype, *,
+def build_lm(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device, dtype: torch.dtype, *,
              seed: int = 0) -> LM:
     """A random-weight model of ``shape`` built on ``device`` in ``dtype``, logits calibrated."""
     from transformers import AutoModelForCausalLM

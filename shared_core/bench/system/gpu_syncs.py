@@ -33,6 +33,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 if TYPE_CHECKING:
+    from types import FrameType
+
     from shared_core.runtime.lm import LM
 
 READBACKS = ("item", "tolist", "numpy", "cpu", "__bool__", "__int__", "__float__", "__index__")
@@ -74,7 +76,7 @@ class SyncCount:
 _LOCK = threading.Lock()
 
 
-def _site(frame: Any, what: str) -> tuple[str, str]:
+def _site(frame: FrameType | None, what: str) -> tuple[str, str]:
     """("model" | "engine", "file:line:what" of the nearest shared_core frame)."""
     where, site = "engine", f"?:{what}"
     found = False
@@ -132,7 +134,7 @@ def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
             return fn(*args, **kwargs)
         return counted
 
-    def on_device(t: Any) -> bool:
+    def on_device(t: object) -> bool:
         return isinstance(t, torch.Tensor) and t.device.type != "cpu"
 
     def from_python(data: Any, *_: Any, **kwargs: Any) -> bool:
@@ -153,7 +155,7 @@ def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
         target = target.device if isinstance(target, torch.Tensor) else torch.device(target)
         return target.type != self.device.type  # a copy between host and device
 
-    def device_read(self: Any, *_: Any, **__: Any) -> bool:
+    def device_read(self: torch.Tensor, *_: object, **__: object) -> bool:
         return not device_only or on_device(self)
 
     patches: list[tuple[Any, str, Any]] = []
@@ -169,7 +171,7 @@ def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
             patches.append((module, "synchronize", waited))  # ``from ... import synchronize``
     real_commit = loop.Run.commit
 
-    def commit(self: Any, block: list[int]) -> Any:
+    def commit(self: loop.Run, block: list[int]) -> tuple[list[int], bool]:
         out = real_commit(self, block)
         if threading.get_ident() == owner:
             count.close_round()

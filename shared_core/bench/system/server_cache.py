@@ -28,8 +28,11 @@ import threading
 import time
 import weakref
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
+
+if TYPE_CHECKING:
+    from shared_core.runtime.llamacpp.lm import LlamaCppLM
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ class ServerCacheReuse:
                     self.address, path.name, threads, n_ctx, cache_reuse)
 
     @classmethod
-    def for_lm(cls, lm: Any, cache_reuse: int = 16, **options: Any) -> ServerCacheReuse:
+    def for_lm(cls, lm: LlamaCppLM, cache_reuse: int = 16, **options: Any) -> ServerCacheReuse:
         """The server on a loaded llama.cpp ``LM``'s file, context, threads and batch
         (``options``: the constructor's keywords)."""
         model = lm.model

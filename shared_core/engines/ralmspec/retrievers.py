@@ -48,7 +48,7 @@ class DenseBackend:
 
         return self.retriever.search_vectors(np.stack(list(encoded)), k)
 
-    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+    def rank(self, encoded: np.ndarray, docs: Sequence[Document]) -> Document:
         hits = self.retriever.search_subset(encoded[None], [d.id for d in docs], 1)[0]
         return hits[0].document
 
@@ -66,7 +66,7 @@ class BM25Backend:
     def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
         return self.retriever.search(list(encoded), k)
 
-    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+    def rank(self, encoded: str, docs: Sequence[Document]) -> Document:
         return self.retriever.search_subset([encoded], [d.id for d in docs], 1)[0][0].document
 
 
@@ -95,13 +95,13 @@ class SearchBackend:
         self.name: str = name or (type(owner).__name__ if owner is not None else
                                   str(getattr(search, "__qualname__", "search")))
 
-    def encode(self, query: str) -> Any:
+    def encode(self, query: str) -> str:
         return query
 
     def search(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
         return self._search(list(encoded), k)
 
-    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+    def rank(self, encoded: str, docs: Sequence[Document]) -> Document:
         return self._rank(encoded, docs)
 
 
@@ -138,27 +138,30 @@ def retriever_name(backend: object) -> str:
     return type(backend).__name__
 
 
-def check_hits(hits: Any, n_queries: int, name: str) -> list[list[Hit]]:
+def check_hits(hits: object, n_queries: int, name: str) -> list[list[Hit]]:
     """The retriever's answer to ``n_queries`` queries, or an error naming what is wrong.
 
     Runs where a result enters an engine, before anything (cache, verified results, decoder)
     is updated, so a malformed answer leaves no partial state.
     """
     where = f"retriever {name}.search"
-    check_rows(hits, n_queries, f"{name}.search")
-    for i, row in enumerate(hits):
+    out: list[list[Hit]] = []
+    for i, row in enumerate(check_rows(hits, n_queries, f"{name}.search")):
         if isinstance(row, (str, bytes, dict)) or not isinstance(row, Sequence):
             msg = f"{where} returned {type(row).__name__} as row {i}; expected {EXPECTED_HITS}"
             raise TypeError(msg)
         if not row:
             msg = f"{where} returned no document for query {i}; expected at least one Hit per row"
             raise ValueError(msg)
+        checked: list[Hit] = []
         for j, hit in enumerate(row):
             if not isinstance(hit, Hit):
                 msg = (f"{where} returned {type(hit).__name__} at row {i}, position {j}; "
                        f"expected {EXPECTED_HITS}")
                 raise TypeError(msg)
-    return [list(row) for row in hits]
+            checked.append(hit)
+        out.append(checked)
+    return out
 
 
 def check_ranked(doc: object, name: str) -> Document:

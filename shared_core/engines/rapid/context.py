@@ -18,6 +18,7 @@ from shared_core.config import (
 from shared_core.config.tokens import RapidConfig
 from shared_core.engines.rapid.prompts import EncodedContext, IndexedContext, RapidPrompt, join_chunks
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
+from shared_core.retrieval.base import Encoder
 from shared_core.runtime.passage_cache import register_passages
 from shared_core.runtime.protocol import SessionLM
 
@@ -36,15 +37,15 @@ class RapidContext:
     draft_lm: SessionLM
     config: RapidConfig
     _lock: FairLock  # the target model's lock (shared_core.runtime.model_lock.lock_for)
-    _embedder_spec: object  # a name, or an embedder as DenseRetriever takes one
-    _embedder: object
+    _embedder_spec: Encoder | str  # a name, or an embedder as DenseRetriever takes one
+    _embedder: Encoder | None
     _indexes: OrderedDict[str, IndexedContext]
     _encoded: OrderedDict[str, EncodedContext]
     _target_parts: tuple[str, str]
     _draft_parts: tuple[str, str]
 
     @property
-    def embedder(self) -> object:
+    def embedder(self) -> Encoder:
         if self._embedder is None:
             from shared_core.runtime.model_cache import cached_embedder
 

@@ -33,6 +33,7 @@ from shared_core.engines.rapid.prompts import (
     chat_parts,
 )
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
+from shared_core.retrieval.base import Encoder
 from shared_core.runtime.model_lock import lock_for
 from shared_core.runtime.protocol import KVSession, SessionLM, open_session
 
@@ -90,7 +91,7 @@ class RapidDecoder(RapidContext):
     max_idle_slots = 1  # finished slots kept for prefix reuse (each holds the context's KV)
 
     def __init__(self, lm: SessionLM, *, draft_lm: SessionLM | None = None,
-                 embedder: object = DEFAULT_EMBEDDER, config: RapidConfig | None = None):
+                 embedder: Encoder | str = DEFAULT_EMBEDDER, config: RapidConfig | None = None):
         if config is not None and not isinstance(config, RapidConfig):
             msg = f"config must be a RapidConfig, got {type(config).__name__}"
             raise TypeError(msg)
@@ -104,7 +105,7 @@ class RapidDecoder(RapidContext):
         self._idle = [Slot(lm, self.draft_lm, self.config.cache)]  # most recently used first
         self._busy: list[Slot] = []
         self._embedder_spec = embedder
-        self._embedder: object = None if isinstance(embedder, str) else embedder
+        self._embedder: Encoder | None = None if isinstance(embedder, str) else embedder
         self._indexes: OrderedDict[str, IndexedContext] = OrderedDict()
         self._encoded: OrderedDict[str, EncodedContext] = OrderedDict()
         self._schedules: dict[tuple[str, float, str, int], GammaSchedule] = {}

@@ -19,6 +19,7 @@ from shared_core.config.tokens import RapidConfig
 from shared_core.decoding.output import ChatTurns, generation_config, validate_messages
 from shared_core.engines.loop import LogitsMask, Prompt, TokenStream, kept
 from shared_core.engines.rapid.engine import RapidDecoder
+from shared_core.retrieval.base import Encoder
 from shared_core.runtime.protocol import SessionLM
 
 
@@ -76,7 +77,7 @@ _LIVE_DECODERS: weakref.WeakValueDictionary[tuple[Any, ...], RapidDecoder] = (
     weakref.WeakValueDictionary())
 
 
-def _shared_decoder(lm: SessionLM, draft_lm: SessionLM | None, embedder: object, config: RapidConfig,
+def _shared_decoder(lm: SessionLM, draft_lm: SessionLM | None, embedder: Encoder | str, config: RapidConfig,
                     engine_state: dict[str, Any] | None) -> RapidDecoder:
     """A decoder kept in the caller's ``engine_state`` (two per state, most recent first), so
     follow-up questions on one document reuse its KV; without a state, a new decoder.
@@ -106,7 +107,7 @@ def stream_rapid(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
                  temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
                  top_p: float = SamplingConfig.top_p,
                  seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
-                 draft_lm: SessionLM | None = None, embedder: object = DEFAULT_EMBEDDER,
+                 draft_lm: SessionLM | None = None, embedder: Encoder | str = DEFAULT_EMBEDDER,
                  engine_state: dict[str, Any] | None = None,
                  logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:
     """RAPID with loose arguments, checked here (see :func:`start_rapid`)."""
@@ -123,7 +124,7 @@ def stream_rapid(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
 def start_rapid(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
                 documents: Sequence[str] | None = None, method: str = "rapid",
                 decoder: RapidDecoder | None = None, draft_lm: SessionLM | None = None,
-                embedder: object = DEFAULT_EMBEDDER, engine_state: dict[str, Any] | None = None,
+                embedder: Encoder | str = DEFAULT_EMBEDDER, engine_state: dict[str, Any] | None = None,
                 logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:
     """Registry entry (``engine="rapid"``): see ``engines/registry.py`` for the convention;
     ``generation`` and the option names were checked by the caller.

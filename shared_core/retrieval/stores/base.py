@@ -18,13 +18,24 @@ import logging
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
-from typing import Any, cast
+from typing import Any, TypeGuard, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from shared_core.config import DEFAULT_EMBEDDER
 from shared_core.retrieval import _common
-from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.base import (
+    Document,
+    EmbedderSpec,
+    EmbeddingModel,
+    Encoder,
+    Hit,
+    LangChainEmbeddings,
+    LlamaIndexEmbedding,
+    encodes,
+    is_sentence_transformer,
+)
 from shared_core.retrieval.dense import RESCORE_MARGIN, paired_scores
 
 logger = logging.getLogger(__name__)
@@ -34,9 +45,9 @@ DEFAULT_REMEMBERED = 50_000  # document vectors kept for ranking local caches (~
 INGEST_BATCH = 1_000
 
 
-def normalise(vectors: Any) -> np.ndarray:
+def normalise(given: npt.ArrayLike) -> np.ndarray:
     """Row-wise L2-normalised float32 copy (zero rows stay zero), batch-invariant per row."""
-    vectors = np.asarray(vectors, dtype=np.float32)
+    vectors = np.asarray(given, dtype=np.float32)
     if vectors.ndim != 2:
         msg = f"vectors must have shape [n, dim], got {vectors.shape}"
         raise ValueError(msg)
@@ -64,7 +75,7 @@ class Embedder:
     """One interface over a sentence-transformers model (or any ``encode(list[str])``), a LangChain
     ``Embeddings`` and a LlamaIndex ``BaseEmbedding``; a name loads the embedded model lazily."""
 
-    def __init__(self, embedder: Any = DEFAULT_EMBEDDER):
+    def __init__(self, embedder: EmbedderSpec = DEFAULT_EMBEDDER):
         known = ("encode", "embed_documents", "get_text_embedding_batch")
         if not isinstance(embedder, str) and not any(
                 callable(getattr(embedder, m, None)) for m in known):
@@ -72,11 +83,11 @@ class Embedder:
                    f"LangChain Embeddings or a LlamaIndex embedding; got {type(embedder).__name__}")
             raise TypeError(msg)
         self._name = embedder if isinstance(embedder, str) else None
-        self._model = None if isinstance(embedder, str) else embedder
+        self._model: EmbeddingModel | None = None if isinstance(embedder, str) else embedder
         self._lock = threading.Lock()
 
     @property
-    def model(self) -> Any:
+    def model(self) -> EmbeddingModel:
         with self._lock:
             if self._model is None:
                 from shared_core.retrieval.embedding import cached_embedder
@@ -92,37 +103,58 @@ class Embedder:
         prompt), so their queries are embedded one by one; the store is still called once.
         """
         model = self.model
-        if callable(getattr(model, "encode", None)):
+        vectors: object  # what numpy.asarray reads as [n, dim]
+        if encodes(model):
             vectors = self._encode(model, texts)
-        elif callable(getattr(model, "embed_query", None)):
+        elif _langchain(model, "embed_query"):
             vectors = [model.embed_query(text) for text in texts]
         else:
-            vectors = [model.get_query_embedding(text) for text in texts]
+            vectors = [_llamaindex(model, "get_query_embedding").get_query_embedding(text)
+                       for text in texts]
         return self._checked(vectors, len(texts))
 
     def documents(self, texts: list[str]) -> np.ndarray:
         model = self.model
-        if callable(getattr(model, "encode", None)):
+        vectors: object  # what numpy.asarray reads as [n, dim]
+        if encodes(model):
             vectors = self._encode(model, texts)
-        elif callable(getattr(model, "embed_documents", None)):
+        elif _langchain(model, "embed_documents"):
             vectors = model.embed_documents(texts)
         else:
-            vectors = model.get_text_embedding_batch(texts)
+            vectors = _llamaindex(model, "get_text_embedding_batch").get_text_embedding_batch(texts)
         return self._checked(vectors, len(texts))
 
     @staticmethod
-    def _encode(model: Any, texts: list[str]) -> Any:
-        if type(model).__module__.startswith("sentence_transformers"):  # no progress bars
+    def _encode(model: Encoder, texts: list[str]) -> object:
+        if is_sentence_transformer(model):  # no progress bars
             return model.encode(texts, convert_to_numpy=True, show_progress_bar=False)
         return model.encode(texts)
 
     @staticmethod
-    def _checked(vectors: Any, n: int) -> np.ndarray:
-        vectors = np.asarray(vectors, dtype=np.float32)
+    def _checked(given: object, n: int) -> np.ndarray:
+        vectors = np.asarray(given, dtype=np.float32)
         if vectors.ndim != 2 or vectors.shape[0] != n:
             msg = f"embedder returned shape {vectors.shape} for {n} texts"
             raise ValueError(msg)
         return normalise(vectors)
+
+
+def _langchain(model: object, method: str) -> TypeGuard[LangChainEmbeddings]:
+    """Whether ``model`` has ``method`` of a LangChain ``Embeddings`` (duck typing)."""
+    return callable(getattr(model, method, None))
+
+
+def _has_llamaindex(model: object, method: str) -> TypeGuard[LlamaIndexEmbedding]:
+    return hasattr(model, method)  # not callable: calling it fails as it always did
+
+
+def _llamaindex(model: object, method: str) -> LlamaIndexEmbedding:
+    """``model`` as a LlamaIndex embedding, the kind left once the others are ruled out; an
+    AttributeError naming ``method`` (as calling it would raise) where it has none."""
+    if _has_llamaindex(model, method):
+        return model
+    msg = f"{type(model).__name__!r} object has no attribute {method!r}"
+    raise AttributeError(msg)
 
 
 class StoreBackend:
@@ -139,8 +171,8 @@ class StoreBackend:
     #: the client method that answers a whole batch (tests count calls of it)
     batch_method = ""
 
-    def __init__(self, embedder: Any = DEFAULT_EMBEDDER, *, rescore_margin: int = RESCORE_MARGIN,
-                 remembered: int = DEFAULT_REMEMBERED):
+    def __init__(self, embedder: EmbedderSpec | Embedder = DEFAULT_EMBEDDER, *,
+                 rescore_margin: int = RESCORE_MARGIN, remembered: int = DEFAULT_REMEMBERED):
         _common.check_int(rescore_margin, "rescore_margin", 0)
         _common.check_int(remembered, "remembered")
         self.embedder = embedder if isinstance(embedder, Embedder) else Embedder(embedder)
@@ -162,20 +194,19 @@ class StoreBackend:
 
     # ------------------------------------------------------------------ ingest
 
-    def add(self, docs: Iterable[Document], *, vectors: Any = None,
+    def add(self, docs: Iterable[Document], *, vectors: npt.ArrayLike | None = None,
             batch_size: int = INGEST_BATCH) -> None:
         """Embed (unless ``vectors`` are given) and store ``docs``, ``batch_size`` per client call."""
         _common.check_int(batch_size, "batch_size")
         docs = _common.check_new_docs(docs, {})
-        if vectors is not None:
-            vectors = normalise(vectors)
-            if vectors.shape[0] != len(docs):
-                msg = f"vectors has {vectors.shape[0]} rows for {len(docs)} documents"
-                raise ValueError(msg)
+        given = None if vectors is None else normalise(vectors)
+        if given is not None and given.shape[0] != len(docs):
+            msg = f"vectors has {given.shape[0]} rows for {len(docs)} documents"
+            raise ValueError(msg)
         for start in range(0, len(docs), batch_size):
             part = docs[start:start + batch_size]
-            part_vectors = (self.embedder.documents([d.text for d in part]) if vectors is None
-                            else vectors[start:start + batch_size])
+            part_vectors = (self.embedder.documents([d.text for d in part]) if given is None
+                            else given[start:start + batch_size])
             self._write(part, part_vectors)
         logger.info("%s: stored %d documents", self.name, len(docs))
 
@@ -245,7 +276,7 @@ class StoreBackend:
                 out[i] = vector
         return np.stack(cast(list[np.ndarray], out))  # every None filled above
 
-    def rank(self, encoded: Any, docs: Sequence[Document]) -> Document:
+    def rank(self, encoded: npt.ArrayLike, docs: Sequence[Document]) -> Document:
         """The best of ``docs`` (a local cache) for the query vector, by the search metric."""
         if not docs:
             msg = "rank needs at least one document"

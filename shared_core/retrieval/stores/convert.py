@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from shared_core.retrieval.base import EmbedderSpec
 from shared_core.retrieval.stores.base import StoreBackend
 
 SUPPORTED = ("langchain_qdrant.QdrantVectorStore", "langchain_milvus.Milvus",
@@ -17,7 +18,7 @@ SUPPORTED = ("langchain_qdrant.QdrantVectorStore", "langchain_milvus.Milvus",
              "langchain_community.OpenSearchVectorSearch")
 
 
-def _wrapped_store(obj: Any) -> Any:
+def _wrapped_store(obj: object) -> object:
     """The vector store behind a plain similarity ``VectorStoreRetriever`` (``as_retriever()``).
 
     A retriever with another search type (MMR, score threshold) or search options (filters) is
@@ -46,7 +47,7 @@ def _kind(obj: object) -> str | None:
     return None
 
 
-def from_store(obj: Any, embedder: Any = None) -> StoreBackend:
+def from_store(obj: object, embedder: EmbedderSpec | None = None) -> StoreBackend:
     """The batched backend for a LangChain vector store (or its ``as_retriever()``).
 
     Args:
@@ -70,11 +71,11 @@ def from_store(obj: Any, embedder: Any = None) -> StoreBackend:
     return _BUILDERS[kind](obj, embedder)
 
 
-def _embeddings(obj: Any, embedder: Any, *names: str) -> Any:
+def _embeddings(obj: object, embedder: EmbedderSpec | None, *names: str) -> EmbedderSpec:
     if embedder is not None:
         return embedder
     for name in names:
-        value = getattr(obj, name, None)
+        value: EmbedderSpec | list[object] | None = getattr(obj, name, None)  # a framework's
         if value is not None and not isinstance(value, list):
             return value
     msg = (f"{type(obj).__name__} has no single embeddings object (names: {names}); pass "
@@ -82,7 +83,9 @@ def _embeddings(obj: Any, embedder: Any, *names: str) -> Any:
     raise ValueError(msg)
 
 
-def _qdrant(obj: Any, embedder: Any) -> StoreBackend:
+# The builders read ``obj`` (a framework's vector store, untyped here: no framework is imported)
+# by its library's attribute names, private ones included.
+def _qdrant(obj: Any, embedder: EmbedderSpec | None) -> StoreBackend:
     from shared_core.retrieval.stores.qdrant import QdrantStore
 
     return QdrantStore(obj.client, obj.collection_name, _embeddings(obj, embedder, "embeddings"),
@@ -90,7 +93,7 @@ def _qdrant(obj: Any, embedder: Any) -> StoreBackend:
                        text_key=obj.content_payload_key, metadata_key=obj.metadata_payload_key)
 
 
-def _milvus(obj: Any, embedder: Any) -> StoreBackend:
+def _milvus(obj: Any, embedder: EmbedderSpec | None) -> StoreBackend:
     from shared_core.retrieval.stores.milvus import MilvusStore
 
     vector_field = obj._vector_field
@@ -105,7 +108,7 @@ def _milvus(obj: Any, embedder: Any) -> StoreBackend:
                        text_field=obj._text_field, metadata_field=obj._metadata_field)
 
 
-def _postgres(obj: Any, embedder: Any) -> StoreBackend:
+def _postgres(obj: Any, embedder: EmbedderSpec | None) -> StoreBackend:
     from shared_core.retrieval.stores.pgvector import PgVectorStore
 
     engine = getattr(obj, "_engine", None)
@@ -123,7 +126,7 @@ def _postgres(obj: Any, embedder: Any) -> StoreBackend:
                          where_params=(obj.collection_name,))
 
 
-def _elasticsearch(obj: Any, embedder: Any) -> StoreBackend:
+def _elasticsearch(obj: Any, embedder: EmbedderSpec | None) -> StoreBackend:
     from shared_core.retrieval.stores.elasticsearch import ElasticsearchStore
 
     inner = obj._store  # elasticsearch.helpers.vectorstore.VectorStore
@@ -133,7 +136,7 @@ def _elasticsearch(obj: Any, embedder: Any) -> StoreBackend:
                               metadata_field="metadata")
 
 
-def _opensearch(obj: Any, embedder: Any) -> StoreBackend:
+def _opensearch(obj: Any, embedder: EmbedderSpec | None) -> StoreBackend:
     from shared_core.retrieval.stores.opensearch import OpenSearchStore
 
     return OpenSearchStore(obj.client, obj.index_name,

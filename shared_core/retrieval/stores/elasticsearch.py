@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
-from shared_core.retrieval.base import Document
-from shared_core.retrieval.stores.base import Row, StoreBackend, check_client, check_name
+from shared_core.retrieval.base import Document, EmbedderSpec
+from shared_core.retrieval.stores.base import Embedder, Row, StoreBackend, check_client, check_name
 
 DEFAULT_NUM_CANDIDATES = 100
 
@@ -45,7 +45,7 @@ class ElasticsearchStore(StoreBackend):
     batch_method = "msearch"
     product = "Elasticsearch"  # named in errors (OpenSearchStore reuses this class)
 
-    def __init__(self, client: Any, index: str, embedder: Any = DEFAULT_EMBEDDER, *,
+    def __init__(self, client: Any, index: str, embedder: EmbedderSpec | Embedder = DEFAULT_EMBEDDER, *,
                  vector_field: str = "vector", text_field: str = "text",
                  metadata_field: str | None = "metadata",
                  num_candidates: int = DEFAULT_NUM_CANDIDATES, exact: bool = False,

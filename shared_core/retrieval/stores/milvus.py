@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
-from shared_core.retrieval.base import Document
-from shared_core.retrieval.stores.base import Row, StoreBackend, check_client, check_name
+from shared_core.retrieval.base import Document, EmbedderSpec
+from shared_core.retrieval.stores.base import Embedder, Row, StoreBackend, check_client, check_name
 
 MAX_ID_LENGTH = 512
 
@@ -40,7 +40,7 @@ class MilvusStore(StoreBackend):
 
     batch_method = "search"
 
-    def __init__(self, client: Any, collection: str, embedder: Any = DEFAULT_EMBEDDER, *,
+    def __init__(self, client: Any, collection: str, embedder: EmbedderSpec | Embedder = DEFAULT_EMBEDDER, *,
                  id_field: str = "id", vector_field: str = "vector", text_field: str = "text",
                  metadata_field: str | None = "metadata",
                  search_params: dict[str, Any] | None = None, **options: Any):

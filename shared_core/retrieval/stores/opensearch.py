@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
-from shared_core.retrieval.stores.base import check_client, check_name
+from shared_core.retrieval.base import EmbedderSpec
+from shared_core.retrieval.stores.base import Embedder, check_client, check_name
 from shared_core.retrieval.stores.elasticsearch import ElasticsearchStore
 
 DEFAULT_EF_SEARCH = 100
@@ -46,7 +47,7 @@ class OpenSearchStore(ElasticsearchStore):
 
     product = "OpenSearch"
 
-    def __init__(self, client: Any, index: str, embedder: Any = DEFAULT_EMBEDDER, *,
+    def __init__(self, client: Any, index: str, embedder: EmbedderSpec | Embedder = DEFAULT_EMBEDDER, *,
                  vector_field: str = "vector_field", text_field: str = "text",
                  metadata_field: str | None = "metadata", ef_search: int = DEFAULT_EF_SEARCH,
                  exact: bool = False, **options: Any):

@@ -26,8 +26,8 @@ from typing import Any
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
-from shared_core.retrieval.base import Document
-from shared_core.retrieval.stores.base import Row, StoreBackend
+from shared_core.retrieval.base import Document, EmbedderSpec
+from shared_core.retrieval.stores.base import Embedder, Row, StoreBackend
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
@@ -88,7 +88,7 @@ class PgVectorStore(StoreBackend):
     batch_method = "execute"
 
     def __init__(self, connection: Any, table: str = "specrag_documents",
-                 embedder: Any = DEFAULT_EMBEDDER, *, id_column: str = "id",
+                 embedder: EmbedderSpec | Embedder = DEFAULT_EMBEDDER, *, id_column: str = "id",
                  text_column: str = "text", embedding_column: str = "embedding",
                  metadata_column: str | None = "metadata", where: str | None = None,
                  where_params: Sequence[Any] = (), **options: Any):

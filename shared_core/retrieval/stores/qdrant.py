@@ -23,8 +23,8 @@ from typing import Any
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER
-from shared_core.retrieval.base import Document
-from shared_core.retrieval.stores.base import Row, StoreBackend, check_client, check_name
+from shared_core.retrieval.base import Document, EmbedderSpec
+from shared_core.retrieval.stores.base import Embedder, Row, StoreBackend, check_client, check_name
 
 _NAMESPACE = uuid.UUID("5b2f1d1e-8c53-4c1e-9a55-0d6f1f6b5e10")
 
@@ -49,7 +49,7 @@ class QdrantStore(StoreBackend):
 
     batch_method = "query_batch_points"
 
-    def __init__(self, client: Any, collection: str, embedder: Any = DEFAULT_EMBEDDER, *,
+    def __init__(self, client: Any, collection: str, embedder: EmbedderSpec | Embedder = DEFAULT_EMBEDDER, *,
                  vector_name: str | None = None, id_key: str | None = "doc_id",
                  text_key: str = "text", metadata_key: str | None = "metadata",
                  exact: bool = False, **options: Any):

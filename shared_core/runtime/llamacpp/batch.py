@@ -16,9 +16,12 @@ the cache too. The rows themselves are never kept.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shared_core.runtime.llamacpp.session import EXACT_CHUNK, decode
+
+if TYPE_CHECKING:
+    import numpy as np
 
 # ``lm`` is a shared_core.runtime.llamacpp.lm.LlamaCppLM and ``slot`` one of its contexts; not
 # imported here, because that module imports this one.
@@ -64,7 +67,7 @@ class _Batch:
         return out
 
 
-def _log_softmax_at(logits: Any, token: int) -> float:
+def _log_softmax_at(logits: np.ndarray, token: int) -> float:
     import numpy as np
 
     top = float(logits.max())

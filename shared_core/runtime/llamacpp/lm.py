@@ -39,6 +39,9 @@ from shared_core.runtime.lm import LM
 from shared_core.runtime.protocol import Capabilities
 from shared_core.util.device import note_thread_policy, threads_from_env
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 logger = logging.getLogger(__name__)
 
 INSTALL_HINT = ("backend='llama.cpp' needs llama-cpp-python: run `scripts/install_llamacpp.sh` "
@@ -67,7 +70,7 @@ def llama_cpp_module() -> ModuleType:
             raise ImportError(INSTALL_HINT) from e
 
         @llama_cpp.llama_log_callback
-        def _log(level: int, text: bytes, user_data: Any) -> None:
+        def _log(level: int, text: bytes, user_data: object) -> None:
             del level, user_data
             logger.debug("llama.cpp: %s", text.decode("utf-8", "replace").rstrip())
 
@@ -272,7 +275,7 @@ class LlamaCppModel:
         n = self.llama.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, True)
         return list(buf[:n])
 
-    def end_of_generation_ids(self, tokenizer: Any) -> frozenset[int]:
+    def end_of_generation_ids(self, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
         """The GGUF's end-of-sequence / end-of-turn tokens and the tokenizer's EOS."""
         ids = {int(self.llama.llama_vocab_eos(self.vocab)), int(self.llama.llama_vocab_eot(self.vocab))}
         if tokenizer.eos_token_id is not None:

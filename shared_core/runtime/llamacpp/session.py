@@ -29,13 +29,15 @@ from shared_core.runtime.protocol import PassageReport, SessionLM
 from shared_core.runtime.torch.prefix import common_prefix_length
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 MAX_TREE_LEAVES = 32  # branches of one tree forward (sequences 1..m of a context)
 EXACT_CHUNK = 32  # exact: prefill chunk; with f16 V, 64+ rows took a tiled attention
 
 
-def decode(lm: SessionLM, slot: Any, entries: Sequence[tuple[int, int, Sequence[int], bool]]) -> Any:
+def decode(lm: SessionLM, slot: Any, entries: Sequence[tuple[int, int, Sequence[int], bool]]
+           ) -> np.ndarray | None:
     """One ``llama_decode`` of ``(token, position, sequences, wants logits)`` entries in ``slot``'s
     batch; the logits of the entries that asked, in order, as a ``[n, V]`` float32 array (a copy),
     or None if none did."""

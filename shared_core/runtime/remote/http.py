@@ -136,7 +136,7 @@ class Transport:
         self._client = httpx.Client(**self._kwargs, transport=transport)  # type: ignore[arg-type]
         self._aclient: httpx.AsyncClient | None = None
 
-    def request(self, method: str, path: str, json: Any = None, *, retries: int | None = None
+    def request(self, method: str, path: str, json: object = None, *, retries: int | None = None
                 ) -> Any:
         plan = _Retries(method, self.url(path), self.config, retries)
         for attempt in itertools.count():  # settle returns or raises by plan.attempts
@@ -162,7 +162,7 @@ class Transport:
                 **self._kwargs, transport=self._transport)  # type: ignore[arg-type]
         return self._aclient
 
-    async def arequest(self, method: str, path: str, json: Any = None, *,
+    async def arequest(self, method: str, path: str, json: object = None, *,
                        retries: int | None = None) -> Any:
         client = self._async_client()
         plan = _Retries(method, self.url(path), self.config, retries)

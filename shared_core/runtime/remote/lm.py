@@ -15,7 +15,7 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from shared_core.config import SamplingConfig, check_choice, check_int, check_text
 from shared_core.runtime.lm import ChatTokenizer
@@ -27,8 +27,14 @@ from shared_core.util.redact import redact
 
 if TYPE_CHECKING:
     import httpx
+    from transformers import PreTrainedTokenizerBase
+
+    from shared_core.runtime.protocol import ModelLM
 
 logger = logging.getLogger(__name__)
+
+#: what ``RemoteLM(tokenizer=...)`` takes: a tokenizer, an LM (its tokenizer), a folder or hub id
+TokenizerSource: TypeAlias = "PreTrainedTokenizerBase | ModelLM | str | Path | None"
 
 # What each capability means, for error messages.
 NEEDS: dict[str, str] = {
@@ -78,7 +84,7 @@ class RemoteLM(ChatTokenizer):
 
     served = True  # engines branch on this: requests instead of local forwards
 
-    def __init__(self, url: str, *, tokenizer: Any = None, engine: Engine = "auto",
+    def __init__(self, url: str, *, tokenizer: TokenizerSource = None, engine: Engine = "auto",
                  model: str | None = None, api_key: str | None = None,
                  config: RemoteConfig | None = None,
                  transport: httpx.BaseTransport | httpx.AsyncBaseTransport | None = None) -> None:
@@ -338,9 +344,10 @@ def _optional(http: Transport, path: str) -> Any:
         return None
 
 
-def _load_tokenizer(tokenizer: Any, root: str | None) -> Any:
+def _load_tokenizer(tokenizer: TokenizerSource, root: str | None) -> PreTrainedTokenizerBase:
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
-        return getattr(tokenizer, "tokenizer", tokenizer)  # an LM, or a tokenizer
+        found: PreTrainedTokenizerBase = getattr(tokenizer, "tokenizer", tokenizer)  # an LM's
+        return found
     source = tokenizer if tokenizer is not None else root
     if source is None or (tokenizer is None and not Path(source).is_dir()):
         msg = (f"the server's model folder {root!r} is not on this machine: pass tokenizer= "

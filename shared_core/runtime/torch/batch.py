@@ -13,12 +13,13 @@ row's KV but its last id is assembled by the cache (its passages from the store)
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from shared_core.runtime.protocol import Row, SessionLM, Spans, StopRule
 
 if TYPE_CHECKING:
     import torch
+    from transformers import StoppingCriteria
     from transformers.cache_utils import Cache
 
 _LM_HEAD_CHUNK = 64  # positions per LM-head call when scoring spans (bounds memory)
@@ -37,7 +38,7 @@ def _left_pad(rows: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor,
 
 
 def _stop_criteria(prompt_len: int, stop: StopRule, lengths: list[int],
-                   on_prefilled: Callable[[], None] | None) -> Any:
+                   on_prefilled: Callable[[], None] | None) -> StoppingCriteria:
     """A ``StoppingCriteria`` asking ``stop(row, ids)`` of every unfinished row after each step
     and recording each row's length; the first call follows the forward that read the prompts."""
     import torch
@@ -46,7 +47,7 @@ def _stop_criteria(prompt_len: int, stop: StopRule, lengths: list[int],
     class _Stop(StoppingCriteria):
         prefilled = False
 
-        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+        def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: object) -> torch.Tensor:
             if not self.prefilled and on_prefilled is not None:
                 on_prefilled()
             self.prefilled = True
@@ -187,6 +188,7 @@ def final_norm(lm: SessionLM) -> torch.nn.Module:
     decoder = model.get_decoder() if hasattr(model, "get_decoder") else model.model
     for name in ("norm", "final_layernorm", "ln_f"):
         if hasattr(decoder, name):
-            return getattr(decoder, name)
+            norm: torch.nn.Module = getattr(decoder, name)
+            return norm
     msg = f"cannot find the final norm of {type(model).__name__} for KNN-LM keys"
     raise TypeError(msg)

@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, TypeAlias
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, TypeAlias
 
 if TYPE_CHECKING:  # torch stays out of a llama.cpp-only import (tests/unit/test_import_light.py)
     import torch
@@ -83,7 +83,7 @@ class PrefixStore:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def __reduce__(self) -> tuple[Any, tuple[int, bool]]:
+    def __reduce__(self) -> tuple[Callable[[int, bool], PrefixStore], tuple[int, bool]]:
         return _empty_store, (self.budget, self.exact)  # a copied model starts empty (a lock)
 
     @property
@@ -147,9 +147,10 @@ class PrefixStore:
         self.nbytes -= self._entries.pop(key)[1]
 
 
-def store_for(model: Any) -> PrefixStore | None:
+def store_for(model: object) -> PrefixStore | None:
     """The prefix store of ``model``, if it was given one (:func:`attach`)."""
-    return getattr(model, ATTRIBUTE, None)
+    store: PrefixStore | None = getattr(model, ATTRIBUTE, None)
+    return store
 
 
 def attach(model: torch.nn.Module, budget: int, *, exact: bool = False) -> PrefixStore:

@@ -18,7 +18,7 @@ import copy
 import functools
 import inspect
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -42,10 +42,11 @@ _MIN_CAPACITY = 256
 _UNREAD: Any = object()  # the place of a fed id not read back from the device yet
 
 
-def cache_keyword(model: Any) -> str:
+def cache_keyword(model: object) -> str:
     """The keyword ``model``'s forward takes its KV cache by: ``cache`` where transformers renamed
     it (passing ``past_key_values`` there warns on every first call), else ``past_key_values``."""
-    return _cache_keyword(type(model))
+    model_class: type = type(model)
+    return _cache_keyword(model_class)
 
 
 @functools.cache
@@ -86,8 +87,8 @@ class GrowingLayer(DynamicLayer):
             buf[:, :, : self.length] = old[:, :, : self.length]
             setattr(self, name, buf)
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         end = self.length + key_states.shape[-2]
@@ -214,6 +215,12 @@ def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dt
     return mask[None, None], depths
 
 
+class _PassagePrefill(Protocol):
+    """What a session asks of a model's passage cache (``lm.model.passage_cache``)."""
+
+    def prefill(self, session: KVSession, ids: Sequence[int]) -> torch.Tensor | None: ...
+
+
 class KVSession:
     """One model, one growing token sequence and its KV cache.
 
@@ -227,6 +234,7 @@ class KVSession:
         if prefill_chunk < 1:
             msg = f"prefill_chunk must be >= 1, got {prefill_chunk}"
             raise ValueError(msg)
+        self._unread: list[tuple[int, DeviceTokens]] = []  # (start, ids) not read back yet
         self.lm = lm
         self.kind: CacheKind = cache
         self.prefill_chunk = prefill_chunk
@@ -304,7 +312,8 @@ class KVSession:
             self.heal()
             raise
         self.forwards += 1
-        return out.logits[0]
+        logits: torch.Tensor = out.logits
+        return logits[0]
 
     def _static_forward(self, held: StaticKV, ids: Sequence[int], input_ids: torch.Tensor,
                         logits_to_keep: int, attention_mask: torch.Tensor | None,
@@ -354,7 +363,7 @@ class KVSession:
     @tokens.setter
     def tokens(self, ids: list[int]) -> None:
         self._tokens = ids
-        self._unread: list[tuple[int, DeviceTokens]] = []  # (start, ids) not read back yet
+        self._unread = []
 
     def _cut(self, length: int) -> None:
         """Drop the ids after ``length`` (no readback: places not read yet are simply gone)."""
@@ -386,7 +395,7 @@ class KVSession:
         logits after the last one (None if empty). A fresh session starts from the longest prefix
         of ``ids`` the model's prefix store holds; a completed prefill stores what it read.
         On a model with a passage cache, a fresh session's first prefill runs through it."""
-        passages = getattr(self.lm.model, "passage_cache", None)
+        passages: _PassagePrefill | None = getattr(self.lm.model, "passage_cache", None)
         if passages is not None and self.kind == "static":
             msg = ("cache='static' does not assemble prompts from a passage cache (it installs "
                    "caches of its own layout); use cache='prealloc' on this model")
@@ -394,11 +403,12 @@ class KVSession:
         if passages is not None and ids and not self.tokens and not self.position_offset:
             return passages.prefill(self, ids)  # shared_core.runtime.passage_cache.torch_cache
         store = store_for(self.lm.model)
-        keep = store is not None and store.budget > 0
-        if keep and not self.tokens and not self.position_offset:
-            ids = ids[self._reuse(store, ids):]
+        kept = store if store is not None and store.budget > 0 else None
+        if kept is not None and not self.tokens and not self.position_offset:
+            ids = ids[self._reuse(kept, ids):]
         exact = store is not None and store.exact
-        chunk = min(self.prefill_chunk, store.grid) if exact else self.prefill_chunk
+        chunk = (min(self.prefill_chunk, store.grid) if store is not None and exact
+                 else self.prefill_chunk)
         logits = None
         try:
             while ids:
@@ -408,8 +418,8 @@ class KVSession:
         except BaseException:
             self._prefilled_only = False  # never store what followed a failed or interrupted call
             raise
-        if keep and self._prefilled_only and not self.position_offset:
-            self._store(store)
+        if kept is not None and self._prefilled_only and not self.position_offset:
+            self._store(kept)
         return logits
 
     def _reuse(self, store: PrefixStore, ids: Sequence[int]) -> int:

@@ -32,10 +32,15 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from transformers.cache_utils import Cache, StaticLayer, get_layer_types_and_kwargs
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
+    from shared_core.runtime.protocol import SessionLM
 
 logger = logging.getLogger(__name__)
 
@@ -52,8 +57,8 @@ class SlotLayer(StaticLayer):
         super().__init__(max_cache_len=max_cache_len)
         self.owner = owner
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
-               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object,
+               **kwargs: object) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         slots = self.owner.start + torch.arange(key_states.shape[-2], device=self.device)
@@ -76,7 +81,7 @@ class StaticKV(Cache):
     """Fixed-capacity KV buffers for one sequence; ``start`` (device) and ``length`` (host) are
     the number of valid slots, moved together by :meth:`move_to` and :meth:`advance`."""
 
-    def __init__(self, config: Any, capacity: int, device: torch.device):
+    def __init__(self, config: PretrainedConfig, capacity: int, device: torch.device):
         types, _ = get_layer_types_and_kwargs(config.get_text_config(decoder=True))
         other = sorted(set(types) - {"full_attention"})
         if other:
@@ -172,7 +177,7 @@ def _causal_mask(start: torch.Tensor, count: int, capacity: int, dtype: torch.dt
     return mask.masked_fill_(cols[None, :] > rows[:, None], torch.finfo(dtype).min)[None, None]
 
 
-def static_step(model: Any, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
+def static_step(model: torch.nn.Module, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
                 dtype: torch.dtype, logits_to_keep: int,
                 attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -212,7 +217,7 @@ def compiles(device: torch.device) -> bool:
     return device.type in COMPILE_DEVICES
 
 
-def run_step(model: Any, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
+def run_step(model: torch.nn.Module, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
              dtype: torch.dtype, logits_to_keep: int,
              attention_mask: torch.Tensor | None = None,
              position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -229,13 +234,13 @@ def run_step(model: Any, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
 
 # ------------------------------------------------------------------------------- the pool
 
-_POOL: weakref.WeakKeyDictionary[Any, list[StaticKV]] = weakref.WeakKeyDictionary()
+_POOL: weakref.WeakKeyDictionary[torch.nn.Module, list[StaticKV]] = weakref.WeakKeyDictionary()
 # engines open sessions from worker threads (RaLMSpec, RAPID); reentrant because a garbage
 # collection inside take() may run a finalizer (_give_back) on the same thread
 _POOL_LOCK = threading.RLock()
 
 
-def capacity_for(lm: Any) -> int:
+def capacity_for(lm: SessionLM) -> int:
     """``lm.static_capacity``, else the model window capped at :data:`DEFAULT_STATIC_CAPACITY`."""
     chosen = getattr(lm, "static_capacity", None)
     capacity = int(chosen) if chosen is not None else min(int(lm.max_context),
@@ -246,7 +251,7 @@ def capacity_for(lm: Any) -> int:
     return capacity
 
 
-def take(lm: Any, owner: object) -> StaticKV:
+def take(lm: SessionLM, owner: object) -> StaticKV:
     """An empty static cache for ``lm`` (an idle one of the same capacity and device when the
     pool has one), given back to the pool when ``owner`` is collected."""
     capacity = capacity_for(lm)
@@ -268,7 +273,7 @@ def take(lm: Any, owner: object) -> StaticKV:
     return cache
 
 
-def _give_back(model_ref: weakref.ref[Any], cache: StaticKV) -> None:
+def _give_back(model_ref: weakref.ref[torch.nn.Module], cache: StaticKV) -> None:
     model = model_ref()
     if model is None:
         return

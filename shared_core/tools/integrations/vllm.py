@@ -28,9 +28,12 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING
 
 from shared_core.drafters.suffix_automaton import DynamicIndex
+
+if TYPE_CHECKING:
+    import numpy as np
 
 SUPPORTED_VLLM = ">=0.22,<0.33"  # where custom_class exists with this signature (checked: 0.32.0)
 MIN_MATCH_ENV = "SPECRAG_SAM_MIN_MATCH"
@@ -39,16 +42,16 @@ MIN_MATCH_ENV = "SPECRAG_SAM_MIN_MATCH"
 class _Row:
     """One batch row's automaton over the tokens seen so far."""
 
-    def __init__(self, tokens: Sequence[int]) -> None:
+    def __init__(self, tokens: Sequence[int] | np.ndarray) -> None:
         self.tokens = [int(t) for t in tokens]
         self.index = DynamicIndex()
         self.index.add(self.tokens)
 
-    def holds_prefix_of(self, context: Any) -> bool:
+    def holds_prefix_of(self, context: np.ndarray) -> bool:
         n = len(self.tokens)
         return n <= len(context) and self.tokens == [int(t) for t in context[:n]]
 
-    def extend(self, context: Any) -> None:
+    def extend(self, context: np.ndarray) -> None:
         new = [int(t) for t in context[len(self.tokens):]]
         self.index.add(new)
         self.tokens.extend(new)
@@ -57,7 +60,7 @@ class _Row:
 class SuffixAutomatonProposer:
     """A ``custom_class`` proposer drafting from each request's own tokens (no model)."""
 
-    def __init__(self, vllm_config: Any = None, *, num_speculative_tokens: int | None = None,
+    def __init__(self, vllm_config: object = None, *, num_speculative_tokens: int | None = None,
                  min_match: int | None = None) -> None:
         spec = getattr(vllm_config, "speculative_config", None)
         model = getattr(vllm_config, "model_config", None)
@@ -70,10 +73,10 @@ class SuffixAutomatonProposer:
         self._rows: dict[int, _Row] = {}
         self.drafted = 0  # rows that got a non-empty draft (for tests and logs)
 
-    def load_model(self, *args: Any, **kwargs: Any) -> None:
+    def load_model(self, *args: object, **kwargs: object) -> None:
         """No model (the CPU runner calls this for every drafter)."""
 
-    def _row(self, i: int, context: Any) -> _Row:
+    def _row(self, i: int, context: np.ndarray) -> _Row:
         row = self._rows.get(i)
         if row is None or not row.holds_prefix_of(context):
             row = self._rows[i] = _Row(context)
@@ -87,8 +90,8 @@ class SuffixAutomatonProposer:
             return []
         return list(row.index.continuation(match.ends[-1], self.k))
 
-    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: Any,
-                token_ids_cpu: Any, slot_mappings: Any = None) -> list[list[int]]:
+    def propose(self, sampled_token_ids: Sequence[Sequence[int]], num_tokens_no_spec: np.ndarray,
+                token_ids_cpu: np.ndarray, slot_mappings: object = None) -> list[list[int]]:
         drafts: list[list[int]] = []
         for i, sampled in enumerate(sampled_token_ids):
             n = int(num_tokens_no_spec[i])
