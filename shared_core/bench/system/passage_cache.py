@@ -51,6 +51,7 @@ import argparse
 import json
 import logging
 import os
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -88,8 +89,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure the exact contract on an exact=True model for the first N "
                              "questions of each dataset (0: not at all)")
     parser.add_argument("--kv-dir", default=None,
-                        help="the blend store's disk tier (kept between runs so a resumed run "
-                             "sees the stream's store); default $SPECRAG_CACHE/bench/passage-kv")
+                        help="the blend store's disk tier (emptied when a run starts anew, kept "
+                             "when it resumes); default $SPECRAG_CACHE/bench/passage-kv")
     parser.add_argument("--no-new", action="store_true",
                         help="run no new question: report the rows an earlier run left")
     parser.add_argument("--ram-cache", action=argparse.BooleanOptionalAction, default=None,
@@ -563,6 +564,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     all_texts: list[str] = []
     with tempfile.TemporaryDirectory(prefix="specrag-passage-bench-") as folder:
         kv_dir = Path(args.kv_dir) if args.kv_dir else cache_dir() / "bench" / "passage-kv"
+        if not done:  # a new run's stream starts cold: an earlier run's entries are no hits
+            shutil.rmtree(kv_dir / name, ignore_errors=True)
         caches = _Caches(lm, exact_lm, shares, kv_dir / name, Path(folder), backend)
         datasets = args.datasets.split(",")
         streams = {d: _Stream(d, _questions(d, args.limit, args.k)) for d in datasets}
