@@ -460,6 +460,19 @@ def fresh_greedy(lm: SessionLM, ids: list[int], n: int = N_NEW
     return greedy(lm, ids, n)
 
 
+def interrupt_second_put(put: Callable[[str, bytes], None]) -> Callable[[str, bytes], None]:
+    """``put`` that raises KeyboardInterrupt at its second call (the first one goes through)."""
+    calls: list[str] = []
+
+    def interrupted(key: str, payload: bytes) -> None:
+        calls.append(key)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        put(key, payload)
+
+    return interrupted
+
+
 def block_of(cache: Any) -> int:
     """Ids per stored prefix block of this runtime's cache."""
     return importlib.import_module(type(cache).__module__).BLOCK
@@ -621,13 +634,7 @@ def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path:
         for path in disk_entries(tmp_path):
             path.unlink()
         original = cache.store.put
-        calls: list[str] = []
-
-        def interrupted(key: str, payload: bytes) -> None:
-            calls.append(key)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-            original(key, payload)
+        interrupted = interrupt_second_put(original)
 
         gc.collect()
         clear_prefix_cache(lm)
@@ -726,13 +733,7 @@ def test_an_interrupted_deferred_store_keeps_whole_entries_and_the_model_usable(
         _, _, session = fresh_greedy(lm, ids, 3)  # kept open: nothing stored after it yet
         assert cache.pending == 3
         original = cache.store.put
-        calls: list[str] = []
-
-        def interrupted(key: str, payload: bytes) -> None:
-            calls.append(key)
-            if len(calls) == 2:
-                raise KeyboardInterrupt
-            original(key, payload)
+        interrupted = interrupt_second_put(original)
 
         monkeypatch.setattr(cache.store, "put", interrupted)
         with pytest.raises(KeyboardInterrupt):
