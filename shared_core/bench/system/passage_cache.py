@@ -56,7 +56,7 @@ import tempfile
 import time
 from pathlib import Path
 from statistics import median
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -64,6 +64,9 @@ from shared_core.bench.common import lm_threads, write_report
 from shared_core.config import DEFAULT_RECOMPUTE_SHARE, PassageCacheConfig
 from shared_core.runtime.weights.embedded import is_installed
 from shared_core.util.device import cpu_facts, threads_from_env
+
+if TYPE_CHECKING:
+    from shared_core.runtime.protocol import SessionLM
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +150,7 @@ def _cache_class(backend: str) -> Any:
     return LlamaCppPassageCache
 
 
-def _threads(lm: Any, backend: str) -> tuple[int, str]:
+def _threads(lm: SessionLM, backend: str) -> tuple[int, str]:
     """The threads the model runs on and how they were chosen."""
     if backend == "llama.cpp":
         return lm.model.threads, lm.model.thread_policy
@@ -204,7 +207,7 @@ class _Caches:
     """One blend store shared by every share (entries do not depend on the share), swapped onto
     the model per method; the exact caches on the exact model."""
 
-    def __init__(self, lm: Any, exact_lm: Any | None, shares: list[float], blend_dir: Path,
+    def __init__(self, lm: SessionLM, exact_lm: SessionLM | None, shares: list[float], blend_dir: Path,
                  exact_dir: Path, backend: str = "llama.cpp"):
         from shared_core.runtime.passage_cache import chunk_head
 
@@ -236,7 +239,7 @@ def counted_ram_cache(capacity_bytes: int) -> Any:
     memory. Eviction order (least recently used) and lookup (longest prefix) are unchanged."""
     import llama_cpp
 
-    class CountedRAMCache(llama_cpp.LlamaRAMCache):  # type: ignore[misc]
+    class CountedRAMCache(llama_cpp.LlamaRAMCache):
         @property
         def cache_size(self) -> int:
             return sum(state.llama_state_size + state.scores.nbytes + state.input_ids.nbytes
@@ -248,7 +251,7 @@ def counted_ram_cache(capacity_bytes: int) -> Any:
 class _RamCacheLlama:
     """llama-cpp-python's own high-level path on the same file: ``Llama`` + ``LlamaRAMCache``."""
 
-    def __init__(self, lm: Any):
+    def __init__(self, lm: SessionLM):
         import llama_cpp
 
         self.llm = llama_cpp.Llama(str(lm.model.path), n_ctx=lm.model.n_ctx,
@@ -263,8 +266,11 @@ class _RamCacheLlama:
         text (the high-level API returns text)."""
         start = time.perf_counter()
         ttft, parts = None, []
-        for chunk in self.llm.create_completion(ids, max_tokens=max_new, temperature=0.0,
-                                                stream=True):
+        stream = self.llm.create_completion(ids, max_tokens=max_new, temperature=0.0, stream=True)
+        if isinstance(stream, dict):  # typed as either; stream=True always gives the chunks
+            msg = "create_completion(stream=True) returned one response, not a stream"
+            raise TypeError(msg)
+        for chunk in stream:
             ttft = ttft if ttft is not None else time.perf_counter() - start
             parts.append(chunk["choices"][0]["text"])
         text = "".join(parts)
@@ -287,7 +293,7 @@ def _server(lm: Any, backend: str, asked: bool | None) -> Any:
     return ServerCacheReuse.for_lm(lm)
 
 
-def _one_question(lm: Any, caches: _Caches, ids: list[int], texts: list[str],
+def _one_question(lm: SessionLM, caches: _Caches, ids: list[int], texts: list[str],
                   shares: list[float], max_new: int, *, exact: bool,
                   ram: _RamCacheLlama | None, server: Any = None) -> dict[str, Any]:
     from shared_core.runtime.passage_cache import register_passages, warm_passages
@@ -314,7 +320,7 @@ def _one_question(lm: Any, caches: _Caches, ids: list[int], texts: list[str],
         row["llama_ram_cache"] = ram.answer(ids, max_new)
     if server is not None:
         row["llama_server_cache_reuse"] = server.answer(ids, max_new)
-    if exact and caches.exact is not None:
+    if exact and caches.exact is not None and caches.exact_lm is not None:
         exact_lm = caches.exact_lm
         exact_lm.model.passage_cache = caches.exact
         row["exact_cold"] = _answer(exact_lm, ids, max_new)
@@ -378,18 +384,18 @@ def _equal(runs: list[dict[str, Any]], ref: list[dict[str, Any]], key: str) -> s
 
 def _step_means(steps: list[dict[str, float] | None]) -> dict[str, float] | None:
     """Mean wall time per prefill step (where the time goes)."""
-    steps = [s for s in steps if s]
-    if not steps:
+    found = [s for s in steps if s]
+    if not found:
         return None
-    names = sorted({k for s in steps for k in s})
-    return {k: round(sum(s.get(k, 0.0) for s in steps) / len(steps), 4) for k in names}
+    names = sorted({k for s in found for k in s})
+    return {k: round(sum(s.get(k, 0.0) for s in found) / len(found), 4) for k in names}
 
 
 def _cache_totals(reports: list[dict[str, int] | None]) -> dict[str, int] | None:
-    reports = [r for r in reports if r]
-    if not reports:
+    found = [r for r in reports if r]
+    if not found:
         return None
-    return {key: sum(r[key] for r in reports) for key in reports[0]}
+    return {key: sum(r[key] for r in found) for key in found[0]}
 
 
 def _bytes_per_token(caches: _Caches, cached_tokens: int) -> dict[str, Any]:
@@ -416,7 +422,7 @@ def _kv_shape(lm: Any, backend: str) -> tuple[int, int, int]:
     return layers, heads_kv, head_dim
 
 
-def _kv_bytes_per_token(lm: Any, backend: str) -> dict[str, Any]:
+def _kv_bytes_per_token(lm: SessionLM, backend: str) -> dict[str, Any]:
     """K + V bytes of one token over all layers in f16 and in the KV dtype the cache stores
     (llama.cpp: f16; torch: the model's dtype): what a cached token should cost."""
     layers, heads_kv, head_dim = _kv_shape(lm, backend)
@@ -442,7 +448,7 @@ def _done_rows(path: Path | None, settings: dict[str, Any]) -> dict[tuple[str, s
     return done
 
 
-def _entry_bytes(cache: Any, lm: Any, texts: list[str]) -> dict[str, Any]:
+def _entry_bytes(cache: Any, lm: SessionLM, texts: list[str]) -> dict[str, Any]:
     """Memory and disk bytes per cached token of the stored passage entries (a sample)."""
     from shared_core.runtime.passage_cache.chunks import passage_interior
 
@@ -471,7 +477,7 @@ class _Stream:
         self.seen: set[Any] = set()
         self.passage_tokens = self.repeat_tokens = self.occurrences = 0
 
-    def see(self, lm: Any, docs: list[Any], texts: list[str]) -> list[str]:
+    def see(self, lm: SessionLM, docs: list[Any], texts: list[str]) -> list[str]:
         """Count a question's passages; the texts seen for the first time."""
         new = []
         self.occurrences += len(docs)

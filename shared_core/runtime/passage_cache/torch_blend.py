@@ -24,6 +24,7 @@ The caller holds the model's lock (:func:`shared_core.runtime.model_lock.lock_fo
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import math
@@ -32,7 +33,7 @@ import time
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple, Protocol, TypeVar, cast
 
 import torch
 from safetensors.torch import load as st_load
@@ -42,6 +43,9 @@ from transformers.cache_utils import Cache, DynamicCache
 from shared_core.config import CacheKind
 from shared_core.runtime.lm import LM
 from shared_core.runtime.torch.session import KVSession, make_cache
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -119,7 +123,19 @@ class ChunkKV:
                    values=tensors["values"].to(device))
 
 
-def check_model(lm: LM) -> None:
+class ModelHolder(Protocol):
+    """What :func:`check_model` and :func:`rotary_embedding` read: an :class:`LM`, or a bare
+    model wrapped to look like one (:func:`.torch_cache.check_blend`)."""
+
+    @property
+    def backend(self) -> str: ...
+    @property
+    def model(self) -> PreTrainedModel: ...
+    @property
+    def name(self) -> str: ...
+
+
+def check_model(lm: ModelHolder) -> None:
     """Refuse what this module cannot reuse KV for: another runtime, sliding-window layers."""
     if getattr(lm, "backend", "torch") != "torch":
         msg = f"lm must be a torch model, got backend {lm.backend!r}"
@@ -167,16 +183,27 @@ def _stack(cache: Cache, first: int) -> tuple[torch.Tensor, torch.Tensor]:
 # --------------------------------------------------------------------------- RoPE shift
 
 
-def rotary_embedding(lm: LM) -> torch.nn.Module:
+class RotaryEmbedding(Protocol):
+    """What :func:`_rotation` and :func:`shift_keys` read of a transformers rotary embedding
+    module (``rope_type`` is checked at run time: :func:`_rotation` refuses other values)."""
+
+    rope_type: object
+    original_max_seq_len: int
+    original_inv_freq: torch.Tensor
+
+
+def rotary_embedding(lm: ModelHolder) -> RotaryEmbedding:
     """The model's own rotary embedding module (``model.model.rotary_emb``)."""
     rope = getattr(lm.model.get_decoder(), "rotary_emb", None)
     if rope is None:
         msg = f"{lm.name} has no rotary embedding module (model.model.rotary_emb)"
         raise ValueError(msg)
-    return rope
+    # cast: nn.Module's __getattr__ types the module's attributes as Tensor | Module; these are
+    # a plain str, int and buffer on every transformers rotary embedding
+    return cast(RotaryEmbedding, rope)
 
 
-def _rotation(rope: torch.nn.Module, delta: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _rotation(rope: RotaryEmbedding, delta: int, last: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin ``[head_dim]`` of a rotation by ``delta`` positions (fp64 angles, fp32 out)."""
     kind = rope.rope_type
     if not isinstance(kind, str) or kind not in (*STATIC_ROPE, DYNAMIC_ROPE):
@@ -200,7 +227,7 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.inference_mode()
-def shift_keys(chunk: ChunkKV, delta: int, rope: torch.nn.Module) -> ChunkKV:
+def shift_keys(chunk: ChunkKV, delta: int, rope: RotaryEmbedding) -> ChunkKV:
     """The chunk with its keys rotated by ``delta`` positions (values unchanged).
 
     RoPE rotates each key pair by ``position x inv_freq``, and rotations compose, so rotating by
@@ -324,6 +351,8 @@ def _layout(lm: LM, n: int, spans: list[tuple[int, ChunkKV]], head: ChunkKV | No
             msg = (f"spans: the chunk at {start} has KV {tuple(chunk.keys.shape)}, the model "
                    f"needs [{layers}, {kv_heads}, n, {dim}]")
             raise ValueError(msg)
+        if rope is None:  # spans is not empty here
+            raise AssertionError("rope is read whenever there are spans")
         moved = shift_keys(chunk, start - chunk.position, rope)
         keys[:, :, start:start + len(chunk)] = moved.keys.to(lm.device, lm.dtype)
         values[:, :, start:start + len(chunk)] = moved.values.to(lm.device, lm.dtype)
@@ -371,7 +400,8 @@ def _early_layers(lm: LM, prompt_ids: Sequence[int], last_layer: int, chunk: int
 
 def _deviation(layout: _Layout, fresh: DynamicCache, layer: int) -> torch.Tensor:
     """Per position: squared L2 distance between reused and fresh K and V at ``layer`` (§4.2)."""
-    k, v = fresh.layers[layer].keys[0].float(), fresh.layers[layer].values[0].float()
+    k: torch.Tensor = fresh.layers[layer].keys[0].float()
+    v: torch.Tensor = fresh.layers[layer].values[0].float()
     dk = (k - layout.keys[layer].float()).pow(2).sum(dim=(0, 2))
     dv = (v - layout.values[layer].float()).pow(2).sum(dim=(0, 2))
     return dk + dv
@@ -413,7 +443,8 @@ def _recompute(lm: LM, prompt_ids: Sequence[int], layout: _Layout, past: torch.T
     if past.numel():
         for layer in range(layout.keys.shape[0]):
             source = ((fresh.layers[layer].keys[0], fresh.layers[layer].values[0])
-                      if layer < exact_layers else (layout.keys[layer], layout.values[layer]))
+                      if fresh is not None and layer < exact_layers
+                      else (layout.keys[layer], layout.values[layer]))
             cache.update(source[0][:, past][None], source[1][:, past][None], layer)
     ids = torch.tensor([list(prompt_ids)], device=lm.device)
     columns = past
@@ -555,9 +586,15 @@ def _full(lm: LM, ids: list[int]) -> tuple[KVSession, torch.Tensor]:
     return session, out.logits[0, -1]
 
 
-def _timed(run: Callable[[], Any], repeats: int) -> tuple[Any, float]:
+_T = TypeVar("_T")
+
+
+def _timed(run: Callable[[], _T], repeats: int) -> tuple[_T, float]:
     """``run()``'s last result and its fastest time over ``repeats`` calls (load only adds)."""
-    best, result = math.inf, None
+    if repeats < 1:  # no result to return
+        msg = f"repeats must be at least 1, got {repeats}"
+        raise ValueError(msg)
+    best = math.inf
     for _ in range(repeats):
         began = time.perf_counter()
         result = run()
@@ -600,9 +637,8 @@ def measure_case(lm: LM, case: Case, shares: Sequence[float], selects: Sequence[
                            "reference": reference, "blends": []}
     for select, share in _pairs(shares, selects):
         (session, blend), seconds = _timed(
-            lambda select=select, share=share: blend_session(
-                lm, ids, spans, recompute_share=share, select=select,
-                select_layer=select_layer), repeats)
+            functools.partial(blend_session, lm, ids, spans, recompute_share=share,
+                              select=select, select_layer=select_layer), repeats)
         tokens = _greedy(session, blend.logits, decode)
         row["blends"].append({
             "select": select, "share": share, "s": seconds, "ratio": seconds / full_s,

@@ -39,18 +39,20 @@ import hashlib
 import logging
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from shared_core.config import CacheKind, PassageCacheConfig
+from shared_core.runtime.lm import LM
 from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
 from shared_core.runtime.passage_cache.llamacpp import PrefillReport
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, StoreStats, model_identity
 from shared_core.runtime.passage_cache.torch_blend import (
+    Blend,
     ChunkKV,
     _rotation,
     _stack,
@@ -67,6 +69,9 @@ from shared_core.runtime.torch.prefix import (
     weights_version,
 )
 from shared_core.runtime.torch.session import KVSession
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 logger = logging.getLogger(__name__)
 
@@ -90,7 +95,7 @@ def weights_fingerprint(model: torch.nn.Module) -> str:
     return digest.hexdigest()
 
 
-def identity_of(model: torch.nn.Module) -> str:
+def identity_of(model: PreTrainedModel) -> str:
     """Everything that makes this model's KV differ (see :func:`.store.model_identity`): the
     weights, the config (RoPE settings included), the KV dtype, the device kind, the kernels."""
     import transformers
@@ -113,10 +118,20 @@ def identity_of(model: torch.nn.Module) -> str:
         attention=str(getattr(config, "_attn_implementation", None)))
 
 
-def check_blend(model: torch.nn.Module) -> None:
+@dataclass(frozen=True)
+class _BareModel:
+    """A model not yet wrapped in an :class:`LM`, as :func:`.torch_blend.check_model` and
+    :func:`.torch_blend.rotary_embedding` read it (:class:`.torch_blend.ModelHolder`)."""
+
+    model: PreTrainedModel
+    name: str
+    backend: str = "torch"
+
+
+def check_blend(model: PreTrainedModel) -> None:
     """Refuse (ValueError naming ``passage_cache``) a model whose KV blend cannot move:
     sliding-window layers, or a RoPE whose rotation is not position x a fixed frequency."""
-    lm = SimpleNamespace(backend="torch", model=model, name=type(model).__name__)
+    lm = _BareModel(model=model, name=type(model).__name__)
     try:
         check_model(lm)
         _rotation(rotary_embedding(lm), 0, 0)
@@ -125,7 +140,7 @@ def check_blend(model: torch.nn.Module) -> None:
         raise ValueError(msg) from e
 
 
-def kv_shape(lm: Any) -> tuple[int, int, int]:
+def kv_shape(lm: LM) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the model's cache."""
     config = lm.model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -137,10 +152,20 @@ def kv_shape(lm: Any) -> tuple[int, int, int]:
 RowKV = tuple[torch.Tensor, torch.Tensor]  # a row's keys and values, [layers, heads, n, dim]
 
 
-def _empty_row(lm: Any) -> RowKV:
+def _empty_row(lm: LM) -> RowKV:
     layers, heads, dim = kv_shape(lm)
     empty = torch.zeros((layers, heads, 0, dim), dtype=lm.dtype, device=lm.device)
     return empty, empty
+
+
+def _torch_lm(session: KVSession) -> LM:
+    """The session's model as the torch :class:`LM` this cache reads (a session's ``lm`` is
+    typed as any runtime's)."""
+    lm = session.lm
+    if not isinstance(lm, LM):
+        msg = f"the torch passage cache runs on a torch LM, got {type(lm).__name__}"
+        raise TypeError(msg)
+    return lm
 
 
 def _add(total: PrefillReport, part: PrefillReport) -> None:
@@ -160,7 +185,7 @@ def _unbound(config: PassageCacheConfig, head: tuple[int, ...], disk_dir: Path |
 class TorchPassageCache:
     """The passage cache of one loaded torch model (see the module doc)."""
 
-    def __init__(self, model: torch.nn.Module | None, config: PassageCacheConfig, *,
+    def __init__(self, model: PreTrainedModel | None, config: PassageCacheConfig, *,
                  head: Sequence[int] = (), disk_dir: Path | None = None):
         self.config = config
         self.head = tuple(int(t) for t in head)
@@ -168,7 +193,7 @@ class TorchPassageCache:
         self.index = PassageIndex()
         self.last = PrefillReport()
         self.store: ChunkStore | None = None
-        self._model: weakref.ref[torch.nn.Module] | None = None
+        self._model: weakref.ref[PreTrainedModel] | None = None
         self._version: int | None = None
         self._bind_lock = threading.Lock()
         if model is not None:
@@ -176,7 +201,7 @@ class TorchPassageCache:
                 check_blend(model)
             self.store_for(model)
 
-    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+    def __reduce__(self) -> tuple[Callable[..., TorchPassageCache], tuple[object, ...]]:
         # a copied model (deepcopy, another dtype) gets an empty cache, keyed by its own weights
         return _unbound, (self.config, self.head, self.disk_dir)
 
@@ -189,7 +214,7 @@ class TorchPassageCache:
         """Ids per stored exact-prefix block."""
         return BLOCK
 
-    def store_for(self, model: torch.nn.Module) -> ChunkStore:
+    def store_for(self, model: PreTrainedModel) -> ChunkStore:
         """The store keyed by ``model``'s identity (a new one when its weights changed)."""
         version = weights_version(model)
         with self._bind_lock:
@@ -213,7 +238,7 @@ class TorchPassageCache:
 
     # -- the session hook
 
-    def prefill(self, session: Any, ids: Sequence[int]) -> torch.Tensor:
+    def prefill(self, session: KVSession, ids: Sequence[int]) -> torch.Tensor:
         """An empty session's first prefill of ``ids`` through the cache; the ``[V]`` logits
         after the last id (the session's ``prefill`` contract)."""
         ids = [int(t) for t in ids]
@@ -235,12 +260,12 @@ class TorchPassageCache:
 
     # -- exact prefixes
 
-    def _prefill_exact(self, session: Any, store: ChunkStore, ids: list[int],
+    def _prefill_exact(self, session: KVSession, store: ChunkStore, ids: list[int],
                        report: PrefillReport) -> torch.Tensor:
-        prefix = store_for(session.lm.model)
-        keep = prefix is not None and prefix.budget > 0
+        found = store_for(session.lm.model)
+        prefix = found if found is not None and found.budget > 0 else None
         with report.timed("head"):
-            if keep:
+            if prefix is not None:
                 session._reuse(prefix, ids)  # the model's in-memory prefix store first
             report.kept = len(session.tokens)
             keys = store.prefix_keys(ids, BLOCK, len(ids) - 1)
@@ -250,11 +275,11 @@ class TorchPassageCache:
                                 step=min(session.prefill_chunk, BLOCK))
         with report.timed("store"):
             self._store_blocks(session, store, keys, restored, report)
-        if keep and session._prefilled_only:
+        if prefix is not None and session._prefilled_only:
             session._store(prefix)
         return logits
 
-    def _restore(self, session: Any, store: ChunkStore, ids: list[int],
+    def _restore(self, session: KVSession, store: ChunkStore, ids: list[int],
                  keys: list[tuple[int, str]], report: PrefillReport) -> int:
         """Restore the stored blocks that follow what the session holds, up to the first miss
         (a refused payload is dropped from the store and ends the walk); the end of the last."""
@@ -271,7 +296,7 @@ class TorchPassageCache:
         report.kept = min(report.kept, start)
         restored = start
         for end, key, payload in found:
-            kv = self._parse(session.lm, payload, ids[end - BLOCK : end], end - BLOCK)
+            kv = self._parse(_torch_lm(session), payload, ids[end - BLOCK : end], end - BLOCK)
             if kv is None:
                 store.discard(key)
                 break
@@ -282,7 +307,7 @@ class TorchPassageCache:
             restored = end
         return restored
 
-    def _parse(self, lm: Any, payload: bytes, ids: Sequence[int], position: int
+    def _parse(self, lm: LM, payload: bytes, ids: Sequence[int], position: int
                ) -> ChunkKV | None:
         """The stored KV if it is a chunk of ``ids`` at ``position`` in this model's dtype and
         shapes; None (logged) otherwise."""
@@ -300,7 +325,7 @@ class TorchPassageCache:
             return None
         return kv
 
-    def _feed(self, session: Any, ids: Sequence[int], report: PrefillReport, *, step: int
+    def _feed(self, session: KVSession, ids: Sequence[int], report: PrefillReport, *, step: int
               ) -> torch.Tensor:
         """Feed ``ids`` after what the session holds in forwards ending on multiples of
         ``step``; the ``[V]`` logits after the last one."""
@@ -313,7 +338,7 @@ class TorchPassageCache:
         assert logits is not None  # the stores keep at most all ids but the last
         return logits
 
-    def _store_blocks(self, session: Any, store: ChunkStore, keys: list[tuple[int, str]],
+    def _store_blocks(self, session: KVSession, store: ChunkStore, keys: list[tuple[int, str]],
                       restored: int, report: PrefillReport) -> None:
         """Store the session's blocks ending after ``restored`` (unless stored)."""
         held = len(session.tokens)
@@ -335,9 +360,9 @@ class TorchPassageCache:
         """The prompt's chunks (:func:`.chunks.prompt_chunks`)."""
         return prompt_chunks(self.index, ids)
 
-    def _prefill_blend(self, session: Any, store: ChunkStore, ids: list[int],
+    def _prefill_blend(self, session: KVSession, store: ChunkStore, ids: list[int],
                        report: PrefillReport) -> torch.Tensor:
-        lm = session.lm
+        lm = _torch_lm(session)
         spans = self.chunks_of(ids[:-1])
         if not spans:  # nothing to blend: a plain prefill (the prefix store as usual)
             return self._plain(session, ids, report)
@@ -349,23 +374,23 @@ class TorchPassageCache:
         install(session, blend)
         return blend.logits
 
-    def _plain(self, session: Any, ids: list[int], report: PrefillReport) -> torch.Tensor:
+    def _plain(self, session: KVSession, ids: list[int], report: PrefillReport) -> torch.Tensor:
         """A prefill with no chunk to place (the model's prefix store as usual)."""
-        prefix = store_for(session.lm.model)
-        keep = prefix is not None and prefix.budget > 0
-        if keep:
+        found = store_for(session.lm.model)
+        prefix = found if found is not None and found.budget > 0 else None
+        if prefix is not None:
             session._reuse(prefix, ids)
         report.kept = len(session.tokens)
         with report.timed("read"):
             logits = self._feed(session, ids[len(session.tokens):], report,
                                 step=session.prefill_chunk)
-        if keep and session._prefilled_only:
+        if prefix is not None and session._prefilled_only:
             session._store(prefix)
         return logits
 
-    def _blend(self, lm: Any, ids: list[int], placed: list[tuple[int, ChunkKV]],
+    def _blend(self, lm: LM, ids: list[int], placed: list[tuple[int, ChunkKV]],
                head: ChunkKV | None, report: PrefillReport, *, cache: CacheKind,
-               prefill_chunk: int | None = None) -> Any:
+               prefill_chunk: int | None = None) -> Blend:
         """:func:`.torch_blend.blend_prefill` at this cache's share (forwards of at most
         ``prefill_chunk`` positions; None: its default); its counts added to ``report``."""
         layers = kv_shape(lm)[0]
@@ -378,7 +403,7 @@ class TorchPassageCache:
         report.probe += len(ids) - blend.report.kept if blend.report.select_layers else 0
         return blend
 
-    def _chunk(self, lm: Any, store: ChunkStore, chunk: list[int], report: PrefillReport
+    def _chunk(self, lm: LM, store: ChunkStore, chunk: list[int], report: PrefillReport
                ) -> ChunkKV:
         """``chunk``'s KV read alone after the head: stored, else computed and stored."""
         key = store.key("chunk", self.head, chunk)
@@ -397,7 +422,7 @@ class TorchPassageCache:
 
     # -- several rows (generate_parallel)
 
-    def fill_rows(self, lm: Any, rows: Sequence[Sequence[int]]) -> list[RowKV]:
+    def fill_rows(self, lm: LM, rows: Sequence[Sequence[int]]) -> list[RowKV]:
         """The KV of each row but its last id (the caller feeds that one for its logits), each
         row's passages taken from the store; the call's report is :attr:`last`.
 
@@ -418,7 +443,7 @@ class TorchPassageCache:
         self.last = report
         return kvs
 
-    def _exact_row(self, lm: Any, store: ChunkStore, ids: list[int], report: PrefillReport
+    def _exact_row(self, lm: LM, store: ChunkStore, ids: list[int], report: PrefillReport
                    ) -> RowKV:
         if not ids:
             return _empty_row(lm)
@@ -428,7 +453,7 @@ class TorchPassageCache:
         _add(report, part)
         return _stack(session.cache, 0)
 
-    def _blend_rows(self, lm: Any, store: ChunkStore, heads: list[list[int]],
+    def _blend_rows(self, lm: LM, store: ChunkStore, heads: list[list[int]],
                     report: PrefillReport) -> list[RowKV]:
         shared = self._shared_head(heads)
         head = None
@@ -448,7 +473,7 @@ class TorchPassageCache:
         spans = self.chunks_of(heads[0][:-1])
         return min(shared, spans[0].start) if spans else shared
 
-    def _blend_row(self, lm: Any, store: ChunkStore, ids: list[int], head: ChunkKV | None,
+    def _blend_row(self, lm: LM, store: ChunkStore, ids: list[int], head: ChunkKV | None,
                    report: PrefillReport) -> RowKV:
         fixed = len(head) if head is not None else 0
         if len(ids) == fixed:
@@ -460,7 +485,7 @@ class TorchPassageCache:
         blend = self._blend(lm, ids, placed, head, report, cache=ROW_CACHE)
         return _stack(blend.cache, 0)
 
-    def warm(self, lm: Any, chunk_ids: Sequence[int]) -> bool:
+    def warm(self, lm: LM, chunk_ids: Sequence[int]) -> bool:
         """Compute and store one chunk alone (blend) unless stored; True if it was computed."""
         from shared_core.runtime.model_lock import lock_for
 
