@@ -142,8 +142,9 @@ def _normalise_or(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tenso
 
 
 def _normalise_or_on_device(residual: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
-    """:func:`_normalise_or` without reading the total back: both branches stay tensors."""
-    total = residual.sum()
+    """:func:`_normalise_or` row by row (the last dimension), without reading the totals back:
+    both branches stay tensors."""
+    total = residual.sum(-1, keepdim=True)
     return torch.where(total > 1e-12, residual / total.clamp_min(1e-12), fallback)
 
 
@@ -292,9 +293,8 @@ def _walk_sampled_tree(ids: list[int], parents: Sequence[int], children: dict[in
     residual = probs.clone()
     if ids:
         residual.index_put_((rows, node_ids), torch.zeros(len(ids), device=device))
-    total = residual.sum(-1, keepdim=True)
     # p == the children's tokens up to rounding leaves no residual mass: p itself then
-    residual = torch.where(total > 1e-12, residual / total.clamp_min(1e-12), probs)
+    residual = _normalise_or_on_device(residual, probs)
     drawn = torch.multinomial(residual, 1, generator=generator).reshape(-1)
     uniforms = torch.rand(len(ids), generator=generator, device=device)
     targets = probs[rows, node_ids]

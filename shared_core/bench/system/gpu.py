@@ -230,17 +230,19 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
 # ------------------------------------------------------------------------------- physics
 
 
+def _elapsed_s(fn: Callable[[], Any], device: torch.device) -> float:
+    """Seconds ``fn`` takes, the device's queued work included (synchronised before and after)."""
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return time.perf_counter() - start
+
+
 def _median_ms(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int) -> float:
     for _ in range(warmup):
         fn()
-    synchronize(device)
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+    return 1000 * statistics.median(_elapsed_s(fn, device) for _ in range(reps))
 
 
 def random_ids(count: int, vocab: int, seed: int) -> list[int]:
@@ -289,15 +291,11 @@ def interleaved_rates(runs: dict[str, Callable[[], Any]], device: torch.device, 
         if name in failed:
             return None
         try:
-            synchronize(device)
-            start = time.perf_counter()
-            runs[name]()
-            synchronize(device)
+            return _elapsed_s(runs[name], device)
         except Exception as e:  # one baseline may be refused by this transformers version
             logger.exception("decode run %s failed", name)
             failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
             return None
-        return time.perf_counter() - start
 
     for _ in range(warmup):
         for name in runs:
