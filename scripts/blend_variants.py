@@ -12,8 +12,10 @@ A variant is ``head:select:order:share``:
 - head: ``none`` (a passage read alone from position 0), ``sink`` (after the prompt's first id),
   ``tmpl`` (after the RAG prompt's own head, up to "Document [1]:"), ``chat`` (after the model's
   chat opener, :func:`shared_core.runtime.passage_cache.chunk_head`);
-- select: ``dev`` (CacheBlend's layer-1 deviation), ``lead`` (the first share of each passage),
-  ``leadN`` (the first N ids of each passage, LegoLink-style);
+- select: ``dev`` (CacheBlend's layer-1 deviation), ``devN`` (the deviation at layer N), ``lead``
+  (the first share of each passage), ``leadN`` (the first N ids of each passage, LegoLink-style),
+  ``qa`` (windows around the passage ids that also occur in the question, nearest first),
+  ``qadev`` (half the share by ``qa``, the rest by ``dev``);
 - order: ``batch`` (every selected run in one decode), ``chunk`` (one decode per passage, in
   order: the cache's own), ``seq`` (one decode per run).
 """
@@ -44,12 +46,21 @@ class _Variant(LlamaCppPassageCache):
 
     select = "dev"
     order = "chunk"
+    question: Sequence[int] = ()
     _spans: Sequence[Any] = ()
 
     def _select(self, lm: Any, ids: list[int], placed: Any, report: Any) -> Any:
         self._spans = [span for span, _ in placed]
-        if self.select == "dev":
-            return super()._select(lm, ids, placed, report)
+        if self.select.startswith("dev"):
+            import shared_core.runtime.passage_cache.llamacpp as module
+
+            module.PROBE_LAYER = int(self.select[3:] or 1)
+            try:
+                return super()._select(lm, ids, placed, report)
+            finally:
+                module.PROBE_LAYER = 1
+        if self.select in ("qa", "qadev"):
+            return self._question_runs(lm, ids, placed, report)
         runs = []
         for span in self._spans:
             n = (round(self.config.recompute_share * len(span)) if self.select == "lead"
@@ -57,6 +68,34 @@ class _Variant(LlamaCppPassageCache):
             if n:
                 runs.append((span.start, span.start + n))
         return runs
+
+    def _question_runs(self, lm: Any, ids: list[int], placed: Any, report: Any) -> Any:
+        """Windows around passage ids that occur in the question (ids of >= 3 characters), the
+        window widened one id at a time on every hit until the share is spent."""
+        total = sum(len(span) for span, _ in placed)
+        budget = round(self.config.recompute_share * total)
+        chosen: set[int] = set()
+        if self.select == "qadev":
+            share = self.config.recompute_share
+            self.config = PassageCacheConfig("blend", share / 2)
+            try:
+                for a, b in super()._select(lm, ids, placed, report):
+                    chosen.update(range(a, b))
+            finally:
+                self.config = PassageCacheConfig("blend", share)
+        words = {t for t in self.question if len(lm.tokenizer.decode([t]).strip()) >= 3}
+        hits = [p for span, _ in placed for p in range(span.start, span.end) if ids[p] in words]
+        inside = [(span.start, span.end) for span, _ in placed]
+        width = 0
+        while hits and len(chosen) < budget and width < 64:
+            for p in hits:
+                for q in (p - width, p + width):
+                    if len(chosen) < budget and any(a <= q < b for a, b in inside):
+                        chosen.add(q)
+            width += 1
+        from shared_core.runtime.passage_cache.llamacpp import _runs
+
+        return _runs(sorted(chosen))
 
     def _decode_runs(self, lm: Any, slot: Any, seq: int, ids: list[int], runs: Any,
                      scratch: Sequence[int]) -> int:
@@ -75,6 +114,42 @@ class _Variant(LlamaCppPassageCache):
             return super().fill(*args, **kwargs)
         finally:
             module._by_chunk = _by_chunk
+
+
+def _warm_in_context(lm: Any, cache: _Variant, docs: Sequence[Any], other: Sequence[Any]) -> None:
+    """Store each passage of ``docs`` as read in a RAG prompt beside ``other``'s first passages
+    (another question's: what a stream's first read of it would have seen), shifted to start
+    after the head as an alone-read entry does."""
+    from shared_core.runtime.passage_cache.llamacpp import PLACE_SEQ, _seq_state
+
+    llama = lm.model.llama
+    register_passages(lm, passage_texts(other))
+    for place, doc in enumerate(docs):
+        mixed = [*list(other)[: len(docs) - 1]]
+        index = min(place, len(mixed))
+        mixed.insert(index, doc)
+        ids = rag_prompt(lm, "What does it say?", mixed)
+        spans = cache.chunks_of(ids)
+        if len(spans) != len(mixed):
+            raise RuntimeError(f"{len(spans)} chunks found for {len(mixed)} passages")
+        span = spans[index]
+        if cache.store.key("chunk", cache.head, ids[span.start:span.end]) in cache.store:
+            continue
+        lm.model.passage_cache = None
+        session = lm.open_session()
+        session.prefill(ids)
+        lm.model.passage_cache = cache
+        chunk = ids[span.start:span.end]
+        memory, ctx = session.slot.memory, session.slot.ctx
+        llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
+        llama.llama_memory_seq_cp(memory, 0, PLACE_SEQ, span.start, span.end)
+        llama.llama_memory_seq_rm(memory, 0, -1, -1)
+        session.tokens = []
+        llama.llama_memory_seq_add(memory, PLACE_SEQ, span.start, span.end,
+                                   len(cache.head) - span.start)
+        cache.store.put(cache.store.key("chunk", cache.head, chunk), _seq_state(llama, ctx, PLACE_SEQ))
+        llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
+        session.slot.clear()
 
 
 def _template_head(lm: Any, dataset: str) -> tuple[int, ...]:
@@ -98,7 +173,10 @@ def main() -> None:
     caches: dict[str, _Variant] = {}
     rows = []
     for dataset in datasets:
+        previous: Sequence[Any] = ()
         for question, docs in _questions(dataset, limit, 5):
+            other = [d for d in previous if d not in docs] or list(docs)
+            previous = docs
             ids = rag_prompt(lm, question["question"], docs)
             heads["sink"] = tuple(ids[:1])
             lm.model.passage_cache = None
@@ -108,14 +186,23 @@ def main() -> None:
                                    "full_ttft": full["ttft_s"], "m": {}}
             for name in variants:
                 head, select, order, share = name.split(":")
+                context = head.startswith("ctx")
+                head = head[3:] or "chat" if context else head
                 if name not in caches:
-                    cache = _Variant(lm.model, PassageCacheConfig("blend", float(share)),
-                                     head=heads[head])
+                    config = (PassageCacheConfig("blend", float(share), memory_mb=4096, disk_mb=0)
+                              if context else PassageCacheConfig("blend", float(share)))
+                    cache = _Variant(lm.model, config, head=heads[head])
                     cache.select, cache.order = select, order
                     caches[name] = cache
                 lm.model.passage_cache = caches[name]
+                caches[name].question = tuple(
+                    {*lm.tokenizer.encode(question["question"]),
+                     *lm.tokenizer.encode(" " + question["question"])})
                 register_passages(lm, passage_texts(docs))
-                warm_passages(lm, passage_texts(docs), progress=False)
+                if context:
+                    _warm_in_context(lm, caches[name], docs, other)
+                else:
+                    warm_passages(lm, passage_texts(docs), progress=False)
                 got = _answer(lm, ids, MAX_NEW)
                 ref, logp = full["_logp"], got["_logp"]
                 kl = float(np.sum(np.exp(ref) * (ref - logp)))
