@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # a per-dataset pattern: each report is written by the module, as is a folder of reports
     if args.benchmark not in WRITE_OWN_REPORT and "{dataset}" not in (args.out or ""):
         write_report(report, args.out)
-    if args.plot and "methods" in report:
+    if args.plot and "methods" in report and "{dataset}" not in args.plot:
         plot_report(report, args.plot)
     sys.stdout.write(json.dumps(report, indent=2, default=str)[:20000] + "\n")
     return 0

@@ -50,6 +50,7 @@ from shared_core.config import PassageCacheConfig
 from shared_core.runtime.lm import clear_prefix_cache
 from shared_core.runtime.passage_cache import attach as attach_passage_cache
 from shared_core.runtime.passage_cache import (
+    passage_cache_of,
     passage_stats,
     register_passages,
     store_pending_passages,
@@ -660,24 +661,23 @@ def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path:
 
 
 def defers_misses(cache: Any) -> bool:
-    """Whether the cache reads a passage that is not stored in context and stores it after the
-    answer (llama.cpp); torch computes it alone and stores it before placing it."""
+    """Whether the cache stores a passage it read in context after the answer (llama.cpp:
+    computed alone once the context is back); torch stores it right after the prefill, as that
+    read left it."""
     return hasattr(cache, "store_pending")
 
 
-def test_passage_cache_blend_reads_unseen_passages_in_context_and_stores_them_after(
+def test_passage_cache_blend_reads_unseen_passages_in_context_and_stores_them(
         rt: Runtime, tmp_path: Any) -> None:
     """A first read of registered passages nobody stored is a plain read (nothing computed
     alone, reused, recomputed or probed; the greedy tokens of a prefill without a cache); their
-    entries are stored once the session is done, and a prompt with them in another order then
-    reuses every one."""
+    entries are stored once the session is done (llama.cpp) or right after the read (torch),
+    and a prompt with them in another order then reuses every one."""
     lm = rt.blend_lm()
     ids = rag_prompt(lm, [0, 1, 2])
     reference, _, session = fresh_greedy(lm, ids, 3)  # no passage cache
     del session
     with passage_cache(lm, tmp_path, "blend") as cache:
-        if not defers_misses(cache):
-            pytest.skip(f"{type(cache).__name__} computes a missing passage alone first")
         assert register_passages(lm, PASSAGES) == 3
         tokens, logits, session = fresh_greedy(lm, ids, 3)
         report = session.passage_report
@@ -685,18 +685,46 @@ def test_passage_cache_blend_reads_unseen_passages_in_context_and_stores_them_af
         assert report.recomputed == 0 and report.probe == 0
         assert report.deferred >= 3 * 16 and report.kept + report.read == len(ids)
         assert tokens == reference and bool(torch.isfinite(logits).all())
-        assert cache.pending == 3  # queued; only the template's head blocks were stored
         assert passage_stats(lm)["store"]["puts"] == report.stored
-        del session
-        gc.collect()  # the session is done: its context goes back and the passages are stored
-        stats = passage_stats(lm)
-        assert stats["pending"] == 0 and stats["deferred"]["stored"] == 3
+        if defers_misses(cache):
+            assert cache.pending == 3  # queued; only the template's head blocks were stored
+            del session
+            gc.collect()  # the session is done: its context goes back and the passages are stored
+            stats = passage_stats(lm)
+            assert stats["pending"] == 0 and stats["deferred"]["stored"] == 3
+        else:
+            assert report.stored == 3  # stored from the read itself
         ids = rag_prompt(lm, [2, 0, 1], "What did Marta Quell design?")
         _, _, session = fresh_greedy(lm, ids)
         report = session.passage_report
         assert report is not None and report.reused >= 3 * 16
         assert report.computed_alone == 0 and report.deferred == 0 and report.recomputed > 0
         assert report.kept + report.reused + report.read == len(ids)
+
+
+def test_a_passage_read_in_context_is_placed_anywhere_from_where_it_was_read(
+        rt: Runtime, tmp_path: Any) -> None:
+    """A passage stored as a prompt read it (torch: at that prompt's positions) is placed at
+    other positions in a later prompt: the rotation starts from where it was read, so placing
+    it back where it was read, with nothing recomputed, gives the read's own first token."""
+    lm = rt.blend_lm()
+    with passage_cache(lm, tmp_path, "blend", recompute_share=0.0):
+        register_passages(lm, PASSAGES)
+        ids = rag_prompt(lm, [0, 1, 2])
+        _, first_logits, session = fresh_greedy(lm, ids, 1)
+        del session
+        gc.collect()
+        store_pending_passages(lm)
+        _, again, session = fresh_greedy(lm, ids, 1)
+        report = session.passage_report
+        assert report is not None and report.reused >= 3 * 16 and report.recomputed == 0
+        if not defers_misses(passage_cache_of(lm)):  # the very KV the first read computed
+            torch.testing.assert_close(again, first_logits, rtol=1e-4, atol=1e-4)
+        moved = rag_prompt(lm, [1, 2, 0], "What did Marta Quell design?")
+        _, logits, session = fresh_greedy(lm, moved, 1)
+        report = session.passage_report
+        assert report is not None and report.reused >= 3 * 16
+        assert bool(torch.isfinite(logits).all())
 
 
 def test_passages_read_beside_an_open_session_are_stored_before_the_next_prefill(
@@ -706,7 +734,7 @@ def test_passages_read_beside_an_open_session_are_stored_before_the_next_prefill
     lm = rt.blend_lm()
     with passage_cache(lm, tmp_path, "blend") as cache:
         if not defers_misses(cache):
-            pytest.skip(f"{type(cache).__name__} computes a missing passage alone first")
+            pytest.skip(f"{type(cache).__name__} stores a passage right after reading it")
         register_passages(lm, PASSAGES)
         _, _, first = fresh_greedy(lm, rag_prompt(lm, [0, 1, 2]), 1)
         held = lm.open_session()
@@ -728,7 +756,7 @@ def test_an_interrupted_deferred_store_keeps_whole_entries_and_the_model_usable(
     ids = rag_prompt(lm, [0, 1, 2])
     with passage_cache(lm, tmp_path, "blend") as cache:
         if not defers_misses(cache):
-            pytest.skip(f"{type(cache).__name__} computes a missing passage alone first")
+            pytest.skip(f"{type(cache).__name__} stores a passage right after reading it")
         register_passages(lm, PASSAGES)
         _, _, session = fresh_greedy(lm, ids, 3)  # kept open: nothing stored after it yet
         assert cache.pending == 3

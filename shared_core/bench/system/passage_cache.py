@@ -511,7 +511,8 @@ class _Stream:
     def _warm_rate(self) -> float | None:
         """Seconds to compute and store 1,000 passages alone (what ``warm_passages`` costs), from
         the stream's misses: the time their store took over the ids it computed alone (llama.cpp:
-        the deferred store after each answer; torch: the placing step)."""
+        the deferred store after each answer; torch rows written before it stored its misses as
+        read: the placing step). None when nothing was computed alone."""
         seconds = alone = 0.0
         for r in self.rows:
             stream = r["blend_stream"]

@@ -10,8 +10,9 @@ model (:func:`attach`); every session's first prefill then goes through it (:mod
   processes); with ``exact=True`` the output equals a cold prefill's token for token.
 - ``"blend"``: cached passages are reused anywhere in a prompt, in any order, and a share
   (``recompute_share``) of their tokens is recomputed with full attention (CacheBlend). A
-  passage not stored yet is, on llama.cpp, read in context and stored after the answer
-  (:func:`store_pending_passages` forces it); on torch, computed alone and stored first.
+  passage not stored yet is read in context like the text around it; llama.cpp computes it alone
+  and stores it after the answer (:func:`store_pending_passages` forces it), torch stores it
+  as that read left it, right after the prefill (torch has no idle point after the answer).
 """
 
 from __future__ import annotations

@@ -84,11 +84,12 @@ class PrefillReport:
     prompt: int = 0
     kept: int = 0  # held by the idle context the session took (in-memory prefix reuse)
     reused: int = 0  # restored from the store (exact blocks or blended chunks)
-    computed_alone: int = 0  # blend: chunk ids computed alone and stored before the answer
-    #   (torch's misses; llama.cpp: only an entry it refused, its misses are read and deferred)
+    computed_alone: int = 0  # blend: chunk ids computed alone and stored before the answer (an
+    #   entry the runtime refused; torch's row misses)
     recomputed: int = 0  # blend: reused ids decoded again with full attention
     read: int = 0  # decoded in place (gaps, the question, chunks not stored: everything not cached)
-    deferred: int = 0  # blend: of the read ids, those of chunks queued to be stored after the answer
+    deferred: int = 0  # blend: of the read ids, those of chunks not stored, read in context (and
+    #   stored from there: after the answer on llama.cpp, right after the prefill on torch)
     probe: int = 0  # blend: ids run through the layer-1 probe
     stored: int = 0  # entries written
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per step (profiling)
