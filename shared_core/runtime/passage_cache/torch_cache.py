@@ -13,10 +13,11 @@ the first ``prefill`` of every session on that model:
   very forwards a cold one runs after the restored part: with ``load_lm(exact=True)`` (every
   prefill, the prefix store's too, on that grid) its logits equal a cold prefill's bit for bit.
 - **blend**: the cached chunks found in the prompt (:mod:`.chunks`: known passages, then
-  content-defined chunks) reuse their KV computed alone at positions ``0..n-1``
-  (:func:`.torch_blend.chunk_kv`), moved to where they occur by rotating the keys
-  (:func:`.torch_blend.shift_keys`); a chunk missing from the store is read in context like the
-  ids between chunks and stored afterwards as that read left it (rows: computed alone first).
+  content-defined chunks) reuse their stored KV — computed alone after the head
+  (:func:`.torch_blend.chunk_kv`, what ``warm_passages`` stores) or as an earlier prompt read
+  it — moved to where they occur by rotating the keys (:func:`.torch_blend.shift_keys`); a chunk
+  missing from the store is read in context like the ids between chunks and stored afterwards
+  as that read left it (rows: computed alone first).
   :func:`.torch_blend.blend_prefill` then recomputes ``recompute_share`` of the reused tokens,
   those whose layer-1 KV deviates most from the whole prompt's (CacheBlend §4.2), and computes the
   ids no chunk covers. Blended KV never enters the model's exact prefix store.
