@@ -205,7 +205,9 @@ def _questions(dataset: str, limit: int, k: int) -> list[tuple[dict[str, Any], l
 
 class _Caches:
     """One blend store shared by every share (entries do not depend on the share), swapped onto
-    the model per method; the exact caches on the exact model."""
+    the model per method; the stream's cache on a store of its own (a runtime that stores a
+    passage as a prompt read it would otherwise hand the shares this very prompt's KV); the
+    exact caches on the exact model."""
 
     def __init__(self, lm: SessionLM, exact_lm: SessionLM | None, shares: list[float], blend_dir: Path,
                  exact_dir: Path, backend: str = "llama.cpp"):
@@ -224,6 +226,11 @@ class _Caches:
             if backend == "llama.cpp":
                 cache._probe_for = base._probe_for  # one probe context for all shares
             self.blend[share] = cache
+        self.stream = cache_class(lm.model, PassageCacheConfig("blend", DEFAULT_RECOMPUTE_SHARE,
+                                                               disk_mb=1 << 20),
+                                  head=head, disk_dir=blend_dir / "stream")
+        if backend == "llama.cpp":
+            self.stream._probe_for = base._probe_for
         self.exact = None if exact_lm is None else cache_class(
             exact_lm.model, PassageCacheConfig(mode="exact"), disk_dir=exact_dir)
 
@@ -301,14 +308,15 @@ def _one_question(lm: SessionLM, caches: _Caches, ids: list[int], texts: list[st
     row: dict[str, Any] = {"prompt_tokens": len(ids)}
     caches.use(None)
     row["full"] = _answer(lm, ids, max_new)
-    caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
+    caches.use(caches.stream)
     register_passages(lm, texts)
-    stream_cache = caches.blend[DEFAULT_RECOMPUTE_SHARE]
-    before = dict(getattr(stream_cache, "deferred", {}))
+    before = dict(getattr(caches.stream, "deferred", {}))
     row["blend_stream"] = _answer(lm, ids, max_new)  # its session is done: misses stored now
-    after = getattr(stream_cache, "deferred", {})
+    after = getattr(caches.stream, "deferred", {})
     row["blend_stream"]["deferred_store"] = {
         name: after[name] - before.get(name, 0) for name in ("ids", "seconds") if name in after}
+    caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
+    register_passages(lm, texts)
     start = time.perf_counter()
     row["warm"] = warm_passages(lm, texts, progress=False)
     row["warm"]["s"] = time.perf_counter() - start
@@ -587,6 +595,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 all_texts.extend(stream.see(lm, docs, texts))
                 row = done.get((dataset, str(question["id"])))
                 if row is not None:  # finished earlier: its passages are in the stream's store
+                    caches.use(caches.stream)
+                    register_passages(lm, texts)
                     caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
                     register_passages(lm, texts)
                     warm_passages(lm, texts, progress=False)
