@@ -229,6 +229,7 @@ class _Caches:
         self.stream = cache_class(lm.model, PassageCacheConfig("blend", DEFAULT_RECOMPUTE_SHARE,
                                                                disk_mb=1 << 20),
                                   head=head, disk_dir=blend_dir / "stream")
+        self.stream.index = base.index  # the same passages; only the stored KV differs
         if backend == "llama.cpp":
             self.stream._probe_for = base._probe_for
         self.exact = None if exact_lm is None else cache_class(
@@ -316,7 +317,6 @@ def _one_question(lm: SessionLM, caches: _Caches, ids: list[int], texts: list[st
     row["blend_stream"]["deferred_store"] = {
         name: after[name] - before.get(name, 0) for name in ("ids", "seconds") if name in after}
     caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
-    register_passages(lm, texts)
     start = time.perf_counter()
     row["warm"] = warm_passages(lm, texts, progress=False)
     row["warm"]["s"] = time.perf_counter() - start
@@ -595,8 +595,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 all_texts.extend(stream.see(lm, docs, texts))
                 row = done.get((dataset, str(question["id"])))
                 if row is not None:  # finished earlier: its passages are in the stream's store
-                    caches.use(caches.stream)
-                    register_passages(lm, texts)
                     caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
                     register_passages(lm, texts)
                     warm_passages(lm, texts, progress=False)

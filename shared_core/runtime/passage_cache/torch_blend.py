@@ -169,14 +169,15 @@ def chunk_kv(lm: LM, head_ids: Sequence[int], chunk_ids: Sequence[int], *, start
                    keys=keys, values=values)
 
 
-def _stack(cache: Cache, first: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Every layer's KV from position index ``first`` on, as ``[layers, heads, n, dim]``."""
+def _stack(cache: Cache, first: int, end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every layer's KV at position indices ``first .. end - 1`` (None: to the last), as
+    ``[layers, heads, n, dim]``."""
     shapes = {tuple(layer.keys.shape[1:]) for layer in cache.layers}
     if len(shapes) != 1:
         msg = f"layers hold KV of different shapes {sorted(shapes)}; cannot stack them"
         raise ValueError(msg)
-    keys = torch.stack([layer.keys[0, :, first:] for layer in cache.layers]).clone()
-    values = torch.stack([layer.values[0, :, first:] for layer in cache.layers]).clone()
+    keys = torch.stack([layer.keys[0, :, first:end] for layer in cache.layers]).clone()
+    values = torch.stack([layer.values[0, :, first:end] for layer in cache.layers]).clone()
     return keys, values
 
 

@@ -403,12 +403,10 @@ class TorchPassageCache:
         the head (results/system/2026-11-28-blend-variants, r4: first-token KL 0.52 against
         0.66 with nothing recomputed, 0.53 against 0.54 at 15 %)."""
         for span in missing:
-            keys = torch.stack([layer.keys[0, :, span.start : span.end] for layer in cache.layers])
-            values = torch.stack([layer.values[0, :, span.start : span.end]
-                                  for layer in cache.layers])
+            keys, values = _stack(cache, span.start, span.end)
             chunk = tuple(ids[span.start : span.end])
-            kv = ChunkKV(ids=chunk, head_ids=self.head, position=span.start, keys=keys.clone(),
-                         values=values.clone())
+            kv = ChunkKV(ids=chunk, head_ids=self.head, position=span.start, keys=keys,
+                         values=values)
             store.put(store.key("chunk", self.head, chunk), kv.to_bytes())
             report.deferred += len(span)
             report.stored += 1
