@@ -315,8 +315,8 @@ def cache_line(report: dict[str, int] | None) -> str:
     share = f" ({recomputed / reused:.0%} of the reused)" if reused and recomputed else ""
     alone = (f", {report['computed_alone']} read alone and stored"
              if report.get("computed_alone") else "")
-    if report.get("deferred"):
-        alone += f", {report['deferred']} of them new passages, stored after the answer"
+    if report.get("unseen"):
+        alone += f", {report['unseen']} of them new passages, stored as read"
     return (f"{report['prompt']} prompt ids: {reused} reused, {recomputed} recomputed{share}, "
             f"{report['read']} read{alone}")
 

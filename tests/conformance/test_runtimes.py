@@ -50,10 +50,8 @@ from shared_core.config import PassageCacheConfig
 from shared_core.runtime.lm import clear_prefix_cache
 from shared_core.runtime.passage_cache import attach as attach_passage_cache
 from shared_core.runtime.passage_cache import (
-    passage_cache_of,
     passage_stats,
     register_passages,
-    store_pending_passages,
 )
 from shared_core.runtime.passage_cache.store import SUFFIX, _checked_payload
 from shared_core.runtime.protocol import Capabilities, KVSession, SessionLM
@@ -579,7 +577,7 @@ def test_passage_cache_blend_reuses_passages_in_another_order(rt: Runtime, tmp_p
         _, _, session = fresh_greedy(lm, rag_prompt(lm, [0, 1]), 1)
         first = session.passage_report
         assert first is not None and first.reused == 0
-        assert first.computed_alone + first.deferred > 0  # computed alone first, or read
+        assert first.unseen > 0 and first.computed_alone == 0  # read in context, stored as read
         del session
         ids = rag_prompt(lm, [1, 0], "What did Marta Quell design?")
         tokens, logits, session = fresh_greedy(lm, ids)
@@ -607,7 +605,7 @@ def test_standard_rag_registers_its_documents_and_the_drafter_rows_reuse_them(
         gc.collect()
         clear_prefix_cache(lm)
         first = standard_rag(lm, "Who built the weir?", docs, 4)
-        assert cache.last.computed_alone + cache.last.deferred > 0 and cache.last.reused == 0
+        assert cache.last.computed_alone + cache.last.unseen > 0 and cache.last.reused == 0
         again = standard_rag(lm, "What colour is the cottage?", docs[::-1], 4)
         assert cache.last.reused > 0 and cache.last.computed_alone == 0
         assert isinstance(first.text, str) and isinstance(again.text, str)
@@ -660,122 +658,60 @@ def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path:
             assert again == reference
 
 
-def defers_misses(cache: Any) -> bool:
-    """Whether the cache stores a passage it read in context after the answer (llama.cpp:
-    computed alone once the context is back); torch stores it right after the prefill, as that
-    read left it."""
-    return hasattr(cache, "store_pending")
-
-
 def test_passage_cache_blend_reads_unseen_passages_in_context_and_stores_them(
         rt: Runtime, tmp_path: Any) -> None:
     """A first read of registered passages nobody stored is a plain read (nothing computed
     alone, reused, recomputed or probed; the greedy tokens of a prefill without a cache); their
-    entries are stored once the session is done (llama.cpp) or right after the read (torch),
-    and a prompt with them in another order then reuses every one."""
+    entries are stored right after the read, as it left them, and a prompt with them in another
+    order then reuses every one."""
     lm = rt.blend_lm()
     ids = rag_prompt(lm, [0, 1, 2])
     reference, _, session = fresh_greedy(lm, ids, 3)  # no passage cache
     del session
-    with passage_cache(lm, tmp_path, "blend") as cache:
+    with passage_cache(lm, tmp_path, "blend"):
         assert register_passages(lm, PASSAGES) == 3
         tokens, logits, session = fresh_greedy(lm, ids, 3)
         report = session.passage_report
         assert report is not None and report.reused == 0 and report.computed_alone == 0
         assert report.recomputed == 0 and report.probe == 0
-        assert report.deferred >= 3 * 16 and report.kept + report.read == len(ids)
+        assert report.unseen >= 3 * 16 and report.kept + report.read == len(ids)
         assert tokens == reference and bool(torch.isfinite(logits).all())
         assert passage_stats(lm)["store"]["puts"] == report.stored
-        if defers_misses(cache):
-            assert cache.pending == 3  # queued; only the template's head blocks were stored
-            del session
-            gc.collect()  # the session is done: its context goes back and the passages are stored
-            stats = passage_stats(lm)
-            assert stats["pending"] == 0 and stats["deferred"]["stored"] == 3
-        else:
-            assert report.stored == 3  # stored from the read itself
+        assert report.stored >= 3  # the passages (llama.cpp: and the template's head blocks)
         ids = rag_prompt(lm, [2, 0, 1], "What did Marta Quell design?")
         _, _, session = fresh_greedy(lm, ids)
         report = session.passage_report
         assert report is not None and report.reused >= 3 * 16
-        assert report.computed_alone == 0 and report.deferred == 0 and report.recomputed > 0
+        assert report.computed_alone == 0 and report.unseen == 0 and report.recomputed > 0
         assert report.kept + report.reused + report.read == len(ids)
+
+
+# The same KV read again: torch to float rounding; llama.cpp to the batch shapes (the 135M's logits,
+# max |l| about 31, move by 0.7-0.9 when a cold prompt is decoded in two pieces instead of one)
+_READ_AGAIN_ATOL = {"torch": 1e-4, "llama.cpp": 3.0}
 
 
 def test_a_passage_read_in_context_is_placed_anywhere_from_where_it_was_read(
         rt: Runtime, tmp_path: Any) -> None:
-    """A passage stored as a prompt read it (torch: at that prompt's positions) is placed at
-    other positions in a later prompt: the rotation starts from where it was read, so placing
-    it back where it was read, with nothing recomputed, gives the read's own first token."""
+    """A passage stored as a prompt read it (at that prompt's positions) is placed at other
+    positions in a later prompt: the rotation starts from where it was read, so placing it back
+    where it was read, with nothing recomputed, gives the read's own logits (llama.cpp: up to
+    the batch shapes the ids around the passages are decoded in)."""
     lm = rt.blend_lm()
     with passage_cache(lm, tmp_path, "blend", recompute_share=0.0):
         register_passages(lm, PASSAGES)
         ids = rag_prompt(lm, [0, 1, 2])
         _, first_logits, session = fresh_greedy(lm, ids, 1)
         del session
-        gc.collect()
-        store_pending_passages(lm)
         _, again, session = fresh_greedy(lm, ids, 1)
         report = session.passage_report
         assert report is not None and report.reused >= 3 * 16 and report.recomputed == 0
-        if not defers_misses(passage_cache_of(lm)):  # the very KV the first read computed
-            torch.testing.assert_close(again, first_logits, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(again, first_logits, rtol=0, atol=_READ_AGAIN_ATOL[rt.lm.backend])
         moved = rag_prompt(lm, [1, 2, 0], "What did Marta Quell design?")
         _, logits, session = fresh_greedy(lm, moved, 1)
         report = session.passage_report
         assert report is not None and report.reused >= 3 * 16
         assert bool(torch.isfinite(logits).all())
-
-
-def test_passages_read_beside_an_open_session_are_stored_before_the_next_prefill(
-        rt: Runtime, tmp_path: Any) -> None:
-    """While another session holds a context (it may be decoding), nothing is stored when a
-    session is released; the next prefill stores the queue first and reuses it."""
-    lm = rt.blend_lm()
-    with passage_cache(lm, tmp_path, "blend") as cache:
-        if not defers_misses(cache):
-            pytest.skip(f"{type(cache).__name__} stores a passage right after reading it")
-        register_passages(lm, PASSAGES)
-        _, _, first = fresh_greedy(lm, rag_prompt(lm, [0, 1, 2]), 1)
-        held = lm.open_session()
-        assert held.slot is not None  # another session holds a context (it may be decoding)
-        del first
-        gc.collect()
-        assert cache.pending == 3  # released beside a lent context: the queue waits
-        _, _, session = greedy(lm, rag_prompt(lm, [2, 0, 1], "What did Marta Quell design?"), 1)
-        report = session.passage_report
-        assert report is not None and cache.pending == 0 and report.stored >= 3
-        assert "deferred" in report.seconds and report.reused >= 3 * 16
-        assert report.computed_alone == 0 and report.deferred == 0
-        del held, session
-
-
-def test_an_interrupted_deferred_store_keeps_whole_entries_and_the_model_usable(
-        rt: Runtime, tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    lm = rt.blend_lm()
-    ids = rag_prompt(lm, [0, 1, 2])
-    with passage_cache(lm, tmp_path, "blend") as cache:
-        if not defers_misses(cache):
-            pytest.skip(f"{type(cache).__name__} stores a passage right after reading it")
-        register_passages(lm, PASSAGES)
-        _, _, session = fresh_greedy(lm, ids, 3)  # kept open: nothing stored after it yet
-        assert cache.pending == 3
-        original = cache.store.put
-        interrupted = interrupt_second_put(original)
-
-        monkeypatch.setattr(cache.store, "put", interrupted)
-        with pytest.raises(KeyboardInterrupt):
-            store_pending_passages(lm)
-        monkeypatch.setattr(cache.store, "put", original)
-        assert cache.pending == 2 and passage_stats(lm)["deferred"]["stored"] == 1
-        for path in disk_entries(tmp_path):  # only whole entries
-            assert _checked_payload(path.read_bytes(), path.name.removesuffix(SUFFIX))
-        assert store_pending_passages(lm) == 2 and cache.pending == 0  # retried
-        del session
-        again, logits, session = fresh_greedy(lm, rag_prompt(lm, [1, 2, 0]), 3)
-        report = session.passage_report
-        assert report is not None and report.reused > 0 and report.computed_alone == 0
-        assert len(again) == 3 and bool(torch.isfinite(logits).all())
 
 
 def _rows(lm: SessionLM) -> list[list[int]]:
@@ -807,7 +743,7 @@ def test_parallel_rows_read_their_passages_from_the_cache(rt: Runtime, tmp_path:
         if mode == "blend":
             register_passages(lm, PASSAGES)
         cold = _parallel(lm, rows)
-        assert cache.last.stored + cache.last.deferred >= 1  # stored now, or after the rows
+        assert cache.last.stored >= 1
         warm = _parallel(lm, rows)
         report = cache.last
         assert report.reused > 0 and report.computed_alone == 0

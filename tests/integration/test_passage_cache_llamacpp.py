@@ -160,13 +160,13 @@ def _chat(lm, text):
 
 def test_blend_finds_unregistered_text_by_content_defined_chunks(blend_model, tmp_path):
     """A plain prompt (nobody registered its passages): content-defined chunks are read in
-    context the first time, stored once the session is done and reused by a prompt in another
-    template; no share, no probe."""
+    context the first time, stored as read and reused by a prompt in another template; no
+    share, no probe."""
     lm = _fresh(blend_model, tmp_path, "blend", recompute_share=0.0)
     _, session = greedy(lm, _chat(lm, f"Context:\n{REPORT}\n\nQuestion: which mill?"), 2)
     first = session.passage_report
-    assert first.reused == 0 and first.computed_alone == 0 and first.deferred > 0
-    assert first.recomputed == 0 and first.probe == 0
+    assert first.reused == 0 and first.computed_alone == 0 and first.unseen > 0
+    assert first.recomputed == 0 and first.probe == 0 and first.stored >= 1
     del session
     other = _chat(lm, f"Read the report, then answer.\n[report] {REPORT} [end]\nWhich river?")
     _, session = greedy(lm, other, 2)

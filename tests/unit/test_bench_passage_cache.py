@@ -26,8 +26,10 @@ def _no_model(*_: object, **__: object) -> None:
     (("--backend", "torch", "--ram-cache"), "--ram-cache"),
     (("--backend", "torch", "--n-ctx", "2048"), "--n-ctx"),
     (("--backend", "torch", "--server-cache"), "--server-cache"),
+    (("--shares", "0,0.15,x"), "--shares"),
+    (("--shares", "1.5"), "--shares"),
 ])
-def test_llamacpp_only_options_are_refused_on_torch_before_any_model_work(
+def test_bad_options_are_refused_before_any_model_work(
         monkeypatch: pytest.MonkeyPatch, argv: tuple[str, ...], option: str) -> None:
     monkeypatch.setattr(bench, "_load", _no_model)
     with pytest.raises(ValueError, match=option):
@@ -39,6 +41,7 @@ def test_the_backends_defaults_pass_the_check() -> None:
     bench.check_args(_args("--backend", "torch"))
     bench.check_args(_args("--backend", "torch", "--no-ram-cache"))
     bench.check_args(_args("--ram-cache", "--n-ctx", "2048"))
+    assert bench.parse_shares("") == [] and bench.parse_shares("0, 0.15") == [0.0, 0.15]
     with pytest.raises(SystemExit):  # argparse names the choices
         _args("--backend", "vllm")
 

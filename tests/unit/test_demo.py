@@ -72,9 +72,9 @@ def test_cache_line_names_what_the_cache_did() -> None:
     assert cache_line(report) == ("200 prompt ids: 100 reused, 15 recomputed (15% of the reused), "
                                   "60 read, 40 read alone and stored")
     first = {"prompt": 200, "kept": 0, "reused": 0, "computed_alone": 0, "recomputed": 0,
-             "read": 200, "deferred": 150, "probe": 0, "stored": 0}
+             "read": 200, "unseen": 150, "probe": 0, "stored": 3}
     assert cache_line(first) == ("200 prompt ids: 0 reused, 0 recomputed, 200 read, 150 of them "
-                                 "new passages, stored after the answer")
+                                 "new passages, stored as read")
     assert cache_line(None) == "no cache report"
 
 

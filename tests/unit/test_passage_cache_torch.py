@@ -100,7 +100,7 @@ def test_a_foreign_payload_is_dropped_and_recomputed():
     cache.store.put(key, wrong.to_bytes())
     _, _, session = greedy(lm, prompt(lm, [0]), 1)
     assert session.passage_report.reused == 0
-    assert session.passage_report.deferred >= len(inner)  # read in context instead
+    assert session.passage_report.unseen >= len(inner)  # read in context instead
     assert ChunkKV.from_bytes(cache.store.get(key)).dtype == torch.float32  # stored again
     cache.store.put(key, b"not a chunk")
     _, _, session = greedy(lm, prompt(lm, [0]), 1)

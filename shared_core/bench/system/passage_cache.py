@@ -10,8 +10,8 @@ warm by accident):
 
 - ``full``: a plain prefill (no cache): TTFT, first token, greedy answer;
 - ``blend_stream``: blend at the default share on the stream as it comes (a passage seen before
-  is in the store; a new one is read in context and stored after the answer on llama.cpp,
-  computed alone and stored before it on torch): the real hit rate and its TTFT;
+  is in the store; a new one is read in context and stored as read): the real hit rate and its
+  TTFT;
 - ``blend_<share>``: every share of ``--shares`` once all the question's passages are stored:
   TTFT, first token / answer equal to ``full``'s, accuracy;
 - ``exact_cold`` / ``exact_warm`` (``--exact``): on a second model loaded with ``exact=True``, a
@@ -84,7 +84,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--datasets", default="nq,squad,pubhealth")
     parser.add_argument("--limit", type=int, default=20, help="questions per dataset")
     parser.add_argument("--k", type=int, default=5, help="passages per question")
-    parser.add_argument("--shares", default="0,0.05,0.15,0.3")
+    parser.add_argument("--shares", default="0,0.05,0.15,0.3",
+                        help="recompute shares to run with every passage stored, comma-separated "
+                             "('': none, only the stream)")
     parser.add_argument("--max-new-tokens", type=int, default=16)
     parser.add_argument("--n-ctx", type=int, default=None,
                         help=f"llama.cpp only: positions per context (default {N_CTX})")
@@ -107,6 +109,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def check_args(args: argparse.Namespace) -> None:
     """Refuse options the chosen backend does not have (ValueError naming the option), before
     any model is loaded."""
+    parse_shares(getattr(args, "shares", ""))
     backend = getattr(args, "backend", "llama.cpp")
     if backend not in BACKENDS:
         msg = f"--backend must be one of {', '.join(BACKENDS)}, got {backend!r}"
@@ -129,6 +132,18 @@ def check_args(args: argparse.Namespace) -> None:
     if args.n_ctx is not None:
         msg = "--n-ctx is a llama.cpp setting; torch models keep their own window (drop it)"
         raise ValueError(msg)
+
+
+def parse_shares(text: str) -> list[float]:
+    """``--shares`` as floats in [0, 1] (ValueError naming it)."""
+    try:
+        shares = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        shares = [-1.0]
+    if not all(0.0 <= s <= 1.0 for s in shares):
+        msg = f"--shares must be comma-separated numbers in [0, 1] (or ''), got {text!r}"
+        raise ValueError(msg)
+    return shares
 
 
 def _load(model: str, backend: str, n_ctx: int | None, *, exact: bool) -> Any:
@@ -311,11 +326,7 @@ def _one_question(lm: SessionLM, caches: _Caches, ids: list[int], texts: list[st
     row["full"] = _answer(lm, ids, max_new)
     caches.use(caches.stream)
     register_passages(lm, texts)
-    before = dict(getattr(caches.stream, "deferred", {}))
-    row["blend_stream"] = _answer(lm, ids, max_new)  # its session is done: misses stored now
-    after = getattr(caches.stream, "deferred", {})
-    row["blend_stream"]["deferred_store"] = {
-        name: after[name] - before.get(name, 0) for name in ("ids", "seconds") if name in after}
+    row["blend_stream"] = _answer(lm, ids, max_new)
     caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
     start = time.perf_counter()
     row["warm"] = warm_passages(lm, texts, progress=False)
@@ -503,7 +514,7 @@ class _Stream:
         rows = self.rows
         stream = _cache_totals([r["blend_stream"]["cache"] for r in rows]) or {}
         reused = stream.get("reused", 0)
-        alone = stream.get("computed_alone", 0) + stream.get("deferred", 0)
+        alone = stream.get("computed_alone", 0) + stream.get("unseen", 0)
         return {
             "n": len(rows), "passages_distinct": len(self.seen),
             "passage_recurrence_token_rate": round(
@@ -517,23 +528,11 @@ class _Stream:
 
 
     def _warm_rate(self) -> float | None:
-        """Seconds to compute and store 1,000 passages alone (what ``warm_passages`` costs), from
-        the stream's misses: the time their store took over the ids it computed alone (llama.cpp:
-        the deferred store after each answer; torch rows written before it stored its misses as
-        read: the placing step). None when nothing was computed alone."""
-        seconds = alone = 0.0
-        for r in self.rows:
-            stream = r["blend_stream"]
-            deferred = stream.get("deferred_store") or {}
-            if deferred.get("ids"):
-                seconds += deferred["seconds"]
-                alone += deferred["ids"]
-            else:
-                seconds += (stream.get("steps_s") or {}).get("place", 0.0)
-                alone += (stream["cache"] or {}).get("computed_alone", 0)
-        if not alone:
-            return None
-        return round(1000 * seconds / alone * self.passage_tokens / self.occurrences, 1)
+        """Seconds ``warm_passages`` took per 1,000 passages it computed alone and stored (the
+        shares' store, warmed with each question's new passages); None when it computed none."""
+        seconds = sum(r["warm"]["s"] for r in self.rows)
+        computed = sum(r["warm"]["computed"] for r in self.rows)
+        return round(1000 * seconds / computed, 1) if computed else None
 
 
 def _append_row(path: Path | None, row: dict[str, Any]) -> None:
@@ -551,7 +550,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     check_args(args)
     backend = getattr(args, "backend", "llama.cpp")
     name = args.model or (QWEN if is_installed(QWEN) else SMOLLM2)
-    shares = [float(s) for s in args.shares.split(",")]
+    shares = parse_shares(args.shares)
     n_ctx = None if backend == "torch" else args.n_ctx or N_CTX
     load_before = os.getloadavg()
     lm = _load(name, backend, n_ctx, exact=False)

@@ -210,7 +210,6 @@ class LlamaCppModel:
         self.settings = settings
         self.max_sequences = MAX_TREE_LEAVES  # besides sequence 0: tree leaves, parallel rows
         self._lock = threading.Lock()
-        self._lent = 0  # contexts owned by sessions (or rows) now
         self._idle = IdleContexts(settings.idle_contexts if keep is None else keep)
         self.prefix_cache = settings.prefix_cache  # may be switched off (or on) at any time
         self._finalizer = weakref.finalize(self, _free_model, llama, self.ptr, self._idle)
@@ -234,30 +233,16 @@ class LlamaCppModel:
             keep_prefix(slot, common)
         if prefix is None:
             slot.tokens = None
-        with self._lock:
-            self._lent += 1
         return slot
 
     def release(self, slot: _Slot) -> None:
         """Take a context back: its sequence 0 is kept if its owner vouched for it (see
-        :mod:`.llamacpp_prefix`), everything else is cleared. When no other context is lent out
-        (no session is reading or decoding), a blend passage cache first stores the chunks its
-        sessions read in context (:meth:`LlamaCppPassageCache.store_pending`, in this context's
-        scratch sequence; it stops as soon as another context is lent)."""
+        :mod:`.llamacpp_prefix`), everything else is cleared."""
         settle(slot, self.prefix_cache, self.max_sequences)
         with self._lock:
-            self._lent -= 1
-            idle = self._lent == 0
-        cache = getattr(self, "passage_cache", None)
-        try:
-            if (idle and cache is not None and cache.pending
-                    and self._finalizer.alive and not getattr(weakref.finalize, "_exiting", False)):
-                cache.store_pending(slot, make_room=True, stop=lambda: self._lent > 0)
-        finally:
-            with self._lock:
-                evicted = self._idle.put(slot) if self._finalizer.alive else slot
-            if evicted is not None:
-                evicted.free()
+            evicted = self._idle.put(slot) if self._finalizer.alive else slot
+        if evicted is not None:
+            evicted.free()
 
     def clear_prefix_cache(self) -> None:
         """Forget every idle context's cached prefix (the next prompts start cold)."""

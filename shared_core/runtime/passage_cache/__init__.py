@@ -10,9 +10,8 @@ model (:func:`attach`); every session's first prefill then goes through it (:mod
   processes); with ``exact=True`` the output equals a cold prefill's token for token.
 - ``"blend"``: cached passages are reused anywhere in a prompt, in any order, and a share
   (``recompute_share``) of their tokens is recomputed with full attention (CacheBlend). A
-  passage not stored yet is read in context like the text around it; llama.cpp computes it alone
-  and stores it after the answer (:func:`store_pending_passages` forces it), torch stores it
-  as that read left it, right after the prefill (torch has no idle point after the answer).
+  passage not stored yet is read in context like the text around it and stored as that read
+  left it, right after the prefill (both runtimes).
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["PassageCacheConfig", "attach", "chunk_head", "config_from", "ensure", "passage_cache_of",
            "passage_stats", "register_passage_ids", "register_passages", "source_texts",
-           "store_pending_passages", "warm_passages"]
+           "warm_passages"]
 
 
 def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
@@ -163,15 +162,6 @@ def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -
             skipped += 1
     logger.info("warm_passages: %d computed, %d already stored or too short", computed, skipped)
     return {"passages": len(items), "computed": computed, "skipped": skipped}
-
-
-def store_pending_passages(lm: ModelLM) -> int:
-    """Store now the passages a blend cache read in context because they were not stored
-    (llama.cpp: done on its own when the model's last session is released, else before the
-    next prefill); how many were stored. 0 without a cache, or on torch (it stores a passage
-    when it first reads it)."""
-    store_now = getattr(passage_cache_of(lm), "store_pending_now", None)
-    return int(store_now(lm)) if store_now is not None else 0
 
 
 def passage_stats(lm: ModelLM) -> dict[str, Any]:

@@ -31,14 +31,13 @@ runs the first ``prefill`` of every session on that model:
 - **a miss** (blend): a chunk that is not stored is not placed: it is read in context like a
   gap (in a decode of its own, after the gaps before it; before the first stored chunk, in
   place), so it attends to everything before it and is neither probed nor recomputed, and a
-  prompt with no stored chunk is a plain prefill. The chunk is queued and computed alone and
-  stored after the answer (:meth:`LlamaCppPassageCache.store_pending`): when a context goes
-  back to the model and no other is lent out (:meth:`LlamaCppModel.release`), else before the
-  next prefill on the model, in that prefill's context.
+  prompt with no stored chunk is a plain prefill. Once the prompt is read, the chunk's cells
+  are copied out as that read left them (:meth:`LlamaCppPassageCache._store_read`): a stored
+  entry holds its cells at the positions it was computed at (alone: after the head; read: where
+  that prompt held it), and placing it shifts it from there.
 
 A failed or interrupted assembly clears the session's context (nothing half-placed is served);
-the store only ever holds whole entries, and an interrupted deferred store queues its chunk
-again.
+the store only ever holds whole entries.
 """
 
 from __future__ import annotations
@@ -47,8 +46,7 @@ import ctypes
 import logging
 import threading
 import time
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -74,7 +72,6 @@ HEAD_BLOCK = 8  # blend: ids per stored prefix block (no grid to keep; a RAG hea
 PROBE_LAYER = 1  # CacheBlend selects on an early layer; layer 0's values see no context
 PLACE_SEQ = MAX_TREE_LEAVES  # scratch sequence a chunk is restored / computed in
 MERGE_GAP = 2  # selected runs this close are recomputed as one (fewer decodes)
-MAX_PENDING = 1024  # chunks read in context kept queued for storing (the oldest dropped)
 
 
 @dataclass
@@ -88,8 +85,8 @@ class PrefillReport:
     #   entry the runtime refused; torch's row misses)
     recomputed: int = 0  # blend: reused ids decoded again with full attention
     read: int = 0  # decoded in place (gaps, the question, chunks not stored: everything not cached)
-    deferred: int = 0  # blend: of the read ids, those of chunks not stored, read in context (and
-    #   stored from there: after the answer on llama.cpp, right after the prefill on torch)
+    unseen: int = 0  # blend: of the read ids, those of chunks the store did not hold (read in
+    #   context and stored from that read)
     probe: int = 0  # blend: ids run through the layer-1 probe
     stored: int = 0  # entries written
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per step (profiling)
@@ -204,13 +201,6 @@ class _Probe:
             self.ctx = None
 
 
-@dataclass
-class _Owner:
-    """What :func:`decode` needs of an LM, for a context used outside any session."""
-
-    model: LlamaCppModel
-
-
 def _seq_state(llama: Any, ctx: Any, seq: int) -> bytes:
     size = llama.llama_state_seq_get_size(ctx, seq)
     buf = (ctypes.c_uint8 * size)()
@@ -233,9 +223,6 @@ class LlamaCppPassageCache:
         self._probe: _Probe | None = None
         self._probe_lock = threading.Lock()
         self._head_state: bytes | None = None  # the head's KV, read once
-        self._pending: OrderedDict[str, tuple[int, ...]] = OrderedDict()  # read, to be stored
-        self._pending_lock = threading.Lock()
-        self.deferred = {"stored": 0, "ids": 0, "dropped": 0, "seconds": 0.0}  # store_pending
 
     @property
     def mode(self) -> str:
@@ -248,8 +235,7 @@ class LlamaCppPassageCache:
 
     def stats(self) -> dict[str, Any]:
         """The store's counters and the last prefill's report."""
-        return {"mode": self.mode, "store": self.store.stats.as_dict(), "last": self.last.as_dict(),
-                "pending": self.pending, "deferred": dict(self.deferred)}
+        return {"mode": self.mode, "store": self.store.stats.as_dict(), "last": self.last.as_dict()}
 
     def close(self) -> None:
         if self._probe is not None:
@@ -326,7 +312,7 @@ class LlamaCppPassageCache:
         last one restored (a refused payload is dropped from the store and ends the walk)."""
         restored = found[0][0] - self.block
         for end, key, payload in found:
-            if not self._load(slot, payload, end - self.block, self.block, PLACE_SEQ):
+            if self._load(slot, payload, end - self.block, self.block, PLACE_SEQ) is None:
                 self.store.discard(key)
                 break
             self._copy_in(slot, PLACE_SEQ, end - self.block, end)
@@ -390,9 +376,6 @@ class LlamaCppPassageCache:
             report.kept = len(session.tokens)
             keys = self.store.prefix_keys(ids, self.block, first)
             restored = self._restore_prefix(session, ids, keys, report)
-        if self.pending:  # what an earlier session read and could not store after its answer
-            with report.timed("deferred"):
-                report.stored += self.store_pending(session._slot)
         placed = self.fill(session.lm, session._slot, 0, ids[:-1], len(session.tokens), report,
                            scratch=range(1, PLACE_SEQ))
         with report.timed("head"):  # the head's cells are untouched by placing and recomputing
@@ -409,25 +392,15 @@ class LlamaCppPassageCache:
              report: PrefillReport, scratch: Sequence[int]) -> int:
         """Make ``seq`` (holding ``ids[:have]`` at positions ``0..have-1``) hold all of ``ids``:
         the ids before the first stored chunk decoded in place, stored chunks placed, the gaps
-        between them decoded (a chunk not stored is read there, in context, and queued for
-        :meth:`store_pending`), the selected share of the reused tokens recomputed (both in the
-        empty ``scratch`` sequences), then the ids after the last stored chunk decoded in place.
-        Returns how many chunks were placed (0: a plain prefill)."""
+        between them decoded (a chunk not stored is read there, in context), the selected share
+        of the reused tokens recomputed (both in the empty ``scratch`` sequences), then the ids
+        after the last stored chunk decoded in place; the chunks read in context are stored as
+        read. Returns how many chunks were placed (0: a plain prefill)."""
         ids = [int(t) for t in ids]
         spans = [s for s in self.chunks_of(ids) if s.start >= have]
         if not self._fits(ids, spans) or not scratch:
             spans = []  # no room for a scratch chunk beside the prompt: a plain prefill
-        stored, missing = [], []
-        for span in spans:
-            chunk = ids[span.start : span.end]
-            key = self.store.key("chunk", self.head, chunk)
-            payload = self.store.get(key)
-            if payload is None:
-                self._defer(key, chunk)
-                report.deferred += len(span)
-                missing.append(span)
-            else:
-                stored.append((span, key, payload))
+        stored, missing = self._lookup(ids, spans, report)
         pos = have
         if stored:
             with report.timed("read"):  # the head, in place: the chunks go after it
@@ -453,7 +426,46 @@ class LlamaCppPassageCache:
                                                            scratch)
         with report.timed("read"):
             self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
+        with report.timed("store"):
+            self._store_read(slot, seq, ids, missing, report)
         return len(placed)
+
+    def _lookup(self, ids: list[int], spans: Sequence[Span], report: PrefillReport
+                ) -> tuple[list[tuple[Span, str, bytes]], list[Span]]:
+        """The spans whose chunk the store holds (with its key and payload), and the others
+        (read in context, then stored by :meth:`_store_read`)."""
+        stored, missing = [], []
+        for span in spans:
+            key = self.store.key("chunk", self.head, ids[span.start : span.end])
+            payload = self.store.get(key)
+            if payload is None:
+                report.unseen += len(span)
+                missing.append(span)
+            else:
+                stored.append((span, key, payload))
+        return stored, missing
+
+    def _store_read(self, slot: _Slot, seq: int, ids: list[int], missing: Sequence[Span],
+                    report: PrefillReport) -> None:
+        """Store each chunk ``seq`` read in context as that read left it: its cells at their
+        positions in this prompt (:meth:`_place` shifts them from there). Copying cells out costs
+        a memcpy where computing the chunk alone after the head costs a prefill of it; read in
+        another prompt's context, a chunk restores a full prefill at least as well as read alone
+        (results/system/2026-11-28-blend-variants, r4: first-token KL 0.52 against 0.66 with
+        nothing recomputed, 0.53 against 0.54 at 15 %)."""
+        llama, memory = self.model.llama, slot.memory
+        for span in missing:
+            key = self.store.key("chunk", self.head, ids[span.start : span.end])
+            if key in self.store:  # the prompt holds the chunk twice
+                continue
+            llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
+            try:
+                llama.llama_memory_seq_cp(memory, seq, PLACE_SEQ, span.start, span.end)
+                payload = _seq_state(llama, slot.ctx, PLACE_SEQ)
+            finally:
+                llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
+            self.store.put(key, payload)
+            report.stored += 1
 
     def _decode_range(self, lm: SessionLM, slot: _Slot, seq: int, ids: Sequence[int], begin: int,
                       end: int, report: PrefillReport, *, counted: bool = True) -> None:
@@ -468,8 +480,9 @@ class LlamaCppPassageCache:
                report: PrefillReport, key: str, payload: bytes) -> bytes:
         """Put ``chunk``'s stored KV (``payload`` under ``key``; computed alone and stored again
         if llama.cpp refuses it) at ``start`` of ``seq``."""
-        h, n = len(self.head), len(chunk)
-        if self._load(slot, payload, h, n, PLACE_SEQ):
+        n = len(chunk)
+        at = self._load(slot, payload, None, n, PLACE_SEQ)
+        if at is not None:
             report.reused += n
         else:
             self.store.discard(key)
@@ -477,8 +490,9 @@ class LlamaCppPassageCache:
             self.store.put(key, payload)
             report.computed_alone += n
             report.stored += 1
-        if start != h:
-            self.model.llama.llama_memory_seq_add(slot.memory, PLACE_SEQ, h, h + n, start - h)
+            at = len(self.head)
+        if start != at:
+            self.model.llama.llama_memory_seq_add(slot.memory, PLACE_SEQ, at, at + n, start - at)
         self._copy_in(slot, PLACE_SEQ, start, start + n, seq)
         return payload
 
@@ -488,7 +502,8 @@ class LlamaCppPassageCache:
         llama = self.model.llama
         llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
         ids, h = [*self.head, *chunk], len(self.head)
-        if h and not (self._head_state and self._load(slot, self._head_state, 0, h, PLACE_SEQ)):
+        if h and not (self._head_state
+                      and self._load(slot, self._head_state, 0, h, PLACE_SEQ) is not None):
             self._decode_range(lm, slot, PLACE_SEQ, ids, 0, h, PrefillReport(), counted=False)
             self._head_state = _seq_state(llama, slot.ctx, PLACE_SEQ)
         self._decode_range(lm, slot, PLACE_SEQ, ids, h, len(ids), PrefillReport(), counted=False)
@@ -507,12 +522,10 @@ class LlamaCppPassageCache:
         full = self._probe_for().values(lm, ids)
         report.probe += len(ids)
         positions, deviations = [], []
-        h = len(self.head)
         for span, payload in placed:
-            alone = layer_values(payload, PROBE_LAYER)
-            where = span.start + (alone.positions - h)
-            rows = full[where]
-            deviations.append(np.linalg.norm(rows - alone.values, axis=1))
+            cached = layer_values(payload, PROBE_LAYER)
+            where = span.start + (cached.positions - cached.positions.min())
+            deviations.append(np.linalg.norm(full[where] - cached.values, axis=1))
             positions.append(where)
         chosen = np.sort(np.concatenate(positions)[np.argsort(-np.concatenate(deviations))[:count]])
         return _runs(chosen.tolist())
@@ -562,18 +575,21 @@ class LlamaCppPassageCache:
 
     # -- shared steps
 
-    def _load(self, slot: _Slot, payload: bytes, first: int, count: int, seq: int) -> bool:
-        """Restore a stored state into ``seq``; False (nothing kept) if llama.cpp refuses it or
-        it does not hold positions ``first .. first + count - 1``."""
+    def _load(self, slot: _Slot, payload: bytes, first: int | None, count: int, seq: int
+              ) -> int | None:
+        """Restore a stored state into ``seq``; its first position, or None (nothing kept) if
+        llama.cpp refuses it or it does not hold ``count`` positions from ``first`` (None: from
+        wherever it starts)."""
         llama, memory = self.model.llama, slot.memory
         buf = (ctypes.c_uint8 * len(payload)).from_buffer_copy(payload)
-        ok = llama.llama_state_seq_set_data(slot.ctx, buf, len(payload), seq) != 0
-        ok = ok and (llama.llama_memory_seq_pos_min(memory, seq) == first
-                     and llama.llama_memory_seq_pos_max(memory, seq) == first + count - 1)
-        if not ok:
-            llama.llama_memory_seq_rm(memory, seq, -1, -1)
-            logger.warning("passage cache: llama.cpp refused a stored entry; recomputing it")
-        return bool(ok)
+        if llama.llama_state_seq_set_data(slot.ctx, buf, len(payload), seq) != 0:
+            at = int(llama.llama_memory_seq_pos_min(memory, seq))
+            end = int(llama.llama_memory_seq_pos_max(memory, seq)) + 1
+            if at >= 0 and first in (None, at) and end - at == count:
+                return at
+        llama.llama_memory_seq_rm(memory, seq, -1, -1)
+        logger.warning("passage cache: llama.cpp refused a stored entry; recomputing it")
+        return None
 
     def _copy_in(self, slot: _Slot, scratch: int, start: int, end: int, seq: int = 0) -> None:
         """Add ``scratch``'s cells at positions ``[start, end)`` to ``seq``; empty ``scratch``."""
@@ -615,9 +631,6 @@ class LlamaCppPassageCache:
             return [shared] * len(rows)
         report = PrefillReport(prompt=sum(map(len, rows)), kept=shared * len(rows))
         try:
-            if self.pending:
-                with report.timed("deferred"):
-                    report.stored += self.store_pending(slot)
             for r, row in enumerate(rows):
                 self.fill(lm, slot, r + first_sequence, row[:-1], shared, report, scratch)
         except BaseException:
@@ -627,82 +640,6 @@ class LlamaCppPassageCache:
         report.read += len(rows)
         self.last = report
         return [len(row) - 1 for row in rows]
-
-    # -- chunks read in context, stored after the answer
-
-    @property
-    def pending(self) -> int:
-        """Chunks read in context and not stored yet (:meth:`store_pending` stores them)."""
-        return len(self._pending)
-
-    def _defer(self, key: str, chunk: Sequence[int]) -> None:
-        with self._pending_lock:
-            self._pending[key] = tuple(int(t) for t in chunk)
-            self._pending.move_to_end(key)
-            while len(self._pending) > MAX_PENDING:
-                self._pending.popitem(last=False)
-
-    def _requeue(self, key: str, chunk: tuple[int, ...]) -> None:
-        with self._pending_lock:
-            self._pending[key] = chunk
-            self._pending.move_to_end(key, last=False)
-
-    def _room(self, slot: _Slot, chunk: Sequence[int]) -> bool:
-        """Whether ``slot`` has cells for the head and ``chunk`` beside its sequence 0."""
-        held = self.model.llama.llama_memory_seq_pos_max(slot.memory, 0) + 1
-        return bool(held + len(self.head) + len(chunk) <= self.model.n_ctx)
-
-    def store_pending(self, slot: _Slot, *, make_room: bool = False,
-                      stop: Callable[[], bool] | None = None) -> int:
-        """Compute each chunk read in context since the last call alone (after the head, as
-        :meth:`warm` does) in ``slot``'s scratch sequence and store it; how many were stored.
-
-        Sequence 0 is untouched unless ``make_room`` (a released context: it is cleared when
-        the scratch chunk does not fit beside it); otherwise a chunk that does not fit stays
-        queued. ``stop()`` is asked before each chunk (True: the rest stay queued). A chunk
-        that fails (an error) is dropped from the queue (read in context again, it is queued
-        again); an interruption puts it back and re-raises. The store only ever gets whole
-        entries and the scratch sequence is emptied in every case."""
-        owner = cast("SessionLM", _Owner(self.model))
-        done = 0
-        while stop is None or not stop():
-            with self._pending_lock:
-                if not self._pending:
-                    break
-                key, chunk = self._pending.popitem(last=False)
-            if key in self.store:
-                continue
-            if not self._room(slot, chunk):
-                if not make_room:
-                    self._requeue(key, chunk)
-                    break
-                slot.clear()
-                slot.tokens = []
-            start = time.perf_counter()
-            try:
-                self.store.put(key, self._compute_alone(owner, slot, list(chunk)))
-            except Exception:
-                logger.warning("passage cache: could not store a chunk read in context (%d ids); "
-                               "dropped it", len(chunk), exc_info=True)
-                self.deferred["dropped"] += 1
-                continue
-            except BaseException:
-                self._requeue(key, chunk)
-                raise
-            finally:
-                self.model.llama.llama_memory_seq_rm(slot.memory, PLACE_SEQ, -1, -1)
-            self.deferred["stored"] += 1
-            self.deferred["ids"] += len(chunk)
-            self.deferred["seconds"] += time.perf_counter() - start
-            done += 1
-        return done
-
-    def store_pending_now(self, lm: SessionLM) -> int:
-        """:meth:`store_pending` in a context of its own (lent by the model for the call)."""
-        if not self.pending:
-            return 0
-        session = cast("LlamaCppSession", lm.open_session())  # this model's runtime
-        return self.store_pending(session.slot, make_room=True)
 
     def warm(self, lm: SessionLM, chunk_ids: Sequence[int]) -> bool:
         """Compute and store one chunk alone (blend) unless stored; True if it was computed."""
