@@ -52,13 +52,8 @@ class _Variant(LlamaCppPassageCache):
     def _select(self, lm: Any, ids: list[int], placed: Any, report: Any) -> Any:
         self._spans = [span for span, _ in placed]
         if self.select.startswith("dev"):
-            import shared_core.runtime.passage_cache.llamacpp as module
-
-            module.PROBE_LAYER = int(self.select[3:] or 1)
-            try:
-                return super()._select(lm, ids, placed, report)
-            finally:
-                module.PROBE_LAYER = 1
+            self.probe_layer = int(self.select[3:] or 1)
+            return super()._select(lm, ids, placed, report)
         if self.select in ("qa", "qadev"):
             return self._question_runs(lm, ids, placed, report)
         runs = []

@@ -23,11 +23,11 @@ from typing import Any
 import torch
 
 from shared_core.bench.specrag.data import load_dataset
+from shared_core.bench.system.blend_measure import Case, measure_blend, summarize
 from shared_core.engines.speculative_rag.prompts import RAG_INSTRUCTION
 from shared_core.retrieval.bm25 import BM25Retriever
 from shared_core.runtime.lm import LM
 from shared_core.runtime.models import load_lm
-from shared_core.runtime.passage_cache.torch_blend import Case, measure_blend, summarize
 from shared_core.util.device import cpu_facts
 
 logger = logging.getLogger("torch_blend_measure")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shared_core.bench.system.blend_measure import Case
 from shared_core.runtime.passage_cache.torch_blend import (
-    Case,
     blend_prefill,
     blend_session,
     chunk_kv,

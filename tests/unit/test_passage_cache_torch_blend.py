@@ -10,14 +10,13 @@ import pytest
 import torch
 from tiny import measured, tiny_lm
 
+from shared_core.bench.system.blend_measure import Case, measure_blend
 from shared_core.runtime.passage_cache.torch_blend import (
-    Case,
     ChunkKV,
     blend_prefill,
     blend_session,
     chunk_kv,
     install,
-    measure_blend,
     rotary_embedding,
     shift_keys,
 )

@@ -607,10 +607,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                                settings=settings)
                     _append_row(rows_path, row)
                 stream.rows.append(row)
-                logger.info("%s %d/%d: full %.2f s, blend_0 %.2f s, stream %.2f s", dataset,
-                            index + 1, len(stream.questions), row["full"]["ttft_s"],
-                            row["blend_0"]["ttft_s"] if "blend_0" in row else -1,
-                            row["blend_stream"]["ttft_s"])
+                logger.info("%s %d/%d: TTFT %s", dataset, index + 1, len(stream.questions),
+                            ", ".join(f"{m} {row[m]['ttft_s']:.2f} s" for m in methods if m in row))
             report["datasets"] = {d: streams[d].summary(methods) for d in datasets
                                   if streams[d].rows}
             write_report(report, getattr(args, "out", None))

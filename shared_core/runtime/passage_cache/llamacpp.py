@@ -20,8 +20,8 @@ runs the first ``prefill`` of every session on that model:
   EuroSys 2025, §4: the tokens whose KV deviates most from full attention at an early layer).
   The deviation is measured on layer 1's values (the first layer whose values depend on
   context; values carry no rotary phase, so the shift does not enter it): the whole prompt goes
-  through layer 0 and layer 1's value projection only (:class:`_Probe`, about 1.2/L of a full
-  prefill), and is compared with the values the cached chunk holds.
+  through layer 0 and layer 1's value projection only (:class:`.llamacpp_probe.Probe`, about
+  1.2/L of a full prefill), and is compared with the values the cached chunk holds.
   A sequence only accepts positions after its last one, so the gaps between chunks, and then
   the runs of selected tokens, are each decoded in a scratch sequence holding sequence 0's
   cells before them and swapped in: one ``llama_decode`` for the gaps (one of its own for a
@@ -45,10 +45,7 @@ from __future__ import annotations
 import ctypes
 import logging
 import threading
-import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass, field, fields
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -57,7 +54,9 @@ import numpy as np
 from shared_core.config import PassageCacheConfig
 from shared_core.runtime.llamacpp.session import EXACT_CHUNK, MAX_TREE_LEAVES, decode
 from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
-from shared_core.runtime.passage_cache.kv_state import StateFormatError, layer_values
+from shared_core.runtime.passage_cache.kv_state import layer_values
+from shared_core.runtime.passage_cache.llamacpp_probe import PROBE_LAYER, Probe
+from shared_core.runtime.passage_cache.report import PrefillReport
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, model_identity
 
 if TYPE_CHECKING:
@@ -69,38 +68,8 @@ logger = logging.getLogger(__name__)
 
 BLOCK = 2 * EXACT_CHUNK  # exact: ids per stored prefix block (on the exact prefill grid)
 HEAD_BLOCK = 8  # blend: ids per stored prefix block (no grid to keep; a RAG head is ~50 ids)
-PROBE_LAYER = 1  # CacheBlend selects on an early layer; layer 0's values see no context
 PLACE_SEQ = MAX_TREE_LEAVES  # scratch sequence a chunk is restored / computed in
 MERGE_GAP = 2  # selected runs this close are recomputed as one (fewer decodes)
-
-
-@dataclass
-class PrefillReport:
-    """What one prefill did with the cache (token counts)."""
-
-    prompt: int = 0
-    kept: int = 0  # held by the idle context the session took (in-memory prefix reuse)
-    reused: int = 0  # restored from the store (exact blocks or blended chunks)
-    computed_alone: int = 0  # blend: chunk ids computed alone and stored before the answer (an
-    #   entry the runtime refused; torch's row misses)
-    recomputed: int = 0  # blend: reused ids decoded again with full attention
-    read: int = 0  # decoded in place (gaps, the question, chunks not stored: everything not cached)
-    unseen: int = 0  # blend: of the read ids, those of chunks the store did not hold (read in
-    #   context and stored from that read)
-    probe: int = 0  # blend: ids run through the layer-1 probe
-    stored: int = 0  # entries written
-    seconds: dict[str, float] = field(default_factory=dict)  # wall time per step (profiling)
-
-    def as_dict(self) -> dict[str, int]:
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "seconds"}
-
-    @contextmanager
-    def timed(self, step: str) -> Iterator[None]:
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[step] = self.seconds.get(step, 0.0) + time.perf_counter() - start
 
 
 def _meta(model: LlamaCppModel, key: str) -> str:
@@ -125,82 +94,6 @@ def identity_of(model: LlamaCppModel) -> str:
         repacked=not model.settings.exact)
 
 
-class _Probe:
-    """A context of the same model that reads the prompt's layer-``PROBE_LAYER`` value vectors
-    and stops there: llama.cpp's evaluation callback copies the ``Vcur-1`` tensor out of each
-    ubatch's graph and ends the computation (returning false), so a probe costs about one
-    layer and a projection, not a prefill."""
-
-    def __init__(self, model: LlamaCppModel):
-        import os
-
-        llama = model.llama
-        lib = os.path.join(os.path.dirname(str(llama.__file__)), "lib", "libggml-base.so")
-        ggml = ctypes.CDLL(lib)
-        ggml.ggml_get_name.restype = ctypes.c_char_p
-        ggml.ggml_get_name.argtypes = [ctypes.c_void_p]
-        ggml.ggml_nelements.restype = ctypes.c_int64
-        ggml.ggml_nelements.argtypes = [ctypes.c_void_p]
-        ggml.ggml_backend_tensor_get.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
-                                                 ctypes.c_size_t]
-        stop = f"Vcur-{PROBE_LAYER}".encode()
-        self.parts: list[np.ndarray] = []
-
-        @llama.ggml_backend_sched_eval_callback
-        def callback(tensor: Any, ask: bool, user_data: Any) -> bool:
-            del user_data
-            if ggml.ggml_get_name(tensor) != stop:
-                return False
-            if ask:
-                return True
-            out = np.empty(ggml.ggml_nelements(tensor), dtype=np.float32)
-            ggml.ggml_backend_tensor_get(tensor, out.ctypes.data, 0, out.nbytes)
-            self.parts.append(out)
-            return False
-
-        params = llama.llama_context_default_params()
-        params.n_ctx = model.n_ctx
-        params.n_batch = params.n_ubatch = model.settings.n_batch
-        params.n_seq_max = 1
-        params.n_threads = params.n_threads_batch = model.threads
-        params.no_perf = True
-        params.cb_eval = callback
-        params.cb_eval_user_data = None
-        self.llama, self.model = llama, model
-        self._callback = callback  # kept alive as long as the context
-        self.ctx = llama.llama_init_from_model(model.ptr, params)
-        if not self.ctx:
-            msg = "llama.cpp could not create the passage cache's probe context (out of memory?)"
-            raise MemoryError(msg)
-        self.memory = llama.llama_get_memory(self.ctx)
-        self.batch = llama.llama_batch_init(model.settings.n_batch, 0, 1)
-        self.n_batch = model.settings.n_batch
-        self.lock = threading.Lock()
-
-    def values(self, lm: SessionLM, ids: Sequence[int]) -> np.ndarray:
-        """Layer-``PROBE_LAYER`` values of ``ids`` read as one prompt: ``[len(ids), width]``."""
-        with self.lock:
-            self.parts = []
-            self.llama.llama_memory_clear(self.memory, True)
-            try:
-                for begin in range(0, len(ids), self.n_batch):
-                    decode(lm, self, [(int(t), begin + i, (0,), False)
-                                      for i, t in enumerate(ids[begin : begin + self.n_batch])])
-            finally:
-                self.llama.llama_memory_clear(self.memory, True)
-            flat = np.concatenate(self.parts) if self.parts else np.empty(0, np.float32)
-        if len(ids) == 0 or flat.size % len(ids):
-            msg = f"the probe read {flat.size} values for {len(ids)} ids (no Vcur-{PROBE_LAYER}?)"
-            raise StateFormatError(msg)
-        return flat.reshape(len(ids), -1)
-
-    def free(self) -> None:
-        if self.ctx:
-            self.llama.llama_batch_free(self.batch)
-            self.llama.llama_free(self.ctx)
-            self.ctx = None
-
-
 def _seq_state(llama: Any, ctx: Any, seq: int) -> bytes:
     size = llama.llama_state_seq_get_size(ctx, seq)
     buf = (ctypes.c_uint8 * size)()
@@ -220,7 +113,8 @@ class LlamaCppPassageCache:
                                 disk_bytes=config.disk_mb * MIB, disk_dir=disk_dir)
         self.index = PassageIndex()
         self.last = PrefillReport()
-        self._probe: _Probe | None = None
+        self.probe_layer = PROBE_LAYER  # the layer whose values select what to recompute
+        self._probe: Probe | None = None
         self._probe_lock = threading.Lock()
         self._head_state: bytes | None = None  # the head's KV, read once
 
@@ -519,21 +413,25 @@ class LlamaCppPassageCache:
         count = round(self.config.recompute_share * total)
         if count == 0:
             return []
-        full = self._probe_for().values(lm, ids)
+        probe = self._probe_for()
+        full = probe.values(lm, ids)
         report.probe += len(ids)
         positions, deviations = [], []
         for span, payload in placed:
-            cached = layer_values(payload, PROBE_LAYER)
+            cached = layer_values(payload, probe.layer)
             where = span.start + (cached.positions - cached.positions.min())
             deviations.append(np.linalg.norm(full[where] - cached.values, axis=1))
             positions.append(where)
         chosen = np.sort(np.concatenate(positions)[np.argsort(-np.concatenate(deviations))[:count]])
         return _runs(chosen.tolist())
 
-    def _probe_for(self) -> _Probe:
+    def _probe_for(self) -> Probe:
         with self._probe_lock:
+            if self._probe is not None and self._probe.layer != self.probe_layer:
+                self._probe.free()
+                self._probe = None
             if self._probe is None:
-                self._probe = _Probe(self.model)
+                self._probe = Probe(self.model, self.probe_layer)
             return self._probe
 
     def _decode_runs(self, lm: SessionLM, slot: _Slot, seq: int, ids: list[int],
@@ -707,12 +605,3 @@ def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
         else:
             runs.append((p, p + 1))
     return runs
-
-
-def check_state_readable(payload: bytes) -> bool:
-    """Whether the probe can read this model's states (f16 / f32 V, no per-cell extensions)."""
-    try:
-        layer_values(payload, PROBE_LAYER)
-    except StateFormatError:
-        return False
-    return True

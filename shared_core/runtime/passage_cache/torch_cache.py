@@ -51,7 +51,7 @@ import torch
 from shared_core.config import CacheKind, PassageCacheConfig
 from shared_core.runtime.lm import LM
 from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
-from shared_core.runtime.passage_cache.llamacpp import PrefillReport
+from shared_core.runtime.passage_cache.report import PrefillReport
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, StoreStats, model_identity
 from shared_core.runtime.passage_cache.torch_blend import (
     Blend,
