@@ -35,34 +35,32 @@ T = TypeVar("T")
 _RECHECK_S = 0.5  # a waiter re-checks the queue this often, so a lost wake-up never strands it
 
 
-class _Held(threading.local):
-    depth = 0  # how many times this thread holds the lock
-
-
 class FairLock:
     """A reentrant lock granted in arrival order (FIFO), usable as a context manager.
 
     A waiter interrupted while queued (``KeyboardInterrupt``, an exception) leaves the queue, so an
-    interrupted caller never blocks the ones behind it. State changes sit where the interpreter
-    runs no signal handler (no call between a change and the end of its step), and an interrupt
-    that lands after the lock was granted but before ``acquire`` returned gives it back, so a
-    ``KeyboardInterrupt`` at an arbitrary point leaves the lock usable. (Python code cannot close
-    one window: a signal handled on entry to ``__exit__`` skips the release, as for any lock
-    written in Python.)
+    interrupted caller never blocks the ones behind it. The holder and its depth are one state,
+    changed under the condition's lock, and every partial change an interrupt can leave is one the
+    next call resolves: granted but not returned (the owner set, the depth not yet) is given back
+    by ``acquire``'s handler; released to depth 0 but the owner not yet cleared is taken again by
+    the same thread as a reentrant hold (its depth 1, owned). So a ``KeyboardInterrupt`` at an
+    arbitrary point leaves the lock usable. (Python code cannot close one window: a signal handled
+    on entry to ``__exit__`` skips the release, as for any lock written in Python.)
     """
 
     def __init__(self) -> None:
         self._cond = threading.Condition(threading.Lock())
         self._queue: deque[object] = deque()
-        self._owner: int | None = None
-        self._held = _Held()
+        self._owner: int | None = None  # only the owner sets it to None; others only from None
+        self._depth = 0
 
     def acquire(self) -> None:
-        held = self._held
-        if held.depth:
-            held.depth += 1
+        me = threading.get_ident()
+        if self._owner == me:  # only this thread sets the owner to itself, so this read is exact
+            with self._cond:
+                self._depth += 1
             return
-        me, ticket = threading.get_ident(), object()
+        ticket = object()
         try:
             with self._cond:
                 self._queue.append(ticket)
@@ -70,7 +68,7 @@ class FairLock:
                     self._cond.wait(_RECHECK_S)
                 self._queue.popleft()
                 self._owner = me
-                held.depth = 1
+                self._depth = 1
         except BaseException:
             self._abandon(ticket, me)
             raise
@@ -82,18 +80,18 @@ class FairLock:
                 self._queue.remove(ticket)
             if self._owner == me:
                 self._owner = None
-                self._held.depth = 0
+                self._depth = 0
             self._cond.notify_all()
 
     def release(self, *_exc: object) -> None:
-        held = self._held
-        if not held.depth:
+        if self._owner != threading.get_ident():
             msg = "release of a FairLock not held by this thread"
             raise RuntimeError(msg)
-        held.depth -= 1
-        if not held.depth:
-            with self._cond:
+        with self._cond:
+            self._depth -= 1
+            if self._depth <= 0:
                 self._owner = None
+                self._depth = 0
                 self._cond.notify_all()
 
     def locked(self) -> bool:

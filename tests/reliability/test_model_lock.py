@@ -163,3 +163,46 @@ def test_an_interrupt_just_after_the_grant_gives_the_lock_back() -> None:
     assert got.is_set(), "the interrupted acquire kept the lock"
     with pytest.raises(RuntimeError, match="not held by this thread"):
         lock.release()
+
+
+class _InterruptBetweenWrites:
+    """Raises KeyboardInterrupt when the lock's depth is set to 0, as a signal landing between
+    ``release``'s two writes (depth, then owner) would leave it."""
+
+    def __init__(self, lock: FairLock) -> None:
+        self.lock = lock
+
+    def __set__(self, obj: FairLock, value: int) -> None:
+        obj.__dict__["_depth"] = value
+        if value == 0 and obj is self.lock:
+            raise KeyboardInterrupt("between the depth and the owner")
+
+    def __get__(self, obj: FairLock, owner: type) -> int:
+        return obj.__dict__.get("_depth", 0)
+
+
+def test_a_release_interrupted_between_its_writes_leaves_the_lock_usable() -> None:
+    """The timer-interrupt tests once hung here: a release interrupted after the depth reached 0
+    but before the owner was cleared. The same thread's next acquire takes it as its own hold,
+    and releasing that frees it for everyone."""
+
+    class Patched(FairLock):
+        pass
+
+    lock = Patched()
+    lock.acquire()
+    Patched._depth = _InterruptBetweenWrites(lock)  # type: ignore[assignment]
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lock.release()
+    finally:
+        del Patched._depth
+    assert lock.locked() and lock.__dict__["_depth"] == 0  # the half-done release
+    done = threading.Event()
+    runner = threading.Thread(target=lambda: (lock.acquire(), done.set()), daemon=True)
+    lock.acquire()  # same thread: does not wait for itself
+    lock.release()
+    assert not lock.locked()
+    runner.start()
+    runner.join(DEADLINE_S)
+    assert done.is_set(), "another thread could not take the lock after the release"
