@@ -309,7 +309,7 @@ class LlamaCppPassageCache:
                                                  span.start, report, key, payload)))
             pos = span.end
         with report.timed("read"):  # between chunks: each gap sees the chunks before it
-            for group in _gap_groups(gaps, missing):
+            for group in _gap_groups(gaps, [span for span, _ in missing]):
                 report.read += self._decode_runs(lm, slot, seq, ids, group, scratch)
         if placed and self.config.recompute_share > 0:
             with report.timed("probe"):
@@ -321,25 +321,25 @@ class LlamaCppPassageCache:
         with report.timed("read"):
             self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
         with report.timed("store"):
-            self._store_read(slot, seq, ids, missing, report)
+            self._store_read(slot, seq, missing, report)
         return len(placed)
 
     def _lookup(self, ids: list[int], spans: Sequence[Span], report: PrefillReport
-                ) -> tuple[list[tuple[Span, str, bytes]], list[Span]]:
+                ) -> tuple[list[tuple[Span, str, bytes]], list[tuple[Span, str]]]:
         """The spans whose chunk the store holds (with its key and payload), and the others
-        (read in context, then stored by :meth:`_store_read`)."""
+        with their keys (read in context, then stored by :meth:`_store_read`)."""
         stored, missing = [], []
         for span in spans:
             key = self.store.key("chunk", self.head, ids[span.start : span.end])
             payload = self.store.get(key)
             if payload is None:
                 report.unseen += len(span)
-                missing.append(span)
+                missing.append((span, key))
             else:
                 stored.append((span, key, payload))
         return stored, missing
 
-    def _store_read(self, slot: _Slot, seq: int, ids: list[int], missing: Sequence[Span],
+    def _store_read(self, slot: _Slot, seq: int, missing: Sequence[tuple[Span, str]],
                     report: PrefillReport) -> None:
         """Store each chunk ``seq`` read in context as that read left it: its cells at their
         positions in this prompt (:meth:`_place` shifts them from there). Copying cells out costs
@@ -348,10 +348,11 @@ class LlamaCppPassageCache:
         (results/system/2026-11-28-blend-variants, r4: first-token KL 0.52 against 0.66 with
         nothing recomputed, 0.53 against 0.54 at 15 %)."""
         llama, memory = self.model.llama, slot.memory
-        for span in missing:
-            key = self.store.key("chunk", self.head, ids[span.start : span.end])
-            if key in self.store:  # the prompt holds the chunk twice
+        done: set[str] = set()
+        for span, key in missing:
+            if key in done:  # the prompt holds the chunk twice
                 continue
+            done.add(key)
             llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
             try:
                 llama.llama_memory_seq_cp(memory, seq, PLACE_SEQ, span.start, span.end)
