@@ -57,8 +57,7 @@ class FairLock:
     def acquire(self) -> None:
         me = threading.get_ident()
         if self._owner == me:  # only this thread sets the owner to itself, so this read is exact
-            with self._cond:
-                self._depth += 1
+            self._depth += 1  # and only the owner changes the depth while it holds the lock
             return
         ticket = object()
         try:
