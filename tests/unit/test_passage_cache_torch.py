@@ -87,24 +87,50 @@ def test_a_copied_model_gets_an_empty_cache_of_its_own():
     assert session.passage_report.reused == 0 and session.passage_report.stored > 0
 
 
-def test_a_foreign_payload_is_dropped_and_recomputed():
+def test_a_foreign_disk_entry_is_dropped_and_recomputed(tmp_path):
+    """An entry on disk whose digest holds but whose contents the model cannot take (another
+    dtype, or not a chunk at all) is deleted, counted as corrupt and read again in context."""
     lm = tiny_lm(num_layers=2, seed=6)
-    cache = attach(lm.model, PassageCacheConfig(mode="blend", recompute_share=0.0, disk_mb=0))
+    cache = attach(lm.model, PassageCacheConfig(mode="blend", recompute_share=0.0),
+                   disk_dir=tmp_path)
     register_passages(lm, PASSAGES[:1])
     inner = passage_interior(lm.tokenizer, PASSAGES[0])
     assert warm_passages(lm, PASSAGES[:1], progress=False)["computed"] == 1
-    key = cache.store.key("chunk", cache.head, inner)
-    good = ChunkKV.from_bytes(cache.store.get(key))
+    store = cache.store
+    key = store.key("chunk", cache.head, inner)
+    good = store.get(key)
     wrong = ChunkKV(ids=good.ids, head_ids=(), position=0, keys=good.keys.double(),
                     values=good.values.double())  # another dtype
-    cache.store.put(key, wrong.to_bytes())
-    _, _, session = greedy(lm, prompt(lm, [0]), 1)
-    assert session.passage_report.reused == 0
-    assert session.passage_report.unseen >= len(inner)  # read in context instead
-    assert ChunkKV.from_bytes(cache.store.get(key)).dtype == torch.float32  # stored again
-    cache.store.put(key, b"not a chunk")
-    _, _, session = greedy(lm, prompt(lm, [0]), 1)
-    assert session.passage_report.reused == 0
+    for corrupt, payload in enumerate((wrong.to_bytes(), b"not a chunk"), start=1):
+        store.clear_memory()
+        store._path(key).unlink()
+        store._write_disk(key, payload)
+        _, _, session = greedy(lm, prompt(lm, [0]), 1)
+        assert session.passage_report.reused == 0
+        assert session.passage_report.unseen >= len(inner)  # read in context instead
+        assert passage_stats(lm)["store"]["corrupt"] == corrupt
+        assert store.get(key).dtype == torch.float32  # stored again, as that read left it
+
+
+def test_the_memory_tier_hands_out_its_tensors_and_no_prompt_changes_them():
+    """A memory hit is the stored KV itself, on the model's device (no parse, no copy); the
+    prompts that place it, recompute around it and decode on leave it as it was."""
+    lm = tiny_lm(num_layers=2, seed=8)
+    cache = attach(lm.model, PassageCacheConfig(mode="blend", recompute_share=0.5, disk_mb=0))
+    register_passages(lm, PASSAGES)
+    warm_passages(lm, PASSAGES, progress=False)
+    keys = [cache.store.key("chunk", cache.head, passage_interior(lm.tokenizer, text))
+            for text in PASSAGES]
+    entries = [cache.store.get(key) for key in keys]
+    assert all(cache.store.get(key) is entry for key, entry in zip(keys, entries, strict=True))
+    assert {entry.keys.device for entry in entries} == {lm.device}
+    before = [(entry.keys.clone(), entry.values.clone()) for entry in entries]
+    greedy(lm, prompt(lm, [2, 0, 1]), 4)
+    lm.generate_parallel([prompt(lm, [0, 1]), prompt(lm, [1, 2], "What did Marta Quell design?")],
+                         3, lambda row, ids: False)
+    assert cache.last.reused > 0
+    for entry, (k, v) in zip(entries, before, strict=True):
+        assert torch.equal(entry.keys, k) and torch.equal(entry.values, v)
 
 
 def test_blend_ends_share_zero_reuses_all_share_one_equals_a_full_prefill():

@@ -475,12 +475,12 @@ def _entry_bytes(cache: Any, lm: SessionLM, texts: list[str]) -> dict[str, Any]:
     for text in texts[:200]:
         inner = passage_interior(lm.tokenizer, text)
         key = cache.store.key("chunk", cache.head, inner)
-        payload = cache.store.get(key)
+        entry = cache.store.get(key)
         path = cache.store._path(key)
-        if payload is None or not path.exists():
+        if entry is None or not path.exists():
             continue
         tokens += len(inner)
-        memory += len(payload)
+        memory += cache.store.codec.size(entry)
         disk += path.stat().st_size
     return {"sampled_tokens": tokens,
             "memory_bytes_per_token": round(memory / tokens, 1) if tokens else None,

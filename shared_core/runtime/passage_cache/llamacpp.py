@@ -109,8 +109,9 @@ class LlamaCppPassageCache:
         self.model = model
         self.config = config
         self.head = tuple(int(t) for t in head)
-        self.store = ChunkStore(identity_of(model), memory_bytes=config.memory_mb * MIB,
-                                disk_bytes=config.disk_mb * MIB, disk_dir=disk_dir)
+        self.store: ChunkStore[bytes] = ChunkStore(
+            identity_of(model), memory_bytes=config.memory_mb * MIB,
+            disk_bytes=config.disk_mb * MIB, disk_dir=disk_dir)
         self.index = PassageIndex()
         self.last = PrefillReport()
         self.probe_layer = PROBE_LAYER  # the layer whose values select what to recompute

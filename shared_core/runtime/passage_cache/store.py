@@ -1,12 +1,16 @@
-"""A content-addressed store of chunk KV payloads per loaded model: a memory tier and an optional
+"""A content-addressed store of chunk KV entries per loaded model: a memory tier and an optional
 disk tier, each with a byte budget and least-recently-used eviction.
 
 A key is the SHA-256 of everything that makes a chunk's KV differ: the model's identity
 (:func:`model_identity`: file, runtime, KV dtype, RoPE settings, kernels), the kind of entry
 (``"prefix"``: the KV of a block computed after the whole prefix before it; ``"chunk"``: a chunk
 computed alone after a fixed head), the head ids it was computed after and its own token ids.
-Payloads are opaque bytes (the runtime serialises them). Every entry on disk carries its key and
-the SHA-256 of its payload, checked on every read: a corrupted, truncated or foreign entry is
+The memory tier holds entries as the runtime uses them (:class:`Codec`): llama.cpp's are the
+state bytes it loads into a context; torch's are the KV tensors on the model's device, so a hit
+costs neither a parse nor a host-to-device copy (parsing the bytes of 1,700 tokens of the 1.5B
+takes about 24 ms on a CPU, where the H100 read them in about 17 ms). The disk tier holds their
+bytes (``Codec.encode``); every entry on disk carries its key and the SHA-256 of its payload,
+checked on every read: a corrupted, truncated or foreign entry (one the codec refuses, too) is
 deleted and reported as a miss (the caller recomputes it), never returned.
 
 Disk entries are written to a temporary sibling and renamed into place (``os.replace``), so a
@@ -26,7 +30,7 @@ from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Generic, Protocol, TypeVar, cast
 
 from shared_core.runtime.weights.embedded import cache_dir
 from shared_core.util.file_lock import exclusive
@@ -56,6 +60,36 @@ def model_identity(**parts: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
+Entry = TypeVar("Entry")
+
+
+class Codec(Protocol[Entry]):
+    """How a runtime's entries are sized in memory and written to / read from disk."""
+
+    def encode(self, entry: Entry) -> bytes: ...
+
+    def decode(self, payload: bytes) -> Entry | None:
+        """The entry of a disk payload; None (the codec logs why) if it is not one."""
+        ...
+
+    def size(self, entry: Entry) -> int:
+        """Bytes the entry holds in the memory tier."""
+        ...
+
+
+class BytesCodec:
+    """Entries that are their own bytes (llama.cpp's sequence state)."""
+
+    def encode(self, entry: bytes) -> bytes:
+        return entry
+
+    def decode(self, payload: bytes) -> bytes:
+        return payload
+
+    def size(self, entry: bytes) -> int:
+        return len(entry)
+
+
 @dataclass
 class StoreStats:
     """Counters of one store (since it was opened)."""
@@ -65,7 +99,7 @@ class StoreStats:
     memory_hits: int = 0
     disk_hits: int = 0
     puts: int = 0
-    corrupt: int = 0  # entries that failed their digest / key check and were deleted
+    corrupt: int = 0  # disk entries that failed their digest / key check or decoding: deleted
     evictions: int = 0
     memory_bytes: int = 0
     disk_bytes: int = 0
@@ -74,11 +108,12 @@ class StoreStats:
         return asdict(self)
 
 
-class ChunkStore:
-    """Chunk KV payloads of one model by content key (see the module doc)."""
+class ChunkStore(Generic[Entry]):
+    """Chunk KV entries of one model by content key (see the module doc); ``codec``: how its
+    entries are sized and written (default: entries are bytes)."""
 
     def __init__(self, identity: str, *, memory_bytes: int, disk_bytes: int = 0,
-                 disk_dir: Path | None = None):
+                 disk_dir: Path | None = None, codec: Codec[Entry] | None = None):
         for name, value in (("memory_bytes", memory_bytes), ("disk_bytes", disk_bytes)):
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 msg = f"{name} must be an integer >= 0, got {value!r}"
@@ -88,7 +123,8 @@ class ChunkStore:
         self.disk_budget = disk_bytes
         self.folder = (disk_dir or disk_root()) / identity[:16] if disk_bytes else None
         self.stats = StoreStats()
-        self._memory: OrderedDict[str, bytes] = OrderedDict()
+        self.codec: Codec[Entry] = codec if codec is not None else cast(Codec[Entry], BytesCodec())
+        self._memory: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
         self._lock = threading.Lock()
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -115,24 +151,24 @@ class ChunkStore:
 
     # -- reads
 
-    def get(self, key: str) -> bytes | None:
-        """The payload stored under ``key`` (memory, then disk), or None (a miss)."""
+    def get(self, key: str) -> Entry | None:
+        """The entry stored under ``key`` (memory, then disk), or None (a miss)."""
         with self._lock:
-            payload = self._memory.get(key)
-            if payload is not None:
+            held = self._memory.get(key)
+            if held is not None:
                 self._memory.move_to_end(key)
                 self.stats.hits += 1
                 self.stats.memory_hits += 1
-                return payload
-        payload = self._read_disk(key)
+                return held[0]
+        entry = self._read_disk(key)
         with self._lock:
-            if payload is None:
+            if entry is None:
                 self.stats.misses += 1
                 return None
             self.stats.hits += 1
             self.stats.disk_hits += 1
-            self._remember(key, payload)
-        return payload
+            self._remember(key, entry)
+        return entry
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
@@ -141,16 +177,16 @@ class ChunkStore:
         return self.folder is not None and self._path(key).is_file()
 
     def discard(self, key: str) -> None:
-        """Forget ``key`` in both tiers (the runtime refused its payload)."""
+        """Forget ``key`` in both tiers (the runtime refused its entry)."""
         with self._lock:
-            payload = self._memory.pop(key, None)
-            if payload is not None:
-                self.stats.memory_bytes -= len(payload)
+            held = self._memory.pop(key, None)
+            if held is not None:
+                self.stats.memory_bytes -= held[1]
         if self.folder is not None:
             with exclusive(self._lock_path()):
                 self._unlink(self._path(key))
 
-    def _read_disk(self, key: str) -> bytes | None:
+    def _read_disk(self, key: str) -> Entry | None:
         if self.folder is None:
             return None
         path = self._path(key)
@@ -162,8 +198,9 @@ class ChunkStore:
             logger.warning("passage cache: cannot read %s (%s); recomputing it", path, e)
             return None
         payload = _checked_payload(data, key)
-        if payload is None:
-            logger.warning("passage cache: %s is corrupt or foreign (digest or key mismatch); "
+        entry = None if payload is None else self.codec.decode(payload)
+        if entry is None:
+            logger.warning("passage cache: %s is corrupt or foreign (digest, key or contents); "
                            "deleted, recomputing it", path)
             with self._lock:
                 self.stats.corrupt += 1
@@ -172,31 +209,35 @@ class ChunkStore:
             return None
         with contextlib.suppress(OSError):
             os.utime(path)  # recency for the disk tier's LRU
-        return payload
+        return entry
 
     # -- writes
 
-    def put(self, key: str, payload: bytes) -> None:
-        """Store ``payload`` under ``key`` in both tiers (evicting the least recently used)."""
+    def put(self, key: str, entry: Entry) -> None:
+        """Store ``entry`` under ``key`` in both tiers (evicting the least recently used); the
+        store keeps ``entry`` itself, which nobody may change afterwards."""
         with self._lock:
             self.stats.puts += 1
-            self._remember(key, payload)
-        if self.folder is not None and _HEADER + len(payload) <= self.disk_budget:
-            self._write_disk(key, payload)
+            self._remember(key, entry)
+        if self.folder is not None:
+            payload = self.codec.encode(entry)
+            if _HEADER + len(payload) <= self.disk_budget:
+                self._write_disk(key, payload)
 
-    def _remember(self, key: str, payload: bytes) -> None:
+    def _remember(self, key: str, entry: Entry) -> None:
         """Into the memory tier (the caller holds ``_lock``)."""
-        if len(payload) > self.memory_budget:
+        size = self.codec.size(entry)
+        if size > self.memory_budget:
             return
         old = self._memory.pop(key, None)
         if old is not None:
-            self.stats.memory_bytes -= len(old)
-        while self._memory and self.stats.memory_bytes + len(payload) > self.memory_budget:
-            _, dropped = self._memory.popitem(last=False)
-            self.stats.memory_bytes -= len(dropped)
+            self.stats.memory_bytes -= old[1]
+        while self._memory and self.stats.memory_bytes + size > self.memory_budget:
+            _, (_, dropped) = self._memory.popitem(last=False)
+            self.stats.memory_bytes -= dropped
             self.stats.evictions += 1
-        self._memory[key] = payload
-        self.stats.memory_bytes += len(payload)
+        self._memory[key] = (entry, size)
+        self.stats.memory_bytes += size
 
     def _write_disk(self, key: str, payload: bytes) -> None:
         path = self._path(key)

@@ -27,9 +27,10 @@ the first ``prefill`` of every session on that model:
   the rows then decoded together in one left-padded batch
   (:mod:`shared_core.runtime.torch.batch`).
 
-Payloads are :meth:`.torch_blend.ChunkKV.to_bytes` blobs (safetensors, at the model's dtype);
-one that does not parse, or holds other ids, positions, dtype or shapes, is dropped from the
-store and recomputed. A failed or interrupted assembly leaves an empty session (nothing
+Entries are :class:`.torch_blend.ChunkKV` on the model's device in the memory tier and
+:meth:`.torch_blend.ChunkKV.to_bytes` blobs (safetensors, at the model's dtype) on disk
+(:class:`KVCodec`); one that does not parse, or holds other ids, positions, dtype or shapes, is
+dropped from the store and recomputed. A failed or interrupted assembly leaves an empty session (nothing
 half-placed is served); the store only ever holds whole entries.
 
 The caller holds the model's lock (:func:`shared_core.runtime.model_lock.lock_for`) as for any forward.
@@ -145,11 +146,48 @@ def check_blend(model: PreTrainedModel) -> None:
 
 def kv_shape(lm: LM) -> tuple[int, int, int]:
     """(layers, KV heads, head dim) of the model's cache."""
-    config = lm.model.config
+    return _kv_shape_of(lm.model)
+
+
+def _kv_shape_of(model: PreTrainedModel) -> tuple[int, int, int]:
+    config = model.config
     config = config.get_text_config() if hasattr(config, "get_text_config") else config
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return config.num_hidden_layers, heads, dim
+
+
+class KVCodec:
+    """The store's entries for one model: :class:`ChunkKV` on its device, at its dtype and KV
+    shapes; on disk, :meth:`ChunkKV.to_bytes` blobs."""
+
+    def __init__(self, model: PreTrainedModel) -> None:
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        self.shape = _kv_shape_of(model)
+
+    def encode(self, entry: ChunkKV) -> bytes:
+        return entry.to_bytes()
+
+    def decode(self, payload: bytes) -> ChunkKV | None:
+        try:
+            kv = ChunkKV.from_bytes(payload, device=self.device)
+        except ValueError as e:
+            logger.warning("passage cache: a stored entry does not parse (%s)", e)
+            return None
+        return kv if self.fits(kv) else None
+
+    def size(self, entry: ChunkKV) -> int:
+        return entry.nbytes
+
+    def fits(self, kv: ChunkKV) -> bool:
+        """Whether ``kv`` is at this model's dtype and KV shapes (logged if not)."""
+        shape = (kv.keys.shape[0], kv.keys.shape[1], kv.keys.shape[3])
+        if kv.dtype == self.dtype and shape == self.shape:
+            return True
+        logger.warning("passage cache: a stored entry holds KV %s at %s, the model's is %s at %s",
+                       shape, kv.dtype, self.shape, self.dtype)
+        return False
 
 
 RowKV = tuple[torch.Tensor, torch.Tensor]  # a row's keys and values, [layers, heads, n, dim]
@@ -195,7 +233,7 @@ class TorchPassageCache:
         self.disk_dir = disk_dir
         self.index = PassageIndex()
         self.last = PrefillReport()
-        self.store: ChunkStore | None = None
+        self.store: ChunkStore[ChunkKV] | None = None
         self._model: weakref.ref[PreTrainedModel] | None = None
         self._version: int | None = None
         self._bind_lock = threading.Lock()
@@ -217,7 +255,7 @@ class TorchPassageCache:
         """Ids per stored exact-prefix block."""
         return BLOCK
 
-    def store_for(self, model: PreTrainedModel) -> ChunkStore:
+    def store_for(self, model: PreTrainedModel) -> ChunkStore[ChunkKV]:
         """The store keyed by ``model``'s identity (a new one when its weights changed)."""
         version = weights_version(model)
         with self._bind_lock:
@@ -227,7 +265,7 @@ class TorchPassageCache:
                     logger.info("passage cache: the model's weights changed; new store keys")
                 self.store = ChunkStore(identity_of(model), memory_bytes=self.config.memory_mb * MIB,
                                         disk_bytes=self.config.disk_mb * MIB,
-                                        disk_dir=self.disk_dir)
+                                        disk_dir=self.disk_dir, codec=KVCodec(model))
                 self._model, self._version = weakref.ref(model), version
             return self.store
 
@@ -263,7 +301,7 @@ class TorchPassageCache:
 
     # -- exact prefixes
 
-    def _prefill_exact(self, session: KVSession, store: ChunkStore, ids: list[int],
+    def _prefill_exact(self, session: KVSession, store: ChunkStore[ChunkKV], ids: list[int],
                        report: PrefillReport) -> torch.Tensor:
         found = store_for(session.lm.model)
         prefix = found if found is not None and found.budget > 0 else None
@@ -282,25 +320,24 @@ class TorchPassageCache:
             session._store(prefix)
         return logits
 
-    def _restore(self, session: KVSession, store: ChunkStore, ids: list[int],
+    def _restore(self, session: KVSession, store: ChunkStore[ChunkKV], ids: list[int],
                  keys: list[tuple[int, str]], report: PrefillReport) -> int:
         """Restore the stored blocks that follow what the session holds, up to the first miss
         (a refused payload is dropped from the store and ends the walk); the end of the last."""
         found = []
         for end, key in keys[len(session.tokens) // BLOCK :]:
-            payload = store.get(key)
-            if payload is None:
+            kv = store.get(key)
+            if kv is None:
                 break
-            found.append((end, key, payload))
+            found.append((end, key, kv))
         if not found:
             return 0
         start = found[0][0] - BLOCK
         session.rollback(start)
         report.kept = min(report.kept, start)
         restored = start
-        for end, key, payload in found:
-            kv = self._parse(_torch_lm(session), payload, ids[end - BLOCK : end], end - BLOCK)
-            if kv is None:
+        for end, key, kv in found:
+            if not self._holds(kv, ids[end - BLOCK : end], end - BLOCK):
                 store.discard(key)
                 break
             for layer in range(kv.keys.shape[0]):
@@ -310,24 +347,15 @@ class TorchPassageCache:
             restored = end
         return restored
 
-    def _parse(self, lm: LM, payload: bytes, ids: Sequence[int], position: int | None = None
-               ) -> ChunkKV | None:
-        """The stored KV if it is a chunk of ``ids`` (at ``position``, unless None: a blend
-        chunk is rotated from wherever it was read) in this model's dtype and shapes; None
-        (logged) otherwise."""
-        try:
-            kv = ChunkKV.from_bytes(payload, device=lm.device)
-        except ValueError as e:
-            logger.warning("passage cache: a stored entry does not parse (%s); recomputing it", e)
-            return None
-        layers, heads, dim = kv_shape(lm)
-        shape = (kv.keys.shape[0], kv.keys.shape[1], kv.keys.shape[3])
-        if (kv.ids != tuple(ids) or position not in (None, kv.position) or kv.dtype != lm.dtype
-                or shape != (layers, heads, dim)):
-            logger.warning("passage cache: a stored entry holds other ids, positions, dtype or "
-                           "shapes; recomputing it")
-            return None
-        return kv
+    @staticmethod
+    def _holds(kv: ChunkKV, ids: Sequence[int], position: int | None = None) -> bool:
+        """Whether the stored ``kv`` is a chunk of ``ids`` (at ``position``, unless None: a
+        blend chunk is rotated from wherever it was read); its dtype and shapes were checked
+        when it entered the store (:class:`KVCodec`)."""
+        if kv.ids == tuple(ids) and position in (None, kv.position):
+            return True
+        logger.warning("passage cache: a stored entry holds other ids or positions; recomputing it")
+        return False
 
     def _feed(self, session: KVSession, ids: Sequence[int], report: PrefillReport, *, step: int
               ) -> torch.Tensor:
@@ -342,7 +370,7 @@ class TorchPassageCache:
         assert logits is not None  # the stores keep at most all ids but the last
         return logits
 
-    def _store_blocks(self, session: KVSession, store: ChunkStore, keys: list[tuple[int, str]],
+    def _store_blocks(self, session: KVSession, store: ChunkStore[ChunkKV], keys: list[tuple[int, str]],
                       restored: int, report: PrefillReport) -> None:
         """Store the session's blocks ending after ``restored`` (unless stored)."""
         held = len(session.tokens)
@@ -355,7 +383,7 @@ class TorchPassageCache:
                          keys=torch.stack([layer.keys[0, :, end - BLOCK : end] for layer in layers]),
                          values=torch.stack([layer.values[0, :, end - BLOCK : end]
                                              for layer in layers]))
-            store.put(key, kv.to_bytes())
+            store.put(key, kv)
             report.stored += 1
 
     # -- blending
@@ -364,11 +392,11 @@ class TorchPassageCache:
         """The prompt's chunks (:func:`.chunks.prompt_chunks`)."""
         return prompt_chunks(self.index, ids)
 
-    def _prefill_blend(self, session: KVSession, store: ChunkStore, ids: list[int],
+    def _prefill_blend(self, session: KVSession, store: ChunkStore[ChunkKV], ids: list[int],
                        report: PrefillReport) -> torch.Tensor:
         lm = _torch_lm(session)
         with report.timed("place"):
-            placed, missing = self._stored_chunks(lm, store, ids, self.chunks_of(ids[:-1]), report)
+            placed, missing = self._stored_chunks(store, ids, self.chunks_of(ids[:-1]), report)
         if placed:
             blend = self._blend(lm, ids, placed, None, report, cache=session.kind,
                                 prefill_chunk=session.prefill_chunk)
@@ -380,32 +408,35 @@ class TorchPassageCache:
             self._store_read(store, session.cache, ids, missing, report)
         return logits
 
-    def _stored_chunks(self, lm: LM, store: ChunkStore, ids: list[int], spans: Sequence[Span],
-                       report: PrefillReport) -> tuple[list[tuple[int, ChunkKV]], list[Span]]:
-        """The spans whose chunk the store holds, with its KV, and the spans it does not hold
+    def _stored_chunks(self, store: ChunkStore[ChunkKV], ids: list[int], spans: Sequence[Span],
+                       report: PrefillReport
+                       ) -> tuple[list[tuple[int, ChunkKV]], list[tuple[Span, str]]]:
+        """The spans whose chunk the store holds, with its KV, and the others with their keys
         (read in context by the prefill, then stored by :meth:`_store_read`)."""
         placed, missing = [], []
         for span in spans:
-            kv = self._stored(lm, store, ids[span.start : span.end])
+            key, kv = self._stored(store, ids[span.start : span.end])
             if kv is None:
-                missing.append(span)
+                report.unseen += len(span)
+                missing.append((span, key))
             else:
                 placed.append((span.start, kv))
                 report.reused += len(span)
         return placed, missing
 
-    def _store_read(self, store: ChunkStore, cache: Cache, ids: list[int], missing: Sequence[Span],
-                    report: PrefillReport) -> None:
+    def _store_read(self, store: ChunkStore[ChunkKV], cache: Cache, ids: list[int],
+                    missing: Sequence[tuple[Span, str]], report: PrefillReport) -> None:
         """Store each chunk the prefill read in context as that read left it: its KV at its
         positions in this prompt, rotated to wherever a later prompt holds it (as llama.cpp's
         :meth:`LlamaCppPassageCache._store_read`, which says why)."""
-        for span in missing:
+        done: set[str] = set()
+        for span, key in missing:
+            if key in done:  # the prompt holds the chunk twice
+                continue
+            done.add(key)
             keys, values = _stack(cache, span.start, span.end)
-            chunk = tuple(ids[span.start : span.end])
-            kv = ChunkKV(ids=chunk, head_ids=self.head, position=span.start, keys=keys,
-                         values=values)
-            store.put(store.key("chunk", self.head, chunk), kv.to_bytes())
-            report.unseen += len(span)
+            store.put(key, ChunkKV(ids=tuple(ids[span.start : span.end]), head_ids=self.head,
+                                   position=span.start, keys=keys, values=values))
             report.stored += 1
 
     def _plain(self, session: KVSession, ids: list[int], report: PrefillReport) -> torch.Tensor:
@@ -437,25 +468,26 @@ class TorchPassageCache:
         report.probe += len(ids) - blend.report.kept if blend.report.select_layers else 0
         return blend
 
-    def _stored(self, lm: LM, store: ChunkStore, chunk: list[int]) -> ChunkKV | None:
-        """``chunk``'s stored KV (read alone after the head, or in a prompt's context); None if
-        the store does not hold it (an entry that does not parse is dropped)."""
+    def _stored(self, store: ChunkStore[ChunkKV], chunk: list[int]
+                ) -> tuple[str, ChunkKV | None]:
+        """``chunk``'s key and stored KV (read alone after the head, or in a prompt's context),
+        None if the store does not hold it (an entry of other ids is dropped)."""
         key = store.key("chunk", self.head, chunk)
-        payload = store.get(key)
-        kv = None if payload is None else self._parse(lm, payload, chunk)
-        if payload is not None and kv is None:
+        kv = store.get(key)
+        if kv is not None and not self._holds(kv, chunk):
             store.discard(key)
-        return kv
+            kv = None
+        return key, kv
 
-    def _chunk(self, lm: LM, store: ChunkStore, chunk: list[int], report: PrefillReport
+    def _chunk(self, lm: LM, store: ChunkStore[ChunkKV], chunk: list[int], report: PrefillReport
                ) -> ChunkKV:
         """``chunk``'s stored KV, else its KV computed alone after the head (and stored)."""
-        kv = self._stored(lm, store, chunk)
+        key, kv = self._stored(store, chunk)
         if kv is not None:
             report.reused += len(chunk)
             return kv
         kv = chunk_kv(lm, self.head, chunk)
-        store.put(store.key("chunk", self.head, chunk), kv.to_bytes())
+        store.put(key, kv)
         report.computed_alone += len(chunk)
         report.stored += 1
         return kv
@@ -483,7 +515,7 @@ class TorchPassageCache:
         self.last = report
         return kvs
 
-    def _exact_row(self, lm: LM, store: ChunkStore, ids: list[int], report: PrefillReport
+    def _exact_row(self, lm: LM, store: ChunkStore[ChunkKV], ids: list[int], report: PrefillReport
                    ) -> RowKV:
         if not ids:
             return _empty_row(lm)
@@ -493,7 +525,7 @@ class TorchPassageCache:
         _add(report, part)
         return _stack(session.cache, 0)
 
-    def _blend_rows(self, lm: LM, store: ChunkStore, heads: list[list[int]],
+    def _blend_rows(self, lm: LM, store: ChunkStore[ChunkKV], heads: list[list[int]],
                     report: PrefillReport) -> list[RowKV]:
         shared = self._shared_head(heads)
         head = None
@@ -513,7 +545,7 @@ class TorchPassageCache:
         spans = self.chunks_of(heads[0][:-1])
         return min(shared, spans[0].start) if spans else shared
 
-    def _blend_row(self, lm: LM, store: ChunkStore, ids: list[int], head: ChunkKV | None,
+    def _blend_row(self, lm: LM, store: ChunkStore[ChunkKV], ids: list[int], head: ChunkKV | None,
                    report: PrefillReport) -> RowKV:
         fixed = len(head) if head is not None else 0
         if len(ids) == fixed:
@@ -535,5 +567,5 @@ class TorchPassageCache:
         if key in store:
             return False
         with lock_for(lm):
-            store.put(key, chunk_kv(lm, self.head, chunk).to_bytes())
+            store.put(key, chunk_kv(lm, self.head, chunk))
         return True
