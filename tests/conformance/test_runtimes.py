@@ -477,7 +477,9 @@ def block_of(cache: Any) -> int:
     return importlib.import_module(type(cache).__module__).BLOCK
 
 
-def disk_entries(tmp_path: Any) -> list[Any]:
+def disk_entries(cache: Any, tmp_path: Any) -> list[Any]:
+    """The cache's entries on disk, once every entry put so far is written."""
+    cache.store.flush()
     return sorted((tmp_path / "passage_kv").rglob(f"*{SUFFIX}"))
 
 
@@ -509,7 +511,7 @@ def test_passage_cache_exact_reads_the_disk_tier_and_recomputes_a_corrupt_entry(
     with passage_cache(rt.lm, tmp_path, "exact") as cache:
         cold_tokens, cold, session = fresh_greedy(rt.lm, ids)
         del session
-        files = disk_entries(tmp_path)
+        files = disk_entries(cache, tmp_path)
         assert files
         cache.store.clear_memory()
         tokens, _, session = fresh_greedy(rt.lm, ids)
@@ -630,7 +632,7 @@ def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path:
         reference, _, session = fresh_greedy(lm, ids, 3)
         del session
         cache.store.clear_memory()
-        for path in disk_entries(tmp_path):
+        for path in disk_entries(cache, tmp_path):
             path.unlink()
         original = cache.store.put
         interrupted = interrupt_second_put(original)
@@ -647,7 +649,7 @@ def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path:
             with rt.fail_forward(), pytest.raises(ForwardFailed):
                 session.prefill(ids)
         assert session.tokens == [] and len(session) == 0
-        for path in disk_entries(tmp_path):  # only whole entries
+        for path in disk_entries(cache, tmp_path):  # only whole entries
             assert _checked_payload(path.read_bytes(), path.name.removesuffix(SUFFIX))
         logits = session.prefill(ids)  # the same session reads the prompt again
         assert logits is not None and session.tokens == ids

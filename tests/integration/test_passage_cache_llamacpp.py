@@ -100,6 +100,7 @@ def test_a_corrupt_block_on_disk_is_recomputed_not_used(exact_model, tmp_path):
     ids = prompt_ids(lm, [0, 2], "Who built the weir?")
     cold, session = greedy(lm, ids)
     del session
+    lm.model.passage_cache.store.flush()
     files = sorted((tmp_path / "passage_kv").rglob(f"*{SUFFIX}"))
     assert files
     for path in files:

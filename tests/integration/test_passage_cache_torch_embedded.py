@@ -38,6 +38,8 @@ def cached(smollm, tmp_path):
         return attach(smollm.model, PassageCacheConfig(mode=mode, **settings),
                       disk_dir=tmp_path / "passage_kv")
     yield with_cache
+    if smollm.model.passage_cache is not None:
+        smollm.model.passage_cache.close()  # its disk writes end before tmp_path goes
     smollm.model.passage_cache = None
 
 

@@ -56,7 +56,22 @@ def test_cpu_fp32_equality_holds_for_every_lossless_engine(report: dict) -> None
     assert section["errors"] == {}
     checked = {c["check"].split("/")[0] for c in section["comparisons"]}
     assert checked == {"draft_model", "prompt_lookup", "respec_strict", "rapid_eta0", "ralmspec",
-                       "constrained", "speculative_rag"}
+                       "constrained", "speculative_rag", "passage_cache"}
+    passages = {c["check"]: c for c in section["comparisons"]
+                if c["check"].startswith("passage_cache/")}
+    assert set(passages) == {f"passage_cache/{name}" for name in (
+        "exact_cold", "exact_warm", "exact_disk", "blend_first_read", "blend_share_1")}
+    # each read took the path it names: blocks restored from memory, then from disk; a first
+    # read stores what it read; share 1.0 recomputes every passage it placed
+    assert passages["passage_cache/exact_warm"]["detail"]["cache"]["reused"] > 0
+    assert passages["passage_cache/exact_disk"]["detail"]["cache"]["reused"] > 0
+    first = passages["passage_cache/blend_first_read"]["detail"]["cache"]
+    assert first["reused"] == 0 and first["unseen"] > 0 and first["stored"] >= 3
+    share_1 = passages["passage_cache/blend_share_1"]["detail"]["cache"]
+    assert share_1["reused"] > 0 and share_1["recomputed"] == share_1["reused"]
+    blend = section["passage_blend"]  # lossy: measured, not compared
+    assert blend["cache"]["reused"] > blend["cache"]["recomputed"] > 0
+    assert 0 <= blend["identical_rate"] <= 1
     for c in section["comparisons"]:
         if "skipped" in c["detail"]:
             assert c["detail"]["skipped"] == "xgrammar not installed"
@@ -107,6 +122,21 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
     assert set(report["summary"]["ours_over_generate"]) == {
         "physics/tiny-a", "physics/tiny-b", "physics/tiny-c"}
     assert all(report["summary"]["aims"]["one_sync_per_round"].values())
+    for name in ("physics/tiny-a", "physics/tiny-b", "physics/tiny-c"):
+        ttft = report["sections"][name]["passage_ttft"]
+        ways = {"exact_cold", "exact_warm", "blend_first_read", "blend_0", "blend_0.15",
+                "blend_0.15_disk"}
+        assert set(ttft["ms"]) == {"full", *ways} and set(ttft["over_full"]) == ways
+        assert all(ms > 0 for ms in ttft["ms"].values())
+        assert ttft["reports"]["exact_warm"]["reused"] > 0
+        assert ttft["reports"]["blend_first_read"]["reused"] == 0
+        assert ttft["reports"]["blend_0"]["recomputed"] == 0 < ttft["reports"]["blend_0"]["reused"]
+        assert ttft["reports"]["blend_0.15"]["recomputed"] > 0
+        long = ttft["long"]  # the toys are all small: each measures the long prompt's main ways
+        assert long["prompt_tokens"] > ttft["prompt_tokens"]
+        assert set(long["ms"]) == {"full", "exact_warm", "blend_first_read", "blend_0.15"}
+    assert set(report["summary"]["passage_ttft_over_full"]) == {
+        "physics/tiny-a", "physics/tiny-b", "physics/tiny-c"}
 
 
 def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import threading
 from pathlib import Path
 
 import pytest
 
 from shared_core.config import PassageCacheConfig, check_passage_cache
-from shared_core.runtime.passage_cache.store import MAGIC, SUFFIX, ChunkStore, model_identity
+from shared_core.runtime.passage_cache.store import (
+    MAGIC,
+    SUFFIX,
+    BytesCodec,
+    ChunkStore,
+    model_identity,
+)
 
 IDENTITY = model_identity(path="/m.gguf", size=1, mtime_ns=2, runtime="test")
 
@@ -61,10 +68,12 @@ def test_disk_tier_survives_a_new_store_and_evicts_lru(tmp_path):
     keys = [f"{i:064x}" for i in range(4)]
     for i, key in enumerate(keys[:3]):
         store.put(key, bytes([i]) * 100)
+        store.flush()
         os.utime(store._path(key), ns=(i, i))
     again = _store(tmp_path, memory=0, disk=store.disk_budget)
     assert again.get(keys[1]) == bytes([1]) * 100  # read refreshes its recency
     again.put(keys[3], b"\x03" * 100)
+    again.flush()
     assert len(_disk_files(tmp_path)) == 3
     assert again.get(keys[0]) is None  # the oldest went
     assert again.get(keys[1]) is not None and again.get(keys[3]) is not None
@@ -77,6 +86,7 @@ def test_a_damaged_entry_is_deleted_and_reads_as_a_miss(tmp_path, damage):
     key, other = "ab" * 32, "cd" * 32
     writer.put(key, b"payload" * 50)
     writer.put(other, b"another" * 50)
+    writer.flush()
     path = writer._path(key)
     if damage == "flip":
         data = bytearray(path.read_bytes())
@@ -92,25 +102,83 @@ def test_a_damaged_entry_is_deleted_and_reads_as_a_miss(tmp_path, damage):
     assert reader.stats.corrupt == 1 and reader.stats.misses == 1
     assert reader.get(other) == b"another" * 50
     reader.put(key, b"payload" * 50)  # recomputed and stored again
+    reader.flush()
     assert _store(tmp_path, memory=0).get(key) == b"payload" * 50
 
 
-def test_a_failed_write_leaves_no_entry_and_no_temporary_file(tmp_path, monkeypatch):
+def test_a_failed_write_leaves_no_entry_and_no_temporary_file(tmp_path, monkeypatch, caplog):
     store = _store(tmp_path, memory=0)
 
     def fail(src: object, dst: object) -> None:
         raise OSError("disk full")
 
     monkeypatch.setattr(os, "replace", fail)
-    with pytest.raises(OSError, match="disk full"):
-        store.put("ef" * 32, b"x" * 100)
+    store.put("ef" * 32, b"x" * 100)  # the writer thread fails, not the caller
+    store.flush()
     monkeypatch.undo()
+    assert "writing entry" in caplog.text and "disk full" in caplog.text
     assert _disk_files(tmp_path) == []
     assert not [p for p in tmp_path.rglob("*") if p.name.endswith(".tmp")]
-    assert store.get("ef" * 32) is None
+    assert store.get("ef" * 32) is None  # no memory tier, nothing on disk: a miss
+
+
+class _Recording(BytesCodec):
+    """The bytes codec, noting the thread each entry was encoded on."""
+
+    def __init__(self) -> None:
+        self.threads: list[str] = []
+
+    def encode(self, entry: bytes) -> bytes:
+        self.threads.append(threading.current_thread().name)
+        return entry
+
+
+def test_put_returns_before_the_disk_write_and_serves_the_entry_meanwhile(tmp_path, monkeypatch):
+    """The caller's thread only queues the write (a prefill's time excludes it); until it is
+    written, the entry is served from the queue even with no memory tier."""
+    codec = _Recording()
+    store = ChunkStore(IDENTITY, memory_bytes=0, disk_bytes=1 << 20, disk_dir=tmp_path, codec=codec)
+    gate = threading.Event()
+    write = store._write_disk
+
+    def held(key: str, payload: bytes) -> None:
+        gate.wait(30)
+        write(key, payload)
+
+    monkeypatch.setattr(store, "_write_disk", held)
+    store.put("ab" * 32, b"entry")
+    assert "ab" * 32 in store and store.get("ab" * 32) == b"entry"
+    assert _disk_files(tmp_path) == []  # still queued
+    gate.set()
+    store.flush()
+    assert codec.threads and threading.current_thread().name not in codec.threads
+    assert len(_disk_files(tmp_path)) == 1
+    assert _store(tmp_path, memory=0).get("ab" * 32) == b"entry"
+
+
+def test_an_entry_discarded_or_put_again_before_its_write_is_not_written_stale(tmp_path,
+                                                                            monkeypatch):
+    store = _store(tmp_path, memory=0)
+    gate = threading.Event()
+    write = store._write_disk
+
+    def held(key: str, payload: bytes) -> None:
+        gate.wait(30)
+        write(key, payload)
+
+    monkeypatch.setattr(store, "_write_disk", held)
+    store.put("ab" * 32, b"refused")
+    store.discard("ab" * 32)
+    store.put("cd" * 32, b"old")
+    store.put("cd" * 32, b"new")
+    gate.set()
+    store.flush()
+    reader = _store(tmp_path, memory=0)
+    assert reader.get("ab" * 32) is None and reader.get("cd" * 32) == b"new"
 
 
 def _writer(folder: str, worker: int, count: int) -> None:
+    """Puts ``count`` entries and returns: the interpreter's exit writes what is queued."""
     store = ChunkStore(IDENTITY, memory_bytes=0, disk_bytes=1 << 24, disk_dir=Path(folder))
     for i in range(count):
         key = f"{worker:032x}{i:032x}"

@@ -10,10 +10,12 @@ report is rewritten after every section, so a killed run still leaves one:
 Sections, most valuable first (:func:`plan`), so that a budget that still bites drops the least:
 
 1. ``correctness/<shape>/<dtype>`` (smallest shape, fp32 then bf16): every lossless engine
-   against greedy decoding on the same device (:mod:`shared_core.bench.system.gpu_checks`).
+   against greedy decoding on the same device (:mod:`shared_core.bench.system.gpu_checks`), the
+   passage cache's lossless paths too (:mod:`shared_core.bench.system.gpu_passages`).
 2. ``physics/<shape>`` (bf16) for the shapes the aims are about (1.5B, 7B): the k-cost curve,
    prefill tok/s, our plain decode loop against transformers' ``generate`` (timed interleaved,
-   :func:`interleaved_rates`), and ``generate`` with a static cache.
+   :func:`interleaved_rates`), ``generate`` with a static cache, and the passage cache's time to
+   first token on a RAG prompt against a full prefill.
 3. ``correctness/llama-<shape>/bf16``: the equality checks once more on a Llama of the smallest
    shape (the sampling test, architecture-blind, runs in the Qwen sections only).
 4. ``physics/<shape>`` for the other shapes (0.5B).
@@ -32,20 +34,24 @@ Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
                  "ours_over_generate_spread": {shape: {median, min, max, repeats}},
                  "ours_static_over_generate_static": {shape: median ratio},
                  "syncs_per_round": {shape: {loop: max}},
-                 "round_split": {shape: {loop: ms per round}}, "aims": {...}}}
+                 "round_split": {shape: {loop: ms per round}},
+                 "passage_ttft_over_full": {shape: {way: ratio}}, "aims": {...}}}
 
 A correctness section holds ``models`` (names, drafter noise), ``comparisons`` (one
 :class:`~shared_core.bench.system.gpu_checks.Comparison` each: ``check``, ``equal``,
 ``identical_rate``, ``first_divergence``, ``tokens``, ``detail`` with acceptance and, where
 a greedy comparison parts, the ``divergence``: top-2 margin and top logit there) and
-``sampling`` (TV distance of two-token samples from the exact law). A physics section holds
+``sampling`` (TV distance of two-token samples from the exact law), and ``passage_blend`` (the
+blend at its default share: tokens equal to a full prefill's, its counts). A physics section holds
 ``k_cost`` (``{k: {"ms", "over_step"}}``), ``prefill`` (tokens, ms, tok/s), ``decode`` (ours,
 generate, generate with a static cache, ours on a static cache: tok/s, and whether the tokens
 agree) and
 ``static_cache`` (what our torch path offers) and ``rounds`` (host syncs per round of the plain
 and draft-model loops, counted by :mod:`shared_core.bench.system.gpu_syncs`, with a wait / host time
-split per round). Everything is measured, nothing asserted: in bf16
-a k-token forward is not bitwise k one-token steps, so near-ties may flip tokens;
+split per round) and ``passage_ttft`` (ms and ratio to a full prefill per way the passage cache
+serves a RAG prompt, :func:`~shared_core.bench.system.gpu_passages.passage_ttft`). Everything
+is measured, nothing asserted: in bf16 a k-token forward is not bitwise k one-token steps, so
+near-ties may flip tokens;
 ``summary.divergences_at_ties`` says per section whether every divergence was such a tie.
 """
 
@@ -77,7 +83,15 @@ from shared_core.bench.system.gpu_models import (
     machine_facts,
     perturbed_copy,
 )
+from shared_core.bench.system.gpu_passages import (
+    LONG_RAG,
+    TTFT_RAG,
+    RagShape,
+    check_passage_cache,
+    passage_ttft,
+)
 from shared_core.bench.system.gpu_syncs import round_figures
+from shared_core.bench.system.gpu_timing import elapsed_s, median_ms, random_ids
 from shared_core.runtime.models import LM
 from shared_core.runtime.torch.session import KVSession
 from shared_core.util.device import resolve_device, synchronize
@@ -115,11 +129,17 @@ class Sizes:
     round_tokens: int = 24  # per loop of the syncs-per-round figures
     reps: int = 7
     warmup: int = 2
+    rag: RagShape = TTFT_RAG  # the passage cache's time-to-first-token prompt, every way
+    long_rag: RagShape = LONG_RAG  # and a long one, the main ways, on the smaller shapes
+    long_rag_max_params_b: float = 2.0  # (a 7B's long prompt writes ~470 MB of KV a read)
+    rag_reps: int = 3
 
     @classmethod
     def tiny(cls) -> Sizes:
         return cls(new_tokens=16, rapid_tokens=8, samples=20, k_prefix=64, prefill=128,
-                   decode_prompt=16, decode_tokens=16, round_tokens=8, reps=2, warmup=1)
+                   decode_prompt=16, decode_tokens=16, round_tokens=8, reps=2, warmup=1,
+                   rag=RagShape(passages=3, passage_ids=32),
+                   long_rag=RagShape(passages=6, passage_ids=48), rag_reps=2)
 
 
 @dataclass
@@ -192,6 +212,7 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
         n = sizes.new_tokens
         refs = checks.References(target)  # each greedy reference decoded once per section
         comparisons: list[checks.Comparison] = []
+        lossy: dict[str, Any] = {}
         steps: dict[str, Callable[[], list[checks.Comparison]]] = {
             "draft_model": lambda: checks.check_draft_model(
                 target, {"equal": target, "perturbed": drafter}, n, refs),
@@ -201,6 +222,7 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
             "ralmspec": lambda: checks.check_ralmspec(target, n),
             "constrained": lambda: checks.check_constrained(target, drafter, n, refs),
             "speculative_rag": lambda: checks.check_speculative_rag(drafter, target),
+            "passage_cache": lambda: passage_checks(target, n, lossy),
         }
         errors = {}
         for name, step in steps.items():
@@ -222,32 +244,20 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
                            "drafter_noise": shape.drafter_noise, "dtype": str(dtype),
                            "params_b": round(shape.params_b, 3)},
                 "comparisons": [c.as_dict() for c in comparisons], "sampling": sampling,
-                "reference_tokens_decoded": refs.decoded, "errors": errors}
+                "passage_blend": lossy.get("blend"), "reference_tokens_decoded": refs.decoded,
+                "errors": errors}
     finally:
         free(target, drafter)
 
 
+def passage_checks(target: LM, n: int, lossy: dict[str, Any]) -> list[checks.Comparison]:
+    """:func:`.gpu_passages.check_passage_cache`'s comparisons; its measured blend into
+    ``lossy["blend"]``."""
+    comparisons, lossy["blend"] = check_passage_cache(target, n)
+    return comparisons
+
+
 # ------------------------------------------------------------------------------- physics
-
-
-def _elapsed_s(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds ``fn`` takes, the device's queued work included (synchronised before and after)."""
-    synchronize(device)
-    start = time.perf_counter()
-    fn()
-    synchronize(device)
-    return time.perf_counter() - start
-
-
-def _median_ms(fn: Callable[[], Any], device: torch.device, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    return 1000 * statistics.median(_elapsed_s(fn, device) for _ in range(reps))
-
-
-def random_ids(count: int, vocab: int, seed: int) -> list[int]:
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(3, vocab, (count,), generator=generator).tolist()
 
 
 def k_cost(lm: LM, sizes: Sizes, ks: tuple[int, ...] = KS) -> dict[str, Any]:
@@ -261,7 +271,7 @@ def k_cost(lm: LM, sizes: Sizes, ks: tuple[int, ...] = KS) -> dict[str, Any]:
         session.extend(extra[:k])
         session.rollback(base)
 
-    costs = {k: _median_ms(partial(forward, k), lm.device, sizes.reps, sizes.warmup)
+    costs = {k: median_ms(partial(forward, k), lm.device, sizes.reps, sizes.warmup)
              for k in ks}
     return {str(k): {"ms": round(ms, 3), "over_step": round(ms / costs[1], 3)}
             for k, ms in costs.items()}
@@ -273,7 +283,7 @@ def prefill_rate(lm: LM, sizes: Sizes) -> dict[str, Any]:
     def once() -> None:
         KVSession(lm, prefill_chunk=sizes.prefill).prefill(ids)
 
-    ms = _median_ms(once, lm.device, max(2, sizes.reps // 2), 1)
+    ms = median_ms(once, lm.device, max(2, sizes.reps // 2), 1)
     return {"tokens": sizes.prefill, "ms": round(ms, 2), "tok_s": round(sizes.prefill / ms * 1e3, 1)}
 
 
@@ -291,7 +301,7 @@ def interleaved_rates(runs: dict[str, Callable[[], Any]], device: torch.device, 
         if name in failed:
             return None
         try:
-            return _elapsed_s(runs[name], device)
+            return elapsed_s(runs[name], device)
         except Exception as e:  # one baseline may be refused by this transformers version
             logger.exception("decode run %s failed", name)
             failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
@@ -384,6 +394,15 @@ def decode_rates(lm: LM, sizes: Sizes) -> dict[str, Any]:
     return result
 
 
+def passage_times(lm: LM, sizes: Sizes) -> dict[str, Any]:
+    """The passage cache's time to first token (:func:`.gpu_passages.passage_ttft`) on a RAG
+    prompt, every way, and on the smaller shapes on a long one, the main ways (``long``)."""
+    out = passage_ttft(lm, sizes.rag_reps, sizes.rag)
+    if lm.model.num_parameters() <= sizes.long_rag_max_params_b * 1e9:
+        out["long"] = passage_ttft(lm, 2, sizes.long_rag, every_way=False)
+    return out
+
+
 def round_syncs(lm: LM, sizes: Sizes) -> dict[str, Any]:
     """Host syncs per round (counted) and the wait / host time split of our plain and
     speculative loops (:func:`shared_core.bench.system.gpu_syncs.round_figures`)."""
@@ -425,7 +444,7 @@ def physics(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.devi
                                "dtype": "bfloat16", "build_s": round(built, 2),
                                "static_compile": fresh_static_compile(lm)}
         for name, fn in (("k_cost", k_cost), ("prefill", prefill_rate), ("decode", decode_rates),
-                         ("rounds", round_syncs)):
+                         ("rounds", round_syncs), ("passage_ttft", passage_times)):
             try:
                 out[name] = fn(lm, sizes)
             except Exception as e:
@@ -458,7 +477,13 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
     statics: dict[str, float] = {}
     syncs: dict[str, dict[str, int]] = {}
     splits: dict[str, dict[str, dict[str, float]]] = {}
+    passages: dict[str, dict[str, float]] = {}
     for name, section in sections.items():
+        ttft = section.get("passage_ttft") or {}
+        if "over_full" in ttft:
+            passages[name] = dict(ttft["over_full"])
+            long = ttft.get("long") or {}
+            passages[name].update({f"long_{k}": v for k, v in long.get("over_full", {}).items()})
         for loop, figures in (section.get("rounds") or {}).items():
             if isinstance(figures, dict) and "syncs_per_round" in figures:
                 syncs.setdefault(name, {})[loop] = figures["syncs_per_round"]["engine_max"]
@@ -492,7 +517,8 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
     return {"equality": equality, "divergences_at_ties": ties, "k8_over_step": k8,
             "ours_over_generate": overhead, "ours_over_generate_spread": spreads,
             "ours_static_over_generate_static": statics,
-            "syncs_per_round": syncs, "round_split": splits, "aims": aims}
+            "syncs_per_round": syncs, "round_split": splits,
+            "passage_ttft_over_full": passages, "aims": aims}
 
 
 def divergences_at_ties(section: dict[str, Any]) -> dict[str, Any]:
@@ -572,11 +598,12 @@ def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, fl
     if device.type != "cuda":
         return 600.0 * shape.params_b, 300.0 * shape.params_b
     # eager transformers on a GPU is bound by kernel launches (~25 ms a forward at these
-    # depths, whatever the width), so a correctness section costs its ~2,100 forwards (an
-    # equality-only one ~1,400); physics is ~20-35 s of timing plus two static-cache compiles
-    # (generate's ~25-45 s, our one-token step's, not yet measured: assumed alike) and, for the
-    # 7B, ~10 s of building
-    return 30.0 + 45.0 * shape.params_b, 70.0 + 5.0 * shape.params_b
+    # depths, whatever the width), so a correctness section costs its ~2,400 forwards (an
+    # equality-only one ~1,700; the passage checks ~300 of them); physics is ~20-35 s of timing,
+    # two static-cache compiles (generate's ~25-45 s, our one-token step's, not yet measured:
+    # assumed alike), the passage cache's ~300 forwards and disk round trips (~15 s) and, for
+    # the 7B, ~10 s of building
+    return 38.0 + 45.0 * shape.params_b, 85.0 + 5.0 * shape.params_b
 
 
 AIM_SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b")  # the shapes the k = 8 and overhead aims are about

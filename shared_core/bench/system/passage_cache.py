@@ -186,12 +186,27 @@ def _answer(lm: Any, ids: list[int], max_new: int) -> dict[str, Any]:
         if out[-1] in lm.eos_token_ids:
             break
         logits = session.extend([out[-1]])[-1]
+    total = time.perf_counter() - start
     report = session.passage_report
-    return {"ttft_s": ttft, "total_s": time.perf_counter() - start, "first": out[0], "tokens": out,
+    return {"ttft_s": ttft, "total_s": total, "first": out[0], "tokens": out,
+            "disk_wait_s": _finish_writes(lm),
             "text": lm.tokenizer.decode(out, skip_special_tokens=True),
             "cache": report.as_dict() if report is not None else None,
             "steps_s": dict(report.seconds) if report is not None else None,
             "_logp": first - np.logaddexp.reduce(first)}
+
+
+def _finish_writes(lm: Any) -> float:
+    """Seconds the passage cache's disk writes still took after the answer (each method's
+    writes end before the next method runs, so none is timed with another's)."""
+    from shared_core.runtime.passage_cache import passage_cache_of
+
+    cache = passage_cache_of(lm)
+    if cache is None or cache.store is None:
+        return 0.0
+    start = time.perf_counter()
+    cache.store.flush()
+    return round(time.perf_counter() - start, 4)
 
 
 def _first_kl(rows: dict[str, Any]) -> None:
@@ -472,6 +487,7 @@ def _entry_bytes(cache: Any, lm: SessionLM, texts: list[str]) -> dict[str, Any]:
     from shared_core.runtime.passage_cache.chunks import passage_interior
 
     tokens = memory = disk = 0
+    cache.store.flush()
     for text in texts[:200]:
         inner = passage_interior(lm.tokenizer, text)
         key = cache.store.key("chunk", cache.head, inner)

@@ -138,10 +138,10 @@ def register_passage_ids(lm: ModelLM, ids: Sequence[int]) -> bool:
 
 
 def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -> dict[str, int]:
-    """Compute and store the KV of each passage ahead of time (blend caches): resumable, since
-    passages already stored are skipped; a tqdm bar with ``progress``. ``texts``: strings,
-    documents, a LlamaIndex index / docstore or a LangChain vector store (:func:`source_texts`).
-    Returns ``{"passages", "computed", "skipped"}``."""
+    """Compute and store the KV of each passage ahead of time (blend caches; on disk too when
+    this returns): resumable, since passages already stored are skipped; a tqdm bar with
+    ``progress``. ``texts``: strings, documents, a LlamaIndex index / docstore or a LangChain
+    vector store (:func:`source_texts`). Returns ``{"passages", "computed", "skipped"}``."""
     cache = passage_cache_of(lm)
     if cache is None or cache.mode != "blend":
         msg = ("warm_passages needs a model loaded with passage_cache='blend' (exact reuse keys "
@@ -160,6 +160,7 @@ def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -
             computed += 1
         else:
             skipped += 1
+    cache.store.flush()  # warmed ahead of time: on disk when this returns, for other processes
     logger.info("warm_passages: %d computed, %d already stored or too short", computed, skipped)
     return {"passages": len(items), "computed": computed, "skipped": skipped}
 

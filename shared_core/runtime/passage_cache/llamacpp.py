@@ -133,6 +133,8 @@ class LlamaCppPassageCache:
         return {"mode": self.mode, "store": self.store.stats.as_dict(), "last": self.last.as_dict()}
 
     def close(self) -> None:
+        """Finish the disk writes and free the probe context."""
+        self.store.flush()
         if self._probe is not None:
             self._probe.free()
             self._probe = None

@@ -13,10 +13,11 @@ bytes (``Codec.encode``); every entry on disk carries its key and the SHA-256 of
 checked on every read: a corrupted, truncated or foreign entry (one the codec refuses, too) is
 deleted and reported as a miss (the caller recomputes it), never returned.
 
-Disk entries are written to a temporary sibling and renamed into place (``os.replace``), so a
-reader sees a whole entry or none; writes and evictions hold a cross-process lock on the folder
-(:mod:`shared_core.util.file_lock`), so two processes can share it. Recency on disk is the file's
-mtime, refreshed on a read.
+Disk entries are written after the prefill that made them, by the process's writer thread
+(:mod:`.disk_writer`; :meth:`ChunkStore.flush` waits for them), to a temporary sibling renamed
+into place (``os.replace``), so a reader sees a whole entry or none; writes and evictions hold a
+cross-process lock on the folder (:mod:`shared_core.util.file_lock`), so two processes can share
+it. Recency on disk is the file's mtime, refreshed on a read.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, cast
 
+from shared_core.runtime.passage_cache.disk_writer import writer
 from shared_core.runtime.weights.embedded import cache_dir
 from shared_core.util.file_lock import exclusive
 
@@ -125,6 +127,7 @@ class ChunkStore(Generic[Entry]):
         self.stats = StoreStats()
         self.codec: Codec[Entry] = codec if codec is not None else cast(Codec[Entry], BytesCodec())
         self._memory: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
+        self._pending: dict[str, Entry] = {}  # put, not yet on disk
         self._lock = threading.Lock()
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -160,6 +163,11 @@ class ChunkStore(Generic[Entry]):
                 self.stats.hits += 1
                 self.stats.memory_hits += 1
                 return held[0]
+            pending = self._pending.get(key)
+            if pending is not None:
+                self.stats.hits += 1
+                self.stats.memory_hits += 1
+                return pending
         entry = self._read_disk(key)
         with self._lock:
             if entry is None:
@@ -172,7 +180,7 @@ class ChunkStore(Generic[Entry]):
 
     def __contains__(self, key: str) -> bool:
         with self._lock:
-            if key in self._memory:
+            if key in self._memory or key in self._pending:
                 return True
         return self.folder is not None and self._path(key).is_file()
 
@@ -182,6 +190,7 @@ class ChunkStore(Generic[Entry]):
             held = self._memory.pop(key, None)
             if held is not None:
                 self.stats.memory_bytes -= held[1]
+            self._pending.pop(key, None)
         if self.folder is not None:
             with exclusive(self._lock_path()):
                 self._unlink(self._path(key))
@@ -214,15 +223,35 @@ class ChunkStore(Generic[Entry]):
     # -- writes
 
     def put(self, key: str, entry: Entry) -> None:
-        """Store ``entry`` under ``key`` in both tiers (evicting the least recently used); the
-        store keeps ``entry`` itself, which nobody may change afterwards."""
+        """Store ``entry`` under ``key`` in memory now and on disk soon after (the writer
+        thread; evicting the least recently used); the store keeps ``entry`` itself, which
+        nobody may change afterwards."""
         with self._lock:
             self.stats.puts += 1
             self._remember(key, entry)
+            if self.folder is not None:
+                self._pending[key] = entry
         if self.folder is not None:
+            writer().submit(self, key, entry)
+
+    def _write_entry(self, key: str, entry: Entry) -> None:
+        """Write a put entry to the disk tier (the writer thread), unless it was discarded or
+        put again since."""
+        with self._lock:
+            if self._pending.get(key) is not entry:
+                return
+        try:
             payload = self.codec.encode(entry)
             if _HEADER + len(payload) <= self.disk_budget:
                 self._write_disk(key, payload)
+        finally:
+            with self._lock:
+                if self._pending.get(key) is entry:
+                    del self._pending[key]
+
+    def flush(self) -> None:
+        """Wait until every entry put so far is on disk (or its write failed and was logged)."""
+        writer().flush()
 
     def _remember(self, key: str, entry: Entry) -> None:
         """Into the memory tier (the caller holds ``_lock``)."""
@@ -299,7 +328,8 @@ class ChunkStore(Generic[Entry]):
         return self.folder / ".lock"
 
     def clear_memory(self) -> None:
-        """Empty the memory tier (the disk tier stays)."""
+        """Empty the memory tier; the disk tier stays (entries put so far written first)."""
+        self.flush()
         with self._lock:
             self._memory.clear()
             self.stats.memory_bytes = 0

@@ -275,7 +275,9 @@ class TorchPassageCache:
         return {"mode": self.mode, "store": counters.as_dict(), "last": self.last.as_dict()}
 
     def close(self) -> None:
-        """Nothing to free (no probe context on torch)."""
+        """Finish the disk writes (no probe context to free on torch)."""
+        if self.store is not None:
+            self.store.flush()
 
     # -- the session hook
 
