@@ -16,8 +16,8 @@ class PrefillReport:
     prompt: int = 0
     kept: int = 0  # held by the idle context the session took (in-memory prefix reuse)
     reused: int = 0  # restored from the store (exact blocks or blended chunks)
-    computed_alone: int = 0  # blend: chunk ids computed alone and stored before the answer (an
-    #   entry the runtime refused; torch's row misses)
+    computed_alone: int = 0  # blend on llama.cpp: ids of a stored chunk the runtime refused,
+    #   computed alone and stored again before the answer
     recomputed: int = 0  # blend: reused ids decoded again with full attention
     read: int = 0  # decoded in place (gaps, the question, chunks not stored: everything not cached)
     unseen: int = 0  # blend: of the read ids, those of chunks the store did not hold (read in

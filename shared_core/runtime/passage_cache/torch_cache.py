@@ -17,7 +17,7 @@ the first ``prefill`` of every session on that model:
   (:func:`.torch_blend.chunk_kv`, what ``warm_passages`` stores) or as an earlier prompt read
   it — moved to where they occur by rotating the keys (:func:`.torch_blend.shift_keys`); a chunk
   missing from the store is read in context like the ids between chunks and stored afterwards
-  as that read left it (rows: computed alone first).
+  as that read left it (rows too).
   :func:`.torch_blend.blend_prefill` then recomputes ``recompute_share`` of the reused tokens,
   those whose layer-1 KV deviates most from the whole prompt's (CacheBlend §4.2), and computes the
   ids no chunk covers. Blended KV never enters the model's exact prefix store.
@@ -481,19 +481,6 @@ class TorchPassageCache:
             kv = None
         return key, kv
 
-    def _chunk(self, lm: LM, store: ChunkStore[ChunkKV], chunk: list[int], report: PrefillReport
-               ) -> ChunkKV:
-        """``chunk``'s stored KV, else its KV computed alone after the head (and stored)."""
-        key, kv = self._stored(store, chunk)
-        if kv is not None:
-            report.reused += len(chunk)
-            return kv
-        kv = chunk_kv(lm, self.head, chunk)
-        store.put(key, kv)
-        report.computed_alone += len(chunk)
-        report.stored += 1
-        return kv
-
     # -- several rows (generate_parallel)
 
     def fill_rows(self, lm: LM, rows: Sequence[Sequence[int]]) -> list[RowKV]:
@@ -554,9 +541,10 @@ class TorchPassageCache:
             return (head.keys, head.values) if head is not None else _empty_row(lm)
         spans = [span for span in self.chunks_of(ids[:-1]) if span.start >= fixed]
         with report.timed("place"):
-            placed = [(span.start, self._chunk(lm, store, ids[span.start : span.end], report))
-                      for span in spans]
+            placed, missing = self._stored_chunks(store, ids, spans, report)
         blend = self._blend(lm, ids, placed, head, report, cache=ROW_CACHE)
+        with report.timed("store"):
+            self._store_read(store, blend.cache, ids, missing, report)
         return _stack(blend.cache, 0)
 
     def warm(self, lm: LM, chunk_ids: Sequence[int]) -> bool:
