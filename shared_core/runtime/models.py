@@ -256,7 +256,8 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             ``recompute_share`` of their tokens (refused with ``exact=True``).
         recompute_share: blend: the share of reused tokens recomputed (default 0.15).
         passage_cache_memory_mb / passage_cache_disk_mb: the byte budgets of the cache's memory
-            tier and of its disk tier under ``$SPECRAG_CACHE/passage_kv`` (0: no disk tier).
+            tier (torch: memory of the model's device, a GPU's for a GPU model) and of its disk
+            tier under ``$SPECRAG_CACHE/passage_kv`` (0: no disk tier).
     """
     if not isinstance(name_or_path, str) or not name_or_path.strip():
         msg = "name_or_path must be a non-empty string"
