@@ -153,3 +153,39 @@ def test_blend_ends_share_zero_reuses_all_share_one_equals_a_full_prefill():
         assert cache.last is report
         assert not session._prefilled_only  # blended KV never enters the exact prefix store
     lm.model.passage_cache = None
+
+
+@pytest.mark.parametrize("exact", [False, True])
+def test_the_exact_cache_reads_on_its_grid_only_in_exact_mode(monkeypatch, exact):
+    """With ``exact=True`` a prefill through the exact cache runs ``BLOCK``-position forwards (a
+    warm read then runs the forwards a cold one runs: bit-equal); otherwise the session's own
+    chunks (on a CPU a 64-position forward reads a token 1.8x slower), a warm read equal to a
+    cold one to rounding."""
+    from shared_core.runtime.torch.prefix import attach as attach_prefix_store
+
+    lm = tiny_lm(num_layers=2, seed=9)
+    attach_prefix_store(lm.model, 0, exact=exact)
+    attach(lm.model, PassageCacheConfig(mode="exact", disk_mb=0))
+    ids = prompt(lm, [0, 1, 2])
+    assert len(ids) > 2 * BLOCK
+    sizes: list[int] = []
+    forward = KVSession._forward
+
+    def counted(self, new_ids, **kwargs):
+        sizes.append(len(new_ids))
+        return forward(self, new_ids, **kwargs)
+
+    monkeypatch.setattr(KVSession, "_forward", counted)
+    session = KVSession(lm)
+    cold = session.prefill(ids)
+    assert session.passage_report.reused == 0
+    assert sizes == ([BLOCK] * (len(ids) // BLOCK) + [len(ids) % BLOCK] if exact else [len(ids)])
+    sizes.clear()
+    session = KVSession(lm)
+    warm = session.prefill(ids)
+    assert session.passage_report.reused == (len(ids) - 1) // BLOCK * BLOCK
+    assert sizes == [len(ids) - session.passage_report.reused]
+    if exact:
+        assert torch.equal(warm, cold)
+    else:
+        torch.testing.assert_close(warm, cold, atol=1e-4, rtol=0)
