@@ -133,19 +133,28 @@ class _Recording(BytesCodec):
         return entry
 
 
+def _held_writes(store: ChunkStore, monkeypatch: pytest.MonkeyPatch
+                 ) -> tuple[threading.Event, threading.Event]:
+    """Make ``store``'s disk writes wait for the first event returned (set it to let them go);
+    the second is set once a write waits."""
+    gate, waiting = threading.Event(), threading.Event()
+    write = store._write_disk
+
+    def held(*args: object) -> None:
+        waiting.set()
+        gate.wait(30)
+        write(*args)
+
+    monkeypatch.setattr(store, "_write_disk", held)
+    return gate, waiting
+
+
 def test_put_returns_before_the_disk_write_and_serves_the_entry_meanwhile(tmp_path, monkeypatch):
     """The caller's thread only queues the write (a prefill's time excludes it); until it is
     written, the entry is served from the queue even with no memory tier."""
     codec = _Recording()
     store = ChunkStore(IDENTITY, memory_bytes=0, disk_bytes=1 << 20, disk_dir=tmp_path, codec=codec)
-    gate = threading.Event()
-    write = store._write_disk
-
-    def held(key: str, payload: bytes) -> None:
-        gate.wait(30)
-        write(key, payload)
-
-    monkeypatch.setattr(store, "_write_disk", held)
+    gate, _ = _held_writes(store, monkeypatch)
     store.put("ab" * 32, b"entry")
     assert "ab" * 32 in store and store.get("ab" * 32) == b"entry"
     assert _disk_files(tmp_path) == []  # still queued
@@ -158,16 +167,12 @@ def test_put_returns_before_the_disk_write_and_serves_the_entry_meanwhile(tmp_pa
 
 def test_an_entry_discarded_or_put_again_before_its_write_is_not_written_stale(tmp_path,
                                                                             monkeypatch):
+    """The writer has taken the entry and is about to write it when it is discarded (or put
+    again): the disk ends up without the discarded entry and with the last one put."""
     store = _store(tmp_path, memory=0)
-    gate = threading.Event()
-    write = store._write_disk
-
-    def held(key: str, payload: bytes) -> None:
-        gate.wait(30)
-        write(key, payload)
-
-    monkeypatch.setattr(store, "_write_disk", held)
+    gate, waiting = _held_writes(store, monkeypatch)
     store.put("ab" * 32, b"refused")
+    assert waiting.wait(30)  # encoded, at the folder's lock
     store.discard("ab" * 32)
     store.put("cd" * 32, b"old")
     store.put("cd" * 32, b"new")

@@ -28,7 +28,7 @@ import logging
 import os
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Generic, Protocol, TypeVar, cast
@@ -236,18 +236,22 @@ class ChunkStore(Generic[Entry]):
 
     def _write_entry(self, key: str, entry: Entry) -> None:
         """Write a put entry to the disk tier (the writer thread), unless it was discarded or
-        put again since."""
-        with self._lock:
-            if self._pending.get(key) is not entry:
-                return
+        put again since: checked again under the folder's lock, which a discard's unlink also
+        takes, so a discarded entry is never left on disk."""
+        if not self._wanted(key, entry):
+            return
         try:
             payload = self.codec.encode(entry)
             if _HEADER + len(payload) <= self.disk_budget:
-                self._write_disk(key, payload)
+                self._write_disk(key, payload, lambda: self._wanted(key, entry))
         finally:
             with self._lock:
                 if self._pending.get(key) is entry:
                     del self._pending[key]
+
+    def _wanted(self, key: str, entry: Entry) -> bool:
+        with self._lock:
+            return self._pending.get(key) is entry
 
     def flush(self) -> None:
         """Wait until every entry put so far is on disk (or its write failed and was logged)."""
@@ -268,11 +272,13 @@ class ChunkStore(Generic[Entry]):
         self._memory[key] = (entry, size)
         self.stats.memory_bytes += size
 
-    def _write_disk(self, key: str, payload: bytes) -> None:
+    def _write_disk(self, key: str, payload: bytes,
+                    wanted: Callable[[], bool] | None = None) -> None:
+        """Write ``payload`` under ``key`` unless the file exists or ``wanted()`` says no."""
         path = self._path(key)
         data = MAGIC + bytes.fromhex(key) + hashlib.sha256(payload).digest() + payload
         with exclusive(self._lock_path()):
-            if path.is_file():
+            if path.is_file() or (wanted is not None and not wanted()):
                 return
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
