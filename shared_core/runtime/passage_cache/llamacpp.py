@@ -98,7 +98,9 @@ def _seq_state(llama: Any, ctx: Any, seq: int) -> bytes:
     size = llama.llama_state_seq_get_size(ctx, seq)
     buf = (ctypes.c_uint8 * size)()
     written = llama.llama_state_seq_get_data(ctx, buf, size, seq)
-    return bytes(buf[:written])
+    # string_at is a memcpy; slicing a ctypes array builds a list of ints first (2.5 MB, a
+    # passage of the 0.5B: 53 ms against 1.4 ms)
+    return ctypes.string_at(buf, written)
 
 
 class LlamaCppPassageCache:

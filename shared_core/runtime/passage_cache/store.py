@@ -155,7 +155,8 @@ class ChunkStore(Generic[Entry]):
     # -- reads
 
     def get(self, key: str) -> Entry | None:
-        """The entry stored under ``key`` (memory, then disk), or None (a miss)."""
+        """The entry stored under ``key`` (memory, then one put but not yet written, then
+        disk), or None (a miss)."""
         with self._lock:
             held = self._memory.get(key)
             if held is not None:
