@@ -249,8 +249,8 @@ def test_interleaved_rates_record_a_failing_run_and_time_the_others() -> None:
 def test_divergences_are_judged_against_one_ulp_of_the_sections_dtype() -> None:
     import torch
 
-    from shared_core.bench.system.gpu_report import divergences_at_ties
     from shared_core.bench.system.gpu_checks import at_tie, spacing
+    from shared_core.bench.system.gpu_report import divergences_at_ties
 
     assert spacing(20.0, torch.bfloat16) == 0.125 and spacing(-12.0, torch.bfloat16) == 0.0625
     assert spacing(20.0, torch.float32) == 2.0**-19
