@@ -247,3 +247,52 @@ def test_warm_up_sources_list_docstore_and_vector_store_texts():
         source_texts("one string")
     with pytest.raises(ValueError, match="texts"):
         source_texts(["ok", "  "])
+
+
+def test_an_interrupt_between_a_put_and_its_queueing_leaves_the_entry_served(tmp_path,
+                                                                            monkeypatch):
+    """A KeyboardInterrupt after the entry entered the store but before its write was queued:
+    the entry is still served, nothing waits for a write that will not come, later puts are
+    written."""
+    from shared_core.runtime.passage_cache.disk_writer import DiskWriter
+
+    store = _store(tmp_path, memory=0)
+    submit = DiskWriter.submit
+
+    def interrupted(self: DiskWriter, *args: object) -> None:
+        monkeypatch.setattr(DiskWriter, "submit", submit)  # once
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(DiskWriter, "submit", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        store.put("ab" * 32, b"entry")
+    assert store.get("ab" * 32) == b"entry"
+    store.put("cd" * 32, b"later")
+    store.flush()
+    reader = _store(tmp_path, memory=0)
+    assert reader.get("ab" * 32) is None and reader.get("cd" * 32) == b"later"
+
+
+class _Exploding(BytesCodec):
+    """Raises a BaseException (not an Exception) encoding its first entry."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def encode(self, entry: bytes) -> bytes:
+        self.calls += 1
+        if self.calls == 1:
+            raise SystemExit("raised inside the writer")
+        return entry
+
+
+def test_the_writer_outlives_any_failure_of_one_entry(tmp_path, caplog):
+    store = ChunkStore(IDENTITY, memory_bytes=0, disk_bytes=1 << 20, disk_dir=tmp_path,
+                       codec=_Exploding())
+    store.put("ab" * 32, b"first")
+    store.put("cd" * 32, b"second")
+    store.flush()
+    assert "raised inside the writer" in caplog.text
+    reader = _store(tmp_path, memory=0)
+    assert reader.get("ab" * 32) is None and reader.get("cd" * 32) == b"second"
+    assert store.get("ab" * 32) is None  # no longer pending: its write was tried and logged

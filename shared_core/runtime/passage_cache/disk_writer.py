@@ -49,8 +49,9 @@ class DiskWriter:
     def flush(self, timeout: float | None = None) -> bool:
         """Wait until everything submitted so far is written (or failed and was logged);
         False if ``timeout`` seconds passed first."""
-        if self._thread is None or not self._thread.is_alive():
+        if self._queue.empty() and (self._thread is None or not self._thread.is_alive()):
             return True
+        self._ensure_thread()
         done = threading.Event()
         try:
             self._queue.put(done, timeout=timeout)
@@ -74,7 +75,8 @@ class DiskWriter:
             store, key, entry = item
             try:
                 store._write_entry(key, entry)
-            except Exception:  # a full or read-only disk: the entry stays in memory only
+            except BaseException:  # a full or read-only disk: the entry stays in memory only;
+                # whatever it was, the thread lives on for the entries queued after it
                 logger.warning("passage cache: writing entry %s to disk failed", key[:16],
                                exc_info=True)
             finally:
