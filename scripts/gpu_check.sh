@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# The prepared GPU check: proves and measures the torch engines on one GPU in a few
-# minutes and writes $OUT/gpu_report.json + $OUT/gpu_k_cost.png (schema: shared_core/bench/system/gpu.py).
+# The prepared GPU check: proves and measures the torch engines and the passage cache on one GPU
+# in a few minutes and writes $OUT/gpu_report.json + $OUT/gpu_k_cost.png (schema:
+# shared_core/bench/system/gpu.py).
 #
 # The GPU machine has torch, transformers, accelerate, tokenizers, numpy, scipy, matplotlib and
 # sentence-transformers, but no faiss / bm25s / gguf / xgrammar and no network. The check needs
@@ -11,12 +12,13 @@
 # with network run
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
 #         --platform manylinux_2_28_x86_64 -d .whl xgrammar
-# (untried here; mind the 64 MiB carried in all, the repository is ~19 MiB). Then, from the
+# (untried here; mind the 64 MiB carried in all, the repository is ~27 MiB). Then, from the
 # repository root:
-#     run(command="bash scripts/gpu_check.sh", carry=[".whl"], timeout_s=480)
-# (without .whl/: run(command="bash scripts/gpu_check.sh", timeout_s=480)); the files under
-# $OUT come back: copy them into results/system/<date>-<gpu>/ and commit. Environment: OUT
-# (default results/system/local), GPU_CHECK_BUDGET_S (default 330: a section that would end later
+#     run(command="OUT=$OUT GPU_CHECK_TIMEOUT_S=395 GPU_CHECK_BUDGET_S=330 bash scripts/gpu_check.sh",
+#         carry=[".whl"], timeout_s=420)
+# (without .whl/: no carry); the files under $OUT come back: copy them into
+# results/system/<date>-<gpu>/, run `python -m shared_core.bench results-index` and commit.
+# Environment: OUT (default results/gpu/local), GPU_CHECK_BUDGET_S (default 330: a section that would end later
 # is skipped and recorded as such), GPU_CHECK_TIMEOUT_S (default 420: the hard stop; the
 # report keeps every section finished before it), GPU_CHECK_ARGS (extra arguments, e.g.
 # "--device cpu --tiny" for a dry run on a CPU, or "--shapes qwen2.5-1.5b qwen2.5-7b").
