@@ -189,3 +189,12 @@ def test_the_exact_cache_reads_on_its_grid_only_in_exact_mode(monkeypatch, exact
         assert torch.equal(warm, cold)
     else:
         torch.testing.assert_close(warm, cold, atol=1e-4, rtol=0)
+
+
+def test_warm_passages_on_a_copied_models_unbound_cache_with_nothing_to_warm():
+    lm = tiny_lm(num_layers=1, seed=10)
+    attach(lm.model, PassageCacheConfig(mode="blend", disk_mb=0))
+    clone = copy.deepcopy(lm)
+    assert clone.model.passage_cache.store is None
+    assert warm_passages(clone, ["too short"], progress=False) == {
+        "passages": 1, "computed": 0, "skipped": 1}

@@ -160,7 +160,8 @@ def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -
             computed += 1
         else:
             skipped += 1
-    cache.store.flush()  # warmed ahead of time: on disk when this returns, for other processes
+    if cache.store is not None:  # a copied torch model's cache binds its store on first use
+        cache.store.flush()  # warmed ahead of time: on disk when this returns, for other processes
     logger.info("warm_passages: %d computed, %d already stored or too short", computed, skipped)
     return {"passages": len(items), "computed": computed, "skipped": skipped}
 
