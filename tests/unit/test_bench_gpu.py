@@ -160,6 +160,25 @@ def bf16_target():
     return build_lm(TINY_SHAPES["tiny-a"], bench_tokenizer(), torch.device("cpu"), torch.bfloat16)
 
 
+def test_a_passage_comparison_replays_its_divergence_without_the_cache(bf16_target,
+                                                                       tmp_path: Path) -> None:
+    """Where a passage-cache run parts from its reference, the margin is read from the
+    reference's own forwards: the replay must not be served by the cache under test."""
+    from shared_core.bench.system import gpu_passages as gp
+
+    passages = gp.passages_of(bf16_target, gp.CHECK_RAG, seed=11)
+    ids = gp.rag_prompt(bf16_target, passages, [0, 1, 2], gp.QUESTIONS[0])
+    with gp.cached(bf16_target, "exact", 0.0, passages, tmp_path) as cache:
+        reference, report = gp._decode(bf16_target, ids, 4)
+        last = cache.last
+        ours = [*reference[:2], (reference[2] + 1) % bf16_target.vocab_size, reference[3]]
+        comparison = gp._compare(bf16_target, "planted", ours, reference, ids, report)
+        assert comparison.detail["divergence"]["at"] == 2
+        assert cache.last is last  # no prefill went through the cache
+        assert bf16_target.model.passage_cache is cache  # put back
+    assert bf16_target.model.passage_cache is None
+
+
 def test_divergence_margin_replays_the_reference_step_and_reports_the_tie(bf16_target) -> None:
     from shared_core.bench.system.gpu_checks import divergence_margin
     from shared_core.engines.baseline import autoregressive_generate
