@@ -13,6 +13,7 @@ from shared_core.runtime.passage_cache.chunks import (
     Span,
     cdc_chunks,
     find_passages,
+    first_of_each,
     interior,
     passage_interior,
     uncovered_chunks,
@@ -131,3 +132,8 @@ def test_recompute_groups_fill_decodes_and_split_long_runs_in_order():
     runs = [(a, a + 2) for a in range(0, 200, 5)]
     groups = _groups(runs, 31, 512)
     assert [len(g) for g in groups] == [31, 9] and list(itertools.chain(*groups)) == runs
+
+
+def test_a_chunk_the_prompt_holds_twice_is_stored_once():
+    a, b, again = (Span(0, 16), "k1"), (Span(20, 40), "k2"), (Span(50, 66), "k1")
+    assert list(first_of_each([a, b, again])) == [a, b]

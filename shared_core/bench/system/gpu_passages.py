@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from shared_core.bench.system import gpu_checks as checks
-from shared_core.bench.system.gpu_timing import median_ms, random_ids
+from shared_core.bench.system.gpu_timing import elapsed_s, random_ids
 from shared_core.config import DEFAULT_RECOMPUTE_SHARE, PassageCacheConfig
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.runtime.lm import clear_prefix_cache
@@ -160,7 +160,7 @@ def _timed(lm: LM, ids: list[int], reps: int, before: Callable[[], None] | None 
         clear_prefix_cache(lm)
         if before is not None:
             before()
-        times.append(median_ms(lambda: lm.open_session().prefill(ids), lm.device, 1, 0))
+        times.append(1000 * elapsed_s(lambda: lm.open_session().prefill(ids), lm.device))
     return statistics.median(times[1:])
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -172,3 +172,13 @@ def prompt_chunks(index: PassageIndex, ids: Sequence[int]) -> list[Span]:
     known = index.find(ids)
     spans = sorted([*known, *uncovered_chunks(ids, known)], key=lambda s: s.start)
     return [s for s in spans if s.start > 0]
+
+
+def first_of_each(missing: Iterable[tuple[Span, str]]) -> Iterator[tuple[Span, str]]:
+    """Each ``(span, key)`` whose key came before in none (a prompt may hold a chunk twice:
+    storing it once is enough)."""
+    seen: set[str] = set()
+    for span, key in missing:
+        if key not in seen:
+            seen.add(key)
+            yield span, key

@@ -53,7 +53,12 @@ import numpy as np
 
 from shared_core.config import PassageCacheConfig
 from shared_core.runtime.llamacpp.session import EXACT_CHUNK, MAX_TREE_LEAVES, decode
-from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
+from shared_core.runtime.passage_cache.chunks import (
+    PassageIndex,
+    Span,
+    first_of_each,
+    prompt_chunks,
+)
 from shared_core.runtime.passage_cache.kv_state import layer_values
 from shared_core.runtime.passage_cache.llamacpp_probe import PROBE_LAYER, Probe
 from shared_core.runtime.passage_cache.report import PrefillReport
@@ -353,11 +358,7 @@ class LlamaCppPassageCache:
         (results/system/2026-11-28-blend-variants, r4: first-token KL 0.52 against 0.66 with
         nothing recomputed, 0.53 against 0.54 at 15 %)."""
         llama, memory = self.model.llama, slot.memory
-        done: set[str] = set()
-        for span, key in missing:
-            if key in done:  # the prompt holds the chunk twice
-                continue
-            done.add(key)
+        for span, key in first_of_each(missing):
             llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
             try:
                 llama.llama_memory_seq_cp(memory, seq, PLACE_SEQ, span.start, span.end)

@@ -54,7 +54,12 @@ import torch
 
 from shared_core.config import CacheKind, PassageCacheConfig
 from shared_core.runtime.lm import LM
-from shared_core.runtime.passage_cache.chunks import PassageIndex, Span, prompt_chunks
+from shared_core.runtime.passage_cache.chunks import (
+    PassageIndex,
+    Span,
+    first_of_each,
+    prompt_chunks,
+)
 from shared_core.runtime.passage_cache.report import PrefillReport
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, StoreStats, model_identity
 from shared_core.runtime.passage_cache.torch_blend import (
@@ -436,11 +441,7 @@ class TorchPassageCache:
         """Store each chunk the prefill read in context as that read left it: its KV at its
         positions in this prompt, rotated to wherever a later prompt holds it (as llama.cpp's
         :meth:`LlamaCppPassageCache._store_read`, which says why)."""
-        done: set[str] = set()
-        for span, key in missing:
-            if key in done:  # the prompt holds the chunk twice
-                continue
-            done.add(key)
+        for span, key in first_of_each(missing):
             keys, values = _stack(cache, span.start, span.end)
             store.put(key, ChunkKV(ids=tuple(ids[span.start : span.end]), head_ids=self.head,
                                    position=span.start, keys=keys, values=values))
