@@ -1,7 +1,8 @@
 """The GPU check's CPU dry run (``python -m shared_core.bench gpu --device cpu --tiny``), run as
-the GPU machine would: in a fresh process where faiss, bm25s, gguf, xgrammar, LangChain and
-LlamaIndex cannot be imported. Every section must be written, and on a CPU in fp32 every lossless
-engine must equal greedy decoding token for token."""
+the GPU machine would: in fresh processes (the check's and its workers') where faiss, bm25s,
+gguf, xgrammar, LangChain and LlamaIndex cannot be imported, with the correctness sections side
+by side in spawned workers as on CUDA. Every section must be written, and on a CPU in fp32 every
+lossless engine must equal greedy decoding token for token."""
 
 from __future__ import annotations
 
@@ -16,22 +17,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 ABSENT_THERE = ("faiss", "bm25s", "gguf", "xgrammar", "langchain", "langchain_core",
                 "llama_index", "llama_cpp")
-SCRIPT = f"""
+# imported by every Python process started with it on the path (a spawned worker too)
+SITECUSTOMIZE = f"""
 import sys
 for name in {ABSENT_THERE!r}:
     sys.modules[name] = None  # import fails, as on the GPU machine
-from shared_core.bench.__main__ import main
-raise SystemExit(main(sys.argv[1:]))
 """
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("gpu")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECRAG_NUM_THREADS": "1"}
-    subprocess.run([sys.executable, "-c", SCRIPT, "gpu", "--device", "cpu", "--tiny",
-                    "--threads", "1", "--out", str(out)], cwd=ROOT, env=env, check=True,
-                   capture_output=True, timeout=300)
+    site = tmp_path_factory.mktemp("site")
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
+    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "SPECRAG_NUM_THREADS": "1"}
+    run = subprocess.run([sys.executable, "-m", "shared_core.bench", "gpu", "--device", "cpu",
+                          "--tiny", "--workers", "3", "--threads", "1", "--out", str(out)],
+                         cwd=ROOT, env=env, check=True, capture_output=True, text=True,
+                         timeout=300)
+    assert "side by side in 3 processes" in run.stderr
+    assert "Loading faiss" not in run.stderr  # no process of the run could import it
     assert (out / "gpu_k_cost.png").stat().st_size > 0
     return json.loads((out / "gpu_report.json").read_text(encoding="utf-8"))
 
@@ -43,9 +48,16 @@ def test_every_section_is_written_and_ran(report: dict) -> None:
         "physics/tiny-c", "correctness/llama-tiny-a/bf16"}
     assert {s["status"] for s in report["sections"].values()} == {"ok"}
     assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
-    # no aim shapes among the toys: the Llama equality checks come before the physics
+    # the correctness sections ran side by side before the physics, recorded in plan order
     assert list(report["sections"])[:3] == [
         "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "correctness/llama-tiny-a/bf16"]
+    for name, section in report["sections"].items():  # where each section's time went
+        assert 0 < sum(section["steps_s"].values()) <= section["elapsed_s"], name
+        assert not section.get("errors"), name
+    assert set(report["sections"]["correctness/tiny-a/fp32"]["steps_s"]) == {
+        "draft_model", "prompt_lookup", "respec", "rapid", "ralmspec", "constrained",
+        "speculative_rag", "passage_cache", "sampling"}
+    assert "sampling" not in report["sections"]["correctness/llama-tiny-a/bf16"]["steps_s"]
     # the sampling test runs in both dtypes on the Qwen shape; the Llama repeats the equalities
     assert len(report["sections"]["correctness/tiny-a/bf16"]["sampling"]) == 2
     assert report["sections"]["correctness/llama-tiny-a/bf16"]["sampling"] == []
@@ -140,15 +152,41 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
 
 
 def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
-    from shared_core.bench.system.gpu import Budget, Report
+    from shared_core.bench.system.gpu_sections import Budget, Report, Section
 
     report = Report(tmp_path, {}, Budget(1.0))
-    report.section("slow", 5.0, lambda: {"never": True})
-    report.section("failing", 0.0, lambda: {"x": 1 / 0})
+    report.section(Section("slow", 5.0, lambda: {"never": True}))
+    report.section(Section("failing", 0.0, lambda: {"x": 1 / 0}))
     data = json.loads((tmp_path / "gpu_report.json").read_text(encoding="utf-8"))
     assert data["sections"]["slow"]["status"] == "skipped: budget"
     failed = data["sections"]["failing"]
     assert failed["status"] == "error" and failed["error"]["type"] == "ZeroDivisionError"
+
+
+def test_sections_side_by_side_queue_within_the_budget_and_survive_a_dead_worker(
+        tmp_path: Path) -> None:
+    """Two workers and a 9 s budget: sections of 4 s and 6 s start at once, the next 4 s one
+    waits for the first worker (4 + 4 <= 9), a last 4 s one would end at 10 on either. A worker
+    that dies (a native crash) fails its own sections only: the other worker's come back."""
+    from functools import partial
+
+    from shared_core.bench.system.gpu_sections import Budget, Report, Section
+
+    report = Report(tmp_path, {}, Budget(9.0))
+    report.run_concurrently([
+        Section("dies", 4.0, partial(os._exit, 3)),
+        Section("lives", 6.0, partial(dict, value=1)),
+        Section("queued", 4.0, partial(dict, value=2)),
+        Section("too_late", 4.0, partial(dict, value=3)),
+    ], workers=2)
+    sections = json.loads((tmp_path / "gpu_report.json").read_text(encoding="utf-8"))["sections"]
+    assert list(sections) == ["dies", "lives", "queued", "too_late"]  # recorded in plan order
+    assert sections["dies"]["status"] == "error"
+    assert sections["dies"]["error"]["type"] == "BrokenProcessPool"
+    assert sections["lives"]["status"] == "ok" and sections["lives"]["value"] == 1
+    # "queued" went to the worker that was to be free first: the one that died
+    assert sections["queued"]["status"] == "error"
+    assert sections["too_late"] == {"status": "skipped: budget", "estimate_s": 4.0}
 
 
 @pytest.fixture(scope="module")

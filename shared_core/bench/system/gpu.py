@@ -1,11 +1,12 @@
 """The prepared GPU check: ``python -m shared_core.bench gpu --out DIR [--device cuda|cpu]
-[--tiny] [--budget-s N]`` (``scripts/gpu_check.sh`` runs it on a lent GPU machine).
+[--tiny] [--budget-s N] [--workers N]`` (``scripts/gpu_check.sh`` runs it on a lent GPU machine).
 
 Proves and measures the torch engines on random-weight models at real shapes
-(:mod:`shared_core.bench.system.gpu_models`) in a few minutes. Sections, in order, each timed against
-``--budget-s`` (skipped with ``"skipped: budget"`` when its estimate does not fit), each wrapped
-so that a failure is recorded (type, message, short traceback) and the next one still runs; the
-report is rewritten after every section, so a killed run still leaves one:
+(:mod:`shared_core.bench.system.gpu_models`) in a few minutes. Each section is checked against
+``--budget-s`` before it starts (skipped with ``"skipped: budget"`` when its estimate would not
+fit) and wrapped so that a failure is recorded (type, message, short traceback) and the next one
+still runs; the report is rewritten after every section, so a killed run still leaves one
+(:mod:`shared_core.bench.system.gpu_sections`).
 
 Sections, most valuable first (:func:`plan`), so that a budget that still bites drops the least:
 
@@ -20,12 +21,18 @@ Sections, most valuable first (:func:`plan`), so that a budget that still bites 
    shape (the sampling test, architecture-blind, runs in the Qwen sections only).
 4. ``physics/<shape>`` for the other shapes (0.5B).
 
+On CUDA the correctness sections (1 and 3) time nothing and leave the GPU mostly idle, so they
+run first, side by side in spawned processes (``--workers``, default one each); the physics
+sections then run one at a time in this process, alone on the machine. Elsewhere (``--workers``
+1) every section runs here in the order above.
+
 Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
 
     {"schema": "specrag-gpu-check/1", "started": ISO time, "elapsed_s": float,
      "args": {...}, "machine": {gpu, driver (nvidia_smi), torch, transformers, cuda_runtime, cpu},
      "budget_s": float,
-     "sections": {name: {"status": "ok" | "error" | "skipped: budget", "elapsed_s": float,
+     "sections": {name: {"status": "ok" | "error" | "skipped: budget" | "running",
+                         "elapsed_s": float, "steps_s": {step: seconds},
                          "error": {"type", "message", "traceback"} (on error),
                          ... the section's fields}},
      "summary": {"equality": {check: [equal, ...]},
@@ -53,19 +60,19 @@ serves a RAG prompt, :func:`~shared_core.bench.system.gpu_passages.passage_ttft`
 is measured, nothing asserted: in bf16 a k-token forward is not bitwise k one-token steps, so
 near-ties may flip tokens;
 ``summary.divergences_at_ties`` says per section whether every divergence was such a tie.
+"running" marks a section a worker had not finished when the report was written (a run killed
+at its hard stop keeps it); ``steps_s`` says where a section's time went.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from dataclasses import dataclass, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -90,7 +97,8 @@ from shared_core.bench.system.gpu_passages import (
     check_passage_cache,
     passage_ttft,
 )
-from shared_core.bench.system.gpu_report import plot, summarize
+from shared_core.bench.system.gpu_report import plot
+from shared_core.bench.system.gpu_sections import Budget, Report, Section
 from shared_core.bench.system.gpu_syncs import round_figures
 from shared_core.bench.system.gpu_timing import elapsed_s, median_ms, random_ids
 from shared_core.runtime.models import LM
@@ -102,8 +110,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-SCHEMA = "specrag-gpu-check/1"
-REPORT_NAME = "gpu_report.json"
 PLOT_NAME = "gpu_k_cost.png"
 KS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -141,63 +147,27 @@ class Sizes:
                    long_rag=RagShape(passages=6, passage_ids=48), rag_reps=2)
 
 
-@dataclass
-class Budget:
-    """Wall-clock budget of the run: a section starts only if its estimate fits."""
-
-    total_s: float
-    start: float = field(default_factory=time.perf_counter)
-
-    def elapsed(self) -> float:
-        return time.perf_counter() - self.start
-
-    def fits(self, estimate_s: float) -> bool:
-        return self.elapsed() + estimate_s <= self.total_s
+# ------------------------------------------------------------------------------- correctness
 
 
-class Report:
-    """The JSON report, rewritten after every section."""
-
-    def __init__(self, out_dir: Path, args: dict[str, Any], budget: Budget) -> None:
-        self.path = out_dir / REPORT_NAME
-        self.budget = budget
-        self.data: dict[str, Any] = {
-            "schema": SCHEMA, "started": datetime.now(UTC).isoformat(timespec="seconds"),
-            "args": args, "budget_s": budget.total_s, "machine": {}, "sections": {},
-            "summary": {}}
-
-    def write(self) -> None:
-        self.data["elapsed_s"] = round(self.budget.elapsed(), 2)
-        self.data["summary"] = summarize(self.data["sections"])
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=2, default=str), encoding="utf-8")
-        tmp.replace(self.path)
-
-    def section(self, name: str, estimate_s: float, body: Callable[[], dict[str, Any]]) -> None:
-        """Run ``body`` if its estimate fits; record its result, or its failure, and write."""
-        if not self.budget.fits(estimate_s):
-            logger.warning("section %s skipped: %.0f s estimated, %.0f s left", name, estimate_s,
-                           self.budget.total_s - self.budget.elapsed())
-            self.data["sections"][name] = {"status": "skipped: budget", "estimate_s": estimate_s}
-            self.write()
-            return
-        logger.info("section %s (estimate %.0f s, elapsed %.0f s)", name, estimate_s,
-                    self.budget.elapsed())
+def run_steps(steps: dict[str, Callable[[], Any]]
+              ) -> tuple[dict[str, Any], dict[str, dict[str, str]], dict[str, float]]:
+    """Run each step of a section: the results of those that returned, what went wrong in those
+    that raised (type, message, short traceback; the next step still runs) and each step's
+    seconds (where a section's time goes, for the next run's estimates)."""
+    done: dict[str, Any] = {}
+    errors: dict[str, dict[str, str]] = {}
+    seconds: dict[str, float] = {}
+    for name, step in steps.items():
         start = time.perf_counter()
         try:
-            result = {"status": "ok", **body()}
-        except Exception as e:  # one failure must not lose the other sections
-            logger.exception("section %s failed", name)
-            result = {"status": "error", "error": {
-                "type": type(e).__name__, "message": str(e)[:2000],
-                "traceback": traceback.format_exc(limit=8)[-4000:]}}
-        result["elapsed_s"] = round(time.perf_counter() - start, 2)
-        self.data["sections"][name] = result
-        self.write()
-
-
-# ------------------------------------------------------------------------------- correctness
+            done[name] = step()
+        except Exception as e:  # record and go on with the next step
+            logger.exception("step %s failed", name)
+            errors[name] = {"type": type(e).__name__, "message": str(e)[:1000],
+                            "traceback": traceback.format_exc(limit=6)[-3000:]}
+        seconds[name] = round(time.perf_counter() - start, 2)
+    return done, errors, seconds
 
 
 def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device, dtype: torch.dtype,
@@ -206,13 +176,15 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
     and the sampling distribution test unless ``with_sampling`` is False."""
     target = drafter = None
     try:
+        start = time.perf_counter()
         target = build_lm(shape, tokenizer, device, dtype, seed=0)
         drafter = perturbed_copy(target, shape.drafter_noise)
+        synchronize(device)
+        built = time.perf_counter() - start
         n = sizes.new_tokens
         refs = checks.References(target)  # each greedy reference decoded once per section
-        comparisons: list[checks.Comparison] = []
         lossy: dict[str, Any] = {}
-        steps: dict[str, Callable[[], list[checks.Comparison]]] = {
+        steps: dict[str, Callable[[], Any]] = {
             "draft_model": lambda: checks.check_draft_model(
                 target, {"equal": target, "perturbed": drafter}, n, refs),
             "prompt_lookup": lambda: checks.check_prompt_lookup(target, n, refs),
@@ -223,28 +195,17 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
             "speculative_rag": lambda: checks.check_speculative_rag(drafter, target),
             "passage_cache": lambda: passage_checks(target, n, lossy),
         }
-        errors = {}
-        for name, step in steps.items():
-            try:
-                comparisons += step()
-            except Exception as e:  # record and go on with the next engine
-                logger.exception("check %s failed", name)
-                errors[name] = {"type": type(e).__name__, "message": str(e)[:1000],
-                                "traceback": traceback.format_exc(limit=6)[-3000:]}
-        try:
-            sampling: list[dict[str, Any]] = (checks.check_sampling(target, drafter, sizes.samples)
-                             if with_sampling else [])
-        except Exception as e:
-            logger.exception("sampling check failed")
-            errors["sampling"] = {"type": type(e).__name__, "message": str(e)[:1000],
-                                  "traceback": traceback.format_exc(limit=6)[-3000:]}
-            sampling = []
+        if with_sampling:
+            steps["sampling"] = lambda: checks.check_sampling(target, drafter, sizes.samples)
+        done, errors, seconds = run_steps(steps)
+        comparisons = [c for name, found in done.items() if name != "sampling" for c in found]
         return {"models": {"target": target.name, "drafter": drafter.name,
                            "drafter_noise": shape.drafter_noise, "dtype": str(dtype),
                            "params_b": round(shape.params_b, 3)},
-                "comparisons": [c.as_dict() for c in comparisons], "sampling": sampling,
+                "comparisons": [c.as_dict() for c in comparisons],
+                "sampling": done.get("sampling", []),
                 "passage_blend": lossy.get("blend"), "reference_tokens_decoded": refs.decoded,
-                "errors": errors}
+                "errors": errors, "build_s": round(built, 2), "steps_s": seconds}
     finally:
         free(target, drafter)
 
@@ -442,14 +403,13 @@ def physics(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.devi
         out: dict[str, Any] = {"model": lm.name, "params_b": round(shape.params_b, 3),
                                "dtype": "bfloat16", "build_s": round(built, 2),
                                "static_compile": fresh_static_compile(lm)}
-        for name, fn in (("k_cost", k_cost), ("prefill", prefill_rate), ("decode", decode_rates),
-                         ("rounds", round_syncs), ("passage_ttft", passage_times)):
-            try:
-                out[name] = fn(lm, sizes)
-            except Exception as e:
-                logger.exception("physics %s failed", name)
-                out[name] = {"error": f"{type(e).__name__}: {str(e)[:500]}",
-                             "traceback": traceback.format_exc(limit=6)[-3000:]}
+        done, errors, out["steps_s"] = run_steps({
+            name: partial(fn, lm, sizes) for name, fn in (
+                ("k_cost", k_cost), ("prefill", prefill_rate), ("decode", decode_rates),
+                ("rounds", round_syncs), ("passage_ttft", passage_times))})
+        out.update(done)
+        out.update({name: {"error": f"{e['type']}: {e['message'][:500]}",
+                           "traceback": e["traceback"]} for name, e in errors.items()})
         out["static_cache"] = ("offered: cache='static' (shared_core.runtime.torch.static), "
                                "fixed-capacity buffers whose one-token step runs "
                                + ("compiled (torch.compile reduce-overhead: CUDA graphs)"
@@ -468,7 +428,7 @@ def physics(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.devi
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--out", default="results/system/local", help="folder for the report")
+    parser.add_argument("--out", default="results/gpu/local", help="folder for the report")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: the best one)")
     parser.add_argument("--tiny", action="store_true", help="toy shapes and token counts")
     parser.add_argument("--budget-s", type=float, default=330.0,
@@ -479,6 +439,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="dtypes of the correctness sections (default: both)")
     parser.add_argument("--only-correctness", action="store_true",
                         help="skip the physics and the Llama section (a short re-check)")
+    parser.add_argument("--workers", type=int, default=None,
+                        help="processes that run the correctness sections side by side before "
+                             "the physics (default: one per section on CUDA, where a section "
+                             "leaves the GPU mostly idle; 1 elsewhere: in this process, in order)")
 
 
 def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, float]:
@@ -488,12 +452,14 @@ def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, fl
     if device.type != "cuda":
         return 600.0 * shape.params_b, 300.0 * shape.params_b
     # eager transformers on a GPU is bound by kernel launches (~25 ms a forward at these
-    # depths, whatever the width), so a correctness section costs its ~2,400 forwards (an
-    # equality-only one ~1,700; the passage checks ~300 of them); physics is ~20-35 s of timing,
+    # depths, whatever the width, and ~40 ms a forward-equivalent with the engines' own host
+    # work: the H100's 0.5B sections took 75-114 s at 40 new tokens), so a correctness section
+    # costs its ~2,300 forwards (counted on the toys: the sampling test ~700 of them, an
+    # equality-only one ~1,600; the passage checks ~270); physics is ~20-35 s of timing,
     # two static-cache compiles (generate's ~25-45 s, our one-token step's, not yet measured:
     # assumed alike), the passage cache's ~300 forwards and disk round trips (~15 s) and, for
     # the 7B, ~10 s of building
-    return 38.0 + 45.0 * shape.params_b, 85.0 + 5.0 * shape.params_b
+    return 80.0 + 45.0 * shape.params_b, 85.0 + 5.0 * shape.params_b
 
 
 AIM_SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b")  # the shapes the k = 8 and overhead aims are about
@@ -525,9 +491,25 @@ def plan(shapes: dict[str, Shape], chosen: list[str], dtypes: list[str], only_co
     return out
 
 
+def section_of(name: str, kind: str, shape: Shape, dtype: torch.dtype | None,
+               tokenizer: PreTrainedTokenizerBase, device: torch.device, sizes: Sizes, tiny: bool
+               ) -> Section:
+    """One :func:`plan` entry as a section to run (here or in a worker) with its estimate."""
+    check_s, physics_s = estimates(shape, device, tiny)
+    if kind == "physics":
+        return Section(name, physics_s, partial(physics, shape, tokenizer, device, sizes))
+    assert dtype is not None
+    return Section(name, check_s if kind == "correctness" else 0.7 * check_s,
+                   partial(correctness, shape, tokenizer, device, dtype, sizes,
+                           with_sampling=kind == "correctness"))
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.budget_s <= 0:
         msg = f"--budget-s must be positive, got {args.budget_s}"
+        raise ValueError(msg)
+    if args.workers is not None and args.workers < 1:
+        msg = f"--workers must be at least 1, got {args.workers}"
         raise ValueError(msg)
     device = resolve_device(args.device)
     shapes = TINY_SHAPES if args.tiny else SHAPES
@@ -549,15 +531,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.data["machine"] = {"device": str(device), "error": f"{type(e).__name__}: {e}"}
     report.write()
     tokenizer = bench_tokenizer()
-    for name, kind, shape, dtype in plan(shapes, chosen, args.dtypes, args.only_correctness):
-        check_s, physics_s = estimates(shape, device, args.tiny)
-        if kind in ("correctness", "equality"):
-            assert dtype is not None
-            report.section(name, check_s if kind == "correctness" else 0.7 * check_s,
-                           partial(correctness, shape, tokenizer, device, dtype, sizes,
-                                   with_sampling=kind == "correctness"))
-        else:
-            report.section(name, physics_s, partial(physics, shape, tokenizer, device, sizes))
+    sections = [(kind, section_of(name, kind, shape, dtype, tokenizer, device, sizes, args.tiny))
+                for name, kind, shape, dtype in plan(shapes, chosen, args.dtypes,
+                                                     args.only_correctness)]
+    untimed = [s for kind, s in sections if kind != "physics"]
+    workers = args.workers or (len(untimed) if device.type == "cuda" else 1)
+    if workers > 1:  # the untimed sections side by side first, then each timed one alone
+        report.run_concurrently(untimed, workers)
+        sections = [(kind, s) for kind, s in sections if kind == "physics"]
+    for _, section in sections:
+        report.section(section)
     try:
         plot(report.data, out_dir / PLOT_NAME)
     except Exception:  # the JSON is the result; a plot is a convenience
