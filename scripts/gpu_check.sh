@@ -14,14 +14,19 @@
 #         --platform manylinux_2_28_x86_64 -d .whl xgrammar
 # (untried here; mind the 64 MiB carried in all, the repository is ~27 MiB). Then, from the
 # repository root:
-#     run(command="OUT=$OUT GPU_CHECK_TIMEOUT_S=395 GPU_CHECK_BUDGET_S=330 bash scripts/gpu_check.sh",
+#     run(command="OUT=$OUT bash scripts/gpu_check.sh",
 #         carry=[".whl"], timeout_s=420)
 # (without .whl/: no carry); the files under $OUT come back: copy them into
-# results/system/<date>-<gpu>/, run `python -m shared_core.bench results-index` and commit.
-# Environment: OUT (default results/gpu/local), GPU_CHECK_BUDGET_S (default 330: a section that would end later
-# is skipped and recorded as such), GPU_CHECK_TIMEOUT_S (default 420: the hard stop; the
-# report keeps every section finished before it), GPU_CHECK_ARGS (extra arguments, e.g.
-# "--device cpu --tiny" for a dry run on a CPU, or "--shapes qwen2.5-1.5b qwen2.5-7b").
+# results/gpu/<date>-<gpu>/, run `python -m shared_core.bench results-index` and commit.
+# On CUDA the correctness sections run side by side in spawned processes (each leaves the GPU
+# mostly idle), then the physics sections one at a time, alone.
+# Environment: OUT (default results/gpu/local), GPU_CHECK_BUDGET_S (default: the check's
+# --budget-s, 350 s; a section that would end later is skipped and recorded as such),
+# GPU_CHECK_TIMEOUT_S (default 400: the hard stop, ~50 s after the budget for a section that
+# overruns its estimate, ~20 s before the run call's 420; the report keeps every
+# section finished before it), GPU_CHECK_ARGS (extra arguments, e.g. "--device cpu --tiny" for a
+# dry run on a CPU, "--workers 1" for every section in one process, in order, or
+# "--shapes qwen2.5-1.5b qwen2.5-7b").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-results/gpu/local}"
@@ -35,8 +40,8 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi 2>&1 | tee "$out/nvidia_smi.txt" || echo "nvidia-smi: not available"
 # the kill leaves the report of every finished section (written after each one)
 # shellcheck disable=SC2086
-timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-420}" python3 -m shared_core.bench gpu \
-    --out "$out" --budget-s "${GPU_CHECK_BUDGET_S:-330}" ${GPU_CHECK_ARGS:-} \
+timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-400}" python3 -m shared_core.bench gpu \
+    --out "$out" ${GPU_CHECK_BUDGET_S:+--budget-s "$GPU_CHECK_BUDGET_S"} ${GPU_CHECK_ARGS:-} \
     > "$out/gpu_check.log" 2>&1
 status=$?
 tail -n 40 "$out/gpu_check.log"

@@ -431,7 +431,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", default="results/gpu/local", help="folder for the report")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: the best one)")
     parser.add_argument("--tiny", action="store_true", help="toy shapes and token counts")
-    parser.add_argument("--budget-s", type=float, default=330.0,
+    parser.add_argument("--budget-s", type=float, default=350.0,
                         help="skip sections that would end after this many seconds")
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="physics shapes (default: all of the mode's)")

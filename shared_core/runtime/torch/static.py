@@ -2,7 +2,7 @@
 fixed-capacity buffers and a one-token step that CUDA can replay as a graph.
 
 On a GPU a small model's decode step is bound by kernel launches and host work, not by the
-GPU (results/system/2026-11-28-h100*: 17-26 ms a step where a 7B forward needs ~5 ms). The cure
+GPU (results/gpu/2026-11-28-h100*: 17-26 ms a step where a 7B forward needs ~5 ms). The cure
 is gpt-fast's: every tensor the step touches keeps one shape and one address, the step is
 compiled with ``torch.compile(mode="reduce-overhead")`` and replayed as a CUDA graph.
 
