@@ -283,7 +283,8 @@ def test_interleaved_rates_alternate_the_runs_and_report_the_median_ratio(monkey
     out = gpu.interleaved_rates({"ours": lambda: run("ours"), "generate": lambda: run("generate")},
                                 torch.device("cpu"), tokens=10, repeats=3)
     assert calls == ["ours", "generate"] * 4
-    assert out["ours"]["runs_ms"] == [2000.0, 2200.0, 1900.0]  # the warm-up left out
+    assert out["ours"]["runs_ms"] == [2000.0, 2200.0, 1900.0]  # the warm-up left out,
+    assert out["ours"]["warmup_ms"] == [9000.0]  # and reported on its own (a compile shows)
     assert out["ours"]["ms"] == 2000.0 and out["ours"]["tok_s"] == 5.0
     ratio = out["ratios"]["ours_over_generate"]  # generate's time over ours, pair by pair
     assert ratio == {"median": 1.0, "min": 0.909, "max": 1.053, "repeats": 3}

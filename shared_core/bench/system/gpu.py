@@ -251,9 +251,10 @@ def interleaved_rates(runs: dict[str, Callable[[], Any]], device: torch.device, 
                       repeats: int, warmup: int = 1) -> dict[str, Any]:
     """Time ``runs`` (each decoding ``tokens`` tokens) interleaved: a warm-up of each, then
     ``repeats`` rounds of one run each in turn, so host jitter (both eager loops are bound by
-    launches) lands on all of them alike. Per run: median ms, tok/s and every repeat's ms (or
-    ``error``); ``ratios``: for the first run over each other one, the median and spread of the
-    per-repeat tok/s ratios (first / other), the number an aim is decided on."""
+    launches) lands on all of them alike. Per run: median ms, tok/s, every repeat's ms and the
+    warm-up's (where a static cache's compile and graph capture show) or ``error``;
+    ``ratios``: for the first run over each other one, the median and spread of the per-repeat
+    tok/s ratios (first / other), the number an aim is decided on."""
     failed: dict[str, str] = {}
     times: dict[str, list[float]] = {name: [] for name in runs}
 
@@ -267,9 +268,12 @@ def interleaved_rates(runs: dict[str, Callable[[], Any]], device: torch.device, 
             failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
             return None
 
+    warm: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(warmup):
         for name in runs:
-            timed(name)
+            elapsed = timed(name)
+            if elapsed is not None:
+                warm[name].append(elapsed)
     for _ in range(repeats):
         for name in runs:
             elapsed = timed(name)
@@ -282,7 +286,8 @@ def interleaved_rates(runs: dict[str, Callable[[], Any]], device: torch.device, 
             continue
         ms = 1000 * statistics.median(times[name])
         out[name] = {"ms": round(ms, 2), "tok_s": round(tokens / ms * 1e3, 2),
-                     "runs_ms": [round(1000 * t, 2) for t in times[name]]}
+                     "runs_ms": [round(1000 * t, 2) for t in times[name]],
+                     "warmup_ms": [round(1000 * t, 2) for t in warm[name]]}
     first, *others = runs
     ratios: dict[str, Any] = {}
     for other in others:
