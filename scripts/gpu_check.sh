@@ -19,7 +19,8 @@
 # (without .whl/: no carry); the files under $OUT come back: copy them into
 # results/gpu/<date>-<gpu>/, run `python -m shared_core.bench results-index` and commit.
 # On CUDA the correctness sections run side by side in spawned processes (each leaves the GPU
-# mostly idle), then the physics sections one at a time, alone.
+# mostly idle), beside one per physics shape that compiles its static-cache loops into
+# inductor's on-disk caches; then the physics sections one at a time, alone.
 # Environment: OUT (default results/gpu/local), GPU_CHECK_BUDGET_S (default: the check's
 # --budget-s, 350 s; a section that would end later is skipped and recorded as such),
 # GPU_CHECK_TIMEOUT_S (default 400: the hard stop, ~50 s after the budget for a section that

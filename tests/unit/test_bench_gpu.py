@@ -45,15 +45,21 @@ def test_every_section_is_written_and_ran(report: dict) -> None:
     assert report["schema"] == "specrag-gpu-check/1"
     assert set(report["sections"]) == {
         "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "physics/tiny-a", "physics/tiny-b",
-        "physics/tiny-c", "correctness/llama-tiny-a/bf16"}
+        "physics/tiny-c", "correctness/llama-tiny-a/bf16",
+        "warm/tiny-a", "warm/tiny-b", "warm/tiny-c"}
     assert {s["status"] for s in report["sections"].values()} == {"ok"}
     assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
     # the correctness sections ran side by side before the physics, recorded in plan order
     assert list(report["sections"])[:3] == [
         "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "correctness/llama-tiny-a/bf16"]
     for name, section in report["sections"].items():  # where each section's time went
+        if name.startswith("warm/"):  # each physics shape's static loops called once ahead
+            assert set(section["first_call_ms"]) == {"ours_static", "generate_static"}
+            assert all(ms > 0 for ms in section["first_call_ms"].values())
+            continue
         assert 0 < sum(section["steps_s"].values()) <= section["elapsed_s"], name
         assert not section.get("errors"), name
+    assert list(report["sections"])[-3:] == ["physics/tiny-a", "physics/tiny-b", "physics/tiny-c"]
     assert set(report["sections"]["correctness/tiny-a/fp32"]["steps_s"]) == {
         "draft_model", "prompt_lookup", "respec", "rapid", "ralmspec", "constrained",
         "speculative_rag", "passage_cache", "sampling"}
@@ -269,7 +275,7 @@ def test_sections_run_most_valuable_first() -> None:
 def test_interleaved_rates_alternate_the_runs_and_report_the_median_ratio(monkeypatch) -> None:
     import torch
 
-    from shared_core.bench.system import gpu
+    from shared_core.bench.system import gpu_decode
 
     clock = [0.0]
     calls: list[str] = []
@@ -279,8 +285,8 @@ def test_interleaved_rates_alternate_the_runs_and_report_the_median_ratio(monkey
         clock[0] += costs[name][sum(c == name for c in calls)]
         calls.append(name)
 
-    monkeypatch.setattr(gpu.time, "perf_counter", lambda: clock[0])
-    out = gpu.interleaved_rates({"ours": lambda: run("ours"), "generate": lambda: run("generate")},
+    monkeypatch.setattr(gpu_decode.time, "perf_counter", lambda: clock[0])
+    out = gpu_decode.interleaved_rates({"ours": lambda: run("ours"), "generate": lambda: run("generate")},
                                 torch.device("cpu"), tokens=10, repeats=3)
     assert calls == ["ours", "generate"] * 4
     assert out["ours"]["runs_ms"] == [2000.0, 2200.0, 1900.0]  # the warm-up left out,
@@ -293,7 +299,7 @@ def test_interleaved_rates_alternate_the_runs_and_report_the_median_ratio(monkey
 def test_interleaved_rates_record_a_failing_run_and_time_the_others() -> None:
     import torch
 
-    from shared_core.bench.system.gpu import interleaved_rates
+    from shared_core.bench.system.gpu_decode import interleaved_rates
 
     def broken() -> None:
         raise RuntimeError("static cache refused")

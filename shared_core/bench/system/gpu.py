@@ -22,9 +22,12 @@ Sections, most valuable first (:func:`plan`), so that a budget that still bites 
 4. ``physics/<shape>`` for the other shapes (0.5B).
 
 On CUDA the correctness sections (1 and 3) time nothing and leave the GPU mostly idle, so they
-run first, side by side in spawned processes (``--workers``, default one each); the physics
-sections then run one at a time in this process, alone on the machine. Elsewhere (``--workers``
-1) every section runs here in the order above.
+run first, side by side in spawned processes (``--workers``, default one each), beside a
+``warm/<shape>`` section per physics shape that compiles its static-cache loops ahead
+(:func:`~shared_core.bench.system.gpu_decode.warm_compiles`: the physics section's compiles then
+read inductor's on-disk caches); the physics sections then run one at a time in this process,
+alone on the machine. Elsewhere (``--workers`` 1) every section runs here in the order above,
+none warmed.
 
 Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
 
@@ -60,6 +63,9 @@ serves a RAG prompt, :func:`~shared_core.bench.system.gpu_passages.passage_ttft`
 is measured, nothing asserted: in bf16 a k-token forward is not bitwise k one-token steps, so
 near-ties may flip tokens;
 ``summary.divergences_at_ties`` says per section whether every divergence was such a tie.
+A ``warm/<shape>`` section holds its build time and ``first_call_ms`` (each static-cache loop's
+first call: on CUDA its cold compile and graph capture; the physics section's
+``decode.<loop>.warmup_ms`` is the same call after the warm-up).
 "running" marks a section a worker had not finished when the report was written (a run killed
 at its hard stop keeps it); ``steps_s`` says where a section's time went.
 """
@@ -68,7 +74,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import statistics
 import time
 import traceback
 from collections.abc import Callable
@@ -80,6 +85,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from shared_core.bench.system import gpu_checks as checks
+from shared_core.bench.system.gpu_decode import (
+    DecodeShape,
+    decode_rates,
+    fresh_static_compile,
+    warm_compiles,
+)
 from shared_core.bench.system.gpu_models import (
     SHAPES,
     TINY_SHAPES,
@@ -100,7 +111,7 @@ from shared_core.bench.system.gpu_passages import (
 from shared_core.bench.system.gpu_report import plot
 from shared_core.bench.system.gpu_sections import Budget, Report, Section
 from shared_core.bench.system.gpu_syncs import round_figures
-from shared_core.bench.system.gpu_timing import elapsed_s, median_ms, random_ids
+from shared_core.bench.system.gpu_timing import median_ms, random_ids
 from shared_core.runtime.models import LM
 from shared_core.runtime.torch.session import KVSession
 from shared_core.util.device import resolve_device, synchronize
@@ -138,6 +149,10 @@ class Sizes:
     long_rag: RagShape = LONG_RAG  # and a long one, the main ways, on the smaller shapes
     long_rag_max_params_b: float = 2.0  # (a 7B's long prompt writes ~470 MB of KV a read)
     rag_reps: int = 3
+
+    @property
+    def decode(self) -> DecodeShape:
+        return DecodeShape(self.decode_prompt, self.decode_tokens, self.reps // 2)
 
     @classmethod
     def tiny(cls) -> Sizes:
@@ -247,118 +262,6 @@ def prefill_rate(lm: LM, sizes: Sizes) -> dict[str, Any]:
     return {"tokens": sizes.prefill, "ms": round(ms, 2), "tok_s": round(sizes.prefill / ms * 1e3, 1)}
 
 
-def interleaved_rates(runs: dict[str, Callable[[], Any]], device: torch.device, tokens: int,
-                      repeats: int, warmup: int = 1) -> dict[str, Any]:
-    """Time ``runs`` (each decoding ``tokens`` tokens) interleaved: a warm-up of each, then
-    ``repeats`` rounds of one run each in turn, so host jitter (both eager loops are bound by
-    launches) lands on all of them alike. Per run: median ms, tok/s, every repeat's ms and the
-    warm-up's (where a static cache's compile and graph capture show) or ``error``;
-    ``ratios``: for the first run over each other one, the median and spread of the per-repeat
-    tok/s ratios (first / other), the number an aim is decided on."""
-    failed: dict[str, str] = {}
-    times: dict[str, list[float]] = {name: [] for name in runs}
-
-    def timed(name: str) -> float | None:
-        if name in failed:
-            return None
-        try:
-            return elapsed_s(runs[name], device)
-        except Exception as e:  # one baseline may be refused by this transformers version
-            logger.exception("decode run %s failed", name)
-            failed[name] = f"{type(e).__name__}: {str(e)[:300]}"
-            return None
-
-    warm: dict[str, list[float]] = {name: [] for name in runs}
-    for _ in range(warmup):
-        for name in runs:
-            elapsed = timed(name)
-            if elapsed is not None:
-                warm[name].append(elapsed)
-    for _ in range(repeats):
-        for name in runs:
-            elapsed = timed(name)
-            if elapsed is not None:
-                times[name].append(elapsed)
-    out: dict[str, Any] = {}
-    for name in runs:
-        if name in failed or not times[name]:
-            out[name] = {"error": failed.get(name, "no timing")}
-            continue
-        ms = 1000 * statistics.median(times[name])
-        out[name] = {"ms": round(ms, 2), "tok_s": round(tokens / ms * 1e3, 2),
-                     "runs_ms": [round(1000 * t, 2) for t in times[name]],
-                     "warmup_ms": [round(1000 * t, 2) for t in warm[name]]}
-    first, *others = runs
-    ratios: dict[str, Any] = {}
-    for other in others:
-        if "runs_ms" in out[first] and "runs_ms" in out[other]:
-            per_repeat = [b / a for a, b in zip(times[first], times[other], strict=False)]
-            ratios[f"{first}_over_{other}"] = {
-                "median": round(statistics.median(per_repeat), 3),
-                "min": round(min(per_repeat), 3), "max": round(max(per_repeat), 3),
-                "repeats": len(per_repeat)}
-    out["ratios"] = ratios
-    return out
-
-
-def decode_rates(lm: LM, sizes: Sizes) -> dict[str, Any]:
-    """Our plain greedy loop against ``generate`` (same model, prompt and token count)."""
-    from shared_core.config import CacheKind
-    from shared_core.engines.baseline import autoregressive_generate
-
-    plain = replace(lm, eos_token_ids=frozenset())  # a random model must not stop early
-    ids = random_ids(sizes.decode_prompt, lm.vocab_size, 4)
-    n = sizes.decode_tokens
-    outputs: dict[str, list[int]] = {}
-
-    # sized like generate's static cache (prompt + new tokens), rounded up: every step attends
-    # over the whole capacity
-    fitted = replace(plain, static_capacity=min(lm.max_context, -(-(len(ids) + n) // 256) * 256))
-
-    def ours(cache: CacheKind = "prealloc") -> Callable[[], None]:
-        def run() -> None:
-            name = "ours" if cache == "prealloc" else f"ours_{cache}"
-            outputs[name] = autoregressive_generate(fitted, ids, n, cache=cache).token_ids
-        return run
-
-    def generate(**kwargs: Any) -> Callable[[], None]:
-        def run() -> None:
-            with torch.inference_mode():
-                out = lm.model.generate(torch.tensor([ids], device=lm.device), max_new_tokens=n,
-                                        min_new_tokens=n, do_sample=False,
-                                        eos_token_id=None, **kwargs)
-            outputs[kwargs.get("cache_implementation", "generate")] = out[0, len(ids):].tolist()
-        return run
-
-    reps, warm = max(2, sizes.reps // 2), 1
-    result: dict[str, Any] = {"prompt_tokens": len(ids), "new_tokens": n}
-    # each loop interleaved with its transformers counterpart: ratios are medians of >= 3 pairs
-    pairs = [interleaved_rates({"ours": ours(), "generate": generate()}, lm.device, n,
-                               repeats=max(3, reps), warmup=warm),
-             interleaved_rates({"ours_static": ours("static"),
-                                "generate_static": generate(cache_implementation="static")},
-                               lm.device, n, repeats=max(3, reps), warmup=warm)]
-    ratios = {k: v for pair in pairs for k, v in pair.pop("ratios").items()}
-    for pair in pairs:
-        result.update(pair)
-    ratio = ratios.get("ours_over_generate")
-    if ratio is not None:
-        result["ours_over_generate"] = ratio["median"]
-        result["ours_over_generate_spread"] = ratio
-        same = checks.compare("ours_vs_generate", outputs["ours"], outputs["generate"])
-        result["tokens_vs_generate"] = {"equal": same.equal, "identical_rate": same.identical_rate,
-                                        "first_divergence": same.first_divergence}
-    static = ratios.get("ours_static_over_generate_static")
-    if static is not None and "ours" in outputs:
-        result["ours_static_over_generate_static"] = static["median"]
-        result["ours_static_over_generate_static_spread"] = static
-        same = checks.compare("ours_static_vs_ours", outputs["ours_static"], outputs["ours"])
-        result["tokens_static_vs_ours"] = {"equal": same.equal,
-                                           "identical_rate": same.identical_rate,
-                                           "first_divergence": same.first_divergence}
-    return result
-
-
 def passage_times(lm: LM, sizes: Sizes) -> dict[str, Any]:
     """The passage cache's time to first token (:func:`.gpu_passages.passage_ttft`) on a RAG
     prompt, every way, and on the smaller shapes on a long one, the main ways (``long``)."""
@@ -375,26 +278,6 @@ def round_syncs(lm: LM, sizes: Sizes) -> dict[str, Any]:
     return round_figures(lm, ids, sizes.round_tokens)
 
 
-def fresh_static_compile(lm: LM) -> dict[str, Any] | None:
-    """Make ``generate``'s static-cache compile of this model a fresh, static-shape one.
-
-    Dynamo keys its caches on the code objects, which every Qwen2 model shares: compiling the
-    next shape's forward would find the last shape's state and, by automatic dynamic shapes,
-    compile a dynamic-shape graph instead (slower to compile: the 1.5B took ~70 s after the
-    0.5B, where the 7B alone took ~46 s). Returns the compile config set (None off CUDA, where
-    ``generate`` does not compile)."""
-    torch._dynamo.reset()
-    if lm.device.type != "cuda":
-        return None
-    try:
-        from transformers import CompileConfig
-    except ImportError:  # a transformers without it compiles with its own defaults
-        return None
-    config = CompileConfig(dynamic=False)  # transformers' defaults, shapes specialised
-    lm.model.generation_config.compile_config = config
-    return config.to_dict()
-
-
 def physics(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device, sizes: Sizes
             ) -> dict[str, Any]:
     from shared_core.runtime.torch.static import compiles
@@ -409,9 +292,9 @@ def physics(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.devi
                                "dtype": "bfloat16", "build_s": round(built, 2),
                                "static_compile": fresh_static_compile(lm)}
         done, errors, out["steps_s"] = run_steps({
-            name: partial(fn, lm, sizes) for name, fn in (
-                ("k_cost", k_cost), ("prefill", prefill_rate), ("decode", decode_rates),
-                ("rounds", round_syncs), ("passage_ttft", passage_times))})
+            "k_cost": partial(k_cost, lm, sizes), "prefill": partial(prefill_rate, lm, sizes),
+            "decode": partial(decode_rates, lm, sizes.decode),
+            "rounds": partial(round_syncs, lm, sizes), "passage_ttft": partial(passage_times, lm, sizes)})
         out.update(done)
         out.update({name: {"error": f"{e['type']}: {e['message'][:500]}",
                            "traceback": e["traceback"]} for name, e in errors.items()})
@@ -450,21 +333,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "leaves the GPU mostly idle; 1 elsewhere: in this process, in order)")
 
 
-def estimates(shape: Shape, device: torch.device, tiny: bool) -> tuple[float, float]:
-    """(correctness, physics) seconds estimated for ``shape``: generous, from its size."""
+@dataclass(frozen=True)
+class Estimates:
+    """Seconds a section of one shape is expected to take: generous, from its size."""
+
+    correctness: float
+    physics: float
+    warm: float  # :func:`.gpu_decode.warm_compiles`
+
+
+def estimates(shape: Shape, device: torch.device, tiny: bool) -> Estimates:
     if tiny:
-        return 30.0, 10.0
+        return Estimates(30.0, 10.0, 10.0)
     if device.type != "cuda":
-        return 600.0 * shape.params_b, 300.0 * shape.params_b
+        return Estimates(600.0 * shape.params_b, 300.0 * shape.params_b, 60.0 * shape.params_b)
     # eager transformers on a GPU is bound by kernel launches (~25 ms a forward at these
     # depths, whatever the width, and ~40 ms a forward-equivalent with the engines' own host
     # work: the H100's 0.5B sections took 75-114 s at 40 new tokens), so a correctness section
     # costs its ~2,300 forwards (counted on the toys: the sampling test ~700 of them, an
     # equality-only one ~1,600; the passage checks ~270); physics is ~20-35 s of timing,
     # two static-cache compiles (generate's ~25-45 s, our one-token step's, not yet measured:
-    # assumed alike), the passage cache's ~300 forwards and disk round trips (~15 s) and, for
-    # the 7B, ~10 s of building
-    return 80.0 + 45.0 * shape.params_b, 85.0 + 5.0 * shape.params_b
+    # assumed alike; cache reads when warmed), the passage cache's ~300 forwards and disk round
+    # trips (~15 s) and, for the 7B, ~10 s of building; warming is the building and the two
+    # cold compiles
+    return Estimates(80.0 + 45.0 * shape.params_b, 85.0 + 5.0 * shape.params_b,
+                     60.0 + 5.0 * shape.params_b)
 
 
 AIM_SHAPES = ("qwen2.5-1.5b", "qwen2.5-7b")  # the shapes the k = 8 and overhead aims are about
@@ -500,11 +393,15 @@ def section_of(name: str, kind: str, shape: Shape, dtype: torch.dtype | None,
                tokenizer: PreTrainedTokenizerBase, device: torch.device, sizes: Sizes, tiny: bool
                ) -> Section:
     """One :func:`plan` entry as a section to run (here or in a worker) with its estimate."""
-    check_s, physics_s = estimates(shape, device, tiny)
+    estimate = estimates(shape, device, tiny)
     if kind == "physics":
-        return Section(name, physics_s, partial(physics, shape, tokenizer, device, sizes))
+        return Section(name, estimate.physics, partial(physics, shape, tokenizer, device, sizes))
+    if kind == "warm":
+        return Section(name, estimate.warm,
+                       partial(warm_compiles, shape, tokenizer, device, sizes.decode))
     assert dtype is not None
-    return Section(name, check_s if kind == "correctness" else 0.7 * check_s,
+    return Section(name, estimate.correctness if kind == "correctness"
+                   else 0.7 * estimate.correctness,
                    partial(correctness, shape, tokenizer, device, dtype, sizes,
                            with_sampling=kind == "correctness"))
 
@@ -536,13 +433,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.data["machine"] = {"device": str(device), "error": f"{type(e).__name__}: {e}"}
     report.write()
     tokenizer = bench_tokenizer()
+    planned = plan(shapes, chosen, args.dtypes, args.only_correctness)
     sections = [(kind, section_of(name, kind, shape, dtype, tokenizer, device, sizes, args.tiny))
-                for name, kind, shape, dtype in plan(shapes, chosen, args.dtypes,
-                                                     args.only_correctness)]
+                for name, kind, shape, dtype in planned]
     untimed = [s for kind, s in sections if kind != "physics"]
-    workers = args.workers or (len(untimed) if device.type == "cuda" else 1)
+    warm = [section_of(f"warm/{shape.name}", "warm", shape, None, tokenizer, device, sizes,
+                       args.tiny) for _, kind, shape, _ in planned if kind == "physics"]
+    workers = args.workers or (len(untimed) + len(warm) if device.type == "cuda" else 1)
     if workers > 1:  # the untimed sections side by side first, then each timed one alone
-        report.run_concurrently(untimed, workers)
+        report.run_concurrently(untimed + warm, workers)
         sections = [(kind, s) for kind, s in sections if kind == "physics"]
     for _, section in sections:
         report.section(section)
