@@ -52,6 +52,7 @@ report = json.load(open(sys.argv[1]))
 print("elapsed_s", report.get("elapsed_s"), "machine", report["machine"].get("gpu"))
 for name, section in report["sections"].items():
     print(f"{name}: {section['status']} ({section.get('elapsed_s')} s)")
+print("side by side:", report.get("side_by_side"))
 print(json.dumps(report["summary"], indent=1)[:6000])
 PY
 exit $status

@@ -60,6 +60,10 @@ def test_every_section_is_written_and_ran(report: dict) -> None:
         assert 0 < sum(section["steps_s"].values()) <= section["elapsed_s"], name
         assert not section.get("errors"), name
     assert list(report["sections"])[-3:] == ["physics/tiny-a", "physics/tiny-b", "physics/tiny-c"]
+    lanes = report["side_by_side"]  # how long the side-by-side phase took, against its sections
+    assert sorted(name for lane in lanes["lanes"] for name in lane) == sorted(
+        name for name in report["sections"] if not name.startswith("physics/"))
+    assert lanes["wall_s"] > 0 and lanes["sections_s"] > 0
     assert set(report["sections"]["correctness/tiny-a/fp32"]["steps_s"]) == {
         "draft_model", "prompt_lookup", "respec", "rapid", "ralmspec", "constrained",
         "speculative_rag", "passage_cache", "sampling"}
@@ -193,6 +197,7 @@ def test_sections_side_by_side_queue_within_the_budget_and_survive_a_dead_worker
     # "queued" went to the worker that was to be free first: the one that died
     assert sections["queued"]["status"] == "error"
     assert sections["too_late"] == {"status": "skipped: budget", "estimate_s": 4.0}
+    assert report.data["side_by_side"]["lanes"] == [["dies", "queued"], ["lives"]]
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,8 @@ Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
     {"schema": "specrag-gpu-check/1", "started": ISO time, "elapsed_s": float,
      "args": {...}, "machine": {gpu, driver (nvidia_smi), torch, transformers, cuda_runtime, cpu},
      "budget_s": float,
+     "side_by_side": {"lanes": [[section, ...], ...], "threads_per_worker": int, "wall_s": float,
+                      "sections_s": float} (where sections ran side by side),
      "sections": {name: {"status": "ok" | "error" | "skipped: budget" | "running",
                          "elapsed_s": float, "steps_s": {step: seconds},
                          "error": {"type", "message", "traceback"} (on error),

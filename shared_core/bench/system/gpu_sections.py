@@ -154,6 +154,7 @@ class Report:
                     [[s.name for s in lane] for lane in lanes], len(lanes), threads)
         spawn = multiprocessing.get_context("spawn")
         level = logging.getLogger().getEffectiveLevel()
+        start = time.perf_counter()
         with ExitStack() as stack:
             futures: dict[Future[dict[str, Any]], Section] = {}
             for lane in lanes:
@@ -172,3 +173,10 @@ class Report:
                         "type": type(e).__name__, "message": str(e)[:2000],
                         "traceback": "the section's worker process failed (see the log)"}}
                 self._record(section.name, result)
+        # whether side by side paid: the lanes' wall time against the sections' own times
+        self.data["side_by_side"] = {
+            "lanes": [[s.name for s in lane] for lane in lanes], "threads_per_worker": threads,
+            "wall_s": round(time.perf_counter() - start, 2),
+            "sections_s": round(sum(self.data["sections"][s.name].get("elapsed_s", 0.0)
+                                    for lane in lanes for s in lane), 2)}
+        self.write()
