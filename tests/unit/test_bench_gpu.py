@@ -56,6 +56,7 @@ def test_every_section_is_written_and_ran(report: dict) -> None:
         if name.startswith("warm/"):  # each physics shape's static loops called once ahead
             assert set(section["first_call_ms"]) == {"ours_static", "generate_static"}
             assert all(ms > 0 for ms in section["first_call_ms"].values())
+            assert section["inductor_caches"]["dir"]  # where the compiles were left
             continue
         assert 0 < sum(section["steps_s"].values()) <= section["elapsed_s"], name
         assert not section.get("errors"), name

@@ -183,6 +183,19 @@ def fresh_static_compile(lm: LM) -> dict[str, Any] | None:
     return config.to_dict()
 
 
+def inductor_caches() -> dict[str, Any]:
+    """Whether inductor keeps what it compiles on disk, and where (what warming relies on)."""
+    try:
+        from torch._functorch import config as functorch_config
+        from torch._inductor import config as inductor_config
+        from torch._inductor.runtime.runtime_utils import cache_dir
+    except ImportError as e:  # a torch without these modules: nothing to rely on
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"fx_graph_cache": getattr(inductor_config, "fx_graph_cache", None),
+            "autograd_cache": getattr(functorch_config, "enable_autograd_cache", None),
+            "dir": cache_dir()}
+
+
 def warm_compiles(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device,
                   decode: DecodeShape) -> dict[str, Any]:
     """The physics section's model of ``shape`` built the same way, and each static-cache loop
@@ -195,7 +208,8 @@ def warm_compiles(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torc
         lm = build_lm(shape, tokenizer, device, torch.bfloat16, seed=0)
         synchronize(device)
         out: dict[str, Any] = {"model": lm.name, "build_s": round(time.perf_counter() - start, 2),
-                               "static_compile": fresh_static_compile(lm)}
+                               "static_compile": fresh_static_compile(lm),
+                               "inductor_caches": inductor_caches()}
         runs = decode_runs(lm, decode, {})
         out["first_call_ms"] = {}
         for name in STATIC_RUNS:  # one refused (a transformers version) leaves the other warmed
