@@ -50,6 +50,7 @@ from shared_core.config import PassageCacheConfig
 from shared_core.runtime.lm import clear_prefix_cache
 from shared_core.runtime.passage_cache import attach as attach_passage_cache
 from shared_core.runtime.passage_cache import (
+    clear_passages,
     passage_stats,
     register_passages,
 )
@@ -534,6 +535,22 @@ def test_passage_cache_exact_reads_the_disk_tier_and_recomputes_a_corrupt_entry(
         _, _, session = fresh_greedy(rt.lm, ids, 1)  # the next corrupt block is found in turn
         assert session.passage_report.reused == block_of(cache)
         assert passage_stats(rt.lm)["store"]["corrupt"] == min(2, len(files))
+
+
+def test_clear_passages_forgets_what_the_cache_stored(rt: Runtime, tmp_path: Any) -> None:
+    ids = rag_prompt(rt.lm, [1, 2])
+    assert clear_passages(rt.lm) == 0  # no cache: nothing to forget
+    with passage_cache(rt.lm, tmp_path, "exact") as cache:
+        cold_tokens, _, session = fresh_greedy(rt.lm, ids, 2)
+        stored = session.passage_report.stored
+        del session
+        assert stored >= 1 and len(disk_entries(cache, tmp_path)) == stored
+        assert clear_passages(rt.lm) == stored
+        assert disk_entries(cache, tmp_path) == []
+        tokens, _, session = fresh_greedy(rt.lm, ids, 2)
+        assert session.passage_report.reused == 0  # read anew,
+        assert session.passage_report.stored == stored  # and stored again
+        assert tokens == cold_tokens
 
 
 _RESTART_CHILD = """

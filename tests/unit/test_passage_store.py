@@ -182,6 +182,29 @@ def test_an_entry_discarded_or_put_again_before_its_write_is_not_written_stale(t
     assert reader.get("ab" * 32) is None and reader.get("cd" * 32) == b"new"
 
 
+def test_clear_forgets_both_tiers_and_leaves_other_models_alone(tmp_path, monkeypatch):
+    """An entry still queued for the disk is written before the clear, so it cannot land after
+    it; another model's entries in the same root stay."""
+    store = _store(tmp_path)
+    other = ChunkStore(model_identity(path="/other.gguf", size=1, mtime_ns=2, runtime="test"),
+                       memory_bytes=1 << 20, disk_bytes=1 << 20, disk_dir=tmp_path)
+    other.put("ef" * 32, b"theirs")
+    other.flush()
+    store.put("ab" * 32, b"written")
+    store.flush()
+    gate, waiting = _held_writes(store, monkeypatch)
+    store.put("cd" * 32, b"queued")
+    assert waiting.wait(30)  # its write is under way while the clear is asked for
+    threading.Timer(0.2, gate.set).start()
+    assert store.clear() == 2  # both entries, the queued one written first
+    assert store.get("ab" * 32) is None and store.get("cd" * 32) is None
+    assert store.stats.memory_bytes == store.stats.disk_bytes == 0
+    assert _store(tmp_path).stats.disk_bytes == 0  # recounted from its folder: empty
+    assert [p.parent.parent.name for p in _disk_files(tmp_path)] == [other.folder.name]
+    assert other.get("ef" * 32) == b"theirs"
+    assert ChunkStore(IDENTITY, memory_bytes=10, disk_bytes=0).clear() == 0  # no disk tier
+
+
 def _writer(folder: str, worker: int, count: int) -> None:
     """Puts ``count`` entries and returns: the interpreter's exit writes what is queued."""
     store = ChunkStore(IDENTITY, memory_bytes=0, disk_bytes=1 << 24, disk_dir=Path(folder))

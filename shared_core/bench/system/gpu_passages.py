@@ -35,7 +35,6 @@ from shared_core.runtime.lm import clear_prefix_cache
 from shared_core.runtime.models import LM
 from shared_core.runtime.passage_cache import attach, chunk_head, register_passage_ids
 from shared_core.runtime.passage_cache.report import PrefillReport
-from shared_core.runtime.passage_cache.store import SUFFIX
 
 logger = logging.getLogger(__name__)
 
@@ -151,7 +150,7 @@ def check_passage_cache(target: LM, n: int) -> tuple[list[checks.Comparison], di
 # ------------------------------------------------------------------------------- time to first token
 
 
-def _timed(lm: LM, ids: list[int], reps: int, before: Callable[[], None] | None = None
+def _timed(lm: LM, ids: list[int], reps: int, before: Callable[[], object] | None = None
            ) -> float:
     """Median ms of a new session's prefill of ``ids`` over ``reps`` runs after a warm-up; before
     each (untimed) the prefix store is emptied and ``before`` runs."""
@@ -162,15 +161,6 @@ def _timed(lm: LM, ids: list[int], reps: int, before: Callable[[], None] | None 
             before()
         times.append(1000 * elapsed_s(lambda: lm.open_session().prefill(ids), lm.device))
     return statistics.median(times[1:])
-
-
-def _emptied(cache: Any) -> Callable[[], None]:
-    """Empties ``cache``'s store, both tiers (its writes finished first)."""
-    def empty() -> None:
-        cache.store.clear_memory()
-        for path in cache.store.folder.rglob(f"*{SUFFIX}"):
-            path.unlink()
-    return empty
 
 
 def passage_ttft(lm: LM, reps: int, rag: RagShape = TTFT_RAG, *, every_way: bool = True
@@ -190,11 +180,11 @@ def passage_ttft(lm: LM, reps: int, rag: RagShape = TTFT_RAG, *, every_way: bool
     with tempfile.TemporaryDirectory(prefix="specrag-gpu-kv-") as folder:
         with cached(lm, "exact", 0.0, passages, Path(folder) / "exact") as cache:
             if every_way:
-                ms["exact_cold"] = _timed(lm, ids, reps, _emptied(cache))
+                ms["exact_cold"] = _timed(lm, ids, reps, cache.store.clear)
             ms["exact_warm"] = _timed(lm, ids, reps, cache.store.flush)  # its warm-up fills
             reports["exact_warm"] = cache.last.as_dict()
         with cached(lm, "blend", 0.0, passages, Path(folder) / "first") as cache:
-            ms["blend_first_read"] = _timed(lm, ids, reps, _emptied(cache))
+            ms["blend_first_read"] = _timed(lm, ids, reps, cache.store.clear)
             reports["blend_first_read"] = cache.last.as_dict()
         with cached(lm, "blend", 0.0, passages, Path(folder) / "blend") as cache:
             lm.open_session().prefill(ids)  # every passage stored as this read left it

@@ -4,7 +4,7 @@
 model (:func:`attach`); every session's first prefill then goes through it (:mod:`.llamacpp`,
 :mod:`.torch_cache`). :func:`warm_passages` fills it ahead of time from the texts an app indexes;
 :func:`register_passages` tells it which texts a prompt may contain (the RAG engines do);
-:func:`passage_stats` reports what it did.
+:func:`passage_stats` reports what it did; :func:`clear_passages` forgets what it stored.
 
 - ``"exact"``: only exact prompt prefixes are reused (in blocks, kept in memory and on disk across
   processes); with ``exact=True`` the output equals a cold prefill's token for token.
@@ -29,9 +29,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PassageCacheConfig", "attach", "chunk_head", "config_from", "ensure", "passage_cache_of",
-           "passage_stats", "register_passage_ids", "register_passages", "source_texts",
-           "warm_passages"]
+__all__ = ["PassageCacheConfig", "attach", "chunk_head", "clear_passages", "config_from", "ensure",
+           "passage_cache_of", "passage_stats", "register_passage_ids", "register_passages",
+           "source_texts", "warm_passages"]
 
 
 def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
@@ -164,6 +164,19 @@ def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -
         cache.store.flush()  # warmed ahead of time: on disk when this returns, for other processes
     logger.info("warm_passages: %d computed, %d already stored or too short", computed, skipped)
     return {"passages": len(items), "computed": computed, "skipped": skipped}
+
+
+def clear_passages(lm: ModelLM) -> int:
+    """Forget every passage KV the model's cache holds, in memory and on disk (its own folder;
+    other models' entries stay): the next prompts read their passages anew. Registered
+    passages stay known. Returns the disk entries deleted (0 without a cache)."""
+    cache = passage_cache_of(lm)
+    store = None if cache is None else cache.store
+    if store is None:  # no cache, or a copied torch model's cache not bound to a store yet
+        return 0
+    removed = int(store.clear())
+    logger.info("clear_passages: %d disk entries deleted", removed)
+    return removed
 
 
 def passage_stats(lm: ModelLM) -> dict[str, Any]:

@@ -341,6 +341,20 @@ class ChunkStore(Generic[Entry]):
             self._memory.clear()
             self.stats.memory_bytes = 0
 
+    def clear(self) -> int:
+        """Forget every entry, in memory and in this store's disk folder (entries put so far
+        written first, so none lands after); returns how many disk entries were deleted. Other
+        models' folders are left alone; the counters of hits and misses stay."""
+        self.clear_memory()
+        if self.folder is None:
+            return 0
+        with exclusive(self._lock_path()):
+            entries = self._disk_entries()
+            for path, _, _ in entries:
+                self._unlink(path)
+            self.stats.disk_bytes = 0
+        return len(entries)
+
 
 def _checked_payload(data: bytes, key: str) -> bytes | None:
     """The payload of a disk entry if its magic, key and digest hold, else None."""
