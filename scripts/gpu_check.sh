@@ -41,10 +41,13 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 nvidia-smi 2>&1 | tee "$out/nvidia_smi.txt" || echo "nvidia-smi: not available"
 # the kill leaves the report of every finished section (written after each one)
 # shellcheck disable=SC2086
+started=$(date +%s)
 timeout --kill-after=10 "${GPU_CHECK_TIMEOUT_S:-400}" python3 -m shared_core.bench gpu \
     --out "$out" ${GPU_CHECK_BUDGET_S:+--budget-s "$GPU_CHECK_BUDGET_S"} ${GPU_CHECK_ARGS:-} \
     > "$out/gpu_check.log" 2>&1
 status=$?
+echo "the check took $(( $(date +%s) - started )) s, interpreter start-up included" \
+    >> "$out/gpu_check.log"
 tail -n 40 "$out/gpu_check.log"
 python3 - "$out/gpu_report.json" <<'PY' || true
 import json, sys

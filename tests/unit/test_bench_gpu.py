@@ -48,6 +48,7 @@ def test_every_section_is_written_and_ran(report: dict) -> None:
         "physics/tiny-c", "correctness/llama-tiny-a/bf16",
         "warm/tiny-a", "warm/tiny-b", "warm/tiny-c"}
     assert {s["status"] for s in report["sections"].values()} == {"ok"}
+    assert report["summary"]["aims"]["every_section_ran"] is True
     assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
     # the correctness sections ran side by side before the physics, recorded in plan order
     assert list(report["sections"])[:3] == [
@@ -170,6 +171,7 @@ def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
     report.section(Section("failing", 0.0, lambda: {"x": 1 / 0}))
     data = json.loads((tmp_path / "gpu_report.json").read_text(encoding="utf-8"))
     assert data["sections"]["slow"]["status"] == "skipped: budget"
+    assert data["summary"]["aims"]["every_section_ran"] is False
     failed = data["sections"]["failing"]
     assert failed["status"] == "error" and failed["error"]["type"] == "ZeroDivisionError"
 

@@ -60,6 +60,7 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
         "ours_ge_0.95_generate": {n: overhead[n] >= AIM_OVERHEAD for n in overhead if n in big},
         "one_sync_per_round": {n: all(v <= 1 for v in loops.values())
                                for n, loops in syncs.items()},
+        "every_section_ran": all(section.get("status") == "ok" for section in sections.values()),
     }
     return {"equality": equality, "divergences_at_ties": ties, "k8_over_step": k8,
             "ours_over_generate": overhead, "ours_over_generate_spread": spreads,
