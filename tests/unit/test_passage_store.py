@@ -123,10 +123,14 @@ def test_a_failed_write_leaves_no_entry_and_no_temporary_file(tmp_path, monkeypa
 
 
 class _Recording(BytesCodec):
-    """The bytes codec, noting the thread each entry was encoded on."""
+    """The bytes codec, noting the thread each entry was told of (put) and encoded on."""
 
     def __init__(self) -> None:
         self.threads: list[str] = []
+        self.put_on: list[str] = []
+
+    def on_put(self, entry: bytes) -> None:
+        self.put_on.append(threading.current_thread().name)
 
     def encode(self, entry: bytes) -> bytes:
         self.threads.append(threading.current_thread().name)
@@ -161,6 +165,7 @@ def test_put_returns_before_the_disk_write_and_serves_the_entry_meanwhile(tmp_pa
     gate.set()
     store.flush()
     assert codec.threads and threading.current_thread().name not in codec.threads
+    assert codec.put_on == [threading.current_thread().name]  # told on the putting thread
     assert len(_disk_files(tmp_path)) == 1
     assert _store(tmp_path, memory=0).get("ab" * 32) == b"entry"
 

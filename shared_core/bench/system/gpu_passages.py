@@ -159,7 +159,8 @@ def _timed(lm: LM, ids: list[int], reps: int, before: Callable[[], object] | Non
         clear_prefix_cache(lm)
         if before is not None:
             before()
-        times.append(1000 * elapsed_s(lambda: lm.open_session().prefill(ids), lm.device))
+        times.append(1000 * elapsed_s(lambda: lm.open_session().prefill(ids), lm.device,
+                                      stream_only=True))
     return statistics.median(times[1:])
 
 

@@ -13,12 +13,19 @@ import torch
 from shared_core.util.device import synchronize
 
 
-def elapsed_s(fn: Callable[[], Any], device: torch.device) -> float:
-    """Seconds ``fn`` takes, the device's queued work included (synchronised before and after)."""
+def elapsed_s(fn: Callable[[], Any], device: torch.device, *, stream_only: bool = False
+              ) -> float:
+    """Seconds ``fn`` takes, the device's queued work included (synchronised before and after);
+    with ``stream_only``, the work this thread queued on its current stream only (a time to first
+    token: the logits are ready when the model's stream is, whatever other streams, such as the
+    passage cache's copies to the host, still have queued)."""
     synchronize(device)
     start = time.perf_counter()
     fn()
-    synchronize(device)
+    if stream_only and device.type == "cuda":
+        torch.cuda.current_stream(device).synchronize()
+    else:
+        synchronize(device)
     return time.perf_counter() - start
 
 

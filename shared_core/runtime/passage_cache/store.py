@@ -78,12 +78,20 @@ class Codec(Protocol[Entry]):
         """Bytes the entry holds in the memory tier."""
         ...
 
+    def on_put(self, entry: Entry) -> None:
+        """Called on the putting thread before the entry's disk write is queued (the write, and
+        :meth:`encode`, run on the writer thread)."""
+        ...
+
 
 class BytesCodec:
     """Entries that are their own bytes (llama.cpp's sequence state)."""
 
     def encode(self, entry: bytes) -> bytes:
         return entry
+
+    def on_put(self, entry: bytes) -> None:
+        return None
 
     def decode(self, payload: bytes) -> bytes:
         return payload
@@ -233,6 +241,7 @@ class ChunkStore(Generic[Entry]):
             if self.folder is not None:
                 self._pending[key] = entry
         if self.folder is not None:
+            self.codec.on_put(entry)
             writer().submit(self, key, entry)
 
     def _write_entry(self, key: str, entry: Entry) -> None:

@@ -167,15 +167,41 @@ def _kv_shape_of(model: PreTrainedModel) -> tuple[int, int, int]:
 
 class KVCodec:
     """The store's entries for one model: :class:`ChunkKV` on its device, at its dtype and KV
-    shapes; on disk, :meth:`ChunkKV.to_bytes` blobs."""
+    shapes; on disk, :meth:`ChunkKV.to_bytes` blobs.
+
+    On CUDA the writer copies an entry to the host on a stream of its own, after an event
+    recorded where the model's stream stood when the entry was put: on the model's stream the
+    copy would wait behind the kernels queued after the prefill and hold up the next ones (the
+    next token's), and a device-wide wait for the first token would include it."""
 
     def __init__(self, model: PreTrainedModel) -> None:
         param = next(model.parameters())
         self.device, self.dtype = param.device, param.dtype
         self.shape = _kv_shape_of(model)
+        self._computed: weakref.WeakKeyDictionary[ChunkKV, torch.cuda.Event] = (
+            weakref.WeakKeyDictionary())
+        self._lock = threading.Lock()
+        self._copy_stream: torch.cuda.Stream | None = None
+
+    def on_put(self, entry: ChunkKV) -> None:
+        if entry.keys.device.type != "cuda":
+            return
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(entry.keys.device))
+        with self._lock:
+            self._computed[entry] = event
 
     def encode(self, entry: ChunkKV) -> bytes:
-        return entry.to_bytes()
+        with self._lock:
+            event = self._computed.pop(entry, None)
+            if event is not None and self._copy_stream is None:
+                self._copy_stream = torch.cuda.Stream(entry.keys.device)
+            stream = self._copy_stream
+        if event is None or stream is None:
+            return entry.to_bytes()
+        with torch.cuda.stream(stream):
+            stream.wait_event(event)
+            return entry.to_bytes()  # .cpu() waits for this stream only
 
     def decode(self, payload: bytes) -> ChunkKV | None:
         try:
