@@ -280,6 +280,18 @@ def test_sections_run_most_valuable_first() -> None:
         "correctness/qwen2.5-0.5b/bf16"]
 
 
+def test_only_the_physics_expected_to_run_is_warmed() -> None:
+    """From the correctness phase's end (100 s) in a 350 s budget: 90 s and 120 s fit one after
+    another, a third of 90 s would end at 400 and is skipped, a last 30 s one still fits."""
+    from shared_core.bench.system.gpu import expected_to_run
+    from shared_core.bench.system.gpu_sections import Section
+
+    timed = [Section(name, estimate, dict) for name, estimate in
+             (("1.5b", 90.0), ("7b", 120.0), ("0.5b", 90.0), ("toy", 30.0))]
+    assert expected_to_run(timed, 350.0, 100.0) == {"1.5b", "7b", "toy"}
+    assert expected_to_run(timed, 350.0, 400.0) == set()
+
+
 def test_interleaved_rates_alternate_the_runs_and_report_the_median_ratio(monkeypatch) -> None:
     import torch
 

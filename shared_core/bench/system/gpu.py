@@ -23,7 +23,8 @@ Sections, most valuable first (:func:`plan`), so that a budget that still bites 
 
 On CUDA the correctness sections (1 and 3) time nothing and leave the GPU mostly idle, so they
 run first, side by side in spawned processes (``--workers``, default one each), beside a
-``warm/<shape>`` section per physics shape that compiles its static-cache loops ahead
+``warm/<shape>`` section per physics shape expected to fit the budget that compiles its
+static-cache loops ahead
 (:func:`~shared_core.bench.system.gpu_decode.warm_compiles`: the physics section's compiles then
 read inductor's on-disk caches); the physics sections then run one at a time in this process,
 alone on the machine. Elsewhere (``--workers`` 1) every section runs here in the order above,
@@ -408,6 +409,18 @@ def section_of(name: str, kind: str, shape: Shape, dtype: torch.dtype | None,
                            with_sampling=kind == "correctness"))
 
 
+def expected_to_run(timed: list[Section], budget_s: float, start_s: float) -> set[str]:
+    """The names of the ``timed`` sections that would start, one after another from ``start_s``,
+    under ``budget_s`` if each took its estimate (as :meth:`Report.section` decides): the shapes
+    worth warming."""
+    names, at = set(), start_s
+    for section in timed:
+        if at + section.estimate_s <= budget_s:
+            names.add(section.name)
+            at += section.estimate_s
+    return names
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.budget_s <= 0:
         msg = f"--budget-s must be positive, got {args.budget_s}"
@@ -439,8 +452,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sections = [(kind, section_of(name, kind, shape, dtype, tokenizer, device, sizes, args.tiny))
                 for name, kind, shape, dtype in planned]
     untimed = [s for kind, s in sections if kind != "physics"]
+    expected = expected_to_run([s for kind, s in sections if kind == "physics"], budget.total_s,
+                               budget.elapsed() + max((s.estimate_s for s in untimed), default=0))
     warm = [section_of(f"warm/{shape.name}", "warm", shape, None, tokenizer, device, sizes,
-                       args.tiny) for _, kind, shape, _ in planned if kind == "physics"]
+                       args.tiny) for name, kind, shape, _ in planned
+            if kind == "physics" and name in expected]
     workers = args.workers or (len(untimed) + len(warm) if device.type == "cuda" else 1)
     if workers > 1:  # the untimed sections side by side first, then each timed one alone
         report.run_concurrently(untimed + warm, workers)
