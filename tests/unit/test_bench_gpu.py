@@ -280,6 +280,19 @@ def test_sections_run_most_valuable_first() -> None:
         "correctness/qwen2.5-0.5b/bf16"]
 
 
+@pytest.mark.parametrize(("flag", "value"), [("--budget-s", "0"), ("--workers", "0")])
+def test_bad_settings_are_refused_naming_the_flag_before_any_model_work(tmp_path: Path, flag: str,
+                                                                         value: str) -> None:
+    from shared_core.bench.__main__ import build_parser
+    from shared_core.bench.system.gpu import run
+
+    args = build_parser().parse_args(["gpu", "--device", "cpu", "--tiny", "--out",
+                                      str(tmp_path), flag, value])
+    with pytest.raises(ValueError, match=flag):
+        run(args)
+    assert not (tmp_path / "gpu_report.json").exists()  # refused before the report began
+
+
 def test_only_the_physics_expected_to_run_is_warmed() -> None:
     """From the correctness phase's end (100 s) in a 350 s budget: 90 s and 120 s fit one after
     another, a third of 90 s would end at 400 and is skipped, a last 30 s one still fits."""

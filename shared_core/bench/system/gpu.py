@@ -331,9 +331,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only-correctness", action="store_true",
                         help="skip the physics and the Llama section (a short re-check)")
     parser.add_argument("--workers", type=int, default=None,
-                        help="processes that run the correctness sections side by side before "
-                             "the physics (default: one per section on CUDA, where a section "
-                             "leaves the GPU mostly idle; 1 elsewhere: in this process, in order)")
+                        help="processes that run the correctness sections and the compile "
+                             "warm-ups side by side before the physics (default: one each on "
+                             "CUDA, where a section leaves the GPU mostly idle; 1 elsewhere: every "
+                             "section in this process, in order, none warmed)")
 
 
 @dataclass(frozen=True)
