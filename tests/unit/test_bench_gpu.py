@@ -163,10 +163,22 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
         "physics/tiny-a", "physics/tiny-b", "physics/tiny-c"}
 
 
-def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
-    from shared_core.bench.system.gpu_sections import Budget, Report, Section
+def frozen_budget(total_s: float):
+    """A budget whose clock stays at 0 s: whether a section fits never depends on the machine's
+    speed."""
+    from shared_core.bench.system.gpu_sections import Budget
 
-    report = Report(tmp_path, {}, Budget(1.0))
+    class Frozen(Budget):
+        def elapsed(self) -> float:
+            return 0.0
+
+    return Frozen(total_s)
+
+
+def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
+    from shared_core.bench.system.gpu_sections import Report, Section
+
+    report = Report(tmp_path, {}, frozen_budget(1.0))
     report.section(Section("slow", 5.0, lambda: {"never": True}))
     report.section(Section("failing", 0.0, lambda: {"x": 1 / 0}))
     data = json.loads((tmp_path / "gpu_report.json").read_text(encoding="utf-8"))
@@ -183,9 +195,9 @@ def test_sections_side_by_side_queue_within_the_budget_and_survive_a_dead_worker
     that dies (a native crash) fails its own sections only: the other worker's come back."""
     from functools import partial
 
-    from shared_core.bench.system.gpu_sections import Budget, Report, Section
+    from shared_core.bench.system.gpu_sections import Report, Section
 
-    report = Report(tmp_path, {}, Budget(9.0))
+    report = Report(tmp_path, {}, frozen_budget(9.0))
     report.run_concurrently([
         Section("dies", 4.0, partial(os._exit, 3)),
         Section("lives", 6.0, partial(dict, value=1)),
