@@ -305,16 +305,47 @@ def test_bad_settings_are_refused_naming_the_flag_before_any_model_work(tmp_path
     assert not (tmp_path / "gpu_report.json").exists()  # refused before the report began
 
 
-def test_only_the_physics_expected_to_run_is_warmed() -> None:
-    """From the correctness phase's end (100 s) in a 350 s budget: 90 s and 120 s fit one after
-    another, a third of 90 s would end at 400 and is skipped, a last 30 s one still fits."""
-    from shared_core.bench.system.gpu import expected_to_run
-    from shared_core.bench.system.gpu_sections import Section
+def planned_on_cuda(shapes: list[str], dtypes: list[str]) -> list:
+    """The check's plan at the real shapes with CUDA's estimates, as ``run`` builds it (no model
+    is built: a section is a call not made yet)."""
+    import torch
 
-    timed = [Section(name, estimate, dict) for name, estimate in
-             (("1.5b", 90.0), ("7b", 120.0), ("0.5b", 90.0), ("toy", 30.0))]
-    assert expected_to_run(timed, 350.0, 100.0) == {"1.5b", "7b", "toy"}
-    assert expected_to_run(timed, 350.0, 400.0) == set()
+    from shared_core.bench.system.gpu import Sizes, plan, section_of
+    from shared_core.bench.system.gpu_models import SHAPES
+
+    cuda = torch.device("cuda")
+    return [(kind, section_of(name, kind, shape, dtype, None, cuda, Sizes(), False),
+             section_of(f"warm/{shape.name}", "warm", shape, None, None, cuda, Sizes(), False)
+             if kind == "physics" else None)
+            for name, kind, shape, dtype in plan(SHAPES, shapes, dtypes, only_correctness=False)]
+
+
+def names(sections: list) -> list[str]:
+    return [s.name for s in sections]
+
+
+def test_the_budget_keeps_sections_in_order_of_value_side_by_side_or_not() -> None:
+    """The default run: the correctness sections and the warm-ups of the physics that fits run
+    side by side, the 1.5B and 7B physics after them; the 0.5B physics (least value) neither
+    runs nor is warmed. A 7B-only run: the 7B equality sections (~300-420 s estimated) would
+    push the 7B physics out of the budget if they ran side by side regardless; they are the
+    ones left out."""
+    from shared_core.bench.system.gpu import schedule
+
+    default = schedule(planned_on_cuda(["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b"],
+                                       ["fp32", "bf16"]), 350.0, 0.0)
+    assert names(default.side_by_side) == [
+        "correctness/qwen2.5-0.5b/fp32", "correctness/qwen2.5-0.5b/bf16", "warm/qwen2.5-1.5b",
+        "warm/qwen2.5-7b", "correctness/llama-qwen2.5-0.5b/bf16"]
+    assert names(default.timed) == ["physics/qwen2.5-1.5b", "physics/qwen2.5-7b"]
+    assert names(default.skipped) == ["physics/qwen2.5-0.5b"]
+    only_7b = schedule(planned_on_cuda(["qwen2.5-7b"], ["bf16"]), 350.0, 0.0)
+    assert names(only_7b.timed) == ["physics/qwen2.5-7b"]
+    assert names(only_7b.side_by_side) == ["warm/qwen2.5-7b"]
+    assert names(only_7b.skipped) == ["correctness/qwen2.5-7b/bf16",
+                                      "correctness/llama-qwen2.5-7b/bf16"]
+    assert names(schedule(planned_on_cuda(["qwen2.5-7b"], ["bf16"]), 350.0, 400.0).skipped) == [
+        "correctness/qwen2.5-7b/bf16", "physics/qwen2.5-7b", "correctness/llama-qwen2.5-7b/bf16"]
 
 
 def test_interleaved_rates_alternate_the_runs_and_report_the_median_ratio(monkeypatch) -> None:

@@ -23,12 +23,12 @@ Sections, most valuable first (:func:`plan`), so that a budget that still bites 
 
 On CUDA the correctness sections (1 and 3) time nothing and leave the GPU mostly idle, so they
 run first, side by side in spawned processes (``--workers``, default one each), beside a
-``warm/<shape>`` section per physics shape expected to fit the budget that compiles its
-static-cache loops ahead
+``warm/<shape>`` section per physics section that compiles its static-cache loops ahead
 (:func:`~shared_core.bench.system.gpu_decode.warm_compiles`: the physics section's compiles then
 read inductor's on-disk caches); the physics sections then run one at a time in this process,
-alone on the machine. Elsewhere (``--workers`` 1) every section runs here in the order above,
-none warmed.
+alone on the machine. Which sections fit is decided up front in the order above
+(:func:`schedule`), so a long correctness section of little value never pushes the aims'
+physics out. Elsewhere (``--workers`` 1) every section runs here in the order above, none warmed.
 
 Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
 
@@ -80,7 +80,7 @@ import logging
 import time
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -410,16 +410,41 @@ def section_of(name: str, kind: str, shape: Shape, dtype: torch.dtype | None,
                            with_sampling=kind == "correctness"))
 
 
-def expected_to_run(timed: list[Section], budget_s: float, start_s: float) -> set[str]:
-    """The names of the ``timed`` sections that would start, one after another from ``start_s``,
-    under ``budget_s`` if each took its estimate (as :meth:`Report.section` decides): the shapes
-    worth warming."""
-    names, at = set(), start_s
-    for section in timed:
-        if at + section.estimate_s <= budget_s:
-            names.add(section.name)
-            at += section.estimate_s
-    return names
+@dataclass
+class Schedule:
+    """Which sections run side by side (correctness and warm-ups, one lane each), which run after
+    them one at a time (physics), and which the budget leaves out."""
+
+    side_by_side: list[Section] = field(default_factory=list)
+    timed: list[Section] = field(default_factory=list)
+    skipped: list[Section] = field(default_factory=list)
+
+
+def schedule(planned: list[tuple[str, Section, Section | None]], budget_s: float, start_s: float
+             ) -> Schedule:
+    """Take ``planned`` (kind, section, the warm-up of a physics section) in order of value and
+    keep each section whose estimate still fits with those kept before it: the side-by-side
+    phase lasts as long as its longest section, the timed ones follow it. So a long correctness
+    section of little value cannot push the physics of the aims out of the budget (as running
+    every correctness section side by side regardless would); a physics section is warmed only
+    if it runs and its warm-up does not lengthen the phase past the budget."""
+    out, phase, timed_s = Schedule(), 0.0, 0.0
+    for kind, section, warm in planned:
+        if kind == "physics":
+            if start_s + phase + timed_s + section.estimate_s > budget_s:
+                out.skipped.append(section)
+                continue
+            out.timed.append(section)
+            timed_s += section.estimate_s
+            if warm is not None and start_s + max(phase, warm.estimate_s) + timed_s <= budget_s:
+                out.side_by_side.append(warm)
+                phase = max(phase, warm.estimate_s)
+        elif start_s + max(phase, section.estimate_s) + timed_s <= budget_s:
+            out.side_by_side.append(section)
+            phase = max(phase, section.estimate_s)
+        else:
+            out.skipped.append(section)
+    return out
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -449,21 +474,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report.data["machine"] = {"device": str(device), "error": f"{type(e).__name__}: {e}"}
     report.write()
     tokenizer = bench_tokenizer()
-    planned = plan(shapes, chosen, args.dtypes, args.only_correctness)
-    sections = [(kind, section_of(name, kind, shape, dtype, tokenizer, device, sizes, args.tiny))
-                for name, kind, shape, dtype in planned]
-    untimed = [s for kind, s in sections if kind != "physics"]
-    expected = expected_to_run([s for kind, s in sections if kind == "physics"], budget.total_s,
-                               budget.elapsed() + max((s.estimate_s for s in untimed), default=0))
-    warm = [section_of(f"warm/{shape.name}", "warm", shape, None, tokenizer, device, sizes,
-                       args.tiny) for name, kind, shape, _ in planned
-            if kind == "physics" and name in expected]
-    workers = args.workers or (len(untimed) + len(warm) if device.type == "cuda" else 1)
-    if workers > 1:  # the untimed sections side by side first, then each timed one alone
-        report.run_concurrently(untimed + warm, workers)
-        sections = [(kind, s) for kind, s in sections if kind == "physics"]
-    for _, section in sections:
-        report.section(section)
+    planned = [(kind, section_of(name, kind, shape, dtype, tokenizer, device, sizes, args.tiny),
+                section_of(f"warm/{shape.name}", "warm", shape, None, tokenizer, device, sizes,
+                           args.tiny) if kind == "physics" else None)
+               for name, kind, shape, dtype in plan(shapes, chosen, args.dtypes,
+                                                    args.only_correctness)]
+    if args.workers == 1 or (args.workers is None and device.type != "cuda"):
+        for _, section, _ in planned:  # here, in order of value, none warmed
+            report.section(section)
+    else:  # the untimed sections side by side first, then each timed one alone
+        chosen_sections = schedule(planned, budget.total_s, budget.elapsed())
+        for section in chosen_sections.skipped:
+            report.skip(section)
+        report.run_concurrently(chosen_sections.side_by_side,
+                                args.workers or len(chosen_sections.side_by_side))
+        for section in chosen_sections.timed:
+            report.section(section)
     try:
         plot(report.data, out_dir / PLOT_NAME)
     except Exception:  # the JSON is the result; a plot is a convenience

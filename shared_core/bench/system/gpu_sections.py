@@ -110,7 +110,8 @@ class Report:
         self.data["sections"][name] = result
         self.write()
 
-    def _skip(self, section: Section) -> None:
+    def skip(self, section: Section) -> None:
+        """Record ``section`` as left out for the budget."""
         logger.warning("section %s skipped: %.0f s estimated, %.0f s left", section.name,
                        section.estimate_s, self.budget.total_s - self.budget.elapsed())
         self._record(section.name, {"status": "skipped: budget", "estimate_s": section.estimate_s})
@@ -118,7 +119,7 @@ class Report:
     def section(self, section: Section) -> None:
         """Run ``section`` here if its estimate fits; record its result, or its failure."""
         if not self.budget.fits(section.estimate_s):
-            self._skip(section)
+            self.skip(section)
             return
         logger.info("section %s (estimate %.0f s, elapsed %.0f s)", section.name,
                     section.estimate_s, self.budget.elapsed())
@@ -137,7 +138,7 @@ class Report:
         for section in sections:
             lane = min(range(workers), key=ends.__getitem__)
             if not self.budget.fits(section.estimate_s, start_at=ends[lane]):
-                self._skip(section)
+                self.skip(section)
                 continue
             ends[lane] += section.estimate_s
             lanes[lane].append(section)
