@@ -175,6 +175,18 @@ def frozen_budget(total_s: float):
     return Frozen(total_s)
 
 
+def test_one_worker_runs_every_section_here_in_order(tmp_path: Path) -> None:
+    """``--workers 1`` (the default off CUDA): no process is spawned and nothing is warmed."""
+    from shared_core.bench.__main__ import main
+
+    assert main(["gpu", "--device", "cpu", "--tiny", "--only-correctness", "--dtypes", "fp32",
+                 "--workers", "1", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "gpu_report.json").read_text(encoding="utf-8"))
+    assert list(report["sections"]) == ["correctness/tiny-a/fp32"]
+    assert report["sections"]["correctness/tiny-a/fp32"]["status"] == "ok"
+    assert "side_by_side" not in report
+
+
 def test_a_section_over_budget_is_skipped_and_recorded(tmp_path: Path) -> None:
     from shared_core.bench.system.gpu_sections import Report, Section
 
