@@ -91,7 +91,7 @@ from shared_core.bench.system import gpu_checks as checks
 from shared_core.bench.system.gpu_decode import (
     DecodeShape,
     decode_rates,
-    fresh_static_compile,
+    physics_model,
     warm_compiles,
 )
 from shared_core.bench.system.gpu_models import (
@@ -285,15 +285,9 @@ def physics(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.devi
             ) -> dict[str, Any]:
     from shared_core.runtime.torch.static import compiles
 
-    lm = None
+    lm, out = physics_model(shape, tokenizer, device)
     try:
-        start = time.perf_counter()
-        lm = build_lm(shape, tokenizer, device, torch.bfloat16, seed=0)
-        synchronize(device)
-        built = time.perf_counter() - start
-        out: dict[str, Any] = {"model": lm.name, "params_b": round(shape.params_b, 3),
-                               "dtype": "bfloat16", "build_s": round(built, 2),
-                               "static_compile": fresh_static_compile(lm)}
+        out.update(params_b=round(shape.params_b, 3), dtype="bfloat16")
         done, errors, out["steps_s"] = run_steps({
             "k_cost": partial(k_cost, lm, sizes), "prefill": partial(prefill_rate, lm, sizes),
             "decode": partial(decode_rates, lm, sizes.decode),

@@ -196,20 +196,32 @@ def inductor_caches() -> dict[str, Any]:
             "dir": cache_dir()}
 
 
+def physics_model(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device
+                  ) -> tuple[LM, dict[str, Any]]:
+    """The bf16 model of ``shape`` a physics section times, built as its warm-up builds it (the
+    same graphs, so that the warm-up's compiles serve the section), ready for a fresh static
+    compile; with its name, build seconds and compile config."""
+    start = time.perf_counter()
+    lm = build_lm(shape, tokenizer, device, torch.bfloat16, seed=0)
+    try:
+        synchronize(device)
+        built = time.perf_counter() - start
+        return lm, {"model": lm.name, "build_s": round(built, 2),
+                    "static_compile": fresh_static_compile(lm)}
+    except BaseException:
+        free(lm)
+        raise
+
+
 def warm_compiles(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device,
                   decode: DecodeShape) -> dict[str, Any]:
     """The physics section's model of ``shape`` built the same way, and each static-cache loop
     of :func:`decode_rates` called once, as its warm-up will be: on CUDA the first call compiles
     (its time here is the cold compile's) and leaves the graphs in inductor's on-disk caches for
     the physics section's own compile. Off CUDA nothing compiles; the calls still run."""
-    lm = None
+    lm, out = physics_model(shape, tokenizer, device)
     try:
-        start = time.perf_counter()
-        lm = build_lm(shape, tokenizer, device, torch.bfloat16, seed=0)
-        synchronize(device)
-        out: dict[str, Any] = {"model": lm.name, "build_s": round(time.perf_counter() - start, 2),
-                               "static_compile": fresh_static_compile(lm),
-                               "inductor_caches": inductor_caches()}
+        out["inductor_caches"] = inductor_caches()
         runs = decode_runs(lm, decode, {})
         out["first_call_ms"] = {}
         for name in STATIC_RUNS:  # one refused (a transformers version) leaves the other warmed
