@@ -21,91 +21,119 @@ keeps a caller's model alive.
 
 from __future__ import annotations
 
+import _thread
 import logging
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar, cast
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
-_RECHECK_S = 0.5  # a waiter re-checks the queue this often, so a lost wake-up never strands it
+_RECHECK_S = 0.5  # a queued caller re-checks its place this often: a lost wake-up never strands it
+
+
+class _CLock(Protocol):
+    """CPython's C ``RLock`` (``_thread.RLock``), with the two queries it has and the stubs omit."""
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool: ...
+    def release(self) -> None: ...
+    def __exit__(self, *exc: object) -> None: ...
+    def _is_owned(self) -> bool: ...
+    def _recursion_count(self) -> int: ...
 
 
 class FairLock:
     """A reentrant lock granted in arrival order (FIFO), usable as a context manager.
 
-    A waiter interrupted while queued (``KeyboardInterrupt``, an exception) leaves the queue, so an
-    interrupted caller never blocks the ones behind it. The holder and its depth are one state,
-    changed under the condition's lock, and every partial change an interrupt can leave is one the
-    next call resolves: granted but not returned (the owner set, the depth not yet) is given back
-    by ``acquire``'s handler; released to depth 0 but the owner not yet cleared is taken again by
-    the same thread as a reentrant hold (its depth 1, owned). So a ``KeyboardInterrupt`` at an
-    arbitrary point leaves the lock usable. (Python code cannot close one window: a signal handled
-    on entry to ``__exit__`` skips the release, as for any lock written in Python.)
+    It is CPython's C ``RLock`` with a queue in front: each caller waits on a gate of its own (a
+    C lock the caller ahead of it opens when it leaves the queue), and only the queue's head
+    calls the C ``acquire``, so the C lock is granted in arrival order. A with-statement's
+    release is the C lock's own ``__exit__``. No Python code of the standard library runs while
+    queued (``threading.Condition.wait`` is not safe against an interrupt).
+
+    Why that shape: a ``KeyboardInterrupt`` (or any signal handler's exception) is raised between
+    bytecodes, so a lock written in Python can be left half-changed or held with nobody to
+    release it; one landing on entry to a Python ``__exit__`` skips the release. Here no Python
+    code runs between the with-statement and the release, and every point of the acquire an
+    interrupt can land on is undone by ``__enter__``'s handler: a taken lock is given back
+    (its recursion count says whether the interrupted call took it), a queued gate leaves the
+    queue and opens the next one's. A single interrupt wherever CPython can raise one (on
+    entry to a function, after a call, at a backward jump) therefore leaves the lock usable
+    (``tests/reliability/test_fair_lock.py`` raises one at each of those points in turn).
     """
 
     def __init__(self) -> None:
-        self._cond = threading.Condition(threading.Lock())
-        self._queue: deque[object] = deque()
-        self._owner: int | None = None  # only the owner sets it to None; others only from None
-        self._depth = 0
+        self._held = cast(_CLock, _thread.RLock())
+        self._mutex = threading.Lock()  # the queue's; C ``__enter__`` / ``__exit__`` only
+        self._queue: deque[_thread.LockType] = deque()  # each waiting caller's gate, head first
 
-    def acquire(self) -> None:
-        me = threading.get_ident()
-        if self._owner == me:  # only this thread sets the owner to itself, so this read is exact
-            self._depth += 1  # and only the owner changes the depth while it holds the lock
-            return
-        ticket = object()
+    def __enter__(self) -> FairLock:
+        depth = self._held._recursion_count()
         try:
-            with self._cond:
-                self._queue.append(ticket)
-                while self._owner is not None or self._queue[0] is not ticket:
-                    self._cond.wait(_RECHECK_S)
-                self._queue.popleft()
-                self._owner = me
-                self._depth = 1
+            self._take(depth)
+            return self
         except BaseException:
-            self._abandon(ticket, me)
+            if self._held._recursion_count() > depth:  # taken, then interrupted before returning
+                self._held.release()
             raise
 
-    def _abandon(self, ticket: object, me: int) -> None:
-        """Undo an interrupted ``acquire``: leave the queue, give back a lock just granted."""
-        with self._cond:
-            if ticket in self._queue:
-                self._queue.remove(ticket)
-            if self._owner == me:
-                self._owner = None
-                self._depth = 0
-            self._cond.notify_all()
+    @property
+    def __exit__(self) -> Callable[..., None]:
+        """The C lock's own ``__exit__``: the with-statement looks it up on entry and calls it
+        directly at the end, so no Python frame (where an interrupt could land) precedes the
+        release."""
+        return self._held.__exit__
 
-    def release(self, *_exc: object) -> None:
-        if self._owner != threading.get_ident():
-            msg = "release of a FairLock not held by this thread"
-            raise RuntimeError(msg)
-        with self._cond:
-            self._depth -= 1
-            if self._depth <= 0:
-                self._owner = None
-                self._depth = 0
-                self._cond.notify_all()
+    def acquire(self) -> bool:
+        """Block until this caller's turn, as ``with lock:`` does; returns True."""
+        self.__enter__()
+        return True
+
+    def release(self) -> None:
+        """Release one hold (a RuntimeError when this thread holds none)."""
+        self._held.release()
+
+    def _take(self, depth: int) -> None:
+        if depth:  # this thread holds it: count one more hold
+            self._held.acquire()
+            return
+        gate = _thread.allocate_lock()  # released by the caller ahead when it leaves the queue
+        gate.acquire()
+        try:
+            with self._mutex:
+                self._queue.append(gate)
+            while self._queue[0] is not gate:
+                gate.acquire(True, _RECHECK_S)
+            self._held.acquire()  # only the queue's head contends for the C lock
+        finally:
+            with self._mutex:
+                if gate in self._queue:
+                    self._queue.remove(gate)
+                if self._queue and self._queue[0].locked():
+                    self._queue[0].release()  # wake the new head
 
     def locked(self) -> bool:
-        return self._owner is not None
+        """Whether any thread holds the lock."""
+        if self._held._is_owned():
+            return True
+        try:
+            free = self._held.acquire(False)
+            if free:
+                self._held.release()
+            return not free
+        except BaseException:
+            if self._held._is_owned():  # taken to look, then interrupted
+                self._held.release()
+            raise
 
     def waiters(self) -> int:
         """How many callers are queued for the lock (not counting its holder)."""
-        with self._cond:
+        with self._mutex:
             return len(self._queue)
-
-    def __enter__(self) -> FairLock:
-        self.acquire()
-        return self
-
-    __exit__ = release  # one Python frame between the with-statement and the release
 
 
 _LOCKS_LOCK = threading.Lock()

@@ -28,7 +28,6 @@ from shared_core.engines.baseline import autoregressive_generate, speculative_ge
 from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.respec import ReSpecDecoder
 from shared_core.frontend import serving
-from shared_core.frontend.serving import FairLock
 
 N = 16
 CONTEXT = " ".join(CORPUS[:8])
@@ -204,63 +203,6 @@ def test_plain_engines_16_threads_on_one_model(tiny_target, tiny_drafter):
         return autoregressive_generate(tiny_target, prompt, 16).token_ids
 
     assert run_threads(call) == [reference[PROMPTS[i % 4]] for i in range(N)]
-
-
-# ---------------------------------------------------------------------------- the lock itself
-
-
-def test_fair_lock_is_fifo_reentrant_and_survives_an_interrupted_waiter():
-    lock = FairLock()
-    order: list[int] = []
-    lock.acquire()
-    with lock:  # reentrant
-        assert lock.locked()
-    threads = []
-    for i in range(8):
-        t = threading.Thread(target=lambda i=i: (lock.acquire(), order.append(i), lock.release()),
-                             daemon=True)
-        t.start()
-        while len(lock._queue) < i + 1:  # queued in this order
-            time.sleep(0.001)
-        threads.append(t)
-    lock.release()
-    for t in threads:
-        t.join(10)
-    assert order == list(range(8)) and not lock.locked()
-    with pytest.raises(RuntimeError, match="not held"):
-        lock.release()
-
-
-def test_fair_lock_waiter_interrupted_leaves_the_queue():
-    lock = FairLock()
-    ready, release = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with lock:
-            ready.set()
-            release.wait(10)
-
-    t = threading.Thread(target=holder, daemon=True)
-    t.start()
-    ready.wait(10)
-
-    class Stop(Exception):
-        pass
-
-    original_wait = lock._cond.wait
-
-    def interrupted_wait(*args: Any) -> bool:
-        raise Stop
-
-    lock._cond.wait = interrupted_wait  # the waiter is interrupted while queued
-    with pytest.raises(Stop):
-        lock.acquire()
-    lock._cond.wait = original_wait
-    assert len(lock._queue) == 0
-    release.set()
-    t.join(10)
-    with lock:  # nobody is stuck behind the interrupted waiter
-        pass
 
 
 # ---------------------------------------------------------------------------- model lifetime

@@ -256,11 +256,9 @@ def alarm_interrupt(delay_s: float) -> Iterator[None]:
 
 @pytest.fixture
 def own_target() -> Any:
-    """A model of this test's own, built as ``tiny_target`` is (same weights, same outputs). An
-    alarm that lands on entry to the model lock's release leaves the lock held by this thread
-    (:class:`~shared_core.runtime.model_lock.FairLock`'s one window a lock written in Python
-    cannot close); on the session's shared model every later test that calls it from another
-    thread would then wait for ever (seen once in a full run: test_streams_chat deadlocked)."""
+    """A model of this test's own, built as ``tiny_target`` is (same weights, same outputs), so
+    that whatever an interrupt at an arbitrary point could leave behind stays off the session's
+    shared model (the model lock is tested against one at every point in test_fair_lock.py)."""
     from tiny import tiny_lm
 
     return tiny_lm(num_layers=2, seed=0)

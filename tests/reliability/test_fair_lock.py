@@ -1,0 +1,238 @@
+"""The model lock itself (:class:`shared_core.runtime.model_lock.FairLock`): arrival order,
+reentrancy, and an interrupt at any point of taking it leaves it usable.
+
+The interrupt tests raise ``KeyboardInterrupt`` from a trace function at one bytecode of the
+lock's own Python code per run, every bytecode in turn (a signal handler's exception can only
+land between bytecodes; a trace function can land on every one, a superset), and one from a
+real ``SIGALRM`` while the caller blocks in the C acquire. No timing is measured: the deadlines
+only turn a deadlock into a failure.
+"""
+
+from __future__ import annotations
+
+import dis
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from types import CodeType, FrameType
+from typing import Any
+
+import pytest
+
+from shared_core.runtime.model_lock import FairLock
+
+DEADLINE_S = 60
+LOCK_CODE = {f.__code__ for f in (FairLock.__enter__, FairLock.acquire, FairLock._take)}
+
+
+def _wait_for(condition: Callable[[], bool], what: str) -> None:
+    end = time.monotonic() + DEADLINE_S
+    while not condition():
+        assert time.monotonic() < end, what
+        time.sleep(0.001)
+
+
+def _usable_by_another_thread(lock: FairLock) -> bool:
+    got = threading.Event()
+    other = threading.Thread(target=lambda: (lock.acquire(), got.set(), lock.release()),
+                             daemon=True)
+    other.start()
+    other.join(DEADLINE_S)
+    return got.is_set()
+
+
+def _after_a_call_or_back_jump(code: CodeType, previous: int, current: int) -> bool:
+    """Whether CPython checks for a pending signal between the bytecodes at offsets
+    ``previous`` and ``current``: after a call has returned, on a backward jump."""
+    if current < previous:
+        return True
+    called = dis.opname[code.co_code[previous]] in ("CALL", "PRECALL", "CALL_FUNCTION_EX")
+    return called and dis.opname[code.co_code[current]] != "CALL"  # PRECALL's call is done
+
+
+def _queued(lock: FairLock, frame: FrameType) -> bool:
+    """Whether the call interrupted in ``frame`` has its gate in the lock's queue (read without
+    the queue's lock, which the interrupted call may hold)."""
+    gate = frame.f_locals.get("gate")
+    return gate is not None and any(g is gate for g in list(lock._queue))
+
+
+@contextmanager
+def interrupt_at(n: int, held: Callable[[FrameType], bool] = lambda frame: False
+                 ) -> Iterator[list[bool]]:
+    """Raise KeyboardInterrupt at the ``n``-th point where a signal can land in the lock's
+    code run by this thread (a frame's first bytecode, after each call, at each backward jump),
+    as a SIGINT handled there would. Yields ``[raised, held]``: whether it was raised, and
+    ``held(frame)`` at that moment (e.g. whether the interrupted call had taken the lock)."""
+    seen, raised = [0], [False, False]
+
+    def local(last: list[int]) -> Callable[[FrameType, str, Any], Any]:
+        def trace(frame: FrameType, event: str, arg: Any) -> Any:
+            if event != "opcode" or raised[0]:
+                return trace
+            previous, last[0] = last[0], frame.f_lasti
+            if previous < 0 or _after_a_call_or_back_jump(frame.f_code, previous, frame.f_lasti):
+                seen[0] += 1
+                if seen[0] == n:
+                    raised[:] = [True, held(frame)]
+                    raise KeyboardInterrupt(f"at {frame.f_code.co_name}+{frame.f_lasti}")
+            return trace
+        return trace
+
+    def calls(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call" and frame.f_code in LOCK_CODE:
+            frame.f_trace_opcodes = True
+            return local([-1])
+        return None
+
+    sys.settrace(calls)
+    try:
+        yield raised
+    finally:
+        sys.settrace(None)
+
+
+def test_fair_lock_is_fifo_and_reentrant() -> None:
+    lock = FairLock()
+    order: list[int] = []
+    lock.acquire()
+    with lock:  # reentrant
+        assert lock.locked()
+    threads = []
+    for i in range(8):
+        t = threading.Thread(target=lambda i=i: (lock.acquire(), order.append(i), lock.release()),
+                             daemon=True)
+        t.start()
+        _wait_for(lambda i=i: lock.waiters() == i + 1, "a thread never queued")  # in this order
+        threads.append(t)
+    lock.release()
+    for t in threads:
+        t.join(DEADLINE_S)
+    assert order == list(range(8)) and not lock.locked()
+    with pytest.raises(RuntimeError):
+        lock.release()
+
+
+@pytest.mark.parametrize("held", [0, 1], ids=["free", "reentrant"])
+def test_an_interrupt_at_any_bytecode_of_an_uncontended_enter_leaves_the_lock_usable(held: int
+                                                                                     ) -> None:
+    lock = FairLock()
+    for _ in range(held):
+        lock.acquire()
+    taken_when_interrupted = 0
+    for n in range(1, 500):
+        with interrupt_at(n, lambda frame: lock._held._recursion_count() > held) as raised:
+            try:
+                with lock:
+                    assert lock._held._recursion_count() == held + 1
+            except KeyboardInterrupt:
+                assert raised[0]
+                taken_when_interrupted += raised[1]
+        assert lock._held._recursion_count() == held and lock.waiters() == 0, f"opcode {n}"
+        if not raised[0]:
+            break
+    else:
+        pytest.fail("the lock's code never ran to the end without an interrupt")
+    assert taken_when_interrupted >= 2  # some landed after the grant: those give it back
+    for _ in range(held):
+        lock.release()
+    assert not lock.locked() and _usable_by_another_thread(lock)
+
+
+def test_an_interrupt_at_any_bytecode_of_a_queued_enter_leaves_the_queue_and_the_lock_usable(
+) -> None:
+    """This thread arrives third (one thread holds the lock, one is queued ahead of it) and is
+    interrupted at each bytecode in turn; then the holder releases, the queued thread gets the
+    lock and releases it, and the lock is free with nobody queued."""
+    queued_when_interrupted = 0
+    for n in range(1, 500):
+        lock = FairLock()
+        holding, release = threading.Event(), threading.Event()
+
+        def holder(lock: FairLock = lock, holding: threading.Event = holding,
+                   release: threading.Event = release) -> None:
+            with lock:
+                holding.set()
+                release.wait(DEADLINE_S)
+
+        first = threading.Thread(target=holder, daemon=True)
+        first.start()
+        holding.wait(DEADLINE_S)
+        second = threading.Thread(target=lambda lock=lock: (lock.acquire(), lock.release()),
+                                  daemon=True)
+        second.start()
+        _wait_for(lambda lock=lock: lock.waiters() == 1, "the second thread never queued")
+        # the holder lets go once this thread is queued behind the second, or gave up
+        done = threading.Event()
+        releaser = threading.Thread(
+            target=lambda lock=lock, done=done, release=release: (
+                _wait_for(lambda: lock.waiters() == 2 or done.is_set(), "no progress"),
+                release.set()),
+            daemon=True)
+        releaser.start()
+        with interrupt_at(n, lambda frame, lock=lock: _queued(lock, frame)) as raised:
+            try:
+                with lock:
+                    pass
+            except KeyboardInterrupt:
+                assert raised[0]
+                queued_when_interrupted += raised[1]
+            finally:
+                done.set()
+        for t in (releaser, first, second):
+            t.join(DEADLINE_S)
+            assert not t.is_alive(), f"opcode {n}: a thread never got the lock"
+        assert lock._held._recursion_count() == 0 and lock.waiters() == 0, f"opcode {n}"
+        assert not lock.locked() and _usable_by_another_thread(lock), f"opcode {n}"
+        if not raised[0]:
+            break
+    else:
+        pytest.fail("the lock's code never ran to the end without an interrupt")
+    assert queued_when_interrupted >= 3  # its gate in the queue: it leaves with it
+
+
+@pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs SIGALRM")
+def test_a_signal_while_blocked_in_the_c_acquire_leaves_the_queue() -> None:
+    """The head of the queue waits in the C lock's acquire; Ctrl-C (here SIGALRM raising
+    KeyboardInterrupt) interrupts that wait, and the caller leaves without the lock."""
+    lock = FairLock()
+    holding, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            holding.set()
+            release.wait(DEADLINE_S)
+
+    t = threading.Thread(target=holder, daemon=True)
+    t.start()
+    holding.wait(DEADLINE_S)
+
+    def handler(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt("alarm")
+
+    previous = signal.signal(signal.SIGALRM, handler)
+    signal.setitimer(signal.ITIMER_REAL, 0.2)
+    try:
+        with pytest.raises(KeyboardInterrupt), lock:
+            pytest.fail("the lock was granted while another thread held it")
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert lock._held._recursion_count() == 0 and lock.waiters() == 0
+    release.set()
+    t.join(DEADLINE_S)
+    assert not lock.locked() and _usable_by_another_thread(lock)
+
+
+def test_the_with_statements_release_runs_no_python_code() -> None:
+    """The release a with-statement makes is the C lock's: no Python frame (where an interrupt
+    could land and skip it) runs between the block's end and the lock being free."""
+    lock = FairLock()
+    frames: list[str] = []
+    with lock:
+        sys.settrace(lambda frame, event, arg: frames.append(frame.f_code.co_name))
+    sys.settrace(None)
+    assert frames == [] and not lock.locked()
