@@ -22,12 +22,13 @@ keeps a caller's model alive.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import logging
 import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -46,6 +47,13 @@ class _CLock(Protocol):
     def _recursion_count(self) -> int: ...
 
 
+class _Place(NamedTuple):
+    """A caller's place in a :class:`FairLock`'s queue: its thread, and the gate it waits on."""
+
+    thread: int
+    gate: _thread.LockType
+
+
 class FairLock:
     """A reentrant lock granted in arrival order (FIFO), usable as a context manager.
 
@@ -60,16 +68,24 @@ class FairLock:
     release it; one landing on entry to a Python ``__exit__`` skips the release. Here no Python
     code runs between the with-statement and the release, and every point of the acquire an
     interrupt can land on is undone by ``__enter__``'s handler: a taken lock is given back
-    (its recursion count says whether the interrupted call took it), a queued gate leaves the
-    queue and opens the next one's. A single interrupt wherever CPython can raise one (on
-    entry to a function, after a call, at a backward jump) therefore leaves the lock usable
-    (``tests/reliability/test_fair_lock.py`` raises one at each of those points in turn).
+    (its recursion count says whether the interrupted call took it), a queued place leaves the
+    queue and opens the next one's gate. A single interrupt wherever CPython can raise one (on
+    entry to a function, after a call, at a backward jump) therefore leaves the lock usable.
+
+    Code can also run *inside* a thread's acquire: a garbage collection (at any allocation)
+    runs the finalizers of abandoned streams, which take the lock to close their sessions, and
+    a signal handler may take it. Such an inner take on a thread already queued takes the lock
+    in the outer's place and gives it back before the outer resumes; nothing the outer holds
+    while it queues is a lock the inner one could wait for. ``tests/reliability/test_fair_lock.py``
+    raises an interrupt at each of those points, and takes the lock again at every bytecode.
     """
 
     def __init__(self) -> None:
         self._held = cast(_CLock, _thread.RLock())
-        self._mutex = threading.Lock()  # the queue's; C ``__enter__`` / ``__exit__`` only
-        self._queue: deque[_thread.LockType] = deque()  # each waiting caller's gate, head first
+        # the waiting callers, the head first; each change is one call of the C deque (atomic),
+        # and no lock guards them: code run inside this thread's own acquire (below) must
+        # never wait for a lock that acquire holds
+        self._queue: deque[_Place] = deque()
 
     def __enter__(self) -> FairLock:
         depth = self._held._recursion_count()
@@ -101,20 +117,35 @@ class FairLock:
         if depth:  # this thread holds it: count one more hold
             self._held.acquire()
             return
-        gate = _thread.allocate_lock()  # released by the caller ahead when it leaves the queue
-        gate.acquire()
+        me = threading.get_ident()
+        place = next((p for p in list(self._queue) if p.thread == me), None)
+        if place is not None:
+            # this thread is queued already: code run inside its own acquire (a generator's
+            # finalizer at a garbage collection, a signal handler) takes the lock in its place;
+            # the outer acquire, once resumed, keeps the place and leaves the queue
+            self._wait_turn(place)
+            self._held.acquire()
+            _open(place.gate)  # the outer may be about to wait on the gate this take used
+            return
+        place = _Place(me, _thread.allocate_lock())
+        place.gate.acquire()
         try:
-            with self._mutex:
-                self._queue.append(gate)
-            while self._queue[0] is not gate:
-                gate.acquire(True, _RECHECK_S)
+            self._queue.append(place)
+            self._wait_turn(place)
             self._held.acquire()  # only the queue's head contends for the C lock
         finally:
-            with self._mutex:
-                if gate in self._queue:
-                    self._queue.remove(gate)
-                if self._queue and self._queue[0].locked():
-                    self._queue[0].release()  # wake the new head
+            if place in self._queue:
+                self._queue.remove(place)
+            self._wake_head()
+
+    def _wait_turn(self, place: _Place) -> None:
+        while self._queue[0] is not place:
+            place.gate.acquire(True, _RECHECK_S)  # opened by the caller ahead as it leaves
+
+    def _wake_head(self) -> None:
+        head = next(iter(self._queue), None)
+        if head is not None:
+            _open(head.gate)
 
     def locked(self) -> bool:
         """Whether any thread holds the lock."""
@@ -132,8 +163,14 @@ class FairLock:
 
     def waiters(self) -> int:
         """How many callers are queued for the lock (not counting its holder)."""
-        with self._mutex:
-            return len(self._queue)
+        return len(self._queue)
+
+
+def _open(gate: _thread.LockType) -> None:
+    """Let the caller waiting on ``gate`` (or about to) go on."""
+    if gate.locked():
+        with contextlib.suppress(RuntimeError):  # another thread opened it first
+            gate.release()
 
 
 _LOCKS_LOCK = threading.Lock()

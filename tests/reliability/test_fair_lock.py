@@ -24,8 +24,9 @@ import pytest
 
 from shared_core.runtime.model_lock import FairLock
 
-DEADLINE_S = 60
-LOCK_CODE = {f.__code__ for f in (FairLock.__enter__, FairLock.acquire, FairLock._take)}
+DEADLINE_S = 20
+LOCK_CODE = {f.__code__ for f in (FairLock.__enter__, FairLock.acquire, FairLock._take,
+                                  FairLock._wait_turn)}
 
 
 def _wait_for(condition: Callable[[], bool], what: str) -> None:
@@ -54,31 +55,33 @@ def _after_a_call_or_back_jump(code: CodeType, previous: int, current: int) -> b
 
 
 def _queued(lock: FairLock, frame: FrameType) -> bool:
-    """Whether the call interrupted in ``frame`` has its gate in the lock's queue (read without
+    """Whether the call interrupted in ``frame`` has its place in the lock's queue (read without
     the queue's lock, which the interrupted call may hold)."""
-    gate = frame.f_locals.get("gate")
-    return gate is not None and any(g is gate for g in list(lock._queue))
+    place = frame.f_locals.get("place")
+    return place is not None and any(p is place for p in list(lock._queue))
 
 
 @contextmanager
-def interrupt_at(n: int, held: Callable[[FrameType], bool] = lambda frame: False
-                 ) -> Iterator[list[bool]]:
-    """Raise KeyboardInterrupt at the ``n``-th point where a signal can land in the lock's
-    code run by this thread (a frame's first bytecode, after each call, at each backward jump),
-    as a SIGINT handled there would. Yields ``[raised, held]``: whether it was raised, and
-    ``held(frame)`` at that moment (e.g. whether the interrupted call had taken the lock)."""
-    seen, raised = [0], [False, False]
+def act_at(n: int, action: Callable[[FrameType], Any], *, every_bytecode: bool = False
+           ) -> Iterator[list[Any]]:
+    """Call ``action(frame)`` at the ``n``-th point of the lock's code this thread runs where a
+    signal handler can run (a frame's first bytecode, after each call, at each backward jump)
+    or, with ``every_bytecode``, where a garbage collection can (any bytecode: any may
+    allocate), with tracing off. Yields a list that gets ``action``'s result once it ran."""
+    seen: list[int] = [0]
+    done: list[Any] = []
 
     def local(last: list[int]) -> Callable[[FrameType, str, Any], Any]:
         def trace(frame: FrameType, event: str, arg: Any) -> Any:
-            if event != "opcode" or raised[0]:
+            if event != "opcode" or done:
                 return trace
             previous, last[0] = last[0], frame.f_lasti
-            if previous < 0 or _after_a_call_or_back_jump(frame.f_code, previous, frame.f_lasti):
+            if (every_bytecode or previous < 0
+                    or _after_a_call_or_back_jump(frame.f_code, previous, frame.f_lasti)):
                 seen[0] += 1
                 if seen[0] == n:
-                    raised[:] = [True, held(frame)]
-                    raise KeyboardInterrupt(f"at {frame.f_code.co_name}+{frame.f_lasti}")
+                    done.append(None)
+                    done[0] = action(frame)
             return trace
         return trace
 
@@ -90,9 +93,25 @@ def interrupt_at(n: int, held: Callable[[FrameType], bool] = lambda frame: False
 
     sys.settrace(calls)
     try:
-        yield raised
+        yield done
     finally:
         sys.settrace(None)
+
+
+@contextmanager
+def interrupt_at(n: int, held: Callable[[FrameType], bool] = lambda frame: False
+                 ) -> Iterator[list[bool]]:
+    """Raise KeyboardInterrupt at the ``n``-th point where a signal can land in the lock's
+    code (:func:`act_at`), as a SIGINT handled there would. Yields ``[raised, held]``: whether
+    it was raised, and ``held(frame)`` at that moment (e.g. whether the call had taken it)."""
+    raised = [False, False]
+
+    def interrupt(frame: FrameType) -> None:
+        raised[:] = [True, held(frame)]
+        raise KeyboardInterrupt(f"at {frame.f_code.co_name}+{frame.f_lasti}")
+
+    with act_at(n, interrupt):
+        yield raised
 
 
 def test_fair_lock_is_fifo_and_reentrant() -> None:
@@ -191,7 +210,7 @@ def test_an_interrupt_at_any_bytecode_of_a_queued_enter_leaves_the_queue_and_the
             break
     else:
         pytest.fail("the lock's code never ran to the end without an interrupt")
-    assert queued_when_interrupted >= 3  # its gate in the queue: it leaves with it
+    assert queued_when_interrupted >= 3  # its place in the queue: it leaves it
 
 
 @pytest.mark.skipif(not hasattr(signal, "setitimer"), reason="needs SIGALRM")
@@ -236,3 +255,64 @@ def test_the_with_statements_release_runs_no_python_code() -> None:
         sys.settrace(lambda frame, event, arg: frames.append(frame.f_code.co_name))
     sys.settrace(None)
     assert frames == [] and not lock.locked()
+
+
+def _nested_take(lock: FairLock) -> Callable[[FrameType], str]:
+    """An action that takes the lock again on this thread, as a generator's finalizer run by a
+    garbage collection (or a signal handler) in the middle of this thread's acquire would."""
+    def take(frame: FrameType) -> str:
+        with lock:
+            assert lock._held._recursion_count() >= 1
+        return f"{frame.f_code.co_name}+{frame.f_lasti}"
+    return take
+
+
+@pytest.mark.parametrize("queued_behind", [False, True], ids=["free", "queued"])
+def test_the_lock_taken_again_at_any_bytecode_of_taking_it_on_the_same_thread(queued_behind: bool
+                                                                              ) -> None:
+    """A finalizer that takes the lock (a RAPID stream's, a ``step_locked`` stream's) can run at
+    any allocation of any thread, so also in the middle of that thread's own acquire of the
+    same lock: the inner take completes, then the outer one."""
+    for n in range(1, 2000):
+        lock = FairLock()
+        others: list[threading.Thread] = []
+        release = threading.Event()
+        if queued_behind:
+            holding = threading.Event()
+
+            def holder(lock: FairLock = lock, holding: threading.Event = holding,
+                       release: threading.Event = release) -> None:
+                with lock:
+                    holding.set()
+                    release.wait(DEADLINE_S)
+
+            others.append(threading.Thread(target=holder, daemon=True))
+            others[0].start()
+            holding.wait(DEADLINE_S)
+            others.append(threading.Thread(target=lambda lock=lock: (lock.acquire(),
+                                                                     lock.release()),
+                                           daemon=True))
+            others[1].start()
+            _wait_for(lambda lock=lock: lock.waiters() == 1, "the second thread never queued")
+        outcome: list[Any] = []
+
+        def outer(lock: FairLock = lock, n: int = n, outcome: list[Any] = outcome) -> None:
+            with act_at(n, _nested_take(lock), every_bytecode=True) as done, lock:
+                outcome.append(lock._held._recursion_count())
+            outcome.append(done)
+
+        runner = threading.Thread(target=outer, daemon=True)
+        runner.start()
+        if queued_behind:
+            _wait_for(lambda runner=runner, lock=lock: lock.waiters() == 2 or not runner.is_alive(),
+                      "the call never queued")
+            release.set()
+        runner.join(DEADLINE_S)
+        assert not runner.is_alive(), f"bytecode {n}: deadlock"
+        for t in others:
+            t.join(DEADLINE_S)
+        assert outcome[0] == 1, f"bytecode {n}"
+        assert not lock.locked() and lock.waiters() == 0, f"bytecode {n}"
+        if not outcome[1]:
+            return
+    pytest.fail("the lock's code never ran to the end")
