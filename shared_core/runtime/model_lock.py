@@ -117,6 +117,8 @@ class FairLock:
         if depth:  # this thread holds it: count one more hold
             self._held.acquire()
             return
+        if not self._queue and self._held.acquire(False):  # free, and nobody waits for it
+            return
         me = threading.get_ident()
         place = next((p for p in list(self._queue) if p.thread == me), None)
         if place is not None:
@@ -143,9 +145,11 @@ class FairLock:
             place.gate.acquire(True, _RECHECK_S)  # opened by the caller ahead as it leaves
 
     def _wake_head(self) -> None:
-        head = next(iter(self._queue), None)
-        if head is not None:
-            _open(head.gate)
+        try:
+            head = self._queue[0]  # one C call (an iterator would fail if another thread queued)
+        except IndexError:
+            return
+        _open(head.gate)
 
     def locked(self) -> bool:
         """Whether any thread holds the lock."""
