@@ -1,11 +1,12 @@
 """The model lock itself (:class:`shared_core.runtime.model_lock.FairLock`): arrival order,
-reentrancy, and an interrupt at any point of taking it leaves it usable.
+reentrancy, an interrupt at any point of taking it, and a take of it run inside the same
+thread's acquire (a finalizer, a signal handler) all leave it usable.
 
-The interrupt tests raise ``KeyboardInterrupt`` from a trace function at one bytecode of the
-lock's own Python code per run, every bytecode in turn (a signal handler's exception can only
-land between bytecodes; a trace function can land on every one, a superset), and one from a
-real ``SIGALRM`` while the caller blocks in the C acquire. No timing is measured: the deadlines
-only turn a deadlock into a failure.
+A trace function acts at one point of the lock's own Python code per run, every point in
+turn: it raises ``KeyboardInterrupt`` wherever CPython checks for a pending signal (a frame's
+first bytecode, after a call, at a backward jump), and takes the lock again at every bytecode
+(a garbage collection can run at any allocation). One more test interrupts the C acquire with
+a real ``SIGALRM``. No timing is measured: the deadlines only turn a deadlock into a failure.
 """
 
 from __future__ import annotations
