@@ -46,6 +46,29 @@ def _usable_by_another_thread(lock: FairLock) -> bool:
     return got.is_set()
 
 
+def _held_elsewhere(lock: FairLock) -> tuple[threading.Thread, threading.Event]:
+    """A thread that holds ``lock`` (returned once it does) until the event is set."""
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock:
+            holding.set()
+            release.wait(DEADLINE_S)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    holding.wait(DEADLINE_S)
+    return holder, release
+
+
+def _queued_elsewhere(lock: FairLock) -> threading.Thread:
+    """A thread queued for ``lock`` (returned once it is) that releases it once it gets it."""
+    waiter = threading.Thread(target=lambda: (lock.acquire(), lock.release()), daemon=True)
+    waiter.start()
+    _wait_for(lambda: lock.waiters() == 1, "the second thread never queued")
+    return waiter
+
+
 def _after_a_call_or_back_jump(code: CodeType, previous: int, current: int) -> bool:
     """Whether CPython checks for a pending signal between the bytecodes at offsets
     ``previous`` and ``current``: after a call has returned, on a backward jump."""
@@ -170,21 +193,8 @@ def test_an_interrupt_at_any_bytecode_of_a_queued_enter_leaves_the_queue_and_the
     queued_when_interrupted = 0
     for n in range(1, 500):
         lock = FairLock()
-        holding, release = threading.Event(), threading.Event()
-
-        def holder(lock: FairLock = lock, holding: threading.Event = holding,
-                   release: threading.Event = release) -> None:
-            with lock:
-                holding.set()
-                release.wait(DEADLINE_S)
-
-        first = threading.Thread(target=holder, daemon=True)
-        first.start()
-        holding.wait(DEADLINE_S)
-        second = threading.Thread(target=lambda lock=lock: (lock.acquire(), lock.release()),
-                                  daemon=True)
-        second.start()
-        _wait_for(lambda lock=lock: lock.waiters() == 1, "the second thread never queued")
+        first, release = _held_elsewhere(lock)
+        second = _queued_elsewhere(lock)
         # the holder lets go once this thread is queued behind the second, or gave up
         done = threading.Event()
         releaser = threading.Thread(
@@ -219,16 +229,7 @@ def test_a_signal_while_blocked_in_the_c_acquire_leaves_the_queue() -> None:
     """The head of the queue waits in the C lock's acquire; Ctrl-C (here SIGALRM raising
     KeyboardInterrupt) interrupts that wait, and the caller leaves without the lock."""
     lock = FairLock()
-    holding, release = threading.Event(), threading.Event()
-
-    def holder() -> None:
-        with lock:
-            holding.set()
-            release.wait(DEADLINE_S)
-
-    t = threading.Thread(target=holder, daemon=True)
-    t.start()
-    holding.wait(DEADLINE_S)
+    holder, release = _held_elsewhere(lock)
 
     def handler(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt("alarm")
@@ -243,7 +244,7 @@ def test_a_signal_while_blocked_in_the_c_acquire_leaves_the_queue() -> None:
         signal.signal(signal.SIGALRM, previous)
     assert lock._held._recursion_count() == 0 and lock.waiters() == 0
     release.set()
-    t.join(DEADLINE_S)
+    holder.join(DEADLINE_S)
     assert not lock.locked() and _usable_by_another_thread(lock)
 
 
@@ -279,22 +280,8 @@ def test_the_lock_taken_again_at_any_bytecode_of_taking_it_on_the_same_thread(qu
         others: list[threading.Thread] = []
         release = threading.Event()
         if queued_behind:
-            holding = threading.Event()
-
-            def holder(lock: FairLock = lock, holding: threading.Event = holding,
-                       release: threading.Event = release) -> None:
-                with lock:
-                    holding.set()
-                    release.wait(DEADLINE_S)
-
-            others.append(threading.Thread(target=holder, daemon=True))
-            others[0].start()
-            holding.wait(DEADLINE_S)
-            others.append(threading.Thread(target=lambda lock=lock: (lock.acquire(),
-                                                                     lock.release()),
-                                           daemon=True))
-            others[1].start()
-            _wait_for(lambda lock=lock: lock.waiters() == 1, "the second thread never queued")
+            holder, release = _held_elsewhere(lock)
+            others = [holder, _queued_elsewhere(lock)]
         outcome: list[Any] = []
 
         def outer(lock: FairLock = lock, n: int = n, outcome: list[Any] = outcome) -> None:
