@@ -22,6 +22,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 import pytest
+from interrupts import alarm_interrupt
 
 from shared_core.runtime.model_lock import FairLock
 
@@ -230,18 +231,8 @@ def test_a_signal_while_blocked_in_the_c_acquire_leaves_the_queue() -> None:
     KeyboardInterrupt) interrupts that wait, and the caller leaves without the lock."""
     lock = FairLock()
     holder, release = _held_elsewhere(lock)
-
-    def handler(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt("alarm")
-
-    previous = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, 0.2)
-    try:
-        with pytest.raises(KeyboardInterrupt), lock:
-            pytest.fail("the lock was granted while another thread held it")
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
+    with alarm_interrupt(0.2), pytest.raises(KeyboardInterrupt), lock:
+        pytest.fail("the lock was granted while another thread held it")
     assert lock._held._recursion_count() == 0 and lock.waiters() == 0
     release.set()
     holder.join(DEADLINE_S)

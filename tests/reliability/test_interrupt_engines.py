@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 from fakes import HashEmbedder
+from interrupts import alarm_interrupt
 from tiny import CORPUS
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
@@ -233,25 +234,6 @@ def test_sigint_during_a_forward_is_a_keyboard_interrupt_and_heals(tiny_target, 
         for session in rapid_sessions(decoder):
             assert_consistent(session)
         assert decoder.generate(CONTEXT, QUERY, N_NEW).token_ids == rapid_reference["long"]
-
-
-@contextmanager
-def alarm_interrupt(delay_s: float) -> Iterator[None]:
-    """A KeyboardInterrupt from SIGALRM after ``delay_s``, at whatever bytecode runs then."""
-    armed = True
-
-    def handler(signum: int, frame: Any) -> None:
-        if armed:
-            raise KeyboardInterrupt("alarm")
-
-    previous = signal.signal(signal.SIGALRM, handler)
-    signal.setitimer(signal.ITIMER_REAL, delay_s)
-    try:
-        yield
-    finally:
-        armed = False
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 @pytest.fixture
