@@ -63,6 +63,22 @@ def record_steps(monkeypatch: Any) -> list[list[int]]:
     return runs
 
 
+def sequence_law(lm: LM, prompt: str, sampling: Any, length: int) -> dict[tuple[int, ...], float]:
+    """P(t1 .. t_length) under ``lm``'s warped sampling law (``SamplingConfig``), by the chain
+    rule over every continuation the warp keeps: what a lossless sampler must reproduce."""
+    from shared_core.decoding.verify import warp_probs
+
+    ids = lm.prompt_ids(prompt)
+    law: dict[tuple[int, ...], float] = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(length):
+            law = {(*prefix, t): p * float(q[t]) for prefix, p in law.items()
+                   for q in [warp_probs(lm.model(torch.tensor([[*ids, *prefix]])).logits[0, -1],
+                                        sampling)]
+                   for t in q.nonzero().flatten().tolist()}
+    return law
+
+
 def tiny_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level BPE with ~300 tokens, trained on CORPUS."""
     tok = Tokenizer(models.BPE(unk_token=None))

@@ -27,6 +27,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "tools": ("shared_core.bench.chat.tools", "add_arguments", "run"),
     "chat": ("shared_core.bench.chat", "add_arguments", "run"),
     "passage-cache": ("shared_core.bench.system.passage_cache", "add_arguments", "run"),
+    "first-token": ("shared_core.bench.system.first_token", "add_arguments", "run"),
     "probe-dtype": ("shared_core.bench.system.probes", "add_dtype_arguments", "run_dtype"),
     "probe-contention": ("shared_core.bench.system.probes", "add_contention_arguments", "run_contention"),
     "probe-verify": ("shared_core.bench.system.probes", "add_verify_arguments", "run_verify"),

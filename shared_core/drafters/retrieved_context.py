@@ -62,17 +62,16 @@ class RetrievedContextDrafter(ModelDrafter):
             self.session.prefill(feed)
         return time.perf_counter() - begin
 
-    def start_shared(self, target: KVSession, positions: Sequence[int], last_prompt_token: int,
+    def start_shared(self, target: KVSession, positions: Sequence[int],
                      sampling: SamplingConfig, *, greedy_probs: bool = False) -> float:
         """Start from the target's KV instead of a prefill; return the seconds spent.
 
-        ``target`` holds the target prompt minus its last token (``last_prompt_token``);
-        ``positions`` are the prompt positions the drafter sees (ascending).
+        ``target`` holds the whole target prompt; ``positions`` are the prompt positions the
+        drafter sees (ascending, ending with the prompt's last).
         """
         begin = time.perf_counter()
         self.session.copy_positions(target, positions)  # checks that both are one model
-        self._configure([*self.session.tokens, last_prompt_token], len(target) + 1, sampling,
-                        greedy_probs)
+        self._configure(self.session.tokens, len(target), sampling, greedy_probs)
         return time.perf_counter() - begin
 
     def _configure(self, draft_prompt: Sequence[int], target_prompt_len: int,

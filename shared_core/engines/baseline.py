@@ -88,9 +88,9 @@ def accept_draft(run: Run, draft: Draft, logits: torch.Tensor, *,
 
 
 def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Blocks:
-    pending = run.prefill()
+    pending = yield from run.opening()
     session, stats = run.session, run.stats
-    while True:
+    while pending is not None:
         context = [*session.tokens, pending]
         budget = min(k, run.tracker.remaining - 1)
         # 1. draft
@@ -108,10 +108,8 @@ def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Blocks:
         # 5. adapt
         drafter.observe(verdict.n_accepted)
         stats.record_round(len(draft), verdict.n_accepted)
-        pending = verdict.next_token
+        pending = None if done else verdict.next_token
         yield block
-        if done:
-            return
 
 
 def stream_speculative(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Prompt,

@@ -14,7 +14,9 @@ its round as named steps (draft, verify, accept, commit / roll back, adapt) over
 
 Cache invariant of the loops: the session holds every committed token except the newest one
 (``pending``); each target forward starts with ``pending``, so its first logits row predicts the
-first drafted token and no logits are carried between rounds.
+first drafted token and no logits are carried between rounds. The first round is
+:meth:`Run.opening`: the prompt is read whole and its last row chooses the first token, so the
+first token waits for no forward after the prompt's (TTFT is the prefill's time).
 
 Host syncs: a greedy round waits for the device once, in the readback of its verdict
 (:mod:`shared_core.runtime.host_sync`): ids are uploaded without waiting, a model draft stays on
@@ -202,17 +204,28 @@ class Run:
         # seeded on the model's device: sampled rounds draw there and read back once
         self.generator = make_generator(config.sampling, lm.device)
 
-    def prefill(self) -> int:
-        """Cache all prompt tokens but the last; return the last one (the first ``pending``)."""
+    def prefill(self) -> torch.Tensor:
+        """Read the whole prompt; the ``[V]`` logits after its last id (the first token's)."""
         self.stats.prefill_s = 0.0
         with timed(self.stats, "prefill_s"):
-            self.session.prefill(self.prompt_ids[:-1])
+            logits = self.session.prefill(self.prompt_ids)
             synchronize(self.lm.device)
+        assert logits is not None  # the prompt is not empty and a prefill reads its last id
+        self.stats.target_forwards += 1  # the prefill's last row gives the first token
         self.stats.cached_prompt_tokens = self.session.reused_tokens
         report = self.session.passage_report
         if report is not None:  # reused / recomputed / read prompt ids (shared_core.runtime.passage_cache)
             self.stats.extra["passage_cache"] = report.as_dict()
-        return self.prompt_ids[-1]
+        return logits
+
+    def opening(self) -> Generator[list[int], None, int | None]:
+        """The first round: the prompt read and the first token chosen from the read's last row,
+        so no forward runs between the prompt and the first token. Yields its block; returns it
+        as the next ``pending`` (None when that block ended the generation)."""
+        token = self.choose(self.prefill())
+        block, done = self.commit([token])
+        yield block
+        return None if done else token
 
     def stream(self, blocks: Callable[[Self], Blocks],
                on_close: Callable[[DecodeStats], None] | None = None) -> TokenStream:
@@ -270,8 +283,8 @@ class Run:
 
 def autoregressive_blocks(run: Run) -> Blocks:
     """Plain decoding: one target forward per token."""
-    pending = run.prefill()
-    while True:
+    pending = yield from run.opening()
+    while pending is not None:
         logits = run.session.extend([pending])[-1]
         run.stats.target_forwards += 1
         pending = run.choose(logits)

@@ -9,7 +9,7 @@ import torch
 
 from shared_core.config import SamplingConfig
 from shared_core.decoding.draft_length import best_draft_length
-from shared_core.decoding.verify import relaxed_accept_length, verify_tree_relaxed, warp_probs
+from shared_core.decoding.verify import relaxed_accept_length, verify_tree_relaxed
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.engines.registry import stream_engine
 from shared_core.engines.respec import (
@@ -20,6 +20,7 @@ from shared_core.engines.respec import (
     entropy_trigger,
     respec_generate,
 )
+from tests.tiny import sequence_law
 
 PROMPTS = ["0 1 2 3 4 5 6 7 8 9 10 11 12", "Paris is the capital of France. Berlin is"]
 N_NEW = 32
@@ -93,27 +94,23 @@ def test_model_drafter_fallback_is_lossless(tiny_target, tiny_drafter, reference
     assert result.stats.draft_forwards > 0
 
 
-def _exact_two_token_distribution(lm, prompt: str, sampling: SamplingConfig
-                                  ) -> dict[tuple[int, int], float]:
-    ids = lm.prompt_ids(prompt)
-    with torch.inference_mode():
-        p1 = warp_probs(lm.model(torch.tensor([ids])).logits[0, -1], sampling)
-        out = {}
-        for t1 in p1.nonzero().flatten().tolist():
-            p2 = warp_probs(lm.model(torch.tensor([[*ids, t1]])).logits[0, -1], sampling)
-            for t2 in p2.nonzero().flatten().tolist():
-                out[(t1, t2)] = float(p1[t1] * p2[t2])
-    return out
-
-
 def test_sampled_distribution_matches_target(tiny_target):
     """Strict ReSpec under sampling (retrieval drafts verified one-hot): the target's law."""
     prompt = "0 1 2 3 0 1 2 3 0 1 2"
     sampling = SamplingConfig(temperature=1.5, top_k=3)
-    exact = _exact_two_token_distribution(tiny_target, prompt, sampling)
-    n = 300
-    ours = Counter(tuple(respec_generate(tiny_target, prompt, 2, seed=s, temperature=1.5,
-                                         top_k=3, **NO_TRIGGER).token_ids) for s in range(n))
+    exact = sequence_law(tiny_target, prompt, sampling, 3)
+    # the first token comes from the prefill; a document continues the prompt after each first
+    # token the warp keeps with that token's likeliest successor, so the round after it drafts
+    # from retrieval whatever was drawn, and its draft is accepted or rejected by chance
+    ids = tiny_target.prompt_ids(prompt)
+    second = sequence_law(tiny_target, prompt, sampling, 2)
+    docs = [[*ids[-3:], *max((key for key in second if key[0] == first), key=second.__getitem__)]
+            for first in sorted({key[0] for key in second})]
+    n = 1000
+    runs = [respec_generate(tiny_target, prompt, 3, documents=docs, seed=s, temperature=1.5,
+                            top_k=3, **NO_TRIGGER) for s in range(n)]
+    assert sum(r.stats.sources.get("retrieval", {}).get("rounds", 0) for r in runs) > n // 2
+    ours = Counter(tuple(r.token_ids) for r in runs)
     assert set(ours) <= set(exact)
     tv = 0.5 * sum(abs(ours[x] / n - exact[x]) for x in exact)
     assert tv < 0.12, (tv, ours, exact)
@@ -123,12 +120,14 @@ def test_sampled_run_with_retrieval_drafts(tiny_target, references):
     prompt = PROMPTS[0]
     docs = _documents(tiny_target, prompt, references[prompt], "good_bad")
     # measured costs change draft lengths and so RNG use: fix c for token-exact reruns
-    result = respec_generate(tiny_target, prompt, N_NEW, documents=docs, temperature=0.7,
-                             seed=3, measure_cost=False, **NO_TRIGGER)
-    again = respec_generate(tiny_target, prompt, N_NEW, documents=docs, temperature=0.7,
-                            seed=3, measure_cost=False, **NO_TRIGGER)
-    assert result.token_ids == again.token_ids  # seeded
-    assert result.stats.sources["retrieval"]["rounds"] > 0
+    retrieval_rounds = 0
+    for seed in range(5):  # a sampled first token may leave the documents' continuation
+        result, again = (respec_generate(tiny_target, prompt, N_NEW, documents=docs,
+                                         temperature=0.7, seed=seed, measure_cost=False,
+                                         **NO_TRIGGER) for _ in range(2))
+        assert result.token_ids == again.token_ids  # seeded
+        retrieval_rounds += result.stats.sources.get("retrieval", {}).get("rounds", 0)
+    assert retrieval_rounds > 0
 
 
 def test_relaxed_with_no_budget_equals_strict(tiny_target, references):

@@ -4,7 +4,7 @@
 
 A system prompt of about ``--context-tokens`` tokens and a first question are answered (greedy);
 the follow-up prompt is that conversation, the answer and a new question. Its time to first token
-(prefill of all but the last id, then the one decode whose logits give the first new token) is
+(the prefill of the whole prompt, whose last row gives the first new token, as the engines read it) is
 timed with the idle context still holding the first turn ("on") and from an empty context ("off"),
 alternating, ``--repeats`` times each (medians). The report also counts, over ``--questions``
 follow-ups generated both ways, how many are identical token for token (the default mode is not
@@ -76,8 +76,7 @@ def ttft(lm: LM, ids: list[int]) -> tuple[float, int]:
     """Seconds to read ``ids`` and get the first new token's logits; prompt ids reused."""
     start = time.perf_counter()
     session = open_session(lm)
-    session.prefill(ids[:-1])
-    session.extend([ids[-1]])
+    session.prefill(ids)
     return time.perf_counter() - start, session.reused_tokens
 
 
@@ -100,10 +99,10 @@ def measure(lm: LM, turn_1: list[dict[str, str]], max_new: int, repeats: int) ->
 
 
 def first_turn_cache(lm: LM, turn_1: list[dict[str, str]], answer: list[int]) -> list[int]:
-    """The ids a first turn leaves cached: a llama.cpp context keeps the prompt and the answer,
-    torch's prefix store the prompt it prefilled (all but its last id)."""
+    """The ids a first turn leaves cached: a llama.cpp context keeps the prompt and the answer
+    (but its last token, never read), torch's prefix store the prompt it prefilled."""
     prompt = lm.prompt_ids(turn_1)
-    return prompt[:-1] if lm.backend == "torch" else [*prompt, *answer[:-1]]
+    return prompt if lm.backend == "torch" else [*prompt, *answer[:-1]]
 
 
 def identical(lm: LM, turn_1: list[dict[str, str]], max_new: int, count: int) -> dict[str, Any]:

@@ -89,7 +89,7 @@ class RapidContext:
             return not first <= start < end or any(a <= start < b for a, b in spans)
 
         kept = [i for i, start in enumerate(encoded.token_starts) if seen(start)]
-        return (*kept, *range(len(encoded.prefix_ids), prompt_len - 1))
+        return (*kept, *range(len(encoded.prefix_ids), prompt_len))
 
     def _index(self, context: str) -> IndexedContext:
         """Chunks + dense index of a context, cached by the text's digest (small LRU)."""

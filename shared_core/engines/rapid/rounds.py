@@ -27,6 +27,7 @@ from shared_core.engines.loop import Blocks, LogitsMask, Run, timed
 from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
 from shared_core.runtime.host_sync import DeviceTokens, RoundClock
 from shared_core.runtime.protocol import SessionLM
+from shared_core.util.device import synchronize
 
 
 class CachedRun(Run):
@@ -40,19 +41,23 @@ class CachedRun(Run):
         super().__init__(lm, list(prompt_ids), config, cache, logits_mask, stats_type=RapidStats)
         self.stats: RapidStats
 
-    def prefill(self) -> int:
-        """Feed what the session does not hold; count the prompt ids not read again: those the
-        session kept from the decoder's last question, plus those a llama.cpp session found in
-        an idle context of the model when it took one (its first prefill)."""
+    def prefill(self) -> torch.Tensor:
+        """Feed what the session does not hold (the last prompt id always, for its logits);
+        count the prompt ids not read again: those the session kept from the decoder's last
+        question, plus those a llama.cpp session found in an idle context of the model when it
+        took one (its first prefill). Returns the ``[V]`` logits after the prompt."""
         self.stats.prefill_s = 0.0
         pooled = self.session.reused_tokens
         with timed(self.stats, "prefill_s"):
-            feed = self.session.sync(self.prompt_ids[:-1])
-            self.session.prefill(feed)
+            feed = [*self.session.sync(self.prompt_ids[:-1]), self.prompt_ids[-1]]
+            logits = self.session.prefill(feed)
+            synchronize(self.lm.device)
+        assert logits is not None  # feed is never empty
+        self.stats.target_forwards += 1  # the prefill's last row gives the first token
         pooled = self.session.reused_tokens - pooled
-        reused = len(self.prompt_ids) - 1 - len(feed) + pooled
+        reused = len(self.prompt_ids) - len(feed) + pooled
         self.stats.reused_prefix_tokens = self.stats.cached_prompt_tokens = reused
-        return self.prompt_ids[-1]
+        return logits
 
 
 def _pad_vocab(q: torch.Tensor | None, size: int) -> torch.Tensor | None:
@@ -127,12 +132,14 @@ def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: Rapid
                   eta: float, config: RapidConfig, schedule: GammaSchedule | None
                   ) -> Blocks:
     """The RAPID round, written as named steps (one committed block per round)."""
-    pending = run.prefill()
+    pending = yield from run.opening()  # the first token leaves before the drafter starts
+    if pending is None:
+        return
     session, stats = run.session, run.stats
     greedy_probs = run.config.sampling.greedy and eta > 0
     if config.drafter_kv == "target":
         assert prompt.shared_positions is not None  # prepare() fills it for "target"
-        draft_prefill = drafter.start_shared(session, prompt.shared_positions, pending,
+        draft_prefill = drafter.start_shared(session, prompt.shared_positions,
                                              run.config.sampling, greedy_probs=greedy_probs)
     else:
         draft_prefill = drafter.start(prompt.draft_ids, len(run.prompt_ids), run.config.sampling,

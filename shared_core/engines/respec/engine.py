@@ -183,10 +183,10 @@ def _document_ids(lm: SessionLM, documents: Sequence[str | Sequence[int]] | str 
 # -- the round, as named steps ----------------------------------------------------------------
 
 def _respec_blocks(run: Run, request: Request) -> Blocks:
-    pending = run.prefill()
-    request.add(run.prompt_ids)
+    pending = yield from run.opening()
+    request.add(run.prompt_ids if pending is None else [*run.prompt_ids, pending])
     session = run.session
-    while True:
+    while pending is not None:
         budget = min(request.config.max_draft_len, run.tracker.remaining - 1)
         # 1. draft: retrieval when triggered, else the fallback drafter, else nothing
         draft = _draft(request, [*session.tokens, pending], budget)
@@ -203,10 +203,8 @@ def _respec_blocks(run: Run, request: Request) -> Blocks:
         emitted, done = run.commit(block)
         # 5. adapt: EMA scores, draft length, entropy history, automaton, fallback back-off
         _adapt(run, request, draft, path, logits, accepted, block, entropies)
-        pending = next_token
+        pending = None if done else next_token
         yield emitted
-        if done:
-            return
 
 
 def _draft(request: Request, context: list[int], budget: int) -> TreeDraft:
