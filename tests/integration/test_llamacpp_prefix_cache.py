@@ -123,8 +123,9 @@ def test_an_interrupted_prefill_leaves_no_half_written_prefix(exact_lm, monkeypa
     assert slots[0].tokens == []  # cleared, not remembered
     again = greedy(exact_lm, ids)
     gc.collect()
-    # kept once complete: all the engine prefills (ids[:-1]) but its last id, decoded for logits
-    assert greedy(exact_lm, ids).stats.cached_prompt_tokens == len(ids) - 2
+    # kept once complete: the whole prompt the engine read, all of it reused but the last id,
+    # read again for the first token's logits
+    assert greedy(exact_lm, ids).stats.cached_prompt_tokens == len(ids) - 1
     assert again.token_ids == cold(exact_lm, greedy, ids).token_ids
 
 
@@ -185,7 +186,7 @@ def test_rapid_reports_the_prefix_the_model_kept_and_answers_as_a_cold_start(exa
     assert first.stats.reused_prefix_tokens == first.stats.cached_prompt_tokens == 0
     assert second.stats.reused_prefix_tokens == second.stats.cached_prompt_tokens
     assert second.stats.context_tokens < second.stats.reused_prefix_tokens
-    assert second.stats.reused_prefix_tokens < second.stats.prompt_tokens - 1
+    assert second.stats.reused_prefix_tokens == second.stats.prompt_tokens - 1  # all but the last
     assert second.token_ids == first.token_ids
     ids = RapidDecoder(exact_lm, embedder=HashEmbedder(), config=config).prepare(
         document, question, 8).target_ids
@@ -212,7 +213,7 @@ def test_load_lm_sets_the_prefix_cache_budget(exact_lm):
     greedy(kept, ids)
     gc.collect()
     again = greedy(kept, ids)
-    assert again.stats.cached_prompt_tokens == len(ids) - 2  # all ids[:-1] the engine prefills
+    assert again.stats.cached_prompt_tokens == len(ids) - 1  # all but the id read for logits
     assert again.token_ids == reference.token_ids
 
 

@@ -9,7 +9,7 @@ import torch
 from tiny import measured, tiny_lm
 
 from shared_core.bench.__main__ import build_parser
-from shared_core.bench.system.first_token import plot, read, scenarios
+from shared_core.bench.system.first_token import cost_curve, plot, read, scenarios
 from shared_core.runtime.torch.prefix import attach
 
 
@@ -43,3 +43,10 @@ def test_both_reads_give_the_models_logits_after_the_prompt() -> None:
         _, logits, reused = read(lm, ids, method)
         assert reused == 0
         assert torch.allclose(logits, reference, atol=1e-4), method  # one fp32 model: rounding
+
+
+def test_the_cost_curve_times_each_size() -> None:
+    lm = tiny_lm()
+    ids = lm.prompt_ids([{"role": "user", "content": "Which gate was rebuilt most recently?"}])
+    curve = cost_curve(lm, ids, 6, [1, 4], repeats=3)
+    assert list(curve) == [1, 4] and measured(*curve.values())

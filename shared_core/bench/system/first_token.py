@@ -48,7 +48,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--max-new-tokens", type=int, default=16, help="the first turn's answer")
     parser.add_argument("--exact", action="store_true")
-    parser.add_argument("--scenarios", nargs="+", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--scenarios", nargs="*", choices=SCENARIOS, default=list(SCENARIOS))
+    parser.add_argument("--cost-sizes", nargs="*", type=int, default=[],
+                        help="also time one decode of each many tokens after 0 cached cells and "
+                             "after the cold prompt's length (the cost curve the saving follows)")
 
 
 def read(lm: LM, ids: list[int], method: str, keep: int = 0) -> tuple[float, Any, int]:
@@ -99,6 +102,26 @@ def scenario(lm: LM, ids: list[int], cached: list[int], repeats: int) -> dict[st
             "times_s": {m: [round(t, 4) for t in ts] for m, ts in times.items()}}
 
 
+def cost_curve(lm: LM, ids: list[int], cells: int, sizes: list[int], repeats: int
+               ) -> dict[int, float]:
+    """Median ms of one decode of ``n`` tokens after ``cells`` cached cells, per ``n`` in
+    ``sizes`` (interleaved, the order flipping every repeat; each decode rolled back)."""
+    clear_prefix_cache(lm)
+    session = open_session(lm)
+    if cells:
+        session.prefill(ids[:cells])
+    session.extend(ids[cells : cells + max(sizes)])  # warm-up
+    session.rollback(cells)
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for repeat in range(repeats):
+        for n in sizes if repeat % 2 == 0 else sizes[::-1]:
+            start = time.perf_counter()
+            session.extend(ids[cells : cells + n])
+            times[n].append(time.perf_counter() - start)
+            session.rollback(cells)
+    return {n: round(1000 * statistics.median(ts), 1) for n, ts in times.items()}
+
+
 def scenarios(lm: LM, args: argparse.Namespace) -> dict[str, Callable[[], dict[str, Any]]]:
     turn_1 = conversation(lm, args.context_tokens)
     short = [{"role": "user", "content": QUESTIONS[1]}]
@@ -120,11 +143,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     read(lm, lm.prompt_ids(conversation(lm, 64)), "whole")  # warm-up: weights paged in
     rows = {name: measure() for name, measure in scenarios(lm, args).items()
             if name in args.scenarios}
+    cost: dict[str, dict[int, float]] = {}
+    if args.cost_sizes:
+        ids = lm.prompt_ids(conversation(lm, args.context_tokens + max(args.cost_sizes) * 2))
+        cells = len(lm.prompt_ids(conversation(lm, args.context_tokens)))
+        cost = {str(c): cost_curve(lm, ids, c, sorted(args.cost_sizes), args.repeats)
+                for c in (0, cells)}
+    summary = {f"{name} whole/apart": row["whole_over_last_apart"] for name, row in rows.items()}
     report = {"benchmark": "first-token", "machine": cpu_facts(), "model": args.model,
               "backend": lm.backend, "threads": lm_threads(lm), "exact": args.exact,
-              "repeats": args.repeats, "rows": rows,
+              "repeats": args.repeats, "rows": rows, "summary": summary, "cost_ms": cost,
               "load_average": {"before": load_before, "after": os.getloadavg()}}
-    if getattr(args, "plot", None):
+    if getattr(args, "plot", None) and rows:
         plot(report, args.plot)
     return report
 

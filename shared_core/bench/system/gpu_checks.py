@@ -70,10 +70,10 @@ def divergence_margin(target: LM, prompt: Prompt, reference: Sequence[int], ours
                       k: int) -> dict[str, Any] | None:
     """Why ``ours`` left ``reference`` (greedy) at their first differing token: a near-tie or not.
 
-    Replays the reference's own forwards up to that token (a cold prefill of the prompt but its
-    last id, then one-token steps), then reads the same row again from a ``k + 1``-token forward
-    over the same cache (a verification's shape; the drafts after the first token do not enter
-    its row, the reference's next tokens fill them). Returns the one-token step's top-2 margin
+    Replays the reference's own forwards up to that token (a cold prefill of the prompt, whose
+    last row gives the first token, then one-token steps), then reads the same row again from a
+    ``k + 1``-token forward over the same cache (a verification's shape; the drafts after the
+    first token do not enter its row, the reference's next tokens fill them). Returns the one-token step's top-2 margin
     and top logit (:func:`at_tie` judges the margin against the dtype's spacing there), the
     reference token's lead over ours in both forwards, and max |Δlogit| between the two rows;
     None when the outputs are equal or one is a prefix of the other. A flip from bf16 arithmetic
@@ -87,10 +87,9 @@ def divergence_margin(target: LM, prompt: Prompt, reference: Sequence[int], ours
     clear_prefix_cache(target)  # cold, as the check's runs
     try:
         session = target.open_session()
-        session.prefill(ids[: -at - 1])
-        for token in ids[len(ids) - at - 1 : -1]:
-            session.extend([token])
-        one = session.extend([ids[-1]])[-1].float()
+        one = session.prefill(ids[: len(ids) - at]).float()
+        for token in ids[len(ids) - at :]:
+            one = session.extend([token])[-1].float()
         session.rollback(len(ids) - 1)
         fill = [*reference[at : at + k]] + [ref_token] * max(0, k - len(reference) + at)
         many = session.extend([ids[-1], *fill])[0].float()

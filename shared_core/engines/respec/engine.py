@@ -184,7 +184,9 @@ def _document_ids(lm: SessionLM, documents: Sequence[str | Sequence[int]] | str 
 
 def _respec_blocks(run: Run, request: Request) -> Blocks:
     pending = yield from run.opening()
-    request.add(run.prompt_ids if pending is None else [*run.prompt_ids, pending])
+    if pending is None:
+        return
+    request.add([*run.prompt_ids, pending])
     session = run.session
     while pending is not None:
         budget = min(request.config.max_draft_len, run.tracker.remaining - 1)
