@@ -73,9 +73,10 @@ def divergence_margin(target: LM, prompt: Prompt, reference: Sequence[int], ours
     Replays the reference's own forwards up to that token (a cold prefill of the prompt, whose
     last row gives the first token, then one-token steps), then reads the same row again from a
     ``k + 1``-token forward over the same cache (a verification's shape; the drafts after the
-    first token do not enter its row, the reference's next tokens fill them). Returns the one-token step's top-2 margin
-    and top logit (:func:`at_tie` judges the margin against the dtype's spacing there), the
-    reference token's lead over ours in both forwards, and max |Δlogit| between the two rows;
+    first token do not enter its row, the reference's next tokens fill them). Returns the
+    one-token step's top-2 margin and top logit (:func:`at_tie` judges the margin against the
+    dtype's spacing there), the reference token's lead over ours in both forwards, and max
+    |Δlogit| between the two rows;
     None when the outputs are equal or one is a prefix of the other. A flip from bf16 arithmetic
     shows as a small ``top2_margin`` (a few ulps) with ``lead_k_token`` < 0 <= ``lead_one_token``.
     """
