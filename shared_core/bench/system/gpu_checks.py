@@ -88,7 +88,9 @@ def divergence_margin(target: LM, prompt: Prompt, reference: Sequence[int], ours
     clear_prefix_cache(target)  # cold, as the check's runs
     try:
         session = target.open_session()
-        one = session.prefill(ids[: len(ids) - at]).float()
+        first = session.prefill(ids[: len(ids) - at])
+        assert first is not None  # the prompt is not empty
+        one = first.float()
         for token in ids[len(ids) - at :]:
             one = session.extend([token])[-1].float()
         session.rollback(len(ids) - 1)
