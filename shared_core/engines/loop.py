@@ -208,10 +208,15 @@ class Run:
         """Read the whole prompt; the ``[V]`` logits after its last id (the first token's)."""
         self.stats.prefill_s = 0.0
         with timed(self.stats, "prefill_s"):
-            logits = self.session.prefill(self.prompt_ids)
+            logits = self.read_prompt()
             synchronize(self.lm.device)
         assert logits is not None  # the prompt is not empty and a prefill reads its last id
         self.stats.target_forwards += 1  # the prefill's last row gives the first token
+        return logits
+
+    def read_prompt(self) -> torch.Tensor | None:
+        """Prefill the prompt into the session and record what it reused; its last row."""
+        logits = self.session.prefill(self.prompt_ids)
         self.stats.cached_prompt_tokens = self.session.reused_tokens
         report = self.session.passage_report
         if report is not None:  # reused / recomputed / read prompt ids (shared_core.runtime.passage_cache)

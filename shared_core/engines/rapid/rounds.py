@@ -23,11 +23,10 @@ from shared_core.decoding.verify import (
 )
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
-from shared_core.engines.loop import Blocks, LogitsMask, Run, timed
+from shared_core.engines.loop import Blocks, LogitsMask, Run
 from shared_core.engines.rapid.prompts import RapidPrompt, RapidStats
 from shared_core.runtime.host_sync import DeviceTokens, RoundClock
 from shared_core.runtime.protocol import SessionLM
-from shared_core.util.device import synchronize
 
 
 class CachedRun(Run):
@@ -41,21 +40,15 @@ class CachedRun(Run):
         super().__init__(lm, list(prompt_ids), config, cache, logits_mask, stats_type=RapidStats)
         self.stats: RapidStats
 
-    def prefill(self) -> torch.Tensor:
+    def read_prompt(self) -> torch.Tensor | None:
         """Feed what the session does not hold (the last prompt id always, for its logits);
         count the prompt ids not read again: those the session kept from the decoder's last
         question, plus those a llama.cpp session found in an idle context of the model when it
-        took one (its first prefill). Returns the ``[V]`` logits after the prompt."""
-        self.stats.prefill_s = 0.0
+        took one (its first prefill)."""
         pooled = self.session.reused_tokens
-        with timed(self.stats, "prefill_s"):
-            feed = [*self.session.sync(self.prompt_ids[:-1]), self.prompt_ids[-1]]
-            logits = self.session.prefill(feed)
-            synchronize(self.lm.device)
-        assert logits is not None  # feed is never empty
-        self.stats.target_forwards += 1  # the prefill's last row gives the first token
-        pooled = self.session.reused_tokens - pooled
-        reused = len(self.prompt_ids) - len(feed) + pooled
+        feed = [*self.session.sync(self.prompt_ids[:-1]), self.prompt_ids[-1]]
+        logits = self.session.prefill(feed)
+        reused = len(self.prompt_ids) - len(feed) + self.session.reused_tokens - pooled
         self.stats.reused_prefix_tokens = self.stats.cached_prompt_tokens = reused
         return logits
 
