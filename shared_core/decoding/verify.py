@@ -233,7 +233,7 @@ def tree_children(parents: Sequence[int]) -> dict[int, list[int]]:
 
 def verify_tree(tokens: torch.Tensor | Sequence[int], parents: Sequence[int], logits: torch.Tensor,
                 sampling: SamplingConfig, generator: torch.Generator | None = None, *,
-                argmax: Sequence[int] | None = None,
+                argmax: Sequence[int] | None = None, first_chain_only: bool = False,
                 read_also: torch.Tensor | None = None) -> TreeVerdict:
     """Verify a tree of deterministic drafts; return the accepted path and the next token.
 
@@ -249,6 +249,9 @@ def verify_tree(tokens: torch.Tensor | Sequence[int], parents: Sequence[int], lo
         logits: ``[n + 1, V]``; row 0 follows the root, row ``i + 1`` follows node ``i``.
         argmax: greedy only: the rows' argmaxes already on the host (the caller read them with
             what else its round reads back); else they are read here, in one copy.
+        first_chain_only: greedy only: trust only the rows of the first chain (node ``i`` at
+            depth ``i``; ``Capabilities.branch_rows_exact`` False): the walk stops before a node
+            off it, whose token is then the next token (the exact row before it chose it).
         read_also: sampling only: a tensor the caller needs on the host too, read back in the
             walk's one copy (``TreeVerdict.also``, flattened).
     """
@@ -264,7 +267,7 @@ def verify_tree(tokens: torch.Tensor | Sequence[int], parents: Sequence[int], lo
     while True:
         target = argmax[row]
         match = next((c for c in children.get(node, []) if ids[c] == target), None)
-        if match is None:
+        if match is None or (first_chain_only and match != len(path)):
             return TreeVerdict(tuple(path), target)
         path.append(match)
         node, row = match, match + 1

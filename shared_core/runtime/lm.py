@@ -89,6 +89,9 @@ class LM(ChatTokenizer):
     # positions a cache="static" session holds; None: the window, at most 4096
     # (shared_core.runtime.torch.static.DEFAULT_STATIC_CAPACITY)
     static_capacity: int | None = None
+    # exact mode (load_lm(exact=True)): every forward this many rows over the static capacity
+    # (shared_core.runtime.torch.exact); None: the default mode
+    exact_width: int | None = None
     backend: ClassVar[str] = "torch"  # the runtime; subclasses for other runtimes override it
     backend_reason: str = "built by the caller"  # why load_lm chose this runtime
     served: ClassVar[bool] = False  # runs in this process (shared_core.runtime.protocol)
@@ -101,13 +104,17 @@ class LM(ChatTokenizer):
     @property
     def capabilities(self) -> Capabilities:
         """What this runtime offers (:class:`shared_core.runtime.protocol.Capabilities`): torch
-        reuses prefixes while the model has a prefix store, bit-exactly in the store's exact mode."""
+        reuses prefixes while the model has a prefix store, bit-exactly in the store's exact mode;
+        in exact mode (``exact_width``) every forward has one shape, so any batch is invariant."""
         from shared_core.runtime.torch.prefix import store_for
 
         store = store_for(self.model)
-        return Capabilities(batch_invariant=False, exact_reuse=store is not None and store.exact,
+        invariant = self.exact_width is not None
+        return Capabilities(batch_invariant=invariant,
+                            exact_reuse=invariant or (store is not None and store.exact),
                             prefix_reuse=store is not None and store.budget > 0,
-                            any_positions=True, hidden_states=True, measured_cost=False)
+                            any_positions=True, hidden_states=True, measured_cost=False,
+                            branch_rows_exact=not invariant)
 
     def open_session(self, *, cache: CacheKind = "prealloc") -> KVSession:
         from shared_core.runtime.torch.session import KVSession as TorchSession

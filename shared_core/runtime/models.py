@@ -243,8 +243,10 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         exact: llama.cpp: load without weight repacking and run flash attention with a bf16
             V cache, so a k-token verification gives the same logits as k one-token steps at any
             context length and thread count (speculative output equals greedy bit for bit).
-            torch: prefix reuse is bit-exact (prefills run in 64-token chunks on a fixed grid and
-            reuse stops on it), so a call's output does not depend on what was cached.
+            torch: every forward has one shape (``EXACT_WIDTH`` rows over a fixed-capacity
+            cache, :mod:`shared_core.runtime.torch.exact`), so a verification gives the logits of
+            one-token steps bit for bit on any device and dtype, and prefix reuse is bit-exact;
+            refused for models with sliding-window layers.
         prefix_cache: prompt-prefix reuse across calls (docs/backends.md, *Prefix reuse across
             calls*). ``None`` (default) or ``True``: on; ``False`` or ``0``: off; ``n``: on with
             up to ``n`` idle contexts of ``n_ctx`` positions (llama.cpp) or ``n`` MiB of kept KV
@@ -302,6 +304,11 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     lm = wrap_lm(model, tokenizer, name=name_or_path)
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
+    if exact:
+        from shared_core.runtime.torch.exact import EXACT_WIDTH, check_model
+
+        check_model(lm.model.config)
+        lm.exact_width = EXACT_WIDTH
     attach(lm.model, budget_bytes(prefix_cache, lm.model), exact=exact)
     if cache_config is not None:
         attach_passage_cache(lm.model, cache_config, head=chunk_head(lm))

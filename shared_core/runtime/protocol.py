@@ -46,7 +46,11 @@ class Capabilities:
     (KNN-LM's keys). ``measured_cost``: ``forward_cost_curve()`` is the machine's measured curve
     (else None: engines fit it as they run). ``max_rows`` / ``max_tree_leaves`` / ``max_extend``:
     rows of one batched call, leaves of one tree, tokens of one ``extend`` (None: only memory and
-    the window limit them).
+    the window limit them). ``branch_rows_exact``: every row of an ``extend_tree`` is as exact
+    as ``batch_invariant`` says; False where only the first chain's rows are (node ``i`` at
+    depth ``i``: torch's exact mode, where a later branch's tokens sit in slots apart from
+    their ancestors and attention sums them in another grouping), so an exact greedy walk stops
+    at the first node off that chain (``verify_tree(..., first_chain_only=True)``).
     """
 
     batch_invariant: bool
@@ -59,6 +63,7 @@ class Capabilities:
     max_tree_leaves: int | None = None
     max_extend: int | None = None
     invariant_tokens: int | None = None
+    branch_rows_exact: bool = True
 
 
 class PassageReport(Protocol):

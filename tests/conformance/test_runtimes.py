@@ -6,8 +6,9 @@ tests below state the contract once; where runtimes differ by design the test re
 
 - ``batch_invariant``: logits computed in different batches (an extend vs one-token steps, a tree
   vs its branches alone, rows together vs alone) are equal bit for bit; otherwise equal to
-  rounding (``atol = rtol = 1e-4`` on float32 logits). torch: rounding; llama.cpp loaded with
-  ``exact=True``: bit for bit.
+  rounding (``atol = rtol = 1e-4`` on float32 logits). torch: rounding; torch and llama.cpp
+  loaded with ``exact=True``: bit for bit (torch's exact mode: a tree's rows off its first chain
+  to rounding, ``branch_rows_exact``).
 - ``exact_reuse``: a prefill that starts from a kept prefix equals a cold one bit for bit
   (torch with the prefix store's exact grid; llama.cpp with ``exact=True``); otherwise to rounding.
 - ``any_positions``: ``copy_positions`` keeps any ascending subset (torch); otherwise it must keep
@@ -16,7 +17,8 @@ tests below state the contract once; where runtimes differ by design the test re
   where its kernels change path; a session's exact prefill and rows decode in 32-token chunks).
 - ``max_extend``: the most tokens one ``extend`` takes (llama.cpp: ``n_batch``; torch: none).
 
-torch runs on a tiny in-process model (always); llama.cpp on the embedded SmolLM2 GGUF (skipped
+torch runs on a tiny in-process model (always), in the default and the exact mode; llama.cpp on
+the embedded SmolLM2 GGUF (skipped
 where llama-cpp-python or the model package is missing, a failure in CI).
 
 The passage cache (``shared_core.runtime.passage_cache``) states two contracts on both runtimes:
@@ -109,6 +111,28 @@ def _torch_runtime() -> Runtime:
     return Runtime(lm, fail_forward, lambda: lm, load)
 
 
+def _torch_exact_runtime() -> Runtime:
+    """torch in exact mode (``load_lm(..., exact=True)``): every forward one shape."""
+    from tiny import tiny_lm
+
+    from shared_core.runtime.torch.exact import EXACT_WIDTH
+
+    runtime = _torch_runtime()
+    runtime.lm.exact_width = EXACT_WIDTH
+    blend: list[SessionLM] = []
+
+    def blend_lm() -> SessionLM:
+        """A blend assembles caches of its own layout: the default mode's model."""
+        if not blend:
+            blend.append(tiny_lm(num_layers=2, seed=3))
+        return blend[0]
+
+    runtime.blend_lm = blend_lm
+    runtime.load_exact_code = runtime.load_exact_code.replace(
+        "seed=9)\n", f"seed=9)\nlm.exact_width = {EXACT_WIDTH}\n")
+    return runtime
+
+
 def _llamacpp_runtime() -> Runtime:
     from shared_core.runtime.llamacpp import session as llamacpp_session
     from shared_core.runtime.llamacpp.lm import available
@@ -150,7 +174,9 @@ def _llamacpp_runtime() -> Runtime:
     return Runtime(lm, fail_forward, blend_lm, load)
 
 
-RUNTIMES: dict[str, Callable[[], Runtime]] = {"torch": _torch_runtime, "llama.cpp": _llamacpp_runtime}
+RUNTIMES: dict[str, Callable[[], Runtime]] = {"torch": _torch_runtime,
+                                              "torch-exact": _torch_exact_runtime,
+                                              "llama.cpp": _llamacpp_runtime}
 
 
 @pytest.fixture(scope="module", params=list(RUNTIMES))
@@ -245,7 +271,8 @@ def test_a_tree_equals_its_branches_and_keep_path_continues_like_the_branch(
     tree = session.extend_tree([root, a, b, c, d], [-1, 0, 1, 0, 3])  # root-a-b, root-c-d
     assert tree.shape == (5, rt.lm.vocab_size)
     for branch, rows in (([root, a, b], [0, 1, 2]), ([root, c, d], [0, 3, 4])):
-        same(tree[rows], session_on(rt, prefix).extend(branch), rt.caps.batch_invariant)
+        exact = rt.caps.batch_invariant and (rt.caps.branch_rows_exact or rows == [0, 1, 2])
+        same(tree[rows], session_on(rt, prefix).extend(branch), exact)
     session.keep_path([0, 3, 4])
     assert session.tokens == [*prefix, root, c, d]
     same(session.extend([a]), session_on(rt, [*prefix, root, c, d]).extend([a]),

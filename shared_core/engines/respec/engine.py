@@ -257,7 +257,8 @@ def _accept(run: Run, request: Request, draft: TreeDraft, logits: torch.Tensor,
         if draft.source != "retrieval":  # a linear draft, or none
             verdict = accept_greedy(drafted, argmax[: len(drafted) + 1])
             return tuple(range(verdict.n_accepted)), verdict.next_token, entropies
-        tree = verify_tree(drafted, draft.parents, logits, sampling, argmax=argmax)
+        tree = verify_tree(drafted, draft.parents, logits, sampling, argmax=argmax,
+                           first_chain_only=not run.lm.capabilities.branch_rows_exact)
         return tree.path, tree.next_token, entropies
     if draft.source not in ("retrieval", "none"):
         # strict, with q for model drafts

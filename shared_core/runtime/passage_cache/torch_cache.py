@@ -378,9 +378,7 @@ class TorchPassageCache:
             if not self._holds(kv, ids[end - BLOCK : end], end - BLOCK):
                 store.discard(key)
                 break
-            for layer in range(kv.keys.shape[0]):
-                session.cache.update(kv.keys[layer][None], kv.values[layer][None], layer)
-            session.tokens.extend(ids[end - BLOCK : end])
+            session.append_kv(kv.keys, kv.values, ids[end - BLOCK : end])
             report.reused += BLOCK
             restored = end
         return restored
@@ -544,7 +542,7 @@ class TorchPassageCache:
         part = PrefillReport(prompt=len(ids))
         self._prefill_exact(session, store, ids, part)
         _add(report, part)
-        return _stack(session.cache, 0)
+        return _stack(session.cache, 0, len(session.tokens))  # a static cache holds more slots
 
     def _blend_rows(self, lm: LM, store: ChunkStore[ChunkKV], heads: list[list[int]],
                     report: PrefillReport) -> list[RowKV]:

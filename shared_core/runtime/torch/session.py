@@ -28,7 +28,7 @@ from shared_core.config import CacheKind
 from shared_core.runtime.host_sync import DeviceTokens, upload
 from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
 from shared_core.runtime.protocol import KVSession as RuntimeSession
-from shared_core.runtime.torch import static
+from shared_core.runtime.torch import exact, static
 from shared_core.runtime.torch.prefix import (
     Layers,
     PrefixStore,
@@ -236,10 +236,12 @@ class KVSession:
             raise ValueError(msg)
         self._unread: list[tuple[int, DeviceTokens]] = []  # (start, ids) not read back yet
         self.lm = lm
-        self.kind: CacheKind = cache
+        # exact mode (LM.exact_width): every forward one shape, on fixed buffers whatever ``cache``
+        self.width: int | None = getattr(lm, "exact_width", None)
+        self.kind: CacheKind = "static" if self.width else cache
         self.prefill_chunk = prefill_chunk
         # a static session keeps its buffers for life (reset and loads refill them in place)
-        self.cache = static.take(lm, self) if cache == "static" else make_cache(cache)
+        self.cache = static.take(lm, self) if self.kind == "static" else make_cache(cache)
         self.tokens: list[int] = []
         self.forwards = 0
         self.position_offset = 0
@@ -293,7 +295,8 @@ class KVSession:
             raise ValueError(msg)
         held = self._static
         if held is not None:
-            held.check_room(len(self._tokens), len(ids))
+            held.check_room(len(self._tokens), exact.slots_written(len(ids), self.width)
+                            if self.width else len(ids))
         on_device = ids.ids if isinstance(ids, DeviceTokens) else upload(ids, self.lm.device)
         input_ids = on_device[None]  # never waits: device ids as they are, host ids uploaded
         if held is not None:
@@ -322,9 +325,14 @@ class KVSession:
         (:func:`shared_core.runtime.torch.static.static_step`); a failed forward has not moved
         the counter, so nothing needs healing."""
         held.shift_positions(self.position_offset)
+        keyword = cache_keyword(self.lm.model)
         try:
-            logits = static.run_step(self.lm.model, held, input_ids, cache_keyword(self.lm.model),
-                                     self.lm.dtype, logits_to_keep, attention_mask, position_ids)
+            if self.width:
+                logits = exact.forward(self.lm.model, held, input_ids, keyword, self.lm.dtype,
+                                       self.width, logits_to_keep, attention_mask, position_ids)
+            else:
+                logits = static.run_step(self.lm.model, held, input_ids, keyword, self.lm.dtype,
+                                         logits_to_keep, attention_mask, position_ids)
         except BaseException:
             held.move_to(held.length)  # the device counter back to the host's, moved or not
             raise
@@ -396,7 +404,7 @@ class KVSession:
         of ``ids`` the model's prefix store holds; a completed prefill stores what it read.
         On a model with a passage cache, a fresh session's first prefill runs through it."""
         passages: _PassagePrefill | None = getattr(self.lm.model, "passage_cache", None)
-        if passages is not None and self.kind == "static":
+        if passages is not None and self.kind == "static" and not self.width:
             msg = ("cache='static' does not assemble prompts from a passage cache (it installs "
                    "caches of its own layout); use cache='prealloc' on this model")
             raise ValueError(msg)
@@ -421,6 +429,23 @@ class KVSession:
         if kept is not None and self._prefilled_only and not self.position_offset:
             self._store(kept)
         return logits
+
+    @torch.inference_mode()
+    def append_kv(self, keys: torch.Tensor, values: torch.Tensor, ids: Sequence[int]) -> None:
+        """Append ``ids`` whose keys/values were computed elsewhere (``[layers, H, n, D]``
+        each, at the positions they take here): a passage cache's stored block."""
+        held = self._static
+        try:
+            if held is not None:
+                held.append([(k[None], v[None]) for k, v in zip(keys, values, strict=True)],
+                            len(ids))
+            else:
+                for layer, (k, v) in enumerate(zip(keys, values, strict=True)):
+                    self.cache.update(k[None], v[None], layer)
+            self._tokens.extend(ids)
+        except BaseException:
+            self.heal()
+            raise
 
     def _reuse(self, store: PrefixStore, ids: Sequence[int]) -> int:
         """Start from a copy of the longest stored prefix of ``ids``; return its length."""
@@ -479,6 +504,11 @@ class KVSession:
         prefix = self._tree_prefix
         if list(path) == list(range(len(path))):
             self.rollback(prefix + len(path))  # a linear prefix of the node order: just crop
+            return
+        if self.width:  # exact: a later branch's keys were computed apart from their ancestors
+            kept = [self.tokens[prefix + i] for i in path]
+            self.rollback(prefix)
+            self._forward(kept, logits_to_keep=1)
             return
         positions = upload([prefix + i for i in path], self.lm.device)
         try:

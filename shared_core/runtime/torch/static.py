@@ -143,13 +143,21 @@ class StaticKV(Cache):
         if len(layers) != len(self.layers):
             msg = f"{len(layers)} layers given for a static cache of {len(self.layers)}"
             raise ValueError(msg)
+        self.move_to(0)
+        self.append([(keys[:, :, :length], values[:, :, :length]) for keys, values in layers],
+                    length)
+
+    def append(self, layers: Sequence[tuple[torch.Tensor, torch.Tensor]], count: int) -> None:
+        """Hold ``layers``' ``count`` positions (``[B, H, count, D]`` each) after the valid slots."""
+        start = self.length
+        self.check_room(start, count)
         with torch.inference_mode():
             for layer, (keys, values) in zip(self.layers, layers, strict=True):
                 if not layer.is_initialized:
                     layer.lazy_initialization(keys, values)
-                layer.keys[:, :, :length] = keys[:, :, :length]
-                layer.values[:, :, :length] = values[:, :, :length]
-        self.move_to(length)
+                layer.keys[:, :, start : start + count] = keys
+                layer.values[:, :, start : start + count] = values
+        self.move_to(start + count)
 
     def gather(self, start: int, positions: torch.Tensor) -> None:
         """Keep slots ``[0, start)`` plus ``positions`` (ascending) moved to follow them."""
