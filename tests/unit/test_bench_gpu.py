@@ -44,15 +44,16 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
 def test_every_section_is_written_and_ran(report: dict) -> None:
     assert report["schema"] == "specrag-gpu-check/1"
     assert set(report["sections"]) == {
-        "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "physics/tiny-a", "physics/tiny-b",
-        "physics/tiny-c", "correctness/llama-tiny-a/bf16",
+        "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "correctness/tiny-a/bf16-exact",
+        "physics/tiny-a", "physics/tiny-b", "physics/tiny-c", "correctness/llama-tiny-a/bf16",
         "warm/tiny-a", "warm/tiny-b", "warm/tiny-c"}
     assert {s["status"] for s in report["sections"].values()} == {"ok"}
     assert report["summary"]["aims"]["every_section_ran"] is True
     assert report["machine"]["device"] == "cpu" and report["machine"]["torch"]
     # the correctness sections ran side by side before the physics, recorded in plan order
-    assert list(report["sections"])[:3] == [
-        "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "correctness/llama-tiny-a/bf16"]
+    assert list(report["sections"])[:4] == [
+        "correctness/tiny-a/fp32", "correctness/tiny-a/bf16", "correctness/tiny-a/bf16-exact",
+        "correctness/llama-tiny-a/bf16"]
     for name, section in report["sections"].items():  # where each section's time went
         if name.startswith("warm/"):  # each physics shape's static loops called once ahead
             assert set(section["first_call_ms"]) == {"ours_static", "generate_static"}
@@ -73,6 +74,7 @@ def test_every_section_is_written_and_ran(report: dict) -> None:
     # the sampling test runs in both dtypes on the Qwen shape; the Llama repeats the equalities
     assert len(report["sections"]["correctness/tiny-a/bf16"]["sampling"]) == 2
     assert report["sections"]["correctness/llama-tiny-a/bf16"]["sampling"] == []
+    assert report["sections"]["correctness/tiny-a/bf16-exact"]["sampling"] == []
 
 
 def test_cpu_fp32_equality_holds_for_every_lossless_engine(report: dict) -> None:
@@ -116,6 +118,20 @@ def test_cpu_fp32_equality_holds_for_every_lossless_engine(report: dict) -> None
     ties = report["summary"]["divergences_at_ties"]["correctness/tiny-a/fp32"]
     assert ties == {"unequal": 0, "at_ties": 0, "all_at_ties": True, "beyond_a_tie": [],
                     "unexamined": [], "verdict": "equal"}
+
+
+def test_bf16_in_exact_mode_equals_greedy_for_every_lossless_engine(report: dict) -> None:
+    """torch's exact mode: every forward one shape, so even bf16 leaves no near-tie to flip."""
+    section = report["sections"]["correctness/tiny-a/bf16-exact"]
+    assert section["errors"] == {} and section["models"]["exact_width"] > 1
+    assert section["models"]["dtype"] == "torch.bfloat16"
+    checked = {c["check"].split("/")[0] for c in section["comparisons"]}
+    assert checked == {"draft_model", "prompt_lookup", "respec_strict", "rapid_eta0", "ralmspec",
+                       "constrained", "speculative_rag", "passage_cache"}
+    for c in section["comparisons"]:
+        if "skipped" not in c["detail"]:
+            assert c["equal"] and c["first_divergence"] is None, c
+    assert report["sections"]["correctness/tiny-a/bf16"]["models"]["exact_width"] is None
 
 
 def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) -> None:
@@ -293,9 +309,10 @@ def test_sections_run_most_valuable_first() -> None:
     from shared_core.bench.system.gpu_models import SHAPES
 
     order = [(name, kind, dtype) for name, kind, _, dtype in plan(
-        SHAPES, list(SHAPES), ["fp32", "bf16"], only_correctness=False)]
+        SHAPES, list(SHAPES), ["fp32", "bf16", "bf16-exact"], only_correctness=False)]
     assert order == [("correctness/qwen2.5-0.5b/fp32", "correctness", torch.float32),
                      ("correctness/qwen2.5-0.5b/bf16", "correctness", torch.bfloat16),
+                     ("correctness/qwen2.5-0.5b/bf16-exact", "exact", torch.bfloat16),
                      ("physics/qwen2.5-1.5b", "physics", None),
                      ("physics/qwen2.5-7b", "physics", None),
                      ("correctness/llama-qwen2.5-0.5b/bf16", "equality", torch.bfloat16),

@@ -10,9 +10,10 @@ still runs; the report is rewritten after every section, so a killed run still l
 
 Sections, most valuable first (:func:`plan`), so that a budget that still bites drops the least:
 
-1. ``correctness/<shape>/<dtype>`` (smallest shape, fp32 then bf16): every lossless engine
-   against greedy decoding on the same device (:mod:`shared_core.bench.system.gpu_checks`), the
-   passage cache's lossless paths too (:mod:`shared_core.bench.system.gpu_passages`).
+1. ``correctness/<shape>/<dtype>`` (smallest shape, fp32, bf16, then bf16 in torch's exact
+   mode: ``bf16-exact``, equality checks only): every lossless engine against greedy decoding on
+   the same device (:mod:`shared_core.bench.system.gpu_checks`), the passage cache's lossless
+   paths too (:mod:`shared_core.bench.system.gpu_passages`).
 2. ``physics/<shape>`` (bf16) for the shapes the aims are about (1.5B, 7B): the k-cost curve,
    prefill tok/s, our plain decode loop against transformers' ``generate`` (timed interleaved,
    :func:`interleaved_rates`), ``generate`` with a static cache, and the passage cache's time to
@@ -116,6 +117,7 @@ from shared_core.bench.system.gpu_sections import Budget, Report, Section
 from shared_core.bench.system.gpu_syncs import round_figures
 from shared_core.bench.system.gpu_timing import median_ms, random_ids
 from shared_core.runtime.models import LM
+from shared_core.runtime.torch.exact import EXACT_WIDTH
 from shared_core.runtime.torch.session import KVSession
 from shared_core.util.device import resolve_device, synchronize
 
@@ -126,6 +128,9 @@ logger = logging.getLogger(__name__)
 
 PLOT_NAME = "gpu_k_cost.png"
 KS = (1, 2, 4, 8, 16, 32, 64)
+# --dtypes: a correctness section's dtype and whether its models run torch's exact mode
+DTYPE_TAGS = {"fp32": (torch.float32, False), "bf16": (torch.bfloat16, False),
+              "bf16-exact": (torch.bfloat16, True)}
 
 
 @dataclass(frozen=True)
@@ -189,13 +194,16 @@ def run_steps(steps: dict[str, Callable[[], Any]]
 
 
 def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.device, dtype: torch.dtype,
-                sizes: Sizes, *, with_sampling: bool = True) -> dict[str, Any]:
+                sizes: Sizes, *, with_sampling: bool = True, exact: bool = False) -> dict[str, Any]:
     """Every equality check on one shape and dtype (target, target-as-drafter, noisy drafter),
-    and the sampling distribution test unless ``with_sampling`` is False."""
+    and the sampling distribution test unless ``with_sampling`` is False; ``exact``: the models
+    in torch's exact mode (:mod:`shared_core.runtime.torch.exact`)."""
     target = drafter = None
     try:
         start = time.perf_counter()
         target = build_lm(shape, tokenizer, device, dtype, seed=0)
+        if exact:
+            target.exact_width = EXACT_WIDTH  # the drafter copies it
         drafter = perturbed_copy(target, shape.drafter_noise)
         synchronize(device)
         built = time.perf_counter() - start
@@ -219,6 +227,7 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
         comparisons = [c for name, found in done.items() if name != "sampling" for c in found]
         return {"models": {"target": target.name, "drafter": drafter.name,
                            "drafter_noise": shape.drafter_noise, "dtype": str(dtype),
+                           "exact_width": target.exact_width,
                            "params_b": round(shape.params_b, 3)},
                 "comparisons": [c.as_dict() for c in comparisons],
                 "sampling": done.get("sampling", []),
@@ -320,8 +329,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="skip sections that would end after this many seconds")
     parser.add_argument("--shapes", nargs="+", default=None,
                         help="physics shapes (default: all of the mode's)")
-    parser.add_argument("--dtypes", nargs="+", choices=["fp32", "bf16"], default=["fp32", "bf16"],
-                        help="dtypes of the correctness sections (default: both)")
+    parser.add_argument("--dtypes", nargs="+", choices=list(DTYPE_TAGS), default=list(DTYPE_TAGS),
+                        help="dtypes of the correctness sections (default: all); bf16-exact: "
+                             "bf16 in torch's exact mode, equality checks only")
     parser.add_argument("--only-correctness", action="store_true",
                         help="skip the physics and the Llama section (a short re-check)")
     parser.add_argument("--workers", type=int, default=None,
@@ -370,11 +380,11 @@ def plan(shapes: dict[str, Shape], chosen: list[str], dtypes: list[str], only_co
     Each entry: (name, kind, shape, dtype of a correctness section); kind "correctness" (the
     equality checks and the sampling test), "equality" (the equality checks alone: the Llama
     section, since the sampling test exercises no architecture-specific code and costs a third
-    of a section) or "physics"."""
+    of a section), "exact" (the equality checks in torch's exact mode) or "physics"."""
     smallest = shapes[min(chosen, key=lambda s: shapes[s].params_b)]
     out: list[tuple[str, str, Shape, torch.dtype | None]] = [
-        (f"correctness/{smallest.name}/{tag}", "correctness", smallest,
-         torch.float32 if tag == "fp32" else torch.bfloat16) for tag in dtypes]
+        (f"correctness/{smallest.name}/{tag}", "exact" if DTYPE_TAGS[tag][1] else "correctness",
+         smallest, DTYPE_TAGS[tag][0]) for tag in dtypes]
     if only_correctness:
         return out
     by_size = sorted(chosen, key=lambda s: shapes[s].params_b)
@@ -401,7 +411,7 @@ def section_of(name: str, kind: str, shape: Shape, dtype: torch.dtype | None,
     return Section(name, estimate.correctness if kind == "correctness"
                    else 0.7 * estimate.correctness,
                    partial(correctness, shape, tokenizer, device, dtype, sizes,
-                           with_sampling=kind == "correctness"))
+                           with_sampling=kind == "correctness", exact=kind == "exact"))
 
 
 @dataclass

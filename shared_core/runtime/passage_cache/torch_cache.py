@@ -321,6 +321,7 @@ class TorchPassageCache:
         ids = [int(t) for t in ids]
         report = PrefillReport(prompt=len(ids))
         store = self.store_for(session.lm.model)
+        self._check_mode(session.lm)
         try:
             if self.mode == "blend":
                 logits = self._prefill_blend(session, store, ids, report)
@@ -334,6 +335,13 @@ class TorchPassageCache:
         session.passage_report = report
         self.last = report
         return logits
+
+    def _check_mode(self, lm: LM) -> None:
+        """ValueError for a blend on a model in exact mode (blending changes outputs)."""
+        if self.mode == "blend" and getattr(lm, "exact_width", None) is not None:
+            msg = ("passage_cache='blend' changes outputs and this model runs exact=True (every "
+                   "forward one shape): use passage_cache='exact' or load it with exact=False")
+            raise ValueError(msg)
 
     # -- exact prefixes
 
@@ -523,6 +531,7 @@ class TorchPassageCache:
         prefill does. Exact: each row is prefilled through the exact prefix blocks, so the rows'
         common prefix comes from the blocks the first row stored and a row reads in full only
         what follows its last stored block."""
+        self._check_mode(lm)
         heads = [[int(t) for t in row[:-1]] for row in rows]
         report = PrefillReport(prompt=sum(len(row) for row in rows))
         store = self.store_for(lm.model)
