@@ -326,3 +326,34 @@ def test_selection_is_kept_as_the_earlier_name_of_candidate_selection():
     from shared_core.engines.respec import CandidateSelection, Selection
 
     assert Selection is CandidateSelection and get_args(Selection) == ("ema", "first")
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_exact_mode_trees_equal_exact_greedy_and_cut_at_later_branches(tiny_target, prompt,
+                                                                       monkeypatch):
+    """torch's exact mode trusts only a tree's first chain (``branch_rows_exact`` False): where
+    a corrupted copy of the answer puts its token first, the right continuation is a later
+    branch, and the walk stops before it and takes its token as the next one."""
+    from dataclasses import replace
+
+    from shared_core.engines.respec import engine
+    from shared_core.runtime.torch.exact import EXACT_WIDTH
+
+    exact = replace(tiny_target, exact_width=EXACT_WIDTH)
+    assert not exact.capabilities.branch_rows_exact
+    ref = autoregressive_generate(exact, prompt, N_NEW).token_ids
+    cuts = []
+    walk = engine.verify_tree
+
+    def counted(*args, **kwargs):
+        verdict = walk(*args, **kwargs)
+        if kwargs.get("first_chain_only"):
+            cuts.append(verdict.path != walk(*args, **{**kwargs, "first_chain_only": False}).path)
+        return verdict
+
+    monkeypatch.setattr(engine, "verify_tree", counted)
+    key = exact.prompt_ids(prompt)[-4:]
+    docs = [key + ref, key + corrupted(ref, (2,))]  # the tree branches at the answer's third id
+    result = respec_generate(exact, prompt, N_NEW, documents=docs, **NO_TRIGGER)
+    assert result.token_ids == ref
+    assert any(cuts)  # a later branch was reached and cut

@@ -134,6 +134,25 @@ def test_tree_greedy_follows_argmax_branch():
     assert verdict.path == (1, 2) and verdict.next_token == 5
 
 
+def test_tree_greedy_on_first_chain_only_stops_before_a_later_branch():
+    # node0 (tok 1) -> node1 (tok 4): the first chain; node2 (tok 2) -> node3 (tok 3): a branch
+    tokens, parents = torch.tensor([1, 4, 2, 3]), [-1, 0, -1, 2]
+    logits = torch.full((5, V), -5.0)
+    logits[0, 1] = 5  # root -> 1: node0, on the chain (index 0 at depth 0)
+    logits[1, 4] = 5  # node0 -> 4: node1, on the chain
+    logits[2, 5] = 5  # node1 -> 5: the bonus
+    chain = verify_tree(tokens, parents, logits, SamplingConfig(), first_chain_only=True)
+    assert (chain.path, chain.next_token) == ((0, 1), 5)  # the chain walks as before
+    logits[0] = -5.0
+    logits[0, 2] = 5  # root -> 2: node2, off the chain (index 2 at depth 0)
+    logits[3, 3] = 5  # node2 -> 3: read from a row the exact mode does not trust
+    logits[4, 0] = 5
+    assert verify_tree(tokens, parents, logits, SamplingConfig()).path == (2, 3)
+    cut = verify_tree(tokens, parents, logits, SamplingConfig(), first_chain_only=True)
+    # nothing kept from the branch; its first token, which row 0 chose, is the next token
+    assert (cut.path, cut.next_token) == ((), 2)
+
+
 def test_tree_sampling_with_sibling_drafts_is_lossless():
     tokens, parents = torch.tensor([0, 3, 5]), [-1, -1, -1]  # three one-hot root candidates
     logits = torch.randn(4, V, generator=torch.Generator().manual_seed(7))
