@@ -23,6 +23,7 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
     "respec": ("shared_core.bench.respec", "add_arguments", "run"),
     "forward-cost": ("shared_core.bench.system.forward_cost", "add_arguments", "run"),
     "exact": ("shared_core.bench.system.exact", "add_arguments", "run"),
+    "torch-exact": ("shared_core.bench.system.torch_exact", "add_arguments", "run"),
     "rss": ("shared_core.bench.system.rss", "add_arguments", "run"),
     "tools": ("shared_core.bench.chat.tools", "add_arguments", "run"),
     "chat": ("shared_core.bench.chat", "add_arguments", "run"),
