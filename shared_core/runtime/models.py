@@ -243,7 +243,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         exact: llama.cpp: load without weight repacking and run flash attention with a bf16
             V cache, so a k-token verification gives the same logits as k one-token steps at any
             context length and thread count (speculative output equals greedy bit for bit).
-            torch: every forward has one shape (``EXACT_WIDTH`` rows over a fixed-capacity
+            torch: every forward has one shape (16 rows, 64 on CUDA, over a fixed-capacity
             cache, :mod:`shared_core.runtime.torch.exact`), so a verification gives the logits of
             one-token steps bit for bit on any device and dtype, and prefix reuse is bit-exact;
             refused for models with sliding-window layers.
@@ -305,10 +305,10 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
     if exact:
-        from shared_core.runtime.torch.exact import EXACT_WIDTH, check_model
+        from shared_core.runtime.torch.exact import check_model, width_for
 
         check_model(lm.model.config)
-        lm.exact_width = EXACT_WIDTH
+        lm.exact_width = width_for(lm.device)
     attach(lm.model, budget_bytes(prefix_cache, lm.model), exact=exact)
     if cache_config is not None:
         attach_passage_cache(lm.model, cache_config, head=chunk_head(lm))

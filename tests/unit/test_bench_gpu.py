@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from tiny import measured
 
 ROOT = Path(__file__).resolve().parents[2]
 ABSENT_THERE = ("faiss", "bm25s", "gguf", "xgrammar", "langchain", "langchain_core",
@@ -139,6 +140,9 @@ def test_physics_sections_measure_the_k_cost_curve_and_the_loop(report: dict) ->
         section = report["sections"][name]
         assert set(section["k_cost"]) == {"1", "2", "4", "8", "16", "32", "64"}
         assert section["k_cost"]["1"]["over_step"] == 1.0
+        exact = section["exact_cost"]  # torch's exact mode: its price per forward, measured
+        assert exact["width"] > 1 and measured(exact["exact_step_over_step"],
+                                               exact["exact_k8_over_step"])
         assert section["prefill"]["tok_s"] > 0
         decode = section["decode"]
         assert decode["ours"]["tok_s"] > 0 and decode["generate"]["tok_s"] > 0

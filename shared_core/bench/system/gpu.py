@@ -49,7 +49,9 @@ Report ``DIR/gpu_report.json`` (and ``DIR/gpu_k_cost.png``)::
                  "ours_static_over_generate_static": {shape: median ratio},
                  "syncs_per_round": {shape: {loop: max}},
                  "round_split": {shape: {loop: ms per round}},
-                 "passage_ttft_over_full": {shape: {way: ratio}}, "aims": {...}}}
+                 "passage_ttft_over_full": {shape: {way: ratio}},
+                 "exact_over_step": {shape: {exact_step_over_step, exact_k8_over_step}},
+                 "aims": {...}}}
 
 A correctness section holds ``models`` (names, drafter noise), ``comparisons`` (one
 :class:`~shared_core.bench.system.gpu_checks.Comparison` each: ``check``, ``equal``,
@@ -57,7 +59,8 @@ A correctness section holds ``models`` (names, drafter noise), ``comparisons`` (
 a greedy comparison parts, the ``divergence``: top-2 margin and top logit there) and
 ``sampling`` (TV distance of two-token samples from the exact law), and ``passage_blend`` (the
 blend at its default share: tokens equal to a full prefill's, its counts). A physics section holds
-``k_cost`` (``{k: {"ms", "over_step"}}``), ``prefill`` (tokens, ms, tok/s), ``decode`` (ours,
+``k_cost`` (``{k: {"ms", "over_step"}}``), ``exact_cost`` (torch's exact mode: its one-token
+step and k = 8 check over the default step), ``prefill`` (tokens, ms, tok/s), ``decode`` (ours,
 generate, generate with a static cache, ours on a static cache: tok/s, and whether the tokens
 agree) and
 ``static_cache`` (what our torch path offers) and ``rounds`` (host syncs per round of the plain
@@ -117,7 +120,7 @@ from shared_core.bench.system.gpu_sections import Budget, Report, Section
 from shared_core.bench.system.gpu_syncs import round_figures
 from shared_core.bench.system.gpu_timing import median_ms, random_ids
 from shared_core.runtime.models import LM
-from shared_core.runtime.torch.exact import EXACT_WIDTH
+from shared_core.runtime.torch.exact import width_for
 from shared_core.runtime.torch.session import KVSession
 from shared_core.util.device import resolve_device, synchronize
 
@@ -203,7 +206,7 @@ def correctness(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.
         start = time.perf_counter()
         target = build_lm(shape, tokenizer, device, dtype, seed=0)
         if exact:
-            target.exact_width = EXACT_WIDTH  # the drafter copies it
+            target.exact_width = width_for(device)  # the drafter copies it
         drafter = perturbed_copy(target, shape.drafter_noise)
         synchronize(device)
         built = time.perf_counter() - start
@@ -264,6 +267,34 @@ def k_cost(lm: LM, sizes: Sizes, ks: tuple[int, ...] = KS) -> dict[str, Any]:
             for k, ms in costs.items()}
 
 
+def exact_cost(lm: LM, sizes: Sizes, k: int = 8) -> dict[str, Any]:
+    """The price of torch's exact mode on the :func:`k_cost` cache: a one-token step and a
+    ``k``-token check (each one forward of the device's exact width over the fixed buffers,
+    sized to the cache), against the default mode's one-token step, timed one after the other."""
+    width = width_for(lm.device)
+    exact = replace(lm, exact_width=width, static_capacity=sizes.k_prefix + k + 2 * width)
+    prefix = random_ids(sizes.k_prefix, lm.vocab_size, 1)
+    extra = random_ids(k, lm.vocab_size, 2)
+    sessions = {"default": KVSession(lm), "exact": KVSession(exact)}
+    for session in sessions.values():
+        session.prefill(prefix)
+
+    def forward(session: KVSession, n: int) -> None:
+        session.extend(extra[:n])
+        session.rollback(len(prefix))
+
+    ms = {"default_step": median_ms(partial(forward, sessions["default"], 1), lm.device,
+                                    sizes.reps, sizes.warmup),
+          "exact_step": median_ms(partial(forward, sessions["exact"], 1), lm.device,
+                                  sizes.reps, sizes.warmup),
+          f"exact_k{k}": median_ms(partial(forward, sessions["exact"], k), lm.device,
+                                   sizes.reps, sizes.warmup)}
+    return {"width": width, "capacity": exact.static_capacity,
+            **{f"{name}_ms": round(value, 3) for name, value in ms.items()},
+            "exact_step_over_step": round(ms["exact_step"] / ms["default_step"], 3),
+            f"exact_k{k}_over_step": round(ms[f"exact_k{k}"] / ms["default_step"], 3)}
+
+
 def prefill_rate(lm: LM, sizes: Sizes) -> dict[str, Any]:
     ids = random_ids(sizes.prefill, lm.vocab_size, 3)
 
@@ -298,7 +329,8 @@ def physics(shape: Shape, tokenizer: PreTrainedTokenizerBase, device: torch.devi
     try:
         out.update(params_b=round(shape.params_b, 3), dtype="bfloat16")
         done, errors, out["steps_s"] = run_steps({
-            "k_cost": partial(k_cost, lm, sizes), "prefill": partial(prefill_rate, lm, sizes),
+            "k_cost": partial(k_cost, lm, sizes), "exact_cost": partial(exact_cost, lm, sizes),
+            "prefill": partial(prefill_rate, lm, sizes),
             "decode": partial(decode_rates, lm, sizes.decode),
             "rounds": partial(round_syncs, lm, sizes), "passage_ttft": partial(passage_times, lm, sizes)})
         out.update(done)

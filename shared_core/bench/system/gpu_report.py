@@ -25,7 +25,11 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
     syncs: dict[str, dict[str, int]] = {}
     splits: dict[str, dict[str, dict[str, float]]] = {}
     passages: dict[str, dict[str, float]] = {}
+    exact: dict[str, dict[str, float]] = {}
     for name, section in sections.items():
+        price = section.get("exact_cost") or {}
+        if "exact_step_over_step" in price:
+            exact[name] = {key: value for key, value in price.items() if key.endswith("_over_step")}
         ttft = section.get("passage_ttft") or {}
         if "over_full" in ttft:
             passages[name] = dict(ttft["over_full"])
@@ -66,7 +70,7 @@ def summarize(sections: dict[str, Any]) -> dict[str, Any]:
             "ours_over_generate": overhead, "ours_over_generate_spread": spreads,
             "ours_static_over_generate_static": statics,
             "syncs_per_round": syncs, "round_split": splits,
-            "passage_ttft_over_full": passages, "aims": aims}
+            "passage_ttft_over_full": passages, "exact_over_step": exact, "aims": aims}
 
 
 def divergences_at_ties(section: dict[str, Any]) -> dict[str, Any]:

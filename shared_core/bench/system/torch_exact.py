@@ -26,7 +26,7 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -83,10 +83,13 @@ def equality(lms: dict[str, LM], ids: list[int], prefixes: Sequence[int], k: int
     return out
 
 
-def _timed(call: Callable[[], object], times: list[float]) -> None:
+def _timed(session: Any, ids: list[int], times: list[float]) -> None:
+    """Time one extend of ``ids`` into ``times`` (ms), then roll it back."""
+    before = len(session)
     start = time.perf_counter()
-    call()
+    session.extend(ids)
     times.append(1000 * (time.perf_counter() - start))
+    session.rollback(before)
 
 
 def cost(lms: dict[str, LM], ids: list[int], prefixes: Sequence[int], ks: Sequence[int],
@@ -95,17 +98,15 @@ def cost(lms: dict[str, LM], ids: list[int], prefixes: Sequence[int], ks: Sequen
     out: dict[str, Any] = {mode: {} for mode in lms}
     for prefix in prefixes:
         times: dict[tuple[str, int], list[float]] = {(m, n): [] for m in lms for n in (1, *ks)}
-        for mode, session in sessions.items():
+        for session in sessions.values():
             session.prefill(ids[len(session):prefix])
             session.extend(ids[prefix:prefix + max(ks)])  # warm-up
             session.rollback(prefix)
         order = list(lms)
         for repeat in range(repeats):
             for mode in order if repeat % 2 == 0 else order[::-1]:
-                session = sessions[mode]
                 for n in (1, *ks):
-                    _timed(lambda: session.extend(ids[prefix:prefix + n]), times[mode, n])
-                    session.rollback(prefix)
+                    _timed(sessions[mode], ids[prefix:prefix + n], times[mode, n])
         for mode in lms:
             step = statistics.median(times[mode, 1])
             out[mode][str(prefix)] = {
@@ -165,7 +166,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lm = load_lm(args.model, dtype=dtype, exact=True)
         prompt = long_prompt(lm, args.document_tokens)
         needed = max(len(prompt) + args.max_new_tokens, max(args.prefixes) + max(args.ks))
-        lm.static_capacity = min(lm.max_context, needed + 2 * max(EXACT_WIDTH, *args.widths))
+        lm.static_capacity = min(lm.max_context, needed + 2 * max(lm.exact_width or 0, *args.widths))
         lms = _modes(lm, args.widths)
         ids = torch.randint(100, min(30000, lm.vocab_size), (max(args.prefixes) + max(args.ks),),
                             generator=torch.Generator().manual_seed(0)).tolist()

@@ -321,7 +321,7 @@ class TorchPassageCache:
         ids = [int(t) for t in ids]
         report = PrefillReport(prompt=len(ids))
         store = self.store_for(session.lm.model)
-        self._check_mode(session.lm)
+        self._check_mode(_torch_lm(session))
         try:
             if self.mode == "blend":
                 logits = self._prefill_blend(session, store, ids, report)

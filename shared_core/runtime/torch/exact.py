@@ -15,7 +15,8 @@ until real tokens overwrite them.
 
 The price is a forward of ``width`` rows where one row would do, over the whole capacity:
 about one step on a GPU (a decode step is bound by weights and launches; the GPU check's k-cost
-curve), several on a CPU (``python -m shared_core.bench exact --sections torch``).
+curve and ``exact_cost``), 1.2-2.5 steps on a CPU, where a prompt is also read 16 ids a forward
+(``python -m shared_core.bench torch-exact``, results/system/2026-11-29-torch-exact/).
 """
 
 from __future__ import annotations
@@ -30,7 +31,15 @@ if TYPE_CHECKING:
 
     from shared_core.runtime.torch.static import StaticKV
 
-EXACT_WIDTH = 16  # rows of every exact forward: a verification of up to 15 drafts, a 16-node tree
+EXACT_WIDTH = 16  # rows of every exact forward (CPU): a verification of up to 15 drafts in one
+# a 64-row forward costs ~1.1 one-token steps on an H100 / H200 (results/gpu/*, k_cost), and a
+# prompt is read 64 ids a forward instead of 16
+EXACT_WIDTH_CUDA = 64
+
+
+def width_for(device: torch.device | str) -> int:
+    """The rows of every exact forward on ``device`` (``load_lm(exact=True)``'s choice)."""
+    return EXACT_WIDTH_CUDA if torch.device(device).type == "cuda" else EXACT_WIDTH
 
 
 def check_model(config: PretrainedConfig) -> None:
