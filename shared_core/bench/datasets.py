@@ -5,8 +5,13 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from shared_core.bench.common import data_dir, read_jsonl
+
+if TYPE_CHECKING:
+    from shared_core.runtime.protocol import ModelLM
 
 SPEC_BENCH_TASKS = ("mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 _MT_BENCH = {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem",
@@ -44,3 +49,20 @@ def spec_bench(per_task: int | None = None, tasks: Sequence[str] = SPEC_BENCH_TA
     for task in tasks:
         selected.extend(by_task[task][:per_task])
     return selected
+
+
+def long_document(lm: ModelLM, tokens: int) -> str:
+    """A real long document cut to ``tokens`` of ``lm``'s tokens: the first L-Eval QuALITY page
+    where the data directory holds it (as in CI), else this repository's docs. ValueError if
+    shorter."""
+    page = data_dir() / "long_context_leval" / "quality.jsonl"
+    if page.is_file():
+        text = str(next(iter(read_jsonl(page)))["input"])
+    else:
+        docs = Path(__file__).resolve().parents[2] / "docs"
+        text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(docs.glob("*.md")))
+    ids = lm.encode(text)
+    if len(ids) < tokens:
+        msg = f"the long document has {len(ids)} tokens, fewer than the {tokens} asked for"
+        raise ValueError(msg)
+    return lm.decode(ids[:tokens])

@@ -10,12 +10,11 @@ prompt of over 3,000 tokens; and the default mode to what docs/backends.md says 
 from __future__ import annotations
 
 import importlib.util
-import json
-from pathlib import Path
 
 import pytest
 import torch
 
+from shared_core.bench.datasets import long_document
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.runtime.models import load_lm
 from tests.tiny import require_llamacpp_smollm2
@@ -30,8 +29,6 @@ K = 8
 PREFIXES = (64, 512, 2048, 4096)
 LONG_TOKENS = 3200  # the long prompt's document, in tokens (>= 3,000)
 N_CTX = 4608
-REPO = Path(__file__).resolve().parents[2]
-LEVAL = REPO.parent / "shared" / "data" / "long_context_leval" / "quality.jsonl"
 QUESTION = "Summarise what happens in the document in three sentences."
 
 
@@ -55,15 +52,7 @@ def default_lm():
 
 @pytest.fixture(scope="module")
 def document(exact_lm) -> str:
-    """A real long document (an L-Eval page, where ../shared holds the data, as in CI), else the
-    repo's own docs; cut to LONG_TOKENS tokens."""
-    if LEVAL.is_file():
-        text = json.loads(LEVAL.read_text(encoding="utf-8").splitlines()[0])["input"]
-    else:
-        text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted((REPO / "docs").glob("*.md")))
-    ids = exact_lm.encode(text)
-    assert len(ids) >= LONG_TOKENS
-    return exact_lm.decode(ids[:LONG_TOKENS])
+    return long_document(exact_lm, LONG_TOKENS)
 
 
 @pytest.fixture(scope="module")

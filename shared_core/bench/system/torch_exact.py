@@ -11,7 +11,7 @@ One loaded model per dtype serves both modes (the default mode is the same weigh
   one and the exact one at each ``--widths``);
 - *cost*: at each prefix the median one-token step and ``k``-token extends (rolled back after
   each), the modes alternating every repeat; and a prefill's tokens/s;
-- *end to end*: on a long prompt (an L-Eval page where ``../shared`` holds it), plain greedy
+- *end to end*: on a long prompt (an L-Eval page where ``../shared`` holds one), plain greedy
   decoding and prompt-lookup speculative decoding per mode: seconds (prefix reuse cleared before
   each call) and whether the speculative tokens equal the same mode's greedy ones.
 
@@ -22,18 +22,17 @@ is sized here to what the longest run needs (``capacity`` in the report).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from shared_core.bench.common import lm_threads
+from shared_core.bench.datasets import long_document
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.runtime.lm import clear_prefix_cache
@@ -41,7 +40,6 @@ from shared_core.runtime.models import LM, load_lm
 from shared_core.runtime.torch.exact import EXACT_WIDTH
 from shared_core.util.device import cpu_facts
 
-LEVAL = Path(__file__).resolve().parents[3].parent / "shared" / "data" / "long_context_leval"
 QUESTION = "Summarise what happens in the document in three sentences."
 
 
@@ -126,15 +124,9 @@ def cost(lms: dict[str, LM], ids: list[int], prefixes: Sequence[int], ks: Sequen
 
 
 def long_prompt(lm: LM, tokens: int) -> list[int]:
-    """A long document (an L-Eval page where ``../shared`` holds one, else the repo's docs) cut
-    to ``tokens`` tokens, and a question, as a chat prompt."""
-    page = LEVAL / "quality.jsonl"
-    if page.is_file():
-        text = json.loads(page.read_text(encoding="utf-8").splitlines()[0])["input"]
-    else:
-        docs = Path(__file__).resolve().parents[3] / "docs"
-        text = "\n\n".join(p.read_text(encoding="utf-8") for p in sorted(docs.glob("*.md")))
-    document = lm.decode(lm.encode(text)[:tokens])
+    """A long document (:func:`~shared_core.bench.datasets.long_document`) and a question, as a
+    chat prompt."""
+    document = long_document(lm, tokens)
     return lm.prompt_ids([{"role": "user", "content": f"Document:\n{document}\n\n{QUESTION}"}])
 
 

@@ -7,7 +7,9 @@ the valid prefix), and keeping a tree branch gathers its slots into place. ``cac
 selects transformers' concatenating ``DynamicCache`` instead; both are measured by
 ``python -m shared_core.bench kv`` and share the one rollback helper, :func:`rollback`.
 ``cache="static"`` holds fixed-capacity buffers whose one-token step is compiled on CUDA
-(:mod:`shared_core.runtime.torch.static`); it refuses a passage cache.
+(:mod:`shared_core.runtime.torch.static`); it refuses a passage cache. A model in exact mode
+(``LM.exact_width``) gives every session those buffers and runs each forward at one shape
+(:mod:`shared_core.runtime.torch.exact`).
 A fresh session's first ``prefill`` starts from the longest prompt prefix the model keeps
 (:mod:`shared_core.runtime.torch.prefix`) and stores what it read.
 """
