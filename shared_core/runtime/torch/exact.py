@@ -31,9 +31,10 @@ if TYPE_CHECKING:
 
     from shared_core.runtime.torch.static import StaticKV
 
-EXACT_WIDTH = 16  # rows of every exact forward (CPU): a verification of up to 15 drafts in one
-# a 64-row forward costs ~1.1 one-token steps on an H100 / H200 (results/gpu/*, k_cost), and a
-# prompt is read 64 ids a forward instead of 16
+# rows of every exact forward on a CPU: one forward verifies up to 15 drafts
+EXACT_WIDTH = 16
+# on CUDA: a 64-row forward cost ~1.1 one-token steps on an H100 / H200 (results/gpu/*, k_cost),
+# and a prompt is then read 64 ids a forward
 EXACT_WIDTH_CUDA = 64
 
 
@@ -59,7 +60,8 @@ def slots_written(count: int, width: int) -> int:
 
 
 def forward(model: torch.nn.Module, cache: StaticKV, input_ids: torch.Tensor, keyword: str,
-            dtype: torch.dtype, width: int, logits_to_keep: int, attention_mask: torch.Tensor | None = None,
+            dtype: torch.dtype, width: int, logits_to_keep: int,
+            attention_mask: torch.Tensor | None = None,
             position_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Feed ``input_ids`` (``[1, n]``) at slots ``[length, length + n)`` in forwards of
     ``width`` rows; return ``[1, logits_to_keep, V]`` logits (the last rows').
