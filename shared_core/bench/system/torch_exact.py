@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "end_to_end": end_to_end({"default": lms["default"], "exact": lm}, prompt,
                                      args.max_new_tokens)}
     report = {"benchmark": "torch-exact", "machine": cpu_facts(), "model": args.model,
-              "threads": lm_threads(lm), "exact_width": EXACT_WIDTH, "results": results,
+              "threads": lm_threads(lm), "exact_width": lm.exact_width, "results": results,
               "load_average": {"before": load_before, "after": os.getloadavg()}}
     if getattr(args, "plot", None):
         plot(report, args.plot)
