@@ -220,7 +220,8 @@ class KNNRun(Run):
         """Feed ``token``; return the LM's probabilities and the query hidden state."""
         logits = self.session.extend([token])[-1]
         self.stats.target_forwards += 1
-        return torch.softmax(logits.double(), -1), hidden.pop()[-1].cpu().numpy()
+        # row 0 is the token's: an exact-mode forward has padding rows after it
+        return torch.softmax(logits.double(), -1), hidden.pop()[0].cpu().numpy()
 
     # KNN-LM's choice also reads the query state and its neighbours' ids
     def choose(self, p_lm: torch.Tensor, query: np.ndarray,  # type: ignore[override]

@@ -85,3 +85,29 @@ def test_sampling_is_refused(tiny_target, store) -> None:
     with pytest.raises(ValueError, match="greedy"):
         KNNRun(tiny_target, store, "x", KNNLMConfig(),
                 GenerationConfig.build(4, temperature=0.5))
+
+
+def test_exact_mode_searches_the_real_tokens_states(tiny_target, store, monkeypatch) -> None:
+    """torch's exact mode feeds ``EXACT_WIDTH`` rows (padding after the real token): the query
+    must be the real token's state, as in the default mode, not a padding row's."""
+    from dataclasses import replace
+
+    from shared_core.runtime.torch.exact import EXACT_WIDTH
+
+    searched: list[np.ndarray] = []
+    search = KNNDatastore.search
+
+    def recorded(self: KNNDatastore, queries: np.ndarray, k: int) -> np.ndarray:
+        searched.append(np.array(queries))
+        return search(self, queries, k)
+
+    monkeypatch.setattr(KNNDatastore, "search", recorded)
+    config = KNNLMConfig(k=4, lmbda=0.6, temperature=5.0)
+    ref = knnlm_generate(tiny_target, store, PROMPTS[0], 12, config=config, speculative=False)
+    default_queries, searched[:] = list(searched), []
+    exact = replace(tiny_target, exact_width=EXACT_WIDTH)
+    out = knnlm_generate(exact, store, PROMPTS[0], 12, config=config, speculative=False)
+    assert out.token_ids == ref.token_ids
+    assert len(searched) == len(default_queries) > 1
+    for got, want in zip(searched, default_queries, strict=True):
+        assert np.allclose(got, want, atol=1e-4)

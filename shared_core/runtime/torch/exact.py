@@ -7,9 +7,10 @@ are given, so a near-tie can flip and a lossless engine leave greedy decoding. I
 session runs every forward (prefill chunk, one-token step, verification, token tree) at one
 shape: ``width`` query rows (the real tokens first, padding after them) attending over all
 ``capacity`` slots of its static cache (:class:`~shared_core.runtime.torch.static.StaticKV`)
-under an explicit mask, with logits for all rows. The same kernels then run for every forward,
-each output element is reduced in the same order whatever row it sits in, and a token's logits
-and keys/values depend only on the token and what it attends to. Longer feeds run in several
+under an explicit mask, with logits for all rows (or none, for a prefill chunk whose logits
+nobody reads). The same kernels then run for every forward, each output element is reduced in
+the same order whatever row it sits in, and a token's logits and keys/values depend only on the
+token and what it attends to. Longer feeds run in several
 forwards of ``width`` rows; padding rows write slots after the real ones, which stay masked
 until real tokens overwrite them.
 
@@ -74,6 +75,8 @@ def forward(model: torch.nn.Module, cache: StaticKV, input_ids: torch.Tensor, ke
     count = input_ids.shape[1]
     start = cache.length
     first_kept = count - logits_to_keep
+    # a chunk with no kept row skips the LM head (empty index); any other projects all its rows
+    no_rows = torch.empty(0, dtype=torch.long, device=input_ids.device)
     kept: list[torch.Tensor] = []
     for a in range(0, count, width):
         b = min(a + width, count)
@@ -82,7 +85,8 @@ def forward(model: torch.nn.Module, cache: StaticKV, input_ids: torch.Tensor, ke
                     attention_mask=_chunk_mask(cache, start, a, b, width, dtype,
                                                                attention_mask),
                     position_ids=_chunk_positions(cache, start, a, b, width, position_ids),
-                    use_cache=True, logits_to_keep=width, **{keyword: cache})
+                    use_cache=True, logits_to_keep=width if b > first_kept else no_rows,
+                    **{keyword: cache})
         if b > first_kept:
             kept.append(out.logits[:, max(a, first_kept) - a : b - a])
     cache.start.fill_(start + count)
