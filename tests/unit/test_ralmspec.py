@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Sequence
 
@@ -235,3 +236,14 @@ def test_fixed_document_equals_transformers_generate(tiny_target) -> None:
     eos = next((i for i, t in enumerate(want) if t in tiny_target.eos_token_ids), len(want))
     assert out.token_ids == want[:eos]
     assert out.token_ids == autoregressive_generate(tiny_target, ids, 20).token_ids
+
+
+def test_every_token_costs_one_forward_swaps_included(tiny_target) -> None:
+    """A document swap's read ends with the last prompt/output id, so the token after a swap
+    comes from that read's last row: RaLMSeq runs one forward per output token."""
+    config = CONFIGS["base"]
+    out = ralmseq_generate(tiny_target, HashRetriever(DOCS, 1), QUESTIONS[0], 24, config=config)
+    docs = out.stats.doc_ids
+    swaps = 1 + sum(a != b for a, b in itertools.pairwise(docs))
+    assert swaps > 2  # the retriever changes documents between steps
+    assert out.stats.target_forwards == len(out.token_ids)

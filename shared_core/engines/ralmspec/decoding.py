@@ -82,26 +82,40 @@ class RaLMDecoder(RaLMDecoderState):
         super().__init__(lm, prompt, generation, stats)
         with self.lock:
             self.session = open_session(lm, cache=cache)
+        # the last output id, not yet fed; or, after a document swap's read, the next logits
         self.pending = -1
+        self.ready: torch.Tensor | None = None
         stats.prefill_tokens = 0
 
     def reset_to(self, doc: Document, length: int) -> None:
-        """State: output ``generated[:length]`` under ``doc`` (KV rolled back, not recomputed)."""
+        """State: output ``generated[:length]`` under ``doc`` (KV rolled back, not recomputed).
+
+        The read ends with the prompt's (or output's) last id, so the next token comes from its
+        last row: no one-token step between a swap and the token after it."""
         with self.lock, timed(self.stats, "generation_s"):
             del self.generated[length:]
             ids = self.prompt.ids(doc, self.generated)
-            feed = self.session.sync(ids[:-1])
-            if feed:
-                self.session.prefill(feed)
-                self.stats.target_forwards += 1
-                self.stats.prefill_tokens = (self.stats.prefill_tokens or 0) + len(feed)  # 0: __init__
-            self.doc, self.pending = doc, ids[-1]
+            self.doc, self.ready = None, None  # a failed read leaves a swap still to do
+            feed = [*self.session.sync(ids[:-1]), ids[-1]]
+            self.ready = self.session.prefill(feed)
+            self.stats.target_forwards += 1
+            self.stats.prefill_tokens = (self.stats.prefill_tokens or 0) + len(feed)  # 0: __init__
+            self.doc = doc
 
     def _choose(self, logits: torch.Tensor) -> int:
         if self.sampling.greedy:
             return int(logits.argmax().item())
         generator = torch.Generator().manual_seed(self.position_seed())
         return sample(warp_probs(logits, self.sampling), generator)  # drawn on the CPU
+
+    def _next_logits(self) -> torch.Tensor:
+        """The logits of the next output position: the swap's read, else a step on ``pending``."""
+        if self.ready is not None:
+            logits, self.ready = self.ready, None
+            return logits
+        logits = self.session.extend([self.pending])[-1]
+        self.stats.target_forwards += 1
+        return logits
 
     def step(self, doc: Document) -> int:
         """Generate up to ``retrieval_stride`` tokens under ``doc``; return how many."""
@@ -110,9 +124,7 @@ class RaLMDecoder(RaLMDecoderState):
         n = 0
         with self.lock, timed(self.stats, "generation_s"):
             while n < self.prompt.config.retrieval_stride and not self.finished:
-                logits = self.session.extend([self.pending])[-1]
-                self.stats.target_forwards += 1
-                self.pending = self._choose(logits)
+                self.pending = self._choose(self._next_logits())
                 self.generated.append(self.pending)
                 n += 1
         return n
