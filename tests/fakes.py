@@ -238,6 +238,39 @@ def check_ralmspec_through_store(lm: Any, store: Any, requests: Callable[[], int
         assert RaLMSpec(lm, store).generate(question, 24).token_ids == ref.token_ids
 
 
+class FakeSearchCluster:
+    """What a fake Elasticsearch / OpenSearch node answers from: indices of stored ``_source``
+    documents (per test), the requests seen, and a query of an ``_msearch`` that fails."""
+
+    def __init__(self) -> None:
+        self.indices: dict[str, dict[str, dict[str, Any]]] = {}
+        self.requests: list[tuple[str, str, bytes | None]] = []
+        self.failing_query: int | None = None
+
+    def _hits(self, index: str, body: dict) -> list[dict]:
+        """One query's hits, worst first (the client must re-rank)."""
+        raise NotImplementedError
+
+    def _bulk(self, lines: list[dict]) -> dict:
+        items = []
+        for action, source in zip(lines[::2], lines[1::2], strict=True):
+            meta = action["index"]
+            self.indices[meta["_index"]][meta["_id"]] = source
+            items.append({"index": {"_id": meta["_id"], "status": 201}})
+        return {"errors": False, "items": items}
+
+    def _msearch(self, lines: list[dict]) -> dict:
+        responses: list[dict] = []
+        for i, (header, body) in enumerate(zip(lines[::2], lines[1::2], strict=True)):
+            if i == self.failing_query:
+                responses.append({"error": {"type": "search_phase_execution_exception"},
+                                  "status": 400})
+            else:
+                responses.append({"hits": {"hits": self._hits(header["index"], body)},
+                                  "status": 200})
+        return {"took": 1, "responses": responses}
+
+
 # Three short passages of one made-up report (the passage-cache tests find them in prompts)
 PASSAGES = [
     "The Hollin Weir was built in 1874 by the engineer Marta Quell to control the river Dast. It "

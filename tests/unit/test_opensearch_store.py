@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 import pytest
-from fakes import STORE_DOCS, HashEmbedder, check_ralmspec_through_store, lc_hash_embeddings
+from fakes import (
+    STORE_DOCS,
+    FakeSearchCluster,
+    HashEmbedder,
+    check_ralmspec_through_store,
+    lc_hash_embeddings,
+)
 
 from shared_core.retrieval import DenseRetriever
 from shared_core.retrieval.stores import OpenSearchStore, from_store
@@ -27,14 +33,12 @@ opensearchpy = pytest.importorskip("opensearchpy")
 DOCS = STORE_DOCS
 
 
-class FakeOpenSearch:
-    """What the connection answers from: indices of stored ``_source`` documents (per test)."""
+class FakeOpenSearch(FakeSearchCluster):
+    """The fake cluster with OpenSearch's k-NN query syntax and the index bodies it was given."""
 
     def __init__(self) -> None:
-        self.indices: dict[str, dict[str, dict[str, Any]]] = {}
+        super().__init__()
         self.bodies: dict[str, Any] = {}
-        self.requests: list[tuple[str, str, bytes | None]] = []
-        self.failing_query: int | None = None
 
     def handle(self, method: str, url: str, body: bytes | None) -> tuple[int, Any]:
         self.requests.append((method, url, body))
@@ -45,7 +49,7 @@ class FakeOpenSearch:
         if path == "_msearch":
             return 200, self._msearch(lines)
         if path.endswith("/_search"):  # the LangChain wrapper: one request per query
-            return 200, {"hits": {"hits": self._search(path.split("/")[0], lines[0])}}
+            return 200, {"hits": {"hits": self._hits(path.split("/")[0], lines[0])}}
         if path.endswith("/_refresh"):
             return 200, {"_shards": {"failed": 0}}
         if method in ("HEAD", "GET") and "/" not in path:
@@ -56,26 +60,7 @@ class FakeOpenSearch:
             return 200, {"acknowledged": True, "index": path}
         return 400, {"error": {"type": f"unexpected {method} {url}"}}
 
-    def _bulk(self, lines: list[dict]) -> dict:
-        items = []
-        for action, source in zip(lines[::2], lines[1::2], strict=True):
-            meta = action["index"]
-            self.indices[meta["_index"]][meta["_id"]] = source
-            items.append({"index": {"_id": meta["_id"], "status": 201}})
-        return {"errors": False, "items": items}
-
-    def _msearch(self, lines: list[dict]) -> dict:
-        responses = []
-        for i, (header, body) in enumerate(zip(lines[::2], lines[1::2], strict=True)):
-            if i == self.failing_query:
-                responses.append({"error": {"type": "search_phase_execution_exception"},
-                                  "status": 400})
-                continue
-            responses.append({"hits": {"hits": self._search(header["index"], body)},
-                              "status": 200})
-        return {"took": 1, "responses": responses}
-
-    def _search(self, index: str, body: dict) -> list[dict]:
+    def _hits(self, index: str, body: dict) -> list[dict]:
         query = body["query"]
         if "knn" in query:  # OpenSearch's k-NN clause: {"knn": {field: {"vector", "k"}}}
             ((field, clause),) = query["knn"].items()

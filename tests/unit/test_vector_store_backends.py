@@ -15,7 +15,13 @@ from typing import Any, ClassVar
 
 import numpy as np
 import pytest
-from fakes import STORE_DOCS, HashEmbedder, check_ralmspec_through_store, lc_hash_embeddings
+from fakes import (
+    STORE_DOCS,
+    FakeSearchCluster,
+    HashEmbedder,
+    check_ralmspec_through_store,
+    lc_hash_embeddings,
+)
 from tiny import heavy_imports
 
 from shared_core.engines.ralmspec import RaLMSpec
@@ -84,13 +90,8 @@ def test_from_store_rejects_unknown_objects() -> None:
 # ----------------------------------------------------------------------------- Elasticsearch
 
 
-class FakeCluster:
-    """What the node class answers from: indices of stored _source documents (per test)."""
-
-    def __init__(self) -> None:
-        self.indices: dict[str, dict[str, dict[str, Any]]] = {}
-        self.requests: list[tuple[str, str, bytes | None]] = []
-        self.failing_query: int | None = None
+class FakeCluster(FakeSearchCluster):
+    """The fake cluster with Elasticsearch's ``knn`` search option."""
 
     def handle(self, method: str, target: str, body: bytes | None) -> tuple[int, Any]:
         self.requests.append((method, target, body))
@@ -106,31 +107,15 @@ class FakeCluster:
             return 200, {"acknowledged": True, "index": path}
         return 404, {"error": f"unexpected {method} {target}"}
 
-    def _bulk(self, lines: list[dict]) -> dict:
-        items = []
-        for action, source in zip(lines[::2], lines[1::2], strict=True):
-            meta = action["index"]
-            self.indices[meta["_index"]][meta["_id"]] = source
-            items.append({"index": {"_id": meta["_id"], "status": 201}})
-        return {"errors": False, "items": items}
-
-    def _msearch(self, lines: list[dict]) -> dict:
-        responses = []
-        for i, (header, body) in enumerate(zip(lines[::2], lines[1::2], strict=True)):
-            if i == self.failing_query:
-                responses.append({"error": {"type": "search_phase_execution_exception"},
-                                  "status": 400})
-                continue
-            docs = self.indices[header["index"]]
-            knn = body["knn"]
-            query = np.asarray(knn["query_vector"])
-            scored = sorted(((float(query @ np.asarray(s[knn["field"]])), i_d)
-                             for i_d, s in docs.items()), reverse=True)[: body["size"]]
-            hits = [{"_id": i_d, "_score": (1 + score) / 2,
-                     "_source": {f: docs[i_d][f] for f in body["_source"] if f in docs[i_d]}}
-                    for score, i_d in reversed(scored)]  # worst first: the client must re-rank
-            responses.append({"hits": {"hits": hits}, "status": 200})
-        return {"took": 1, "responses": responses}
+    def _hits(self, index: str, body: dict) -> list[dict]:
+        docs = self.indices[index]
+        knn = body["knn"]
+        query = np.asarray(knn["query_vector"])
+        scored = sorted(((float(query @ np.asarray(s[knn["field"]])), i_d)
+                         for i_d, s in docs.items()), reverse=True)[: body["size"]]
+        return [{"_id": i_d, "_score": (1 + score) / 2,
+                 "_source": {f: docs[i_d][f] for f in body["_source"] if f in docs[i_d]}}
+                for score, i_d in reversed(scored)]  # worst first: the client must re-rank
 
 
 @pytest.fixture
