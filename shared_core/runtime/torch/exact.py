@@ -10,13 +10,12 @@ shape: ``width`` query rows (the real tokens first, padding after them) attendin
 under an explicit mask, with logits for all rows (or none, for a prefill chunk whose logits
 nobody reads). The same kernels then run for every forward, each output element is reduced in
 the same order whatever row it sits in, and a token's logits and keys/values depend only on the
-token and what it attends to. Longer feeds run in several
-forwards of ``width`` rows; padding rows write slots after the real ones, which stay masked
-until real tokens overwrite them.
+token and what it attends to. Longer feeds run in several forwards of ``width`` rows; padding
+rows write slots after the real ones, which stay masked until real tokens overwrite them.
 
 The price is a forward of ``width`` rows where one row would do, over the whole capacity:
 about one step on a GPU (a decode step is bound by weights and launches; the GPU check's k-cost
-curve and ``exact_cost``), 1.2-2.5 steps on a CPU, where a prompt is also read 16 ids a forward
+curve and ``exact_cost``), 1.4-2.7 steps on a CPU, where a prompt is also read 16 ids a forward
 (``python -m shared_core.bench torch-exact``, results/system/2026-11-29-torch-exact/).
 """
 
