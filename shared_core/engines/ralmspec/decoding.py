@@ -82,8 +82,8 @@ class RaLMDecoder(RaLMDecoderState):
         super().__init__(lm, prompt, generation, stats)
         with self.lock:
             self.session = open_session(lm, cache=cache)
-        # the last output id, not yet fed; or, after a document swap's read, the next logits
-        self.pending = -1
+        # the next position's logits after a document swap's read; otherwise the last output id
+        # is not yet fed and a step on it gives them
         self.ready: torch.Tensor | None = None
         stats.prefill_tokens = 0
 
@@ -109,11 +109,12 @@ class RaLMDecoder(RaLMDecoderState):
         return sample(warp_probs(logits, self.sampling), generator)  # drawn on the CPU
 
     def _next_logits(self) -> torch.Tensor:
-        """The logits of the next output position: the swap's read, else a step on ``pending``."""
+        """The logits of the next output position: the swap's read, else a step on the last
+        output id."""
         if self.ready is not None:
             logits, self.ready = self.ready, None
             return logits
-        logits = self.session.extend([self.pending])[-1]
+        logits = self.session.extend([self.generated[-1]])[-1]
         self.stats.target_forwards += 1
         return logits
 
@@ -124,8 +125,7 @@ class RaLMDecoder(RaLMDecoderState):
         n = 0
         with self.lock, timed(self.stats, "generation_s"):
             while n < self.prompt.config.retrieval_stride and not self.finished:
-                self.pending = self._choose(self._next_logits())
-                self.generated.append(self.pending)
+                self.generated.append(self._choose(self._next_logits()))
                 n += 1
         return n
 

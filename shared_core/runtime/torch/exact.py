@@ -74,8 +74,6 @@ def forward(model: torch.nn.Module, cache: StaticKV, input_ids: torch.Tensor, ke
     count = input_ids.shape[1]
     start = cache.length
     first_kept = count - logits_to_keep
-    # a chunk with no kept row skips the LM head (empty index); any other projects all its rows
-    no_rows = torch.empty(0, dtype=torch.long, device=input_ids.device)
     kept: list[torch.Tensor] = []
     for a in range(0, count, width):
         b = min(a + width, count)
@@ -84,7 +82,10 @@ def forward(model: torch.nn.Module, cache: StaticKV, input_ids: torch.Tensor, ke
                     attention_mask=_chunk_mask(cache, start, a, b, width, dtype,
                                                                attention_mask),
                     position_ids=_chunk_positions(cache, start, a, b, width, position_ids),
-                    use_cache=True, logits_to_keep=width if b > first_kept else no_rows,
+                    # a chunk with no kept row skips the LM head (an empty index of rows);
+                    # any other projects all its rows
+                    use_cache=True,
+                    logits_to_keep=width if b > first_kept else input_ids.new_empty(0),
                     **{keyword: cache})
         if b > first_kept:
             kept.append(out.logits[:, max(a, first_kept) - a : b - a])
