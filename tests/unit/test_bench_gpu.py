@@ -2,7 +2,9 @@
 the GPU machine would: in fresh processes (the check's and its workers') where faiss, bm25s,
 gguf, xgrammar, LangChain and LlamaIndex cannot be imported, with the correctness sections side
 by side in spawned workers as on CUDA. Every section must be written, and on a CPU in fp32 every
-lossless engine must equal greedy decoding token for token."""
+lossless engine must equal greedy decoding token for token. It runs twice: on our transformers
+stack and on the GPU machine's (``scripts/gpu_machine.txt``, installed into the venv's
+``gpu-machine`` folder by ``make install``), where an API that moved between the two fails first."""
 
 from __future__ import annotations
 
@@ -26,12 +28,33 @@ for name in {ABSENT_THERE!r}:
 """
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
+GPU_MACHINE_PINS = ROOT / "scripts" / "gpu_machine.txt"
+GPU_MACHINE_SITE = Path(sys.prefix) / "gpu-machine"  # make install puts the pins there
+
+
+def gpu_machine_versions() -> dict[str, str]:
+    """``scripts/gpu_machine.txt``'s pins: distribution name -> version."""
+    lines = GPU_MACHINE_PINS.read_text(encoding="utf-8").splitlines()
+    return dict(line.split("==") for line in lines if line and not line.startswith("#"))
+
+
+def stack_path(stack: str) -> list[str]:
+    """What goes ahead of the repository on the dry run's path for ``stack``."""
+    if stack == "ours":
+        return []
+    if not GPU_MACHINE_SITE.is_dir():
+        pytest.fail(f"{GPU_MACHINE_SITE} is missing: `make install` puts the GPU machine's "
+                    f"pins ({GPU_MACHINE_PINS.name}) there")
+    return [str(GPU_MACHINE_SITE)]
+
+
+@pytest.fixture(scope="module", params=["ours", "gpu-machine"])
+def report(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("gpu")
     site = tmp_path_factory.mktemp("site")
     (site / "sitecustomize.py").write_text(SITECUSTOMIZE, encoding="utf-8")
-    env = {**os.environ, "PYTHONPATH": f"{site}{os.pathsep}{ROOT}", "SPECRAG_NUM_THREADS": "1"}
+    path = os.pathsep.join([str(site), *stack_path(request.param), str(ROOT)])
+    env = {**os.environ, "PYTHONPATH": path, "SPECRAG_NUM_THREADS": "1"}
     run = subprocess.run([sys.executable, "-m", "shared_core.bench", "gpu", "--device", "cpu",
                           "--tiny", "--workers", "3", "--threads", "1", "--out", str(out)],
                          cwd=ROOT, env=env, check=True, capture_output=True, text=True,
@@ -39,7 +62,10 @@ def report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     assert "side by side in 3 processes" in run.stderr
     assert "Loading faiss" not in run.stderr  # no process of the run could import it
     assert (out / "gpu_k_cost.png").stat().st_size > 0
-    return json.loads((out / "gpu_report.json").read_text(encoding="utf-8"))
+    data: dict = json.loads((out / "gpu_report.json").read_text(encoding="utf-8"))
+    if request.param == "gpu-machine":  # the run imported the pinned transformers, not ours
+        assert data["machine"]["transformers"] == gpu_machine_versions()["transformers"]
+    return data
 
 
 def test_every_section_is_written_and_ran(report: dict) -> None:

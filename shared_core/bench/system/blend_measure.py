@@ -15,7 +15,7 @@ import torch
 
 from shared_core.runtime.lm import LM
 from shared_core.runtime.passage_cache.torch_blend import Select, blend_session, chunk_kv
-from shared_core.runtime.torch.session import KVSession
+from shared_core.runtime.torch.session import KVSession, forward_with
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +41,8 @@ def _full(lm: LM, ids: list[int]) -> tuple[KVSession, torch.Tensor]:
     """A session after a plain prefill of ``ids`` (the model's prefix store left out)."""
     session = KVSession(lm)
     with torch.inference_mode():
-        out = lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=session.cache,
-                       use_cache=True, logits_to_keep=1)
+        out = forward_with(lm.model, session.cache, use_cache=True, logits_to_keep=1,
+                           input_ids=torch.tensor([ids], device=lm.device))
     session.tokens = list(ids)
     session._prefilled_only = False
     return session, out.logits[0, -1]

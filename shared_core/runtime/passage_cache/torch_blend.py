@@ -41,7 +41,7 @@ from transformers.cache_utils import Cache, DynamicCache
 
 from shared_core.config import CacheKind
 from shared_core.runtime.lm import LM
-from shared_core.runtime.torch.session import KVSession, make_cache
+from shared_core.runtime.torch.session import KVSession, forward_with, make_cache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -160,8 +160,8 @@ def chunk_kv(lm: LM, head_ids: Sequence[int], chunk_ids: Sequence[int], *, start
     ids = [*head_ids, *chunk_ids]
     positions = torch.arange(start, start + len(ids), device=lm.device)[None]
     cache = DynamicCache()
-    lm.model(input_ids=torch.tensor([ids], device=lm.device), cache=cache,
-             use_cache=True, position_ids=positions, logits_to_keep=1)
+    forward_with(lm.model, cache, input_ids=torch.tensor([ids], device=lm.device),
+                 use_cache=True, position_ids=positions, logits_to_keep=1)
     h = len(head_ids)
     keys, values = _stack(cache, h)
     return ChunkKV(ids=tuple(chunk_ids), head_ids=tuple(head_ids), position=start + h,
@@ -391,8 +391,8 @@ def _early_layers(lm: LM, prompt_ids: Sequence[int], last_layer: int, chunk: int
     try:
         for first in range(fixed, ids.shape[1], chunk):
             with contextlib.suppress(_Stop):
-                lm.model(input_ids=ids[:, first:first + chunk], cache=cache, use_cache=True,
-                         logits_to_keep=1)
+                forward_with(lm.model, cache, input_ids=ids[:, first:first + chunk],
+                             use_cache=True, logits_to_keep=1)
     finally:
         handle.remove()
     return cache
@@ -454,8 +454,9 @@ def _recompute(lm: LM, prompt_ids: Sequence[int], layout: _Layout, past: torch.T
         allowed = columns[None, :] <= part[:, None]
         mask = torch.zeros(allowed.shape, dtype=lm.dtype, device=lm.device)
         mask.masked_fill_(~allowed, torch.finfo(lm.dtype).min)
-        out = lm.model(input_ids=ids[:, part], cache=cache, use_cache=True,
-                       attention_mask=mask[None, None], position_ids=part[None], logits_to_keep=1)
+        out = forward_with(lm.model, cache, input_ids=ids[:, part], use_cache=True,
+                           attention_mask=mask[None, None], position_ids=part[None],
+                           logits_to_keep=1)
     return cache, out.logits[0, -1]
 
 

@@ -51,6 +51,13 @@ def cache_keyword(model: object) -> str:
     return _cache_keyword(model_class)
 
 
+def forward_with(model: Any, cache: object, **inputs: Any) -> Any:
+    """``model``'s forward over ``inputs`` reading and writing ``cache``, passed by
+    :func:`cache_keyword`: a transformers before the rename takes an unknown ``cache=`` into its
+    ``**kwargs`` silently and decodes without it."""
+    return model(**inputs, **{cache_keyword(model): cache})
+
+
 @functools.cache
 def _cache_keyword(model_class: type) -> str:
     forward = getattr(model_class, "forward", None)
@@ -308,10 +315,9 @@ class KVSession:
             start = len(self._tokens) + self.position_offset
             position_ids = torch.arange(start, start + len(ids), device=self.lm.device)[None]
         try:
-            out = self.lm.model(input_ids=input_ids, **{cache_keyword(self.lm.model): self.cache},
-                                use_cache=True,
-                                attention_mask=attention_mask, position_ids=position_ids,
-                                logits_to_keep=logits_to_keep)
+            out = forward_with(self.lm.model, self.cache, input_ids=input_ids, use_cache=True,
+                               attention_mask=attention_mask, position_ids=position_ids,
+                               logits_to_keep=logits_to_keep)
             self._append(ids)
         except BaseException:
             self.heal()
