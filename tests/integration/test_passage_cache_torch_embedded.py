@@ -51,7 +51,11 @@ def test_smollm_exact_warm_equals_cold(smollm, cached):
     assert session.passage_report.reused == 0 and session.passage_report.stored >= 1
     warm, warm_logits, session = greedy(smollm, ids)
     assert session.passage_report.reused == (len(ids) - 1) // BLOCK * BLOCK > 0
-    assert warm == cold and torch.equal(warm_logits, cold_logits)  # the same forwards
+    # the default mode reads the ids after the restored blocks in a forward of their own (the
+    # cold read: one over the whole prompt): equal to rounding, its contract (bit for bit with
+    # torch 2.13 on this CPU, not with 2.11); exact=True is bit for bit (tests/conformance)
+    assert warm == cold
+    torch.testing.assert_close(warm_logits, cold_logits, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(cold_logits, plain_logits, atol=1e-3, rtol=1e-4)  # other chunks
 
 

@@ -507,3 +507,26 @@ class _OnlyToken:
 
     def is_terminated(self) -> bool:
         return False
+
+
+def test_the_exact_section_holds_at_the_cuda_width(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The dry run's exact section runs at the CPU's width (16); on CUDA every forward has 64
+    rows, so a prompt chunk, a tree and a verification sit differently in the padded forward:
+    the same equalities at 64 rows, on the CPU."""
+    import torch
+
+    from shared_core.bench.system import gpu
+    from shared_core.bench.system.gpu_models import TINY_SHAPES, bench_tokenizer
+    from shared_core.runtime.torch.exact import EXACT_WIDTH, EXACT_WIDTH_CUDA
+
+    assert EXACT_WIDTH_CUDA != EXACT_WIDTH
+    monkeypatch.setattr(gpu, "width_for", lambda device: EXACT_WIDTH_CUDA)
+    section = gpu.correctness(TINY_SHAPES["tiny-a"], bench_tokenizer(), torch.device("cpu"),
+                              torch.bfloat16, gpu.Sizes.tiny(), with_sampling=False, exact=True)
+    assert section["errors"] == {} and section["models"]["exact_width"] == EXACT_WIDTH_CUDA
+    compared = [c for c in section["comparisons"] if "skipped" not in c["detail"]]
+    assert {c["check"].split("/")[0] for c in compared} >= {
+        "draft_model", "prompt_lookup", "respec_strict", "rapid_eta0", "ralmspec",
+        "speculative_rag", "passage_cache"}
+    for c in compared:
+        assert c["equal"] and c["first_divergence"] is None, c
