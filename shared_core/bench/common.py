@@ -8,12 +8,13 @@ report are run in the same process, on the same models and prompts, after a warm
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import platform
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -126,39 +127,51 @@ def write_report(report: dict[str, Any], out: str | Path | None) -> None:
     logger.info("wrote %s", path)
 
 
-def plot_report(report: dict[str, Any], out: str | Path | None,
-                value: str = "tokens_per_s", title: str | None = None) -> None:
-    """Bar chart of one metric per method, plus accept-length histograms where present."""
-    if out is None:
-        return
+@contextlib.contextmanager
+def figure(out: str | Path, size: tuple[float, float], rows: int = 1, cols: int = 1, *,
+           dpi: int = 120) -> Iterator[tuple[Any, Any]]:
+    """A matplotlib figure of ``rows`` x ``cols`` panels (``axes[row][col]``) for the block to
+    draw on, laid out and saved to ``out`` (its folder made) when the block ends, closed either
+    way; the Agg backend, so no display is needed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    fig, axes = plt.subplots(rows, cols, figsize=size, squeeze=False)
+    try:
+        yield fig, axes
+        fig.tight_layout()
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(out, dpi=dpi)
+    finally:
+        plt.close(fig)
+
+
+def plot_report(report: dict[str, Any], out: str | Path | None,
+                value: str = "tokens_per_s", title: str | None = None) -> None:
+    """Bar chart of one metric per method, plus accept-length histograms where present."""
+    if out is None:
+        return
     methods = report["methods"]
     hists = {m: r["stats"].get("accept_hist") for m, r in methods.items()
              if isinstance(r.get("stats"), dict) and r["stats"].get("accept_hist")}
-    ncols = 2 if hists else 1
-    fig, axes = plt.subplots(1, ncols, figsize=(6 * ncols, 4), squeeze=False)
     names = list(methods)
-    axes[0][0].bar(names, [methods[m][value] for m in names], color="tab:blue")
-    axes[0][0].set_ylabel(value)
-    axes[0][0].set_title(title or f"{report['engine']} on {report['dataset']} (n={report['n']})")
-    axes[0][0].tick_params(axis="x", rotation=30)
-    if hists:
-        ax = axes[0][1]
-        for m, hist in hists.items():
-            xs = sorted(int(k) for k in hist)
-            total = sum(hist.values())
-            ax.plot(xs, [hist[str(x)] / total for x in xs], marker="o", label=m)
-        ax.set_xlabel("drafted tokens accepted per round")
-        ax.set_ylabel("fraction of rounds")
-        ax.legend()
-    fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    with figure(out, (6 * (2 if hists else 1), 4), cols=2 if hists else 1) as (_, axes):
+        axes[0][0].bar(names, [methods[m][value] for m in names], color="tab:blue")
+        axes[0][0].set_ylabel(value)
+        axes[0][0].set_title(title or f"{report['engine']} on {report['dataset']} "
+                             f"(n={report['n']})")
+        axes[0][0].tick_params(axis="x", rotation=30)
+        if hists:
+            ax = axes[0][1]
+            for m, hist in hists.items():
+                xs = sorted(int(k) for k in hist)
+                total = sum(hist.values())
+                ax.plot(xs, [hist[str(x)] / total for x in xs], marker="o", label=m)
+            ax.set_xlabel("drafted tokens accepted per round")
+            ax.set_ylabel("fraction of rounds")
+            ax.legend()
 
 
 def timed_loop(items: Iterable[Item], fn: Callable[[Item], Out],

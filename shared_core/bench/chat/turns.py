@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shared_core.bench.chat.sources import Conversation, walk
+from shared_core.bench.common import figure
 from shared_core.decoding.constrained import Constraint, grammar_mask
 from shared_core.decoding.output import generation_config
 from shared_core.engines.loop import Blocks, Run, autoregressive_blocks
@@ -127,30 +128,22 @@ def medians(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any
 
 def plot_turns(report: dict[str, Any], out: str) -> None:
     """Bars per turn: time to first token off vs on (left), total turn time (right), per model."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     models = list(dict.fromkeys(r["model"] for r in report["turns"]))
-    fig, axes = plt.subplots(len(models), 2, figsize=(14, 3.6 * len(models)), squeeze=False)
-    for row_axes, model in zip(axes, models, strict=True):
-        rows = [r for r in report["turns"] if r["model"] == model]
-        labels = [f"{r['source']} {r['conversation'].split()[0] if r['source'] == 'mt_bench' else ''}"
-                  f" t{r['turn']}" for r in rows]
-        xs = range(len(rows))
-        for ax, what in zip(row_axes, ("ttft", "total"), strict=True):
-            ax.bar([x - 0.2 for x in xs], [r[f"{what}_off_s"] for r in rows], 0.4,
-                   label="cache off", color="tab:gray")
-            ax.bar([x + 0.2 for x in xs], [r[f"{what}_on_s"] for r in rows], 0.4,
-                   label="cache on", color="tab:blue")
-            ax.set_xticks(list(xs), labels, rotation=60, fontsize=7)
-            ax.set_ylabel("seconds")
-            ax.set_title(f"{model}: {'time to first token' if what == 'ttft' else 'turn total'}"
-                         f" (max {report['max_new_tokens']} new tokens)")
-            ax.legend(fontsize=7)
-    load = report["load_average"]["after"][0]
-    fig.suptitle(f"llama.cpp prefix cache, follow-up turns (load average {load:.1f})")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    with figure(out, (14, 3.6 * len(models)), len(models), 2, dpi=110) as (fig, axes):
+        for row_axes, model in zip(axes, models, strict=True):
+            rows = [r for r in report["turns"] if r["model"] == model]
+            labels = [f"{r['source']} {r['conversation'].split()[0] if r['source'] == 'mt_bench' else ''}"
+                      f" t{r['turn']}" for r in rows]
+            xs = range(len(rows))
+            for ax, what in zip(row_axes, ("ttft", "total"), strict=True):
+                ax.bar([x - 0.2 for x in xs], [r[f"{what}_off_s"] for r in rows], 0.4,
+                       label="cache off", color="tab:gray")
+                ax.bar([x + 0.2 for x in xs], [r[f"{what}_on_s"] for r in rows], 0.4,
+                       label="cache on", color="tab:blue")
+                ax.set_xticks(list(xs), labels, rotation=60, fontsize=7)
+                ax.set_ylabel("seconds")
+                ax.set_title(f"{model}: {'time to first token' if what == 'ttft' else 'turn total'}"
+                             f" (max {report['max_new_tokens']} new tokens)")
+                ax.legend(fontsize=7)
+        load = report["load_average"]["after"][0]
+        fig.suptitle(f"llama.cpp prefix cache, follow-up turns (load average {load:.1f})")

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-from shared_core.bench.common import MethodResult, data_dir, make_report, read_jsonl
+from shared_core.bench.common import MethodResult, data_dir, figure, make_report, read_jsonl
 from shared_core.bench.ralmspec import stores as ralmspec_stores
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
 
@@ -346,31 +346,24 @@ def _host() -> dict[str, Any]:
 
 def plot(report: dict[str, Any], out: str) -> None:
     """Stacked bars per method: generation, retrieval and other seconds, grouped by retriever."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(report["methods"])
     stats = [report["methods"][m]["stats"] for m in names]
     parts = [("generation_s", "generation (LM)"), ("retrieval_s", "blocking retrieval"),
              ("other_s", "other")]
-    fig, ax = plt.subplots(figsize=(max(6, len(names) * 0.7), 4))
-    bottom = np.zeros(len(names))
-    for key, label in parts:
-        values = np.array([max(0.0, s.get(key, 0.0) or 0.0) for s in stats])
-        ax.bar(names, values, bottom=bottom, label=label)
-        bottom += values
-    for i, m in enumerate(names):
-        ax.text(i, bottom[i], f"{report['speedup'].get(m, 0):.2f}x", ha="center", va="bottom",
-                fontsize=7)
-    ax.set_ylabel("seconds (all questions)")
-    ax.set_title(f"{report['engine']}: n={report['n']}, {report.get('max_new_tokens')} new tokens")
-    ax.tick_params(axis="x", rotation=60)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    with figure(out, (max(6, len(names) * 0.7), 4)) as (_, axes):
+        ax = axes[0][0]
+        bottom = np.zeros(len(names))
+        for key, label in parts:
+            values = np.array([max(0.0, s.get(key, 0.0) or 0.0) for s in stats])
+            ax.bar(names, values, bottom=bottom, label=label)
+            bottom += values
+        for i, m in enumerate(names):
+            ax.text(i, bottom[i], f"{report['speedup'].get(m, 0):.2f}x", ha="center", va="bottom",
+                    fontsize=7)
+        ax.set_ylabel("seconds (all questions)")
+        ax.set_title(f"{report['engine']}: n={report['n']}, {report.get('max_new_tokens')} new tokens")
+        ax.tick_params(axis="x", rotation=60)
+        ax.legend()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

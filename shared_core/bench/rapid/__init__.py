@@ -36,6 +36,7 @@ import numpy as np
 from shared_core.bench.common import (
     MethodResult,
     data_dir,
+    figure,
     make_report,
     plot_report,
     write_report,
@@ -301,30 +302,22 @@ def plot_sweep(rows: list[dict[str, Any]], out: str | None, threads: int = 1) ->
     """
     if out is None:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for method in dict.fromkeys(r["method"] for r in rows):
-        xs = [r["context_tokens"] for r in rows if r["method"] == method]
-        axes[0].plot(xs, [r["decode_tokens_per_s"] for r in rows if r["method"] == method],
-                     marker="o", label=method)
-        axes[1].plot(xs, [r["decode_speedup_vs_lc"] for r in rows if r["method"] == method],
-                     marker="o", label=method)
-    axes[0].set_ylabel("decode tokens/s (prefills excluded)")
-    axes[1].set_ylabel("decode speed-up over long_context")
-    axes[1].axhline(1.0, color="grey", linestyle="--")
-    for ax in axes:
-        ax.set_xlabel("context tokens")
-        ax.set_xscale("log", base=2)
-        ax.legend()
-    fig.suptitle(f"RAPID context-length sweep (SmolLM2-135M, CPU, {threads} thread(s))")
-    fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    with figure(out, (11, 4), cols=2) as (fig, grid):
+        axes = grid[0]
+        for method in dict.fromkeys(r["method"] for r in rows):
+            xs = [r["context_tokens"] for r in rows if r["method"] == method]
+            axes[0].plot(xs, [r["decode_tokens_per_s"] for r in rows if r["method"] == method],
+                         marker="o", label=method)
+            axes[1].plot(xs, [r["decode_speedup_vs_lc"] for r in rows if r["method"] == method],
+                         marker="o", label=method)
+        axes[0].set_ylabel("decode tokens/s (prefills excluded)")
+        axes[1].set_ylabel("decode speed-up over long_context")
+        axes[1].axhline(1.0, color="grey", linestyle="--")
+        for ax in axes:
+            ax.set_xlabel("context tokens")
+            ax.set_xscale("log", base=2)
+            ax.legend()
+        fig.suptitle(f"RAPID context-length sweep (SmolLM2-135M, CPU, {threads} thread(s))")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, cast
 from shared_core.bench.common import (
     MethodResult,
     data_dir,
+    figure,
     lm_threads,
     make_report,
     read_jsonl,
@@ -358,30 +359,23 @@ def plot(report: dict[str, Any], out: str | None) -> None:
     """Grouped bars: speed-up over hf_generate per category, one bar per method."""
     if out is None:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     cats = [*report["categories"], "all"]
     speedups = {**{c: report["categories"][c]["speedup"] for c in report["categories"]},
                 "all": report["speedup"]}
     methods = list(report["methods"])
     width = 0.8 / len(methods)
-    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(cats)), 4.5))
-    for j, m in enumerate(methods):
-        xs = [i + j * width for i in range(len(cats))]
-        ax.bar(xs, [speedups[c].get(m, 0) for c in cats], width, label=m)
-    ax.axhline(1.0, color="black", linewidth=0.8)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20)
-    ax.set_ylabel(f"speed-up over {'llama_cpp_python' if 'llama_cpp_python' in methods else 'hf_generate'}"
-                  " (tokens/s)")
-    ax.set_title(f"ReSpec on Spec-Bench ({report['models']['target']}, {report['backend']['name']}, "
-                 f"{report['prompts_per_category']}/category, {report['max_new_tokens']} tokens)")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    with figure(out, (max(8, 1.6 * len(cats)), 4.5)) as (_, axes):
+        ax = axes[0][0]
+        for j, m in enumerate(methods):
+            xs = [i + j * width for i in range(len(cats))]
+            ax.bar(xs, [speedups[c].get(m, 0) for c in cats], width, label=m)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks([i + 0.4 - width / 2 for i in range(len(cats))], cats, rotation=20)
+        baseline = "llama_cpp_python" if "llama_cpp_python" in methods else "hf_generate"
+        ax.set_ylabel(f"speed-up over {baseline} (tokens/s)")
+        ax.set_title(f"ReSpec on Spec-Bench ({report['models']['target']}, {report['backend']['name']}, "
+                     f"{report['prompts_per_category']}/category, {report['max_new_tokens']} tokens)")
+        ax.legend(fontsize=8)
 
 
 def main() -> None:

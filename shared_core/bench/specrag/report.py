@@ -11,7 +11,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from shared_core.bench.common import MethodResult, lm_threads, make_report
+from shared_core.bench.common import MethodResult, figure, lm_threads, make_report
 from shared_core.bench.specrag.selection import (
     SCORE_VARIANTS,
     draft_oracle,
@@ -110,21 +110,13 @@ def plot_accuracy_latency(report: dict[str, Any], out: str | Path | None) -> Non
     """Scatter of accuracy vs mean latency per question, one labelled point per method."""
     if out is None:
         return
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for name, r in report["methods"].items():
-        x, y = r["quality"]["latency_mean_s"], 100 * r["quality"]["accuracy"]
-        ax.scatter(x, y, color="tab:red" if name.startswith("specrag") else "tab:blue")
-        ax.annotate(name, (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
-    ax.set_xlabel("latency per question (s)")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title(f"Speculative RAG on {report['dataset']} (n={report['n']})")
-    fig.tight_layout()
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    with figure(out, (7, 4.5)) as (_, axes):
+        ax = axes[0][0]
+        for name, r in report["methods"].items():
+            x, y = r["quality"]["latency_mean_s"], 100 * r["quality"]["accuracy"]
+            ax.scatter(x, y, color="tab:red" if name.startswith("specrag") else "tab:blue")
+            ax.annotate(name, (x, y), fontsize=8, xytext=(3, 3), textcoords="offset points")
+        ax.set_xlabel("latency per question (s)")
+        ax.set_ylabel("accuracy (%)")
+        ax.set_title(f"Speculative RAG on {report['dataset']} (n={report['n']})")
 

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shared_core.bench.chat import QUESTIONS, conversation, first_turn_cache
-from shared_core.bench.common import lm_threads
+from shared_core.bench.common import figure, lm_threads
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.runtime.lm import clear_prefix_cache
 from shared_core.runtime.models import LM, load_lm
@@ -160,22 +160,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = list(report["rows"])
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for offset, method in ((-0.2, "whole"), (0.2, "last_apart")):
-        ax.bar([i + offset for i in range(len(names))],
-               [report["rows"][n][f"ttft_{method}_s"] for n in names], width=0.4, label=method)
-    rows = report["rows"]
-    ax.set_xticks(range(len(names)), [f"{n}\n{rows[n]['prompt_tokens'] - rows[n]['reused_tokens']}"
-                                      " ids read" for n in names])
-    ax.set_ylabel("time to first token (s, median)")
-    ax.set_title(f"{report['model']} ({report['backend']}, {report['threads']} threads)")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, (7, 3.5)) as (_, axes):
+        ax = axes[0][0]
+        for offset, method in ((-0.2, "whole"), (0.2, "last_apart")):
+            ax.bar([i + offset for i in range(len(names))],
+                   [report["rows"][n][f"ttft_{method}_s"] for n in names], width=0.4, label=method)
+        rows = report["rows"]
+        ax.set_xticks(range(len(names)), [f"{n}\n{rows[n]['prompt_tokens'] - rows[n]['reused_tokens']}"
+                                          " ids read" for n in names])
+        ax.set_ylabel("time to first token (s, median)")
+        ax.set_title(f"{report['model']} ({report['backend']}, {report['threads']} threads)")
+        ax.legend()

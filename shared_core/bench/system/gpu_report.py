@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from shared_core.bench.common import figure
 from shared_core.bench.system import gpu_checks as checks
 
 AIM_K8 = 1.15  # k = 8 check <= 1.15x a one-token step (1.5B and 7B, bf16)
@@ -104,23 +105,16 @@ def divergences_at_ties(section: dict[str, Any]) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 4))
-    for name, section in report["sections"].items():
-        cost = section.get("k_cost")
-        if isinstance(cost, dict) and "1" in cost:
-            ks = sorted(int(k) for k in cost)
-            ax.plot(ks, [cost[str(k)]["over_step"] for k in ks], marker="o", label=name)
-    ax.axhline(AIM_K8, color="grey", linestyle=":", label="aim at k = 8")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("k (tokens in one verification forward)")
-    ax.set_ylabel("cost / one-token step")
-    ax.set_title(str(report["machine"].get("gpu", report["machine"].get("device"))))
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
-    plt.close(fig)
+    with figure(out, (6, 4)) as (_, axes):
+        ax = axes[0][0]
+        for name, section in report["sections"].items():
+            cost = section.get("k_cost")
+            if isinstance(cost, dict) and "1" in cost:
+                ks = sorted(int(k) for k in cost)
+                ax.plot(ks, [cost[str(k)]["over_step"] for k in ks], marker="o", label=name)
+        ax.axhline(AIM_K8, color="grey", linestyle=":", label="aim at k = 8")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("k (tokens in one verification forward)")
+        ax.set_ylabel("cost / one-token step")
+        ax.set_title(str(report["machine"].get("gpu", report["machine"].get("device"))))
+        ax.legend(fontsize=7)

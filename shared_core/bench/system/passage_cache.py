@@ -60,7 +60,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from shared_core.bench.common import lm_threads, write_report
+from shared_core.bench.common import figure, lm_threads, write_report
 from shared_core.config import DEFAULT_RECOMPUTE_SHARE, PassageCacheConfig
 from shared_core.runtime.weights.embedded import is_installed
 from shared_core.util.device import cpu_facts, threads_from_env
@@ -646,23 +646,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def plot(report: dict[str, Any], out: str) -> None:
     """TTFT over full prefill per method and dataset, with first-token agreement."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     datasets = list(report["datasets"])
-    fig, axes = plt.subplots(1, len(datasets), figsize=(5 * len(datasets), 4), squeeze=False)
-    for ax, dataset in zip(axes[0], datasets, strict=True):
-        methods = report["datasets"][dataset]["methods"]
-        names = [m for m in methods if m != "full"]
-        ratios = [methods[m]["ttft_over_reference"] for m in names]
-        ax.bar(range(len(names)), ratios)
-        for i, m in enumerate(names):
-            ax.text(i, ratios[i], methods[m]["first_token_equal"], ha="center", va="bottom",
-                    fontsize=7)
-        ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
-        ax.set_ylabel("TTFT / reference (full; exact_warm: exact_cold)")
-        ax.set_title(f"{dataset} ({report['model']}, {report['threads']} thr)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=120)
+    with figure(out, (5 * len(datasets), 4), cols=len(datasets)) as (_, axes):
+        for ax, dataset in zip(axes[0], datasets, strict=True):
+            methods = report["datasets"][dataset]["methods"]
+            names = [m for m in methods if m != "full"]
+            ratios = [methods[m]["ttft_over_reference"] for m in names]
+            ax.bar(range(len(names)), ratios)
+            for i, m in enumerate(names):
+                ax.text(i, ratios[i], methods[m]["first_token_equal"], ha="center", va="bottom",
+                        fontsize=7)
+            ax.set_xticks(range(len(names)), names, rotation=45, ha="right", fontsize=7)
+            ax.set_ylabel("TTFT / reference (full; exact_warm: exact_cold)")
+            ax.set_title(f"{dataset} ({report['model']}, {report['threads']} thr)")

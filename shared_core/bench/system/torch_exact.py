@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from shared_core.bench.common import lm_threads
+from shared_core.bench.common import figure, lm_threads
 from shared_core.bench.datasets import long_document
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
@@ -177,26 +177,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     dtypes = list(report["results"])
-    fig, axes = plt.subplots(1, len(dtypes), figsize=(5 * len(dtypes), 3.5), squeeze=False)
-    for ax, dtype in zip(axes[0], dtypes, strict=True):
-        found = report["results"][dtype]["cost"]
-        prefix = max(found["default"], key=lambda p: int(p) if p.isdigit() else -1)
-        columns = [c for c in found["default"][prefix] if c.endswith("_ms")]
-        modes = list(found["step_over_default_step"])
-        bar = 0.8 / len(modes)
-        for j, mode in enumerate(modes):
-            ax.bar([i - 0.4 + bar * (j + 0.5) for i in range(len(columns))],
-                   [found[mode][prefix][c] for c in columns], width=bar, label=mode)
-        ax.set_xticks(range(len(columns)), [c.removesuffix("_ms") for c in columns])
-        ax.set_ylabel(f"ms after {prefix} cached tokens (median)")
-        ax.set_title(f"{report['model']} {dtype}, {report['threads']} threads")
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    with figure(path, (5 * len(dtypes), 3.5), cols=len(dtypes)) as (_, axes):
+        for ax, dtype in zip(axes[0], dtypes, strict=True):
+            found = report["results"][dtype]["cost"]
+            prefix = max(found["default"], key=lambda p: int(p) if p.isdigit() else -1)
+            columns = [c for c in found["default"][prefix] if c.endswith("_ms")]
+            modes = list(found["step_over_default_step"])
+            bar = 0.8 / len(modes)
+            for j, mode in enumerate(modes):
+                ax.bar([i - 0.4 + bar * (j + 0.5) for i in range(len(columns))],
+                       [found[mode][prefix][c] for c in columns], width=bar, label=mode)
+            ax.set_xticks(range(len(columns)), [c.removesuffix("_ms") for c in columns])
+            ax.set_ylabel(f"ms after {prefix} cached tokens (median)")
+            ax.set_title(f"{report['model']} {dtype}, {report['threads']} threads")
+            ax.legend()
