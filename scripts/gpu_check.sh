@@ -11,9 +11,11 @@
 # dependencies are missing there will not import): to try the xgrammar mask too, on a machine
 # with network run
 #     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#         --platform manylinux_2_28_x86_64 -d .whl xgrammar
-# (untried here; mind the 64 MiB carried in all, the repository is ~27 MiB). Then, from the
-# repository root:
+#         --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+#         -d .whl xgrammar apache-tvm-ffi pydantic pydantic-core annotated-types typing-inspection
+# (xgrammar 0.2.9 needs apache-tvm-ffi and pydantic, which the GPU machine lacks: 7.2 MiB in all,
+# downloaded 2026-11-29; the H200 re-check carried an older xgrammar alone. Mind the 64 MiB
+# carried in all, the repository is ~27 MiB.) Then, from the repository root:
 #     run(command="OUT=$OUT bash scripts/gpu_check.sh",
 #         carry=[".whl"], timeout_s=420)
 # (without .whl/: no carry); the files under $OUT come back: copy them into
