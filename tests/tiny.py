@@ -133,6 +133,16 @@ def heavy_imports(*modules: str) -> list[str]:
     return result.stdout.split()
 
 
+def forget_prompts(model: str = "smollm2-135m-instruct") -> None:
+    """Empty the shared cached model's prompt reuse before a compared call: the default modes'
+    prefix reuse (llama.cpp's too) is not bit-exact (docs/backends.md), so a warm read can flip
+    a near-tied token (it did on a fresh clone, after other tests had warmed the model)."""
+    from shared_core.runtime.lm import clear_prefix_cache
+    from shared_core.runtime.model_cache import resolve_lm
+
+    clear_prefix_cache(resolve_lm(model, backend="auto"))
+
+
 def require_llamacpp_smollm2() -> None:
     """Module-level gate of the llama.cpp integration tests: without llama-cpp-python CI fails
     (`make test` installs it) and elsewhere the module is skipped; so it is without SmolLM2."""

@@ -8,6 +8,7 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+from tiny import forget_prompts
 
 pytestmark = [
     pytest.mark.integration,
@@ -27,18 +28,8 @@ def _example():
     return module
 
 
-def _forget_prompts() -> None:
-    """Empty the model's prompt reuse before a compared call: llama.cpp's prefix reuse is not
-    bit-exact (docs/backends.md), so a warm read can flip a near-tied token (it did on a fresh
-    clone, after other tests had warmed the model)."""
-    from shared_core.runtime.lm import clear_prefix_cache
-    from shared_core.runtime.model_cache import resolve_lm
-
-    clear_prefix_cache(resolve_lm("smollm2-135m-instruct", backend="auto"))
-
-
 def _cold(chain, value):
-    _forget_prompts()
+    forget_prompts()
     return chain.invoke(value)
 
 
@@ -52,7 +43,7 @@ def test_lcel_recipes_compose_and_agree() -> None:
     assert _cold(chains["prompt_then_rag"], {"question": question}) == answer
     assert chains["drafting_prompt"].invoke(question).strip()
     assert chains["ralmspec"].invoke({"question": question}).strip()
-    _forget_prompts()
+    forget_prompts()
     chunks = list(chains["stages"].stream(question))
     assert [next(iter(c)) for c in chunks[:4]] == EVENTS
     assert "".join(c["answer"] for c in chunks if "answer" in c) == answer

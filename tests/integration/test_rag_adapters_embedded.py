@@ -12,14 +12,13 @@ import pickle
 import pytest
 from langchain_core.prompts import ChatPromptTemplate
 from llama_index.core.base.response.schema import StreamingResponse
+from tiny import forget_prompts
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
 from langchain_specrag import SpeculativeRetriever as LCSpeculativeRetriever
 from llamaindex_specrag import RaLMSpecQueryEngine
 from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
 from shared_core.retrieval import BM25Retriever, Document
-from shared_core.runtime.lm import clear_prefix_cache
-from shared_core.runtime.model_cache import resolve_lm
 
 pytestmark = [
     pytest.mark.integration,
@@ -51,13 +50,6 @@ def _specrag(**settings: object) -> SpeculativeRAGRunnable:
                                   **settings)
 
 
-def _cold() -> None:
-    """Empty the model's prompt reuse before a compared call: the default modes' reuse is not
-    bit-exact (docs/backends.md), so a warm read can flip a near-tied token (one did in a run
-    where other tests had warmed the model first)."""
-    clear_prefix_cache(resolve_lm(MODEL, backend="auto"))
-
-
 def _pickled(adapter: object) -> tuple[object, int]:
     data = pickle.dumps(adapter)
     logger.warning("pickled %s: %d bytes", type(adapter).__name__, len(data))
@@ -67,13 +59,13 @@ def _pickled(adapter: object) -> tuple[object, int]:
 def test_speculative_rag_streams_a_real_answer_in_chunks() -> None:
     runnable = _specrag()
     question = {"question": QUESTION, "documents": PASSAGES}
-    _cold()
+    forget_prompts(MODEL)
     answer = runnable.invoke(question)
-    _cold()
+    forget_prompts(MODEL)
     chunks = list(runnable.stream(question))
     assert "".join(chunks) == answer and len(chunks) == len(answer.split()) > 1
     copy, size = _pickled(runnable)
-    _cold()
+    forget_prompts(MODEL)
     assert size < MAX_BYTES and copy.invoke(question) == answer
 
 
@@ -82,13 +74,13 @@ def test_a_chat_prompt_template_drives_the_drafts() -> None:
         ("system", "You answer from the passages only, in a few words."),
         ("human", "Passages:\n{documents}\n\nQuestion: {question}")])
     runnable = _specrag(prompt=prompt, with_details=True)
-    _cold()
+    forget_prompts(MODEL)
     details = runnable.invoke({"question": QUESTION, "documents": PASSAGES})
     default = _specrag(with_details=True).invoke({"question": QUESTION, "documents": PASSAGES})
     assert details["answer"].strip()
     assert details["stats"]["draft_prompt_tokens"] != default["stats"]["draft_prompt_tokens"]
     copy, size = _pickled(runnable)
-    _cold()
+    forget_prompts(MODEL)
     again = copy.invoke({"question": QUESTION, "documents": PASSAGES})
     assert size < MAX_BYTES
     for key in ("answer", "rationale", "drafts", "scores", "best"):  # not stats: timings
@@ -97,12 +89,12 @@ def test_a_chat_prompt_template_drives_the_drafts() -> None:
 
 def test_ralmspec_adapters_stream_and_pickle(bm25) -> None:
     runnable = RaLMSpecRunnable(retriever=bm25, model=MODEL, max_new_tokens=24)
-    _cold()
+    forget_prompts(MODEL)
     answer = runnable.invoke(QUESTION)
-    _cold()
+    forget_prompts(MODEL)
     assert "".join(runnable.stream(QUESTION)) == answer
     engine = RaLMSpecQueryEngine(retriever=bm25, model=MODEL, max_new_tokens=24, streaming=True)
-    _cold()
+    forget_prompts(MODEL)
     response = engine.query(QUESTION)
     assert isinstance(response, StreamingResponse)
     deltas = list(response.response_gen)
@@ -113,7 +105,7 @@ def test_ralmspec_adapters_stream_and_pickle(bm25) -> None:
         copy, size = _pickled(adapter)
         assert size < MAX_BYTES
     copy, _ = _pickled(runnable)
-    _cold()
+    forget_prompts(MODEL)
     assert copy.invoke(QUESTION) == answer
 
 
