@@ -256,7 +256,7 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
             yield chunk
 
     # -- tools and structured output -------------------------------------------------------------
-    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable | BaseTool], *,
+    def bind_tools(self, tools: Sequence[dict[str, Any] | type | Callable[..., Any] | BaseTool], *,
                    tool_choice: str | dict[str, Any] | bool | None = None, **kwargs: Any
                    ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (any form ``convert_to_openai_tool`` takes). ``tool_choice``: ``"auto"``

@@ -6,7 +6,8 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Any
 
-from langchain_core.language_models import BaseChatModel
+from langchain_core.language_models import BaseChatModel, LanguageModelInput
+from langchain_core.messages import BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
 from langchain_core.output_parsers.openai_tools import (
     JsonOutputKeyToolsParser,
@@ -23,7 +24,7 @@ METHODS = ("json_schema", "json_mode", "function_calling")
 
 
 def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any]
-           ) -> tuple[Runnable, Runnable]:
+           ) -> tuple[Runnable[LanguageModelInput, BaseMessage], Runnable[BaseMessage, Any]]:
     """The model with the format bound, and the parser of its reply."""
     pydantic = isinstance(schema, type) and is_basemodel_subclass(schema)
     trace = ({"ls_structured_output_format": {"kwargs": {"method": method}, "schema": schema}}
@@ -47,7 +48,8 @@ def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any
 
 
 def structured_output(model: BaseChatModel, schema: Any, *, method: str = "json_schema",
-                      include_raw: bool = False, **kwargs: Any) -> Runnable:
+                      include_raw: bool = False, **kwargs: Any
+                      ) -> Runnable[LanguageModelInput, Any]:
     """See :meth:`ChatSpeculative.with_structured_output`."""
     if method not in METHODS:
         msg = f"method={method!r} is not one of {list(METHODS)}"

@@ -10,7 +10,7 @@ where the speculated top document was wrong, so the caller can roll back to that
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from langchain_core.callbacks import CallbackManagerForRetrieverRun
 from langchain_core.documents import Document as LCDocument
@@ -20,6 +20,9 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 from shared_core.config import check_int, check_settings_keys
 from shared_core.config.rag import SpeculativeRetrievalConfig
 from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_metadata, hit_score
+
+if TYPE_CHECKING:
+    from shared_core.engines.ralmspec import SpeculativeRetrieval
 
 
 def _to_lc(hit: Any) -> LCDocument:
@@ -57,7 +60,7 @@ class SpeculativeRetriever(BaseRetriever):
     _known_settings = model_validator(mode="before")(check_settings_keys)
 
     @property
-    def session(self) -> Any:
+    def session(self) -> SpeculativeRetrieval:
         """The per-wrapper cache and verification state (create a new wrapper per request)."""
         return self._sessions.get(self.retriever, self.k, self.prefetch_k,
                                   self.retrieval_timeout_s)

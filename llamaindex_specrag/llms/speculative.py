@@ -21,7 +21,7 @@ runs: the callback reads ``metadata``, which without a ``context_window`` loads 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.base.llms.types import (
     ChatMessage,
@@ -57,31 +57,40 @@ if TYPE_CHECKING:
     from shared_core.engines.loop import Prompt
 
 
-async def _last(items: AsyncIterator[Any]) -> Any:
-    last = None
-    async for last in items:  # noqa: B007 - only the final (complete) response is returned
-        pass
+T = TypeVar("T")
+
+
+async def _last(items: AsyncIterator[T]) -> T:
+    """The final (complete) response of a stream."""
+    empty = True
+    async for last in items:  # noqa: B007 - only the final response is returned
+        empty = False
+    if empty:
+        msg = "the response stream ended before its first response"
+        raise RuntimeError(msg)
     return last
 
 
 def _traced(callback: Callable[[], Callable[..., Any]], llm: Any, first: Any,
-            kwargs: dict[str, Any], run: Callable[[], Any]) -> Any:
+            kwargs: dict[str, Any], run: Callable[[], T]) -> T:
     """``run()`` inside LlamaIndex's ``callback`` (``llm_completion_callback`` /
     ``llm_chat_callback``: its events and span), reporting ``first`` (the prompt or messages) and
     ``kwargs`` as a decorated method would."""
-    def method(_llm: Any, _first: Any, **_kwargs: Any) -> Any:
+    def method(_llm: Any, _first: Any, **_kwargs: Any) -> T:
         return run()
 
-    return callback()(method)(llm, first, **kwargs)
+    result: T = callback()(method)(llm, first, **kwargs)
+    return result
 
 
 def _atraced(callback: Callable[[], Callable[..., Any]], llm: Any, first: Any,
-             kwargs: dict[str, Any], run: Callable[[], Awaitable[Any]]) -> Awaitable[Any]:
+             kwargs: dict[str, Any], run: Callable[[], Awaitable[T]]) -> Awaitable[T]:
     """:func:`_traced` for a coroutine."""
-    async def method(_llm: Any, _first: Any, **_kwargs: Any) -> Any:
+    async def method(_llm: Any, _first: Any, **_kwargs: Any) -> T:
         return await run()
 
-    return callback()(method)(llm, first, **kwargs)
+    result: Awaitable[T] = callback()(method)(llm, first, **kwargs)
+    return result
 
 
 def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:

@@ -117,8 +117,9 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
         """The top ``retrieve_k`` nodes (another kind of retriever's documents as nodes)."""
         if not isinstance(self.retriever, BaseRetriever):
             return _nodes(self._retrieve_any(query_bundle.query_str))
-        nodes = call_with_timeout(lambda: llamaindex_retrieve(self.retriever, query_bundle),
-                                  self.retrieval_timeout_s, self._retriever_name())
+        nodes: list[NodeWithScore] = call_with_timeout(
+            lambda: llamaindex_retrieve(self.retriever, query_bundle),
+            self.retrieval_timeout_s, self._retriever_name())
         return nodes[: self.retrieve_k]
 
     async def aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

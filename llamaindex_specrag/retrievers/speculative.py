@@ -9,7 +9,7 @@ results when possible); ``speculate(query)`` answers from the per-session cache 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.retrievers import BaseRetriever
@@ -19,6 +19,9 @@ from llamaindex_specrag._query import query_text
 from shared_core.config import check_int, suggest_kwargs
 from shared_core.config.rag import SpeculativeRetrievalConfig
 from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_metadata, hit_score
+
+if TYPE_CHECKING:
+    from shared_core.engines.ralmspec import SpeculativeRetrieval
 
 
 def _to_node(hit: Any) -> NodeWithScore:
@@ -58,7 +61,7 @@ class SpeculativeRetriever(BaseRetriever):
         super().__init__(callback_manager=callback_manager)
 
     @property
-    def session(self) -> Any:
+    def session(self) -> SpeculativeRetrieval:
         """The per-wrapper cache and verification state (create a new wrapper per request)."""
         return self._sessions.get(self.retriever, self.similarity_top_k, self.prefetch_k,
                                   self.retrieval_timeout_s)

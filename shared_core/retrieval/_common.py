@@ -147,7 +147,7 @@ def read_config(folder: str | os.PathLike[str], kind: str) -> dict[str, Any]:
     if not path.is_file():
         msg = f"no saved retriever at {str(folder)!r} ({CONFIG_FILE} is missing)"
         raise FileNotFoundError(msg)
-    config = json.loads(path.read_text(encoding="utf-8"))
+    config: dict[str, Any] = json.loads(path.read_text(encoding="utf-8"))
     if config.get("kind") != kind or config.get("format") != FORMAT_VERSION:
         msg = (f"{str(folder)!r} holds a {config.get('kind')!r} index (format "
                f"{config.get('format')}), not a {kind!r} index (format {FORMAT_VERSION})")

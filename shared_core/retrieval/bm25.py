@@ -76,7 +76,8 @@ def _make_stemmer(stemmer: str | Callable[[str], str] | None) -> Callable[[str],
         except ImportError as e:
             msg = f"stemmer={stemmer!r} needs PyStemmer: pip install PyStemmer"
             raise ImportError(msg) from e
-        return Stemmer.Stemmer(stemmer).stemWord
+        stem: Callable[[str], str] = Stemmer.Stemmer(stemmer).stemWord
+        return stem
     msg = f"stemmer must be None, a PyStemmer language name or a callable, got {stemmer!r}"
     raise TypeError(msg)
 

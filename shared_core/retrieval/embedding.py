@@ -155,4 +155,5 @@ def embed(config: EmbeddingConfig, texts: Sequence[str], kind: Kind = "document"
     vectors = model.encode(texts, prompt_name=prompt_name, batch_size=config.batch_size,
                            normalize_embeddings=config.normalize, convert_to_numpy=True,
                            show_progress_bar=config.show_progress)
-    return np.asarray(vectors, dtype=np.float32).tolist()
+    rows: list[list[float]] = np.asarray(vectors, dtype=np.float32).tolist()
+    return rows

@@ -98,7 +98,7 @@ def faiss_candidates(index: faiss.Index | NumpyFlatIP, vectors: np.ndarray, n: i
         params = faiss.SearchParametersHNSW(efSearch=max(ef_search, n))
     with faiss_threads(num_threads):
         _, positions = index.search(vectors, n, params=params)
-    return positions
+    return np.asarray(positions)
 
 
 def gemm_candidates(index: faiss.Index | NumpyFlatIP, vectors: np.ndarray, n: int) -> np.ndarray:

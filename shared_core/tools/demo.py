@@ -22,14 +22,25 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from shared_core.config import DEFAULT_BACKEND, DEFAULT_EMBEDDER, DEFAULT_LM, DEFAULT_VERIFIER
 from shared_core.config.rag import DraftOrder, SpeculativeRAGConfig
 from shared_core.runtime.lm import clear_prefix_cache
 
 if TYPE_CHECKING:
+    from shared_core.decoding.output import GenerationResult
+    from shared_core.engines.speculative_rag.results import (
+        SpeculativeRAGResult,
+        SpeculativeRAGStats,
+        StandardRAGResult,
+        StandardRAGStats,
+    )
+    from shared_core.retrieval.base import Retriever
     from shared_core.runtime.protocol import SessionLM
+
+# an engine of the demo: (model, chat messages, retrieved passages) -> its result
+DemoEngine = Callable[["SessionLM", list[dict[str, str]], list[str]], "GenerationResult"]
 
 logger = logging.getLogger(__name__)
 # The pair of the papers' regime (a verifier three times the drafter, one tokenizer), used when
@@ -96,17 +107,17 @@ def build_prompt(question: str, passages: list[str]) -> list[dict[str, str]]:
             {"role": "user", "content": f"Context:\n{context}\n\nQuestion: {question}"}]
 
 
-def _engines(max_new_tokens: int) -> dict[str, Callable]:
+def _engines(max_new_tokens: int) -> dict[str, DemoEngine]:
     from shared_core.drafters.prompt_lookup import PromptLookupDrafter
     from shared_core.engines.baseline import autoregressive_generate, speculative_generate
     from shared_core.engines.registry import TOKEN_ENGINES, engine_function, stream_engine
 
-    engines: dict[str, Callable] = {
+    engines: dict[str, DemoEngine] = {
         "autoregressive": lambda lm, msgs, docs: autoregressive_generate(lm, msgs, max_new_tokens),
         "prompt_lookup": lambda lm, msgs, docs: speculative_generate(
             lm, PromptLookupDrafter(), msgs, max_new_tokens),
     }
-    state: dict = {}  # kept across calls, as the adapters keep it (e.g. RAPID's decoders)
+    state: dict[str, Any] = {}  # kept across calls, as the adapters keep it (e.g. RAPID's decoders)
     for name in TOKEN_ENGINES:
         if name == "autoregressive":
             continue
@@ -120,7 +131,7 @@ def _engines(max_new_tokens: int) -> dict[str, Callable]:
     return engines
 
 
-def machine_line(facts: dict) -> str:
+def machine_line(facts: dict[str, Any]) -> str:
     flags = ", ".join(facts["flags"]) or "none of AVX2/AVX-512/AMX"
     load = ", ".join(f"{x:.2f}" for x in facts["load_avg"])
     return (f"machine: {facts['cpu']} ({facts['cpus']} CPUs; {flags}); torch {facts['torch']} with "
@@ -144,9 +155,10 @@ def pick_drafter() -> tuple[str, DraftOrder]:
     return DEFAULT_LM, SpeculativeRAGConfig.draft_order
 
 
-def speculative_rag_section(retriever, verifier: str, write: Callable[[str], None],
+def speculative_rag_section(retriever: Retriever, verifier: str, write: Callable[[str], None],
                             drafter: str = DEFAULT_LM,
-                            draft_order: DraftOrder = SpeculativeRAGConfig.draft_order) -> dict:
+                            draft_order: DraftOrder = SpeculativeRAGConfig.draft_order
+                            ) -> dict[str, float]:
     """Speculative RAG (``drafter`` drafts, ``verifier`` scores) against standard RAG with
     ``verifier`` and with ``drafter``: every draft with its scores, the time of each part, and
     why it pays or not."""
@@ -154,15 +166,16 @@ def speculative_rag_section(retriever, verifier: str, write: Callable[[str], Non
 
     write(f"\n== Speculative RAG: {drafter} drafts ({draft_order}), {verifier} verifies; standard "
           f"RAG = {verifier} (or {drafter}) reading every passage ==")
-    engine = SpeculativeRAG(drafter, verifier, embedder=retriever.embedder, backend=DEFAULT_BACKEND,
+    # the retriever's embedder by name: one loaded copy (runtime.model_cache)
+    engine = SpeculativeRAG(drafter, verifier, embedder=DEFAULT_EMBEDDER, backend=DEFAULT_BACKEND,
                             config=SpeculativeRAGConfig(draft_order=draft_order))
     verifier_lm = cast("SessionLM", engine.verifier)  # DEFAULT_BACKEND: an in-process model
     write(f"   runtime: {verifier_lm.backend} ({verifier_lm.backend_reason})")
     docs = [hit.document for hit in retriever.search([QUESTIONS[0]], len(KNOWLEDGE_BASE))[0]]
     engine.answer(QUESTIONS[0], docs)  # warm-up (loads both models)
     engine.standard_rag(QUESTIONS[0], docs)
-    standard_parts: list = []
-    spec_parts: list = []
+    standard_parts: list[StandardRAGStats] = []
+    spec_parts: list[SpeculativeRAGStats] = []
     for question in QUESTIONS:
         docs = [hit.document for hit in retriever.search([question], len(KNOWLEDGE_BASE))[0]]
         for lm in (engine.drafter, engine.verifier):  # every method reads its prompts cold
@@ -182,8 +195,8 @@ def speculative_rag_section(retriever, verifier: str, write: Callable[[str], Non
     return table
 
 
-def _write_specrag_answer(question: str, standard, small, result, write: Callable[[str], None]
-                          ) -> None:
+def _write_specrag_answer(question: str, standard: StandardRAGResult, small: StandardRAGResult,
+                          result: SpeculativeRAGResult, write: Callable[[str], None]) -> None:
     std, spec = standard.stats, result.stats
     write(f"\nQ: {question}\n   standard RAG  {std.total_s:5.1f} s  {standard.text!r}  (reads "
           f"{std.prompt_tokens} prompt tokens in {std.prefill_s:.1f} s, decodes {std.decode_s:.1f} s)")
@@ -200,7 +213,8 @@ def _write_specrag_answer(question: str, standard, small, result, write: Callabl
               f"  → {d.answer[:60]!r}")
 
 
-def explain_specrag(standard: list, speculative: list) -> str:
+def explain_specrag(standard: list[StandardRAGStats], speculative: list[SpeculativeRAGStats]
+                    ) -> str:
     """One measured line: where Speculative RAG's time went against standard RAG's reading."""
     read = sum(s.prefill_s for s in standard)
     read_tokens = sum(s.prompt_tokens for s in standard)
@@ -218,15 +232,21 @@ def explain_specrag(standard: list, speculative: list) -> str:
             "saves by not reading it, and drafting is a fixed cost)")
 
 
-def explain_token_speedups(lm, table: dict[str, dict[str, float]], write: Callable[[str], None]) -> None:
+def explain_token_speedups(lm: SessionLM, table: dict[str, dict[str, float]],
+                           write: Callable[[str], None]) -> None:
     """One line on why token-level speculation does or does not pay on this machine, measured now
     (llama.cpp: the cost curve the engines size their drafts by)."""
-    if lm.backend == "llama.cpp":
-        ratio = dict(lm.forward_cost_curve())
-        step = "the curve ReSpec sizes its drafts by"
+    from shared_core.runtime.lm import LM
+
+    curve = lm.forward_cost_curve()
+    if curve is not None:
+        ratio, step = dict(curve), "the curve ReSpec sizes its drafts by"
     else:
         from shared_core.bench.system.forward_cost import measure_forward_costs
 
+        if not isinstance(lm, LM):
+            msg = f"the demo measures a torch model's forwards; {lm.name!r} is on {lm.backend}"
+            raise TypeError(msg)
         costs = measure_forward_costs(lm, [1, 4, 8], context=256, repeats=3)
         ratio, step = costs["ratio"], f"{costs['ms'][1]:.0f} ms per step"
     write(f"\nOn this CPU ({lm.backend}) a 4-token verification forward costs {ratio[4]:.1f}x a "
@@ -237,7 +257,8 @@ def explain_token_speedups(lm, table: dict[str, dict[str, float]], write: Callab
               "already fast per step, so the drafting and verification overhead is not recovered.")
 
 
-def token_engines_section(lm, retriever, max_new_tokens: int, write: Callable[[str], None]) -> dict:
+def token_engines_section(lm: SessionLM, retriever: Retriever, max_new_tokens: int,
+                          write: Callable[[str], None]) -> dict[str, dict[str, float]]:
     engines = _engines(max_new_tokens)
     table: dict[str, dict[str, float]] = {name: {"seconds": 0.0, "tokens": 0, "identical": 0}
                                           for name in engines}
@@ -288,7 +309,7 @@ class TimedAnswer:
     cache: dict[str, int] | None = None
 
 
-def timed_answer(lm, messages: list[dict[str, str]], max_new_tokens: int) -> TimedAnswer:
+def timed_answer(lm: SessionLM, messages: list[dict[str, str]], max_new_tokens: int) -> TimedAnswer:
     from shared_core.engines.baseline import autoregressive_generate
 
     start = time.perf_counter()
@@ -327,7 +348,7 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
                 min(len(a), len(b)))
 
 
-def _question_rows(retriever, k: int) -> list[dict]:
+def _question_rows(retriever: Retriever, k: int) -> list[dict[str, Any]]:
     """The two questions' retrieved passages and prompts."""
     rows = []
     for question in CACHE_QUESTIONS:
@@ -337,8 +358,9 @@ def _question_rows(retriever, k: int) -> list[dict]:
     return rows
 
 
-def passage_cache_section(retriever, model: str, write: Callable[[str], None],
-                          k: int = CACHE_K, max_new_tokens: int = CACHE_MAX_NEW_TOKENS) -> dict:
+def passage_cache_section(retriever: Retriever, model: str, write: Callable[[str], None],
+                          k: int = CACHE_K, max_new_tokens: int = CACHE_MAX_NEW_TOKENS
+                          ) -> dict[str, Any]:
     """The passage KV cache on ``model`` (llama.cpp), measured now: Q1 answered cold (full
     prefill); Q1 asked again through the exact contract (cold, warm); then Q2, whose passages
     overlap Q1's in another order, with a full prefill and through the blend contract after Q1
@@ -415,7 +437,7 @@ def passage_cache_section(retriever, model: str, write: Callable[[str], None],
 
 
 def exact_contract(model: str, messages: list[dict[str, str]], max_new_tokens: int,
-                   write: Callable[[str], None]) -> dict:
+                   write: Callable[[str], None]) -> dict[str, Any]:
     """The same prompt read twice through ``passage_cache="exact"`` on an ``exact=True`` model
     (a repeated question, a follow-up turn over the same passages, another process through the
     disk tier): cold, then warm; the warm answer must equal the cold one token for token."""
@@ -441,7 +463,7 @@ def exact_contract(model: str, messages: list[dict[str, str]], max_new_tokens: i
 
 
 def run_demo(max_new_tokens: int = DEMO_MAX_NEW_TOKENS, write: Callable[[str], None] = logger.info,
-             verifier: str | None = None) -> dict:
+             verifier: str | None = None) -> dict[str, Any]:
     """Machine facts; the passage cache (what pays here); then what does not: the token-level
     engines and Speculative RAG against standard RAG. Returns the measured tables."""
     from shared_core.retrieval import DenseRetriever, Document

@@ -217,7 +217,8 @@ def _step(model: torch.nn.Module, batch: list[tuple[list[int], list[int]]], pad_
         ids[row, :len(x)] = torch.tensor(x)
         labels[row, :len(y)] = torch.tensor(y)
         mask[row, :len(x)] = 1
-    return model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    loss: torch.Tensor = model(input_ids=ids, attention_mask=mask, labels=labels).loss
+    return loss
 
 
 def main(argv: list[str] | None = None) -> None:

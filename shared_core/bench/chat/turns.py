@@ -105,7 +105,7 @@ def conversation_rows(lm: LM, conversation: Conversation, max_new_tokens: int,
 
 
 def _median(rows: Sequence[dict[str, Any]], key: str) -> float:
-    return statistics.median(r[key] for r in rows)
+    return float(statistics.median(r[key] for r in rows))
 
 
 def medians(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:

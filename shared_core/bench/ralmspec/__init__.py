@@ -106,7 +106,7 @@ def _load(limit: int) -> tuple[list[Any], list[dict[str, Any]]]:
 def _doc_vectors(retriever: DenseRetriever, corpus: list[Document], cache_dir: str) -> np.ndarray:
     path = os.path.join(cache_dir, f"minilm-{len(corpus)}.npy")
     if os.path.exists(path):
-        return np.load(path)
+        return np.asarray(np.load(path))
     vectors = retriever.embed_documents([d.text for d in corpus])
     os.makedirs(cache_dir, exist_ok=True)
     np.save(path, vectors)

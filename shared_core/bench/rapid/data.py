@@ -68,7 +68,7 @@ def _nq_corpus_vectors(corpus: list[dict[str, Any]], embedder: SentenceTransform
 
     path = cache_dir() / "bench" / f"nq_corpus_{len(corpus)}_minilm.npy"
     if path.is_file():
-        return np.load(path)
+        return np.asarray(np.load(path))
     texts = [f"{d['title']} {d['text']}" for d in corpus]
     vectors = np.asarray(embedder.encode(texts, batch_size=64, normalize_embeddings=True),
                          dtype=np.float32)

@@ -325,7 +325,7 @@ def _report(lm: LM, args: argparse.Namespace, names: list[str], categories: list
         per_cat[cat] = make_report(engine="respec", dataset=f"spec_bench/{cat}",
                                    models={"target": lm.name}, device=str(lm.device),
                                    methods=results, primary_baseline=primary, identical_to=checks)
-    report = per_cat.pop("all")
+    report: dict[str, Any] = per_cat.pop("all")
     report["dataset"] = "spec_bench"
     report["max_new_tokens"] = args.max_new_tokens
     report["prompts_per_category"] = args.limit

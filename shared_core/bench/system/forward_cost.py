@@ -81,31 +81,35 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _variant(lm: LM, name: str) -> Callable[..., Any] | None:
     """A callable ``model(**inputs)`` for a variant, or None if this machine cannot run it."""
     model = lm.model
+    variant: Callable[..., Any]
     if name == "fp32":
-        return model
-    if name == "bf16":
-        return copy.deepcopy(model).to(torch.bfloat16)
-    if name in ("fp16w_dynamic", "int8_dynamic"):
+        variant = model
+    elif name == "bf16":
+        variant = copy.deepcopy(model).to(torch.bfloat16)
+    elif name in ("fp16w_dynamic", "int8_dynamic"):
         from torch.ao.quantization import quantize_dynamic
 
         dtype = torch.float16 if name == "fp16w_dynamic" else torch.qint8
-        return quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=dtype)
-    if name == "onednn_packed":
+        variant = quantize_dynamic(copy.deepcopy(model), {torch.nn.Linear}, dtype=dtype)
+    elif name == "onednn_packed":
         if not torch.backends.mkldnn.is_available():
             return None
         from torch.utils import mkldnn as mkldnn_utils
 
-        return mkldnn_utils.to_mkldnn(copy.deepcopy(model))
-    if name == "compile":
-        return torch.compile(model, dynamic=True)
-    msg = f"variant={name!r} is not one of {VARIANTS}"
-    raise ValueError(msg)
+        variant = mkldnn_utils.to_mkldnn(copy.deepcopy(model))
+    elif name == "compile":
+        variant = torch.compile(model, dynamic=True)
+    else:
+        msg = f"variant={name!r} is not one of {VARIANTS}"
+        raise ValueError(msg)
+    return variant
 
 
 def _forward(run: Callable[..., Any], ids: torch.Tensor, cache: Cache, start: int) -> torch.Tensor:
     positions = torch.arange(start, start + ids.shape[1]).unsqueeze(0)
     out = run(input_ids=ids, **{cache_keyword(run): cache}, position_ids=positions, use_cache=True)
-    return out.logits[0].float()
+    logits: torch.Tensor = out.logits[0].float()
+    return logits
 
 
 def _rollback(cache: Cache, length: int) -> None:
@@ -233,4 +237,5 @@ def _child_report(args: argparse.Namespace, policy: str) -> dict[str, Any]:
         out = Path(tmp) / "child.json"
         env = {**os.environ, "OMP_WAIT_POLICY": policy}
         subprocess.run([*cmd, "--out", str(out)], env=env, capture_output=True, check=True)
-        return json.loads(out.read_text())
+        report: dict[str, Any] = json.loads(out.read_text())
+        return report

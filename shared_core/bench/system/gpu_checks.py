@@ -117,7 +117,7 @@ def at_tie(divergence: dict[str, Any], dtype: torch.dtype) -> bool:
     """Whether a divergence (:func:`divergence_margin`) happened where the reference's top two
     logits were at most one ``dtype`` ulp apart at their magnitude: a tie that another forward
     shape's rounding may break either way (not batch-invariant), not a wrong token."""
-    return divergence["top2_margin"] <= spacing(divergence["top_logit"], dtype)
+    return bool(divergence["top2_margin"] <= spacing(divergence["top_logit"], dtype))
 
 
 def acceptance(stats: DecodeStats) -> dict[str, Any]:

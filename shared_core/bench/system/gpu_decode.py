@@ -180,7 +180,8 @@ def fresh_static_compile(lm: LM) -> dict[str, Any] | None:
         return None
     config = CompileConfig(dynamic=False)  # transformers' defaults, shapes specialised
     lm.model.generation_config.compile_config = config
-    return config.to_dict()
+    settings: dict[str, Any] = config.to_dict()
+    return settings
 
 
 def inductor_caches() -> dict[str, Any]:

@@ -153,7 +153,7 @@ def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
         if target is None:
             return False
         target = target.device if isinstance(target, torch.Tensor) else torch.device(target)
-        return target.type != self.device.type  # a copy between host and device
+        return bool(target.type != self.device.type)  # a copy between host and device
 
     def device_read(self: torch.Tensor, *_: object, **__: object) -> bool:
         return not device_only or on_device(self)

@@ -198,7 +198,7 @@ def _profile_table(session: KVSession, tokens: list[int]) -> str:
         for _ in range(4):
             session.extend(tokens)
             session.rollback(len(session) - len(tokens))
-    return prof.key_averages().table(sort_by="cpu_time_total", row_limit=12)
+    return str(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
 
 
 def _shared_positions(args: argparse.Namespace) -> list[int]:

@@ -214,7 +214,7 @@ class StoreBackend:
 
     def encode(self, query: str) -> np.ndarray:
         """The query's normalised vector, embedded alone (RaLMSpec reuses it to verify)."""
-        return self.embedder.queries([query])[0]
+        return np.asarray(self.embedder.queries([query])[0])
 
     def search(self, queries: Sequence[Any], k: int) -> list[list[Hit]]:
         """Top-``k`` hits per query (texts or vectors from ``encode``), ONE store call in all."""
