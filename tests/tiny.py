@@ -134,13 +134,15 @@ def heavy_imports(*modules: str) -> list[str]:
 
 
 def forget_prompts(model: str = "smollm2-135m-instruct") -> None:
-    """Empty the shared cached model's prompt reuse before a compared call: the default modes'
-    prefix reuse (llama.cpp's too) is not bit-exact (docs/backends.md), so a warm read can flip
-    a near-tied token (it did on a fresh clone, after other tests had warmed the model)."""
+    """Empty the prompt reuse of every shared cached copy of ``model`` (any device, dtype or
+    backend; loads nothing) before a compared call: the default modes' prefix reuse (llama.cpp's
+    too) is not bit-exact (docs/backends.md), so a warm read can flip a near-tied token (it did
+    on a fresh clone, after other tests had warmed the model)."""
     from shared_core.runtime.lm import clear_prefix_cache
-    from shared_core.runtime.model_cache import resolve_lm
+    from shared_core.runtime.model_cache import loaded_copies
 
-    clear_prefix_cache(resolve_lm(model, backend="auto"))
+    for lm in loaded_copies(model):
+        clear_prefix_cache(lm)
 
 
 def require_llamacpp_smollm2() -> None:

@@ -135,6 +135,12 @@ def loaded_model(model: str, device: str | None = None, dtype: str | None = None
     return cast("SessionLM", lm), lock_for(lm)  # served=False: cached_lm refused a URL
 
 
+def loaded_copies(name: str) -> list[ModelLM]:
+    """The copies of ``name`` loaded in this process, one per device / dtype / backend key."""
+    with _LOCK:
+        return [lm for key, lm in _LOADED.items() if key[0] == name]
+
+
 def release(name: str, device: str | None = None, dtype: str | None = None,
             backend: str = LOAD_LM_BACKEND) -> bool:
     """Drop one cached model; True if it was cached.

@@ -290,18 +290,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             attach_passage_cache(lm.model, cache_config, head=chunk_head(lm))
         return lm
     _refuse_llamacpp_settings(n_ctx)
-    apply_thread_setting()
-    if source.gguf is not None:
-        entry = source.entry
-        model, tokenizer = load_gguf(
-            source.gguf, torch_dtype, trust_remote_code, title=entry.title if entry else None,
-            digest=entry.sha256 or None if entry else None,
-            approx_s=entry.approx_build_s if entry else 60)
-    else:
-        with quiet_progress_bars():
-            model, tokenizer = load_pretrained(source.path, None, torch_dtype, trust_remote_code)
-    model.to(torch_device)
-    lm = wrap_lm(model, tokenizer, name=name_or_path)
+    lm = _load_torch(name_or_path, source, torch_device, torch_dtype, trust_remote_code)
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
     if exact:
@@ -316,6 +305,23 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     logger.info("loaded %s on %s (%s, %d positions)", name_or_path, lm.device, lm.dtype,
                 lm.max_context)
     return lm
+
+
+def _load_torch(name: str, source: ModelSource, device: torch.device, dtype: torch.dtype,
+                trust_remote_code: bool) -> LM:
+    """The weights on ``device`` in ``dtype`` (a GGUF de-quantized once and cached), wrapped."""
+    apply_thread_setting()
+    if source.gguf is not None:
+        entry = source.entry
+        model, tokenizer = load_gguf(
+            source.gguf, dtype, trust_remote_code, title=entry.title if entry else None,
+            digest=entry.sha256 or None if entry else None,
+            approx_s=entry.approx_build_s if entry else 60)
+    else:
+        with quiet_progress_bars():
+            model, tokenizer = load_pretrained(source.path, None, dtype, trust_remote_code)
+    model.to(device)
+    return wrap_lm(model, tokenizer, name=name)
 
 
 def _refuse_llamacpp_settings(n_ctx: int | None) -> None:

@@ -365,10 +365,7 @@ def passage_cache_section(retriever: Retriever, model: str, write: Callable[[str
     prefill); Q1 asked again through the exact contract (cold, warm); then Q2, whose passages
     overlap Q1's in another order, with a full prefill and through the blend contract after Q1
     went through it. Returns the measured numbers (``{}`` where llama.cpp cannot run ``model``)."""
-    from shared_core.config import DEFAULT_RECOMPUTE_SHARE
     from shared_core.runtime.models import load_lm
-    from shared_core.runtime.passage_cache import register_passages
-    from shared_core.runtime.passage_cache.llamacpp import BLOCK
 
     write(f"\n== What makes a RAG answer faster on this machine: the passage KV cache ({model}, "
           "llama.cpp) ==")
@@ -392,6 +389,21 @@ def passage_cache_section(retriever: Retriever, model: str, write: Callable[[str
           "speculation can only shorten the rest (below)")
     q1["full"] = reference
     exact = exact_contract(model, q1["messages"], max_new_tokens, write)
+    _blend_contract(full, cached, q1, q2, max_new_tokens, write)
+    speedup = q2["full"].ttft_s / q2["cached"].ttft_s
+    write(f"\nOn this machine: {_cache_verdict(exact, speedup, q2['equal'])} (blend's quality over "
+          "many questions: `python -m shared_core.bench passage-cache`, "
+          "results/system/2026-11-28-passage-cache-qwen0.5b/).")
+    return {"rows": {"Q1": q1, "Q2": q2}, "ttft_speedup": speedup, "exact": exact}
+
+
+def _blend_contract(full: SessionLM, cached: SessionLM, q1: dict[str, Any], q2: dict[str, Any],
+                    max_new_tokens: int, write: Callable[[str], None]) -> None:
+    """Q1 through the blend cache (which stores its passages), then Q2 (Q1's passages in another
+    order) with a full prefill and through the cache; each row gets ``cached`` and ``equal``."""
+    from shared_core.config import DEFAULT_RECOMPUTE_SHARE
+    from shared_core.runtime.passage_cache import register_passages
+    from shared_core.runtime.passage_cache.llamacpp import BLOCK
 
     ids = [full.prompt_ids(q["messages"]) for q in (q1, q2)]
     common = [key for key in q2["passages"] if key in q1["passages"]]
@@ -410,8 +422,8 @@ def passage_cache_section(retriever: Retriever, model: str, write: Callable[[str
     register_passages(cached, KNOWLEDGE_BASE.values())  # the texts the app indexes
     q1["cached"] = timed_answer(cached, q1["messages"], max_new_tokens)
     write(f"   Q1 through it   TTFT {q1['cached'].ttft_s:5.2f} s "
-          f"({q1['cached'].ttft_s / reference.ttft_s:.2f}x the full prefill's; the cache was empty):"
-          f" {cache_line(q1['cached'].cache)}")
+          f"({q1['cached'].ttft_s / q1['full'].ttft_s:.2f}x the full prefill's; the cache was "
+          f"empty): {cache_line(q1['cached'].cache)}")
     q2["full"] = timed_answer(full, q2["messages"], max_new_tokens)
     q2["cached"] = timed_answer(cached, q2["messages"], max_new_tokens)
     write(f"   full prefill    TTFT {q2['full'].ttft_s:5.2f} s, answer {q2['full'].total_s:5.2f} s"
@@ -422,7 +434,10 @@ def passage_cache_section(retriever: Retriever, model: str, write: Callable[[str
     write(f"   answer {compare_answers(q2['full'], q2['cached'])}")
     for q in (q1, q2):
         q["equal"] = q["cached"].token_ids == q["full"].token_ids
-    speedup = q2["full"].ttft_s / q2["cached"].ttft_s
+
+
+def _cache_verdict(exact: dict[str, Any], speedup: float, blend_equal: bool) -> str:
+    """What each contract gave here, in one sentence."""
     why = ("on passages this short the cache's own work, the layer-1 probe over the prompt and the "
            "recomputed runs, outweighed the reading it saved")
     sooner = (f"{speedup:.1f}x sooner" if speedup >= 1.05 else
@@ -430,10 +445,8 @@ def passage_cache_section(retriever: Retriever, model: str, write: Callable[[str
     found = [f"exact reuse gave Q1's first token {1 / max(exact['ratio'], 1e-9):.0f}x sooner, "
              f"answer token-identical: {exact['equal']}"] if exact else []
     found.append(f"blend gave Q2's first token {sooner}, answer equal to the full prefill's: "
-                 f"{q2['equal']}")
-    write(f"\nOn this machine: {'; '.join(found)} (blend's quality over many questions: "
-          "`python -m shared_core.bench passage-cache`, results/system/2026-11-28-passage-cache-qwen0.5b/).")
-    return {"rows": {"Q1": q1, "Q2": q2}, "ttft_speedup": speedup, "exact": exact}
+                 f"{blend_equal}")
+    return "; ".join(found)
 
 
 def exact_contract(model: str, messages: list[dict[str, str]], max_new_tokens: int,

@@ -20,7 +20,9 @@ pytestmark = [
                        reason="constrained decoding needs xgrammar (specrag[constrained])"),
 ]
 
-PARAMS = {"model": "smollm2-135m-instruct", "device": "cpu"}
+# every call reads cold (no prompt reuse): the default mode's warm read is not bit-exact, and
+# whether a known failure fails (strict xfail) depends on the exact text
+PARAMS = {"model": "smollm2-135m-instruct", "device": "cpu", "prefix_cache": False}
 MAX_TOKENS = 12  # instead of the suites' 100: keeps the integration suite inside its time budget
 # a tool call or a JSON object does not fit in 12 tokens; these tests get more
 LONG_TESTS = ("tool", "structured", "json", "agent")

@@ -33,7 +33,11 @@ def test_stats_name_llama_cpps_threads_not_torchs(monkeypatch: pytest.MonkeyPatc
     assert stats["backend"] == "llama.cpp"
 
 
-def test_n_ctx_beyond_the_trained_window_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+def test_n_ctx_beyond_the_trained_window_warns_once(caplog: pytest.LogCaptureFixture,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from shared_core.runtime import models
+
+    monkeypatch.setattr(models, "_WARNED_N_CTX", set())  # "once" per process: start unwarned
     caplog.set_level(logging.WARNING, logger="shared_core.runtime.models")
     for _ in range(2):
         lm = load_lm(MODEL, backend="llama.cpp", n_ctx=9000, prefix_cache=False)
