@@ -18,8 +18,8 @@ import torch
 
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.runtime.llamacpp.session import LlamaCppSession
-from shared_core.runtime.models import load_lm
 from shared_core.runtime.lm import clear_prefix_cache
+from shared_core.runtime.models import load_lm
 from tests.tiny import forget_prompts, require_llamacpp_smollm2
 
 pytestmark = pytest.mark.integration
