@@ -19,19 +19,45 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from shared_core.config import PassageCacheConfig, check_passage_cache, check_text
-from shared_core.runtime.passage_cache.chunks import passage_interior
+from shared_core.runtime.passage_cache.chunks import PassageIndex, passage_interior
 
 if TYPE_CHECKING:
+    from shared_core.runtime.lm import LM
+    from shared_core.runtime.passage_cache.report import PrefillReport
+    from shared_core.runtime.passage_cache.store import ChunkStore
     from shared_core.runtime.protocol import ModelLM, SessionLM
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PassageCacheConfig", "attach", "chunk_head", "clear_passages", "config_from", "ensure",
-           "passage_cache_of", "passage_stats", "register_passage_ids", "register_passages",
-           "source_texts", "warm_passages"]
+__all__ = ["PassageCache", "PassageCacheConfig", "attach", "chunk_head", "clear_passages",
+           "config_from", "ensure", "passage_cache_of", "passage_stats", "register_passage_ids",
+           "register_passages", "source_texts", "warm_passages"]
+
+
+class PassageCache(Protocol):
+    """What both runtimes' caches offer beside their own prefill
+    (:class:`.torch_cache.TorchPassageCache`, :class:`.llamacpp.LlamaCppPassageCache`)."""
+
+    config: PassageCacheConfig
+    index: PassageIndex  # the passages a prompt may contain (blend)
+    last: PrefillReport  # what the latest first prefill did
+
+    @property
+    def mode(self) -> str: ...
+
+    @property
+    def store(self) -> ChunkStore[Any] | None:
+        """Where entries are kept (None: a copied torch model's cache before its first use)."""
+
+    def warm(self, lm: LM, chunk_ids: Sequence[int]) -> bool:
+        """Compute and store one passage alone; False when it was stored already."""
+
+    def stats(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
 
 
 def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
@@ -68,26 +94,29 @@ def chunk_head(lm: ModelLM) -> tuple[int, ...]:
 
 
 def attach(model: Any, config: PassageCacheConfig, *, head: Sequence[int] = (),
-           disk_dir: Path | None = None) -> Any:
+           disk_dir: Path | None = None) -> PassageCache:
     """Give a loaded llama.cpp or torch model (``lm.model``) a passage cache, replacing any;
     ``head``: the ids passages are computed after (:func:`chunk_head`)."""
     old = getattr(model, "passage_cache", None)
     if old is not None:
         old.close()
+    cache: PassageCache
     if callable(getattr(model, "named_parameters", None)):  # a torch module
         from shared_core.runtime.passage_cache.torch_cache import TorchPassageCache
 
-        model.passage_cache = TorchPassageCache(model, config, head=head, disk_dir=disk_dir)
-        return model.passage_cache
-    from shared_core.runtime.passage_cache.llamacpp import LlamaCppPassageCache
+        cache = TorchPassageCache(model, config, head=head, disk_dir=disk_dir)
+    else:
+        from shared_core.runtime.passage_cache.llamacpp import LlamaCppPassageCache
 
-    model.passage_cache = LlamaCppPassageCache(model, config, head=head, disk_dir=disk_dir)
-    return model.passage_cache
+        cache = LlamaCppPassageCache(model, config, head=head, disk_dir=disk_dir)
+    model.passage_cache = cache
+    return cache
 
 
-def passage_cache_of(lm: ModelLM) -> Any:
+def passage_cache_of(lm: ModelLM) -> PassageCache | None:
     """The model's passage cache, or None."""
-    return getattr(getattr(lm, "model", None), "passage_cache", None)
+    cache: PassageCache | None = getattr(getattr(lm, "model", None), "passage_cache", None)
+    return cache
 
 
 def source_texts(source: Any, name: str = "texts") -> list[str]:
@@ -149,6 +178,11 @@ def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -
         raise ValueError(msg)
     from tqdm.auto import tqdm
 
+    from shared_core.runtime.lm import LM
+
+    if not isinstance(lm, LM):  # a cache lives on an in-process model's weights
+        msg = f"warm_passages needs an in-process model, got {type(lm).__name__}"
+        raise TypeError(msg)
     items = source_texts(texts)
     computed = skipped = 0
     for text in tqdm(items, desc="passage KV", disable=not progress, unit="passage"):

@@ -65,6 +65,8 @@ from shared_core.runtime.passage_cache.report import PrefillReport
 from shared_core.runtime.passage_cache.store import MIB, ChunkStore, model_identity
 
 if TYPE_CHECKING:
+    import torch
+
     from shared_core.runtime.llamacpp.lm import LlamaCppModel, _Slot
     from shared_core.runtime.llamacpp.session import LlamaCppSession
     from shared_core.runtime.protocol import SessionLM
@@ -148,7 +150,7 @@ class LlamaCppPassageCache:
 
     # -- the session hook
 
-    def prefill(self, session: LlamaCppSession, ids: Sequence[int]) -> Any:
+    def prefill(self, session: LlamaCppSession, ids: Sequence[int]) -> torch.Tensor | None:
         """A session's first prefill of ``ids`` through the cache; the ``[V]`` logits after the
         last id (the session's ``prefill`` contract). Called inside the session's write guard."""
         ids = [int(t) for t in ids]
@@ -177,7 +179,8 @@ class LlamaCppPassageCache:
 
     # -- exact prefixes
 
-    def _prefill_exact(self, session: LlamaCppSession, ids: list[int], report: PrefillReport) -> Any:
+    def _prefill_exact(self, session: LlamaCppSession, ids: list[int], report: PrefillReport
+                       ) -> torch.Tensor | None:
         session._borrow(ids)
         report.kept = len(session.tokens)
         keys = self.store.prefix_keys(ids, self.block, len(ids) - 1)
@@ -272,7 +275,8 @@ class LlamaCppPassageCache:
         recompute = int(np.ceil(self.config.recompute_share * len(ids)))
         return bool(len(ids) + len(self.head) + max(longest, recompute) <= self.model.n_ctx)
 
-    def _prefill_blend(self, session: LlamaCppSession, ids: list[int], report: PrefillReport) -> Any:
+    def _prefill_blend(self, session: LlamaCppSession, ids: list[int], report: PrefillReport
+                       ) -> torch.Tensor | None:
         spans = self.chunks_of(ids[:-1])
         first = spans[0].start if spans else len(ids) - 1
         with report.timed("head"):
@@ -503,7 +507,7 @@ class LlamaCppPassageCache:
         llama.llama_memory_seq_rm(slot.memory, scratch, -1, -1)
 
     def _feed(self, session: LlamaCppSession, ids: Sequence[int], report: PrefillReport, *,
-              logits: bool = False) -> Any:
+              logits: bool = False) -> torch.Tensor | None:
         """Decode ``ids`` after sequence 0 as a prefill does (exact: in ``EXACT_CHUNK`` pieces);
         the last row of logits if asked for."""
         exact = self.model.settings.exact
