@@ -23,20 +23,22 @@ loaded, and a different explicit setting for a loaded model is refused (ValueErr
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from shared_core.config import LOAD_LM_BACKEND, check_prefix_cache
 from shared_core.runtime.model_lock import FairLock, lock_for
 from shared_core.runtime.weights.lora import ADAPTERS, SUFFIX
 
 if TYPE_CHECKING:
+    from sentence_transformers import SentenceTransformer
+
     from shared_core.runtime.protocol import ModelLM, SessionLM
 
 Key = tuple[str, str | None, str | None, str]
 PrefixCache = bool | int | None  # load_lm's prefix_cache
 _LOADED: dict[Key, ModelLM] = {}
 _PREFIX_CACHE: dict[Key, PrefixCache] = {}  # the prefix_cache each model in _LOADED loaded with
-_EMBEDDERS: dict[str, Any] = {}
+_EMBEDDERS: dict[str, SentenceTransformer] = {}
 _LOCK = threading.Lock()
 _URL_SCHEMES = ("http://", "https://")
 
@@ -184,7 +186,7 @@ def check_model_name(name: object, param: str) -> None:
     raise ValueError(msg)
 
 
-def cached_embedder(name: str) -> Any:
+def cached_embedder(name: str) -> SentenceTransformer:
     """The process-wide :func:`~shared_core.runtime.models.load_embedder` result for ``name`` (dense
     retrievers built or unpickled with an embedder name share one copy)."""
     with _LOCK:

@@ -32,6 +32,8 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
+    from shared_core.runtime.llamacpp.lm import _Slot
+
 MAX_TREE_LEAVES = 32  # branches of one tree forward (sequences 1..m of a context)
 EXACT_CHUNK = 32  # exact: prefill chunk; with f16 V, 64+ rows took a tiled attention
 
@@ -69,7 +71,7 @@ class LlamaCppSession:
     def __init__(self, lm: SessionLM):
         self.lm = lm
         self.kind = "llama.cpp"
-        self._slot: Any = None  # borrowed when first needed (the first prefill picks it)
+        self._slot: _Slot | None = None  # borrowed when first needed (the first prefill picks it)
         self.tokens: list[int] = []
         self.forwards = 0
         self.position_offset = 0
@@ -85,10 +87,11 @@ class LlamaCppSession:
         return len(self.tokens)
 
     @property
-    def slot(self) -> Any:
+    def slot(self) -> _Slot:
         """The context this session owns (an empty one, if it has none yet)."""
         if self._slot is None:
             self._borrow(())
+        assert self._slot is not None  # _borrow sets it or raises
         return self._slot
 
     def _borrow(self, ids: Sequence[int]) -> None:

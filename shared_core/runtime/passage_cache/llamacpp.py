@@ -198,7 +198,7 @@ class LlamaCppPassageCache:
         start = found[0][0] - self.block
         session.rollback(start)
         report.kept = min(report.kept, start)
-        restored = self._restore_blocks(session._slot, found, report)
+        restored = self._restore_blocks(session.slot, found, report)
         session.tokens.extend(ids[start:restored])
         return restored
 
@@ -229,7 +229,7 @@ class LlamaCppPassageCache:
 
     def _store_prefix(self, session: LlamaCppSession, keys: list[tuple[int, str]], restored: int,
                       report: PrefillReport) -> None:
-        self._store_blocks(session._slot, keys, restored, len(session.tokens), report)
+        self._store_blocks(session.slot, keys, restored, len(session.tokens), report)
 
     def _store_blocks(self, slot: _Slot, keys: list[tuple[int, str]], restored: int, held: int,
                       report: PrefillReport) -> None:
@@ -284,10 +284,10 @@ class LlamaCppPassageCache:
             report.kept = len(session.tokens)
             keys = self.store.prefix_keys(ids, self.block, first)
             restored = self._restore_prefix(session, ids, keys, report)
-        placed = self.fill(session.lm, session._slot, 0, ids[:-1], len(session.tokens), report,
+        placed = self.fill(session.lm, session.slot, 0, ids[:-1], len(session.tokens), report,
                            scratch=range(1, PLACE_SEQ))
         with report.timed("head"):  # the head's cells are untouched by placing and recomputing
-            self._store_blocks(session._slot, keys, restored, first, report)
+            self._store_blocks(session.slot, keys, restored, first, report)
         session.tokens = ids[:-1]
         session.blended = placed > 0
         report.read += 1
