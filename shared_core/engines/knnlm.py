@@ -255,6 +255,16 @@ def _baseline_blocks(run: KNNRun) -> Blocks:
             yield [pending]
 
 
+@dataclass
+class _Speculated:
+    """One round's speculated steps: query states, tokens, LM probabilities, mean step time."""
+
+    queries: list[np.ndarray] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    p_lms: list[torch.Tensor] = field(default_factory=list)
+    step_s: float = 0.0
+
+
 class _KNNSpeculator:
     """Cache of datastore entries (+ the next n of each), speculation, batched verification."""
 
@@ -285,44 +295,63 @@ class _KNNSpeculator:
         return query, token, p_lm
 
     def round(self, pending: int, hidden: list[torch.Tensor]) -> int:
-        run = self.run
-        base = len(run.session)  # the session holds prompt + generated[:-1]
-        start_len = len(run.generated)
-        # 1. speculate up to s tokens from the cache
-        queries: list[np.ndarray] = []
-        tokens: list[int] = []
-        p_lms: list[torch.Tensor] = []
-        while len(tokens) < self.stride and not run.finished:
+        """One round: speculate up to s tokens from the cache, verify them with one batched exact
+        search, accept the prefix the true neighbours decode to as well, roll back the rest,
+        adapt the stride (OS³). Returns the last committed token."""
+        base = len(self.run.session)  # the session holds prompt + generated[:-1]
+        start = len(self.run.generated)
+        speculated = self._speculate(pending, hidden)
+        true_ids, b = self._verify(speculated)
+        n_ok, true_tokens = self._accept(speculated, true_ids)
+        if n_ok < len(speculated.tokens):
+            self._roll_back(base + n_ok + 1, start + n_ok, true_tokens[n_ok])
+        self._adapt(speculated, b, n_ok)
+        return self.run.generated[-1]
+
+    def _speculate(self, pending: int, hidden: list[torch.Tensor]) -> _Speculated:
+        run, out = self.run, _Speculated()
+        while len(out.tokens) < self.stride and not run.finished:
             query, token, p_lm = self.speculate(pending, hidden)
-            queries.append(query)
-            tokens.append(token)
-            p_lms.append(p_lm)
+            out.queries.append(query)
+            out.tokens.append(token)
+            out.p_lms.append(p_lm)
             run.generated.append(token)
             pending = token
-        a = sum(self.step_times[-len(tokens):]) / len(tokens)
-        # 2. verify: one batched exact search for the s hidden states
-        verify = time.perf_counter()
-        true_ids = run.search(np.stack(queries))
-        b = time.perf_counter() - verify
-        # 3. accept the speculated tokens that the true neighbours decode to as well
+        out.step_s = sum(self.step_times[-len(out.tokens):]) / len(out.tokens)
+        return out
+
+    def _verify(self, speculated: _Speculated) -> tuple[np.ndarray, float]:
+        """The true neighbours of every speculated state, in one search, and its time."""
+        start = time.perf_counter()
+        true_ids = self.run.search(np.stack(speculated.queries))
+        return true_ids, time.perf_counter() - start
+
+    def _accept(self, speculated: _Speculated, true_ids: np.ndarray) -> tuple[int, list[int]]:
+        """Speculated tokens equal to those the true neighbours decode to, up to the first
+        mismatch ("verification on the decoded token"), and the true tokens; the verified
+        neighbours (of the accepted steps and the first rejected one) join the cache."""
+        run = self.run
         true_tokens = [run.choose(p, q, ids) for p, q, ids in
-                       zip(p_lms, queries, true_ids, strict=True)]
-        n_ok = next((i for i, (x, y) in enumerate(zip(tokens, true_tokens, strict=True))
-                     if x != y), len(tokens))
-        run.stats.record_round(len(tokens), n_ok)
+                       zip(speculated.p_lms, speculated.queries, true_ids, strict=True)]
+        n_ok = next((i for i, (x, y) in enumerate(zip(speculated.tokens, true_tokens, strict=True))
+                     if x != y), len(speculated.tokens))
+        run.stats.record_round(len(speculated.tokens), n_ok)
         for ids in true_ids[: n_ok + 1]:
             self.add(ids)
-        # 4. roll back to the first mismatch: keep its input, replace its output
-        if n_ok < len(tokens):
-            run.session.rollback(base + n_ok + 1)
-            del run.generated[start_len + n_ok :]
-            run.generated.append(true_tokens[n_ok])
-        # 5. adapt
-        self.strides.append(len(tokens))
-        self.scheduler.observe(a, b, n_ok, int(n_ok < len(tokens)), len(tokens))
-        if run.knn.scheduler:
+        return n_ok, true_tokens
+
+    def _roll_back(self, length: int, keep: int, token: int) -> None:
+        """Back to the first mismatch: its input stays cached, its output becomes ``token``."""
+        self.run.session.rollback(length)
+        del self.run.generated[keep:]
+        self.run.generated.append(token)
+
+    def _adapt(self, speculated: _Speculated, b: float, n_ok: int) -> None:
+        s = len(speculated.tokens)
+        self.strides.append(s)
+        self.scheduler.observe(speculated.step_s, b, n_ok, int(n_ok < s), s)
+        if self.run.knn.scheduler:
             self.stride = self.scheduler.next_stride()
-        return run.generated[-1]
 
 
 def _speculative_blocks(run: KNNRun) -> Blocks:

@@ -94,39 +94,57 @@ class _Speculator:
         return step
 
     def round(self) -> list[int]:
-        call, decoder = self.call, self.call.decoder
-        s = self.stride
-        if s == 0 and not self.carried:
+        """One RaLMSpec round: speculate, verify in one batched search, accept, commit or roll
+        back, adapt the stride. With s = 0 (OS³'s choice) a carried step is verified alone, with
+        no overlapped speculation, and plain steps follow."""
+        if self.stride == 0 and not self.carried:
             return self.plain_step()
-        # 1. speculate s steps from the local cache (a step carried from async may open it)
+        steps, a = self._speculate_steps()
+        true_hits, extra, b = self._verify(steps, overlap=self.stride > 0)
+        n_ok = self._accept(steps, true_hits)
+        end = self._commit_or_roll_back(steps, true_hits, n_ok, extra)
+        self._adapt(a, b, n_ok, len(steps))
+        return self._commit(end)
+
+    def _speculate_steps(self) -> tuple[list[_Step], float]:
+        """Up to s steps from the local cache (a step carried from async verification may open
+        the round), and their mean time (OS³'s a)."""
         steps, self.carried = self.carried, []
-        while len(steps) < s and not decoder.finished:
+        while len(steps) < self.stride and not self.call.decoder.finished:
             steps.append(self.speculate())
         recent = self.step_times[-len(steps):]
-        a = sum(recent) / len(recent)
-        # 2. verify all queries in one batched call (+ overlapped speculation steps, unless
-        #    OS³ chose s = 0: then the carried step is verified alone and plain steps follow)
-        true_hits, extra, b = self._verify(steps, overlap=s > 0)
-        # 3. accept the longest prefix of steps whose document is the true top-1
+        return steps, sum(recent) / len(recent)
+
+    def _accept(self, steps: list[_Step], true_hits: list[list[Hit]]) -> int:
+        """The longest prefix of steps whose document is the true top-1; every true hit goes into
+        the cache (its top-k with prefetch)."""
+        call = self.call
         n_ok = _accepted_steps(steps, true_hits)
         for hits in true_hits:
             self._update_cache(hits if call.config.prefetch else hits[:1])
         call.use([h[0].document for h in true_hits[: n_ok + 1]])
         call.stats.record_round(len(steps), n_ok)
-        # 4. commit, or roll back to the first mismatch and regenerate it with the true doc
+        return n_ok
+
+    def _commit_or_roll_back(self, steps: list[_Step], true_hits: list[list[Hit]], n_ok: int,
+                             extra: list[_Step]) -> int:
+        """Keep every step (the overlapped ones are carried into the next round), or roll back
+        to the first mismatch and regenerate it with the true document; the committed end."""
+        decoder = self.call.decoder
         if n_ok == len(steps):
             self.carried = extra
-            end = extra[0].start if extra else len(decoder.generated)
-        else:
-            decoder.reset_to(true_hits[n_ok][0].document, steps[n_ok].start)
-            decoder.step(true_hits[n_ok][0].document)
-            end = len(decoder.generated)
-        # 5. adapt the stride (OS³)
-        self.strides.append(len(steps))
-        self.scheduler.observe(a, b, n_ok, int(n_ok < len(steps)), len(steps))
-        if call.config.scheduler:
+            return extra[0].start if extra else len(decoder.generated)
+        decoder.reset_to(true_hits[n_ok][0].document, steps[n_ok].start)
+        decoder.step(true_hits[n_ok][0].document)
+        return len(decoder.generated)
+
+    def _adapt(self, a: float, b: float, n_ok: int, speculated: int) -> None:
+        """OS³ (:class:`OS3Scheduler`): the next stride from the step and search times and the
+        acceptance so far."""
+        self.strides.append(speculated)
+        self.scheduler.observe(a, b, n_ok, int(n_ok < speculated), speculated)
+        if self.call.config.scheduler:
             self.stride = self.scheduler.next_stride()
-        return self._commit(end)
 
     def plain_step(self) -> list[int]:
         """OS³'s s = 0 arm: a RaLMSeq step. The cache's guess is still scored so γ̂ stays fresh."""
