@@ -99,6 +99,54 @@ def _mentions_device(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     return any(isinstance(a, (torch.device, str, torch.Tensor)) for a in args)
 
 
+def _on_device(t: object) -> bool:
+    return isinstance(t, torch.Tensor) and t.device.type != "cpu"
+
+
+def _counted_when(device_only: bool) -> dict[str, Callable[..., bool]]:
+    """Per patched operation, whether a call counts: every call site on a CPU; with
+    ``device_only``, only what waits for a device (readbacks of device tensors, uploads to a
+    device, copies between host and device)."""
+
+    def from_python(data: Any, *_: Any, **kwargs: Any) -> bool:
+        if isinstance(data, torch.Tensor):
+            return False
+        device = kwargs.get("device")
+        return not device_only or (device is not None and torch.device(device).type != "cpu")
+
+    def device_to(self: Any, *args: Any, **kwargs: Any) -> bool:
+        if not _mentions_device(args, kwargs):
+            return False
+        if not device_only:
+            return True
+        target = kwargs.get("device", next((a for a in args if isinstance(
+            a, (torch.device, str, torch.Tensor))), None))
+        if target is None:
+            return False
+        target = target.device if isinstance(target, torch.Tensor) else torch.device(target)
+        return bool(target.type != self.device.type)  # a copy between host and device
+
+    def device_read(self: torch.Tensor, *_: object, **__: object) -> bool:
+        return not device_only or _on_device(self)
+
+    return {"from_python": from_python, "to": device_to, "read": device_read}
+
+
+@contextmanager
+def _patched(patches: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """``setattr(obj, name, new)`` for each patch while the block runs (one block at a time)."""
+    with _LOCK:
+        saved = [(obj, name, obj.__dict__[name] if name in getattr(obj, "__dict__", {})
+                  else getattr(obj, name)) for obj, name, _ in patches]
+        try:
+            for obj, name, new in patches:
+                setattr(obj, name, new)
+            yield
+        finally:
+            for obj, name, old in reversed(saved):
+                setattr(obj, name, old)
+
+
 @contextmanager
 def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
     """Count host syncs (see the module) per round while the block runs, in this thread.
@@ -134,41 +182,6 @@ def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
             return fn(*args, **kwargs)
         return counted
 
-    def on_device(t: object) -> bool:
-        return isinstance(t, torch.Tensor) and t.device.type != "cpu"
-
-    def from_python(data: Any, *_: Any, **kwargs: Any) -> bool:
-        if isinstance(data, torch.Tensor):
-            return False
-        device = kwargs.get("device")
-        return not device_only or (device is not None and torch.device(device).type != "cpu")
-
-    def device_to(self: Any, *args: Any, **kwargs: Any) -> bool:
-        if not _mentions_device(args, kwargs):
-            return False
-        if not device_only:
-            return True
-        target = kwargs.get("device", next((a for a in args if isinstance(
-            a, (torch.device, str, torch.Tensor))), None))
-        if target is None:
-            return False
-        target = target.device if isinstance(target, torch.Tensor) else torch.device(target)
-        return bool(target.type != self.device.type)  # a copy between host and device
-
-    def device_read(self: torch.Tensor, *_: object, **__: object) -> bool:
-        return not device_only or on_device(self)
-
-    patches: list[tuple[Any, str, Any]] = []
-    for name in READBACKS:
-        patches.append((torch.Tensor, name,
-                        wrap(getattr(torch.Tensor, name), name, device_read)))
-    patches.append((torch.Tensor, "to", wrap(torch.Tensor.to, "to(device)", device_to)))
-    patches.append((torch, "tensor", wrap(torch.tensor, "torch.tensor", from_python)))
-    patches.append((torch, "as_tensor", wrap(torch.as_tensor, "torch.as_tensor", from_python)))
-    waited = wrap(device_module.synchronize, "synchronize")
-    for module in [m for n, m in list(sys.modules.items()) if n.startswith("shared_core")]:
-        if getattr(module, "synchronize", None) is device_module.synchronize:
-            patches.append((module, "synchronize", waited))  # ``from ... import synchronize``
     real_commit = loop.Run.commit
 
     def commit(self: loop.Run, block: list[int]) -> tuple[list[int], bool]:
@@ -177,17 +190,20 @@ def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
             count.close_round()
         return out
 
-    patches.append((loop.Run, "commit", commit))
-    with _LOCK:
-        saved = [(obj, name, obj.__dict__[name] if name in getattr(obj, "__dict__", {})
-                  else getattr(obj, name)) for obj, name, _ in patches]
-        try:
-            for obj, name, new in patches:
-                setattr(obj, name, new)
-            yield count
-        finally:
-            for obj, name, old in reversed(saved):
-                setattr(obj, name, old)
+    when = _counted_when(device_only)
+    patches: list[tuple[Any, str, Any]] = [
+        (torch.Tensor, name, wrap(getattr(torch.Tensor, name), name, when["read"]))
+        for name in READBACKS]
+    patches += [(torch.Tensor, "to", wrap(torch.Tensor.to, "to(device)", when["to"])),
+                (torch, "tensor", wrap(torch.tensor, "torch.tensor", when["from_python"])),
+                (torch, "as_tensor", wrap(torch.as_tensor, "torch.as_tensor", when["from_python"])),
+                (loop.Run, "commit", commit)]
+    waited = wrap(device_module.synchronize, "synchronize")
+    for module in [m for n, m in list(sys.modules.items()) if n.startswith("shared_core")]:
+        if getattr(module, "synchronize", None) is device_module.synchronize:
+            patches.append((module, "synchronize", waited))  # ``from ... import synchronize``
+    with _patched(patches):
+        yield count
 
 
 @contextmanager
@@ -213,15 +229,8 @@ def waited_time() -> Iterator[dict[str, float]]:
         return timed
 
     names = ("item", "tolist", "cpu")
-    with _LOCK:
-        saved = {name: getattr(torch.Tensor, name) for name in names}
-        try:
-            for name in names:
-                setattr(torch.Tensor, name, timing(saved[name]))
-            yield out
-        finally:
-            for name, fn in saved.items():
-                setattr(torch.Tensor, name, fn)
+    with _patched([(torch.Tensor, name, timing(getattr(torch.Tensor, name))) for name in names]):
+        yield out
 
 
 def round_figures(lm: LM, prompt_ids: list[int], new_tokens: int, k: int = 4
