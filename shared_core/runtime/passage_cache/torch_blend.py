@@ -39,9 +39,14 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 from transformers.cache_utils import Cache, DynamicCache
 
-from shared_core.config import CacheKind
+from shared_core.config import DEFAULT_RECOMPUTE_SHARE, CacheKind
 from shared_core.runtime.lm import LM
-from shared_core.runtime.torch.session import KVSession, forward_with, make_cache
+from shared_core.runtime.torch.session import (
+    DEFAULT_PREFILL_CHUNK,
+    KVSession,
+    forward_with,
+    make_cache,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -483,9 +488,9 @@ def _check_blend_args(recompute_share: float, select: str, select_layer: int, lm
 
 @torch.inference_mode()
 def blend_prefill(lm: LM, prompt_ids: Sequence[int], spans: Sequence[tuple[int, ChunkKV]], *,
-                  recompute_share: float = 0.15, select: Select = "deviation",
+                  recompute_share: float = DEFAULT_RECOMPUTE_SHARE, select: Select = "deviation",
                   select_layer: int = 1, cache: CacheKind = "prealloc",
-                  prefill_chunk: int = 2048, head: ChunkKV | None = None,
+                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK, head: ChunkKV | None = None,
                   steps: StepTimer | None = None) -> Blend:
     """The prompt's cache from chunk KV placed at ``spans`` (``(start, chunk)``: the chunk's ids
     are ``prompt_ids[start:start + len(chunk)]``), the uncovered tokens computed normally and

@@ -41,6 +41,7 @@ from shared_core.runtime.torch.prefix import (
 from shared_core.runtime.torch.static import StaticKV
 
 _MIN_CAPACITY = 256
+DEFAULT_PREFILL_CHUNK = 2048  # new ids per prefill forward (bounds its activations)
 _UNREAD: Any = object()  # the place of a fed id not read back from the device yet
 
 
@@ -239,7 +240,8 @@ class KVSession:
     session's tokens continues at the source's positions.
     """
 
-    def __init__(self, lm: SessionLM, *, cache: CacheKind = "prealloc", prefill_chunk: int = 2048):
+    def __init__(self, lm: SessionLM, *, cache: CacheKind = "prealloc",
+                 prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if prefill_chunk < 1:
             msg = f"prefill_chunk must be >= 1, got {prefill_chunk}"
             raise ValueError(msg)
