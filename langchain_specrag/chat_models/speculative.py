@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, ClassVar
 
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
-from langchain_core.language_models import LanguageModelInput
+from langchain_core.language_models import LangSmithParams, LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel
 from langchain_core.messages import (
     AIMessage,
@@ -187,7 +187,7 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
                               "temperature": self.temperature, "max_tokens": self.max_tokens,
                               "engine_options": self.engine_options})
 
-    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> Any:
+    def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "specrag"
         params["ls_model_name"] = redact(kwargs.get("model", self.model))
