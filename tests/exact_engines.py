@@ -77,5 +77,9 @@ def test_rapid_at_eta_0_and_sd_equal_long_context_greedy(exact_lm, document):
     decoder = RapidDecoder(exact_lm, config=RapidConfig(eta=0.0))
     decoder.load_context(document)
     reference = decoder.long_context(document, QUESTION, N_NEW)
+    # the baseline itself reads the decoder's cached context: it must be the model's own greedy
+    # answer to the same prompt, decoded by plain greedy decoding from a cold read
+    prompt = list(decoder.prepare(document, QUESTION, N_NEW).target_ids)
+    assert reference.token_ids == autoregressive_generate(exact_lm, prompt, N_NEW).token_ids
     assert decoder.generate(document, QUESTION, N_NEW, method="rapid").token_ids == reference.token_ids
     assert decoder.speculative(document, QUESTION, N_NEW).token_ids == reference.token_ids

@@ -65,9 +65,11 @@ def fail_on_forward(lm, n: int, error: type[BaseException] | Callable[[], None])
 
 
 def assert_consistent(session: KVSession) -> None:
-    """Every cache layer holds exactly the session's tokens."""
+    """Every cache layer holds exactly the session's tokens (an empty session: none, or no
+    layers yet)."""
     lengths = {layer.get_seq_length() for layer in session.cache.layers}
-    assert lengths <= {len(session.tokens)}, (lengths, len(session.tokens))
+    want = {len(session.tokens)} if session.tokens else {0}
+    assert lengths == want or not (lengths or session.tokens), (lengths, len(session.tokens))
 
 
 def rapid_sessions(decoder: RapidDecoder) -> list[KVSession]:
@@ -264,14 +266,17 @@ def test_timer_interrupts_at_arbitrary_points_never_poison_the_engine(own_target
         def call() -> list[int]:
             return stream_autoregressive(tiny_target, PROMPT, N_NEW).run().token_ids
         reference = autoregressive_generate(tiny_target, PROMPT, N_NEW).token_ids
-    interrupted = 0
+    interrupted = checked = 0
     for delay in (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032):
         try:
             with alarm_interrupt(delay):
                 call()
         except KeyboardInterrupt:
             interrupted += 1
-        for session in rapid_sessions(decoder):
-            assert_consistent(session)
-        assert call() == reference
+        if engine == "rapid":  # the one engine here that keeps sessions between calls
+            for session in rapid_sessions(decoder):
+                assert_consistent(session)
+                checked += bool(session.tokens)
+        assert call() == reference  # nothing kept (sessions, caches, drafters) was poisoned
     assert interrupted >= 3  # most delays land inside the call
+    assert checked > 0 or engine != "rapid"

@@ -76,12 +76,15 @@ def test_speculative_on_a_static_cache_equals_prealloc(tiny_target, tiny_drafter
                                                              prealloc.stats.accepted)
 
 
-def test_speculative_sampling_reproducible_and_valid(tiny_target, tiny_drafter):
+def test_seeded_sampling_is_reproducible(tiny_target, tiny_drafter):
+    """The same seed, the same tokens (that they follow the target's law is the distribution
+    tests' claim, below and in test_verify.py)."""
     kwargs = dict(temperature=0.8, top_k=20, top_p=0.9, seed=11)
     a = speculative_generate(tiny_target, tiny_drafter, PROMPTS[0], 24, k=3, **kwargs)
     b = speculative_generate(tiny_target, tiny_drafter, PROMPTS[0], 24, k=3, **kwargs)
     assert a.token_ids == b.token_ids and len(a.token_ids) == 24
     c = autoregressive_generate(tiny_target, PROMPTS[0], 24, **kwargs)
+    assert c.token_ids == autoregressive_generate(tiny_target, PROMPTS[0], 24, **kwargs).token_ids
     assert len(c.token_ids) == 24
 
 
@@ -172,7 +175,7 @@ def test_bad_prompt_and_k(tiny_target):
         autoregressive_generate(tiny_target, "", 4)
     with pytest.raises(TypeError, match="prompt"):
         autoregressive_generate(tiny_target, [1.5, 2.5], 4)
-    with pytest.raises(ValueError, match="k"):
+    with pytest.raises(ValueError, match=r"^k \(draft tokens per round\)"):
         speculative_generate(tiny_target, tiny_target, PROMPTS[0], 4, k=0)
     with pytest.raises(ValueError, match="window"):
         autoregressive_generate(tiny_target, PROMPTS[0], tiny_target.max_context)
