@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import numpy as np
@@ -71,6 +72,15 @@ def test_p_hat_is_p_at_eta_zero_and_follows_the_formula():
     torch.testing.assert_close(p_hat_q[0], torch.softmax(torch.log(P[0]) + eta * (Q[0] - P[0]) * head_q, -1))
     with pytest.raises(ValueError, match="head"):
         rapid_target_probs(P, Q, eta, head="nope")
+
+
+def test_p_hat_and_residual_on_numbers_worked_by_hand():
+    """p = (½, ½), q = (1, 0), η = ln 3: p̂ ∝ p·e^{η(q−p)} = (½·√3, ½/√3) → (¾, ¼) (Eq. 6–8);
+    residual max(0, max(p − q, p − p̂)) = (0, ½) (Eq. 10)."""
+    p, q = torch.tensor([[0.5, 0.5]]), torch.tensor([[1.0, 0.0]])
+    p_hat = rapid_target_probs(p, q, math.log(3.0), alpha=1e-6)
+    torch.testing.assert_close(p_hat, torch.tensor([[0.75, 0.25]]))
+    torch.testing.assert_close(rapid_residual(p[0], q[0], p_hat[0]), torch.tensor([0.0, 0.5]))
 
 
 def test_p_hat_keeps_filtered_tokens_at_zero_and_residual_formula():
