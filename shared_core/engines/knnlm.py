@@ -300,7 +300,7 @@ class _KNNSpeculator:
         adapt the stride (OS³). Returns the last committed token."""
         base = len(self.run.session)  # the session holds prompt + generated[:-1]
         start = len(self.run.generated)
-        speculated = self._speculate(pending, hidden)
+        speculated = self._speculate_steps(pending, hidden)
         true_ids, b = self._verify(speculated)
         n_ok, true_tokens = self._accept(speculated, true_ids)
         if n_ok < len(speculated.tokens):
@@ -308,7 +308,7 @@ class _KNNSpeculator:
         self._adapt(speculated, b, n_ok)
         return self.run.generated[-1]
 
-    def _speculate(self, pending: int, hidden: list[torch.Tensor]) -> _Speculated:
+    def _speculate_steps(self, pending: int, hidden: list[torch.Tensor]) -> _Speculated:
         run, out = self.run, _Speculated()
         while len(out.tokens) < self.stride and not run.finished:
             query, token, p_lm = self.speculate(pending, hidden)

@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-    from shared_core.runtime.llamacpp.lm import _Slot
-
 MAX_TREE_LEAVES = 32  # branches of one tree forward (sequences 1..m of a context)
 EXACT_CHUNK = 32  # exact: prefill chunk; with f16 V, 64+ rows took a tiled attention
 
@@ -71,7 +69,9 @@ class LlamaCppSession:
     def __init__(self, lm: SessionLM):
         self.lm = lm
         self.kind = "llama.cpp"
-        self._slot: _Slot | None = None  # borrowed when first needed (the first prefill picks it)
+        # a lm._Slot (not imported: lm.py imports this module), borrowed when first needed (the
+        # first prefill picks it)
+        self._slot: Any = None
         self.tokens: list[int] = []
         self.forwards = 0
         self.position_offset = 0
@@ -87,11 +87,10 @@ class LlamaCppSession:
         return len(self.tokens)
 
     @property
-    def slot(self) -> _Slot:
+    def slot(self) -> Any:
         """The context this session owns (an empty one, if it has none yet)."""
         if self._slot is None:
             self._borrow(())
-        assert self._slot is not None  # _borrow sets it or raises
         return self._slot
 
     def _borrow(self, ids: Sequence[int]) -> None:
