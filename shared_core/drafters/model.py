@@ -11,7 +11,7 @@ from shared_core.config import CacheKind, SamplingConfig
 from shared_core.decoding.verify import make_generator, sample, warp_probs
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, DrafterBase, check_same_vocabulary
 from shared_core.runtime.host_sync import DeviceTokens
-from shared_core.runtime.protocol import SessionLM, open_session
+from shared_core.runtime.protocol import SessionLM, open_session, require_rollback
 from shared_core.runtime.torch.session import KVSession as TorchSession
 
 
@@ -27,6 +27,7 @@ class ModelDrafter(DrafterBase):
                  sampling: SamplingConfig | None = None, cache: CacheKind = "prealloc"):
         if target is not None:
             check_same_vocabulary(target, lm)
+        require_rollback(lm, "a draft model")
         self.lm = lm
         self.sampling = sampling or SamplingConfig()
         self.session = open_session(lm, cache=cache)

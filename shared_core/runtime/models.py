@@ -30,12 +30,13 @@ from shared_core.config import (
     DEFAULT_EMBEDDER,
     DEFAULT_PASSAGE_CACHE,
     LOAD_LM_BACKEND,
+    PassageCacheConfig,
     check_backend,
     suggest_kwargs,
 )
 from shared_core.runtime.lm import FALLBACK_CHAT_TEMPLATE, LM  # noqa: F401  (re-exported)
 from shared_core.runtime.passage_cache import attach as attach_passage_cache
-from shared_core.runtime.passage_cache import chunk_head, config_from
+from shared_core.runtime.passage_cache import check_memory, chunk_head, config_from
 from shared_core.runtime.torch.prefix import attach, budget_bytes
 from shared_core.runtime.weights.embedded import (
     CACHE_ENV,  # noqa: F401  (re-exported: tests and callers read models.CACHE_ENV)
@@ -286,8 +287,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     if choice.backend == "llama.cpp":
         lm = _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings,
                             pick_format=backend == "auto")
-        if cache_config is not None:
-            attach_passage_cache(lm.model, cache_config, head=chunk_head(lm))
+        _attach_passage_cache(lm, cache_config)
         return lm
     _refuse_llamacpp_settings(n_ctx)
     lm = _load_torch(name_or_path, source, torch_device, torch_dtype, trust_remote_code)
@@ -299,12 +299,17 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         check_model(lm.model.config)
         lm.exact_width = width_for(lm.device)
     attach(lm.model, budget_bytes(prefix_cache, lm.model), exact=exact)
-    if cache_config is not None:
-        attach_passage_cache(lm.model, cache_config, head=chunk_head(lm))
+    _attach_passage_cache(lm, cache_config)
     lm.backend_reason = choice.reason
     logger.info("loaded %s on %s (%s, %d positions)", name_or_path, lm.device, lm.dtype,
                 lm.max_context)
     return lm
+
+
+def _attach_passage_cache(lm: LM, config: PassageCacheConfig | None) -> None:
+    if config is not None:
+        check_memory(lm, config.mode)
+        attach_passage_cache(lm.model, config, head=chunk_head(lm))
 
 
 def _load_torch(name: str, source: ModelSource, device: torch.device, dtype: torch.dtype,

@@ -51,6 +51,11 @@ class Capabilities:
     depth ``i``: torch's exact mode, where a later branch's tokens sit in slots apart from
     their ancestors and attention sums them in another grouping), so an exact greedy walk stops
     at the first node off that chain (``verify_tree(..., first_chain_only=True)``).
+    ``rollback``: a session can forget its newest tokens in place (``rollback``, ``sync``,
+    ``keep_path``); every engine that verifies drafts needs it. False for a llama.cpp model with
+    a recurrent state (Mamba, RWKV, hybrids such as Qwen3.5), whose session can only read its
+    tokens again. ``position_shift``: cached KV can be moved to other positions (a blend
+    passage cache places passages so); False for multi-axis rotary positions (M-RoPE).
     """
 
     batch_invariant: bool
@@ -64,6 +69,8 @@ class Capabilities:
     max_extend: int | None = None
     invariant_tokens: int | None = None
     branch_rows_exact: bool = True
+    rollback: bool = True
+    position_shift: bool = True
 
 
 class PassageReport(Protocol):
@@ -202,3 +209,13 @@ class ServedLM(ModelLM, Protocol):
 def open_session(lm: SessionLM, *, cache: CacheKind = "prealloc") -> KVSession:
     """A new KV session on ``lm``, whatever its runtime."""
     return lm.open_session(cache=cache)
+
+
+def require_rollback(lm: SessionLM, by: str) -> None:
+    """Refuse, before any forward, to verify drafts on a model whose sessions cannot forget their
+    newest tokens (``Capabilities.rollback``): each rejected draft would re-read the context."""
+    if not lm.capabilities.rollback:
+        msg = (f"{by} verifies drafted tokens and rolls back the rejected ones; model "
+               f"{lm.name!r} keeps a recurrent state that {lm.backend} cannot roll back: decode "
+               "it without speculation (engine='autoregressive')")
+        raise ValueError(msg)

@@ -35,7 +35,7 @@ from shared_core.engines.rapid.prompts import (
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
 from shared_core.retrieval.base import Encoder
 from shared_core.runtime.model_lock import lock_for
-from shared_core.runtime.protocol import KVSession, SessionLM, open_session
+from shared_core.runtime.protocol import KVSession, SessionLM, open_session, require_rollback
 
 logger = logging.getLogger(__name__)
 
@@ -191,6 +191,8 @@ class RapidDecoder(RapidContext):
         if method not in METHODS:
             msg = f"method must be one of {METHODS}, got {method!r}"
             raise ValueError(msg)
+        if method in ("rapid", "sd"):
+            require_rollback(self.lm, f"RAPID (method={method!r})")
         eta = self.config.eta if eta is None else check_eta(eta)
         overrides: dict[str, Any] = {
             name: value for name, value in (("gamma", gamma), ("drafter_kv", drafter_kv),

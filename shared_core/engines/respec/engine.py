@@ -40,7 +40,7 @@ from shared_core.engines.respec.drafting import (
 from shared_core.runtime.host_sync import DeviceTokens, read_with
 from shared_core.runtime.model_lock import lock_for, step_locked
 from shared_core.runtime.models import LM
-from shared_core.runtime.protocol import SessionLM
+from shared_core.runtime.protocol import SessionLM, require_rollback
 
 
 class ReSpecDecoder:
@@ -103,6 +103,7 @@ class ReSpecDecoder:
             msg = ("verification='relaxed' is defined for greedy decoding only; use "
                    "temperature=0 or verification='strict'")
             raise ValueError(msg)
+        require_rollback(self.lm, "ReSpec")
         docs = _document_ids(self.lm, documents)
         lock = lock_for(self.lm)  # the target's one lock, taken per round (never across a yield)
         with lock:

@@ -159,7 +159,7 @@ class _Slot:
     """One llama_context with its batch buffer (owned by one session at a time)."""
 
     def __init__(self, llama: ModuleType, model_ptr: Any, n_ctx: int, n_batch: int, threads: int,
-                 exact: bool = False):
+                 exact: bool = False, *, recurrent: bool = False):
         params = context_params(llama, n_ctx, n_batch, threads, exact)
         self.llama = llama
         self.ctx = llama.llama_init_from_model(model_ptr, params)
@@ -170,6 +170,7 @@ class _Slot:
         self.batch = llama.llama_batch_init(n_batch, 0, MAX_TREE_LEAVES + 1)
         self.n_batch = n_batch
         self.tokens: list[int] | None = []  # ids sequence 0 holds, None: unknown (llamacpp_prefix)
+        self.recurrent = recurrent  # one state per sequence, not a cell per position (LlamaCppModel)
 
     def clear(self) -> None:
         self.llama.llama_memory_clear(self.memory, True)
@@ -202,6 +203,13 @@ class LlamaCppModel:
         self.vocab = llama.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(llama.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self.ptr))
+        # A recurrent state (Mamba, RWKV; hybrids: Qwen3.5, Granite 4, LFM2) is one cell per
+        # sequence that llama.cpp cannot cut back to an earlier position; multi-axis rotary
+        # positions (M-RoPE, IM-RoPE) cannot be shifted (llama_kv_cache::get_can_shift).
+        self.recurrent = bool(llama.llama_model_is_recurrent(self.ptr)
+                              or llama.llama_model_is_hybrid(self.ptr))
+        self.can_shift = not self.recurrent and int(llama.llama_model_rope_type(self.ptr)) not in (
+            llama.LLAMA_ROPE_TYPE_MROPE, llama.LLAMA_ROPE_TYPE_IMROPE)
         self.n_ctx = settings.n_ctx or min(self.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
         choice = choose_threads(settings.n_threads or threads_from_env())
         self.threads, self.thread_policy = choice.threads, choice.policy
@@ -228,7 +236,7 @@ class LlamaCppModel:
             slot, common = self._idle.take(prefix if prefix and self.prefix_cache else ())
         if slot is None:
             slot = _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads,
-                         self.settings.exact)
+                         self.settings.exact, recurrent=self.recurrent)
         else:
             keep_prefix(slot, common)
         if prefix is None:
@@ -297,14 +305,17 @@ class LlamaCppLM(LM):
     def capabilities(self) -> Capabilities:
         """``exact`` (no repacking) makes a batch bit-equal to one-token steps and a reused
         prefix bit-equal to a cold read; rows, tree leaves and extends are bounded by the
-        context's sequences and batch."""
+        context's sequences and batch; a model with a recurrent state neither rolls back nor
+        shifts (:class:`LlamaCppModel`)."""
         exact = self.model.settings.exact
         return Capabilities(batch_invariant=exact, exact_reuse=exact,
                             prefix_reuse=self.model.prefix_cache, any_positions=False,
                             hidden_states=False, measured_cost=True,
                             max_rows=self.model.max_sequences, max_tree_leaves=MAX_TREE_LEAVES,
                             max_extend=self.model.settings.n_batch,
-                            invariant_tokens=2 * EXACT_CHUNK if exact else None)
+                            invariant_tokens=2 * EXACT_CHUNK if exact else None,
+                            rollback=not self.model.recurrent,
+                            position_shift=self.model.can_shift)
 
     def open_session(self, *, cache: CacheKind = "prealloc") -> LlamaCppSession:
         del cache  # one layout: llama.cpp's own cells

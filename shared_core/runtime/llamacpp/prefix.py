@@ -13,6 +13,10 @@ one when none shares anything), cuts its sequence 0 after the common prefix and 
 rest; at least the last id is always decoded (logits are not kept). At most ``idle_contexts``
 contexts wait in the pool; releasing one more drops the least recently released.
 
+A recurrent model's context (``slot.recurrent``: Mamba, RWKV, hybrids) holds one state per
+sequence, which llama.cpp cannot cut: it is kept only as the state after exactly its remembered
+ids, and reused only by a prompt that extends all of them (a chat's next turn).
+
 The pool is guarded by the model's lock; a context taken from it belongs to one owner until it is
 released, so its cells are cut or cleared outside the lock.
 """
@@ -75,7 +79,10 @@ def keep_prefix(slot: Slot, length: int) -> int:
     many it kept (0: the context was cleared, also when llama.cpp cannot cut it there)."""
     llama, memory = slot.llama, slot.memory
     if length > 0 and slot.tokens and len(slot.tokens) >= length:
-        if (llama.llama_memory_seq_pos_min(memory, 0) == 0
+        if slot.recurrent:  # one state, not cells: kept only when all of it is the prefix
+            if length == len(slot.tokens) and _holds_exactly(slot, length):
+                return length
+        elif (llama.llama_memory_seq_pos_min(memory, 0) == 0
                 and llama.llama_memory_seq_rm(memory, 0, length, -1)):
             slot.tokens = slot.tokens[:length]
             return length
@@ -92,7 +99,12 @@ def settle(slot: Slot, reuse: bool, sequences: int) -> None:
     only if ``reuse`` and its owner vouched for it (``slot.tokens``) and its cells agree (it
     starts at position 0 and reaches the last remembered id), else clear it."""
     llama, memory, tokens = slot.llama, slot.memory, slot.tokens
-    if reuse and tokens:
+    if reuse and tokens and slot.recurrent:
+        for seq in range(1, sequences + 1):
+            llama.llama_memory_seq_rm(memory, seq, -1, -1)
+        if _holds_exactly(slot, len(tokens)):  # else it read past them: nothing to cut it back to
+            return
+    elif reuse and tokens:
         if (llama.llama_memory_seq_pos_min(memory, 0) == 0
                 and llama.llama_memory_seq_pos_max(memory, 0) >= len(tokens) - 1):
             for seq in range(1, sequences + 1):
@@ -104,6 +116,11 @@ def settle(slot: Slot, reuse: bool, sequences: int) -> None:
                        "cleared it", len(tokens))
     slot.clear()
     slot.tokens = []
+
+
+def _holds_exactly(slot: Slot, length: int) -> bool:
+    """Whether a recurrent context's sequence 0 is the state after its first ``length`` ids."""
+    return int(slot.llama.llama_memory_seq_pos_max(slot.memory, 0)) == length - 1
 
 
 _F = TypeVar("_F", bound=Callable[..., Any])

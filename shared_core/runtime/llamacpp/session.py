@@ -144,6 +144,9 @@ class LlamaCppSession:
         """Sequence 0 keeps the cells of its first ``length`` tokens; tree sequences go."""
         if self._slot is None:  # no cells yet: taking a context here would forgo prefix reuse
             return
+        if self.lm.model.recurrent:
+            self._read_again(length)
+            return
         llama, memory = self.lm.model.llama, self.slot.memory
         if self._tree is not None:
             for seq in range(1, self._tree[2] + 1):
@@ -151,6 +154,30 @@ class LlamaCppSession:
             self._tree = None
         llama.llama_memory_seq_rm(memory, 0, self._cell_position(length), -1)
         del self._copied[length:]
+
+    def _read_again(self, length: int) -> None:
+        """A recurrent state is one cell llama.cpp cannot cut back (``Capabilities.rollback``):
+        unless it holds exactly the first ``length`` tokens, clear it and decode them again."""
+        llama, memory = self.lm.model.llama, self.slot.memory
+        self._tree = None
+        if int(llama.llama_memory_seq_pos_max(memory, 0)) == length - 1 + self.position_offset:
+            return
+        kept, step = self.tokens[:length], self.slot.n_batch
+        self.slot.clear()
+        try:
+            for first in range(0, length, step):
+                decode(self.lm, self.slot, [(t, first + i + self.position_offset, (0,), False)
+                                            for i, t in enumerate(kept[first : first + step])])
+        except BaseException:
+            self.slot.clear()
+            self.tokens = []
+            raise
+
+    def _refuse_on_recurrent(self, method: str) -> None:
+        if self.lm.model.recurrent:
+            msg = (f"{method} needs a model whose KV cells can be cut and copied per position; "
+                   f"{self.lm.name} keeps a recurrent state (capabilities.rollback is False)")
+            raise ValueError(msg)
 
     def _cell_position(self, index: int) -> int:
         """Position of token ``index``: a copied token keeps its source position."""
@@ -212,6 +239,7 @@ class LlamaCppSession:
 
         Returns ``[n, V]`` logits (row ``i`` follows node ``i``); call :meth:`keep_path` next.
         """
+        self._refuse_on_recurrent("extend_tree")
         n = len(ids)
         if len(parents) != n or not ids:
             msg = "extend_tree needs one parent per token and at least one token"
@@ -337,6 +365,7 @@ class LlamaCppSession:
         if source.lm.model is not self.lm.model:
             msg = "copy_positions needs a source session on the same model"
             raise ValueError(msg)
+        self._refuse_on_recurrent("copy_positions")
         keep = [int(p) for p in positions]
         if keep and (any(b <= a for a, b in itertools.pairwise(keep)) or keep[0] < 0
                      or keep[-1] >= len(source)):

@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PassageCache", "PassageCacheConfig", "attach", "chunk_head", "clear_passages",
+__all__ = ["PassageCache", "PassageCacheConfig", "attach", "check_memory", "chunk_head",
+           "clear_passages",
            "config_from", "ensure", "passage_cache_of", "passage_stats", "register_passage_ids",
            "register_passages", "source_texts", "warm_passages"]
 
@@ -111,6 +112,22 @@ def attach(model: Any, config: PassageCacheConfig, *, head: Sequence[int] = (),
         cache = LlamaCppPassageCache(model, config, head=head, disk_dir=disk_dir)
     model.passage_cache = cache
     return cache
+
+
+def check_memory(lm: SessionLM, mode: str) -> None:
+    """Refuse a cache the model's memory cannot hold: stored blocks are cut out of a sequence
+    and a blend places them at other positions (``Capabilities.rollback``, ``position_shift``)."""
+    caps = lm.capabilities
+    if not caps.rollback:
+        msg = (f"passage_cache={mode!r} stores and restores KV per position; model {lm.name!r} "
+               "keeps a recurrent state, which has no per-position cells (load it without "
+               "passage_cache)")
+        raise ValueError(msg)
+    if mode == "blend" and not caps.position_shift:
+        msg = (f"passage_cache='blend' moves cached passages to other positions; model "
+               f"{lm.name!r} has multi-axis rotary positions (M-RoPE), which llama.cpp cannot "
+               "shift: use passage_cache='exact'")
+        raise ValueError(msg)
 
 
 def passage_cache_of(lm: ModelLM) -> PassageCache | None:
@@ -231,6 +248,7 @@ def ensure(lm: ModelLM, config: PassageCacheConfig | None) -> None:
                f"{getattr(lm, 'name', lm)!r} runs on {backend} (turn on the server's own cache)")
         raise ValueError(msg)
     local = cast("SessionLM", lm)  # an in-process runtime, checked above
+    check_memory(local, config.mode)
     if backend == "llama.cpp":
         exact = bool(local.model.settings.exact)
     else:

@@ -129,14 +129,31 @@ def load_gguf_tokenizer(gguf: Path, trust_remote_code: bool, *, digest: str | No
                 return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
             except (OSError, ValueError) as e:
                 logger.warning("tokenizer cache %s unreadable (%s); rebuilding", folder, e)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                              trust_remote_code=trust_remote_code)
+    tokenizer = _tokenizer_of_gguf(gguf, trust_remote_code)
     try:
         _keep_tokenizer(tokenizer, cache_dir() / "tokenizers" / key)
     except OSError as e:  # built in memory already: only the next process pays for it again
         logger.warning("%s; the tokenizer is used without being kept, and is rebuilt next time",
                        e if isinstance(e, CacheNotWritableError) else cache_not_writable(
                            cache_dir() / "tokenizers", e))
+    return tokenizer
+
+
+def _tokenizer_of_gguf(gguf: Path, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """The tokenizer a GGUF's metadata describes. ``AutoTokenizer`` first reads the model's config,
+    which transformers knows for some architectures only; llama.cpp runs more (Qwen3.5, Qwen3-VL,
+    Granite 4 hybrids, ...), whose vocabulary the generic fast tokenizer reads all the same (it
+    is chosen by ``tokenizer.ggml.model``, not by architecture)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        tokenizer: PreTrainedTokenizerBase = AutoTokenizer.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        if "architecture" not in str(e):
+            raise
+        logger.info("%s: %s; reading its tokenizer without the model config", gguf.name, e)
+        return PreTrainedTokenizerFast.from_pretrained(gguf.parent, gguf_file=gguf.name)
     return tokenizer
 
 
