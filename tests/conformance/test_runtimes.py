@@ -17,8 +17,12 @@ tests below state the contract once; where runtimes differ by design the test re
   where its kernels change path; a session's exact prefill and rows decode in 32-token chunks).
 - ``max_extend``: the most tokens one ``extend`` takes (llama.cpp: ``n_batch``; torch: none).
 
+- ``rollback``: a session forgets its newest tokens in place; False for a recurrent state (a tiny
+  Mamba GGUF here), whose ``rollback`` / ``sync`` / failed writes read the kept tokens again and
+  which has no trees, copied positions or passage cache (those tests are skipped for it).
+
 torch runs on a tiny in-process model (always), in the default and the exact mode; llama.cpp on
-the embedded SmolLM2 GGUF (skipped
+the embedded SmolLM2 GGUF, and on a tiny Mamba GGUF written with its vocabulary (skipped
 where llama-cpp-python or the model package is missing, a failure in CI).
 
 The passage cache (``shared_core.runtime.passage_cache``) states two contracts on both runtimes:
@@ -174,9 +178,25 @@ def _llamacpp_runtime() -> Runtime:
     return Runtime(lm, fail_forward, blend_lm, load)
 
 
+def _llamacpp_recurrent_runtime() -> Runtime:
+    """A recurrent state (a tiny Mamba GGUF, :mod:`tiny_gguf`): no rollback in place, no
+    passage cache (``Capabilities.rollback``)."""
+    import tempfile
+
+    from tiny_gguf import write_tiny_gguf
+
+    from shared_core.runtime.models import load_lm
+
+    attention = _llamacpp_runtime()  # skips where llama.cpp or SmolLM2 (the vocabulary) is missing
+    path = write_tiny_gguf("mamba", Path(tempfile.mkdtemp(prefix="tiny_gguf_")))
+    lm = load_lm(str(path), backend="llama.cpp", n_ctx=1024)
+    return Runtime(lm, attention.fail_forward, lambda: lm, "")
+
+
 RUNTIMES: dict[str, Callable[[], Runtime]] = {"torch": _torch_runtime,
                                               "torch-exact": _torch_exact_runtime,
-                                              "llama.cpp": _llamacpp_runtime}
+                                              "llama.cpp": _llamacpp_runtime,
+                                              "llama.cpp-recurrent": _llamacpp_recurrent_runtime}
 
 
 @pytest.fixture(scope="module", params=list(RUNTIMES))
@@ -195,6 +215,13 @@ def same(a: torch.Tensor, b: torch.Tensor, exact: bool) -> None:
         assert torch.equal(a, b)
     else:
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+def cells_only(rt: Runtime, feature: str) -> None:
+    """Skip where the model keeps a recurrent state (``Capabilities.rollback`` False): it has no
+    per-position cells, and ``feature`` refuses it (tests/integration/test_llamacpp_memory.py)."""
+    if not rt.caps.rollback:
+        pytest.skip(f"{feature} needs per-position cells, which a recurrent state does not have")
 
 
 def session_on(rt: Runtime, ids: list[int]) -> KVSession:
@@ -253,7 +280,7 @@ def test_size_limits_refuse_before_any_forward_and_keep_the_session(rt: Runtime,
     if caps.max_extend is not None:
         with pytest.raises(ValueError, match="at most"):
             session.extend([ids[0]] * (caps.max_extend + 1))
-    if caps.max_tree_leaves is not None:
+    if caps.max_tree_leaves is not None and caps.rollback:
         leaves = caps.max_tree_leaves + 1
         with pytest.raises(ValueError, match="leaves"):
             session.extend_tree([ids[0]] * (leaves + 1), [-1] + [0] * leaves)
@@ -266,6 +293,7 @@ def test_size_limits_refuse_before_any_forward_and_keep_the_session(rt: Runtime,
 
 def test_a_tree_equals_its_branches_and_keep_path_continues_like_the_branch(
         rt: Runtime, ids: list[int]) -> None:
+    cells_only(rt, "a token tree")
     prefix, (root, a, b, c, d) = ids[:16], ids[16:21]
     session = session_on(rt, prefix)
     tree = session.extend_tree([root, a, b, c, d], [-1, 0, 1, 0, 3])  # root-a-b, root-c-d
@@ -280,6 +308,7 @@ def test_a_tree_equals_its_branches_and_keep_path_continues_like_the_branch(
 
 
 def test_keep_path_of_the_first_branch_is_a_plain_prefix(rt: Runtime, ids: list[int]) -> None:
+    cells_only(rt, "a token tree")
     prefix = ids[:16]
     session = session_on(rt, prefix)
     session.extend_tree(ids[16:20], [-1, 0, 1, 0])
@@ -318,6 +347,7 @@ def test_fork_is_an_independent_copy(rt: Runtime, ids: list[int]) -> None:
 
 def test_copy_positions_keeps_tokens_at_their_source_positions(rt: Runtime,
                                                                ids: list[int]) -> None:
+    cells_only(rt, "copy_positions")
     source = session_on(rt, ids[:30])
     keep = [*range(0, 8), *range(20, 30)]  # ends with the source's last token
     copy = rt.lm.open_session()
@@ -334,6 +364,7 @@ def test_copy_positions_keeps_tokens_at_their_source_positions(rt: Runtime,
 
 
 def test_copy_positions_honours_any_positions(rt: Runtime, ids: list[int]) -> None:
+    cells_only(rt, "copy_positions")
     source = session_on(rt, ids[:30])
     copy = rt.lm.open_session()
     if rt.caps.any_positions:
@@ -409,8 +440,8 @@ def test_a_fresh_session_reuses_a_kept_prefix_like_a_cold_read(rt: Runtime, ids:
 
 def test_a_failed_forward_leaves_the_session_usable(rt: Runtime, ids: list[int]) -> None:
     session = session_on(rt, ids[:20])
-    for call in (lambda: session.extend(ids[20:24]),
-                 lambda: session.extend_tree(ids[20:23], [-1, 0, 0])):
+    tree = [lambda: session.extend_tree(ids[20:23], [-1, 0, 0])] if rt.caps.rollback else []
+    for call in (lambda: session.extend(ids[20:24]), *tree):
         with rt.fail_forward(), pytest.raises(ForwardFailed):
             call()
         assert session.tokens == ids[:20]
@@ -513,6 +544,7 @@ def disk_entries(cache: Any, tmp_path: Any) -> list[Any]:
 
 def test_passage_cache_exact_equals_a_cold_prefill_and_reuses_blocks(rt: Runtime,
                                                                      tmp_path: Any) -> None:
+    cells_only(rt, "a passage cache")
     ids = rag_prompt(rt.lm, [0, 1, 2])
     cold_tokens, cold, _ = fresh_greedy(rt.lm, ids)  # no passage cache
     with passage_cache(rt.lm, tmp_path, "exact") as cache:
@@ -535,6 +567,7 @@ def test_passage_cache_exact_equals_a_cold_prefill_and_reuses_blocks(rt: Runtime
 
 def test_passage_cache_exact_reads_the_disk_tier_and_recomputes_a_corrupt_entry(
         rt: Runtime, tmp_path: Any) -> None:
+    cells_only(rt, "a passage cache")
     ids = rag_prompt(rt.lm, [0, 2])
     with passage_cache(rt.lm, tmp_path, "exact") as cache:
         cold_tokens, cold, session = fresh_greedy(rt.lm, ids)
@@ -565,6 +598,7 @@ def test_passage_cache_exact_reads_the_disk_tier_and_recomputes_a_corrupt_entry(
 
 
 def test_clear_passages_forgets_what_the_cache_stored(rt: Runtime, tmp_path: Any) -> None:
+    cells_only(rt, "a passage cache")
     ids = rag_prompt(rt.lm, [1, 2])
     assert clear_passages(rt.lm) == 0  # no cache: nothing to forget
     with passage_cache(rt.lm, tmp_path, "exact") as cache:
@@ -608,6 +642,7 @@ def _restarted(rt: Runtime, tmp_path: Any) -> dict[str, Any]:
 @pytest.mark.integration  # two fresh interpreters (transformers imports): ~30 s
 def test_passage_cache_exact_blocks_survive_a_process_restart_on_the_disk_tier(
         rt: Runtime, tmp_path: Any) -> None:
+    cells_only(rt, "a passage cache")
     first = _restarted(rt, tmp_path)
     second = _restarted(rt, tmp_path)
     assert first["report"]["reused"] == 0 and first["report"]["stored"] >= 1
@@ -617,6 +652,7 @@ def test_passage_cache_exact_blocks_survive_a_process_restart_on_the_disk_tier(
 
 
 def test_passage_cache_blend_reuses_passages_in_another_order(rt: Runtime, tmp_path: Any) -> None:
+    cells_only(rt, "a passage cache")
     lm = rt.blend_lm()
     with passage_cache(lm, tmp_path, "blend", recompute_share=0.15):
         assert register_passages(lm, PASSAGES[:2]) == 2
@@ -641,6 +677,7 @@ def test_standard_rag_registers_its_documents_and_the_drafter_rows_reuse_them(
         rt: Runtime, tmp_path: Any) -> None:
     """The engines register the documents they read: standard RAG's second question over them in
     another order, and Speculative RAG's drafter rows, reuse every passage."""
+    cells_only(rt, "a passage cache")
     from shared_core.engines.speculative_rag.engine import standard_rag
     from shared_core.engines.speculative_rag.prompts import draft_prompt
     from shared_core.retrieval.base import Document
@@ -668,6 +705,7 @@ def test_standard_rag_registers_its_documents_and_the_drafter_rows_reuse_them(
 def test_a_failure_mid_assembly_leaves_the_session_usable(rt: Runtime, tmp_path: Any,
                                                           monkeypatch: pytest.MonkeyPatch,
                                                           mode: str, failure: str) -> None:
+    cells_only(rt, "a passage cache")
     lm = rt.lm if mode == "exact" else rt.blend_lm()
     ids = rag_prompt(lm, [0, 1, 2])
     with passage_cache(lm, tmp_path, mode) as cache:
@@ -710,6 +748,7 @@ def test_passage_cache_blend_reads_unseen_passages_in_context_and_stores_them(
     alone, reused, recomputed or probed; the greedy tokens of a prefill without a cache); their
     entries are stored right after the read, as it left them, and a prompt with them in another
     order then reuses every one."""
+    cells_only(rt, "a passage cache")
     lm = rt.blend_lm()
     ids = rag_prompt(lm, [0, 1, 2])
     reference, _, session = fresh_greedy(lm, ids, 3)  # no passage cache
@@ -743,6 +782,7 @@ def test_a_passage_read_in_context_is_placed_anywhere_from_where_it_was_read(
     positions in a later prompt: the rotation starts from where it was read, so placing it back
     where it was read, with nothing recomputed, gives the read's own logits (llama.cpp: up to
     the batch shapes the ids around the passages are decoded in)."""
+    cells_only(rt, "a passage cache")
     lm = rt.blend_lm()
     with passage_cache(lm, tmp_path, "blend", recompute_share=0.0):
         register_passages(lm, PASSAGES)
@@ -781,6 +821,7 @@ def test_parallel_rows_read_their_passages_from_the_cache(rt: Runtime, tmp_path:
     rows equal a model's without a cache. Blend promises no equality, even at recompute share 1.0
     (llama.cpp recomputes in other batch shapes than a prefill, and a near tie may flip), so there
     only the counts are the contract."""
+    cells_only(rt, "a passage cache")
     lm = rt.lm if mode == "exact" else rt.blend_lm()
     rows = _rows(lm)
     reference = _parallel(lm, rows)  # no passage cache

@@ -112,6 +112,10 @@ def test_a_recurrent_model_refuses_what_rolls_drafts_back(mamba: Any, ggufs: dic
         _load(ggufs["mamba"], passage_cache="exact")
     with pytest.raises(ValueError, match=r"^extend_tree .* recurrent state"):
         mamba.open_session().extend_tree([1, 2], [-1, -1])
+    source = mamba.open_session()
+    source.prefill(_ids(mamba)[:6])
+    with pytest.raises(ValueError, match=r"^copy_positions .* recurrent state"):
+        mamba.open_session().copy_positions(source, [0, 5])
     assert len(autoregressive_generate(mamba, prompt, 6).token_ids) == 6  # plain decoding runs
 
 

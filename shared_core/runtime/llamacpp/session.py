@@ -80,6 +80,7 @@ class LlamaCppSession:
         self._copied: list[int] = []  # cell positions of tokens copied by copy_positions
         self._writing = 0  # nested _writes methods running
         self._failed = False  # a write raised: the context is cleared when released
+        self._unread = False  # recurrent: the state was cleared; tokens are read before a decode
         self.blended = False  # cells placed by the passage cache's blend (not a plain prefix)
         self.passage_report: PassageReport | None = None  # what the passage cache did in the first prefill
 
@@ -107,7 +108,7 @@ class LlamaCppSession:
     def _vouch(self) -> None:
         """Tell the context which ids its sequence 0 holds, if that is all it holds."""
         plain = (self._tree is None and not self._copied and not self.position_offset
-                 and not self.blended)
+                 and not self.blended and not self._unread)
         if self._slot is not None:
             self._slot.tokens = list(self.tokens) if plain and not self._failed else None
 
@@ -120,6 +121,8 @@ class LlamaCppSession:
 
         n = len(ids)
         self._check_window(max(positions) + 1 - len(self.tokens) - self.position_offset)
+        if self._unread:
+            self._read_kept()
         rows = decode(self.lm, self.slot, [(token, pos, own, i >= n - n_logits) for i, (token, pos, own)
                                            in enumerate(zip(ids, positions, seqs, strict=True))])
         self.forwards += 1
@@ -145,7 +148,7 @@ class LlamaCppSession:
         if self._slot is None:  # no cells yet: taking a context here would forgo prefix reuse
             return
         if self.lm.model.recurrent:
-            self._read_again(length)
+            self._forget_state(length)
             return
         llama, memory = self.lm.model.llama, self.slot.memory
         if self._tree is not None:
@@ -155,23 +158,30 @@ class LlamaCppSession:
         llama.llama_memory_seq_rm(memory, 0, self._cell_position(length), -1)
         del self._copied[length:]
 
-    def _read_again(self, length: int) -> None:
+    def _forget_state(self, length: int) -> None:
         """A recurrent state is one cell llama.cpp cannot cut back (``Capabilities.rollback``):
-        unless it holds exactly the first ``length`` tokens, clear it and decode them again."""
+        unless it is the state after exactly the first ``length`` tokens, clear it; the kept
+        tokens are read again before the next decode (:meth:`_read_kept`), so a failed read
+        leaves the session's tokens as they were."""
         llama, memory = self.lm.model.llama, self.slot.memory
         self._tree = None
         if int(llama.llama_memory_seq_pos_max(memory, 0)) == length - 1 + self.position_offset:
+            self._unread = False
             return
-        kept, step = self.tokens[:length], self.slot.n_batch
         self.slot.clear()
+        self._unread = length > 0
+
+    def _read_kept(self) -> None:
+        """Decode every kept token into the cleared recurrent state (see :meth:`_forget_state`)."""
+        step = self.slot.n_batch
         try:
-            for first in range(0, length, step):
+            for first in range(0, len(self.tokens), step):
                 decode(self.lm, self.slot, [(t, first + i + self.position_offset, (0,), False)
-                                            for i, t in enumerate(kept[first : first + step])])
+                                            for i, t in enumerate(self.tokens[first : first + step])])
         except BaseException:
             self.slot.clear()
-            self.tokens = []
             raise
+        self._unread = False
 
     def _refuse_on_recurrent(self, method: str) -> None:
         if self.lm.model.recurrent:
@@ -321,6 +331,7 @@ class LlamaCppSession:
         self._copied = []
         self.position_offset = 0
         self.blended = False
+        self._unread = False
 
     @_writes
     def sync(self, ids: Sequence[int]) -> list[int]:
@@ -351,6 +362,7 @@ class LlamaCppSession:
         clone.position_offset = self.position_offset
         clone._copied = list(self._copied)
         clone.blended = self.blended
+        clone._unread = self._unread
         clone.forwards = self.forwards
         clone._vouch()
         return clone
