@@ -39,10 +39,10 @@ def _vocabulary() -> dict[str, Any]:
             "template": fields["tokenizer.chat_template"].contents()}
 
 
-def _write_vocabulary(writer: Any) -> int:
+def _write_vocabulary(writer: Any, pre: str) -> int:
     vocab = _vocabulary()
     writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("smollm")
+    writer.add_tokenizer_pre(pre)
     writer.add_token_list(vocab["tokens"])
     writer.add_token_types(vocab["types"])
     writer.add_token_merges(vocab["merges"])
@@ -97,14 +97,15 @@ def _mamba_layers(writer: Any, weights: Any) -> None:
         writer.add_tensor(f"{block}ssm_out.weight", weights(EMBED, inner))
 
 
-def write_tiny_gguf(arch: str, folder: Path, seed: int = 0) -> Path:
-    """``folder/tiny-{arch}.gguf``: two layers of width 64 (about 15 MB, mostly the embeddings)."""
+def write_tiny_gguf(arch: str, folder: Path, seed: int = 0, *, pre: str = "smollm") -> Path:
+    """``folder/tiny-{arch}[-{pre}].gguf``: two layers of width 64 (about 15 MB, mostly the
+    embeddings); ``pre`` names the pre-tokenizer (how text is split before the merges)."""
     import gguf
 
     if arch not in ARCHITECTURES:
         msg = f"arch must be one of {ARCHITECTURES}, got {arch!r}"
         raise ValueError(msg)
-    path = folder / f"tiny-{arch}.gguf"
+    path = folder / (f"tiny-{arch}.gguf" if pre == "smollm" else f"tiny-{arch}-{pre}.gguf")
     rng = np.random.default_rng(seed)
 
     def weights(*shape: int) -> np.ndarray:
@@ -112,7 +113,7 @@ def write_tiny_gguf(arch: str, folder: Path, seed: int = 0) -> Path:
 
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_name(f"tiny-{arch}")
-    vocab = _write_vocabulary(writer)
+    vocab = _write_vocabulary(writer, pre)
     writer.add_context_length(2048)
     writer.add_embedding_length(EMBED)
     writer.add_block_count(LAYERS)

@@ -82,6 +82,19 @@ def test_an_architecture_transformers_does_not_know_runs_with_its_gguf_tokenizer
     assert len(result.token_ids) == 6
 
 
+def test_a_tokenizer_that_splits_text_unlike_llama_cpp_is_named_at_load(
+        ggufs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """transformers has no split regex for some llama.cpp vocabularies ("deepseek-llm" here) and
+    falls back to GPT-2's, which splits digits and CJK otherwise: the load says so."""
+    other = write_tiny_gguf("qwen2", ggufs["qwen2"].parent, pre="deepseek-llm")
+    with caplog.at_level(logging.WARNING, logger="shared_core.runtime.models"):
+        lm = _load(other)
+        _load(ggufs["qwen2vl"])
+    warned = [r.getMessage() for r in caplog.records if "splits text unlike" in r.getMessage()]
+    assert len(warned) == 1 and warned[0].startswith(other.name)
+    assert _ids(lm) != lm.model.tokenize(TEXT)
+
+
 def test_blend_is_refused_where_positions_cannot_shift_and_exact_reuses_blocks(
         ggufs: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECRAG_CACHE", str(tmp_path))
