@@ -50,8 +50,8 @@ test: install
 	$(PY) -m mypy
 	$(PY) -m pytest -q tests
 
-# mypy reads its settings and the packages it checks (shared_core and the two adapters) from
-# pyproject.toml.
+# mypy reads its settings and what it checks (shared_core, the two adapters and the examples,
+# typed as users' code would be) from pyproject.toml.
 lint: install
 	$(PY) -m ruff check shared_core langchain_specrag llamaindex_specrag tests examples
 	$(PY) -m mypy

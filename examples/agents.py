@@ -44,6 +44,7 @@ from uuid import UUID
 
 from langchain_core.callbacks import BaseCallbackHandler
 from langchain_core.messages import AIMessage, BaseMessage, ToolMessage
+from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import StructuredTool
 from langchain_core.vectorstores import InMemoryVectorStore
 
@@ -120,7 +121,7 @@ def render(model: str, turns: list[dict[str, Any]], tools: list[dict[str, Any]])
     from shared_core.decoding.tool_calls import check_tools, render_prompt
 
     lm = _loaded(model)
-    return lm.tokenizer.decode(render_prompt(lm, turns, check_tools(tools)))
+    return str(lm.tokenizer.decode(render_prompt(lm, turns, check_tools(tools))))
 
 
 def _loaded(model: str) -> Any:
@@ -232,7 +233,7 @@ def run_langchain(kind: str, llm: ChatSpeculative, tool: Callable[[str], str], m
         middleware = [first_call_required()] if force_first_call else []
         agent = create_agent(llm, [lc_tool], system_prompt=system, middleware=middleware)
     recorder = TurnRecorder(show, before_turn)
-    config = {"callbacks": [recorder], "recursion_limit": 2 * max_steps + 1}
+    config: RunnableConfig = {"callbacks": [recorder], "recursion_limit": 2 * max_steps + 1}
     start = time.perf_counter()
     messages: list[BaseMessage] = []
     try:  # stream the state so the messages survive the step limit
@@ -284,7 +285,8 @@ async def _llamaindex(llm: Any, tool: Callable[[str], str], max_steps: int,
                 events.append(event)
                 lines.append(f"[tool {event.tool_name} id={event.tool_id}] "
                              f"{event.tool_output.content!r}")
-        response = await handler
+        response: object = await handler
+        assert isinstance(response, AgentOutput)
         outcome = _ending(str(response.response.content or ""))
     except WorkflowRuntimeError as e:
         outcome = f"did not finish: {e}"

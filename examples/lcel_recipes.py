@@ -6,7 +6,7 @@
    is the question, so a runnable can follow any chat prompt.
 3. ``SpeculativeRAGRunnable(prompt=ChatPromptTemplate(...))``: your own drafting prompt over
    ``{question}`` and ``{documents}`` (the engine appends its "Rationale/Answer" format line).
-4. ``prompt | RaLMSpecRunnable(prompt=...) | StrOutputParser()``: iterative retrieval-augmented
+4. ``prompt | RaLMSpecRunnable(prompt=...)``: iterative retrieval-augmented
    generation with your answering prompt.
 5. ``.stream()``: the answer in chunks; with ``with_details=True`` each stage first.
 
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import Runnable, RunnablePassthrough
@@ -49,7 +48,7 @@ def build_retriever(k: int = 4) -> BaseRetriever:
     return store.as_retriever(search_kwargs={"k": k})
 
 
-def recipes(retriever: BaseRetriever, **settings: Any) -> dict[str, Runnable]:
+def recipes(retriever: BaseRetriever, **settings: Any) -> dict[str, Runnable[Any, Any]]:
     """The five chains; ``settings`` go to both runnables' constructors where they apply."""
     rag = {k: v for k, v in settings.items() if k in SpeculativeRAGRunnable.model_fields}
     ralm = {k: v for k, v in settings.items() if k in RaLMSpecRunnable.model_fields}
@@ -61,8 +60,7 @@ def recipes(retriever: BaseRetriever, **settings: Any) -> dict[str, Runnable]:
                                                   **rag),
         "ralmspec": QUESTION_PROMPT
         | RaLMSpecRunnable(retriever=retriever, prompt=ANSWERING_PROMPT, max_new_tokens=32,
-                           **ralm)
-        | StrOutputParser(),
+                           **ralm),
         "stages": SpeculativeRAGRunnable(retriever=retriever, with_details=True, **rag),
     }
 
@@ -74,7 +72,7 @@ def main() -> None:
     print("1. retriever dict  :", chains["retriever_dict"].invoke(question))
     print("2. prompt | rag    :", chains["prompt_then_rag"].invoke({"question": question}))
     print("3. drafting prompt :", chains["drafting_prompt"].invoke(question))
-    print("4. prompt | ralmspec | parser:", chains["ralmspec"].invoke({"question": question}))
+    print("4. prompt | ralmspec:", chains["ralmspec"].invoke({"question": question}))
     print("5. stream          :", end=" ")
     for chunk in chains["stages"].stream("Which cities lie on the Danube?"):
         if "answer" in chunk:

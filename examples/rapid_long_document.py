@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import Any
 
 from langchain_core.messages import HumanMessage
 from llama_index.core.llms import ChatMessage
@@ -41,7 +42,8 @@ def long_document() -> str:
     return "\n\n".join(fact + " " + FILLER * 6 for fact in TOWN)
 
 
-def show(framework: str, question: str, answer: str, stats: dict, seconds: float) -> None:
+def show(framework: str, question: str, answer: str, stats: dict[str, Any], seconds: float
+         ) -> None:
     print(f"[{framework}] {question}\n  -> {answer.strip()!r} ({seconds:.1f} s)")
     print(f"  accepted {stats['accepted']}/{stats['drafted']} drafted, "
           f"{stats['tokens_per_target_forward']:.2f} tokens per target forward, retrieved "
@@ -72,6 +74,7 @@ def main() -> None:
     question = "Who is the mayor of Velmora?"
     start = time.perf_counter()
     response = llm.chat([ChatMessage(role="user", content=question)])
+    assert response.raw is not None
     show("LlamaIndex", question, str(response.message.content),
          response.raw["speculative_stats"], time.perf_counter() - start)
 

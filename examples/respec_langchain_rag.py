@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import time
 
+from langchain_core.documents import Document
 from langchain_core.output_parsers import StrOutputParser
 from langchain_core.prompts import ChatPromptTemplate
-from langchain_core.runnables import RunnablePassthrough
+from langchain_core.runnables import Runnable, RunnablePassthrough
 from langchain_core.vectorstores import InMemoryVectorStore
 
 from langchain_specrag import ChatSpeculative, SpecragEmbeddings
@@ -35,11 +36,11 @@ PROMPT = ChatPromptTemplate.from_messages([
 ])
 
 
-def build_chain(llm: ChatSpeculative):
+def build_chain(llm: ChatSpeculative) -> Runnable[str, str]:
     store = InMemoryVectorStore.from_texts(PASSAGES, SpecragEmbeddings())  # embedded MiniLM, offline
     retriever = store.as_retriever(search_kwargs={"k": 3})
 
-    def join(docs: list) -> str:
+    def join(docs: list[Document]) -> str:
         return "\n".join(d.page_content for d in docs)
 
     return ({"context": retriever | join, "question": RunnablePassthrough()}

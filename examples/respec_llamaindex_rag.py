@@ -14,6 +14,7 @@ import asyncio
 import time
 
 from llama_index.core import Document, Settings, VectorStoreIndex
+from llama_index.core.base.response.schema import Response, StreamingResponse
 
 from llamaindex_specrag import SpecragEmbedding, SpeculativeLLM
 
@@ -37,20 +38,25 @@ def main() -> None:
         query_engine.query(question)  # warm-up (loads the model once per process)
         start = time.perf_counter()
         response = query_engine.query(question)
+        assert isinstance(response, Response)  # as_query_engine() without streaming
         print(f"[{engine}] {time.perf_counter() - start:.2f} s: {response.response!r}")
 
     llm = SpeculativeLLM(model="smollm2-135m-instruct", max_new_tokens=64)
     out = llm.complete("Repeat exactly: " + PASSAGES[0])
+    assert out.raw is not None
     stats = out.raw["speculative_stats"]
     print("complete():", repr(out.text))
     print("tokens per target forward (MAT):", round(stats["tokens_per_target_forward"], 2),
           "| sources:", stats["extra"]["sources"])
     streaming = index.as_query_engine(llm=llm, streaming=True, similarity_top_k=3)
-    for piece in streaming.query(question).response_gen:
+    streamed = streaming.query(question)
+    assert isinstance(streamed, StreamingResponse)
+    for piece in streamed.response_gen:
         print(piece, end="|", flush=True)
     print()
-    response = asyncio.run(index.as_query_engine(llm=llm).aquery("What is next to the cottage?"))
-    print("async:", response.response)
+    answer = asyncio.run(index.as_query_engine(llm=llm).aquery("What is next to the cottage?"))
+    assert isinstance(answer, Response)
+    print("async:", answer.response)
 
 
 if __name__ == "__main__":

@@ -45,6 +45,7 @@ def main() -> None:
 
     detailed = SpeculativeRAGRunnable(retriever=retriever, engine=engine, with_details=True)
     details = detailed.invoke({"question": "Which river flows through Vienna?"})
+    assert isinstance(details, dict)  # with_details=True
     print("answer:", details["answer"], "| rationale:", details["rationale"])
     for i, d in enumerate(details["drafts"]):
         print(f"  draft {i} docs={d['doc_ids']} score={d['score']:.2f} answer={d['answer']!r}")

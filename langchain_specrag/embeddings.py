@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from langchain_core.embeddings import Embeddings
 from langchain_core.runnables.config import run_in_executor
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 
 from shared_core.retrieval.embedding import (
     EmbeddingConfig,
@@ -46,7 +46,8 @@ class SpecragEmbeddings(BaseModel, Embeddings):
     model_config = ConfigDict(populate_by_name=True, extra="forbid", protected_namespaces=(),
                               hide_input_in_errors=True)
 
-    model: str = Field(default=EmbeddingConfig.model, alias="model_name")
+    model: str = Field(default=EmbeddingConfig.model,
+                       validation_alias=AliasChoices("model", "model_name"))
     device: str | None = Field(default=EmbeddingConfig.device)
     batch_size: int = Field(default=EmbeddingConfig.batch_size, strict=True, ge=1)
     normalize: bool = Field(default=EmbeddingConfig.normalize, strict=True)

@@ -46,7 +46,7 @@ from langchain_core.messages.tool import ToolCallChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from pydantic import ConfigDict, Field
+from pydantic import AliasChoices, ConfigDict, Field
 
 from langchain_specrag.chat_models.structured import structured_output
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
@@ -169,7 +169,9 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     IGNORED_SETTINGS: ClassVar[tuple[str, ...]] = ("timeout", "max_retries", "api_key", "base_url")
     TOKEN_LIMIT: ClassVar[str] = "max_tokens"
 
-    model: str = Field(default=DEFAULT_LM, alias="model_name")
+    # accepted as model_name too; the field keeps its name for type checkers (dataclass_transform
+    # makes an alias the only keyword they accept)
+    model: str = Field(default=DEFAULT_LM, validation_alias=AliasChoices("model", "model_name"))
     max_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     streaming: bool = False
     lm: Any = Field(default=None, exclude=True)  # a preloaded shared_core LM (optional)

@@ -19,6 +19,8 @@ from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
 from langchain_core.documents import Document as LCDocument
+from langchain_core.messages import BaseMessage
+from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from typing_extensions import TypedDict
 
@@ -33,10 +35,12 @@ class RaLMSpecInput(TypedDict):
 
 
 RaLMSpecOutput = str | dict[str, Any]
+# a question, a dict with one, or a prompt's output (as_question_input)
+RaLMSpecIn = str | RaLMSpecInput | PromptValue | list[BaseMessage]
 
 
 class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
-                       RunnableSerializable[str | RaLMSpecInput, RaLMSpecOutput]):
+                       RunnableSerializable[RaLMSpecIn, RaLMSpecOutput]):
     """RaLMSpec (speculative retrieval + batched verification) as a Runnable.
 
     The settings are :class:`~shared_core.frontend.rag_settings.RaLMSpecSettings` (the same as the
@@ -57,12 +61,12 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
         return self._output(ralmspec(self, as_question_input(value)[0]).finish())
 
     @refuses_call_kwargs
-    def invoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
+    def invoke(self, input: RaLMSpecIn, config: RunnableConfig | None = None,
                **kwargs: Any) -> RaLMSpecOutput:
         return self._call_with_config(self._run, input, config, run_type="chain", **kwargs)
 
     @refuses_call_kwargs
-    async def ainvoke(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
+    async def ainvoke(self, input: RaLMSpecIn, config: RunnableConfig | None = None,
                       **kwargs: Any) -> RaLMSpecOutput:
         async def run(value: RAGInput) -> RaLMSpecOutput:
             return await asyncio.to_thread(self._run, value)
@@ -75,7 +79,7 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
                         if isinstance(e, AnswerDelta))
 
     @refuses_call_kwargs
-    def stream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
+    def stream(self, input: RaLMSpecIn, config: RunnableConfig | None = None,
                **kwargs: Any) -> Iterator[str]:
         """Verified text deltas (the answer text, also when ``with_details`` is set)."""
         # LangChain types the result by the runnable's output (str | dict); _deltas yields str
@@ -88,10 +92,10 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
                 yield delta
 
     @refuses_call_kwargs
-    async def astream(self, input: str | RaLMSpecInput, config: RunnableConfig | None = None,
+    async def astream(self, input: RaLMSpecIn, config: RunnableConfig | None = None,
                       **kwargs: Any) -> AsyncIterator[str]:
         """``stream`` on a worker thread (traced as one run); stops when the consumer does."""
-        async def one() -> AsyncIterator[str | RaLMSpecInput]:
+        async def one() -> AsyncIterator[RaLMSpecIn]:
             yield input
 
         deltas = self._atransform_stream_with_config(one(), self._adeltas, config, **kwargs)

@@ -28,6 +28,8 @@ from langchain_core.callbacks.manager import (
     dispatch_custom_event,
 )
 from langchain_core.documents import Document as LCDocument
+from langchain_core.messages import BaseMessage
+from langchain_core.prompt_values import PromptValue
 from langchain_core.retrievers import BaseRetriever
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.utils import AddableDict
@@ -60,6 +62,8 @@ class SpeculativeRAGInput(TypedDict, total=False):
 
 
 SpeculativeRAGOutput = str | dict[str, Any]
+# a question, a dict with one, or a prompt's output (as_question_input)
+SpeculativeRAGIn = str | SpeculativeRAGInput | PromptValue | list[BaseMessage]
 
 
 def _to_lc(doc: Document) -> LCDocument:
@@ -67,7 +71,7 @@ def _to_lc(doc: Document) -> LCDocument:
 
 
 class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
-                             RunnableSerializable[str | SpeculativeRAGInput, SpeculativeRAGOutput]):
+                             RunnableSerializable[SpeculativeRAGIn, SpeculativeRAGOutput]):
     """Speculative RAG (drafter writes m drafts from diverse document subsets; verifier picks one).
 
     The settings are :class:`~shared_core.frontend.rag_settings.SpeculativeRAGSettings` (the same as the
@@ -140,7 +144,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         return self._output(finished(answer))
 
     @refuses_call_kwargs
-    def invoke(self, input: str | SpeculativeRAGInput, config: RunnableConfig | None = None,
+    def invoke(self, input: SpeculativeRAGIn, config: RunnableConfig | None = None,
                **kwargs: Any) -> SpeculativeRAGOutput:
         return self._call_with_config(self._run, input, config, run_type="chain", **kwargs)
 
@@ -156,7 +160,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         return self._output(finished(answer))
 
     @refuses_call_kwargs
-    async def ainvoke(self, input: str | SpeculativeRAGInput,
+    async def ainvoke(self, input: SpeculativeRAGIn,
                       config: RunnableConfig | None = None, **kwargs: Any) -> SpeculativeRAGOutput:
         return await self._acall_with_config(self._arun, input, config, run_type="chain",
                                              **kwargs)
@@ -171,7 +175,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
                 yield from self._chunks(event)
 
     @refuses_call_kwargs
-    def stream(self, input: str | SpeculativeRAGInput, config: RunnableConfig | None = None,
+    def stream(self, input: SpeculativeRAGIn, config: RunnableConfig | None = None,
                **kwargs: Any) -> Iterator[SpeculativeRAGOutput]:
         yield from self._transform_stream_with_config(iter([input]), self._transform, config,
                                                       **kwargs)
@@ -187,10 +191,10 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
                     yield chunk
 
     @refuses_call_kwargs
-    async def astream(self, input: str | SpeculativeRAGInput,
+    async def astream(self, input: SpeculativeRAGIn,
                       config: RunnableConfig | None = None, **kwargs: Any
                       ) -> AsyncIterator[SpeculativeRAGOutput]:
-        async def one() -> AsyncIterator[str | SpeculativeRAGInput]:
+        async def one() -> AsyncIterator[SpeculativeRAGIn]:
             yield input
 
         async for chunk in self._atransform_stream_with_config(one(), self._atransform, config,
