@@ -36,6 +36,7 @@ from shared_core.bench.ralmspec import stores as ralmspec_stores
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
 
 if TYPE_CHECKING:
+    from shared_core.engines.ralmspec import RaLMSpecConfig
     from shared_core.retrieval import DenseRetriever, Document
     from shared_core.runtime.lm import LM
     from shared_core.runtime.remote import RemoteLM
@@ -261,8 +262,51 @@ def _pipelined_methods(value: str | None) -> list[str]:
     return names
 
 
+def _run_retriever(kind: str, lm: LM | RemoteLM, corpus: list[Any], args: argparse.Namespace,
+                   base: RaLMSpecConfig, prompts: tuple[str, list[str]],
+                   methods: dict[str, MethodResult], setups: dict[str, str],
+                   stores: dict[str, dict[str, Any]], speedup: dict[str, float]) -> None:
+    """Every method on one retriever (or vector store) ``kind``, after a warm-up: results,
+    setups, store facts and speedups over RaLMSeq added under ``{kind}/{method}``."""
+    from shared_core.engines.ralmspec import RaLMSpec
+
+    warmup, questions = prompts
+    close = None
+    if args.store:
+        retriever, setups[kind], stores[kind], close = _open_store(kind, corpus, args)
+        stores[kind]["latency_s"] = _search_latency(retriever, questions, args.latency_repeats)
+    else:
+        retriever, setups[kind] = build_retriever(kind, corpus, args)
+    logger.info("%s: %s", kind, setups[kind])
+    engines = {"RaLMSeq": RaLMSpec(lm, retriever, base).generate_baseline}
+    for name in args.methods.split(","):
+        engines[name] = RaLMSpec(lm, retriever, replace(base, **ABLATION[name])).generate
+    for fn in engines.values():
+        fn(warmup, args.max_new_tokens)  # warm-up
+    for name, result in _run_methods(engines, questions, args.max_new_tokens).items():
+        methods[f"{kind}/{name}"] = result
+        logger.info("%s/%s: %.2f s", kind, name, result.wall_s)
+    names = list(engines)
+    for name in _pipelined_methods(args.pipelined):
+        names.append(f"{name}(pipe)")
+        methods[f"{kind}/{name}(pipe)"] = _run_pipelined(
+            RaLMSpec(lm, retriever, replace(base, **ABLATION[name])), warmup, questions,
+            args.max_new_tokens)
+        logger.info("%s/%s(pipe): %.2f s", kind, name, methods[f"{kind}/{name}(pipe)"].wall_s)
+    ref = methods[f"{kind}/RaLMSeq"].wall_s
+    for name in names:
+        speedup[f"{kind}/{name}"] = round(ref / methods[f"{kind}/{name}"].wall_s, 3)
+        calls = methods[f"{kind}/{name}"].stats["retrieval_calls"]
+        if kind in stores:
+            stores[kind].setdefault("search_calls_per_question", {})[name] = round(
+                calls / max(1, len(questions)), 2)
+    del retriever, engines
+    if close is not None:
+        close()
+
+
 def run_doc(args: argparse.Namespace) -> dict[str, Any]:
-    from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
+    from shared_core.engines.ralmspec import RaLMSpecConfig
     from shared_core.runtime.model_cache import resolve_lm
 
     _pipelined_methods(args.pipelined)  # bad names fail before any model or corpus work
@@ -280,39 +324,8 @@ def run_doc(args: argparse.Namespace) -> dict[str, Any]:
     kinds = (ralmspec_stores.check_stores(args.store) if args.store
              else args.retrievers.split(","))
     for kind in kinds:
-        close = None
-        if args.store:
-            retriever, setups[kind], stores[kind], close = _open_store(kind, corpus, args)
-            stores[kind]["latency_s"] = _search_latency(retriever, questions,
-                                                        args.latency_repeats)
-        else:
-            retriever, setups[kind] = build_retriever(kind, corpus, args)
-        logger.info("%s: %s", kind, setups[kind])
-        engines = {"RaLMSeq": RaLMSpec(lm, retriever, base).generate_baseline}
-        for name in args.methods.split(","):
-            engines[name] = RaLMSpec(lm, retriever, replace(base, **ABLATION[name])).generate
-        for fn in engines.values():
-            fn(warmup, args.max_new_tokens)  # warm-up
-        for name, result in _run_methods(engines, questions, args.max_new_tokens).items():
-            methods[f"{kind}/{name}"] = result
-            logger.info("%s/%s: %.2f s", kind, name, result.wall_s)
-        names = list(engines)
-        for name in _pipelined_methods(args.pipelined):
-            names.append(f"{name}(pipe)")
-            methods[f"{kind}/{name}(pipe)"] = _run_pipelined(
-                RaLMSpec(lm, retriever, replace(base, **ABLATION[name])), warmup, questions,
-                args.max_new_tokens)
-            logger.info("%s/%s(pipe): %.2f s", kind, name, methods[f"{kind}/{name}(pipe)"].wall_s)
-        ref = methods[f"{kind}/RaLMSeq"].wall_s
-        for name in names:
-            speedup[f"{kind}/{name}"] = round(ref / methods[f"{kind}/{name}"].wall_s, 3)
-            calls = methods[f"{kind}/{name}"].stats["retrieval_calls"]
-            if kind in stores:
-                stores[kind].setdefault("search_calls_per_question", {})[name] = round(
-                    calls / max(1, len(questions)), 2)
-        del retriever, engines
-        if close is not None:
-            close()
+        _run_retriever(kind, lm, corpus, args, base, (warmup, questions),
+                       methods, setups, stores, speedup)
     identical = {m: [f"{m.split('/')[0]}/RaLMSeq"] for m in methods if "RaLMSeq" not in m}
     report = make_report(engine="ralmspec", dataset="nq_open_oracle", device=str(lm.device),
                          models={"lm": lm.name, "dtype": str(lm.dtype),

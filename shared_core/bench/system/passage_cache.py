@@ -558,9 +558,30 @@ def _append_row(path: Path | None, row: dict[str, Any]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+def _rewarm(lm: SessionLM, caches: _Caches, texts: list[str]) -> None:
+    """A question finished in an earlier run: its passages go into the stream's store again."""
+    from shared_core.runtime.passage_cache import register_passages, warm_passages
+
+    caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
+    register_passages(lm, texts)
+    warm_passages(lm, texts, progress=False)
+    caches.use(None)
+
+
+def _bytes_report(caches: _Caches, lm: SessionLM, texts: list[str]) -> dict[str, Any]:
+    """Bytes per cached token: the blend entries', and the exact blocks' where any were stored."""
+    report = _entry_bytes(caches.blend[DEFAULT_RECOMPUTE_SHARE], lm, texts)
+    if caches.exact is not None and caches.exact.store.stats.puts:
+        # exact entries are whole blocks: bytes per token exactly (none when no new question ran)
+        stats = caches.exact.store.stats
+        tokens = (stats.puts - stats.evictions) * caches.exact.block
+        report.update(exact_memory_bytes_per_token=round(stats.memory_bytes / max(tokens, 1), 1),
+                      exact_disk_bytes_per_token=round(stats.disk_bytes / max(tokens, 1), 1))
+    return report
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from shared_core.engines.speculative_rag.prompts import passage_texts, rag_prompt
-    from shared_core.runtime.passage_cache import register_passages, warm_passages
     from shared_core.runtime.weights.embedded import cache_dir
 
     check_args(args)
@@ -610,10 +631,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 all_texts.extend(stream.see(lm, docs, texts))
                 row = done.get((dataset, str(question["id"])))
                 if row is not None:  # finished earlier: its passages are in the stream's store
-                    caches.use(caches.blend[DEFAULT_RECOMPUTE_SHARE])
-                    register_passages(lm, texts)
-                    warm_passages(lm, texts, progress=False)
-                    caches.use(None)
+                    _rewarm(lm, caches, texts)
                 elif args.no_new:
                     continue
                 else:
@@ -628,14 +646,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             report["datasets"] = {d: streams[d].summary(methods) for d in datasets
                                   if streams[d].rows}
             write_report(report, getattr(args, "out", None))
-        report["bytes"] = _entry_bytes(caches.blend[DEFAULT_RECOMPUTE_SHARE], lm, all_texts)
-        if caches.exact is not None and caches.exact.store.stats.puts:
-            # exact entries are whole blocks: bytes per token exactly (none when no new question ran)
-            stats = caches.exact.store.stats
-            tokens = (stats.puts - stats.evictions) * caches.exact.block
-            report["bytes"].update(
-                exact_memory_bytes_per_token=round(stats.memory_bytes / max(tokens, 1), 1),
-                exact_disk_bytes_per_token=round(stats.disk_bytes / max(tokens, 1), 1))
+        report["bytes"] = _bytes_report(caches, lm, all_texts)
     if server is not None:
         server.close()
     report["load_avg_after"] = os.getloadavg()
