@@ -138,9 +138,9 @@ def _next_logits(session: Any, token: int) -> torch.Tensor:
 
 
 def test_a_recurrent_session_rolls_back_by_reading_again(mamba: Any) -> None:
-    """llama.cpp cannot cut a recurrent state (its ``seq_rm`` refuses, or empties the state when
-    asked to drop the last position): a rollback reads the kept ids again, so the next token
-    sees exactly the state after them."""
+    """llama.cpp cannot cut a recurrent state (its ``seq_rm`` refuses, even for the last position
+    alone): a rollback reads the kept ids again, so the next token sees exactly the state after
+    them."""
     ids = _ids(mamba)
     clear_prefix_cache(mamba)
     straight = mamba.open_session()
