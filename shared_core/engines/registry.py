@@ -31,8 +31,9 @@ if TYPE_CHECKING:
     from shared_core.engines.loop import Prompt, TokenStream
     from shared_core.runtime.protocol import SessionLM
 
+PLAIN_ENGINE = "autoregressive"  # verifies no drafts: runs on any model (Capabilities.rollback)
 TOKEN_ENGINES: dict[str, str] = {
-    "autoregressive": "shared_core.engines.baseline:start_autoregressive",
+    PLAIN_ENGINE: "shared_core.engines.baseline:start_autoregressive",
     "respec": "shared_core.engines.respec:start_respec",
     "rapid": "shared_core.engines.rapid:start_rapid",
 }

@@ -51,7 +51,7 @@ from shared_core.decoding.tool_calls import (
     render_prompt,
     tool_names,
 )
-from shared_core.engines.registry import check_engine_options, start_engine
+from shared_core.engines.registry import PLAIN_ENGINE, check_engine_options, start_engine
 from shared_core.frontend.chat_events import (
     CallReport,
     ChatEvent,
@@ -149,6 +149,7 @@ class _Request:
     """One call's input, checked once, no model touched: the engines take it as it is."""
 
     engine: str
+    engine_chosen: bool  # named by the caller (settings, call or options), not the default
     prompt: Prompt
     generation: GenerationConfig
     documents: list[str] | None
@@ -165,6 +166,7 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
                      state: AdapterState) -> _Request:
     """Resolve and validate one call's options (``kwargs`` is consumed)."""
     check_kwargs(kwargs, CALL_OPTIONS, type(settings).__name__)
+    chosen = "engine" in kwargs or "engine" in settings.model_fields_set
     engine = kwargs.pop("engine", settings.engine)
     options = _engine_options(settings, engine, kwargs.pop("engine_options", None) or {})
     documents = kwargs.pop("documents", None)
@@ -175,7 +177,7 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
     constraint = check_response_format(kwargs.pop("response_format", None))
     texts = None if documents is None else [d.text for d in to_documents(documents)]
     checked = _checked_prompt(prompt)
-    return _Request(engine, checked, generation, texts, options,
+    return _Request(engine, chosen or bool(options), checked, generation, texts, options,
                     _tool_prompt(checked, tools, choice, constraint),
                     _model_of(settings, state, kwargs.pop("model", None)), state.engine_state,
                     settings.prefix_cache, settings.passage_cache_config(), settings.model)
@@ -290,6 +292,24 @@ class _Opened:
     lm: SessionLM
     lock: FairLock
     prompt: Prompt  # with tools: the rendered token ids
+    engine: str  # the engine that runs (see _engine_for)
+
+
+_WARNED_PLAIN: set[str] = set()
+
+
+def _engine_for(request: _Request, lm: SessionLM) -> str:
+    """The request's engine; the default one is replaced by plain decoding on a model whose
+    sessions cannot roll drafts back (a recurrent state: Mamba, Qwen3.5), with one warning per
+    model. An engine the caller named is kept, and refuses such a model itself."""
+    if request.engine_chosen or request.engine == PLAIN_ENGINE or lm.capabilities.rollback:
+        return request.engine
+    if lm.name not in _WARNED_PLAIN:
+        _WARNED_PLAIN.add(lm.name)
+        logger.warning("%s keeps a recurrent state, which cannot roll back drafted tokens: "
+                       "decoding it with engine=%r instead of the default %r (name an engine "
+                       "to choose)", lm.name, PLAIN_ENGINE, request.engine)
+    return PLAIN_ENGINE
 
 
 class ChatStream:
@@ -309,7 +329,8 @@ class ChatStream:
 
     @property
     def engine(self) -> str:
-        return self._request.engine
+        """The engine that runs (known once the model is loaded; the requested one before)."""
+        return self._opened.engine if self._opened is not None else self._request.engine
 
     @property
     def constraint(self) -> Constraint | None:
@@ -324,7 +345,7 @@ class ChatStream:
             tools = request.tool_prompt
             prompt = request.prompt if tools is None else render_prompt(
                 lm, tools.turns, tools.shown, tools.prefill)
-            self._opened = _Opened(lm, lock, prompt)
+            self._opened = _Opened(lm, lock, prompt, _engine_for(request, lm))
         return self
 
     def finish(self) -> Finished:
@@ -368,7 +389,7 @@ class ChatStream:
         options = dict(request.options)
         if self.constraint is not None:  # every registered engine masks drafts and targets
             options["logits_mask"] = grammar_mask(opened.lm, self.constraint)  # one per generation
-        return start_engine(request.engine, opened.lm, opened.prompt, request.generation,
+        return start_engine(opened.engine, opened.lm, opened.prompt, request.generation,
                             documents=request.documents,
                             engine_state=request.engine_state, **options)
 
@@ -383,7 +404,7 @@ class ChatStream:
         else:
             reply = Reply(result.text, scanner.content, tuple(scanner.calls),
                           tuple(scanner.invalid), result)
-        report = CallReport.of(result, self._request.engine, self._request.model_name,
+        report = CallReport.of(result, self.engine, self._request.model_name,
                                tool_calls=bool(reply.tool_calls))
         if rest is None:
             rest = ReplyDelta(reply.content, tuple(scanner.found) if scanner else ())

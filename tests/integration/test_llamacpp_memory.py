@@ -190,3 +190,30 @@ def test_a_recurrent_models_next_turn_reuses_its_state(mamba: Any,
     torch.testing.assert_close(logits, expected, rtol=0, atol=1e-3)
     assert int(logits.argmax()) == int(expected.argmax())
     assert not [r for r in caplog.records if "disagreed" in r.getMessage()]
+
+
+def test_both_chat_adapters_decode_a_recurrent_model_plainly_unless_an_engine_is_named(
+        ggufs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
+    """The adapters' default engine (ReSpec) verifies drafts, which a recurrent state cannot roll
+    back: unless the caller names an engine, both adapters decode plainly, say so once and report
+    the engine that ran; a named one refuses the model, the same on both."""
+    from llama_index.core.llms import ChatMessage
+
+    from langchain_specrag import ChatSpeculative
+    from llamaindex_specrag import SpeculativeLLM
+
+    settings = {"model": str(ggufs["mamba"]), "backend": "llama.cpp"}
+    with caplog.at_level(logging.WARNING, logger="shared_core.frontend.chat"):
+        lc = ChatSpeculative(max_tokens=6, **settings).invoke(TEXT)
+        li = SpeculativeLLM(max_new_tokens=6, **settings).chat(
+            [ChatMessage(role="user", content=TEXT)])
+    assert lc.response_metadata["engine"] == "autoregressive"
+    assert li.raw is not None and li.raw["engine"] == "autoregressive"
+    assert lc.content == li.message.content  # greedy, the same model and prompt
+    warned = [r for r in caplog.records if "keeps a recurrent state" in r.getMessage()]
+    assert len(warned) == 1
+    for adapter in (lambda: ChatSpeculative(engine="respec", max_tokens=6, **settings).invoke(TEXT),
+                    lambda: SpeculativeLLM(engine="respec", max_new_tokens=6, **settings).chat(
+                        [ChatMessage(role="user", content=TEXT)])):
+        with pytest.raises(ValueError, match=r"^ReSpec .* recurrent state"):
+            adapter()
