@@ -99,21 +99,20 @@ def settle(slot: Slot, reuse: bool, sequences: int) -> None:
     only if ``reuse`` and its owner vouched for it (``slot.tokens``) and its cells agree (it
     starts at position 0 and reaches the last remembered id), else clear it."""
     llama, memory, tokens = slot.llama, slot.memory, slot.tokens
-    if reuse and tokens and slot.recurrent:
+    if reuse and tokens:
         for seq in range(1, sequences + 1):
             llama.llama_memory_seq_rm(memory, seq, -1, -1)
-        if _holds_exactly(slot, len(tokens)):  # else it read past them: nothing to cut it back to
-            return
-    elif reuse and tokens:
-        if (llama.llama_memory_seq_pos_min(memory, 0) == 0
-                and llama.llama_memory_seq_pos_max(memory, 0) >= len(tokens) - 1):
-            for seq in range(1, sequences + 1):
-                llama.llama_memory_seq_rm(memory, seq, -1, -1)
-            if llama.llama_memory_seq_rm(memory, 0, len(tokens), -1):
-                slot.tokens = list(tokens)
+        if slot.recurrent:
+            if _holds_exactly(slot, len(tokens)):  # else it read past them: nothing to cut back to
                 return
-        logger.warning("a released llama.cpp context disagreed with its %d remembered tokens; "
-                       "cleared it", len(tokens))
+        elif (llama.llama_memory_seq_pos_min(memory, 0) == 0
+                and llama.llama_memory_seq_pos_max(memory, 0) >= len(tokens) - 1
+                and llama.llama_memory_seq_rm(memory, 0, len(tokens), -1)):
+            slot.tokens = list(tokens)
+            return
+        else:
+            logger.warning("a released llama.cpp context disagreed with its %d remembered "
+                           "tokens; cleared it", len(tokens))
     slot.clear()
     slot.tokens = []
 
