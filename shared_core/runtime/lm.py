@@ -45,6 +45,15 @@ class ChatTokenizer:
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
+    def encode_offsets(self, text: str) -> tuple[list[int], list[int] | None]:
+        """``text``'s ids (no special tokens added) and the character each one starts at (None
+        from a slow tokenizer, which gives no offsets)."""
+        fast = bool(getattr(self.tokenizer, "is_fast", False))
+        encoded = self.tokenizer(text, add_special_tokens=False, verbose=False,
+                                 return_offsets_mapping=fast)
+        starts = [int(start) for start, _ in encoded["offset_mapping"]] if fast else None
+        return [int(i) for i in encoded["input_ids"]], starts
+
     def decode(self, ids: Sequence[int]) -> str:
         text: str = self.tokenizer.decode(list(ids), skip_special_tokens=True)
         return text
@@ -64,14 +73,14 @@ class ChatTokenizer:
                 msg = "prompt must be a non-empty string or a list of messages"
                 raise ValueError(msg)
             # BOS-style special tokens as the tokenizer adds them for a fresh sequence.
-            return list(self.tokenizer.encode(prompt))
+            return self.encode(prompt, add_special_tokens=True)
         if not prompt:
             msg = "messages must not be empty"
             raise ValueError(msg)
         # A chat template writes its own special tokens; the plain fallback of a base model does
         # not, so it gets BOS as any fresh sequence does (without it Gemma-3 base babbles).
         add_special = not self.has_chat_template
-        return list(self.tokenizer.encode(self.chat_prompt(prompt), add_special_tokens=add_special))
+        return self.encode(self.chat_prompt(prompt), add_special_tokens=add_special)
 
 
 @dataclass

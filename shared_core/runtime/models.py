@@ -355,18 +355,20 @@ _SPLIT_PROBE = ("Hello world!  The weir, built in 1802 (costing £3,400), naïve
                 "“quoted”\n\tindent 12345 don't")
 
 
-def _warn_if_split_differs(path: Path, tokenizer: PreTrainedTokenizerBase, own: list[int]) -> None:
-    """Warn when the Hugging Face tokenizer built from a GGUF splits text unlike llama.cpp's own
+def _note_if_split_differs(path: Path, tokenizer: PreTrainedTokenizerBase, own: list[int]) -> None:
+    """Say when the Hugging Face tokenizer built from a GGUF splits text unlike llama.cpp's own
     (``own``: its ids of :data:`_SPLIT_PROBE`): transformers reads the pre-tokenizer regex of
-    some vocabularies only (falcon, deepseek-llm, chameleon, ... fall back to GPT-2's)."""
+    some vocabularies only (falcon, deepseek-llm, chameleon, ... fall back to GPT-2's). Prompts
+    are encoded by llama.cpp's tokenizer (:meth:`LlamaCppLM.encode`) either way; the other one
+    still counts tokens where only a size is needed (chunking a RAPID context)."""
     ours = [int(t) for t in tokenizer.encode(_SPLIT_PROBE, add_special_tokens=False)]
     if ours != own:
         first = next((i for i, (a, b) in enumerate(zip(ours, own, strict=False)) if a != b),
                      min(len(ours), len(own)))
-        logger.warning("%s: its Hugging Face tokenizer splits text unlike llama.cpp's own "
-                       "(ids %s against %s from token %d of a probe text); prompts are tokenized "
-                       "by the former, so they may differ from what the model was trained on",
-                       path.name, ours[first:first + 3], own[first:first + 3], first)
+        logger.info("%s: transformers' tokenizer for it splits text unlike llama.cpp's own (ids "
+                    "%s against %s from token %d of a probe text); prompts are encoded by "
+                    "llama.cpp's, chunk sizes counted by transformers' may be off by a few tokens",
+                    path.name, ours[first:first + 3], own[first:first + 3], first)
 
 
 def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_remote_code: bool,
@@ -396,7 +398,7 @@ def _load_llamacpp(name: str, source: ModelSource, choice: BackendChoice, trust_
                     eos_token_ids=model.end_of_generation_ids(tokenizer))
     lm.backend_reason = reason
     _warn_beyond_training(source.gguf, model.n_ctx, model.n_ctx_train)
-    _warn_if_split_differs(source.gguf, tokenizer, model.tokenize(_SPLIT_PROBE))
+    _note_if_split_differs(source.gguf, tokenizer, model.tokenize(_SPLIT_PROBE))
     logger.info("loaded %s on llama.cpp (%s, %d positions, %d threads%s)", name, model.describe(),
                 model.n_ctx, model.threads, ", exact" if settings.exact else "")
     return lm

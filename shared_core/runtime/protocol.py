@@ -135,7 +135,9 @@ class ModelLM(Protocol):
     name: str
     max_context: int
     eos_token_ids: frozenset[int]
-    tokenizer: PreTrainedTokenizerBase  # a transformers tokenizer (every runtime encodes with the same one)
+    # a transformers tokenizer: templates, decoding, chunk sizes; prompts are encoded by `encode`,
+    # which a runtime with a tokenizer of its own (llama.cpp) answers with that one
+    tokenizer: PreTrainedTokenizerBase
 
     @property
     def served(self) -> bool:
@@ -145,6 +147,10 @@ class ModelLM(Protocol):
     def has_chat_template(self) -> bool: ...
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]: ...
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[int] | None]:
+        """``text``'s ids as ``encode`` gives them and the character each starts at (None where
+        the tokenizer gives no offsets)."""
 
     def decode(self, ids: Sequence[int]) -> str: ...
 

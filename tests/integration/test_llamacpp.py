@@ -18,7 +18,7 @@ import torch
 
 from shared_core.engines.baseline import autoregressive_generate, speculative_generate
 from shared_core.runtime.llamacpp.session import LlamaCppSession
-from shared_core.runtime.lm import clear_prefix_cache
+from shared_core.runtime.lm import ChatTokenizer, clear_prefix_cache
 from shared_core.runtime.models import load_lm
 from tests.tiny import forget_prompts, require_llamacpp_smollm2
 
@@ -56,12 +56,15 @@ def test_the_backend_is_reported(lm):
 
 
 def test_tokenizer_ids_match_llama_cpp_and_the_torch_backend(lm):
-    """The engines encode with the Hugging Face tokenizer built from the same GGUF (what the torch
-    backend uses); llama.cpp's own tokenizer must agree on ordinary and special text."""
+    """On llama.cpp the engines encode with llama.cpp's own tokenizer; the Hugging Face tokenizer
+    built from the same GGUF (what the torch backend encodes with) must give the same ids and
+    the same character offsets on ordinary and special text."""
     texts = [CONTEXT, "  leading spaces, émigré café, 中文, emoji 🙂 and digits 12345\n\ttab",
              lm.chat_prompt(PROMPTS[0])]
     for text in texts:
-        assert lm.model.tokenize(text) == lm.encode(text), text
+        assert lm.encode(text) == lm.model.tokenize(text), text
+        assert lm.encode(text) == lm.tokenizer.encode(text, add_special_tokens=False), text
+        assert lm.encode_offsets(text) == ChatTokenizer.encode_offsets(lm, text), text
 
 
 def test_greedy_equals_llama_cpp_pythons_own_greedy(lm):

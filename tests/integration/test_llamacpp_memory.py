@@ -2,7 +2,8 @@
 architectures (:mod:`tests.tiny_gguf`): an architecture transformers does not know loads with its
 GGUF's own tokenizer; multi-axis rotary positions (M-RoPE) refuse a blend passage cache, whose
 passages move; a recurrent state (Mamba; hybrids such as Qwen3.5 alike) refuses the engines that
-roll drafts back, rolls back correctly by reading again, and keeps its state for a next turn."""
+roll drafts back, rolls back correctly by reading again, and keeps its state for a next turn; a
+vocabulary transformers splits otherwise is read by llama.cpp's own tokenizer."""
 
 from __future__ import annotations
 
@@ -82,17 +83,27 @@ def test_an_architecture_transformers_does_not_know_runs_with_its_gguf_tokenizer
     assert len(result.token_ids) == 6
 
 
-def test_a_tokenizer_that_splits_text_unlike_llama_cpp_is_named_at_load(
+def test_a_vocabulary_transformers_splits_otherwise_is_read_as_llama_cpp_reads_it(
         ggufs: dict[str, Path], caplog: pytest.LogCaptureFixture) -> None:
     """transformers has no split regex for some llama.cpp vocabularies ("deepseek-llm" here) and
-    falls back to GPT-2's, which splits digits and CJK otherwise: the load says so."""
+    falls back to GPT-2's, which splits digits and CJK otherwise: prompts, chat prompts and
+    offsets come from llama.cpp's own tokenizer, and the load says the two differ."""
     other = write_tiny_gguf("qwen2", ggufs["qwen2"].parent, pre="deepseek-llm")
-    with caplog.at_level(logging.WARNING, logger="shared_core.runtime.models"):
+    with caplog.at_level(logging.INFO, logger="shared_core.runtime.models"):
         lm = _load(other)
         _load(ggufs["qwen2vl"])
-    warned = [r.getMessage() for r in caplog.records if "splits text unlike" in r.getMessage()]
-    assert len(warned) == 1 and warned[0].startswith(other.name)
-    assert _ids(lm) != lm.model.tokenize(TEXT)
+    noted = [r.getMessage() for r in caplog.records if "splits text unlike" in r.getMessage()]
+    assert len(noted) == 1 and noted[0].startswith(other.name)
+    assert _ids(lm) != lm.model.tokenize(TEXT)  # transformers' reading differs here
+    assert lm.encode(TEXT) == lm.model.tokenize(TEXT)
+    messages = [{"role": "user", "content": TEXT}]
+    rendered = lm.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert lm.prompt_ids(messages) == lm.model.tokenize(rendered)
+    ids, starts = lm.encode_offsets(TEXT)  # equal to transformers' where both agree: test_llamacpp
+    assert ids == lm.encode(TEXT) and starts is not None and len(starts) == len(ids)
+    assert starts[0] == 0 and starts == sorted(starts) and starts[-1] == len(TEXT) - 1
+    result = autoregressive_generate(lm, messages, 4)
+    assert len(result.token_ids) == 4
 
 
 def test_blend_is_refused_where_positions_cannot_shift_and_exact_reuses_blocks(

@@ -94,7 +94,7 @@ def test_a_foreign_disk_entry_is_dropped_and_recomputed(tmp_path):
     cache = attach(lm.model, PassageCacheConfig(mode="blend", recompute_share=0.0),
                    disk_dir=tmp_path)
     register_passages(lm, PASSAGES[:1])
-    inner = passage_interior(lm.tokenizer, PASSAGES[0])
+    inner = passage_interior(lm.encode, PASSAGES[0])
     assert warm_passages(lm, PASSAGES[:1], progress=False)["computed"] == 1
     store = cache.store
     key = store.key("chunk", cache.head, inner)
@@ -119,7 +119,7 @@ def test_the_memory_tier_hands_out_its_tensors_and_no_prompt_changes_them():
     cache = attach(lm.model, PassageCacheConfig(mode="blend", recompute_share=0.5, disk_mb=0))
     register_passages(lm, PASSAGES)
     warm_passages(lm, PASSAGES, progress=False)
-    keys = [cache.store.key("chunk", cache.head, passage_interior(lm.tokenizer, text))
+    keys = [cache.store.key("chunk", cache.head, passage_interior(lm.encode, text))
             for text in PASSAGES]
     entries = [cache.store.get(key) for key in keys]
     assert all(cache.store.get(key) is entry for key, entry in zip(keys, entries, strict=True))

@@ -72,7 +72,7 @@ def test_a_first_word_that_splits_alone_is_still_found(tokenizer):
     text = ("Victoria (Australia): Victoria (abbreviated as Vic) is a state in the south-east of "
             "Australia, the second most populous state and the smallest on the mainland.")
     assert _ids(tokenizer, text)[:2] != _ids(tokenizer, " " + text)[:2]
-    inner = passage_interior(tokenizer, text)
+    inner = passage_interior(lambda t: _ids(tokenizer, t), text)
     index = PassageIndex()
     index.add_interior(inner)
     for prompt_text in (f"Document [1]: {text}\nQ?", f"Context:\n{text}", f'"{text}"'):

@@ -489,7 +489,7 @@ def _entry_bytes(cache: Any, lm: SessionLM, texts: list[str]) -> dict[str, Any]:
     tokens = memory = disk = 0
     cache.store.flush()
     for text in texts[:200]:
-        inner = passage_interior(lm.tokenizer, text)
+        inner = passage_interior(lm.encode, text)
         key = cache.store.key("chunk", cache.head, inner)
         entry = cache.store.get(key)
         path = cache.store._path(key)
@@ -517,7 +517,7 @@ class _Stream:
         new = []
         self.occurrences += len(docs)
         for doc, text in zip(docs, texts, strict=True):
-            n = len(lm.tokenizer(text, add_special_tokens=False)["input_ids"])
+            n = len(lm.encode(text))
             self.passage_tokens += n
             if doc.id in self.seen:
                 self.repeat_tokens += n

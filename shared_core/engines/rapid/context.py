@@ -62,12 +62,8 @@ class RapidContext:
         head, _ = self._target_parts
         before, _, _ = self.config.context_template.partition("{context}")
         text = head + self.config.context_template.format(context=context)
-        encoded = self.lm.tokenizer(text, add_special_tokens=False, verbose=False,
-                                    return_offsets_mapping=self.lm.tokenizer.is_fast)
-        starts = ([start for start, _ in encoded["offset_mapping"]] if self.lm.tokenizer.is_fast
-                  else None)
-        entry = EncodedContext(self.lm.encode(context), list(encoded["input_ids"]), starts,
-                                len(head + before))
+        prefix_ids, starts = self.lm.encode_offsets(text)
+        entry = EncodedContext(self.lm.encode(context), prefix_ids, starts, len(head + before))
         self._encoded[key] = entry
         if len(self._encoded) > INDEX_CACHE_SIZE:
             self._encoded.popitem(last=False)
@@ -78,7 +74,7 @@ class RapidContext:
         """Target prompt positions a shared-KV drafter sees: all but the unretrieved context."""
         encoded, index = self._encode_context(context), self._index(context)
         if encoded.token_starts is None:
-            msg = "drafter_kv='target' needs a fast tokenizer (character offsets of the chunks)"
+            msg = "drafter_kv='target' needs a tokenizer that gives character offsets (a fast one)"
             raise ValueError(msg)
         first = encoded.context_char
         spans = [(first + index.chunks[c].metadata["char_start"],

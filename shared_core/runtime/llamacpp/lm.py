@@ -261,12 +261,30 @@ class LlamaCppModel:
                 slot.tokens = []
 
     def tokenize(self, text: str, *, add_special: bool = False) -> list[int]:
-        """llama.cpp's own tokenizer (the engines use the Hugging Face one; tests compare)."""
+        """The ids llama.cpp itself (llama-cpp-python, Ollama) reads ``text`` as, special tokens
+        written in it parsed; ``add_special`` adds the BOS / EOS the vocabulary asks for."""
         data = text.encode("utf-8")
         size = len(data) + 8
-        buf = (ctypes.c_int32 * size)()
-        n = self.llama.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, True)
-        return list(buf[:n])
+        for _ in range(2):  # a negative count is the room it needs
+            buf = (ctypes.c_int32 * size)()
+            n = self.llama.llama_tokenize(self.vocab, data, len(data), buf, size, add_special, True)
+            if n >= 0:
+                return list(buf[:n])
+            size = -n
+        msg = f"llama_tokenize failed ({n}) on a text of {len(data)} bytes"
+        raise RuntimeError(msg)
+
+    def piece(self, token: int) -> bytes:
+        """The bytes ``token`` stands for in text (a special token's own text)."""
+        size = 32
+        for _ in range(2):
+            buf = ctypes.create_string_buffer(size)
+            n = self.llama.llama_token_to_piece(self.vocab, token, buf, size, 0, True)
+            if n >= 0:
+                return buf.raw[:n]
+            size = -n
+        msg = f"llama_token_to_piece failed ({n}) for token {token}"
+        raise RuntimeError(msg)
 
     def end_of_generation_ids(self, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
         """The GGUF's end-of-sequence / end-of-turn tokens and the tokenizer's EOS."""
@@ -274,6 +292,21 @@ class LlamaCppModel:
         if tokenizer.eos_token_id is not None:
             ids.add(int(tokenizer.eos_token_id))
         return frozenset(i for i in ids if 0 <= i < self.n_vocab)
+
+
+def char_starts(text: str, pieces: Sequence[bytes]) -> list[int] | None:
+    """The character of ``text`` each token starts at, from the bytes each token stands for
+    (a token inside a character: that character); None where the tokens do not spell ``text``
+    (a vocabulary that writes a leading space has that one space skipped)."""
+    data, joined = text.encode("utf-8"), b"".join(pieces)
+    if joined not in (data, b" " + data):
+        return None
+    char_at = [i for i, ch in enumerate(text) for _ in ch.encode("utf-8")] + [len(text)]
+    starts, at = [], len(data) - len(joined)
+    for piece in pieces:
+        starts.append(char_at[max(at, 0)])
+        at += len(piece)
+    return starts
 
 
 def _free_model(llama: ModuleType, ptr: Any, idle: IdleContexts) -> None:
@@ -295,6 +328,15 @@ class LlamaCppLM(LM):
     @property
     def vocab_size(self) -> int:
         return self.model.n_vocab
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """llama.cpp's own ids for ``text``: the model reads a prompt as llama.cpp itself would,
+        also where transformers' reading of the GGUF vocabulary splits text otherwise."""
+        return self.model.tokenize(text, add_special=add_special_tokens)
+
+    def encode_offsets(self, text: str) -> tuple[list[int], list[int] | None]:
+        ids = self.model.tokenize(text)
+        return ids, char_starts(text, [self.model.piece(i) for i in ids])
 
     def describe_window(self) -> str:
         """The context limit in words (errors name it: :func:`shared_core.runtime.lm.window_text`)."""

@@ -172,7 +172,7 @@ def register_passages(lm: ModelLM, texts: Iterable[Any]) -> int:
         return 0
     count = 0
     for text in source_texts(texts):
-        count += bool(cache.index.add_interior(passage_interior(lm.tokenizer, text)))
+        count += bool(cache.index.add_interior(passage_interior(lm.encode, text)))
     return count
 
 
@@ -203,7 +203,7 @@ def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -
     items = source_texts(texts)
     computed = skipped = 0
     for text in tqdm(items, desc="passage KV", disable=not progress, unit="passage"):
-        inner = cache.index.add_interior(passage_interior(lm.tokenizer, text))
+        inner = cache.index.add_interior(passage_interior(lm.encode, text))
         if not inner:
             skipped += 1
             continue

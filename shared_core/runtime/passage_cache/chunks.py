@@ -16,9 +16,8 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 ANCHOR = 8  # ids a known passage is indexed by (the start of its interior)
 DEFAULT_TRIM = 1  # ids dropped at each end of a known passage (they may merge with the template)
@@ -48,13 +47,13 @@ def interior(ids: Sequence[int], trim: int = DEFAULT_TRIM) -> tuple[int, ...]:
     return inner if len(inner) >= MIN_PASSAGE else ()
 
 
-def passage_interior(tokenizer: Any, text: str, trim: int = DEFAULT_TRIM) -> tuple[int, ...]:
+def passage_interior(encode: Callable[[str], Sequence[int]], text: str, trim: int = DEFAULT_TRIM
+                     ) -> tuple[int, ...]:
     """The ids a passage keeps in any prompt: its tokenization from its second word on (where
     the ids of ``text`` and of ``" " + text`` agree: a first word may split differently alone,
     "Victor" "ia" vs " Victoria"), less ``trim`` ids at the end (they may merge with what
     follows); empty if too short to be worth it."""
-    alone = tokenizer(text, add_special_tokens=False)["input_ids"]
-    spaced = tokenizer(" " + text, add_special_tokens=False)["input_ids"]
+    alone, spaced = encode(text), encode(" " + text)
     common = 0
     while (common < min(len(alone), len(spaced))
            and alone[len(alone) - 1 - common] == spaced[len(spaced) - 1 - common]):
