@@ -241,8 +241,9 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     async def _agenerate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                          run_manager: AsyncCallbackManagerForLLMRun | None = None, **kwargs: Any
                          ) -> ChatResult:
-        # step by step on a worker thread: a cancelled call stops within one step
-        stream = self._chat(messages, stop, kwargs).open()
+        # step by step on a worker thread, the model loaded and its lock awaited there too: a
+        # cancelled call stops within one step, a busy model never blocks the event loop
+        stream = self._chat(messages, stop, kwargs)
         done = None
         async for done in iterate_in_thread(iter(stream)):  # noqa: B007 - the last is Finished
             pass

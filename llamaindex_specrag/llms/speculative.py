@@ -49,7 +49,7 @@ from llamaindex_specrag.llms.tools import (
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, check_int
 from shared_core.decoding.tool_calls import template_takes_tools
 from shared_core.frontend.chat import ChatEvent, ChatSettings, ChatStream, Finished, chat, chat_model
-from shared_core.frontend.chat_events import FoundCall
+from shared_core.frontend.chat_events import CallReport, FoundCall
 from shared_core.frontend.serving import FairLock, iterate_in_thread
 from shared_core.util.redact import redact
 
@@ -93,12 +93,20 @@ def _atraced(callback: Callable[[], Callable[..., Any]], llm: Any, first: Any,
     return result
 
 
+def _raw(report: CallReport) -> dict[str, Any]:
+    """A response's ``raw``: the report, and its token counts as ``usage`` too, where
+    LlamaIndex's ``TokenCountingHandler`` reads them (as from an OpenAI response)."""
+    usage = {"prompt_tokens": report.prompt_tokens, "completion_tokens": report.completion_tokens,
+             "total_tokens": report.prompt_tokens + report.completion_tokens}
+    return {**report.as_dict(), "usage": usage}
+
+
 def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:
     """Each response holds the text so far and its ``delta``; the last one, the report."""
     text = ""
     for event in events:
         if isinstance(event, Finished):
-            raw = event.report.as_dict()
+            raw = _raw(event.report)
             yield CompletionResponse(text=event.reply.text, delta=event.rest.text, raw=raw,
                                      additional_kwargs=dict(raw))
             return
@@ -113,7 +121,7 @@ def _chat_steps(stream: ChatStream, events: Iterator[ChatEvent]) -> ChatResponse
     found: list[FoundCall] = []
     for event in events:
         if isinstance(event, Finished):
-            raw = event.report.as_dict()
+            raw = _raw(event.report)
             message = reply_message(event.reply, bool(stream.tools))
             yield ChatResponse(message=message, delta=event.rest.text, raw=raw,
                                additional_kwargs=dict(raw))
@@ -196,25 +204,26 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     @staticmethod
     def _complete(stream: ChatStream) -> CompletionResponse:
         done = stream.finish()  # the whole generation under the lock
-        raw = done.report.as_dict()
+        raw = _raw(done.report)
         return CompletionResponse(text=done.reply.text, raw=raw, additional_kwargs=dict(raw))
 
     @staticmethod
-    def _stream_complete(stream: ChatStream) -> CompletionResponseGen:
-        """The model is resolved now; the lock is taken per step, never while the caller reads."""
-        return _completion_steps(iter(stream.open()))
+    def _stream_complete(stream: ChatStream, *, now: bool = True) -> CompletionResponseGen:
+        """The model is resolved now (``now=False``: at the first step, on the thread that takes
+        it); the lock is taken per step, never while the caller reads."""
+        return _completion_steps(iter(stream.open() if now else stream))
 
     @staticmethod
     def _chat(stream: ChatStream) -> ChatResponse:
         done = stream.finish()
-        raw = done.report.as_dict()
+        raw = _raw(done.report)
         return ChatResponse(message=reply_message(done.reply, bool(stream.tools)), raw=raw,
                             additional_kwargs=dict(raw))
 
     @staticmethod
-    def _stream_chat(stream: ChatStream) -> ChatResponseGen:
-        """The model is resolved now; the lock is taken per step, never while the caller reads."""
-        return _chat_steps(stream, iter(stream.open()))
+    def _stream_chat(stream: ChatStream, *, now: bool = True) -> ChatResponseGen:
+        """As :meth:`_stream_complete`, with the reply's tool calls."""
+        return _chat_steps(stream, iter(stream.open() if now else stream))
 
     # -- FunctionCallingLLM ---------------------------------------------------------------------
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,
@@ -247,7 +256,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
 
         async def run() -> CompletionResponse:
             # step by step on a worker thread: a cancelled call stops within one step
-            return await _last(iterate_in_thread(self._stream_complete(stream)))
+            return await _last(iterate_in_thread(self._stream_complete(stream, now=False)))
 
         return await _atraced(llm_completion_callback, self, prompt, kwargs, run)
 
@@ -256,7 +265,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         stream = self._completion(prompt, formatted, kwargs)
 
         async def run() -> CompletionResponseAsyncGen:
-            return iterate_in_thread(self._stream_complete(stream))
+            return iterate_in_thread(self._stream_complete(stream, now=False))
 
         return await _atraced(llm_completion_callback, self, prompt, kwargs, run)
 
@@ -273,7 +282,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         stream = self._chat_call(chat_dicts(messages), kwargs)
 
         async def run() -> ChatResponse:
-            return await _last(iterate_in_thread(self._stream_chat(stream)))
+            return await _last(iterate_in_thread(self._stream_chat(stream, now=False)))
 
         return await _atraced(llm_chat_callback, self, messages, kwargs, run)
 
@@ -282,6 +291,6 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         stream = self._chat_call(chat_dicts(messages), kwargs)
 
         async def run() -> ChatResponseAsyncGen:
-            return iterate_in_thread(self._stream_chat(stream))
+            return iterate_in_thread(self._stream_chat(stream, now=False))
 
         return await _atraced(llm_chat_callback, self, messages, kwargs, run)

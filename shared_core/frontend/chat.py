@@ -281,8 +281,9 @@ def _load(model: SessionLM | ModelKey, prefix_cache: bool | int | None,
         lm, lock = loaded_model(*model, prefix_cache)
     else:
         lm, lock = model, lock_for(model)
-    with lock:
-        ensure_passage_cache(lm, passage_cache)
+    if passage_cache is not None:  # attaching one waits for the model; nothing else here does
+        with lock:
+            ensure_passage_cache(lm, passage_cache)
     return lm, lock
 
 

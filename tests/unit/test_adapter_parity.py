@@ -10,7 +10,9 @@ in each framework's word for the input (a runnable's ``question``, a query engin
 
 from __future__ import annotations
 
+import asyncio
 import re
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -36,6 +38,7 @@ from shared_core.frontend.rag_settings import speculative_rag
 from shared_core.frontend.rag_streams import SpeculativeRAGAnswer
 from shared_core.retrieval import BM25Retriever
 from shared_core.retrieval.frameworks import DocumentList, to_documents
+from shared_core.runtime.model_lock import lock_for
 
 QUESTION = "capital of France?"
 DOCS = list(SPECRAG_DOCS[:6])
@@ -282,6 +285,47 @@ def _pair(lm: Any, engine: str, **settings: Any) -> tuple[ChatSpeculative, Specu
     settings = {"engine": engine, "model": "tiny", **ENGINES[engine], **settings}
     return (ChatSpeculative(lm=lm, max_tokens=6, **settings),
             SpeculativeLLM(lm, max_new_tokens=6, **settings))
+
+
+async def _drain(stream: Any) -> list[Any]:
+    return [item async for item in await stream] if asyncio.iscoroutine(stream) else [
+        item async for item in stream]
+
+
+_ASYNC_CALLS: dict[str, Callable[[ChatSpeculative, SpeculativeLLM], Any]] = {
+    "ainvoke": lambda chat, llm: chat.ainvoke([HumanMessage(QUESTION)]),
+    "astream": lambda chat, llm: _drain(chat.astream([HumanMessage(QUESTION)])),
+    "acomplete": lambda chat, llm: llm.acomplete(QUESTION),
+    "astream_complete": lambda chat, llm: _drain(llm.astream_complete(QUESTION)),
+    "achat": lambda chat, llm: llm.achat([ChatMessage(role="user", content=QUESTION)]),
+    "astream_chat": lambda chat, llm: _drain(
+        llm.astream_chat([ChatMessage(role="user", content=QUESTION)])),
+}
+
+
+@pytest.mark.parametrize("call", sorted(_ASYNC_CALLS))
+async def test_chat_pair_awaits_a_busy_model_off_the_event_loop(tiny_target, call) -> None:
+    """While another thread holds the model (a generation in progress), an async call of either
+    adapter waits for it on a worker thread: the event loop runs on, here to release the model
+    (a call that waited on the loop would hold the loop until the holder gave up)."""
+    chat, llm = _pair(tiny_target, "autoregressive")
+    held, release, gave_up = threading.Event(), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with lock_for(tiny_target):
+            held.set()
+            if not release.wait(30):
+                gave_up.set()
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait()
+    task = asyncio.ensure_future(_ASYNC_CALLS[call](chat, llm))
+    await asyncio.sleep(0.05)  # the call starts and meets the held model
+    release.set()
+    await task
+    holder.join()
+    assert not gave_up.is_set()
 
 
 @pytest.mark.parametrize("engine", sorted(ENGINES))

@@ -175,3 +175,21 @@ def test_streamed_forced_call_ends_as_chat_with_tools(max_new_tokens):
     assert [s.tool_name for s in selections] == (["pick"] if max_new_tokens == 120 else [])
     assert len(calls(last, "invalid_tool_calls")) == (0 if max_new_tokens == 120 else 1)
     assert last.raw["completion_tokens"] == chatted.raw["completion_tokens"]
+
+
+def test_token_counting_handler_reads_the_exact_counts(tiny_target):
+    """LlamaIndex's TokenCountingHandler reads ``raw["usage"]``; without it, it falls back to
+    its own tokenizer (here one that counts one token per text)."""
+    from llama_index.core.callbacks import CallbackManager, TokenCountingHandler
+
+    counter = TokenCountingHandler(tokenizer=lambda text: [0])
+    llm = SpeculativeLLM(lm=tiny_target, model="tiny", max_new_tokens=6,
+                         engine_options={"use_trigger": False},
+                         callback_manager=CallbackManager([counter]))
+    out = llm.complete(PROMPT)
+    chatted = llm.chat([ChatMessage(role=MessageRole.USER, content=PROMPT)])
+    assert out.raw is not None and chatted.raw is not None
+    assert counter.prompt_llm_token_count == out.raw["prompt_tokens"] + chatted.raw["prompt_tokens"]
+    assert counter.completion_llm_token_count == (out.raw["completion_tokens"]
+                                                  + chatted.raw["completion_tokens"])
+    assert out.raw["prompt_tokens"] > 1 and out.raw["completion_tokens"] > 1
