@@ -50,6 +50,7 @@ from pydantic import AliasChoices, ConfigDict, Field
 
 from langchain_specrag.chat_models.structured import structured_output
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
+from shared_core.decoding.constrained import xgrammar_available
 from shared_core.decoding.output import ChatTurns, chat_turns
 from shared_core.decoding.tool_calls import check_tool_choice, check_tools
 from shared_core.frontend.chat import (
@@ -206,8 +207,10 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     def _chat(self, messages: list[BaseMessage], stop: list[str] | None,
               kwargs: dict[str, Any]) -> ChatStream:
-        """The one core call, checked now (before any model work)."""
-        return chat(self, to_chat_messages(messages), {**kwargs, "stop": stop}, self.lm)
+        """The one core call, checked now (before any model work). ``stream`` is LangChain's
+        own switch (``invoke(..., stream=True)`` streams through :meth:`_stream`), not an option."""
+        options = {k: v for k, v in kwargs.items() if k != "stream"}
+        return chat(self, to_chat_messages(messages), {**options, "stop": stop}, self.lm)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,
                   run_manager: CallbackManagerForLLMRun | None = None, **kwargs: Any
@@ -264,9 +267,15 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
                    ) -> Runnable[LanguageModelInput, AIMessage]:
         """Bind tools (any form ``convert_to_openai_tool`` takes). ``tool_choice``: ``"auto"``
         (default), ``"none"``, ``"any"`` / ``"required"`` / ``True`` or a tool's name; a forced
-        call is prefilled and (with ``specrag[constrained]``) grammar-constrained."""
+        call is prefilled and (with ``specrag[constrained]``) grammar-constrained.
+        ``strict=True`` asks for calls whose arguments match their schema: with
+        ``specrag[constrained]`` every call is grammar-constrained (else ImportError).
+        ``parallel_tool_calls=False`` keeps a reply's first call only."""
         from langchain_core.utils.function_calling import convert_to_openai_tool
 
+        if kwargs.pop("strict", None) and not xgrammar_available():
+            msg = "strict=True needs constrained decoding: pip install 'specrag[constrained]'"
+            raise ImportError(msg)
         formatted = check_tools([convert_to_openai_tool(t) for t in tools])
         check_tool_choice(tool_choice, formatted)
         return super().bind(tools=formatted, tool_choice=tool_choice, **kwargs)

@@ -230,7 +230,8 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
                                  chat_history: list[ChatMessage] | None = None,
                                  verbose: bool = False, allow_parallel_tool_calls: bool = False,
                                  tool_required: bool = False, **kwargs: Any) -> dict[str, Any]:
-        return prepare_chat_with_tools(tools, user_msg, chat_history, tool_required, kwargs)
+        return prepare_chat_with_tools(tools, user_msg, chat_history, tool_required, kwargs,
+                                       parallel=allow_parallel_tool_calls)
 
     def get_tool_calls_from_response(self, response: ChatResponse,
                                      error_on_no_tool_call: bool = True, **kwargs: Any

@@ -94,9 +94,10 @@ def tool_message(content: str, found: Sequence[ToolCall | InvalidToolCall]) -> C
 
 def prepare_chat_with_tools(tools: Sequence[Any], user_msg: str | ChatMessage | None,
                             chat_history: list[ChatMessage] | None, tool_required: bool,
-                            kwargs: dict[str, Any]) -> dict[str, Any]:
+                            kwargs: dict[str, Any], *, parallel: bool = False) -> dict[str, Any]:
     """``chat`` arguments: messages, OpenAI-format tools and the tool choice (``tool_required``
-    forces a call: of the only tool if there is one, else of any)."""
+    forces a call: of the only tool if there is one, else of any); ``parallel`` False (as
+    LlamaIndex's ``allow_parallel_tool_calls`` defaults): the reply's first call only."""
     messages = list(chat_history or [])
     if isinstance(user_msg, str):
         user_msg = ChatMessage(role=MessageRole.USER, content=user_msg)
@@ -106,7 +107,8 @@ def prepare_chat_with_tools(tools: Sequence[Any], user_msg: str | ChatMessage | 
     choice = kwargs.pop("tool_choice", None)
     if choice is None and tool_required:
         choice = specs[0]["function"]["name"] if len(specs) == 1 else "required"
-    return {"messages": messages, "tools": specs or None, "tool_choice": choice, **kwargs}
+    return {"messages": messages, "tools": specs or None, "tool_choice": choice,
+            "parallel_tool_calls": parallel, **kwargs}
 
 
 def tool_selections(response: ChatResponse, error_on_no_tool_call: bool) -> list[ToolSelection]:

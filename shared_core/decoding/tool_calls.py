@@ -298,8 +298,9 @@ class ReplyScanner:
     result does not depend on how the reply is split.
     """
 
-    def __init__(self, known: Sequence[str], prefill: str = ""):
+    def __init__(self, known: Sequence[str], prefill: str = "", *, single: bool = False):
         self._known = list(known)
+        self.single = single  # keep the first call only (``parallel_tool_calls=False``)
         self._raw = ""  # everything fed, for a held (bare) reply
         self._buf = ""  # not yet decided
         self._bare: bool | None = None  # None: nothing but whitespace so far
@@ -344,6 +345,8 @@ class ReplyScanner:
         return text, found
 
     def _add(self, calls: list[ToolCall | InvalidToolCall]) -> list[ToolCall | InvalidToolCall]:
+        if self.single:
+            calls = calls[: max(0, 1 - len(self.found))]
         self.found += calls
         return calls
 
@@ -379,7 +382,7 @@ class ReplyScanner:
 
     def _close_bare(self) -> tuple[str, list[ToolCall | InvalidToolCall]]:
         if OPEN in self._raw:  # tagged calls after all: scan the whole reply as such
-            scanner = ReplyScanner(self._known)
+            scanner = ReplyScanner(self._known, single=self.single)
             scanner._bare = False
             text, found = scanner._scan(self._raw)
             rest, more = scanner.close()

@@ -21,7 +21,8 @@ its framework's message and response conversion around one call::
   iterating takes it for one step at a time and never while the caller reads;
 - **tools**: calls are parsed out of the reply as they complete
   (:class:`~shared_core.decoding.tool_calls.ReplyScanner`), so what a stream yields adds up to
-  what :meth:`ChatStream.finish` returns;
+  what :meth:`ChatStream.finish` returns; ``parallel_tool_calls=False`` keeps a reply's first
+  call only (as OpenAI's API does; later calls are dropped, not generated differently);
 - **events** (:mod:`shared_core.frontend.chat_events`): typed, frozen, with the call's usage and
   engine stats in :class:`~shared_core.frontend.chat_events.CallReport`.
 """
@@ -142,6 +143,7 @@ class _ToolPrompt:
     shown: list[dict[str, Any]]
     prefill: str
     constraint: Constraint | None
+    single_call: bool = False  # parallel_tool_calls=False: the reply's first call only
 
 
 @dataclass(frozen=True)
@@ -174,11 +176,15 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
     generation = _generation(settings, kwargs)
     tools = check_tools(kwargs.pop("tools", None) or ())
     choice = check_tool_choice(kwargs.pop("tool_choice", None), tools) if tools else "none"
+    parallel = kwargs.pop("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        msg = f"parallel_tool_calls must be a bool, got {type(parallel).__name__}"
+        raise TypeError(msg)
     constraint = check_response_format(kwargs.pop("response_format", None))
     texts = None if documents is None else [d.text for d in to_documents(documents)]
     checked = _checked_prompt(prompt)
     return _Request(engine, chosen or bool(options), checked, generation, texts, options,
-                    _tool_prompt(checked, tools, choice, constraint),
+                    _tool_prompt(checked, tools, choice, constraint, single_call=not parallel),
                     _model_of(settings, state, kwargs.pop("model", None)), state.engine_state,
                     settings.prefix_cache, settings.passage_cache_config(), settings.model)
 
@@ -222,7 +228,8 @@ def _has_tool_turns(prompt: Prompt) -> bool:
 
 
 def _tool_prompt(prompt: Prompt, tools: list[dict[str, Any]], choice: str,
-                 constraint: Constraint | None) -> _ToolPrompt | None:
+                 constraint: Constraint | None, *, single_call: bool = False
+                 ) -> _ToolPrompt | None:
     """Tools shown, a forced call prefilled and the grammar to mask with (None: a plain
     prompt)."""
     if not tools and constraint is None and not _has_tool_turns(prompt):
@@ -244,7 +251,8 @@ def _tool_prompt(prompt: Prompt, tools: list[dict[str, Any]], choice: str,
                    "tool calls are %s, not constrained ('specrag[constrained]' constrains them)",
                    "prefilled" if forced else "parsed as written")
         grammar = None
-    return _ToolPrompt(list(turns), tools if choice != "none" else [], prefill, grammar)
+    return _ToolPrompt(list(turns), tools if choice != "none" else [], prefill, grammar,
+                       single_call)
 
 
 def _with_format_instruction(turns: list[dict[str, Any]], constraint: Constraint
@@ -324,6 +332,7 @@ class ChatStream:
         self._request = request
         tool_prompt = request.tool_prompt
         self._prefill = tool_prompt.prefill if tool_prompt else ""
+        self._single_call = bool(tool_prompt and tool_prompt.single_call)
         self.tools: tuple[str, ...] = (tuple(tool_names(tool_prompt.shown))
                                        if tool_prompt and parse_tools else ())
         self._opened: _Opened | None = None
@@ -395,7 +404,8 @@ class ChatStream:
                             engine_state=request.engine_state, **options)
 
     def _scanner(self) -> ReplyScanner | None:
-        return ReplyScanner(self.tools, self._prefill) if self.tools else None
+        return (ReplyScanner(self.tools, self._prefill, single=self._single_call) if self.tools
+                else None)
 
     def _finished(self, result: GenerationResult, scanner: ReplyScanner | None,
                   rest: ReplyDelta | None) -> Finished:

@@ -53,7 +53,8 @@ CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "t
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
 CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop", "temperature",
-                "top_k", "top_p", "seed", "tools", "tool_choice", "response_format", "model")
+                "top_k", "top_p", "seed", "tools", "tool_choice", "parallel_tool_calls",
+                "response_format", "model")
 
 
 class ModelKey(NamedTuple):

@@ -376,6 +376,39 @@ def test_chat_pair_finishes_a_forced_tool_call_the_same_way(tiny_target) -> None
         "tool_calls")
 
 
+def test_chat_pair_hands_parallel_tool_calls_to_the_one_scanner(monkeypatch) -> None:
+    """``parallel_tool_calls`` (LangChain's bind option, LlamaIndex's ``allow_parallel_tool_calls``,
+    False by default there as in its OpenAI LLM) reaches the core's reply scanner, which keeps the
+    first call only (``tests/unit/test_tool_calls.py``)."""
+    from llama_index.core.tools import FunctionTool
+
+    from shared_core.frontend import chat as chat_core
+
+    made: list[bool] = []
+
+    class Recording(chat_core.ReplyScanner):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            made.append(self.single)
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    monkeypatch.setattr(chat_core, "ReplyScanner", Recording)
+    chat, llm = _pair(tiny_lm(max_positions=2048), "autoregressive")  # tool prompts are long
+    chat.bind_tools([add], parallel_tool_calls=False).invoke([HumanMessage(QUESTION)])
+    chat.bind_tools([add]).invoke([HumanMessage(QUESTION)])
+    tool = FunctionTool.from_defaults(add)
+    llm.chat_with_tools([tool], user_msg=QUESTION)
+    llm.chat_with_tools([tool], user_msg=QUESTION, allow_parallel_tool_calls=True)
+    assert made == [True, False, True, False]
+    _same_error(lambda: chat.invoke([HumanMessage(QUESTION)], tools=[tool.metadata.to_openai_tool()],
+                                    parallel_tool_calls="no"),
+                lambda: llm.chat([ChatMessage(role="user", content=QUESTION)],
+                                 tools=[tool.metadata.to_openai_tool()], parallel_tool_calls="no"))
+
+
 CHAT_BAD_SETTINGS = [{"temperature": "1"}, {"top_p": 2.0}, {"top_k": -1}, {"seed": 2**70},
                      {"engine": "nope"}, {"tempreature": 0.2}, {"backend": "tpu"},
                      {"prefix_cache": -1}, {"prefix_cache": "4"}, {"prefix_cache": 1.5}]

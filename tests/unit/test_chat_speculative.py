@@ -8,7 +8,7 @@ from typing import Literal
 
 import pytest
 from langchain_core.messages import AIMessage, HumanMessage, SystemMessage
-from tiny import record_steps
+from tiny import record_steps, tiny_lm
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative, to_chat_messages
 from shared_core.engines.baseline import autoregressive_generate
@@ -72,6 +72,22 @@ async def test_async_paths_do_not_block_the_loop(chat, monkeypatch):
     assert msg.content == "".join(str(c.content) for c in chunks)
     ran = [thread for run in steps for thread in run]
     assert len(steps) == 2 and ran and threading.get_ident() not in ran
+
+
+def test_langchains_own_call_switches_are_accepted(chat):
+    """``invoke(stream=...)`` is BaseChatModel's switch between _generate and _stream; ``strict``
+    and ``parallel_tool_calls`` are bind_tools options of OpenAI-style chat models."""
+    plain = chat.invoke(MESSAGES).content
+    assert chat.invoke(MESSAGES, stream=True).content == plain
+    assert chat.invoke(MESSAGES, stream=False).content == plain
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    long = ChatSpeculative(lm=tiny_lm(max_positions=2048), model="tiny", max_tokens=4)  # tools
+    bound = long.bind_tools([add], strict=True, parallel_tool_calls=False)
+    assert isinstance(bound.invoke(MESSAGES), AIMessage)
 
 
 def test_batch_is_thread_safe(chat):

@@ -145,6 +145,20 @@ def test_scanner_gives_the_same_reply_however_it_is_split(text):
         assert not any("<tool_call" in d or '"arguments"' in d for d in deltas), cuts
 
 
+@pytest.mark.parametrize("text", [REPLIES[0], '[{"name": "get_weather", "arguments": {"city": '
+                                  '"Paris"}}, {"name": "add", "arguments": {"a": 1}}]'])
+def test_a_single_call_scanner_keeps_the_first_call_however_the_reply_is_split(text):
+    """``parallel_tool_calls=False``: the first call only, the content unchanged."""
+    content, calls, _ = parse_tool_calls(text, NAMES)
+    assert len(calls) == 2
+    for cuts in [[]] + [[i] for i in range(1, len(text), 7)]:
+        scanner = ReplyScanner(NAMES, single=True)
+        found = [c for piece in _pieces(text, cuts) for c in scanner.feed(piece)[1]]
+        found += scanner.close()[1]
+        assert [(c.name, c.arguments) for c in found] == [(calls[0].name, calls[0].arguments)]
+        assert scanner.content == content and scanner.found == found
+
+
 def test_scanner_streams_text_before_a_call_and_holds_a_partial_tag():
     scanner = ReplyScanner(NAMES)
     assert scanner.feed("Let me check. <tool") == ("Let me check.", [])  # " <tool" held
