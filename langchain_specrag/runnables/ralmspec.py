@@ -14,7 +14,6 @@ Output is identical to plain iterative retrieval (RaLMSeq) with the same retriev
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
@@ -25,13 +24,30 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from typing_extensions import TypedDict
 
 from langchain_specrag.runnables._inputs import LangChainPrompt, RAGInput, as_question_input
-from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, refuses_call_kwargs
+from shared_core.frontend.rag_settings import (
+    RaLMSpecSettings,
+    ralmspec,
+    ralmspec_answer,
+    refuses_call_kwargs,
+)
 from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecAnswer
 from shared_core.frontend.serving import iterate_in_thread
 
 
 class RaLMSpecInput(TypedDict):
     question: str
+
+
+def _question(value: RAGInput) -> str:
+    """The question of an input; documents that came with it are refused: RaLMSpec retrieves
+    its own, from its retriever, every ``retrieval_stride`` tokens."""
+    question, documents = as_question_input(value)
+    if documents is not None:
+        msg = ("input['documents']: RaLMSpecRunnable retrieves its own passages from its "
+               "retriever every retrieval_stride tokens; give it a retriever over them "
+               "(retriever=...) or use SpeculativeRAGRunnable, which answers from given documents")
+        raise ValueError(msg)
+    return question
 
 
 RaLMSpecOutput = str | dict[str, Any]
@@ -58,7 +74,7 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
         return {"answer": answer.text, "documents": docs, **answer.details}
 
     def _run(self, value: RAGInput) -> RaLMSpecOutput:
-        return self._output(ralmspec(self, as_question_input(value)[0]).finish())
+        return self._output(ralmspec(self, _question(value)).finish())
 
     @refuses_call_kwargs
     def invoke(self, input: RaLMSpecIn, config: RunnableConfig | None = None,
@@ -69,13 +85,13 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
     async def ainvoke(self, input: RaLMSpecIn, config: RunnableConfig | None = None,
                       **kwargs: Any) -> RaLMSpecOutput:
         async def run(value: RAGInput) -> RaLMSpecOutput:
-            return await asyncio.to_thread(self._run, value)
+            return self._output(await ralmspec_answer(self, _question(value)))
 
         return await self._acall_with_config(run, input, config, run_type="chain", **kwargs)
 
     def _deltas(self, inputs: Iterator[RAGInput]) -> Iterator[str]:
         for value in inputs:
-            yield from (e.text for e in ralmspec(self, as_question_input(value)[0])
+            yield from (e.text for e in ralmspec(self, _question(value))
                         if isinstance(e, AnswerDelta))
 
     @refuses_call_kwargs

@@ -27,7 +27,7 @@ from llama_index.core.query_engine import CustomQueryEngine
 from llama_index.core.schema import NodeWithScore
 
 from llamaindex_specrag._query import CheckedQuery, query_text, source_nodes
-from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec
+from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, ralmspec_answer
 from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecStream
 from shared_core.frontend.serving import iterate_in_thread
 
@@ -37,6 +37,10 @@ if TYPE_CHECKING:
 
 def _nodes(answer: RaLMSpecAnswer) -> list[NodeWithScore]:
     return source_nodes(answer.documents, score=None)
+
+
+def _response(answer: RaLMSpecAnswer) -> Response:
+    return Response(response=answer.text, source_nodes=_nodes(answer), metadata=answer.details)
 
 
 def _deltas(stream: RaLMSpecStream, response: StreamingResponse | AsyncStreamingResponse
@@ -62,8 +66,7 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
 
     def _answer(self, query_str: str) -> Response:
         """The whole answer (not streaming)."""
-        answer = ralmspec(self, query_text(query_str)).finish()  # settings and model checked here
-        return Response(response=answer.text, source_nodes=_nodes(answer), metadata=answer.details)
+        return _response(ralmspec(self, query_text(query_str)).finish())  # checked here
 
     def custom_query(self, query_str: str) -> Response | StreamingResponse:
         if not self.streaming:
@@ -77,8 +80,8 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
         return response
 
     async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
-        if not self.streaming:
-            return await asyncio.to_thread(self._answer, query_str)
+        if not self.streaming:  # on a worker thread, step by step: cancelling stops it
+            return _response(await ralmspec_answer(self, query_text(query_str)))
         stream = await asyncio.to_thread(ralmspec, self, query_text(query_str))
 
         async def deltas() -> AsyncGenerator[str, None]:

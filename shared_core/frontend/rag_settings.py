@@ -16,7 +16,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from pydantic import (
@@ -58,7 +58,13 @@ from shared_core.frontend.rag import (
     prebuilt_engine_check,
 )
 from shared_core.frontend.rag_pickle import portable_state
-from shared_core.frontend.rag_streams import RaLMSpecStream, SpeculativeRAGStream
+from shared_core.frontend.rag_streams import (
+    RaLMSpecAnswer,
+    RaLMSpecEvent,
+    RaLMSpecStream,
+    SpeculativeRAGStream,
+)
+from shared_core.frontend.serving import iterate_in_thread
 from shared_core.retrieval.frameworks import DocumentList, retrieve, retrieved_documents
 from shared_core.retrieval.timeout import call_with_timeout
 from shared_core.util.redact import redacted_dump, redacted_repr_args
@@ -308,6 +314,19 @@ def ralmspec(settings: RaLMSpecSettings, question: str) -> RaLMSpecStream:
     change), started now; read it to the end or stream it."""
     return RaLMSpecStream(settings._engines.stream(settings, question, settings.engine_prompt()))
 
+
+
+async def ralmspec_answer(settings: RaLMSpecSettings, question: str) -> RaLMSpecAnswer:
+    """:func:`ralmspec` read to its end on a worker thread, the engine started there too: the
+    event loop never waits for the model, and a cancelled call stops within one step."""
+    def events() -> Iterator[RaLMSpecEvent]:
+        yield from ralmspec(settings, question)
+
+    last: RaLMSpecEvent | None = None
+    async for last in iterate_in_thread(events()):  # noqa: B007 - the last is the answer
+        pass
+    assert isinstance(last, RaLMSpecAnswer)
+    return last
 
 
 def speculative_rag(settings: SpeculativeRAGSettings, question: str,

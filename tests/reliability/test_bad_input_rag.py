@@ -9,6 +9,7 @@ it does so before any model work: a forward hook on every tiny model counts zero
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import math
 import re
@@ -253,6 +254,12 @@ ADAPTERS = [
     case("runnable.invoke({'question': None})", lambda e: e.runnable.invoke({"question": None}),
          T, "question"),
     case("runnable.stream('')", lambda e: list(e.runnable.stream(" ")), V, "question"),
+    case("runnable.invoke({'question', 'documents'})",  # RaLMSpec retrieves its own
+         lambda e: e.runnable.invoke({"question": "q", "documents": ["a passage"]}), V,
+         "documents"),
+    case("runnable.ainvoke({'question', 'documents'})",
+         lambda e: asyncio.run(e.runnable.ainvoke({"question": "q", "documents": ["a"]})), V,
+         "documents"),
     case("RaLMSpecQueryEngine(speculation_stride=0)",
          lambda e: RaLMSpecQueryEngine(speculation_stride=0), V, "speculation_stride"),
     case("RaLMSpecQueryEngine(retrieval_timeout_s='1')",

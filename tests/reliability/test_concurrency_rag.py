@@ -226,3 +226,55 @@ def test_llamaindex_speculative_retriever_16_threads_and_gather() -> None:
     fresh = LISpeculativeRetriever(base, similarity_top_k=3)
     nodes = gather([fresh.aretrieve(q) for q in QUESTIONS])
     assert [[n.node.node_id for n in row] for row in nodes] == want
+
+
+# --------------------------------------------------------------------- cancellation
+
+
+@pytest.mark.parametrize("adapter", ["RaLMSpecRunnable", "RaLMSpecQueryEngine"])
+async def test_a_cancelled_async_ralmspec_call_stops_within_one_step(lm, monkeypatch, adapter: str
+                                                                    ) -> None:
+    """``ainvoke`` / ``aquery`` run the generation step by step on a worker thread: cancelled
+    while its second step is being computed, the generation is closed after that step (a call
+    run whole on a thread would have run to its end)."""
+    from shared_core.frontend import rag_settings
+
+    steps: list[object] = []
+    first, go, closed = threading.Event(), threading.Event(), threading.Event()
+    real = rag_settings.ralmspec
+
+    class Recorded:
+        def __init__(self, stream: Any) -> None:
+            self.stream = stream
+
+        def __iter__(self) -> Any:
+            try:
+                for event in self.stream:
+                    steps.append(event)
+                    first.set()
+                    go.wait(30)  # the worker holds here until the test has cancelled the call
+                    yield event
+            finally:
+                closed.set()
+
+    monkeypatch.setattr(rag_settings, "ralmspec", lambda *a: Recorded(real(*a)))
+    engine = RaLMSpec(lm, LCRetriever(hashed) if adapter == "RaLMSpecRunnable"
+                      else LIRetriever(hashed), RaLMSpecConfig(**{**SMALL, "max_doc_tokens": 8}))
+    call = (RaLMSpecRunnable(engine=engine, max_new_tokens=48).ainvoke
+            if adapter == "RaLMSpecRunnable"
+            else RaLMSpecQueryEngine(engine=engine, max_new_tokens=48).aquery)
+    go.set()
+    await call(QUESTIONS[0])
+    full = len(steps)
+    assert full > 3 and closed.is_set()
+    steps.clear()
+    for event in (first, go, closed):
+        event.clear()
+    task = asyncio.ensure_future(call(QUESTIONS[0]))
+    assert await asyncio.to_thread(first.wait, 30)
+    task.cancel()
+    go.set()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert await asyncio.to_thread(closed.wait, 30)
+    assert len(steps) <= 2 < full
