@@ -4,10 +4,14 @@ as the ``prompt`` setting."""
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 from langchain_core.messages import BaseMessage, HumanMessage
 from langchain_core.prompt_values import PromptValue, StringPromptValue
 from langchain_core.prompts import BasePromptTemplate
+from langchain_core.runnables import Runnable
+from langchain_core.tools import BaseTool
+from pydantic import BaseModel
 
 from shared_core.config.rag import PromptMessages, check_prompt
 from shared_core.frontend.rag import (
@@ -72,6 +76,18 @@ def prompt_messages(prompt: object) -> PromptMessages | None:
 
 class LangChainPrompt:
     """Mixin of the LangChain RAG runnables: their ``prompt`` setting may be a LangChain
-    template (:func:`prompt_messages`), converted by the shared settings base."""
+    template (:func:`prompt_messages`), converted by the shared settings base; ``as_tool``
+    takes a question."""
 
     _prompt_of = staticmethod(prompt_messages)
+
+    def as_tool(self, args_schema: type[BaseModel] | None = None, *, name: str | None = None,
+                description: str | None = None, arg_types: dict[str, type] | None = None
+                ) -> BaseTool:
+        """The runnable as an agent's tool, called with ``{"question": str}`` unless
+        ``args_schema`` or ``arg_types`` say otherwise (its input type is a union, from which
+        LangChain cannot infer a schema)."""
+        if args_schema is None and arg_types is None:
+            arg_types = {"question": str}
+        return Runnable.as_tool(cast("Runnable[Any, Any]", self), args_schema, name=name,
+                                description=description, arg_types=arg_types)

@@ -75,6 +75,17 @@ def test_a_prompts_output_is_a_question(specrag, ralmspec) -> None:
         assert "".join((chat | runnable).stream({"question": QUESTION})) == reference
 
 
+def test_as_tool_takes_a_question(specrag, ralmspec) -> None:
+    """An agent's tool: ``{"question": str}`` by default (the input type is a union, from which
+    LangChain infers no schema); the tool answers as ``invoke`` does."""
+    for runnable in _runnables(specrag, ralmspec):
+        tool = runnable.as_tool(name="handbook", description="Answers from the handbook.")
+        assert list(tool.args) == ["question"]
+        assert tool.invoke({"question": QUESTION}) == runnable.invoke(QUESTION)
+        typed = runnable.as_tool(name="t", description="d", arg_types={"question": str})
+        assert list(typed.args) == ["question"]
+
+
 @pytest.mark.parametrize("value", [[SystemMessage("no question here")], 42, [1, 2]])
 def test_inputs_without_a_question_are_named_errors(specrag, ralmspec, value) -> None:
     for runnable in _runnables(specrag, ralmspec):
