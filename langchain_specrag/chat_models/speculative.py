@@ -62,6 +62,7 @@ from shared_core.frontend.chat import (
     Reply,
     chat,
     chat_model,
+    prompt_length,
 )
 from shared_core.frontend.serving import FairLock, iterate_in_thread
 from shared_core.util.redact import redact, redacted_dump
@@ -204,6 +205,20 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
         return chat_model(self, self.lm, override)
+
+    # -- token counts (trim_messages, token budgets): the model's own tokenizer and template ----
+    def get_token_ids(self, text: str) -> list[int]:
+        """``text``'s ids under the model's tokenizer (the model loads on first use)."""
+        return list(self._model()[0].encode(text))
+
+    def get_num_tokens_from_messages(self, messages: list[BaseMessage],
+                                     tools: Sequence[Any] | None = None) -> int:
+        """The tokens the model reads ``messages`` as, rendered by its chat template, with
+        ``tools`` (any form ``bind_tools`` takes) shown as a call shows them."""
+        from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        shown = [convert_to_openai_tool(t) for t in tools or ()]
+        return prompt_length(self._model()[0], to_chat_messages(messages), shown)
 
     def _chat(self, messages: list[BaseMessage], stop: list[str] | None,
               kwargs: dict[str, Any]) -> ChatStream:

@@ -84,7 +84,8 @@ logger = logging.getLogger(__name__)
 
 __all__ = ["CALL_OPTIONS", "CHAT_SETTINGS", "DEFAULT_ENGINE", "MAX_TOKEN_NAMES", "AdapterState",
            "CallReport", "ChatEvent", "ChatSettings", "ChatStream", "Finished", "FoundCall",
-           "ModelKey", "Reply", "ReplyDelta", "chat", "chat_model", "check_response_format"]
+           "ModelKey", "Reply", "ReplyDelta", "chat", "chat_model", "check_response_format",
+           "prompt_length"]
 
 
 def chat(settings: ChatSettings, prompt: Prompt, options: Mapping[str, Any],
@@ -109,6 +110,16 @@ def chat_model(settings: ChatSettings, lm: SessionLM | None = None, override: st
     :func:`chat` for ``lm``, ``override`` is a per-call ``model``."""
     return _load(_model_of(settings, settings.adapter_state(lm), override), settings.prefix_cache,
                  settings.passage_cache_config())
+
+
+def prompt_length(lm: SessionLM, turns: ChatTurns, tools: list[dict[str, Any]] | None = None
+                  ) -> int:
+    """The tokens a call reads ``turns`` as, with ``tools`` (OpenAI format) shown as a call
+    shows them (:meth:`ChatStream.open` renders the same way)."""
+    shown = check_tools(tools or ())
+    if not shown and not _has_tool_turns(turns):
+        return len(lm.prompt_ids(turns))
+    return len(render_prompt(lm, list(turns), shown, ""))
 
 
 def check_response_format(response_format: object) -> Constraint | None:

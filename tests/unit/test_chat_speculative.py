@@ -90,6 +90,28 @@ def test_langchains_own_call_switches_are_accepted(chat):
     assert isinstance(bound.invoke(MESSAGES), AIMessage)
 
 
+def test_token_counts_are_what_the_model_reads(chat, tiny_target):
+    """``get_num_tokens*`` (LangChain's ``trim_messages``, token budgets) count with the model's
+    own tokenizer and chat template: the count equals the prompt tokens a call reports."""
+    from langchain_core.messages import trim_messages
+
+    assert chat.get_num_tokens("0 1 2 3 4") == len(tiny_target.encode("0 1 2 3 4"))
+    counted = chat.get_num_tokens_from_messages(MESSAGES)
+    assert counted == chat.invoke(MESSAGES).usage_metadata["input_tokens"]
+    kept = trim_messages(MESSAGES, token_counter=chat, max_tokens=counted - 1, strategy="last",
+                         include_system=True, allow_partial=False)
+    assert chat.get_num_tokens_from_messages(kept) <= counted - 1
+
+    def add(a: int, b: int) -> int:
+        """Add two numbers."""
+        return a + b
+
+    long = ChatSpeculative(lm=tiny_lm(max_positions=2048), model="tiny", max_tokens=4)  # tools
+    with_tools = long.get_num_tokens_from_messages(MESSAGES, tools=[add])
+    assert with_tools > long.get_num_tokens_from_messages(MESSAGES)
+    assert with_tools == long.bind_tools([add]).invoke(MESSAGES).usage_metadata["input_tokens"]
+
+
 def test_batch_is_thread_safe(chat):
     outs = chat.batch([MESSAGES] * 3)
     assert len({o.content for o in outs}) == 1
