@@ -221,7 +221,7 @@ def _warn_if_probe_failed() -> None:
 def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
             cpu_linears: str = "dtype", backend: str = LOAD_LM_BACKEND, n_ctx: int | None = None,
-            exact: bool = False, prefix_cache: bool | int | None = None,
+            n_threads: int | None = None, exact: bool = False, prefix_cache: bool | int | None = None,
             passage_cache: str | None = DEFAULT_PASSAGE_CACHE, recompute_share: float | None = None,
             passage_cache_memory_mb: int | None = None, passage_cache_disk_mb: int | None = None
             ) -> LM:
@@ -241,6 +241,9 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             kernels, CPU) or ``"auto"`` (:func:`choose_backend`). ``lm.backend`` and
             ``lm.backend_reason`` say which ran and why.
         n_ctx: llama.cpp only: positions per session (default: min(trained context, 8192)).
+        n_threads: llama.cpp only: the threads it computes with (default:
+            ``$SPECRAG_NUM_THREADS``, else the usable CPUs the load average says are free;
+            docs/backends.md, *Threads on a busy machine*).
         exact: llama.cpp: load without weight repacking and run flash attention with a bf16
             V cache, so a k-token verification gives the same logits as k one-token steps at any
             context length and thread count (speculative output equals greedy bit for bit).
@@ -279,7 +282,8 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         raise ValueError(msg)
     from shared_core.runtime.llamacpp.lm import prefix_cache_settings
 
-    llama_settings = {"n_ctx": n_ctx, "exact": exact, **prefix_cache_settings(prefix_cache)}
+    llama_settings = {"n_ctx": n_ctx, "n_threads": n_threads, "exact": exact,
+                      **prefix_cache_settings(prefix_cache)}
     cache_config = config_from(passage_cache, exact=exact, recompute_share=recompute_share,
                                memory_mb=passage_cache_memory_mb, disk_mb=passage_cache_disk_mb)
     source = resolve_lm_source(name_or_path.strip())
@@ -289,7 +293,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
                             pick_format=backend == "auto")
         _attach_passage_cache(lm, cache_config)
         return lm
-    _refuse_llamacpp_settings(n_ctx)
+    _refuse_llamacpp_settings(n_ctx=n_ctx, n_threads=n_threads)
     lm = _load_torch(name_or_path, source, torch_device, torch_dtype, trust_remote_code)
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
@@ -329,11 +333,13 @@ def _load_torch(name: str, source: ModelSource, device: torch.device, dtype: tor
     return wrap_lm(model, tokenizer, name=name)
 
 
-def _refuse_llamacpp_settings(n_ctx: int | None) -> None:
-    """ValueError naming ``n_ctx`` given for a model that loads on torch."""
-    if n_ctx is not None:
-        msg = "n_ctx is a llama.cpp setting; it needs backend='llama.cpp' (or 'auto')"
-        raise ValueError(msg)
+def _refuse_llamacpp_settings(**settings: int | None) -> None:
+    """ValueError naming a llama.cpp setting given for a model that loads on torch (torch's
+    thread count is the process's: ``$SPECRAG_NUM_THREADS`` or ``torch.set_num_threads``)."""
+    for name, value in settings.items():
+        if value is not None:
+            msg = f"{name} is a llama.cpp setting; it needs backend='llama.cpp' (or 'auto')"
+            raise ValueError(msg)
 
 
 _WARNED_N_CTX: set[tuple[str, int]] = set()

@@ -332,3 +332,13 @@ def test_both_chat_adapters_run_on_llama_cpp_and_agree():
     forget_prompts()
     greedy = autoregressive_generate(lm, [{"role": "user", "content": question}], 16)
     assert message.content == greedy.text
+
+
+def test_n_threads_is_a_load_setting_checked_before_any_load():
+    lm = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=256, n_threads=1)
+    assert lm.model.threads == 1
+    assert lm.model.settings.n_threads == 1
+    with pytest.raises(ValueError, match="n_threads"):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp", n_threads=0)
+    with pytest.raises(ValueError, match="n_threads is a llama.cpp setting"):
+        load_lm("smollm2-135m-instruct", backend="torch", n_threads=1)
