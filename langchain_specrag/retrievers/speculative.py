@@ -17,7 +17,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
-from shared_core.config import check_int, check_settings_keys
+from shared_core.config import check_settings_keys
 from shared_core.config.rag import SpeculativeRetrievalConfig
 from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_metadata, hit_score
 
@@ -67,10 +67,7 @@ class SpeculativeRetriever(BaseRetriever):
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 k: int | None = None) -> list[LCDocument]:
-        if k is not None:
-            check_int(k, "k")
-        hits = self.session.retrieve(query)
-        return [_to_lc(h) for h in hits[: k or self.k]]
+        return [_to_lc(h) for h in self.session.retrieve(query, k)]  # k: checked there
 
     def speculate(self, query: str) -> list[LCDocument]:
         """The cache's best document now (exact if the query is already verified)."""

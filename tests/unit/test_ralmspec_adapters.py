@@ -83,6 +83,23 @@ def test_langchain_speculative_retriever() -> None:
     assert spec.invoke("abcde")[0].page_content == truth[1] and base.calls == calls  # verified
 
 
+def test_a_per_call_k_beyond_the_setting_returns_the_wrapped_retrievers_top_k() -> None:
+    """``invoke(q, k=...)`` above the wrapper's ``k`` and ``prefetch_k`` searches deeper once;
+    below it, the verified results are sliced (no call)."""
+    from langchain_specrag import SpeculativeRetriever
+
+    base = LCRetriever(_hits)
+    spec = SpeculativeRetriever(retriever=base, k=1, prefetch_k=2)
+    plain = [d.page_content for d in base.invoke("abc")]
+    assert len(plain) == 4
+    assert [d.page_content for d in spec.invoke("abc")] == plain[:1]
+    assert [d.page_content for d in spec.invoke("abc", k=4)] == plain
+    calls = base.calls
+    assert [d.page_content for d in spec.invoke("abc", k=3)] == plain[:3] and base.calls == calls
+    with pytest.raises(ValueError, match="k"):
+        spec.invoke("abc", k=0)
+
+
 def test_llamaindex_speculative_retriever() -> None:
     from llamaindex_specrag import SpeculativeRetriever
 

@@ -7,7 +7,7 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from shared_core.config import check_text
+from shared_core.config import check_int, check_text
 from shared_core.config.rag import (
     SpeculativeRetrievalConfig,
 )
@@ -69,8 +69,10 @@ class SpeculativeRetrieval:
         self.calls = 0
         self._lock = threading.Lock()
 
-    def _search(self, queries: list[str], encoded: list[Any]) -> list[list[Hit]]:
-        hits = checked_search(self.backend, encoded, self.prefetch_k, self.retrieval_timeout_s)
+    def _search(self, queries: list[str], encoded: list[Any], depth: int | None = None
+                ) -> list[list[Hit]]:
+        hits = checked_search(self.backend, encoded, max(self.prefetch_k, depth or 0),
+                              self.retrieval_timeout_s)
         with self._lock:
             self.calls += 1
             for query, row in zip(queries, hits, strict=True):
@@ -78,14 +80,16 @@ class SpeculativeRetrieval:
                 self.cache.add(row)
         return hits
 
-    def retrieve(self, query: str) -> list[Hit]:
-        """The wrapped retriever's top-k for ``query`` (exact)."""
+    def retrieve(self, query: str, k: int | None = None) -> list[Hit]:
+        """The wrapped retriever's top-``k`` for ``query`` (exact; None: the session's ``k``).
+        A ``k`` beyond what was searched for ``query`` (``prefetch_k``) searches again."""
         check_query(query)
+        want = self.k if k is None else check_int(k, "k")
         with self._lock:
             known = self.verified.get(query)
-        if known is None:
-            known = self._search([query], [self.backend.encode(query)])[0]
-        return known[: self.k]
+        if known is None or (len(known) < want and len(known) >= self.prefetch_k):
+            known = self._search([query], [self.backend.encode(query)], want)[0]
+        return known[:want]
 
     def speculate(self, query: str) -> list[Hit]:
         """The cache's best document for ``query`` (exact results when already verified)."""
