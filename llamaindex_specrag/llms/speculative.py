@@ -23,6 +23,9 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from llama_index.core.base.llms.generic_utils import (
+    messages_to_prompt as generic_messages_to_prompt,
+)
 from llama_index.core.base.llms.types import (
     ChatMessage,
     ChatResponse,
@@ -38,6 +41,7 @@ from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
 from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_callback
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
+from llama_index.core.llms.llm import default_completion_to_prompt
 
 from llamaindex_specrag.llms.tools import (
     chat_dicts,
@@ -192,10 +196,24 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         return chat(self, prompt, kwargs, self._lm, parse_tools=parse_tools)
 
     def _messages(self, prompt: str, formatted: bool) -> Prompt:
+        """A completion's prompt: as given when ``formatted``, else formatted by a
+        ``completion_to_prompt`` the user set (as LlamaIndex's ``LlamaCPP`` does), else one
+        user turn for the model's chat template."""
         if formatted:
             return prompt
+        own = self.completion_to_prompt
+        if own is not None and own is not default_completion_to_prompt:
+            return own(prompt)
         turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*turns, {"role": "user", "content": prompt}]
+
+    def _turns(self, messages: Sequence[ChatMessage]) -> Prompt:
+        """A chat's prompt: formatted by a ``messages_to_prompt`` the user set, else the turns
+        for the model's chat template."""
+        own = self.messages_to_prompt
+        if own is not None and own is not generic_messages_to_prompt:
+            return own(messages)
+        return chat_dicts(messages)
 
     def _completion(self, prompt: str, formatted: bool, kwargs: dict[str, Any]) -> ChatStream:
         """A completion leaves tool calls in the text."""
@@ -271,16 +289,16 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         return await _atraced(llm_completion_callback, self, prompt, kwargs, run)
 
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        stream = self._chat_call(chat_dicts(messages), kwargs)
+        stream = self._chat_call(self._turns(messages), kwargs)
         return _traced(llm_chat_callback, self, messages, kwargs, lambda: self._chat(stream))
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self._chat_call(chat_dicts(messages), kwargs)
+        stream = self._chat_call(self._turns(messages), kwargs)
         return _traced(llm_chat_callback, self, messages, kwargs,
                        lambda: self._stream_chat(stream))
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        stream = self._chat_call(chat_dicts(messages), kwargs)
+        stream = self._chat_call(self._turns(messages), kwargs)
 
         async def run() -> ChatResponse:
             return await _last(iterate_in_thread(self._stream_chat(stream, now=False)))
@@ -289,7 +307,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
 
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
                            ) -> ChatResponseAsyncGen:
-        stream = self._chat_call(chat_dicts(messages), kwargs)
+        stream = self._chat_call(self._turns(messages), kwargs)
 
         async def run() -> ChatResponseAsyncGen:
             return iterate_in_thread(self._stream_chat(stream, now=False))

@@ -193,3 +193,22 @@ def test_token_counting_handler_reads_the_exact_counts(tiny_target):
     assert counter.completion_llm_token_count == (out.raw["completion_tokens"]
                                                   + chatted.raw["completion_tokens"])
     assert out.raw["prompt_tokens"] > 1 and out.raw["completion_tokens"] > 1
+
+
+def test_completion_and_messages_to_prompt_format_the_prompt(tiny_target):
+    """As LlamaIndex's LlamaCPP: a ``completion_to_prompt`` / ``messages_to_prompt`` the user set
+    formats the raw prompt (the model's chat template is then not applied)."""
+    llm = SpeculativeLLM(lm=tiny_target, model="tiny", max_new_tokens=6,
+                         engine_options={"use_trigger": False},
+                         completion_to_prompt=lambda p: f"Q: {p}\nA:",
+                         messages_to_prompt=lambda ms: "".join(f"{m.role.value}: {m.content}\n"
+                                                               for m in ms) + "assistant:")
+    assert llm.complete(PROMPT).text == autoregressive_generate(
+        tiny_target, f"Q: {PROMPT}\nA:", 6).text
+    chatted = llm.chat([ChatMessage(role=MessageRole.USER, content=PROMPT)])
+    assert chatted.message.content == autoregressive_generate(
+        tiny_target, f"user: {PROMPT}\nassistant:", 6).text
+    plain = SpeculativeLLM(lm=tiny_target, model="tiny", max_new_tokens=6,
+                           engine_options={"use_trigger": False})
+    assert plain.complete(PROMPT).text == autoregressive_generate(
+        tiny_target, [{"role": "user", "content": PROMPT}], 6).text
