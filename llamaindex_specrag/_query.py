@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from llama_index.core.prompts.base import BasePromptTemplate
+from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.prompts.base import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
 from shared_core.config import check_text
@@ -56,6 +57,27 @@ class CheckedQuery:
     be a LlamaIndex template (:func:`prompt_messages`)."""
 
     _prompt_of = staticmethod(prompt_messages)
+    if TYPE_CHECKING:  # the settings' field (declared here it would become a pydantic field)
+        prompt: object
+
+    def _get_prompts(self) -> dict[str, BasePromptTemplate]:
+        """LlamaIndex's prompt mixin: the ``prompt`` setting as a template (a format string as a
+        ``PromptTemplate``, (role, text) pairs as a ``ChatPromptTemplate``); nothing while the
+        engine's built-in prompt is used (``prompt=None``)."""
+        prompt = self.prompt
+        if prompt is None or isinstance(prompt, BasePromptTemplate):
+            return {} if prompt is None else {"prompt": prompt}
+        if isinstance(prompt, str):
+            return {"prompt": PromptTemplate(prompt)}
+        messages = [ChatMessage(role=role, content=text) for role, text in check_prompt(prompt) or ()]
+        return {"prompt": ChatPromptTemplate(message_templates=messages)}
+
+    def _update_prompts(self, prompts_dict: dict[str, BasePromptTemplate]) -> None:
+        """``update_prompts({"prompt": template})`` sets the ``prompt`` setting (checked as at
+        construction: ValueError naming ``prompt``); the engine is rebuilt on its next call."""
+        if "prompt" in prompts_dict:
+            self._prompt_of(prompts_dict["prompt"])
+            self.prompt = prompts_dict["prompt"]
 
     @refuses_call_kwargs
     def query(self, str_or_query_bundle: str | QueryBundle) -> Any:

@@ -147,6 +147,22 @@ def test_prompt_templates_reach_the_engine_as_the_same_messages(specrag, ralmspe
         assert adapter.prompt is prompt  # the adapter shows what was passed
 
 
+def test_llamaindex_prompt_mixin_shows_and_sets_the_prompt(specrag, ralmspec) -> None:
+    """``get_prompts`` / ``update_prompts`` (LlamaIndex's prompt mixin) read and set ``prompt``,
+    checked as at construction; a refused template leaves the setting as it was."""
+    for engine in _adapters(specrag, ralmspec, None, "llamaindex"):
+        assert engine.get_prompts() == {}  # the engine's built-in prompt
+        engine.update_prompts({"prompt": _li_chat()})
+        assert engine._engine().config.prompt == CHAT_EXPECTED
+        assert engine.get_prompts() == {"prompt": engine.prompt}
+        with pytest.raises(ValueError, match="prompt"):
+            engine.update_prompts({"prompt": LIPromptTemplate("Question: {question}")})
+        assert engine._engine().config.prompt == CHAT_EXPECTED
+    [pairs] = _adapters(specrag, ralmspec, CHAT_EXPECTED, "llamaindex")[1].get_prompts().values()
+    assert isinstance(pairs, LIChatPromptTemplate)
+    assert [(m.role.value, m.content) for m in pairs.message_templates] == list(CHAT_EXPECTED)
+
+
 @pytest.mark.parametrize("framework", ["langchain", "llamaindex"])
 @pytest.mark.parametrize(("prompt", "error"), [
     ("Question: {question}", ValueError), ("{documents} {question} {extra}", ValueError),
