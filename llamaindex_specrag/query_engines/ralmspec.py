@@ -5,7 +5,8 @@ Every ``retrieval_stride`` tokens the latest context is sent to it and its top d
 the one in the prompt; RaLMSpec answers those retrievals from a local cache and verifies them in
 batches, with output identical to plain iterative retrieval. ``Response.source_nodes`` are the
 documents the answer was generated under; ``Response.metadata`` holds the per-step document ids,
-the token ids and the engine stats. With ``streaming=True`` a query returns a
+the token ids and the engine stats. A subclass of ``BaseQueryEngine``, so ``QueryStartEvent`` /
+``QueryEndEvent`` reach LlamaIndex's instrumentation. With ``streaming=True`` a query returns a
 ``StreamingResponse`` (``AsyncStreamingResponse`` from ``aquery``) of verified text deltas; its
 ``source_nodes`` and ``metadata`` are filled in once the stream is exhausted. ``prompt=`` sets the
 answering prompt (a LlamaIndex ``PromptTemplate`` / ``ChatPromptTemplate`` or a format string
@@ -18,13 +19,16 @@ import asyncio
 from collections.abc import AsyncGenerator, Generator, Iterator
 from typing import TYPE_CHECKING
 
+from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.response.schema import (
     AsyncStreamingResponse,
     Response,
     StreamingResponse,
 )
-from llama_index.core.query_engine import CustomQueryEngine
-from llama_index.core.schema import NodeWithScore
+from llama_index.core.callbacks import CallbackManager
+from llama_index.core.prompts.mixin import PromptMixinType
+from llama_index.core.schema import NodeWithScore, QueryBundle
+from pydantic import Field
 
 from llamaindex_specrag._query import CheckedQuery, query_text, source_nodes
 from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, ralmspec_answer
@@ -54,7 +58,7 @@ def _deltas(stream: RaLMSpecStream, response: StreamingResponse | AsyncStreaming
             response.metadata = event.details
 
 
-class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
+class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
     """RaLMSpec as a query engine.
 
     The settings are :class:`~shared_core.frontend.rag_settings.RaLMSpecSettings` (the same as the
@@ -63,15 +67,17 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
     """
 
     streaming: bool = False
+    callback_manager: CallbackManager = Field(default_factory=lambda: CallbackManager([]),
+                                              exclude=True)
 
-    def _answer(self, query_str: str) -> Response:
-        """The whole answer (not streaming)."""
-        return _response(ralmspec(self, query_text(query_str)).finish())  # checked here
+    def _get_prompt_modules(self) -> PromptMixinType:
+        return {}
 
-    def custom_query(self, query_str: str) -> Response | StreamingResponse:
+    def _query(self, query_bundle: QueryBundle) -> Response | StreamingResponse:
+        query_str = query_text(query_bundle)
         if not self.streaming:
-            return self._answer(query_str)
-        stream = ralmspec(self, query_text(query_str))  # settings and model checked here
+            return _response(ralmspec(self, query_str).finish())  # settings and model checked here
+        stream = ralmspec(self, query_str)
 
         def deltas() -> Generator[str, None, None]:  # runs once ``response`` exists
             yield from _deltas(stream, response)
@@ -79,10 +85,11 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, CustomQueryEngine):
         response = StreamingResponse(response_gen=deltas())
         return response
 
-    async def acustom_query(self, query_str: str) -> Response | AsyncStreamingResponse:
+    async def _aquery(self, query_bundle: QueryBundle) -> Response | AsyncStreamingResponse:
+        query_str = query_text(query_bundle)
         if not self.streaming:  # on a worker thread, step by step: cancelling stops it
-            return _response(await ralmspec_answer(self, query_text(query_str)))
-        stream = await asyncio.to_thread(ralmspec, self, query_text(query_str))
+            return _response(await ralmspec_answer(self, query_str))
+        stream = await asyncio.to_thread(ralmspec, self, query_str)
 
         async def deltas() -> AsyncGenerator[str, None]:
             async for delta in iterate_in_thread(_deltas(stream, response)):

@@ -340,5 +340,5 @@ def test_n_threads_is_a_load_setting_checked_before_any_load():
     assert lm.model.settings.n_threads == 1
     with pytest.raises(ValueError, match="n_threads"):
         load_lm("smollm2-135m-instruct", backend="llama.cpp", n_threads=0)
-    with pytest.raises(ValueError, match="n_threads is a llama.cpp setting"):
+    with pytest.raises(ValueError, match=r"n_threads is a llama\.cpp setting"):
         load_lm("smollm2-135m-instruct", backend="torch", n_threads=1)

@@ -24,6 +24,7 @@ from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.instrumentation import get_dispatcher
 from llama_index.core.instrumentation.event_handlers import BaseEventHandler
 from llama_index.core.instrumentation.events.llm import LLMChatInProgressEvent
+from llama_index.core.instrumentation.events.query import QueryEndEvent, QueryStartEvent
 from pydantic import Field
 from tiny import tiny_lm
 
@@ -87,6 +88,7 @@ class LCEvents(BaseCallbackHandler):
 class LIEvents(BaseEventHandler):
     stages: list[tuple[str, Any]] = Field(default_factory=list)
     deltas: list[str] = Field(default_factory=list)
+    queries: list[str] = Field(default_factory=list)  # QueryStartEvent / QueryEndEvent
 
     @classmethod
     def class_name(cls) -> str:
@@ -97,6 +99,8 @@ class LIEvents(BaseEventHandler):
             self.stages.append((event.name, event.data))
         elif isinstance(event, LLMChatInProgressEvent) and event.response.delta:
             self.deltas.append(event.response.delta)
+        elif isinstance(event, QueryStartEvent | QueryEndEvent):
+            self.queries.append(type(event).__name__)
 
 
 @pytest.fixture
@@ -242,6 +246,7 @@ def test_ralmspec_pair_gives_the_same_answer_stats_and_events(ralmspec, li_event
     lc_events = LCEvents()
     details = runnable.invoke(QUESTION, config={"callbacks": [lc_events]})
     response = query_engine.query(QUESTION)
+    assert li_events.queries == ["QueryStartEvent", "QueryEndEvent"]  # LlamaIndex telemetry
     assert details["answer"] == response.response
     for key in ("doc_ids", "token_ids"):
         assert details[key] == response.metadata[key], key
