@@ -301,6 +301,26 @@ class SamplingConfig:
         return self.temperature == 0
 
 
+@dataclass(frozen=True)
+class PenaltyConfig:
+    """llama.cpp's repetition penalty (``repeat_penalty`` / ``repeat_last_n``, as in
+    ``ChatLlamaCpp`` and Ollama): each distinct token among the last ``repeat_last_n`` ids of the
+    prompt and the reply has its logit divided by ``repeat_penalty`` (multiplied where negative)
+    before the next token is chosen. 1.0 (default) or ``repeat_last_n=0``: off."""
+
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+
+    def __post_init__(self) -> None:
+        penalty = check_real(self.repeat_penalty, "repeat_penalty")
+        _check(penalty > 0, f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        check_int(self.repeat_last_n, "repeat_last_n", minimum=0)
+
+    @property
+    def active(self) -> bool:
+        return self.repeat_penalty != 1.0 and self.repeat_last_n > 0
+
+
 class SamplingOptions(TypedDict, total=False):
     """The keyword options of :meth:`GenerationConfig.build` (an engine's ``**sampling``)."""
 

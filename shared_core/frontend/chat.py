@@ -35,7 +35,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig, check_kwargs
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig, PenaltyConfig, check_kwargs
 from shared_core.decoding.constrained import (
     Constraint,
     check_json_schema,
@@ -43,6 +43,7 @@ from shared_core.decoding.constrained import (
     xgrammar_available,
 )
 from shared_core.decoding.output import ChatTurns, chat_turns, generation_config
+from shared_core.decoding.penalty import ChainedMasks, RepetitionPenalty
 from shared_core.decoding.tool_calls import (
     ReplyScanner,
     auto_calls,
@@ -52,6 +53,7 @@ from shared_core.decoding.tool_calls import (
     render_prompt,
     tool_names,
 )
+from shared_core.engines.loop import encode_prompt
 from shared_core.engines.registry import PLAIN_ENGINE, check_engine_options, start_engine
 from shared_core.frontend.chat_events import (
     CallReport,
@@ -173,6 +175,7 @@ class _Request:
     prefix_cache: bool | int | None
     passage_cache: PassageCacheConfig | None
     model_name: str  # the settings' model, as the report names it
+    penalty: PenaltyConfig
 
 
 def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, Any],
@@ -192,12 +195,15 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
         msg = f"parallel_tool_calls must be a bool, got {type(parallel).__name__}"
         raise TypeError(msg)
     constraint = check_response_format(kwargs.pop("response_format", None))
+    penalty = PenaltyConfig(*(kwargs.pop(name, getattr(settings, name))
+                              for name in ("repeat_penalty", "repeat_last_n")))
     texts = None if documents is None else [d.text for d in to_documents(documents)]
     checked = _checked_prompt(prompt)
     return _Request(engine, chosen or bool(options), checked, generation, texts, options,
                     _tool_prompt(checked, tools, choice, constraint, single_call=not parallel),
                     _model_of(settings, state, kwargs.pop("model", None)), state.engine_state,
-                    settings.prefix_cache, settings.passage_cache_config(), settings.model)
+                    settings.prefix_cache, settings.passage_cache_config(), settings.model,
+                    penalty)
 
 
 def _generation(settings: ChatSettings, kwargs: dict[str, Any]) -> GenerationConfig:
@@ -408,8 +414,13 @@ class ChatStream:
         """The engine's stream (called under the model's lock)."""
         request = self._request
         options = dict(request.options)
-        if self.constraint is not None:  # every registered engine masks drafts and targets
-            options["logits_mask"] = grammar_mask(opened.lm, self.constraint)  # one per generation
+        masks: list[Any] = []  # every registered engine masks drafts and targets; one per call
+        if self.constraint is not None:
+            masks.append(grammar_mask(opened.lm, self.constraint))
+        if request.penalty.active:
+            masks.append(RepetitionPenalty(request.penalty, encode_prompt(opened.lm, opened.prompt)))
+        if masks:
+            options["logits_mask"] = masks[0] if len(masks) == 1 else ChainedMasks(masks)
         return start_engine(opened.engine, opened.lm, opened.prompt, request.generation,
                             documents=request.documents,
                             engine_state=request.engine_state, **options)

@@ -30,6 +30,7 @@ from shared_core.config import (
     DEFAULT_LM,
     DEFAULT_PASSAGE_CACHE,
     PassageCacheConfig,
+    PenaltyConfig,
     SamplingConfig,
     check_backend,
     check_prefix_cache,
@@ -48,12 +49,14 @@ logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
-                 "stop", "documents", "device", "dtype", "backend", "prefix_cache", "passage_cache",
+                 "repeat_penalty", "repeat_last_n", "stop", "documents", "device", "dtype", "backend",
+                 "prefix_cache", "passage_cache",
                  "recompute_share", "passage_cache_memory_mb", "passage_cache_disk_mb")
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
 CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop", "temperature",
-                "top_k", "top_p", "seed", "tools", "tool_choice", "parallel_tool_calls",
+                "top_k", "top_p", "seed", "repeat_penalty", "repeat_last_n", "tools",
+                "tool_choice", "parallel_tool_calls",
                 "response_format", "model")
 
 
@@ -89,6 +92,9 @@ class ChatSettings(BaseModel):
         engine_options: passed to the engine unchanged (a per-call ``engine`` other than the
             configured one does not get them).
         temperature / top_k / top_p / seed: sampling (:class:`~shared_core.config.SamplingConfig`).
+        repeat_penalty / repeat_last_n: llama.cpp's repetition penalty
+            (:class:`~shared_core.config.PenaltyConfig`; default 1.0: off), applied by every
+            engine to every verified row, so speculative output equals penalised greedy decoding.
         stop: stop strings, cut from the returned text.
         documents: texts the engine may draft from (ReSpec) or read as the long context (RAPID).
         device / dtype: where and how the model loads (a dtype is a torch setting).
@@ -116,6 +122,8 @@ class ChatSettings(BaseModel):
     top_k: int = SamplingConfig.top_k
     top_p: float = SamplingConfig.top_p
     seed: int | None = SamplingConfig.seed
+    repeat_penalty: float = PenaltyConfig.repeat_penalty
+    repeat_last_n: int = PenaltyConfig.repeat_last_n
     stop: list[str] | None = None
     documents: list[str] | None = None
     device: str | None = None
@@ -172,6 +180,13 @@ class ChatSettings(BaseModel):
     @classmethod
     def _generation_field(cls, value: object, info: ValidationInfo) -> object:
         check_generation_field(str(info.field_name), value)  # TypeError / ValueError naming it
+        return value
+
+    @field_validator("repeat_penalty", "repeat_last_n", mode="before")
+    @classmethod
+    def _penalty_field(cls, value: object, info: ValidationInfo) -> object:
+        setting: dict[str, Any] = {str(info.field_name): value}  # the keyword is chosen at run time
+        PenaltyConfig(**setting)  # TypeError / ValueError naming it
         return value
 
     def passage_cache_config(self) -> PassageCacheConfig | None:

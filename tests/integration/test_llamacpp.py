@@ -342,3 +342,20 @@ def test_n_threads_is_a_load_setting_checked_before_any_load():
         load_lm("smollm2-135m-instruct", backend="llama.cpp", n_threads=0)
     with pytest.raises(ValueError, match=r"n_threads is a llama\.cpp setting"):
         load_lm("smollm2-135m-instruct", backend="torch", n_threads=1)
+
+
+def test_the_repetition_penalty_is_lossless_on_llama_cpp(exact_lm):
+    """With ``repeat_penalty`` ReSpec's verified rows are penalised as plain decoding's steps:
+    the same ids on the batch-invariant exact model (and another reply than without it)."""
+    from langchain_specrag.chat_models.speculative import ChatSpeculative
+
+    def reply(engine: str, **options: object) -> tuple[list[int], dict]:
+        chat = ChatSpeculative(lm=exact_lm, engine=engine, max_tokens=48, **options)
+        message = chat.invoke(PROMPTS[0])
+        return exact_lm.encode(message.content), message.response_metadata["speculative_stats"]
+
+    options = {"repeat_penalty": 1.5, "documents": [CONTEXT],
+               "engine_options": {"use_trigger": False, "measure_cost": False}}
+    (plain, _), (spec, stats) = reply("autoregressive", repeat_penalty=1.5), reply("respec", **options)
+    assert spec == plain and stats["accepted"] > 0
+    assert reply("autoregressive")[0] != plain
