@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 from langchain_core.callbacks import AsyncCallbackManagerForLLMRun, CallbackManagerForLLMRun
 from langchain_core.language_models import LangSmithParams, LanguageModelInput
 from langchain_core.language_models.chat_models import BaseChatModel
+from langchain_core.language_models.model_profile import ModelProfile
 from langchain_core.messages import (
     AIMessage,
     AIMessageChunk,
@@ -205,6 +206,17 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
         return chat_model(self, self.lm, override)
+
+    def _resolve_model_profile(self) -> ModelProfile | None:
+        """What any model here can do (text in and out, tool calls, structured output with the
+        ``constrained`` extra); ``max_input_tokens`` (SummarizationMiddleware's fraction
+        triggers) only for a preloaded ``lm``: a named model is not loaded to learn it."""
+        profile = ModelProfile(text_inputs=True, text_outputs=True, image_inputs=False,
+                               tool_calling=True, tool_choice=True, tool_call_streaming=True,
+                               structured_output=xgrammar_available(), temperature=True)
+        if self.lm is not None:
+            profile["max_input_tokens"] = int(self.lm.max_context)
+        return profile
 
     # -- token counts (trim_messages, token budgets): the model's own tokenizer and template ----
     def get_token_ids(self, text: str) -> list[int]:

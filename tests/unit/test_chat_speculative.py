@@ -112,6 +112,18 @@ def test_token_counts_are_what_the_model_reads(chat, tiny_target):
     assert with_tools == long.bind_tools([add]).invoke(MESSAGES).usage_metadata["input_tokens"]
 
 
+def test_the_profile_says_what_the_model_can_do(chat, tiny_target):
+    """LangChain's model profile: a preloaded model's window is its ``max_input_tokens`` (what
+    SummarizationMiddleware's fraction triggers need); a named model is not loaded for it."""
+    from langchain.agents.middleware import SummarizationMiddleware
+
+    assert chat.profile is not None and chat.profile["max_input_tokens"] == tiny_target.max_context
+    assert chat.profile["tool_calling"] and not chat.profile["image_inputs"]
+    SummarizationMiddleware(model=chat, trigger=("fraction", 0.8))
+    named = ChatSpeculative(model="smollm2-135m-instruct")
+    assert named.profile is not None and "max_input_tokens" not in named.profile
+
+
 def test_batch_is_thread_safe(chat):
     outs = chat.batch([MESSAGES] * 3)
     assert len({o.content for o in outs}) == 1
