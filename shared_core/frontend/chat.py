@@ -110,8 +110,8 @@ def chat_model(settings: ChatSettings, lm: SessionLM | None = None, override: st
                ) -> tuple[SessionLM, FairLock]:
     """The model a call of these settings runs on and its lock (loaded now if needed): see
     :func:`chat` for ``lm``, ``override`` is a per-call ``model``."""
-    return _load(_model_of(settings, settings.adapter_state(lm), override), settings.prefix_cache,
-                 settings.passage_cache_config())
+    return _load(_model_of(settings, settings.adapter_state(lm), override),
+                 settings.load_settings(), settings.passage_cache_config())
 
 
 def prompt_length(lm: SessionLM, turns: ChatTurns, tools: list[dict[str, Any]] | None = None
@@ -172,7 +172,7 @@ class _Request:
     tool_prompt: _ToolPrompt | None
     model: SessionLM | ModelKey
     engine_state: dict[str, Any]
-    prefix_cache: bool | int | None
+    load_settings: dict[str, Any]  # prefix_cache, n_ctx, n_threads (ChatSettings.load_settings)
     passage_cache: PassageCacheConfig | None
     model_name: str  # the settings' model, as the report names it
     penalty: PenaltyConfig
@@ -202,7 +202,7 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
     return _Request(engine, chosen or bool(options), checked, generation, texts, options,
                     _tool_prompt(checked, tools, choice, constraint, single_call=not parallel),
                     _model_of(settings, state, kwargs.pop("model", None)), state.engine_state,
-                    settings.prefix_cache, settings.passage_cache_config(), settings.model,
+                    settings.load_settings(), settings.passage_cache_config(), settings.model,
                     penalty)
 
 
@@ -300,10 +300,10 @@ def _model_of(settings: ChatSettings, state: AdapterState, override: str | None
     return ModelKey(settings.model, settings.device, settings.dtype, settings.backend)
 
 
-def _load(model: SessionLM | ModelKey, prefix_cache: bool | int | None,
+def _load(model: SessionLM | ModelKey, load_settings: dict[str, Any],
           passage_cache: PassageCacheConfig | None) -> tuple[SessionLM, FairLock]:
     if isinstance(model, ModelKey):
-        lm, lock = loaded_model(*model, prefix_cache)
+        lm, lock = loaded_model(*model, **load_settings)
     else:
         lm, lock = model, lock_for(model)
     if passage_cache is not None:  # attaching one waits for the model; nothing else here does
@@ -368,7 +368,7 @@ class ChatStream:
         """Load the model now (else on the first read) and render a tool prompt."""
         if self._opened is None:
             request = self._request
-            lm, lock = _load(request.model, request.prefix_cache, request.passage_cache)
+            lm, lock = _load(request.model, request.load_settings, request.passage_cache)
             tools = request.tool_prompt
             prompt = request.prompt if tools is None else render_prompt(
                 lm, tools.turns, tools.shown, tools.prefill)

@@ -33,6 +33,7 @@ from shared_core.config import (
     PenaltyConfig,
     SamplingConfig,
     check_backend,
+    check_int,
     check_prefix_cache,
     check_settings_keys,
 )
@@ -50,7 +51,7 @@ DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
                  "repeat_penalty", "repeat_last_n", "stop", "documents", "device", "dtype", "backend",
-                 "prefix_cache", "passage_cache",
+                 "prefix_cache", "n_ctx", "n_threads", "passage_cache",
                  "recompute_share", "passage_cache_memory_mb", "passage_cache_disk_mb")
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
@@ -105,6 +106,9 @@ class ChatSettings(BaseModel):
             own), ``False`` / ``0`` off, ``n`` idle contexts (llama.cpp) or MiB (torch). Fixed
             when the model loads; a different setting for a loaded model is refused (ValueError
             naming it; release the model first).
+        n_ctx / n_threads: a llama.cpp model's positions per session and threads, as
+            ``load_lm(n_ctx=..., n_threads=...)`` (None: its defaults); fixed when the model
+            loads like ``prefix_cache`` (a preloaded ``lm`` keeps its own; refused for torch).
         passage_cache / recompute_share / passage_cache_memory_mb / passage_cache_disk_mb: the
             model's passage (chunk) KV cache, as ``load_lm(passage_cache=...)`` (llama.cpp):
             ``None`` (default: what the model has, else off), ``"exact"`` (prefix blocks,
@@ -130,6 +134,8 @@ class ChatSettings(BaseModel):
     dtype: str | None = None
     backend: str = DEFAULT_BACKEND
     prefix_cache: bool | int | None = None
+    n_ctx: int | None = None
+    n_threads: int | None = None
     passage_cache: str | None = DEFAULT_PASSAGE_CACHE
     recompute_share: float = PassageCacheConfig.recompute_share
     passage_cache_memory_mb: int = PassageCacheConfig.memory_mb
@@ -182,6 +188,11 @@ class ChatSettings(BaseModel):
         check_generation_field(str(info.field_name), value)  # TypeError / ValueError naming it
         return value
 
+    @field_validator("n_ctx", "n_threads", mode="before")
+    @classmethod
+    def _llamacpp_field(cls, value: object, info: ValidationInfo) -> object:
+        return check_int(value, str(info.field_name), optional=True)  # None or an int >= 1
+
     @field_validator("repeat_penalty", "repeat_last_n", mode="before")
     @classmethod
     def _penalty_field(cls, value: object, info: ValidationInfo) -> object:
@@ -194,6 +205,10 @@ class ChatSettings(BaseModel):
         return config_from(self.passage_cache, recompute_share=self.recompute_share,
                            memory_mb=self.passage_cache_memory_mb,
                            disk_mb=self.passage_cache_disk_mb)
+
+    def load_settings(self) -> dict[str, Any]:
+        """What the model loads with beside its key (:func:`~shared_core.runtime.model_cache.cached_lm`)."""
+        return {"prefix_cache": self.prefix_cache, "n_ctx": self.n_ctx, "n_threads": self.n_threads}
 
     def token_limit(self) -> int | None:
         """The token-limit setting (None: the config's default)."""

@@ -14,15 +14,17 @@ and an adapter) naming the same model share one copy of the weights, and with it
 of :func:`shared_core.runtime.model_lock.lock_for`. :func:`release` / :func:`release_all` drop loaded
 models (users running a generation keep their reference).
 
-``prefix_cache`` (``load_lm``'s prompt-prefix budget, docs/backends.md) is not part of the key,
-so one model never has two copies: the first load fixes it, ``None`` later takes what was
-loaded, and a different explicit setting for a loaded model is refused (ValueError naming
-``prefix_cache``; release the model first). Served models and tuned drafters ignore it.
+``prefix_cache`` (``load_lm``'s prompt-prefix budget, docs/backends.md) and llama.cpp's
+``n_ctx`` / ``n_threads`` are not part of the key, so one model never has two copies: the first
+load fixes them, ``None`` later takes what was loaded, and a different explicit setting for a
+loaded model is refused (ValueError naming it; release the model first). Served models and tuned
+drafters ignore them.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from shared_core.config import LOAD_LM_BACKEND, check_prefix_cache
@@ -37,7 +39,26 @@ if TYPE_CHECKING:
 Key = tuple[str, str | None, str | None, str]
 PrefixCache = bool | int | None  # load_lm's prefix_cache
 _LOADED: dict[Key, ModelLM] = {}
-_PREFIX_CACHE: dict[Key, PrefixCache] = {}  # the prefix_cache each model in _LOADED loaded with
+
+
+@dataclass(frozen=True)
+class _LoadSettings:
+    """The load settings outside the key that a model in ``_LOADED`` loaded with."""
+
+    prefix_cache: PrefixCache = None
+    n_ctx: int | None = None
+    n_threads: int | None = None
+
+    def conflict(self, loaded: _LoadSettings) -> str | None:
+        """The first setting given here (not None) that ``loaded`` has otherwise."""
+        if (self.prefix_cache is not None
+                and _prefix_setting(self.prefix_cache) != _prefix_setting(loaded.prefix_cache)):
+            return "prefix_cache"
+        return next((name for name in ("n_ctx", "n_threads")
+                     if getattr(self, name) not in (None, getattr(loaded, name))), None)
+
+
+_SETTINGS: dict[Key, _LoadSettings] = {}  # what each model in _LOADED loaded with
 _EMBEDDERS: dict[str, SentenceTransformer] = {}
 _LOCK = threading.Lock()
 _URL_SCHEMES = ("http://", "https://")
@@ -58,7 +79,7 @@ def _key(name: str, device: str | None, dtype: str | None, backend: str) -> Key:
 
 
 def _load(name: str, device: str | None, dtype: str | None, backend: str, served: bool,
-          prefix_cache: PrefixCache = None) -> ModelLM:
+          settings: _LoadSettings | None = None) -> ModelLM:
     if served and is_url(name):
         from shared_core.runtime.remote import RemoteLM
 
@@ -69,7 +90,10 @@ def _load(name: str, device: str | None, dtype: str | None, backend: str, served
         return load_tuned_drafter(name, dtype)
     from shared_core.runtime.models import load_lm
 
-    return load_lm(name, device=device, dtype=dtype, backend=backend, prefix_cache=prefix_cache)
+    settings = settings or _LoadSettings()
+    return load_lm(name, device=device, dtype=dtype, backend=backend,
+                   prefix_cache=settings.prefix_cache, n_ctx=settings.n_ctx,
+                   n_threads=settings.n_threads)
 
 
 def _prefix_setting(prefix_cache: PrefixCache) -> str | int:
@@ -82,40 +106,41 @@ def _prefix_setting(prefix_cache: PrefixCache) -> str | int:
     return int(prefix_cache)
 
 
-def _check_same_prefix_cache(key: Key, prefix_cache: PrefixCache) -> None:
-    """ValueError naming ``prefix_cache`` when a loaded model was loaded with another one."""
-    loaded = _PREFIX_CACHE.get(key)
-    if prefix_cache is None or key[3] == "served" or key[0].endswith(SUFFIX):
-        return
-    if _prefix_setting(prefix_cache) != _prefix_setting(loaded):
-        msg = (f"prefix_cache={prefix_cache!r}: model {key[0]!r} is already loaded with "
-               f"prefix_cache={loaded!r} and a model is loaded once per process; pass the same "
-               "setting (or leave it None), or release the model first "
+def _check_same_settings(key: Key, settings: _LoadSettings) -> None:
+    """ValueError naming the setting when a loaded model was loaded with another value."""
+    loaded = _SETTINGS.get(key, _LoadSettings())
+    name = None if key[3] == "served" or key[0].endswith(SUFFIX) else settings.conflict(loaded)
+    if name is not None:
+        msg = (f"{name}={getattr(settings, name)!r}: model {key[0]!r} is already loaded with "
+               f"{name}={getattr(loaded, name)!r} and a model is loaded once per process; pass "
+               "the same setting (or leave it None), or release the model first "
                "(shared_core.frontend.serving.release)")
         raise ValueError(msg)
 
 
 def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
               backend: str = LOAD_LM_BACKEND, *, served: bool = True,
-              prefix_cache: PrefixCache = None) -> ModelLM:
+              prefix_cache: PrefixCache = None, n_ctx: int | None = None,
+              n_threads: int | None = None) -> ModelLM:
     """The process-wide model for a name, path, URL or LoRA name (see the module docstring).
 
     ``served=False`` is for callers that need an in-process model (the token engines): a URL
     then fails naming it, before any connection. Loading happens under a lock, so concurrent
     first calls load once; a failed load caches nothing and the next call tries again.
-    ``prefix_cache`` reaches :func:`~shared_core.runtime.models.load_lm` on the first load and must
-    agree with it afterwards (module docstring).
+    ``prefix_cache``, ``n_ctx`` and ``n_threads`` reach :func:`~shared_core.runtime.models.load_lm`
+    on the first load and must agree with it afterwards (module docstring).
     """
     check_prefix_cache(prefix_cache)
+    settings = _LoadSettings(prefix_cache, n_ctx, n_threads)
     if not served and is_url(name):  # not the cached client: load_lm refuses it, naming the URL
         return _load(name, device, dtype, backend, served)
     key = _key(name, device, dtype, backend)
     with _LOCK:
         if key in _LOADED:
-            _check_same_prefix_cache(key, prefix_cache)
+            _check_same_settings(key, settings)
         else:
-            _LOADED[key] = _load(name, device, dtype, backend, served, prefix_cache)
-            _PREFIX_CACHE[key] = prefix_cache
+            _LOADED[key] = _load(name, device, dtype, backend, served, settings)
+            _SETTINGS[key] = settings
         return _LOADED[key]
 
 
@@ -129,11 +154,13 @@ def resolve_lm(model: str | ModelLM, *, device: str | None = None, dtype: str | 
 
 
 def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
-                 backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None
+                 backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None,
+                 n_ctx: int | None = None, n_threads: int | None = None
                  ) -> tuple[SessionLM, FairLock]:
     """The shared in-process ``(model, lock)`` for a model config (the adapters' token engines),
     loaded on first use; a served model's URL is refused."""
-    lm = cached_lm(model, device, dtype, backend, served=False, prefix_cache=prefix_cache)
+    lm = cached_lm(model, device, dtype, backend, served=False, prefix_cache=prefix_cache,
+                   n_ctx=n_ctx, n_threads=n_threads)
     return cast("SessionLM", lm), lock_for(lm)  # served=False: cached_lm refused a URL
 
 
@@ -152,7 +179,7 @@ def release(name: str, device: str | None = None, dtype: str | None = None,
     """
     key = _key(name, device, dtype, backend)
     with _LOCK:
-        _PREFIX_CACHE.pop(key, None)
+        _SETTINGS.pop(key, None)
         return _LOADED.pop(key, None) is not None
 
 
@@ -161,7 +188,7 @@ def release_all() -> int:
     with _LOCK:
         n = len(_LOADED)
         _LOADED.clear()
-        _PREFIX_CACHE.clear()
+        _SETTINGS.clear()
         return n
 
 

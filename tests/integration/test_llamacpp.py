@@ -359,3 +359,28 @@ def test_the_repetition_penalty_is_lossless_on_llama_cpp(exact_lm):
     (plain, _), (spec, stats) = reply("autoregressive", repeat_penalty=1.5), reply("respec", **options)
     assert spec == plain and stats["accepted"] > 0
     assert reply("autoregressive")[0] != plain
+
+
+def test_both_chat_adapters_load_a_llama_cpp_model_with_their_n_ctx_and_n_threads():
+    """``n_ctx`` / ``n_threads`` on the adapters reach ``load_lm`` through the one resolver (one
+    copy, both adapters); another value for the loaded copy is refused naming the setting."""
+    from langchain_specrag.chat_models.speculative import ChatSpeculative
+    from llamaindex_specrag.llms.speculative import SpeculativeLLM
+    from shared_core.runtime import model_cache
+
+    where = ("smollm2-135m-instruct", None, None, "llama.cpp")
+    settings = {"model": where[0], "backend": "llama.cpp", "engine": "autoregressive",
+                "n_ctx": 1024, "n_threads": 1}
+    model_cache.release(*where)
+    try:
+        chat = ChatSpeculative(max_tokens=4, **settings)
+        llm = SpeculativeLLM(max_new_tokens=4, **settings)
+        assert chat.invoke("Hi").content == llm.complete("Hi").text
+        lm = model_cache.cached_lm(*where)
+        assert (lm.max_context, lm.model.threads) == (1024, 1)
+        for adapter in (ChatSpeculative(max_tokens=4, **{**settings, "n_ctx": 2048}),
+                        SpeculativeLLM(max_new_tokens=4, **{**settings, "n_ctx": 2048})):
+            with pytest.raises(ValueError, match=r"^n_ctx=2048: model .* n_ctx=1024"):
+                adapter.invoke("Hi") if isinstance(adapter, ChatSpeculative) else adapter.complete("Hi")
+    finally:
+        model_cache.release(*where)

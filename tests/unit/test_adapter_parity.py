@@ -416,7 +416,8 @@ def test_chat_pair_hands_parallel_tool_calls_to_the_one_scanner(monkeypatch) -> 
 
 CHAT_BAD_SETTINGS = [{"temperature": "1"}, {"top_p": 2.0}, {"top_k": -1}, {"seed": 2**70},
                      {"engine": "nope"}, {"tempreature": 0.2}, {"backend": "tpu"},
-                     {"prefix_cache": -1}, {"prefix_cache": "4"}, {"prefix_cache": 1.5}]
+                     {"prefix_cache": -1}, {"prefix_cache": "4"}, {"prefix_cache": 1.5},
+                     {"n_ctx": 0}, {"n_threads": "2"}, {"repeat_penalty": -1.0}]
 
 
 @pytest.mark.parametrize("bad", CHAT_BAD_SETTINGS, ids=str)
