@@ -27,6 +27,7 @@ never replaced by a default).
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from typing import Any, ClassVar
@@ -68,6 +69,10 @@ from shared_core.frontend.chat import (
 from shared_core.frontend.serving import FairLock, iterate_in_thread
 from shared_core.util.redact import redact, redacted_dump
 
+# the settings a reply depends on (with the documents and a preloaded model: _identifying_params)
+_REPLY_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
+                   "repeat_penalty", "repeat_last_n", "max_tokens", "stop", "device", "dtype",
+                   "backend")
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
           "function": "tool", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -178,6 +183,7 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     max_tokens: int | None = DEFAULT_MAX_NEW_TOKENS
     streaming: bool = False
     lm: Any = Field(default=None, exclude=True)  # a preloaded shared_core LM (optional)
+    DERIVED: ClassVar[frozenset[str]] = frozenset({"lm", "profile"})  # profile: recomputed
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.reduce_with(self.lm)
@@ -188,9 +194,16 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     @property
     def _identifying_params(self) -> dict[str, Any]:
-        return redacted_dump({"model": self.model, "engine": self.engine,
-                              "temperature": self.temperature, "max_tokens": self.max_tokens,
-                              "engine_options": self.engine_options})
+        """Every setting that changes a reply (LangChain's LLM cache keys on these): the
+        decoding settings, where the model runs, a preloaded model's name and a digest of the
+        documents."""
+        params = {name: getattr(self, name) for name in _REPLY_SETTINGS}
+        params["documents"] = (None if self.documents is None else hashlib.sha256(
+            "\x00".join(self.documents).encode()).hexdigest())
+        if self.lm is not None:
+            params["lm"] = f"{getattr(self.lm, 'backend', 'torch')}:{self.lm.name}"
+        dumped: dict[str, Any] = redacted_dump(params)
+        return dumped
 
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
@@ -220,14 +233,21 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     # -- token counts (trim_messages, token budgets): the model's own tokenizer and template ----
     def get_token_ids(self, text: str) -> list[int]:
-        """``text``'s ids under the model's tokenizer (the model loads on first use)."""
+        """``text``'s ids under the model's tokenizer (the model loads on first use), or under
+        LangChain's ``custom_get_token_ids`` when one is set."""
+        if self.custom_get_token_ids is not None:
+            return self.custom_get_token_ids(text)
         return list(self._model()[0].encode(text))
 
     def get_num_tokens_from_messages(self, messages: list[BaseMessage],
                                      tools: Sequence[Any] | None = None) -> int:
         """The tokens the model reads ``messages`` as, rendered by its chat template, with
-        ``tools`` (any form ``bind_tools`` takes) shown as a call shows them."""
+        ``tools`` (any form ``bind_tools`` takes) shown as a call shows them (LangChain's own
+        estimate when ``custom_get_token_ids`` is set)."""
         from langchain_core.utils.function_calling import convert_to_openai_tool
+
+        if self.custom_get_token_ids is not None:
+            return super().get_num_tokens_from_messages(messages, tools)
 
         shown = [convert_to_openai_tool(t) for t in tools or ()]
         return prompt_length(self._model()[0], to_chat_messages(messages), shown)

@@ -53,7 +53,6 @@ from shared_core.decoding.tool_calls import (
     render_prompt,
     tool_names,
 )
-from shared_core.engines.loop import encode_prompt
 from shared_core.engines.registry import PLAIN_ENGINE, check_engine_options, start_engine
 from shared_core.frontend.chat_events import (
     CallReport,
@@ -418,6 +417,8 @@ class ChatStream:
         if self.constraint is not None:
             masks.append(grammar_mask(opened.lm, self.constraint))
         if request.penalty.active:
+            from shared_core.engines.loop import encode_prompt  # torch: only once a call runs
+
             masks.append(RepetitionPenalty(request.penalty, encode_prompt(opened.lm, opened.prompt)))
         if masks:
             options["logits_mask"] = masks[0] if len(masks) == 1 else ChainedMasks(masks)

@@ -149,6 +149,8 @@ class ChatSettings(BaseModel):
     # settings a framework passes to any chat model that a local model has no use for (LangChain's
     # standard timeout / max_retries / api_key / base_url): accepted and dropped, not refused
     IGNORED_SETTINGS: ClassVar[tuple[str, ...]] = ()
+    # fields not pickled: the preloaded model, and what an adapter derives from its settings
+    DERIVED: ClassVar[frozenset[str]] = frozenset({"lm"})
 
     @model_validator(mode="before")
     @classmethod
@@ -224,7 +226,7 @@ class ChatSettings(BaseModel):
         weights; a preloaded model is reloaded by name through the shared model cache on first
         use. Credentials in a URL are not pickled."""
         fields = {name: strip_credentials(getattr(self, name))
-                  for name in self.model_fields_set if name != "lm"}
+                  for name in self.model_fields_set - self.DERIVED}
         if "engine_options" in fields:  # only what the engine takes, plain data, no credentials
             fields["engine_options"] = portable_options(self.engine, self.engine_options)
         reload_as = (ModelKey(lm.name, self.device, self.dtype, getattr(lm, "backend", "torch"))

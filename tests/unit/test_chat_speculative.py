@@ -106,6 +106,8 @@ def test_token_counts_are_what_the_model_reads(chat, tiny_target):
         """Add two numbers."""
         return a + b
 
+    words = ChatSpeculative(model="no-such-model", custom_get_token_ids=lambda t: t.split())
+    assert words.get_num_tokens("hello big world") == 3  # LangChain's hook; no model loaded
     long = ChatSpeculative(lm=tiny_lm(max_positions=2048), model="tiny", max_tokens=4)  # tools
     with_tools = long.get_num_tokens_from_messages(MESSAGES, tools=[add])
     assert with_tools > long.get_num_tokens_from_messages(MESSAGES)
@@ -122,6 +124,26 @@ def test_the_profile_says_what_the_model_can_do(chat, tiny_target):
     SummarizationMiddleware(model=chat, trigger=("fraction", 0.8))
     named = ChatSpeculative(model="smollm2-135m-instruct")
     assert named.profile is not None and "max_input_tokens" not in named.profile
+
+
+def test_langchains_llm_cache_keys_on_every_setting_a_reply_depends_on(tiny_target):
+    """A model-level ``cache`` (LangChain's LLM cache) answers a call from an earlier one only
+    when every setting that changes the reply is the same."""
+    from langchain_core.caches import InMemoryCache
+
+    cache = InMemoryCache()
+    base = {"lm": tiny_target, "model": "tiny", "engine": "autoregressive", "max_tokens": 8,
+            "cache": cache}
+    plain = ChatSpeculative(**base).invoke(MESSAGES).content
+    for changed in ({"repeat_penalty": 5.0}, {"stop": ["k"]}, {"top_k": 3, "temperature": 0.7,
+                                                                "seed": 1}):
+        fresh = ChatSpeculative(**base, **changed).invoke(MESSAGES).content
+        uncached = ChatSpeculative(**{**base, "cache": False}, **changed).invoke(MESSAGES).content
+        assert fresh == uncached, changed
+    assert ChatSpeculative(**base).invoke(MESSAGES).content == plain
+    assert ChatSpeculative(**base, repeat_penalty=5.0).invoke(MESSAGES).content != plain
+    keys = {ChatSpeculative(**base, documents=[d])._get_llm_string() for d in ("a", "b")}
+    assert len(keys) == 2
 
 
 def test_batch_is_thread_safe(chat):
