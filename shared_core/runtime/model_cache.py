@@ -171,16 +171,20 @@ def loaded_copies(name: str) -> list[ModelLM]:
 
 
 def release(name: str, device: str | None = None, dtype: str | None = None,
-            backend: str = LOAD_LM_BACKEND) -> bool:
-    """Drop one cached model; True if it was cached.
+            backend: str | None = None) -> bool:
+    """Drop cached copies of a model; True if one was cached: the copy of that key when
+    ``backend`` is given, else every copy of ``name`` (whatever device, dtype and backend it
+    loaded with; the adapters load with ``backend="auto"``).
 
     Generations already running keep their reference until they end; the next call that names
     the model loads it again. Adapters look the model up on every call, so they do not pin it.
     """
-    key = _key(name, device, dtype, backend)
     with _LOCK:
-        _SETTINGS.pop(key, None)
-        return _LOADED.pop(key, None) is not None
+        keys = ([_key(name, device, dtype, backend)] if backend is not None
+                else [key for key in _LOADED if key[0] == name])
+        for key in keys:
+            _SETTINGS.pop(key, None)
+        return sum(_LOADED.pop(key, None) is not None for key in keys) > 0
 
 
 def release_all() -> int:

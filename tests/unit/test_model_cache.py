@@ -50,6 +50,20 @@ def test_adapters_and_engines_share_one_copy_and_release_drops_both(tiny_model_f
     assert cached_lm(tiny_model_folder, device="cpu", dtype="float32") is not lm  # loaded anew
 
 
+def test_release_by_name_drops_the_copy_an_adapter_loaded(tiny_model_folder: str) -> None:
+    """The adapters load with backend="auto"; ``release(name)`` (what their errors advise)
+    drops that copy too, and every other copy of the name."""
+    from shared_core.frontend import serving
+
+    auto, _ = serving.loaded_model(tiny_model_folder, None, None, "auto", prefix_cache=2)
+    torch_copy, _ = serving.loaded_model(tiny_model_folder, "cpu", "float32", "torch")
+    assert serving.release(tiny_model_folder) is True
+    assert serving.release(tiny_model_folder) is False
+    again, _ = serving.loaded_model(tiny_model_folder, None, None, "auto", prefix_cache=False)
+    assert again is not auto  # loaded anew, so another prefix_cache is taken
+    serving.release(tiny_model_folder)
+
+
 def test_one_name_resolves_to_one_object_and_one_lock(tiny_model_folder: str) -> None:
     from shared_core.runtime.model_cache import loaded_model, resolve_lm
     from shared_core.runtime.model_lock import lock_for
