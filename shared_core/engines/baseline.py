@@ -46,7 +46,7 @@ from shared_core.engines.loop import (
 )
 from shared_core.runtime.host_sync import DeviceTokens
 from shared_core.runtime.models import LM
-from shared_core.runtime.protocol import SessionLM, require_rollback
+from shared_core.runtime.protocol import SessionLM, check_session_lm, require_rollback
 
 DEFAULT_DRAFT_TOKENS = 8
 
@@ -120,6 +120,7 @@ def stream_speculative(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Prom
     """Speculative decoding as a stream of text deltas (one per verified block)."""
     k = check_int(k, "k (draft tokens per round)", minimum=1)
     config = generation_config(max_new_tokens, **sampling)
+    check_session_lm(lm)
     require_rollback(lm, "speculative decoding")
     if isinstance(drafter, LM):
         drafter = ModelDrafter(drafter, target=lm, cache=cache)

@@ -51,7 +51,7 @@ from shared_core.decoding.output import (
 from shared_core.decoding.verify import choose_token, make_generator
 from shared_core.engines.timing import timed
 from shared_core.runtime.lm import runtime_threads
-from shared_core.runtime.protocol import SessionLM, open_session
+from shared_core.runtime.protocol import SessionLM, check_session_lm, open_session
 from shared_core.util.device import synchronize
 
 Prompt = str | Sequence[dict[str, str]] | Sequence[int]
@@ -192,6 +192,7 @@ class Run:
     def __init__(self, lm: SessionLM, prompt: Prompt, config: GenerationConfig, cache: CacheKind,
                  logits_mask: LogitsMask | None = None, *,
                  stats_type: type[DecodeStats] = DecodeStats):
+        check_session_lm(lm)
         self.lm = lm
         self.config = config
         self.logits_mask = check_logits_mask(logits_mask)

@@ -217,6 +217,15 @@ def open_session(lm: SessionLM, *, cache: CacheKind = "prealloc") -> KVSession:
     return lm.open_session(cache=cache)
 
 
+def check_session_lm(lm: object, name: str = "lm") -> None:
+    """TypeError naming ``name`` unless ``lm`` runs sessions (a model from ``load_lm``; a name
+    string gets the call that loads it as a hint)."""
+    if not (callable(getattr(lm, "open_session", None)) and callable(getattr(lm, "prompt_ids", None))):
+        hint = f" (load it first: {name}=load_lm({lm!r}))" if isinstance(lm, str) else ""
+        msg = f"{name} must be a model from load_lm, got {type(lm).__name__}{hint}"
+        raise TypeError(msg)
+
+
 def require_rollback(lm: SessionLM, by: str) -> None:
     """Refuse, before any forward, to verify drafts on a model whose sessions cannot forget their
     newest tokens (``Capabilities.rollback``): each rejected draft would re-read the context."""

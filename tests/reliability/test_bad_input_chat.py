@@ -21,6 +21,7 @@ from tiny import CORPUS
 
 from langchain_specrag.chat_models.speculative import ChatSpeculative
 from llamaindex_specrag.llms.speculative import SpeculativeLLM
+from shared_core.drafters.prompt_lookup import PromptLookupDrafter
 from shared_core.engines.baseline import (
     autoregressive_generate,
     speculative_generate,
@@ -258,6 +259,14 @@ CASES: list[tuple[str, Callable[[Kit], Any], type[BaseException], str]] = [
     ("respec-draft_lm-str", lambda k: ReSpecDecoder(k.lm, draft_lm="smollm2-135m-instruct"),
      TypeError, r"draft_lm must be an LM .*load_lm\('smollm2-135m-instruct'\)"),
     ("respec-lm-str", lambda k: ReSpecDecoder("tiny"), TypeError, r"\blm must be an LM"),
+    # the other engines' models: before, AttributeError ('str' has no 'prompt_ids' / ...)
+    ("autoregressive-lm-str", lambda k: autoregressive_generate("smollm2-135m-instruct", Q, 4),
+     TypeError, r"^lm must be a model from load_lm, got str \(load it first"),
+    ("speculative-lm-str", lambda k: speculative_generate("tiny", PromptLookupDrafter(), Q, 4),
+     TypeError, r"^lm must be a model from load_lm"),
+    ("rapid-lm-str", lambda k: RapidDecoder("tiny"), TypeError, r"^lm must be a model"),
+    ("rapid-draft_lm-str", lambda k: RapidDecoder(k.lm, draft_lm="x"), TypeError,
+     r"^draft_lm must be a model"),
     ("respec-corpus-str", lambda k: ReSpecDecoder(k.lm, corpus="one text"), TypeError,
      "corpus must be a list of texts"),
     ("respec-corpus-int", lambda k: ReSpecDecoder(k.lm, corpus=5), TypeError, "corpus"),

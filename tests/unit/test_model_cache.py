@@ -56,7 +56,7 @@ def test_release_by_name_drops_the_copy_an_adapter_loaded(tiny_model_folder: str
     from shared_core.frontend import serving
 
     auto, _ = serving.loaded_model(tiny_model_folder, None, None, "auto", prefix_cache=2)
-    torch_copy, _ = serving.loaded_model(tiny_model_folder, "cpu", "float32", "torch")
+    serving.loaded_model(tiny_model_folder, "cpu", "float32", "torch")  # a second copy
     assert serving.release(tiny_model_folder) is True
     assert serving.release(tiny_model_folder) is False
     again, _ = serving.loaded_model(tiny_model_folder, None, None, "auto", prefix_cache=False)

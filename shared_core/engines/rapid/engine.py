@@ -35,7 +35,13 @@ from shared_core.engines.rapid.prompts import (
 from shared_core.engines.rapid.rounds import CachedRun, GammaSchedule, rapid_blocks
 from shared_core.retrieval.base import Encoder
 from shared_core.runtime.model_lock import lock_for
-from shared_core.runtime.protocol import KVSession, SessionLM, open_session, require_rollback
+from shared_core.runtime.protocol import (
+    KVSession,
+    SessionLM,
+    check_session_lm,
+    open_session,
+    require_rollback,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +101,9 @@ class RapidDecoder(RapidContext):
         if config is not None and not isinstance(config, RapidConfig):
             msg = f"config must be a RapidConfig, got {type(config).__name__}"
             raise TypeError(msg)
+        check_session_lm(lm)
+        if draft_lm is not None:
+            check_session_lm(draft_lm, "draft_lm")
         self.lm = lm
         self.draft_lm = draft_lm or lm
         self.config = config or RapidConfig()
