@@ -32,6 +32,8 @@ from shared_core.config import (
     LOAD_LM_BACKEND,
     PassageCacheConfig,
     check_backend,
+    check_bool,
+    check_int,
     suggest_kwargs,
 )
 from shared_core.runtime.lm import FALLBACK_CHAT_TEMPLATE, LM  # noqa: F401  (re-exported)
@@ -275,6 +277,10 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     if cpu_linears not in CPU_LINEARS:
         msg = f"cpu_linears={cpu_linears!r} must be one of {CPU_LINEARS}"
         raise ValueError(msg)
+    check_bool(trust_remote_code, "trust_remote_code")  # a truthy "false" would opt in
+    check_bool(exact, "exact")
+    for name, value in (("n_ctx", n_ctx), ("n_threads", n_threads)):
+        check_int(value, name, optional=True)
     torch_device = resolve_device(device)
     torch_dtype = resolve_dtype(dtype, torch_device)
     if cpu_linears == "fp16" and (torch_device.type != "cpu" or str(torch_dtype) != "torch.float32"):

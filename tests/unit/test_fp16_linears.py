@@ -49,3 +49,12 @@ def test_bad_settings_are_named(tiny_model_folder):
     with pytest.raises(ValueError, match="cpu_linears"):
         load_lm(tiny_model_folder, dtype="bfloat16", cpu_linears="fp16")
     assert load_lm(tiny_model_folder, cpu_linears="fp16").linear_weights == "fp16"
+
+
+@pytest.mark.parametrize(("setting", "error"), [
+    ({"trust_remote_code": "false"}, TypeError), ({"exact": 1}, TypeError),
+    ({"n_ctx": "big"}, TypeError), ({"n_threads": 0}, ValueError)])
+def test_load_lm_refuses_a_wrong_type_naming_it_before_loading(tiny_model_folder, setting, error):
+    """A truthy string would have opted into remote code; the torch path took any ``exact``."""
+    with pytest.raises(error, match=next(iter(setting))):
+        load_lm(tiny_model_folder, **setting)
