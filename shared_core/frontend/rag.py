@@ -39,6 +39,7 @@ from shared_core.config.rag import (
 )
 from shared_core.retrieval.base import check_retriever_like
 from shared_core.retrieval.frameworks import DocumentList, to_documents
+from shared_core.runtime.model_cache import check_model_name
 
 if TYPE_CHECKING:
     from shared_core.decoding.output import GenerationResult
@@ -255,6 +256,16 @@ class SpeculativeRAGEngines:
                               backend=settings.backend)
 
 
+def _ralmspec_knobs(settings: RaLMSpecEngineSettings, prompt: PromptMessages | None
+                    ) -> dict[str, Any]:
+    """The RaLMSpecConfig fields an adapter's settings give (a None timeout: the engine's)."""
+    knobs = {name: getattr(settings, name) for name in RALMSPEC_KNOBS}
+    knobs["prompt"] = prompt
+    if knobs["retrieval_timeout_s"] is None:
+        del knobs["retrieval_timeout_s"]
+    return knobs
+
+
 class RaLMSpecEngines:
     """The :class:`~shared_core.engines.ralmspec.RaLMSpec` for an adapter's settings, and a call.
 
@@ -265,13 +276,18 @@ class RaLMSpecEngines:
         self._engines: SettingsCache[RaLMSpec] = SettingsCache()
 
     def get(self, settings: RaLMSpecEngineSettings, prompt: PromptMessages | None) -> RaLMSpec:
-        knobs = {name: getattr(settings, name) for name in RALMSPEC_KNOBS}
-        knobs["prompt"] = prompt
-        if knobs["retrieval_timeout_s"] is None:
-            del knobs["retrieval_timeout_s"]
+        knobs = _ralmspec_knobs(settings, prompt)
         key = (settings.model, settings.backend, settings.retriever, settings.engine,
                *knobs.values())
         return self._engines.get(key, lambda: self._build(settings, knobs))
+
+    @staticmethod
+    def check(settings: RaLMSpecEngineSettings, prompt: PromptMessages | None) -> None:
+        """Refuse bad settings without building anything (an adapter's construction): the
+        knobs together (``speculation_stride`` against its maximum, ...) and the model name."""
+        if settings.engine is None:
+            RaLMSpecConfig(**_ralmspec_knobs(settings, prompt))
+            check_model_name(settings.model, "model")
 
     @staticmethod
     def _build(settings: RaLMSpecEngineSettings, knobs: dict[str, Any]) -> RaLMSpec:

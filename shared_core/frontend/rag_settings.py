@@ -297,6 +297,10 @@ class RaLMSpecSettings(RAGSettings):
     _engine_settings = model_validator(mode="before")(engine_settings(RaLMSpecConfig,
                                                                       RALMSPEC_KNOBS))
 
+    def model_post_init(self, context: object) -> None:
+        super().model_post_init(context)
+        self._engines.check(self, self.engine_prompt())  # every setting now; no model loads
+
     @field_validator("temperature", "seed")
     @classmethod
     def _check_sampling(cls, value: object, info: ValidationInfo) -> object:

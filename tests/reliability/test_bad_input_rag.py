@@ -249,6 +249,11 @@ ADAPTERS = [
     case("RaLMSpecRunnable(speculation_stride=9)",
          lambda e: RaLMSpecRunnable(retriever=e.bm25, speculation_stride=9).invoke("q"), V,
          "speculation_stride"),
+    # refused when the adapter is built (they reached the first call before)
+    case("RaLMSpecRunnable(speculation_stride=9) built", lambda e: RaLMSpecRunnable(
+        retriever=e.bm25, speculation_stride=9), V, "speculation_stride"),
+    case("RaLMSpecQueryEngine(model='no-such-model')",
+         lambda e: RaLMSpecQueryEngine(model="no-such-model"), V, "model"),
     case("runnable.invoke(3)", lambda e: e.runnable.invoke(3), T, "question"),
     case("runnable.invoke('')", lambda e: e.runnable.invoke(""), V, "question"),
     case("runnable.invoke({'question': None})", lambda e: e.runnable.invoke({"question": None}),
