@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig
+from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig, check_config_types
 from shared_core.decoding.decode_stats import RUN_SPECIFIC, DecodeStats
 from shared_core.decoding.output import GenerationResult
 from shared_core.engines.loop import Blocks, Prompt, Run, TokenStream, timed
@@ -59,6 +59,7 @@ class KNNLMConfig:
     gamma_max: float = 0.6
 
     def __post_init__(self) -> None:
+        check_config_types(self)  # a bool, a string or a float where an int goes: TypeError
         checks = {"k": self.k >= 1, "lmbda": 0.0 <= self.lmbda <= 1.0,
                   "temperature": self.temperature > 0,
                   "speculation_stride": 1 <= self.speculation_stride

@@ -163,3 +163,10 @@ def test_exact_mode_searches_the_real_tokens_states(tiny_target, store, monkeypa
     assert len(searched) == len(default_queries) > 1
     for got, want in zip(searched, default_queries, strict=True):
         assert np.allclose(got, want, atol=1e-4)
+
+
+@pytest.mark.parametrize("bad", [{"k": True}, {"k": 2.5}, {"lmbda": True}, {"scheduler": "no"},
+                                 {"window": "5"}])
+def test_a_config_field_of_the_wrong_type_is_refused_naming_it(bad):
+    with pytest.raises(TypeError, match=next(iter(bad))):
+        KNNLMConfig(**bad)
