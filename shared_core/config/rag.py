@@ -16,6 +16,7 @@ from typing import Literal
 
 from shared_core.config import (
     CACHE_KINDS,
+    MAX_SEED,
     CacheKind,
     check_choice,
     check_fields,
@@ -125,6 +126,15 @@ class SpeculativeRAGConfig:
                      strs=("embed_instruction",))
         check_timeout(self.retrieval_timeout_s)
         check_type(self.seed, "seed", (numbers.Integral,), "an integer")
+        if not 0 <= self.seed <= MAX_SEED:  # faiss' k-means takes a 32-bit seed
+            msg = f"seed must be an integer in [0, 2**32 - 1], got {self.seed}"
+            raise ValueError(msg)
+        try:
+            self.embed_instruction.format(question="q")
+        except (KeyError, IndexError, ValueError) as error:
+            msg = (f"embed_instruction={self.embed_instruction!r} must be a format string whose "
+                   f"only field is {{question}} ({type(error).__name__}: {error})")
+            raise ValueError(msg) from None
         check_choice(self.subset_strategy, "subset_strategy", ("cluster", "random", "same_cluster"))
         check_choice(self.draft_order, "draft_order", ("rationale_first", "answer_first"))
         check_choice(self.selection, "selection", ("score", "vote", "random"))
