@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from shared_core.config import check_bool
 from shared_core.retrieval import _common
 from shared_core.retrieval.base import Document, Hit
 
@@ -63,6 +64,9 @@ def _stopword_set(stopwords: str | Sequence[str] | None) -> frozenset[str]:
         from bm25s.stopwords import STOPWORDS_EN
 
         return frozenset(STOPWORDS_EN)
+    if not isinstance(stopwords, Iterable) or not all(isinstance(w, str) for w in stopwords):
+        msg = f"stopwords must be 'en', None or a list of words, got {stopwords!r:.80}"
+        raise TypeError(msg)
     return frozenset(w.lower() for w in stopwords)
 
 
@@ -111,11 +115,11 @@ class BM25Retriever:
         b = _common.check_closed_range(b, "b", 0.0, 1.0)
         delta = _common.check_closed_range(delta, "delta", 0.0)
         self.k1, self.b, self.method, self.delta = k1, b, method, delta
+        self._stopwords = _stopword_set(stopwords)  # checked first: a number is no word list
         self.stopwords = None if stopwords is None else (
             stopwords if isinstance(stopwords, str) else list(stopwords))
         self.stemmer = stemmer
-        self.show_progress = show_progress
-        self._stopwords = _stopword_set(stopwords)
+        self.show_progress = check_bool(show_progress, "show_progress")
         self._stem = _make_stemmer(stemmer)
         self._docs: list[Document] = []
         self._position: dict[str, int] = {}

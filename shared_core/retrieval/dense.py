@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from shared_core.config import DEFAULT_EMBEDDER
+from shared_core.config import DEFAULT_EMBEDDER, check_bool
 from shared_core.retrieval import _common
 from shared_core.retrieval.base import Document, Encoder, Hit, is_sentence_transformer
 from shared_core.retrieval.dense_io import DensePersistence
@@ -123,7 +123,7 @@ class DenseRetriever(DensePersistence):
         self.ef_search = ef_search
         self.batch_size = batch_size
         self.query_batch_size = query_batch_size or batch_size
-        self.show_progress = show_progress
+        self.show_progress = check_bool(show_progress, "show_progress")
         self.num_threads = num_threads
         self.gemm_min_batch = gemm_min_batch
         self._embedder_name = embedder if isinstance(embedder, str) else None

@@ -96,6 +96,11 @@ def case(id_: str, call: Case, error: type[Exception], name: str) -> Any:
 
 
 RETRIEVAL = [
+    case("BM25Retriever(stopwords=5)", lambda e: BM25Retriever(stopwords=5), T, "stopwords"),
+    case("BM25Retriever(show_progress='yes')", lambda e: BM25Retriever(show_progress="yes"), T,
+         "show_progress"),
+    case("DenseRetriever(show_progress='yes')",
+         lambda e: DenseRetriever(BucketEmbedder(), show_progress="yes"), T, "show_progress"),
     case("Document(text=123)", lambda e: Document("a", 123), T, "text"),  # type: ignore[arg-type]
     case("Document(id=5)", lambda e: Document(5, "a"), T, "id"),  # type: ignore[arg-type]
     case("Document(id='')", lambda e: Document("", "a"), V, "id"),

@@ -61,6 +61,13 @@ def test_importing_stores_loads_no_database_client() -> None:
     (lambda: ElasticsearchStore(_Search(), "i", object()), "embedder"),
     (lambda: ElasticsearchStore(_Search(), "i", HashEmbedder(), rescore_margin=-1),
      "rescore_margin"),
+    # bool("false") is True; a candidate count of 0 or True searched nothing or one
+    (lambda: ElasticsearchStore(_Search(), "i", HashEmbedder(), exact="false"), "exact"),
+    (lambda: ElasticsearchStore(_Search(), "i", HashEmbedder(), num_candidates=0),
+     "num_candidates"),
+    (lambda: ElasticsearchStore(_Search(), "i", HashEmbedder(), num_candidates=True),
+     "num_candidates"),
+    (lambda: QdrantStore(_Search(), "c", HashEmbedder(), exact="yes"), "exact"),
 ])
 def test_bad_arguments_name_the_parameter(factory, param) -> None:
     with pytest.raises((TypeError, ValueError), match=param):

@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_core.config import DEFAULT_EMBEDDER
+from shared_core.config import DEFAULT_EMBEDDER, check_bool, check_int
 from shared_core.retrieval.base import Document, EmbedderSpec
 from shared_core.retrieval.stores.base import Embedder, Row, StoreBackend, check_client, check_name
 
@@ -58,8 +58,8 @@ class ElasticsearchStore(StoreBackend):
         self.vector_field = vector_field
         self.text_field = text_field
         self.metadata_field = metadata_field
-        self.num_candidates = num_candidates
-        self.exact = bool(exact)
+        self.num_candidates = check_int(num_candidates, "num_candidates")
+        self.exact = check_bool(exact, "exact")  # bool("false") would be True
 
     def request_body(self, vector: np.ndarray, n: int) -> dict[str, Any]:
         """The search body of one query (the msearch body alternates header and body)."""

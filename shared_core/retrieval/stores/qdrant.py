@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_core.config import DEFAULT_EMBEDDER
+from shared_core.config import DEFAULT_EMBEDDER, check_bool
 from shared_core.retrieval.base import Document, EmbedderSpec
 from shared_core.retrieval.stores.base import Embedder, Row, StoreBackend, check_client, check_name
 
@@ -62,7 +62,7 @@ class QdrantStore(StoreBackend):
         self.id_key = id_key
         self.text_key = text_key
         self.metadata_key = metadata_key
-        self.exact = bool(exact)
+        self.exact = check_bool(exact, "exact")  # bool("false") would be True
 
     def _query(self, vectors: np.ndarray, n: int) -> list[list[Row]]:
         from qdrant_client import models
