@@ -16,7 +16,6 @@ from typing import Literal
 
 from shared_core.config import (
     CACHE_KINDS,
-    MAX_SEED,
     CacheKind,
     check_choice,
     check_fields,
@@ -126,8 +125,8 @@ class SpeculativeRAGConfig:
                      strs=("embed_instruction",))
         check_timeout(self.retrieval_timeout_s)
         check_type(self.seed, "seed", (numbers.Integral,), "an integer")
-        if not 0 <= self.seed <= MAX_SEED:  # faiss' k-means takes a 32-bit seed
-            msg = f"seed must be an integer in [0, 2**32 - 1], got {self.seed}"
+        if not -(2**31) <= self.seed < 2**31:  # faiss' k-means takes a C int
+            msg = f"seed must be an integer in [-2**31, 2**31 - 1], got {self.seed}"
             raise ValueError(msg)
         try:
             self.embed_instruction.format(question="q")

@@ -188,7 +188,7 @@ def test_bad_backend_settings_are_refused_before_loading(tiny_model_folder):
         load_lm(tiny_model_folder, backend="llama.cpp")
     with pytest.raises(ValueError, match=r"n_ctx is a llama\.cpp setting"):
         load_lm(tiny_model_folder, n_ctx=512)
-    with pytest.raises(ValueError, match="n_ctx must be a positive integer"):
+    with pytest.raises(ValueError, match="n_ctx must be an integer >= 1"):
         load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=0)
 
 

@@ -46,12 +46,12 @@ def test_the_backend_reaches_the_model_cache_and_no_deprecation_warning_shows(
         return tiny_target, lock_for(tiny_target)  # the tiny torch model stands in
 
     monkeypatch.setattr(serving, "loaded_model", loaded)
-    adapter = ADAPTERS[framework](model="some-model", backend=backend, max_new_tokens=4)
+    adapter = ADAPTERS[framework](model="org/some-model", backend=backend, max_new_tokens=4)
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)  # transformers' past_key_values rename
         warnings.simplefilter("error", DeprecationWarning)
         assert isinstance(_answer(adapter), str)
-    assert asked == [("some-model", backend)]
+    assert asked == [("org/some-model", backend)]
     adapter.backend = "torch" if backend != "torch" else "auto"  # a changed setting: a new engine
     _answer(adapter)
-    assert asked[-1] == ("some-model", adapter.backend)
+    assert asked[-1] == ("org/some-model", adapter.backend)

@@ -20,6 +20,7 @@ from shared_core.config import (
     DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PASSAGE_CACHE,
     PassageCacheConfig,
+    PenaltyConfig,
     SamplingConfig,
 )
 from shared_core.engines.baseline import autoregressive_generate
@@ -47,6 +48,8 @@ def test_defaults_are_the_config_constants() -> None:
     expected = {"model": DEFAULT_LM, "engine": DEFAULT_ENGINE, "engine_options": {},
                 "temperature": sampling.temperature, "top_k": sampling.top_k,
                 "top_p": sampling.top_p, "seed": sampling.seed, "stop": None, "documents": None,
+                "repeat_penalty": PenaltyConfig.repeat_penalty,
+                "repeat_last_n": PenaltyConfig.repeat_last_n, "n_ctx": None, "n_threads": None,
                 "device": None, "dtype": None, "backend": DEFAULT_BACKEND, "prefix_cache": None,
                 "passage_cache": DEFAULT_PASSAGE_CACHE,
                 "recompute_share": PassageCacheConfig.recompute_share,
