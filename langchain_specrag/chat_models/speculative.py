@@ -51,7 +51,7 @@ from langchain_core.tools import BaseTool
 from pydantic import AliasChoices, ConfigDict, Field
 
 from langchain_specrag.chat_models.structured import structured_output
-from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS
+from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, PENALTY_SETTINGS
 from shared_core.decoding.constrained import xgrammar_available
 from shared_core.decoding.output import ChatTurns, chat_turns
 from shared_core.decoding.tool_calls import check_tool_choice, check_tools
@@ -71,7 +71,7 @@ from shared_core.util.redact import redact, redacted_dump
 
 # the settings a reply depends on (with the documents and a preloaded model: _identifying_params)
 _REPLY_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
-                   "repeat_penalty", "repeat_last_n", "max_tokens", "stop", "device", "dtype",
+                   *PENALTY_SETTINGS, "max_tokens", "stop", "device", "dtype",
                    "backend")
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",

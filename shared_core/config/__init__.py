@@ -303,22 +303,31 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class PenaltyConfig:
-    """llama.cpp's repetition penalty (``repeat_penalty`` / ``repeat_last_n``, as in
-    ``ChatLlamaCpp`` and Ollama): each distinct token among the last ``repeat_last_n`` ids of the
-    prompt and the reply has its logit divided by ``repeat_penalty`` (multiplied where negative)
-    before the next token is chosen. 1.0 (default) or ``repeat_last_n=0``: off."""
+    """llama.cpp's penalties (``llama_sampler_init_penalties``; the names of ``ChatLlamaCpp``,
+    llama-cpp-python, Ollama and OpenAI's API), over the last ``repeat_last_n`` ids of the prompt
+    and the reply: a token seen ``c > 0`` times there has its logit divided by ``repeat_penalty``
+    (multiplied where negative), then ``c * frequency_penalty + presence_penalty`` subtracted,
+    before the next token is chosen. Off by default (1.0, 0.0, 0.0) or with ``repeat_last_n=0``."""
 
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     def __post_init__(self) -> None:
         penalty = check_real(self.repeat_penalty, "repeat_penalty")
         _check(penalty > 0, f"repeat_penalty must be > 0, got {self.repeat_penalty}")
         check_int(self.repeat_last_n, "repeat_last_n", minimum=0)
+        check_real(self.frequency_penalty, "frequency_penalty")  # negative: encourages, as in
+        check_real(self.presence_penalty, "presence_penalty")  # llama.cpp and OpenAI's API
 
     @property
     def active(self) -> bool:
-        return self.repeat_penalty != 1.0 and self.repeat_last_n > 0
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0 or self.frequency_penalty
+                                           != 0.0 or self.presence_penalty != 0.0)
+
+
+PENALTY_SETTINGS = tuple(f.name for f in dataclasses.fields(PenaltyConfig))
 
 
 class SamplingOptions(TypedDict, total=False):

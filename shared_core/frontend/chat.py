@@ -35,7 +35,13 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig, PenaltyConfig, check_kwargs
+from shared_core.config import (
+    DEFAULT_MAX_NEW_TOKENS,
+    PENALTY_SETTINGS,
+    GenerationConfig,
+    PenaltyConfig,
+    check_kwargs,
+)
 from shared_core.decoding.constrained import (
     Constraint,
     check_json_schema,
@@ -194,8 +200,8 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
         msg = f"parallel_tool_calls must be a bool, got {type(parallel).__name__}"
         raise TypeError(msg)
     constraint = check_response_format(kwargs.pop("response_format", None))
-    penalty = PenaltyConfig(*(kwargs.pop(name, getattr(settings, name))
-                              for name in ("repeat_penalty", "repeat_last_n")))
+    penalty = PenaltyConfig(**{name: kwargs.pop(name, getattr(settings, name))
+                               for name in PENALTY_SETTINGS})
     texts = None if documents is None else [d.text for d in to_documents(documents)]
     checked = _checked_prompt(prompt)
     return _Request(engine, chosen or bool(options), checked, generation, texts, options,

@@ -29,6 +29,7 @@ from shared_core.config import (
     DEFAULT_BACKEND,
     DEFAULT_LM,
     DEFAULT_PASSAGE_CACHE,
+    PENALTY_SETTINGS,
     PassageCacheConfig,
     PenaltyConfig,
     SamplingConfig,
@@ -50,13 +51,13 @@ logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
-                 "repeat_penalty", "repeat_last_n", "stop", "documents", "device", "dtype", "backend",
+                 *PENALTY_SETTINGS, "stop", "documents", "device", "dtype", "backend",
                  "prefix_cache", "n_ctx", "n_threads", "passage_cache",
                  "recompute_share", "passage_cache_memory_mb", "passage_cache_disk_mb")
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
 CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop", "temperature",
-                "top_k", "top_p", "seed", "repeat_penalty", "repeat_last_n", "tools",
+                "top_k", "top_p", "seed", *PENALTY_SETTINGS, "tools",
                 "tool_choice", "parallel_tool_calls",
                 "response_format", "model")
 
@@ -93,9 +94,10 @@ class ChatSettings(BaseModel):
         engine_options: passed to the engine unchanged (a per-call ``engine`` other than the
             configured one does not get them).
         temperature / top_k / top_p / seed: sampling (:class:`~shared_core.config.SamplingConfig`).
-        repeat_penalty / repeat_last_n: llama.cpp's repetition penalty
-            (:class:`~shared_core.config.PenaltyConfig`; default 1.0: off), applied by every
-            engine to every verified row, so speculative output equals penalised greedy decoding.
+        repeat_penalty / repeat_last_n / frequency_penalty / presence_penalty: llama.cpp's
+            penalties (:class:`~shared_core.config.PenaltyConfig`; default: off), applied by
+            every engine to every verified row, so speculative output equals penalised greedy
+            decoding.
         stop: stop strings, cut from the returned text.
         documents: texts the engine may draft from (ReSpec) or read as the long context (RAPID).
         device / dtype: where and how the model loads (a dtype is a torch setting).
@@ -128,6 +130,8 @@ class ChatSettings(BaseModel):
     seed: int | None = SamplingConfig.seed
     repeat_penalty: float = PenaltyConfig.repeat_penalty
     repeat_last_n: int = PenaltyConfig.repeat_last_n
+    frequency_penalty: float = PenaltyConfig.frequency_penalty
+    presence_penalty: float = PenaltyConfig.presence_penalty
     stop: list[str] | None = None
     documents: list[str] | None = None
     device: str | None = None
@@ -195,7 +199,7 @@ class ChatSettings(BaseModel):
     def _llamacpp_field(cls, value: object, info: ValidationInfo) -> object:
         return check_int(value, str(info.field_name), optional=True)  # None or an int >= 1
 
-    @field_validator("repeat_penalty", "repeat_last_n", mode="before")
+    @field_validator(*PENALTY_SETTINGS, mode="before")
     @classmethod
     def _penalty_field(cls, value: object, info: ValidationInfo) -> object:
         setting: dict[str, Any] = {str(info.field_name): value}  # the keyword is chosen at run time

@@ -345,8 +345,8 @@ def test_n_threads_is_a_load_setting_checked_before_any_load():
 
 
 def test_the_repetition_penalty_is_lossless_on_llama_cpp(exact_lm):
-    """With ``repeat_penalty`` ReSpec's verified rows are penalised as plain decoding's steps:
-    the same ids on the batch-invariant exact model (and another reply than without it)."""
+    """With llama.cpp's three penalties ReSpec's verified rows are penalised as plain decoding's
+    steps: the same ids on the batch-invariant exact model (and another reply than without)."""
     from langchain_specrag.chat_models.speculative import ChatSpeculative
 
     def reply(engine: str, **options: object) -> tuple[list[int], dict]:
@@ -354,9 +354,10 @@ def test_the_repetition_penalty_is_lossless_on_llama_cpp(exact_lm):
         message = chat.invoke(PROMPTS[0])
         return exact_lm.encode(message.content), message.response_metadata["speculative_stats"]
 
-    options = {"repeat_penalty": 1.5, "documents": [CONTEXT],
+    penalties = {"repeat_penalty": 1.5, "frequency_penalty": 0.3, "presence_penalty": 0.2}
+    options = {**penalties, "documents": [CONTEXT],
                "engine_options": {"use_trigger": False, "measure_cost": False}}
-    (plain, _), (spec, stats) = reply("autoregressive", repeat_penalty=1.5), reply("respec", **options)
+    (plain, _), (spec, stats) = reply("autoregressive", **penalties), reply("respec", **options)
     assert spec == plain and stats["accepted"] > 0
     assert reply("autoregressive")[0] != plain
 
