@@ -23,11 +23,11 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, model_validator
 from shared_core.retrieval.embedding import (
     EmbeddingConfig,
     check_device,
-    check_model,
     check_str,
     check_texts,
     embed,
 )
+from shared_core.runtime.weights.embedded import check_embedder_name
 
 
 class SpecragEmbeddings(BaseModel, Embeddings):
@@ -55,7 +55,7 @@ class SpecragEmbeddings(BaseModel, Embeddings):
 
     @model_validator(mode="after")
     def _check_names(self) -> SpecragEmbeddings:
-        check_model(self.model)
+        check_embedder_name(self.model, "model")
         check_device(self.device)
         return self
 

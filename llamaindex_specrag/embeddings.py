@@ -27,11 +27,11 @@ from pydantic import AliasChoices
 from shared_core.retrieval.embedding import (
     EmbeddingConfig,
     check_device,
-    check_model,
     check_str,
     check_texts,
     embed,
 )
+from shared_core.runtime.weights.embedded import check_embedder_name
 
 
 class SpecragEmbedding(BaseEmbedding):
@@ -63,7 +63,7 @@ class SpecragEmbedding(BaseEmbedding):
 
     @model_validator(mode="after")
     def _check_names(self) -> SpecragEmbedding:
-        check_model(self.model_name, "model_name")
+        check_embedder_name(self.model_name, "model_name")
         check_device(self.device)
         return self
 

@@ -47,6 +47,7 @@ from shared_core.retrieval.faiss_index import (
     gemm_candidates,
     new_index,
 )
+from shared_core.runtime.weights.embedded import check_embedder_name
 
 if TYPE_CHECKING:
     import faiss
@@ -117,6 +118,8 @@ class DenseRetriever(DensePersistence):
         if not isinstance(embedder, str) and not callable(getattr(embedder, "encode", None)):
             msg = "embedder must be a model name or an object with an encode(list[str]) method"
             raise TypeError(msg)
+        if isinstance(embedder, str):
+            check_embedder_name(embedder)
         self.index_kind: IndexKind = index
         self.hnsw_m = hnsw_m
         self.ef_construction = ef_construction

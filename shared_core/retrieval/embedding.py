@@ -23,44 +23,19 @@ shapes); a query is always encoded alone.
 from __future__ import annotations
 
 import re
-import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import numpy as np
 
 from shared_core.config import DEFAULT_EMBEDDER, check_bool
 from shared_core.retrieval._common import check_int
-from shared_core.runtime.weights.embedded import EMBEDDED_EMBEDDERS
-from shared_core.util.redact import redact
-
-if TYPE_CHECKING:
-    from sentence_transformers import SentenceTransformer
+from shared_core.runtime.model_cache import cached_embedder
+from shared_core.runtime.weights.embedded import check_embedder_name
 
 Kind = Literal["query", "document"]
 _DEVICE = re.compile(r"cpu|cuda(:\d+)?|mps")
-
-_LOADED: dict[tuple[str, str | None], SentenceTransformer] = {}
-_LOCK = threading.Lock()
-
-
-def check_model(model: object, name: str = "model") -> str:
-    """An embedded alias, a hub id (``owner/name``) or an existing local folder."""
-    if not isinstance(model, str):
-        msg = f"{name} must be a str (alias, hub id or folder), got {type(model).__name__} {model!r}"
-        raise TypeError(msg)
-    if "://" in model:
-        msg = (f"{name}={redact(model)!r} is a URL; embeddings run in this process: pass an "
-               "embedded alias, a hub id (owner/name) or a local folder")
-        raise ValueError(msg)
-    if model in EMBEDDED_EMBEDDERS or "/" in model or Path(model).exists():
-        return model
-    known = ", ".join(sorted(EMBEDDED_EMBEDDERS))
-    msg = (f"{name}={model!r} is not an embedded alias ({known}), a hub id (owner/name) "
-           "or an existing local folder")
-    raise ValueError(msg)
 
 
 def check_device(device: object, name: str = "device") -> str | None:
@@ -120,25 +95,11 @@ class EmbeddingConfig:
     show_progress: bool = False
 
     def __post_init__(self) -> None:
-        check_model(self.model)
+        check_embedder_name(self.model, "model")
         check_device(self.device)
         check_int(self.batch_size, "batch_size")
         check_bool(self.normalize, "normalize")
         check_bool(self.show_progress, "show_progress")
-
-
-def cached_embedder(model: str, device: str | None = None) -> SentenceTransformer:
-    """The process-wide :func:`~shared_core.runtime.models.load_embedder` result for these arguments.
-
-    Loaded under a lock, so concurrent first calls load once; a failed load caches nothing.
-    """
-    key = (model, device)
-    with _LOCK:
-        if key not in _LOADED:
-            from shared_core.runtime.models import load_embedder
-
-            _LOADED[key] = load_embedder(model, device=device)
-        return _LOADED[key]
 
 
 def embed(config: EmbeddingConfig, texts: Sequence[str], kind: Kind = "document"

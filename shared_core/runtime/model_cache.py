@@ -59,7 +59,7 @@ class _LoadSettings:
 
 
 _SETTINGS: dict[Key, _LoadSettings] = {}  # what each model in _LOADED loaded with
-_EMBEDDERS: dict[str, SentenceTransformer] = {}
+_EMBEDDERS: dict[tuple[str, str | None], SentenceTransformer] = {}
 _LOCK = threading.Lock()
 _URL_SCHEMES = ("http://", "https://")
 
@@ -217,12 +217,14 @@ def check_model_name(name: object, param: str) -> None:
     raise ValueError(msg)
 
 
-def cached_embedder(name: str) -> SentenceTransformer:
-    """The process-wide :func:`~shared_core.runtime.models.load_embedder` result for ``name`` (dense
-    retrievers built or unpickled with an embedder name share one copy)."""
+def cached_embedder(name: str, device: str | None = None) -> SentenceTransformer:
+    """The process-wide :func:`~shared_core.runtime.models.load_embedder` result for ``name`` on
+    ``device`` (retrievers, stores, engines and the embedding adapters share one copy; a failed
+    load caches nothing)."""
+    key = (name, device)
     with _LOCK:
-        if name not in _EMBEDDERS:
+        if key not in _EMBEDDERS:
             from shared_core.runtime.models import load_embedder
 
-            _EMBEDDERS[name] = load_embedder(name)
-        return _EMBEDDERS[name]
+            _EMBEDDERS[key] = load_embedder(name, device=device)
+        return _EMBEDDERS[key]

@@ -45,6 +45,7 @@ from shared_core.runtime.weights.embedded import (
     EMBEDDED_EMBEDDERS,
     EMBEDDED_LMS,  # noqa: F401  (re-exported)
     cache_dir,  # noqa: F401  (re-exported: tests read models.cache_dir)
+    check_embedder_name,
     hub_unavailable,
     package_dir,
 )
@@ -431,10 +432,8 @@ def load_embedder(name: str = DEFAULT_EMBEDDER, *, device: str | torch.device | 
         else:
             logger.warning("package %s is not installed; trying %s", entry.package, entry.hub_id)
             name = entry.hub_id
-    elif "/" not in name and not Path(name).exists():
-        known = ", ".join(sorted(EMBEDDED_EMBEDDERS))
-        msg = f"unknown embedder alias {name!r}; use one of {known}, a hub id or a local folder"
-        raise ValueError(msg)
+    else:
+        check_embedder_name(name, "name")
     why = None if Path(name).exists() else hub_unavailable()
     try:
         with quiet_progress_bars():  # no "Loading weights" bar on every load

@@ -456,3 +456,22 @@ def test_good_inputs_still_work(env: SimpleNamespace) -> None:
     assert env.specrag.answer("capital of France?", tuple(DOCS[:4])).text is not None
     assert RaLMSpecRunnable(temperature=0, max_new_tokens=3).max_new_tokens == 3
 
+
+
+def test_an_unknown_embedder_alias_is_refused_where_it_is_given(tiny_target) -> None:
+    """Every component taking an embedder name refuses an alias that is neither embedded, a hub
+    id nor a folder when built, naming the setting (it used to fail at the first question)."""
+    from shared_core.engines.rapid import RapidDecoder
+    from shared_core.engines.speculative_rag import SpeculativeRAG
+    from shared_core.retrieval.dense import DenseRetriever
+    from shared_core.retrieval.stores.base import Embedder
+
+    builds = {"SpeculativeRAG": lambda: SpeculativeRAG(tiny_target, None, embedder="no-such-model"),
+              "RapidDecoder": lambda: RapidDecoder(tiny_target, embedder="no-such-model"),
+              "DenseRetriever": lambda: DenseRetriever("no-such-model"),
+              "a vector store's Embedder": lambda: Embedder("no-such-model")}
+    for what, build in builds.items():
+        with pytest.raises(ValueError, match=r"^embedder='no-such-model' is not an embedded"):
+            build()
+            pytest.fail(f"{what} accepted the alias")
+    SpeculativeRAG(tiny_target, None, embedder="sentence-transformers/all-MiniLM-L6-v2")  # hub id

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from langchain_specrag import SpecragEmbeddings
 from llamaindex_specrag import SpecragEmbedding
 from shared_core.retrieval import embedding as shared
+from shared_core.runtime import model_cache
 
 UNREACHABLE = "nobody-here/no-such-embedder"  # a hub id that cannot load (offline tests)
 TEXTS = ["the cat sat on a mat", "paris is the capital of france", "a dog ran in the park"]
@@ -166,19 +167,19 @@ def test_no_texts_loads_nothing() -> None:
 def test_failed_load_caches_nothing() -> None:
     with pytest.raises(OSError):
         SpecragEmbeddings(model=UNREACHABLE, device="cpu").embed_query("x")
-    assert (UNREACHABLE, "cpu") not in shared._LOADED
+    assert (UNREACHABLE, "cpu") not in model_cache._EMBEDDERS
 
 
 # ------------------------------------------------------------------ embedding
 
 def test_lazy_load_shared_by_copies(tiny_folder: str) -> None:
-    shared._LOADED.pop((tiny_folder, "cpu"), None)
+    model_cache._EMBEDDERS.pop((tiny_folder, "cpu"), None)
     first = SpecragEmbeddings(model=tiny_folder, device="cpu")
-    assert (tiny_folder, "cpu") not in shared._LOADED  # construction loads nothing
+    assert (tiny_folder, "cpu") not in model_cache._EMBEDDERS  # construction loads nothing
     first.embed_query("the cat")
-    loaded = shared._LOADED[(tiny_folder, "cpu")]
+    loaded = model_cache._EMBEDDERS[(tiny_folder, "cpu")]
     SpecragEmbedding(model_name=tiny_folder, device="cpu").get_query_embedding("the dog")
-    assert shared.cached_embedder(tiny_folder, "cpu") is loaded
+    assert model_cache.cached_embedder(tiny_folder, "cpu") is loaded
 
 
 def test_both_adapters_give_the_same_vectors(tiny_folder: str) -> None:
@@ -209,7 +210,7 @@ def test_async_matches_sync(tiny_folder: str) -> None:
 
 
 def test_normalize_setting(tiny_folder: str) -> None:
-    raw_model = shared.cached_embedder(tiny_folder, "cpu")
+    raw_model = model_cache.cached_embedder(tiny_folder, "cpu")
     raw = SpecragEmbeddings(model=tiny_folder, device="cpu", normalize=False).embed_documents(TEXTS)
     unit = SpecragEmbeddings(model=tiny_folder, device="cpu").embed_documents(TEXTS)
     expected = raw_model.encode(TEXTS, convert_to_numpy=True)
@@ -227,7 +228,7 @@ def test_batch_size_is_a_setting_not_a_result_change(tiny_folder: str) -> None:
 
 
 def test_model_prompts_for_queries_and_documents(prompted_folder: str) -> None:
-    raw_model = shared.cached_embedder(prompted_folder, "cpu")
+    raw_model = model_cache.cached_embedder(prompted_folder, "cpu")
     lc = SpecragEmbeddings(model=prompted_folder, device="cpu")
     li = SpecragEmbedding(model_name=prompted_folder, device="cpu")
     query, doc = lc.embed_query("the cat"), lc.embed_documents(["the cat"])[0]

@@ -20,7 +20,7 @@ def test_unknown_alias_and_missing_paths_are_clear_errors(tmp_path):
         models.load_lm(str(tmp_path / "missing" / "folder" / "x"))
     with pytest.raises(ValueError, match="name_or_path"):
         models.load_lm("  ")
-    with pytest.raises(ValueError, match="unknown embedder alias"):
+    with pytest.raises(ValueError, match="name='minilm-xxl' is not an embedded embedder alias"):
         models.load_embedder("minilm-xxl")
 
 

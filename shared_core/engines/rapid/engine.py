@@ -42,6 +42,7 @@ from shared_core.runtime.protocol import (
     open_session,
     require_rollback,
 )
+from shared_core.runtime.weights.embedded import check_embedder_name
 
 logger = logging.getLogger(__name__)
 
@@ -104,6 +105,8 @@ class RapidDecoder(RapidContext):
         check_session_lm(lm)
         if draft_lm is not None:
             check_session_lm(draft_lm, "draft_lm")
+        if isinstance(embedder, str):
+            check_embedder_name(embedder)
         self.lm = lm
         self.draft_lm = draft_lm or lm
         self.config = config or RapidConfig()

