@@ -138,9 +138,12 @@ def passage_cache_of(lm: ModelLM) -> PassageCache | None:
 
 def source_texts(source: Any, name: str = "texts") -> list[str]:
     """The passage texts of ``source``: a list of strings or documents (``page_content`` /
-    ``text`` / ``get_content()``), a LlamaIndex index or docstore (``.docstore`` / ``.docs``), or
-    a LangChain vector store keeping its texts (``InMemoryVectorStore.store``, FAISS's
-    ``docstore._dict``). Duck-typed: no framework is imported. Errors name ``name``."""
+    ``text`` / ``get_content()``), a LlamaIndex index or docstore (``.docstore`` / ``.docs``), a
+    LangChain vector store keeping its texts (``InMemoryVectorStore.store``, FAISS's
+    ``docstore._dict``), a specrag retriever (``.documents``), or a retriever over one of these
+    (LangChain's ``.vectorstore``, LlamaIndex's ``._index``, a speculative wrapper's
+    ``.retriever``). Duck-typed: no framework is imported. Errors name ``name``."""
+    source = _unwrapped(source)
     source = getattr(source, "docstore", source)
     for attribute, field in (("docs", None), ("_dict", None), ("store", "text")):
         table = getattr(source, attribute, None)
@@ -148,11 +151,26 @@ def source_texts(source: Any, name: str = "texts") -> list[str]:
             items = list(table.values())
             source = [item[field] if field and isinstance(item, dict) else item for item in items]
             break
-    if isinstance(source, str) or not isinstance(source, Iterable):
-        msg = (f"{name} must be a list of strings or documents, or an index / store, got "
-               f"{type(source).__name__}")
+    if (isinstance(source, str) or not isinstance(source, Iterable)
+            or hasattr(type(source), "model_fields")):  # a pydantic model iterates its fields
+        msg = (f"{name} must be a list of strings or documents, or an index / store / retriever "
+               f"that keeps its texts, got {type(source).__name__}")
         raise TypeError(msg)
-    return [check_text(_text_of(item), name) for item in source]
+    return [check_text(_text_of(item), f"{name}[{i}]") for i, item in enumerate(source)]
+
+
+def _unwrapped(source: Any) -> Any:
+    """What a retriever searches, when that keeps its texts (a few wrappers deep)."""
+    for _ in range(4):
+        documents = getattr(source, "documents", None)
+        if isinstance(documents, list):
+            return documents
+        inner = next((getattr(source, a) for a in ("retriever", "vectorstore", "_index")
+                      if getattr(source, a, None) is not None), None)
+        if inner is None:
+            return source
+        source = inner
+    return source
 
 
 def _text_of(item: Any) -> Any:
