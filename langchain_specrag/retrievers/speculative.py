@@ -20,6 +20,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 from shared_core.config import check_settings_keys
 from shared_core.config.rag import SpeculativeRetrievalConfig
 from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_metadata, hit_score
+from shared_core.retrieval.frameworks import langchain_callbacks
 
 if TYPE_CHECKING:
     from shared_core.engines.ralmspec import SpeculativeRetrieval
@@ -67,7 +68,8 @@ class SpeculativeRetriever(BaseRetriever):
 
     def _get_relevant_documents(self, query: str, *, run_manager: CallbackManagerForRetrieverRun,
                                 k: int | None = None) -> list[LCDocument]:
-        return [_to_lc(h) for h in self.session.retrieve(query, k)]  # k: checked there
+        with langchain_callbacks(run_manager.get_child()):  # the wrapped retriever's runs nest
+            return [_to_lc(h) for h in self.session.retrieve(query, k)]  # k: checked there
 
     def speculate(self, query: str) -> list[LCDocument]:
         """The cache's best document now (exact if the query is already verified)."""

@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 import math
 import numbers
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextvars import ContextVar
 from typing import Any, Protocol, TypeGuard
 
 from shared_core.config import check_int
@@ -47,7 +49,7 @@ class LlamaIndexResult(Protocol):
 class LangChainRetriever(Protocol):
     """A LangChain ``BaseRetriever`` as a verification calls it: one ``batch`` of queries."""
 
-    def batch(self, inputs: list[str], /) -> Sequence[object]: ...
+    def batch(self, inputs: list[str], /, config: Any = None) -> Sequence[object]: ...
 
 
 class DocumentList(list[Document]):
@@ -222,12 +224,30 @@ def _from_llamaindex(n: LlamaIndexResult) -> Hit:
     return Hit(doc, _score(n.score, doc.id), 0)
 
 
+# the LangChain callbacks a wrapped retriever's calls run under: a speculative wrapper's child run
+# manager, so that the wrapped retriever's runs are traced as children of the wrapper's run
+_LANGCHAIN_CALLBACKS: ContextVar[Any] = ContextVar("specrag_langchain_callbacks", default=None)
+
+
+@contextlib.contextmanager
+def langchain_callbacks(callbacks: Any) -> Iterator[None]:
+    """Run the wrapped LangChain retrievers called in this block under ``callbacks``."""
+    token = _LANGCHAIN_CALLBACKS.set(callbacks)
+    try:
+        yield
+    finally:
+        _LANGCHAIN_CALLBACKS.reset(token)
+
+
 def _langchain_search(retriever: LangChainRetriever) -> Callable[[list[str], int], list[list[Hit]]]:
     """LangChain ``BaseRetriever``: one ``batch`` call per verification (its thread pool)."""
     name = type(retriever).__name__
 
     def search(queries: list[str], k: int) -> list[list[Hit]]:
-        results = check_rows(retriever.batch(queries), len(queries), f"{name}.batch")
+        callbacks = _LANGCHAIN_CALLBACKS.get()
+        config = None if callbacks is None else {"callbacks": callbacks}
+        results = check_rows(retriever.batch(queries, config=config), len(queries),
+                             f"{name}.batch")
         return [_converted_hits(docs, name, "a list of LangChain Documents", i, _from_langchain, k)
                 for i, docs in enumerate(results)]
 

@@ -11,6 +11,7 @@ that times out while still queued is cancelled (it never runs).
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import itertools
 import queue
 import threading
@@ -39,8 +40,11 @@ class BoundedWorkers:
         self._ids = itertools.count()
 
     def submit(self, fn: Callable[[], T]) -> Future[T]:
+        """Run ``fn`` in the caller's context (its context variables: a framework's current run,
+        so that the call is traced under it), as ``asyncio.to_thread`` does."""
         future: Future[T] = Future()
-        self._queue.put((future, fn))
+        context = contextvars.copy_context()
+        self._queue.put((future, lambda: context.run(fn)))
         with self._lock:
             self._threads = [t for t in self._threads if t.is_alive()]
             if self._idle == 0 and len(self._threads) < self.size:

@@ -100,6 +100,31 @@ def test_a_per_call_k_beyond_the_setting_returns_the_wrapped_retrievers_top_k() 
         spec.invoke("abc", k=0)
 
 
+@pytest.mark.parametrize("timeout_s", [None, 30.0], ids=["inline", "on a worker thread"])
+def test_the_wrapped_retrievers_runs_are_children_of_the_wrappers_run(timeout_s) -> None:
+    """Tracing (LangSmith, a callback handler) shows the wrapped retriever's run under the
+    wrapper's, also when the call runs on a worker thread (``retrieval_timeout_s``)."""
+    from langchain_core.callbacks import BaseCallbackHandler
+
+    from langchain_specrag import SpeculativeRetriever
+
+    class Runs(BaseCallbackHandler):
+        def __init__(self) -> None:
+            self.runs: dict[str, tuple[object, object]] = {}
+
+        def on_retriever_start(self, serialized, query, *, run_id, parent_run_id=None,
+                               **kwargs) -> None:
+            self.runs.setdefault(kwargs.get("name"), (run_id, parent_run_id))  # the first
+
+    base = LCRetriever(_hits)
+    spec = SpeculativeRetriever(retriever=base, k=2, retrieval_timeout_s=timeout_s)
+    handler = Runs()
+    spec.invoke("abc", config={"callbacks": [handler], "run_name": "wrapper"})
+    spec.invoke("abc", config={"callbacks": [handler], "run_name": "wrapper"})  # verified: no call
+    assert set(handler.runs) == {"wrapper", "LCRetriever"} and base.calls == 1
+    assert handler.runs["LCRetriever"][1] == handler.runs["wrapper"][0]
+
+
 def test_llamaindex_speculative_retriever() -> None:
     from llamaindex_specrag import SpeculativeRetriever
 
