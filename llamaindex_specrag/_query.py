@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.llms.types import ChatMessage
+from llama_index.core.callbacks import CallbackManager
 from llama_index.core.prompts.base import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
 from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
 
@@ -16,6 +17,13 @@ from shared_core.frontend.rag_settings import refuses_call_kwargs
 
 if TYPE_CHECKING:
     from shared_core.retrieval.base import Document
+
+
+def global_callback_manager() -> CallbackManager:
+    """``Settings.callback_manager``: a query engine's default, as ``RetrieverQueryEngine``'s."""
+    from llama_index.core import Settings
+
+    return Settings.callback_manager
 
 
 def query_text(query: object) -> str:

@@ -199,6 +199,9 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         """A completion's prompt: as given when ``formatted``, else formatted by a
         ``completion_to_prompt`` the user set (as LlamaIndex's ``LlamaCPP`` does), else one
         user turn for the model's chat template."""
+        if not isinstance(prompt, str):
+            msg = f"prompt must be a str, got {type(prompt).__name__}"
+            raise TypeError(msg)
         if formatted:
             return prompt
         own = self.completion_to_prompt
@@ -207,11 +210,13 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         turns = [{"role": "system", "content": self.system_prompt}] if self.system_prompt else []
         return [*turns, {"role": "user", "content": prompt}]
 
-    def _turns(self, messages: Sequence[ChatMessage]) -> Prompt:
-        """A chat's prompt: formatted by a ``messages_to_prompt`` the user set, else the turns
-        for the model's chat template."""
+    def _turns(self, messages: Sequence[ChatMessage], kwargs: dict[str, Any]) -> Prompt:
+        """A chat's prompt: formatted by a ``messages_to_prompt`` the user set, else (and always
+        when the call offers tools or asks for a ``response_format``, which the chat template
+        renders) the turns for the model's chat template."""
         own = self.messages_to_prompt
-        if own is not None and own is not generic_messages_to_prompt:
+        if (own is not None and own is not generic_messages_to_prompt
+                and not kwargs.get("tools") and not kwargs.get("response_format")):
             return own(messages)
         return chat_dicts(messages)
 
@@ -289,16 +294,16 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         return await _atraced(llm_completion_callback, self, prompt, kwargs, run)
 
     def chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        stream = self._chat_call(self._turns(messages), kwargs)
+        stream = self._chat_call(self._turns(messages, kwargs), kwargs)
         return _traced(llm_chat_callback, self, messages, kwargs, lambda: self._chat(stream))
 
     def stream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponseGen:
-        stream = self._chat_call(self._turns(messages), kwargs)
+        stream = self._chat_call(self._turns(messages, kwargs), kwargs)
         return _traced(llm_chat_callback, self, messages, kwargs,
                        lambda: self._stream_chat(stream))
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
-        stream = self._chat_call(self._turns(messages), kwargs)
+        stream = self._chat_call(self._turns(messages, kwargs), kwargs)
 
         async def run() -> ChatResponse:
             return await _last(iterate_in_thread(self._stream_chat(stream, now=False)))
@@ -307,7 +312,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
 
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
                            ) -> ChatResponseAsyncGen:
-        stream = self._chat_call(self._turns(messages), kwargs)
+        stream = self._chat_call(self._turns(messages, kwargs), kwargs)
 
         async def run() -> ChatResponseAsyncGen:
             return iterate_in_thread(self._stream_chat(stream, now=False))

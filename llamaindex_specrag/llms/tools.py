@@ -53,10 +53,12 @@ def chat_dicts(messages: Sequence[ChatMessage]) -> ChatTurns:
             raise NotImplementedError(msg)
         role = m.role.value
         calls = _calls_of(m)
-        if not calls and not any(isinstance(b, TextBlock) for b in m.blocks):
-            msg = f"message {i} content must be text, got None (only a tool-call turn may omit it)"
+        if not calls and role != "assistant" and not any(isinstance(b, TextBlock) for b in m.blocks):
+            msg = (f"message {i} content must be text, got None (only an assistant turn may omit "
+                   "it)")
             raise ValueError(msg)
-        text = "".join(b.text for b in m.blocks if isinstance(b, TextBlock))
+        # as ChatMessage.content joins them (a memory block, then the system prompt)
+        text = "\n".join(b.text for b in m.blocks if isinstance(b, TextBlock))
         turn: dict[str, Any] = {"role": _ROLES.get(role, role), "content": text}
         if calls:
             turn["tool_calls"] = calls
@@ -79,7 +81,9 @@ def tool_message(content: str, found: Sequence[ToolCall | InvalidToolCall]) -> C
     a whole reply and the end of a streamed one)."""
     calls = [c for c in found if isinstance(c, ToolCall)]
     invalid = [c for c in found if isinstance(c, InvalidToolCall)]
-    blocks: list[Any] = [TextBlock(text=content)] if content else []
+    # a reply with neither text nor a complete call (cut off by the token limit) keeps an empty
+    # text block: the message stays valid history for the next call, as other LLMs' replies do
+    blocks: list[Any] = [TextBlock(text=content)] if content or not calls else []
     blocks += [ToolCallBlock(tool_call_id=c.id, tool_name=c.name, tool_kwargs=c.arguments)
                for c in calls]
     extra: dict[str, Any] = {"tool_calls": [{"id": c.id, "type": "function",

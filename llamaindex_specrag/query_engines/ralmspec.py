@@ -30,7 +30,7 @@ from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from pydantic import Field
 
-from llamaindex_specrag._query import CheckedQuery, query_text, source_nodes
+from llamaindex_specrag._query import CheckedQuery, global_callback_manager, query_text, source_nodes
 from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, ralmspec_answer
 from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecStream
 from shared_core.frontend.serving import iterate_in_thread
@@ -67,7 +67,7 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
     """
 
     streaming: bool = False
-    callback_manager: CallbackManager = Field(default_factory=lambda: CallbackManager([]),
+    callback_manager: CallbackManager = Field(default_factory=global_callback_manager,
                                               exclude=True)
 
     def _get_prompt_modules(self) -> PromptMixinType:

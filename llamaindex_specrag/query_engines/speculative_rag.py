@@ -36,7 +36,7 @@ from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from pydantic import Field
 
-from llamaindex_specrag._query import CheckedQuery, source_nodes
+from llamaindex_specrag._query import CheckedQuery, global_callback_manager, source_nodes
 from shared_core.frontend.rag_settings import SpeculativeRAGSettings, speculative_rag
 from shared_core.frontend.rag_streams import (
     SpeculativeRAGAnswer,
@@ -104,7 +104,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
     """
 
     streaming: bool = False
-    callback_manager: CallbackManager = Field(default_factory=lambda: CallbackManager([]),
+    callback_manager: CallbackManager = Field(default_factory=global_callback_manager,
                                               exclude=True)
 
     def __init__(self, retriever: object = None, **settings: Any) -> None:

@@ -274,3 +274,20 @@ def test_the_prompt_setting_is_shared_and_follows_a_prebuilt_engine(tiny_target,
     for adapter in (RaLMSpecRunnable(engine=engine, prompt="P {documents} {question}"),
                     RaLMSpecQueryEngine(engine=engine, prompt="P {documents} {question}")):
         assert adapter._engine().config.prompt == (("user", "P {documents} {question}"),)
+
+
+def test_llamaindex_query_engines_report_to_the_global_callback_manager() -> None:
+    """As ``RetrieverQueryEngine``: without a ``callback_manager``, ``Settings.callback_manager``
+    (a debug handler set there sees the query's trace)."""
+    from llama_index.core import Settings
+    from llama_index.core.callbacks import CallbackManager
+
+    manager, before = CallbackManager([]), Settings._callback_manager
+    Settings.callback_manager = manager
+    try:
+        assert SpeculativeRAGQueryEngine(LIRetriever(adapter_ranked)).callback_manager is manager
+        assert RaLMSpecQueryEngine().callback_manager is manager
+        own = CallbackManager([])
+        assert RaLMSpecQueryEngine(callback_manager=own).callback_manager is own
+    finally:
+        Settings._callback_manager = before

@@ -175,6 +175,10 @@ def test_streamed_forced_call_ends_as_chat_with_tools(max_new_tokens):
     assert [s.tool_name for s in selections] == (["pick"] if max_new_tokens == 120 else [])
     assert len(calls(last, "invalid_tool_calls")) == (0 if max_new_tokens == 120 else 1)
     assert last.raw["completion_tokens"] == chatted.raw["completion_tokens"]
+    # a reply cut off inside its call is still a valid turn of the next call's history
+    history = [ChatMessage(role=MessageRole.USER, content=PROMPT), chatted.message,
+               ChatMessage(role=MessageRole.USER, content="try again")]
+    assert isinstance(llm.chat(history, max_new_tokens=2).message.content, str)
 
 
 def test_token_counting_handler_reads_the_exact_counts(tiny_target):
@@ -193,6 +197,53 @@ def test_token_counting_handler_reads_the_exact_counts(tiny_target):
     assert counter.completion_llm_token_count == (out.raw["completion_tokens"]
                                                   + chatted.raw["completion_tokens"])
     assert out.raw["prompt_tokens"] > 1 and out.raw["completion_tokens"] > 1
+
+
+def test_text_blocks_are_joined_as_chatmessage_content_joins_them(llm):
+    from llama_index.core.base.llms.types import TextBlock
+
+    from llamaindex_specrag.llms.tools import chat_dicts
+
+    message = ChatMessage(role=MessageRole.USER, blocks=[TextBlock(text="Context: Paris."),
+                                                         TextBlock(text="Question: where?")])
+    assert chat_dicts([message])[0]["content"] == message.content == (
+        "Context: Paris.\nQuestion: where?")
+
+
+def test_an_assistant_turn_without_text_is_history_a_user_turn_is_refused(llm):
+    empty = ChatMessage(role=MessageRole.ASSISTANT, content=None)
+    user = ChatMessage(role=MessageRole.USER, content=PROMPT)
+    assert isinstance(llm.chat([user, empty, user]).message.content, str)
+    with pytest.raises(ValueError, match="message 1 content must be text, got None"):
+        llm.chat([user, ChatMessage(role=MessageRole.USER, content=None)])
+
+
+def test_a_prompt_that_is_not_a_string_is_named(llm):
+    with pytest.raises(TypeError, match=r"^prompt must be a str, got NoneType"):
+        llm.complete(None)
+
+
+def test_messages_to_prompt_leaves_calls_with_tools_to_the_chat_template():
+    """A ``messages_to_prompt`` formats plain chats; a call with tools (``chat_with_tools``,
+    ``FunctionAgent``, ``structured_predict``) needs the tool format the chat template renders,
+    so it gets the same prompt as without one."""
+    from llama_index.core.tools import FunctionTool
+
+    def pick(flag: bool) -> str:
+        """Pick a flag."""
+        return str(flag)
+
+    from tiny import tiny_lm
+
+    tools = [FunctionTool.from_defaults(fn=pick)]
+    settings = {"lm": tiny_lm(max_positions=2048), "model": "tiny", "max_new_tokens": 6,
+                "engine_options": {"use_trigger": False}}
+    own = SpeculativeLLM(**settings, messages_to_prompt=lambda ms: f"Q: {ms[-1].content}\nA:")
+    plain = SpeculativeLLM(**settings)
+    assert (own.chat_with_tools(tools, PROMPT).raw["prompt_tokens"]
+            == plain.chat_with_tools(tools, PROMPT).raw["prompt_tokens"])
+    asked = [ChatMessage(role=MessageRole.USER, content=PROMPT)]
+    assert own.chat(asked).raw["prompt_tokens"] != plain.chat(asked).raw["prompt_tokens"]
 
 
 def test_completion_and_messages_to_prompt_format_the_prompt(tiny_target):
