@@ -16,7 +16,7 @@ over ``question`` and ``documents``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
@@ -33,7 +33,7 @@ from pydantic import Field
 from llamaindex_specrag._query import CheckedQuery, global_callback_manager, query_text, source_nodes
 from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, ralmspec_answer
 from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecStream
-from shared_core.frontend.serving import iterate_in_thread
+from shared_core.frontend.serving import iterate_in_context, iterate_in_thread
 
 if TYPE_CHECKING:
     from shared_core.frontend.rag_streams import RaLMSpecAnswer
@@ -82,7 +82,7 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
         def deltas() -> Generator[str, None, None]:  # runs once ``response`` exists
             yield from _deltas(stream, response)
 
-        response = StreamingResponse(response_gen=deltas())
+        response = StreamingResponse(response_gen=iterate_in_context(deltas()))
         return response
 
     async def _aquery(self, query_bundle: QueryBundle) -> Response | AsyncStreamingResponse:
@@ -91,9 +91,8 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
             return _response(await ralmspec_answer(self, query_str))
         stream = await asyncio.to_thread(ralmspec, self, query_str)
 
-        async def deltas() -> AsyncGenerator[str, None]:
-            async for delta in iterate_in_thread(_deltas(stream, response)):
-                yield delta
+        def deltas() -> Generator[str, None, None]:  # runs once ``response`` exists
+            yield from _deltas(stream, response)
 
-        response = AsyncStreamingResponse(response_gen=deltas())
+        response = AsyncStreamingResponse(response_gen=iterate_in_thread(deltas()))
         return response

@@ -19,7 +19,7 @@ over ``question`` and ``documents``).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, Generator, Iterator
+from collections.abc import Generator, Iterator
 from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
@@ -44,7 +44,7 @@ from shared_core.frontend.rag_streams import (
     SpeculativeRAGStreamEvent,
     finished,
 )
-from shared_core.frontend.serving import iterate_in_thread
+from shared_core.frontend.serving import iterate_in_context, iterate_in_thread
 from shared_core.retrieval.frameworks import llamaindex_retrieve
 from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
 
@@ -140,7 +140,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
         def chunks() -> Generator[str, None, None]:  # runs once ``response`` exists
             yield from _chunks(call, response)
 
-        response = StreamingResponse(response_gen=chunks(), source_nodes=nodes)
+        response = StreamingResponse(response_gen=iterate_in_context(chunks()), source_nodes=nodes)
         return response
 
     async def _aquery(self, query_bundle: QueryBundle) -> Response | AsyncStreamingResponse:
@@ -151,11 +151,11 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
             answers = [_dispatched(event) async for event in iterate_in_thread(iter(call))]
             return _response(finished(answers[-1]), nodes)
 
-        async def chunks() -> AsyncGenerator[str, None]:
-            async for chunk in iterate_in_thread(_chunks(call, response)):
-                yield chunk
+        def chunks() -> Generator[str, None, None]:  # runs once ``response`` exists
+            yield from _chunks(call, response)
 
-        response = AsyncStreamingResponse(response_gen=chunks(), source_nodes=nodes)
+        response = AsyncStreamingResponse(response_gen=iterate_in_thread(chunks()),
+                                          source_nodes=nodes)
         return response
 
 

@@ -14,6 +14,7 @@ alive.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import threading
 from collections.abc import AsyncGenerator, Iterator
@@ -30,19 +31,42 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-__all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_thread",
+__all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_context",
+           "iterate_in_thread",
            "loaded_model", "lock_for", "model_cache", "ralmspec_engine", "release",
            "release_all", "step_locked"]
 
 
-async def iterate_in_thread(items: Iterator[T]) -> AsyncGenerator[T, None]:
+def iterate_in_thread(items: Iterator[T]) -> AsyncGenerator[T, None]:
     """Drive a blocking iterator on a worker thread; the event loop stays free.
 
     The worker computes an item only when the consumer asks for one, so a consumer that stops
     (``break`` without ``aclose``, cancellation) leaves at most the one step in progress: with
     :func:`step_locked` streams, the model lock is free again within one step. When the consumer
-    is closed or collected, the worker closes ``items``.
+    is closed or collected, the worker closes ``items``. The worker runs in a copy of the
+    context this is called in (as ``asyncio.to_thread``): a framework's current run or span,
+    taken now, not when the consumer first reads, so that a streamed answer read later is
+    still traced under the call that made it.
     """
+    return _iterated(items, contextvars.copy_context())
+
+
+def iterate_in_context(items: Iterator[T]) -> Iterator[T]:
+    """``items``, each step run in the context this is called in (a framework's current span or
+    run), for a stream read after the call that made it has returned."""
+    return _in_context(items, contextvars.copy_context())
+
+
+def _in_context(items: Iterator[T], context: contextvars.Context) -> Iterator[T]:
+    while True:
+        try:
+            item = context.run(next, items)
+        except StopIteration:
+            return
+        yield item
+
+
+async def _iterated(items: Iterator[T], context: contextvars.Context) -> AsyncGenerator[T, None]:
     loop = asyncio.get_running_loop()
     queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
     demand = threading.Semaphore(0)
@@ -73,7 +97,8 @@ async def iterate_in_thread(items: Iterator[T]) -> AsyncGenerator[T, None]:
             if close is not None:
                 close()
 
-    threading.Thread(target=pump, daemon=True, name="specrag-generate").start()
+    threading.Thread(target=context.run, args=(pump,), daemon=True,
+                     name="specrag-generate").start()
     try:
         while True:
             demand.release()

@@ -87,6 +87,7 @@ class LCEvents(BaseCallbackHandler):
 
 class LIEvents(BaseEventHandler):
     stages: list[tuple[str, Any]] = Field(default_factory=list)
+    stage_spans: list[str | None] = Field(default_factory=list)
     deltas: list[str] = Field(default_factory=list)
     queries: list[str] = Field(default_factory=list)  # QueryStartEvent / QueryEndEvent
 
@@ -97,6 +98,7 @@ class LIEvents(BaseEventHandler):
     def handle(self, event: Any, **kwargs: Any) -> None:
         if isinstance(event, SpeculativeRAGStageEvent):
             self.stages.append((event.name, event.data))
+            self.stage_spans.append(event.span_id)
         elif isinstance(event, LLMChatInProgressEvent) and event.response.delta:
             self.deltas.append(event.response.delta)
         elif isinstance(event, QueryStartEvent | QueryEndEvent):
@@ -168,6 +170,18 @@ async def test_speculative_rag_pair_is_the_same_async(specrag, li_events) -> Non
     li_streamed = "".join([t async for t in li_stream.async_response_gen()])
     assert streamed == li_streamed == details["answer"]
     assert li_stream.metadata["scores"] == details["scores"]
+
+
+async def test_streamed_stage_events_belong_to_the_querys_span(specrag, li_events) -> None:
+    """A streaming response read after ``query`` / ``aquery`` returned still reports its stages
+    under the query's span (the stream runs in the context the query made it in)."""
+    engine = SpeculativeRAGQueryEngine(LIRetriever(DOCS), engine=specrag, streaming=True)
+    "".join(engine.query(QUESTION).response_gen)
+    "".join([t async for t in (await engine.aquery(QUESTION)).async_response_gen()])
+    spans = li_events.stage_spans
+    assert len(spans) == 8 and all(span is not None for span in spans)
+    assert [span.split("-")[0] for span in spans] == (
+        ["SpeculativeRAGQueryEngine._query"] * 4 + ["SpeculativeRAGQueryEngine._aquery"] * 4)
 
 
 def test_speculative_rag_pair_translates_the_one_core_stream(specrag, li_events) -> None:
