@@ -182,7 +182,8 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         window = self.context_window or self._model()[0].max_context
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
                            is_chat_model=True, is_function_calling_model=True,
-                           model_name=redact(self.model), system_role=MessageRole.SYSTEM)
+                           model_name=redact(self._lm.name if self._lm is not None else self.model),
+                           system_role=MessageRole.SYSTEM)
 
     def template_takes_tools(self) -> bool:
         """True if the model's own chat template renders tools (else the format is written in)."""

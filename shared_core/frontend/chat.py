@@ -179,7 +179,7 @@ class _Request:
     engine_state: dict[str, Any]
     load_settings: dict[str, Any]  # prefix_cache, n_ctx, n_threads (ChatSettings.load_settings)
     passage_cache: PassageCacheConfig | None
-    model_name: str  # the settings' model, as the report names it
+    model_name: str  # the model that answers, as the report names it (a preloaded one's name)
     penalty: PenaltyConfig
 
 
@@ -204,11 +204,11 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
                                for name in PENALTY_SETTINGS})
     texts = None if documents is None else [d.text for d in to_documents(documents)]
     checked = _checked_prompt(prompt)
+    model = _model_of(settings, state, kwargs.pop("model", None))
     return _Request(engine, chosen or bool(options), checked, generation, texts, options,
                     _tool_prompt(checked, tools, choice, constraint, single_call=not parallel),
-                    _model_of(settings, state, kwargs.pop("model", None)), state.engine_state,
-                    settings.load_settings(), settings.passage_cache_config(), settings.model,
-                    penalty)
+                    model, state.engine_state, settings.load_settings(),
+                    settings.passage_cache_config(), model.name, penalty)
 
 
 def _generation(settings: ChatSettings, kwargs: dict[str, Any]) -> GenerationConfig:

@@ -35,7 +35,7 @@ def test_invoke_equals_reference_and_carries_stats(chat, tiny_target):
     assert msg.usage_metadata["output_tokens"] == len(ref.token_ids)
     assert msg.usage_metadata["input_tokens"] == ref.stats.prompt_tokens
     meta = msg.response_metadata
-    assert meta["model_name"] == "tiny" and meta["engine"] == "respec"
+    assert meta["model_name"] == tiny_target.name and meta["engine"] == "respec"  # what ran
     assert meta["speculative_stats"]["new_tokens"] == len(ref.token_ids)
 
 

@@ -66,13 +66,22 @@ async def test_async_variants(llm):
 def test_metadata_and_options(llm, tiny_target):
     meta = llm.metadata
     assert meta.context_window == tiny_target.max_context and meta.num_output == 12
-    assert meta.is_chat_model and meta.model_name == "tiny"
+    assert meta.is_chat_model and meta.model_name == tiny_target.name  # the preloaded model
     ref = autoregressive_generate(tiny_target, [{"role": "user", "content": PROMPT}], 4,
                                   stop=None)
     assert llm.complete(PROMPT, engine="autoregressive", max_new_tokens=4).text == ref.text
     with pytest.raises(ValueError, match="engine"):
         SpeculativeLLM(engine="nope")
     assert SpeculativeLLM.class_name() == "SpeculativeLLM"
+
+
+def test_the_report_names_the_model_that_answered(llm, tiny_target, tiny_model_folder):
+    """A preloaded model's own name; a per-call ``model`` the one it names (not the setting)."""
+    assert llm.complete(PROMPT, max_new_tokens=2).raw["model"] == tiny_target.name
+    named = SpeculativeLLM(model=tiny_model_folder, max_new_tokens=2, engine="autoregressive")
+    assert named.complete(PROMPT).raw["model"] == tiny_model_folder
+    assert llm.complete(PROMPT, max_new_tokens=2, model=tiny_model_folder).raw["model"] == (
+        tiny_model_folder)
 
 
 def test_pickles_settings_not_weights_and_reloads_by_name(tiny_model_folder):
