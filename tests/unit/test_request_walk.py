@@ -150,7 +150,8 @@ def _rag_entries(call: Callable[[], Any]) -> tuple[list[str], list[str], list[st
     """What the Speculative RAG adapters call of the core call (``speculative_rag`` and the
     stream it returns), any engine code they call directly (reading an event's data aside), and
     any adapter code the frontend calls (the decorator that refuses call keywords aside: it
-    wraps the adapter's own method)."""
+    wraps the adapter's own method; so does ``iterate_in_context``, which only steps an
+    adapter's own stream in the context the adapter made it in)."""
     adapters = tuple(str(ROOT / p) for p in ("langchain_specrag", "llamaindex_specrag"))
     frontend = str(ROOT / "shared_core" / "frontend")
     engines = str(ROOT / "shared_core" / "engines")
@@ -173,7 +174,8 @@ def _rag_entries(call: Callable[[], Any]) -> tuple[list[str], list[str], list[st
         if caller.startswith(adapters) and callee.startswith(engines) and callee != events:
             direct.append(name)
         if (caller.startswith(frontend) and callee.startswith(adapters)
-                and back.f_code.co_qualname.split(".")[0] != "refuses_call_kwargs"):
+                and back.f_code.co_qualname.split(".")[0] not in ("refuses_call_kwargs",
+                                                                  "_in_context")):
             callbacks.append(name)
 
     sys.settrace(tracer)
