@@ -9,9 +9,10 @@ which the engines take as they are.
 
 from __future__ import annotations
 
+import logging
 import numbers
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shared_core.config import (
@@ -25,6 +26,8 @@ from shared_core.config import (
 from shared_core.decoding.decode_stats import DecodeStats
 from shared_core.runtime.lm import window_text
 from shared_core.runtime.protocol import ModelLM, SessionLM
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -209,8 +212,8 @@ def template_turns(turns: ChatTurns) -> list[dict[str, str]]:
     return [{"role": t["role"], "content": t["content"]} for t in turns]
 
 
-def validate_prompt_ids(lm: SessionLM, ids: Sequence[int], max_new_tokens: int) -> None:
-    """Non-empty ids inside the vocabulary, leaving room for ``max_new_tokens`` in the window."""
+def validate_prompt_ids(lm: SessionLM, ids: Sequence[int]) -> None:
+    """Non-empty ids inside the vocabulary, leaving room for at least one new token."""
     if not ids:
         msg = "prompt must contain at least one token"
         raise ValueError(msg)
@@ -223,7 +226,20 @@ def validate_prompt_ids(lm: SessionLM, ids: Sequence[int], max_new_tokens: int) 
             msg = (f"prompt token id {token} at position {i} is outside the vocabulary "
                    f"[0, {vocab}) of {lm.name}")
             raise ValueError(msg)
-    if len(ids) + max_new_tokens > lm.max_context:
-        msg = (f"prompt of {len(ids)} tokens + max_new_tokens={max_new_tokens} exceeds "
-               f"{window_text(lm)}; shorten the prompt or lower max_new_tokens")
+    if len(ids) >= lm.max_context:
+        msg = (f"prompt of {len(ids)} tokens leaves no room for a reply in {window_text(lm)}; "
+               "shorten the prompt")
         raise ValueError(msg)
+
+
+def fit_to_window(lm: SessionLM, prompt_tokens: int, config: GenerationConfig
+                  ) -> GenerationConfig:
+    """``config`` with a token limit the window has room for after the prompt (a reply that
+    reaches it ends with ``finish_reason="length"``), as llama.cpp / llama-cpp-python lower
+    ``max_tokens`` to what fits instead of refusing the call."""
+    room = lm.max_context - prompt_tokens
+    if config.max_new_tokens <= room:
+        return config
+    logger.info("max_new_tokens=%d lowered to %d: the prompt's %d tokens leave that much of %s",
+                config.max_new_tokens, room, prompt_tokens, window_text(lm))
+    return replace(config, max_new_tokens=room)

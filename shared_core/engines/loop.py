@@ -44,6 +44,7 @@ from shared_core.decoding.output import (
     ChatTurns,
     GenerationResult,
     OutputTracker,
+    fit_to_window,
     template_turns,
     validate_messages,
     validate_prompt_ids,
@@ -194,10 +195,10 @@ class Run:
                  stats_type: type[DecodeStats] = DecodeStats):
         check_session_lm(lm)
         self.lm = lm
-        self.config = config
         self.logits_mask = check_logits_mask(logits_mask)
         self.prompt_ids = encode_prompt(lm, prompt)
-        validate_prompt_ids(lm, self.prompt_ids, config.max_new_tokens)
+        validate_prompt_ids(lm, self.prompt_ids)
+        self.config = config = fit_to_window(lm, len(self.prompt_ids), config)
         self.session = open_session(lm, cache=cache)
         self.tracker = OutputTracker(lm, config)
         self.stats = stats_type(prompt_tokens=len(self.prompt_ids), backend=lm.backend,
