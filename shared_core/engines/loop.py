@@ -29,6 +29,7 @@ reads the drafted ids when it masks. ``tests/unit/test_host_syncs.py`` counts th
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 import threading
 import time
@@ -112,6 +113,22 @@ def encode_prompt(lm: SessionLM, prompt: Prompt) -> list[int]:
     msg = ("prompt must be a string, a list of {'role', 'content'} messages or a list of token "
            f"ids, got {type(prompt).__name__}")
     raise TypeError(msg)
+
+
+FALLBACK_TURN_STOP = "\nUser:"
+
+
+def with_turn_stop(lm: SessionLM, prompt: Prompt, config: GenerationConfig) -> GenerationConfig:
+    """A base model's plain chat format (``FALLBACK_CHAT_TEMPLATE``, for a model without a chat
+    template) has no end-of-turn token: the model would go on to write the user's next turn, so
+    that turn's marker stops a reply to chat messages, as llama-cpp-python's chat formats stop
+    at theirs."""
+    is_chat = isinstance(prompt, ChatTurns) or (
+        isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt)
+        and all(isinstance(m, dict) for m in prompt))
+    if not is_chat or getattr(lm, "has_chat_template", True) or FALLBACK_TURN_STOP in config.stop:
+        return config
+    return dataclasses.replace(config, stop=(*config.stop, FALLBACK_TURN_STOP))
 
 
 class TokenStream(Iterator[str]):
@@ -198,7 +215,8 @@ class Run:
         self.logits_mask = check_logits_mask(logits_mask)
         self.prompt_ids = encode_prompt(lm, prompt)
         validate_prompt_ids(lm, self.prompt_ids)
-        self.config = config = fit_to_window(lm, len(self.prompt_ids), config)
+        config = fit_to_window(lm, len(self.prompt_ids), config)
+        self.config = config = with_turn_stop(lm, prompt, config)
         self.session = open_session(lm, cache=cache)
         self.tracker = OutputTracker(lm, config)
         self.stats = stats_type(prompt_tokens=len(self.prompt_ids), backend=lm.backend,

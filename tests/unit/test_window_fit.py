@@ -33,3 +33,25 @@ def test_a_prompt_that_fills_the_window_is_refused_naming_it(tiny_target) -> Non
     with pytest.raises(ValueError, match="prompt of 512 tokens leaves no room for a reply in "
                                          "the 512-token window of tiny-llama-2l-s0"):
         autoregressive_generate(tiny_target, too_long, 4)
+
+
+def test_a_model_without_a_chat_template_stops_at_the_next_user_turn(tiny_target) -> None:
+    from shared_core.config import GenerationConfig
+    from shared_core.engines.loop import FALLBACK_TURN_STOP, with_turn_stop
+
+    config = GenerationConfig.build(8, stop=["\n\n"])
+    messages = [{"role": "user", "content": "hi"}]
+    assert with_turn_stop(tiny_target, messages, config) is config  # it has a template
+    base = _without_template(tiny_target)
+    assert with_turn_stop(base, messages, config).stop == ("\n\n", FALLBACK_TURN_STOP)
+    assert with_turn_stop(base, "User: hi\nAssistant:", config) is config  # a formatted prompt
+    assert with_turn_stop(base, [1, 2, 3], config) is config  # token ids
+
+
+def _without_template(lm):
+    import copy
+
+    base = copy.copy(lm)
+    base.tokenizer = copy.deepcopy(lm.tokenizer)
+    base.tokenizer.chat_template = None
+    return base
