@@ -34,6 +34,7 @@ from shared_core.config import (
     PenaltyConfig,
     SamplingConfig,
     check_backend,
+    check_bool,
     check_int,
     check_prefix_cache,
     check_settings_keys,
@@ -52,7 +53,7 @@ DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
 CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
                  *PENALTY_SETTINGS, "stop", "documents", "device", "dtype", "backend",
-                 "prefix_cache", "n_ctx", "n_threads", "passage_cache",
+                 "prefix_cache", "n_ctx", "n_threads", "exact", "passage_cache",
                  "recompute_share", "passage_cache_memory_mb", "passage_cache_disk_mb")
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
@@ -111,6 +112,10 @@ class ChatSettings(BaseModel):
         n_ctx / n_threads: a llama.cpp model's positions per session and threads, as
             ``load_lm(n_ctx=..., n_threads=...)`` (None: its defaults); fixed when the model
             loads like ``prefix_cache`` (a preloaded ``lm`` keeps its own; refused for torch).
+        exact: load the model in its runtime's exact (batch-invariant) mode, as
+            ``load_lm(exact=True)``: a speculative reply is then token-identical to plain
+            decoding on llama.cpp too (docs/backends.md); None: off, or what the loaded model
+            has. Fixed when the model loads like ``prefix_cache``.
         passage_cache / recompute_share / passage_cache_memory_mb / passage_cache_disk_mb: the
             model's passage (chunk) KV cache, as ``load_lm(passage_cache=...)`` (llama.cpp):
             ``None`` (default: what the model has, else off), ``"exact"`` (prefix blocks,
@@ -140,6 +145,7 @@ class ChatSettings(BaseModel):
     prefix_cache: bool | int | None = None
     n_ctx: int | None = None
     n_threads: int | None = None
+    exact: bool | None = None
     passage_cache: str | None = DEFAULT_PASSAGE_CACHE
     recompute_share: float = PassageCacheConfig.recompute_share
     passage_cache_memory_mb: int = PassageCacheConfig.memory_mb
@@ -199,6 +205,11 @@ class ChatSettings(BaseModel):
     def _llamacpp_field(cls, value: object, info: ValidationInfo) -> object:
         return check_int(value, str(info.field_name), optional=True)  # None or an int >= 1
 
+    @field_validator("exact", mode="before")
+    @classmethod
+    def _exact_field(cls, value: object) -> object:
+        return value if value is None else check_bool(value, "exact")  # bool("false") is True
+
     @field_validator(*PENALTY_SETTINGS, mode="before")
     @classmethod
     def _penalty_field(cls, value: object, info: ValidationInfo) -> object:
@@ -214,7 +225,8 @@ class ChatSettings(BaseModel):
 
     def load_settings(self) -> dict[str, Any]:
         """What the model loads with beside its key (:func:`~shared_core.runtime.model_cache.cached_lm`)."""
-        return {"prefix_cache": self.prefix_cache, "n_ctx": self.n_ctx, "n_threads": self.n_threads}
+        return {"prefix_cache": self.prefix_cache, "n_ctx": self.n_ctx,
+                "n_threads": self.n_threads, "exact": self.exact}
 
     def token_limit(self) -> int | None:
         """The token-limit setting (None: the config's default)."""

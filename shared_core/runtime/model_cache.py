@@ -14,8 +14,8 @@ and an adapter) naming the same model share one copy of the weights, and with it
 of :func:`shared_core.runtime.model_lock.lock_for`. :func:`release` / :func:`release_all` drop loaded
 models (users running a generation keep their reference).
 
-``prefix_cache`` (``load_lm``'s prompt-prefix budget, docs/backends.md) and llama.cpp's
-``n_ctx`` / ``n_threads`` are not part of the key, so one model never has two copies: the first
+``prefix_cache`` (``load_lm``'s prompt-prefix budget, docs/backends.md), llama.cpp's
+``n_ctx`` / ``n_threads`` and ``exact`` are not part of the key, so one model never has two copies: the first
 load fixes them, ``None`` later takes what was loaded, and a different explicit setting for a
 loaded model is refused (ValueError naming it; release the model first). Served models and tuned
 drafters ignore them.
@@ -48,12 +48,15 @@ class _LoadSettings:
     prefix_cache: PrefixCache = None
     n_ctx: int | None = None
     n_threads: int | None = None
+    exact: bool | None = None  # None: load_lm's default (off)
 
     def conflict(self, loaded: _LoadSettings) -> str | None:
         """The first setting given here (not None) that ``loaded`` has otherwise."""
         if (self.prefix_cache is not None
                 and _prefix_setting(self.prefix_cache) != _prefix_setting(loaded.prefix_cache)):
             return "prefix_cache"
+        if self.exact is not None and self.exact != bool(loaded.exact):
+            return "exact"
         return next((name for name in ("n_ctx", "n_threads")
                      if getattr(self, name) not in (None, getattr(loaded, name))), None)
 
@@ -93,7 +96,7 @@ def _load(name: str, device: str | None, dtype: str | None, backend: str, served
     settings = settings or _LoadSettings()
     return load_lm(name, device=device, dtype=dtype, backend=backend,
                    prefix_cache=settings.prefix_cache, n_ctx=settings.n_ctx,
-                   n_threads=settings.n_threads)
+                   n_threads=settings.n_threads, exact=bool(settings.exact))
 
 
 def _prefix_setting(prefix_cache: PrefixCache) -> str | int:
@@ -121,17 +124,17 @@ def _check_same_settings(key: Key, settings: _LoadSettings) -> None:
 def cached_lm(name: str, device: str | None = None, dtype: str | None = None,
               backend: str = LOAD_LM_BACKEND, *, served: bool = True,
               prefix_cache: PrefixCache = None, n_ctx: int | None = None,
-              n_threads: int | None = None) -> ModelLM:
+              n_threads: int | None = None, exact: bool | None = None) -> ModelLM:
     """The process-wide model for a name, path, URL or LoRA name (see the module docstring).
 
     ``served=False`` is for callers that need an in-process model (the token engines): a URL
     then fails naming it, before any connection. Loading happens under a lock, so concurrent
     first calls load once; a failed load caches nothing and the next call tries again.
-    ``prefix_cache``, ``n_ctx`` and ``n_threads`` reach :func:`~shared_core.runtime.models.load_lm`
+    ``prefix_cache``, ``n_ctx``, ``n_threads`` and ``exact`` reach :func:`~shared_core.runtime.models.load_lm`
     on the first load and must agree with it afterwards (module docstring).
     """
     check_prefix_cache(prefix_cache)
-    settings = _LoadSettings(prefix_cache, n_ctx, n_threads)
+    settings = _LoadSettings(prefix_cache, n_ctx, n_threads, exact)
     if not served and is_url(name):  # not the cached client: load_lm refuses it, naming the URL
         return _load(name, device, dtype, backend, served)
     key = _key(name, device, dtype, backend)
@@ -155,12 +158,12 @@ def resolve_lm(model: str | ModelLM, *, device: str | None = None, dtype: str | 
 
 def loaded_model(model: str, device: str | None = None, dtype: str | None = None,
                  backend: str = LOAD_LM_BACKEND, prefix_cache: PrefixCache = None,
-                 n_ctx: int | None = None, n_threads: int | None = None
-                 ) -> tuple[SessionLM, FairLock]:
+                 n_ctx: int | None = None, n_threads: int | None = None,
+                 exact: bool | None = None) -> tuple[SessionLM, FairLock]:
     """The shared in-process ``(model, lock)`` for a model config (the adapters' token engines),
     loaded on first use; a served model's URL is refused."""
     lm = cached_lm(model, device, dtype, backend, served=False, prefix_cache=prefix_cache,
-                   n_ctx=n_ctx, n_threads=n_threads)
+                   n_ctx=n_ctx, n_threads=n_threads, exact=exact)
     return cast("SessionLM", lm), lock_for(lm)  # served=False: cached_lm refused a URL
 
 

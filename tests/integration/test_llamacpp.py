@@ -385,3 +385,33 @@ def test_both_chat_adapters_load_a_llama_cpp_model_with_their_n_ctx_and_n_thread
                 adapter.invoke("Hi") if isinstance(adapter, ChatSpeculative) else adapter.complete("Hi")
     finally:
         model_cache.release(*where)
+
+
+def test_both_chat_adapters_load_an_exact_llama_cpp_model_with_their_exact_setting():
+    """``exact=True`` on the adapters loads the batch-invariant model through the one resolver:
+    ReSpec's reply then equals plain decoding's (what ``passage_cache="exact"`` relies on); a
+    conflicting setting for the loaded copy and a non-bool are refused naming ``exact``."""
+    from langchain_specrag.chat_models.speculative import ChatSpeculative
+    from llamaindex_specrag.llms.speculative import SpeculativeLLM
+    from shared_core.runtime import model_cache
+
+    where = ("smollm2-135m-instruct", None, None, "llama.cpp")
+    settings = {"model": where[0], "backend": "llama.cpp", "n_ctx": 1024, "n_threads": 1,
+                "exact": True}
+    model_cache.release(*where)
+    try:
+        plain = ChatSpeculative(max_tokens=24, engine="autoregressive", **settings)
+        spec = SpeculativeLLM(max_new_tokens=24, documents=[CONTEXT],
+                              engine_options={"use_trigger": False, "measure_cost": False},
+                              **settings)
+        question = PROMPTS[0][0]["content"]
+        reply = spec.complete(question)
+        assert plain.invoke(question).content == reply.text
+        assert reply.raw["speculative_stats"]["accepted"] > 0
+        assert model_cache.cached_lm(*where).model.settings.exact
+        with pytest.raises(ValueError, match=r"^exact=False: model .* exact=True"):
+            ChatSpeculative(max_tokens=4, **{**settings, "exact": False}).invoke("Hi")
+    finally:
+        model_cache.release(*where)
+    with pytest.raises(TypeError, match="exact must be a bool"):
+        ChatSpeculative(**{**settings, "exact": "true"})

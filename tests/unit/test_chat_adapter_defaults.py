@@ -49,7 +49,7 @@ def test_defaults_are_the_config_constants() -> None:
                 "temperature": sampling.temperature, "top_k": sampling.top_k,
                 "top_p": sampling.top_p, "seed": sampling.seed, "stop": None, "documents": None,
                 "repeat_penalty": PenaltyConfig.repeat_penalty,
-                "repeat_last_n": PenaltyConfig.repeat_last_n,
+                "repeat_last_n": PenaltyConfig.repeat_last_n, "exact": None,
                 "frequency_penalty": PenaltyConfig.frequency_penalty,
                 "presence_penalty": PenaltyConfig.presence_penalty, "n_ctx": None, "n_threads": None,
                 "device": None, "dtype": None, "backend": DEFAULT_BACKEND, "prefix_cache": None,
