@@ -20,7 +20,15 @@ runs: the callback reads ``metadata``, which without a ``context_window`` loads 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import (
+    AsyncGenerator,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Generator,
+    Iterator,
+    Sequence,
+)
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.base.llms.generic_utils import (
@@ -42,7 +50,11 @@ from llama_index.core.llms.callbacks import llm_chat_callback, llm_completion_ca
 from llama_index.core.llms.custom import CustomLLM
 from llama_index.core.llms.function_calling import FunctionCallingLLM
 from llama_index.core.llms.llm import default_completion_to_prompt
+from llama_index.core.prompts import PromptTemplate
+from llama_index.core.types import PydanticProgramMode
+from pydantic import BaseModel
 
+from llamaindex_specrag.llms.structured import apartial_objects, partial_objects, schema_format
 from llamaindex_specrag.llms.tools import (
     chat_dicts,
     prepare_chat_with_tools,
@@ -248,6 +260,26 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     def _stream_chat(stream: ChatStream, *, now: bool = True) -> ChatResponseGen:
         """As :meth:`_stream_complete`, with the reply's tool calls."""
         return _chat_steps(stream, iter(stream.open() if now else stream))
+
+    # -- streamed structured output: JSON under the output class's schema (llms.structured) ---
+    def _structured_stream_call(self, output_cls: type[BaseModel], prompt: PromptTemplate,
+                                llm_kwargs: dict[str, Any] | None = None, **prompt_args: Any
+                                ) -> Generator[Any, None, None]:
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return super()._structured_stream_call(output_cls, prompt, llm_kwargs, **prompt_args)
+        responses = self.stream_chat(self._get_messages(prompt, **prompt_args),
+                                     **schema_format(output_cls, llm_kwargs))
+        return partial_objects(responses, output_cls)
+
+    async def _structured_astream_call(self, output_cls: type[BaseModel], prompt: PromptTemplate,
+                                       llm_kwargs: dict[str, Any] | None = None,
+                                       **prompt_args: Any) -> AsyncGenerator[Any, None]:
+        if self.pydantic_program_mode != PydanticProgramMode.DEFAULT:
+            return await super()._structured_astream_call(output_cls, prompt, llm_kwargs,
+                                                          **prompt_args)
+        responses = await self.astream_chat(self._get_messages(prompt, **prompt_args),
+                                            **schema_format(output_cls, llm_kwargs))
+        return apartial_objects(responses, output_cls)
 
     # -- FunctionCallingLLM ---------------------------------------------------------------------
     def _prepare_chat_with_tools(self, tools: Sequence[Any], user_msg: str | ChatMessage | None = None,

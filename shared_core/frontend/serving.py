@@ -17,7 +17,7 @@ import asyncio
 import contextvars
 import logging
 import threading
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Generator, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared_core.config import LOAD_LM_BACKEND
@@ -51,13 +51,13 @@ def iterate_in_thread(items: Iterator[T]) -> AsyncGenerator[T, None]:
     return _iterated(items, contextvars.copy_context())
 
 
-def iterate_in_context(items: Iterator[T]) -> Iterator[T]:
+def iterate_in_context(items: Iterator[T]) -> Generator[T, None, None]:
     """``items``, each step run in the context this is called in (a framework's current span or
     run), for a stream read after the call that made it has returned."""
     return _in_context(items, contextvars.copy_context())
 
 
-def _in_context(items: Iterator[T], context: contextvars.Context) -> Iterator[T]:
+def _in_context(items: Iterator[T], context: contextvars.Context) -> Generator[T, None, None]:
     while True:
         try:
             item = context.run(next, items)

@@ -154,6 +154,39 @@ def test_structured_predict_and_forced_tool_call():
     assert llm.predict_and_call([tool], PROMPT, tool_required=True).response in ("True", "False")
 
 
+def test_streamed_structured_output_grows_into_the_object():
+    """``stream_structured_predict`` (sync and async) decodes under the output class's schema:
+    partial objects as the JSON grows, the last the whole reply validated (a random model would
+    not call an unforced tool: every object was empty)."""
+    pytest.importorskip("xgrammar")
+    from llama_index.core.prompts import PromptTemplate
+    from pydantic import BaseModel
+    from tiny import tiny_lm
+
+    class Verdict(BaseModel):
+        """A verdict."""
+
+        label: Literal["yes", "no", "unsure"]
+        final: bool
+
+    llm = SpeculativeLLM(lm=tiny_lm(max_positions=2048), model="tiny", max_new_tokens=60,
+                         engine_options={"use_trigger": False})
+    prompt = PromptTemplate("Judge: {x}")
+    objects = list(llm.stream_structured_predict(Verdict, prompt, x=PROMPT))
+    assert len(objects) > 2 and isinstance(objects[-1], Verdict)
+    assert objects[-1] == Verdict.model_validate_json(llm.chat(
+        [ChatMessage(role=MessageRole.USER, content=f"Judge: {PROMPT}")],
+        response_format={"type": "json_schema", "schema": Verdict.model_json_schema()},
+    ).message.content)
+    assert objects[0].model_dump(exclude_none=True) == {}  # nothing complete yet
+
+    async def streamed():
+        return [o async for o in await llm.astream_structured_predict(Verdict, prompt, x=PROMPT)]
+
+    # (how many partial objects depends on how the reply's blocks were accepted: not compared)
+    assert asyncio.run(streamed())[-1] == objects[-1]
+
+
 @pytest.mark.parametrize("max_new_tokens", [4, 120])
 def test_streamed_forced_call_ends_as_chat_with_tools(max_new_tokens):
     """The last streamed response carries the calls ``chat_with_tools`` returns (a call cut by
