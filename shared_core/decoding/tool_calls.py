@@ -238,15 +238,28 @@ def forced_call(choice: str, tools: Sequence[Mapping[str, Any]]
 def auto_calls(tools: Sequence[Mapping[str, Any]]) -> Constraint:
     """Free text, but each ``<tool_call>`` the model opens must continue as a call of one of
     ``tools`` with arguments valid for its schema, then close (an xgrammar structural tag)."""
-    tags = [{"type": "tag",
+    tag = {"type": "structural_tag",
+           "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": _call_tags(tools)}}
+    return Constraint("structural_tag", tag)
+
+
+def call_or_answer(tools: Sequence[Mapping[str, Any]], answer: Constraint) -> Constraint:
+    """One call of one of ``tools``, or an answer that is ``answer``'s JSON: the reply a tool
+    loop with a response format needs (an agent calls tools, then answers in the format)."""
+    schema = {"type": "object"} if answer.kind == "json" else answer.schema
+    reply = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    tag = {"type": "structural_tag",
+           "format": {"type": "or", "elements": [*_call_tags(tools), reply]}}
+    return Constraint("structural_tag", tag)
+
+
+def _call_tags(tools: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "tag",
              "begin": f'{OPEN}\n{{"name": {json.dumps(t["function"]["name"])}, "arguments": ',
              # one whitespace character at most between JSON tokens: no room to loop on
              "content": {"type": "json_schema", "json_schema": t["function"]["parameters"],
                          "max_whitespace_cnt": 1},
              "end": f"}}\n{CLOSE}"} for t in tools]
-    tag = {"type": "structural_tag",
-           "format": {"type": "triggered_tags", "triggers": [OPEN], "tags": tags}}
-    return Constraint("structural_tag", tag)
 
 
 def _new_id() -> str:

@@ -53,6 +53,7 @@ from shared_core.decoding.penalty import ChainedMasks, RepetitionPenalty
 from shared_core.decoding.tool_calls import (
     ReplyScanner,
     auto_calls,
+    call_or_answer,
     check_tool_choice,
     check_tools,
     forced_call,
@@ -260,12 +261,16 @@ def _tool_prompt(prompt: Prompt, tools: list[dict[str, Any]], choice: str,
         msg = "tools / response_format need chat messages, not a formatted prompt string"
         raise TypeError(msg)
     prefill, forced = forced_call(choice, tools)
-    turns = prompt if constraint is None else _with_format_instruction(prompt, constraint)
-    # under "auto" (and no response_format) the calls the model chooses to write are constrained
-    auto = auto_calls(tools) if choice == "auto" and constraint is None else None
-    grammar = forced or constraint or auto
+    offered = bool(tools) and choice == "auto"
+    turns = (prompt if constraint is None
+             else _with_format_instruction(prompt, constraint, tools_offered=offered))
+    # under "auto" the calls the model chooses to write are constrained; with a response_format
+    # too, the reply is one call or the answer in that format (an agent's tool loop)
+    auto = None if not offered else (auto_calls(tools) if constraint is None
+                                     else call_or_answer(tools, constraint))
+    grammar = forced or auto or constraint
     if grammar is not None and not xgrammar_available():
-        if grammar is constraint:
+        if constraint is not None:
             msg = "response_format needs constrained decoding: pip install 'specrag[constrained]'"
             raise ImportError(msg)
         # a forced call loses its grammar (warn); under "auto" calls are parsed as written
@@ -277,14 +282,15 @@ def _tool_prompt(prompt: Prompt, tools: list[dict[str, Any]], choice: str,
                        single_call)
 
 
-def _with_format_instruction(turns: list[dict[str, Any]], constraint: Constraint
-                             ) -> list[dict[str, Any]]:
+def _with_format_instruction(turns: list[dict[str, Any]], constraint: Constraint, *,
+                             tools_offered: bool = False) -> list[dict[str, Any]]:
     """The conversation with the expected JSON named in its system turn."""
+    lead = ("Call a tool if you need one; otherwise respond" if tools_offered else "Respond")
     if constraint.kind == "json_schema":
-        text = ("Respond only with a JSON object that matches this JSON schema:\n"
+        text = (f"{lead} only with a JSON object that matches this JSON schema:\n"
                 + json.dumps(constraint.schema, ensure_ascii=False))
     else:
-        text = "Respond only with a JSON object."
+        text = f"{lead} only with a JSON object."
     if turns and turns[0]["role"] == "system":
         return [{**turns[0], "content": f"{turns[0]['content']}\n\n{text}".strip()}, *turns[1:]]
     return [{"role": "system", "content": text}, *turns]
