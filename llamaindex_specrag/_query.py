@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 from llama_index.core.base.llms.types import ChatMessage
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.prompts.base import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle, TextNode
 
 from shared_core.config import check_text
 from shared_core.config.rag import PROMPT_ROLES, PromptMessages, check_prompt
@@ -37,10 +37,21 @@ def query_text(query: object) -> str:
 
 def source_nodes(documents: Iterable[Document], score: Callable[[Document], float | None] | None
                  ) -> list[NodeWithScore]:
-    """Our documents as LlamaIndex nodes (same id, text and metadata); ``score`` of each, or
-    ``None`` when ``score`` is None."""
-    return [NodeWithScore(node=TextNode(text=d.text, id_=d.id, metadata=dict(d.metadata)),
-                          score=None if score is None else score(d)) for d in documents]
+    """Our documents as LlamaIndex nodes: the node a document came from as it was, else a node
+    with its id, text and metadata; ``score`` of each, or ``None`` when ``score`` is None."""
+    return [NodeWithScore(node=as_node(d), score=None if score is None else score(d))
+            for d in documents]
+
+
+def as_node(document: Document, extra: dict[str, object] | None = None) -> BaseNode:
+    """The LlamaIndex node ``document`` came from (unchanged), else a ``TextNode`` of it whose
+    ``extra`` metadata (a rank) is kept out of the text the LLM and the embedder read."""
+    if isinstance(document.source, BaseNode):
+        return document.source
+    hidden = list(extra or {})
+    return TextNode(text=document.text, id_=document.id, metadata={**document.metadata,
+                                                                    **(extra or {})},
+                    excluded_llm_metadata_keys=hidden, excluded_embed_metadata_keys=hidden)
 
 
 def prompt_messages(prompt: object) -> PromptMessages | None:

@@ -13,24 +13,23 @@ from typing import TYPE_CHECKING, Any
 
 from llama_index.core.callbacks import CallbackManager
 from llama_index.core.retrievers import BaseRetriever
-from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+from llama_index.core.schema import NodeWithScore, QueryBundle
 
-from llamaindex_specrag._query import query_text
+from llamaindex_specrag._query import as_node, query_text
 from shared_core.config import check_int, suggest_kwargs
 from shared_core.config.rag import SpeculativeRetrievalConfig
-from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_metadata, hit_score
+from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_score
 
 if TYPE_CHECKING:
     from shared_core.engines.ralmspec import SpeculativeRetrieval
 
 
 def _to_node(hit: Any) -> NodeWithScore:
-    node = TextNode(text=hit.document.text, id_=hit.document.id, metadata=hit_metadata(hit))
-    return NodeWithScore(node=node, score=hit_score(hit))
+    return NodeWithScore(node=as_node(hit.document, {"rank": hit.rank}), score=hit_score(hit))
 
 
 class SpeculativeRetriever(BaseRetriever):
-    """Wrap ``retriever`` (a LlamaIndex ``BaseRetriever`` or a specrag retriever).
+    r"""Wrap ``retriever`` (a LlamaIndex ``BaseRetriever`` or a specrag retriever).
 
     Args:
         retriever: the retriever whose results must be preserved.
@@ -39,8 +38,12 @@ class SpeculativeRetriever(BaseRetriever):
         retrieval_timeout_s: seconds one call of the wrapped retriever may take before the call
             fails with ``TimeoutError`` (the cache is left as it was); ``None``: no limit.
 
-    A node's score is the retriever's (``None`` for a speculated node) and its metadata gets its
-    ``rank``. The session (cache + verification queue) opens on first use and is reopened when
+    A wrapped LlamaIndex retriever's nodes come back as it returned them (the same node objects:
+    relationships and excluded metadata keys kept); a specrag retriever's documents become
+    ``TextNode`` objects with their ``rank`` in metadata (kept out of the LLM's and the embedder's
+    text). A node's score is the retriever's (``None`` for a speculated node).
+
+    The session (cache + verification queue) opens on first use and is reopened when
     a setting changes or after :meth:`reset`, as in the LangChain wrapper. Thread-safe: many
     threads may ``retrieve`` through one wrapper (the results are exact).
     """

@@ -19,6 +19,9 @@ class Document:
     id: str
     text: str
     metadata: dict[str, Any] = field(default_factory=dict)
+    # the framework object it came from (a LlamaIndex node, a LangChain Document): an adapter
+    # hands that back as it was (relationships, excluded metadata keys), not a rebuilt copy
+    source: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         check_document_fields(self.id, self.text, self.metadata, "Document")
@@ -124,16 +127,44 @@ def encodes(model: object) -> TypeGuard[Encoder]:
 
 
 RETRIEVER_METHODS = ("search", "invoke", "retrieve", "_get_relevant_documents")
+# the LangChain vector stores RaLMSpec searches through their client: the names of
+# shared_core.retrieval.stores.convert.SUPPORTED (that module imports this one; a test keeps
+# the two equal)
+BATCHED_STORES = ("langchain_qdrant.QdrantVectorStore", "langchain_milvus.Milvus",
+                  "langchain_postgres.PGVector", "langchain_elasticsearch.ElasticsearchStore",
+                  "langchain_community.OpenSearchVectorSearch")
 T = TypeVar("T")
 
 
+def is_langchain_vector_store(value: object) -> bool:
+    """Whether ``value`` is a LangChain ``VectorStore`` (duck-typed): its ``search`` takes one
+    query and a search type, not a batch, so it is no retriever (``as_retriever()`` is one)."""
+    return callable(getattr(value, "similarity_search", None)) and any(
+        callable(getattr(value, m, None)) for m in ("add_texts", "as_retriever"))
+
+
+def _batched_store(value: object) -> bool:
+    module, name = type(value).__module__, type(value).__name__
+    return any(module.startswith(package) and name == cls
+               for package, cls in (q.split(".") for q in BATCHED_STORES))
+
+
 def check_retriever_like(value: T, param: str = "retriever") -> T:
-    """``value`` unless it cannot be a retriever: ours (``search``), LangChain's or LlamaIndex's.
+    """``value`` unless it cannot be a retriever: ours (``search``), LangChain's or LlamaIndex's
+    (a LangChain vector store only where RaLMSpec reaches its client: :data:`BATCHED_STORES`).
 
     Duck-typed, so adapters can check a retriever at construction without importing an engine.
     """
+    if is_langchain_vector_store(value) and not _batched_store(value):
+        raise TypeError(vector_store_message(value, param))
     if not any(callable(getattr(value, m, None)) for m in RETRIEVER_METHODS):
         msg = (f"{param} must be a LangChain/LlamaIndex retriever or an object with "
                f"search(queries, k) (a specrag retriever), got {type(value).__name__}")
         raise TypeError(msg)
     return value
+
+
+def vector_store_message(store: object, param: str = "retriever") -> str:
+    """Why a LangChain vector store given as ``param`` is refused, and what to pass instead."""
+    return (f"{param} is a LangChain vector store ({type(store).__name__}), not a retriever: "
+            f"pass {param}=store.as_retriever() (search_kwargs={{'k': ...}} sets its k)")

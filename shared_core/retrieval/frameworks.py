@@ -13,7 +13,12 @@ from contextvars import ContextVar
 from typing import Any, Protocol, TypeGuard
 
 from shared_core.config import check_int
-from shared_core.retrieval.base import Document, Hit
+from shared_core.retrieval.base import (
+    Document,
+    Hit,
+    is_langchain_vector_store,
+    vector_store_message,
+)
 
 
 class LangChainDocument(Protocol):
@@ -71,14 +76,15 @@ def to_documents(items: Sequence[Any]) -> DocumentList:
         elif hasattr(item, "page_content"):  # LangChain Document
             doc_id = getattr(item, "id", None) or f"doc-{i}"
             docs.append(Document(id=str(doc_id), text=item.page_content,
-                                 metadata=dict(item.metadata or {})))
+                                 metadata=dict(item.metadata or {}), source=item))
         elif hasattr(item, "node") and hasattr(item.node, "get_content"):  # LlamaIndex NodeWithScore
             meta = dict(item.node.metadata or {})
             meta["score"] = item.score
-            docs.append(Document(id=item.node.node_id, text=item.node.get_content(), metadata=meta))
+            docs.append(Document(id=item.node.node_id, text=item.node.get_content(), metadata=meta,
+                                 source=item.node))
         elif hasattr(item, "get_content"):  # LlamaIndex node
             docs.append(Document(id=item.node_id, text=item.get_content(),
-                                 metadata=dict(item.metadata or {})))
+                                 metadata=dict(item.metadata or {}), source=item))
         else:
             msg = f"documents[{i}] has unsupported type {type(item).__name__}"
             raise TypeError(msg)
@@ -86,6 +92,10 @@ def to_documents(items: Sequence[Any]) -> DocumentList:
 
 
 def check_retriever(retriever: object) -> None:
+    """TypeError unless :func:`retrieve` can query ``retriever`` (a LangChain vector store's
+    ``search`` takes one query and a search type: its ``as_retriever()`` is what it takes)."""
+    if is_langchain_vector_store(retriever):
+        raise TypeError(vector_store_message(retriever))
     if not any(callable(getattr(retriever, m, None)) for m in ("search", "invoke", "retrieve")):
         msg = f"retriever of type {type(retriever).__name__} has no search/invoke/retrieve method"
         raise TypeError(msg)
@@ -214,13 +224,13 @@ def _score(value: object, doc_id: str) -> float:
 
 
 def _from_langchain(d: LangChainDocument) -> Hit:
-    doc = Document(_doc_id(d.page_content, d.id), d.page_content, dict(d.metadata))
+    doc = Document(_doc_id(d.page_content, d.id), d.page_content, dict(d.metadata), source=d)
     return Hit(doc, _score(d.metadata.get("score"), doc.id), 0)
 
 
 def _from_llamaindex(n: LlamaIndexResult) -> Hit:
     text = n.node.get_content()
-    doc = Document(_doc_id(text, n.node.node_id), text, dict(n.node.metadata))
+    doc = Document(_doc_id(text, n.node.node_id), text, dict(n.node.metadata), source=n.node)
     return Hit(doc, _score(n.score, doc.id), 0)
 
 
@@ -268,7 +278,10 @@ def _llamaindex_search(retriever: object) -> Callable[[list[str], int], list[lis
 
 def framework_search(retriever: object) -> Callable[[list[str], int], list[list[Hit]]] | None:
     """``search(queries, k) -> list[list[Hit]]`` over a LangChain or LlamaIndex retriever, or
-    None when ``retriever`` is neither (recognised by duck typing: no framework is imported)."""
+    None when ``retriever`` is neither (recognised by duck typing: no framework is imported); a
+    LangChain vector store is a TypeError (its ``as_retriever()`` is a retriever)."""
+    if is_langchain_vector_store(retriever):
+        raise TypeError(vector_store_message(retriever))
     if _is_langchain_retriever(retriever):
         return _langchain_search(retriever)
     if hasattr(retriever, "_retrieve") and hasattr(retriever, "retrieve"):
@@ -277,6 +290,8 @@ def framework_search(retriever: object) -> Callable[[list[str], int], list[list[
 
 
 def _is_langchain_retriever(retriever: object) -> TypeGuard[LangChainRetriever]:
-    """A LangChain retriever, by duck typing (its private hook) or by its module."""
-    return hasattr(retriever, "_get_relevant_documents") or \
+    """A LangChain retriever, by duck typing (its private hook) or by its module and the
+    ``batch`` a verification calls."""
+    return hasattr(retriever, "_get_relevant_documents") or (
         type(retriever).__module__.startswith("langchain")
+        and callable(getattr(retriever, "batch", None)))

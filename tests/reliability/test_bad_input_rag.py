@@ -475,3 +475,48 @@ def test_an_unknown_embedder_alias_is_refused_where_it_is_given(tiny_target) -> 
             build()
             pytest.fail(f"{what} accepted the alias")
     SpeculativeRAG(tiny_target, None, embedder="sentence-transformers/all-MiniLM-L6-v2")  # hub id
+
+
+def _fake_store(module: str, name: str) -> object:
+    """A LangChain vector store look-alike whose class is ``module.name``."""
+    def similarity_search(self: object, query: str, k: int = 4) -> list[Any]:
+        return []
+
+    methods = {"__module__": module, "similarity_search": similarity_search,
+               "add_texts": lambda self, texts: [], "as_retriever": lambda self: None,
+               "search": lambda self, query, search_type, **kwargs: []}
+    return type(name, (), methods)()
+
+
+def test_a_langchain_vector_store_as_retriever_is_refused_when_built(env: SimpleNamespace
+                                                                     ) -> None:
+    """A vector store's ``search`` takes one query and a search type: given as ``retriever=``
+    it is refused at construction, pointing at ``as_retriever()`` (it used to fail at the first
+    call with an unrelated error); a store whose client RaLMSpec reaches is still accepted."""
+    from langchain_core.embeddings import DeterministicFakeEmbedding
+    from langchain_core.vectorstores import InMemoryVectorStore
+
+    from shared_core.retrieval.base import BATCHED_STORES, check_retriever_like
+    from shared_core.retrieval.stores.convert import SUPPORTED
+
+    store = InMemoryVectorStore.from_texts(["a b", "c d"], DeterministicFakeEmbedding(size=8))
+    builds = {"SpeculativeRAGRunnable": lambda: SpeculativeRAGRunnable(retriever=store),
+              "SpeculativeRetriever": lambda: LCSpeculativeRetriever(retriever=store),
+              "RaLMSpecRunnable": lambda: RaLMSpecRunnable(retriever=store),
+              "SpeculativeRAGQueryEngine": lambda: SpeculativeRAGQueryEngine(store),
+              "SpeculativeRAG": lambda: SpeculativeRAG(env.drafter, None, retriever=store),
+              "RaLMSpec": lambda: RaLMSpec(env.lm, store),
+              "retrieve": lambda: retrieve(store, "q", 2)}
+    before = env.forwards[0]
+    for what, build in builds.items():
+        with pytest.raises(TypeError, match=r"^retriever is a LangChain vector store "
+                                            r"\(InMemoryVectorStore\).*store\.as_retriever\(\)"):
+            build()
+            pytest.fail(f"{what} accepted the store")
+    assert env.forwards[0] == before
+    RaLMSpecRunnable(retriever=store.as_retriever())
+    assert BATCHED_STORES == SUPPORTED
+    qdrant = _fake_store("langchain_qdrant.qdrant", "QdrantVectorStore")
+    assert check_retriever_like(qdrant) is qdrant
+    with pytest.raises(TypeError, match="not a retriever"):
+        check_retriever_like(_fake_store("langchain_chroma.vectorstores", "Chroma"))
