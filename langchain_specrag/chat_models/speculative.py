@@ -48,7 +48,7 @@ from langchain_core.messages.tool import ToolCallChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from pydantic import AliasChoices, ConfigDict, Field
+from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
 from langchain_specrag.chat_models.structured import structured_output
 from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, PENALTY_SETTINGS
@@ -74,23 +74,31 @@ _REPLY_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", 
                    *PENALTY_SETTINGS, "max_tokens", "stop", "device", "dtype",
                    "backend")
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
+_REASONING_PARTS = ("reasoning", "thinking", "redacted_thinking")  # LangChain v1, Anthropic
+# call options LangChain (or code written for ChatOpenAI) passes that change nothing here:
+# ``stream`` is BaseChatModel's switch (``invoke(..., stream=True)`` streams through _stream);
+# usage is always reported on the last chunk; a local model makes no requests to time out
+_LANGCHAIN_CALL_SWITCHES = frozenset({"stream", "stream_usage", "stream_options", "timeout"})
 _ROLES = {"human": "user", "ai": "assistant", "system": "system", "tool": "tool",
           "function": "tool", "developer": "system", "user": "user", "assistant": "assistant"}
 
 
 def _message_text(index: int, message: BaseMessage) -> str:
-    """The text of a message; any non-text content part is refused, never dropped."""
+    """The text of a message; any other content part is refused, never dropped, except an AI
+    message's tool calls (its ``tool_calls`` carry them) and reasoning (another model's
+    thoughts, which a chat template does not render)."""
     content = message.content
     if isinstance(content, str):
         return content
+    skipped = _CALL_PARTS + _REASONING_PARTS if _is_ai(message) else _CALL_PARTS
     parts = []
     for part in content:
         if isinstance(part, str):
             parts.append(part)
         elif isinstance(part, dict) and part.get("type") == "text":
             parts.append(str(part.get("text", "")))
-        elif isinstance(part, dict) and part.get("type") in _CALL_PARTS:
-            continue  # the message's tool_calls carry these
+        elif isinstance(part, dict) and part.get("type") in skipped:
+            continue
         else:
             kind = part.get("type") if isinstance(part, dict) else type(part).__name__
             msg = (f"message {index} has a {kind!r} content part; ChatSpeculative handles text "
@@ -99,8 +107,16 @@ def _message_text(index: int, message: BaseMessage) -> str:
     return "".join(parts)
 
 
+def _role(message: BaseMessage) -> str:
+    return message.role if isinstance(message, ChatMessage) else message.type
+
+
+def _is_ai(message: BaseMessage) -> bool:
+    return _ROLES.get(_role(message)) == "assistant"
+
+
 def _turn(index: int, message: BaseMessage) -> dict[str, Any]:
-    role = message.role if isinstance(message, ChatMessage) else message.type
+    role = _role(message)
     turn: dict[str, Any] = {"role": _ROLES.get(role, role), "content": _message_text(index, message)}
     if isinstance(message, AIMessage) and message.tool_calls:
         turn["tool_calls"] = [{"name": c["name"], "arguments": c["args"], "id": c.get("id")}
@@ -115,6 +131,19 @@ def to_chat_messages(messages: Sequence[BaseMessage]) -> ChatTurns:
     message's tool calls and a tool message's call id kept), checked once: the engines take
     them unchecked."""
     return chat_turns([_turn(i, m) for i, m in enumerate(messages)])
+
+
+def _check_usage_options(options: dict[str, Any]) -> None:
+    """OpenAI's switches for usage on the last chunk, ``stream_usage`` (a bool or None) and
+    ``stream_options`` (a dict or None): TypeError naming a malformed one."""
+    stream_usage = options.get("stream_usage")
+    if stream_usage is not None and not isinstance(stream_usage, bool):
+        msg = f"stream_usage must be a bool or None, got {type(stream_usage).__name__}"
+        raise TypeError(msg)
+    stream_options = options.get("stream_options")
+    if stream_options is not None and not isinstance(stream_options, dict):
+        msg = f"stream_options must be a dict or None, got {type(stream_options).__name__}"
+        raise TypeError(msg)
 
 
 def _call_chunk(call: FoundCall, index: int) -> ToolCallChunk:
@@ -167,14 +196,17 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     ``SpeculativeLLM``'s) plus ``max_tokens`` (LangChain's name for the token limit; ``None`` =
     the default), ``streaming`` and a preloaded ``lm``. LangChain's standard ``timeout``,
     ``max_retries``, ``api_key`` and ``base_url`` are accepted and ignored (a local model makes
-    no requests); any other unknown setting is a ``TypeError`` naming the closest valid one.
+    no requests), and so is ``stream_usage`` (a bool: usage is always reported on the last
+    chunk); any other unknown setting is a ``TypeError`` naming the closest valid one. Per call,
+    ``timeout``, ``stream_usage`` and ``stream_options`` are accepted and ignored the same way.
 
     Example:
         ``ChatSpeculative(model="smollm2-135m-instruct", max_tokens=128).invoke("Hi")``
     """
 
     model_config = ConfigDict(populate_by_name=True, arbitrary_types_allowed=True)
-    IGNORED_SETTINGS: ClassVar[tuple[str, ...]] = ("timeout", "max_retries", "api_key", "base_url")
+    IGNORED_SETTINGS: ClassVar[tuple[str, ...]] = ("timeout", "max_retries", "api_key", "base_url",
+                                                   "stream_usage")
     TOKEN_LIMIT: ClassVar[str] = "max_tokens"
 
     # accepted as model_name too; the field keeps its name for type checkers (dataclass_transform
@@ -184,6 +216,13 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     streaming: bool = False
     lm: Any = Field(default=None, exclude=True)  # a preloaded shared_core LM (optional)
     DERIVED: ClassVar[frozenset[str]] = frozenset({"lm", "profile"})  # profile: recomputed
+
+    @model_validator(mode="before")
+    @classmethod
+    def _checked_stream_usage(cls, data: object) -> object:
+        if isinstance(data, dict):
+            _check_usage_options(data)  # checked here: IGNORED_SETTINGS drops it unchecked
+        return data
 
     def __reduce__(self) -> tuple[Any, ...]:
         return self.reduce_with(self.lm)
@@ -208,7 +247,8 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "specrag"
-        params["ls_model_name"] = redact(kwargs.get("model", self.model))
+        own = self.lm.name if self.lm is not None else self.model  # as the reply names it
+        params["ls_model_name"] = redact(kwargs.get("model", own))
         params["ls_model_type"] = "chat"
         params["ls_temperature"] = kwargs.get("temperature", self.temperature)
         if self.max_tokens is not None:
@@ -254,9 +294,10 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     def _chat(self, messages: list[BaseMessage], stop: list[str] | None,
               kwargs: dict[str, Any]) -> ChatStream:
-        """The one core call, checked now (before any model work). ``stream`` is LangChain's
-        own switch (``invoke(..., stream=True)`` streams through :meth:`_stream`), not an option."""
-        options = {k: v for k, v in kwargs.items() if k != "stream"}
+        """The one core call, checked now (before any model work), without the switches that
+        change nothing here (``_LANGCHAIN_CALL_SWITCHES``)."""
+        _check_usage_options(kwargs)
+        options = {k: v for k, v in kwargs.items() if k not in _LANGCHAIN_CALL_SWITCHES}
         return chat(self, to_chat_messages(messages), {**options, "stop": stop}, self.lm)
 
     def _generate(self, messages: list[BaseMessage], stop: list[str] | None = None,

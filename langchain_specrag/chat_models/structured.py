@@ -21,6 +21,38 @@ from shared_core.decoding.constrained import check_json_schema
 from shared_core.frontend.chat import check_response_format
 
 METHODS = ("json_schema", "json_mode", "function_calling")
+# keywords that describe a schema without constraining a value
+_ANNOTATIONS = frozenset({"title", "description", "$schema", "$id", "$comment", "default",
+                          "examples", "$defs", "definitions", "deprecated", "readOnly",
+                          "writeOnly"})
+
+
+def _unwrapped(schema: Any) -> Any:
+    """The JSON schema inside OpenAI's response-format wrappers (``{"type": "json_schema",
+    "json_schema": {...}}`` and ``{"name", "schema"[, "strict"]}``), titled with its name;
+    anything else as it is."""
+    if isinstance(schema, dict) and schema.get("type") == "json_schema" and isinstance(
+            schema.get("json_schema"), dict):
+        schema = schema["json_schema"]
+    if isinstance(schema, dict) and isinstance(schema.get("schema"), dict) and set(schema) <= {
+            "name", "schema", "strict", "description"}:
+        inner, name = schema["schema"], schema.get("name")
+        return {**inner, "title": name} if name else inner
+    return schema
+
+
+def _json_schema(schema: Any) -> dict[str, Any]:
+    """``schema`` as the JSON schema decoding is constrained to; a schema that LangChain's
+    conversion leaves constraining nothing (e.g. a top-level ``anyOf``) is refused."""
+    if isinstance(schema, dict) and schema.get("type") != "function":  # not an OpenAI tool
+        check_json_schema(schema, "schema")  # LangChain's conversion fails unclearly
+    converted = convert_to_json_schema(schema)
+    if not set(converted) - _ANNOTATIONS:
+        name = converted.get("title") or type(schema).__name__
+        msg = (f"schema {name!r} constrains nothing once converted ({converted!r:.120}): give "
+               "an object schema with 'type' / 'properties'")
+        raise ValueError(msg)
+    return converted
 
 
 def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any]
@@ -36,9 +68,7 @@ def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any
                         else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
         return bound, tools_parser
     if method == "json_schema":
-        if isinstance(schema, dict) and schema.get("type") != "function":  # not an OpenAI tool
-            check_json_schema(schema, "schema")  # LangChain's conversion fails unclearly
-        fmt = {"type": "json_schema", "schema": convert_to_json_schema(schema)}
+        fmt = {"type": "json_schema", "schema": _json_schema(schema)}
         check_response_format(fmt)  # refused now, not when the chain is invoked
     else:
         fmt = {"type": "json_object"}
@@ -61,7 +91,7 @@ def structured_output(model: BaseChatModel, schema: Any, *, method: str = "json_
         msg = f"include_raw must be a bool, got {type(include_raw).__name__}"
         raise TypeError(msg)
     kwargs.pop("strict", None)  # decoding is always constrained to the schema
-    bound, parser = _bound(model, schema, method, kwargs)
+    bound, parser = _bound(model, _unwrapped(schema), method, kwargs)
     if not include_raw:
         return bound | parser
     parsed = RunnablePassthrough.assign(parsed=itemgetter("raw") | parser,

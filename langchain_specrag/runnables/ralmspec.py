@@ -3,7 +3,8 @@
 Input: a question string, ``{"question": ...}`` or a prompt's output (``PromptValue`` or a list of
 messages: the last human message is the question). Output: the answer string, or with
 ``with_details=True`` a dict with the answer, the documents the answer was generated under, the
-per-step document ids and the engine stats. ``stream`` yields verified text deltas. The retriever
+per-step document ids and the engine stats. ``stream`` yields verified text deltas (with
+``with_details``, ``AddableDict`` chunks adding up to ``invoke``'s dict). The retriever
 is any LangChain ``BaseRetriever`` (queried with ``batch`` for verification) or a specrag
 retriever (``DenseRetriever`` / ``BM25Retriever``: cache ranked with their own metric).
 ``prompt=`` sets the answering prompt (a ``PromptTemplate`` / ``ChatPromptTemplate`` or a format
@@ -21,6 +22,7 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
+from langchain_core.runnables.utils import AddableDict
 from typing_extensions import TypedDict
 
 from langchain_specrag.runnables._inputs import LangChainPrompt, RAGInput, as_question_input
@@ -89,31 +91,46 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
 
         return await self._acall_with_config(run, input, config, run_type="chain", **kwargs)
 
-    def _deltas(self, inputs: Iterator[RAGInput]) -> Iterator[str]:
+    def _chunk(self, event: AnswerDelta | RaLMSpecAnswer) -> RaLMSpecOutput | None:
+        """What ``stream`` yields for one event: a verified delta, as text or (with
+        ``with_details``) as ``{"answer": delta}``, then with ``with_details`` the rest of
+        ``invoke``'s dict, all ``AddableDict``s whose sum is ``invoke``'s dict."""
+        if isinstance(event, AnswerDelta):
+            return AddableDict(answer=event.text) if self.with_details else event.text
+        if not self.with_details:
+            return None
+        rest = cast(dict[str, Any], self._output(event))
+        if event.text:  # else no delta carried the (empty) answer
+            del rest["answer"]
+        return AddableDict(rest)
+
+    def _deltas(self, inputs: Iterator[RAGInput]) -> Iterator[RaLMSpecOutput]:
         for value in inputs:
-            yield from (e.text for e in ralmspec(self, _question(value))
-                        if isinstance(e, AnswerDelta))
+            for event in ralmspec(self, _question(value)):
+                chunk = self._chunk(event)
+                if chunk is not None:
+                    yield chunk
 
     @refuses_call_kwargs
     def stream(self, input: RaLMSpecIn, config: RunnableConfig | None = None,
-               **kwargs: Any) -> Iterator[str]:
-        """Verified text deltas (the answer text, also when ``with_details`` is set)."""
-        # LangChain types the result by the runnable's output (str | dict); _deltas yields str
-        yield from cast(Iterator[str], self._transform_stream_with_config(
-            iter([input]), self._deltas, config, **kwargs))
+               **kwargs: Any) -> Iterator[RaLMSpecOutput]:
+        """Verified text deltas; with ``with_details``, ``AddableDict`` chunks adding up to
+        ``invoke``'s dict (``{"answer": delta}`` ..., then the other keys)."""
+        yield from self._transform_stream_with_config(iter([input]), self._deltas, config,
+                                                      **kwargs)
 
-    async def _adeltas(self, inputs: AsyncIterator[RAGInput]) -> AsyncIterator[str]:
+    async def _adeltas(self, inputs: AsyncIterator[RAGInput]) -> AsyncIterator[RaLMSpecOutput]:
         async for value in inputs:
             async for delta in iterate_in_thread(self._deltas(iter([value]))):
                 yield delta
 
     @refuses_call_kwargs
     async def astream(self, input: RaLMSpecIn, config: RunnableConfig | None = None,
-                      **kwargs: Any) -> AsyncIterator[str]:
+                      **kwargs: Any) -> AsyncIterator[RaLMSpecOutput]:
         """``stream`` on a worker thread (traced as one run); stops when the consumer does."""
         async def one() -> AsyncIterator[RaLMSpecIn]:
             yield input
 
-        deltas = self._atransform_stream_with_config(one(), self._adeltas, config, **kwargs)
-        async for delta in cast(AsyncIterator[str], deltas):  # typed as the output, as above
+        async for delta in self._atransform_stream_with_config(one(), self._adeltas, config,
+                                                               **kwargs):
             yield delta

@@ -36,6 +36,7 @@ def test_invoke_equals_reference_and_carries_stats(chat, tiny_target):
     assert msg.usage_metadata["input_tokens"] == ref.stats.prompt_tokens
     meta = msg.response_metadata
     assert meta["model_name"] == tiny_target.name and meta["engine"] == "respec"  # what ran
+    assert chat._get_ls_params()["ls_model_name"] == tiny_target.name
     assert meta["speculative_stats"]["new_tokens"] == len(ref.token_ids)
 
 
@@ -332,3 +333,70 @@ def test_streamed_forced_call_adds_up_to_invoke_even_when_cut(long_chat, max_tok
     assert len(streamed.invalid_tool_calls) == len(invoked.invalid_tool_calls)
     assert (len(calls), len(invoked.invalid_tool_calls)) == ((0, 1) if max_tokens == 6 else (1, 0))
     assert streamed.content == invoked.content == ""
+
+
+_V_SCHEMA = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0,
+                                                    "maximum": 9}},
+             "required": ["n"], "additionalProperties": False}
+
+
+@pytest.mark.parametrize("schema", [
+    {"name": "V", "schema": _V_SCHEMA, "strict": True},
+    {"type": "json_schema", "json_schema": {"name": "V", "schema": _V_SCHEMA, "strict": True}}])
+def test_openais_response_format_dicts_constrain_to_their_inner_schema(long_chat, schema):
+    """OpenAI's response-format wrappers are unwrapped, not converted to an empty schema."""
+    pytest.importorskip("xgrammar")
+    bound = long_chat.with_structured_output(schema, method="json_schema")
+    assert bound.first.kwargs["response_format"]["schema"]["properties"] == _V_SCHEMA["properties"]
+    out = bound.invoke(MESSAGES, max_tokens=40)
+    assert set(out) == {"n"} and out["n"] in range(10)
+    called = long_chat.with_structured_output(schema, method="function_calling").invoke(
+        MESSAGES, max_tokens=60)
+    assert set(called) == {"n"} and called["n"] in range(10)
+
+
+def test_a_schema_that_constrains_nothing_once_converted_is_refused(chat):
+    with pytest.raises(ValueError, match="schema 'V' constrains nothing"):
+        chat.with_structured_output({"title": "V", "anyOf": [{"type": "integer"}]})
+
+
+_REASONING = [{"type": "reasoning", "reasoning": "think"}, {"type": "thinking", "thinking": "hm"},
+              {"type": "text", "text": "hi"}]
+
+
+def test_reasoning_in_an_ai_message_of_the_history_is_dropped(chat):
+    history = [HumanMessage("0 1 2"), AIMessage(content=_REASONING), HumanMessage("3 4")]
+    assert to_chat_messages(history)[1]["content"] == "hi"
+    assert chat.invoke(history).content == chat.invoke(
+        [HumanMessage("0 1 2"), AIMessage("hi"), HumanMessage("3 4")]).content
+
+
+@pytest.mark.parametrize("message", [
+    HumanMessage(content=_REASONING),
+    AIMessage(content=[{"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}}]),
+    AIMessage(content=[{"type": "audio", "base64": "AA", "mime_type": "audio/wav"}]),
+    AIMessage(content=[{"type": "file", "url": "https://x/y.pdf"}])])
+def test_media_and_reasoning_outside_ai_messages_are_still_refused(message):
+    with pytest.raises(NotImplementedError, match="message 0 has a"):
+        to_chat_messages([message])
+
+
+def test_openais_usage_switches_and_a_call_timeout_are_accepted_as_no_ops(chat):
+    """Usage is always reported on the last chunk: ``stream_usage`` (setting or call option)
+    and ``stream_options`` change nothing; a per-call ``timeout`` is ignored as the setting is."""
+    settings = {"lm": chat.lm, "model": "tiny", "max_tokens": 4,
+                "engine_options": {"use_trigger": False, "measure_cost": False}}
+    reference = [c.content for c in ChatSpeculative(**settings).stream(MESSAGES)]
+    with_usage = ChatSpeculative(**settings, stream_usage=True, timeout=5)
+    for options in ({}, {"stream_usage": False}, {"stream_options": {"include_usage": True}},
+                    {"timeout": 5}):
+        chunks = list(with_usage.stream(MESSAGES, **options))
+        assert [c.content for c in chunks] == reference, options
+        assert chunks[-1].usage_metadata["output_tokens"] == 4, options
+    assert with_usage.invoke(MESSAGES, timeout=5, stream_usage=True).content == "".join(reference)
+    with pytest.raises(TypeError, match="stream_usage must be a bool"):
+        ChatSpeculative(**settings, stream_usage="yes")
+    with pytest.raises(TypeError, match="stream_usage must be a bool"):
+        with_usage.invoke(MESSAGES, stream_usage=1)
+    with pytest.raises(TypeError, match="stream_options must be a dict"):
+        list(with_usage.stream(MESSAGES, stream_options=True))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from fakes import LCRetriever, LIRetriever
@@ -180,3 +181,36 @@ def test_one_core_call_streams_what_finish_returns_and_stops_when_abandoned(tiny
     with pytest.raises(StopIteration):
         next(tokens)
     assert tokens.result is None
+
+
+def _added(chunks: list[Any]) -> Any:
+    total = chunks[0]
+    for chunk in chunks[1:]:
+        total = total + chunk
+    return total
+
+
+def _untimed(details: dict[str, Any]) -> dict[str, Any]:
+    """The details without the stats (timings differ from run to run), but with their keys."""
+    return {**{k: v for k, v in details.items() if k != "stats"},
+            "stats": (sorted(details["stats"]), details["stats"]["new_tokens"])}
+
+
+async def test_detailed_stream_chunks_add_up_to_invoke(tiny_target) -> None:
+    """With ``with_details``, stream / astream yield dict chunks whose sum is ``invoke``'s dict,
+    so ``runnable | itemgetter("answer")`` streams too."""
+    from operator import itemgetter
+
+    from langchain_specrag import RaLMSpecRunnable
+
+    engine = RaLMSpec(tiny_target, LCRetriever(_hits), CONFIG)
+    runnable = RaLMSpecRunnable(engine=engine, max_new_tokens=16, with_details=True,
+                                async_verify=False)
+    invoked = runnable.invoke("who wrote the report?")
+    streamed = list(runnable.stream("who wrote the report?"))
+    assert all(isinstance(c, dict) for c in streamed) and len(streamed) > 2
+    assert _untimed(_added(streamed)) == _untimed(invoked)
+    astreamed = [c async for c in runnable.astream("who wrote the report?")]
+    assert _untimed(_added(astreamed)) == _untimed(invoked)
+    answer = runnable | itemgetter("answer")
+    assert "".join(answer.stream("who wrote the report?")) == invoked["answer"]
