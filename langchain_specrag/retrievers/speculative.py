@@ -1,8 +1,9 @@
 """``SpeculativeRetriever``: RaLMSpec's local cache + batched verification for any LangChain
 retriever (adapter only; the logic is :class:`shared_core.engines.ralmspec.SpeculativeRetrieval`).
 
-``invoke(query)`` returns exactly what the wrapped retriever returns (served from already
-verified results when possible). Iterative callers (agents, FLARE-style chains) may instead call
+``invoke(query)`` returns the wrapped retriever's top ``k`` (default 4, as ``as_retriever()``'s;
+a per-call ``k`` overrides it) exactly as it ranks them (served from already verified results
+when possible). Iterative callers (agents, FLARE-style chains) may instead call
 ``speculate(query)`` for an immediate answer from the per-session cache, keep going, and call
 ``verify()`` once: ONE ``batch`` call on the wrapped retriever checks every queued query and says
 where the speculated top document was wrong, so the caller can roll back to that step.

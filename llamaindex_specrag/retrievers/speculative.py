@@ -1,8 +1,8 @@
 """``SpeculativeRetriever``: RaLMSpec's local cache + batched verification for any LlamaIndex
 retriever (adapter only; the logic is :class:`shared_core.engines.ralmspec.SpeculativeRetrieval`).
 
-``retrieve(query)`` returns exactly what the wrapped retriever returns (served from verified
-results when possible); ``speculate(query)`` answers from the per-session cache at once and
+``retrieve(query)`` returns the wrapped retriever's top ``similarity_top_k`` nodes exactly as it
+ranks them (served from verified results when possible); ``speculate(query)`` answers from the per-session cache at once and
 ``verify()`` checks all queued queries together, reporting where the caller must roll back.
 """
 
