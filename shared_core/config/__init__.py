@@ -271,7 +271,10 @@ def check_config_types(config: DataclassInstance) -> None:
 class SamplingConfig:
     """How the next token is chosen; applied identically to draft and target distributions.
 
-    ``temperature == 0`` means greedy decoding (top-k / top-p are then ignored).
+    ``temperature == 0`` means greedy decoding (top-k / top-p are then ignored). Otherwise the
+    logits are divided by the temperature first, then filtered by top-k and top-p, in
+    transformers' order (``generate``'s warpers). llama.cpp filters before the temperature, so
+    the same ``top_p`` with a temperature other than 1 keeps another set of tokens there.
     """
 
     temperature: float = 0.0
