@@ -2,8 +2,9 @@
 retriever (adapter only; the logic is :class:`shared_core.engines.ralmspec.SpeculativeRetrieval`).
 
 ``retrieve(query)`` returns the wrapped retriever's top ``similarity_top_k`` nodes exactly as it
-ranks them (served from verified results when possible); ``speculate(query)`` answers from the per-session cache at once and
-``verify()`` checks all queued queries together, reporting where the caller must roll back.
+ranks them (served from verified results when possible); ``speculate(query)`` answers from the
+per-session cache at once and ``verify()`` checks all queued queries together, reporting where
+the caller must roll back.
 """
 
 from __future__ import annotations
