@@ -177,8 +177,8 @@ def test_bad_prompt_and_k(tiny_target):
         autoregressive_generate(tiny_target, [1.5, 2.5], 4)
     with pytest.raises(ValueError, match=r"^k \(draft tokens per round\)"):
         speculative_generate(tiny_target, tiny_target, PROMPTS[0], 4, k=0)
-    with pytest.raises(ValueError, match="window"):
-        autoregressive_generate(tiny_target, PROMPTS[0], tiny_target.max_context)
+    with pytest.raises(ValueError, match="window"):  # a long reply is lowered to fit; this is not
+        autoregressive_generate(tiny_target, [5] * tiny_target.max_context, 4)
 
 
 def test_mismatched_vocabulary_is_refused(tiny_target, smollm):
