@@ -11,10 +11,15 @@ of the context, the one the model's prefix cache keeps (:mod:`.llamacpp_prefix`)
 the idle context that already holds the longest part of it, decodes only the rest, and hands the
 context back vouching for the prefix, so the next call (and the next chat session) reads it from
 the cache too. The rows themselves are never kept.
+
+All sequences of a context share its ``n_ctx`` KV cells (``kv_unified``): rows that need more
+cells together (the shared prefix once, each row's own ids and new tokens) are decoded in
+consecutive groups that fit, one group after the other, each row as it would be in one call.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +27,8 @@ from shared_core.runtime.llamacpp.session import EXACT_CHUNK, decode
 
 if TYPE_CHECKING:
     import numpy as np
+
+logger = logging.getLogger(__name__)
 
 # ``lm`` is a shared_core.runtime.llamacpp.lm.LlamaCppLM and ``slot`` one of its contexts; not
 # imported here, because that module imports this one.
@@ -124,6 +131,37 @@ def _check_rows(lm: LlamaCppLM, rows: Sequence[Sequence[int]], extra: int) -> No
         raise ValueError(msg)
 
 
+def _cells(rows: Sequence[Sequence[int]], shared: int, extra: int) -> int:
+    """KV cells the rows take in one context: the shared prefix once (its cells belong to every
+    row's sequence), each row's own ids and ``extra`` more per row."""
+    return shared + sum(len(r) - shared + extra for r in rows)
+
+
+def _groups(count: int, cells: Callable[[range], int], limit: int) -> list[range]:
+    """Consecutive rows in groups whose ``cells`` fit ``limit`` (the context's cells, which all
+    its sequences share: ``kv_unified``); a group of one row always fits (:func:`_check_rows`)."""
+    groups, start = [], 0
+    for end in range(2, count + 1):
+        if cells(range(start, end)) > limit:
+            groups.append(range(start, end - 1))
+            start = end - 1
+    groups.append(range(start, count))
+    if len(groups) > 1:
+        logger.info("%d rows need %d KV cells together, more than n_ctx=%d: decoded in %d groups "
+                    "(a larger n_ctx decodes them at once)", count, cells(range(count)), limit,
+                    len(groups))
+    return groups
+
+
+def _generation_shared(lm: LlamaCppLM, prompts: Sequence[Sequence[int]]) -> int:
+    """The prompts' common prefix decoded once in sequence 0."""
+    shared = _shared_length(prompts, max(map(len, prompts)))
+    cache = getattr(lm.model, "passage_cache", None)
+    if cache is not None:  # blend: each row's passages from the cache (shared_core.runtime.passage_cache)
+        shared = cache.shared_limit(prompts, shared)
+    return shared
+
+
 def generate_parallel(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                       stop: Callable[[int, list[int]], bool],
                       on_prefilled: Callable[[], None] | None = None
@@ -133,12 +171,34 @@ def generate_parallel(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_
     ``stop(row, ids)`` ends a row after its newest token (EOS is the caller's rule too). Log-
     probabilities are of the raw distribution, as ``transformers.generate(output_logits=True)``.
     ``on_prefilled()`` is called once every prompt has been read (the prefill/decode split).
+    Rows that do not fit the context's ``n_ctx`` cells together are decoded in groups, one after
+    the other (``on_prefilled`` then marks the end of the first group's prefill).
     """
     _check_rows(lm, prompts, max_new_tokens)
-    shared = _shared_length(prompts, max(map(len, prompts)))
+
+    def cells(group: range) -> int:
+        rows = prompts[group.start:group.stop]
+        return _cells(rows, _generation_shared(lm, rows), max_new_tokens)
+
+    out: list[tuple[list[int], list[float]]] = []
+    for group in _groups(len(prompts), cells, lm.max_context):
+        out += _generate_group(lm, prompts[group.start:group.stop], max_new_tokens,
+                               _shifted(stop, group.start),
+                               on_prefilled if group.start == 0 else None)
+    return out
+
+
+def _shifted(stop: Callable[[int, list[int]], bool], first: int) -> Callable[[int, list[int]], bool]:
+    """``stop`` for a group whose row 0 is the caller's row ``first``."""
+    return lambda row, ids: stop(first + row, ids)
+
+
+def _generate_group(lm: LlamaCppLM, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    stop: Callable[[int, list[int]], bool],
+                    on_prefilled: Callable[[], None] | None) -> list[tuple[list[int], list[float]]]:
+    """:func:`generate_parallel` of rows that fit one context together."""
+    shared = _generation_shared(lm, prompts)
     cache = getattr(lm.model, "passage_cache", None)
-    if cache is not None:  # blend: each row's passages from the cache (shared_core.runtime.passage_cache)
-        shared = cache.shared_limit(prompts, shared)
     slot = _acquire(lm, prompts, shared)
     try:
         _share_prefix(lm, slot, prompts, shared)
@@ -179,8 +239,30 @@ def token_logprobs(lm: LlamaCppLM, rows: Sequence[Sequence[int]],
     _check_rows(lm, rows, 0)
     needed = [{t - 1 for start, end in row_spans for t in range(max(start, 1), end)}
               for row_spans in spans]
+
+    def cells(group: range) -> int:
+        part = rows[group.start:group.stop]
+        return _cells(part, _scoring_shared(part, needed[group.start:group.stop]), 0)
+
+    sums: list[list[float]] = []
+    for group in _groups(len(rows), cells, lm.max_context):
+        sums += _score_group(lm, rows[group.start:group.stop], spans[group.start:group.stop],
+                             needed[group.start:group.stop])
+    return sums
+
+
+def _scoring_shared(rows: Sequence[Sequence[int]], needed: Sequence[set[int]]) -> int:
+    """The rows' common prefix up to the first position scored in any row (scored positions are
+    not shared)."""
     first_scored = min((min(n) for n in needed if n), default=max(map(len, rows)))
-    shared = _shared_length(rows, first_scored)  # scored positions are not shared
+    return _shared_length(rows, first_scored)
+
+
+def _score_group(lm: LlamaCppLM, rows: Sequence[Sequence[int]],
+                 spans: Sequence[Sequence[tuple[int, int]]], needed: Sequence[set[int]]
+                 ) -> list[list[float]]:
+    """:func:`token_logprobs` of rows that fit one context together."""
+    shared = _scoring_shared(rows, needed)
     slot = _acquire(lm, rows, shared)
     try:
         _share_prefix(lm, slot, rows, shared)
