@@ -1,4 +1,5 @@
-"""``python -m shared_core.bench <engine> [--limit N] [--max-new-tokens M] --out F.json [--plot F.png]``."""
+"""``python -m shared_core.bench <engine> [--limit N] [--max-new-tokens M] --out F.json [--plot F.png]``
+(also ``specrag bench ...``)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import argparse
 import importlib
 import json
 import logging
+import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 from shared_core.bench.common import plot_report, write_report
+from shared_core.util.device import THREADS_ENV
 
 # name -> (module, add_arguments function, run function)
 BENCHMARKS: dict[str, tuple[str, str, str]] = {
@@ -37,10 +41,18 @@ BENCHMARKS: dict[str, tuple[str, str, str]] = {
 }
 # benchmarks that write their own report files (--out is a folder)
 WRITE_OWN_REPORT = frozenset({"gpu", "results-index"})
+# arguments that name LMs, checked before a benchmark runs ("models": a list or a comma list)
+MODEL_ARGUMENTS = ("model", "drafter", "verifier", "models")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m shared_core.bench",
+def invoked_as() -> str:
+    """How the benchmarks were started, for usage and error lines: ``specrag bench`` from the
+    console script, else ``python -m shared_core.bench``."""
+    return "specrag bench" if Path(sys.argv[0]).stem == "specrag" else "python -m shared_core.bench"
+
+
+def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog or invoked_as(),
                                      description="specrag benchmarks (JSON report schema: "
                                                  "docs/architecture.md, Benchmark reports)")
     sub = parser.add_subparsers(dest="benchmark", required=True)
@@ -48,7 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
         child = sub.add_parser(name, conflict_handler="resolve")  # modules may redefine --out
         child.add_argument("--out", default=None, help="write the JSON report here")
         child.add_argument("--plot", default=None, help="write a PNG plot here")
-        child.add_argument("--threads", type=int, default=None, help="torch.set_num_threads")
+        child.add_argument("--threads", type=int, default=None,
+                           help="threads of torch and llama.cpp (default: their own choice)")
         try:
             getattr(importlib.import_module(module), add_args)(child)
         except Exception as e:  # a module whose dependencies this machine lacks (or breaks):
@@ -57,16 +70,53 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def use_threads(count: int) -> None:
+    """``--threads`` for both runtimes: torch's now, llama.cpp's through ``$SPECRAG_NUM_THREADS``,
+    which every llama.cpp load given no ``n_threads`` reads (also the loads engines and the model
+    cache make, and backend='auto''s probe)."""
+    import torch
+
+    torch.set_num_threads(count)
+    os.environ[THREADS_ENV] = str(count)
+
+
+def _model_names(value: object) -> Iterator[str]:
+    if isinstance(value, str):
+        yield from (n.strip() for n in value.split(",") if n.strip())
+    elif isinstance(value, list | tuple):
+        yield from (str(n) for n in value)
+
+
+def model_error(args: argparse.Namespace) -> str | None:
+    """``argument --NAME: why`` for the first model argument naming no model (an unknown alias,
+    a missing path, a file that is not a GGUF); None when every one resolves (a hub id is only
+    fetched when loaded, a server URL is the benchmark's to connect to)."""
+    from shared_core.runtime.weights.lora import SUFFIX
+    from shared_core.runtime.weights.sources import resolve_lm_source
+
+    for dest in MODEL_ARGUMENTS:
+        for name in _model_names(getattr(args, dest, None)):
+            if name.lower().startswith(("http://", "https://")):
+                continue
+            try:
+                resolve_lm_source(name.removesuffix(SUFFIX))
+            except (OSError, ValueError) as e:
+                return f"argument --{dest}: {e}"
+    return None
+
+
+def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    args = build_parser().parse_args(argv)
+    args = build_parser(prog).parse_args(argv)
     if getattr(args, "_unavailable", None):
         logging.error("benchmark %s is unavailable: %s", args.benchmark, args._unavailable)
         return 2
+    error = model_error(args)
+    if error is not None:
+        sys.stderr.write(f"{prog or invoked_as()} {args.benchmark}: error: {error}\n")
+        return 2
     if args.threads:
-        import torch
-
-        torch.set_num_threads(args.threads)
+        use_threads(args.threads)
     module, _, run = BENCHMARKS[args.benchmark]
     report = getattr(importlib.import_module(module), run)(args)
     # a per-dataset pattern: each report is written by the module, as is a folder of reports

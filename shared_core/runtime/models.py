@@ -193,6 +193,24 @@ def choose_backend(backend: str, source: ModelSource, device: str | torch.device
     return _proven_llamacpp(source.gguf)
 
 
+def load_lm_choice(backend: str | None, source: ModelSource, device: str | torch.device | None,
+                   dtype: str | torch.dtype | None, cpu_linears: str) -> BackendChoice:
+    """:func:`choose_backend` for ``load_lm(backend=...)``; ``None``: ``LOAD_LM_BACKEND``, whose
+    reason then says it was the default, and a ``.gguf`` file it de-quantizes into torch gets
+    one warning (llama.cpp would run the file as it is; an embedded alias, documented to load on
+    torch, gets none)."""
+    if backend is not None:
+        return choose_backend(backend, source, device, dtype, cpu_linears)
+    choice = choose_backend(LOAD_LM_BACKEND, source, device, dtype, cpu_linears)
+    if choice.reason != "asked for":  # a default of "auto" gives its own reasons
+        return choice
+    if choice.backend == "torch" and source.gguf is not None and source.entry is None:
+        logger.warning("%s is a GGUF: load_lm's default backend (torch) de-quantizes it; "
+                       "backend='llama.cpp' (or 'auto') runs it with llama.cpp's quantized "
+                       "kernels, faster on a CPU", source.gguf.name)
+    return BackendChoice(choice.backend, f"load_lm's default backend ({choice.backend})")
+
+
 def _proven_llamacpp(gguf: Path) -> BackendChoice:
     """llama.cpp once a probe process has loaded and decoded a GGUF on this CPU
     (:mod:`shared_core.runtime.llamacpp.probe`); torch, with one log line saying why, otherwise.
@@ -223,7 +241,7 @@ def _warn_if_probe_failed() -> None:
 @suggest_kwargs
 def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
-            cpu_linears: str = "dtype", backend: str = LOAD_LM_BACKEND, n_ctx: int | None = None,
+            cpu_linears: str = "dtype", backend: str | None = None, n_ctx: int | None = None,
             n_threads: int | None = None, exact: bool = False, prefix_cache: bool | int | None = None,
             passage_cache: str | None = DEFAULT_PASSAGE_CACHE, recompute_share: float | None = None,
             passage_cache_memory_mb: int | None = None, passage_cache_disk_mb: int | None = None
@@ -240,8 +258,9 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         cpu_linears: ``"dtype"`` (default) runs linear layers in ``dtype``; ``"fp16"`` runs the
             decoder's linears with fp16 weights on a CPU (:func:`use_fp16_linears`): faster
             decoding and cheaper multi-token verification, slightly different outputs.
-        backend: ``"torch"`` (default), ``"llama.cpp"`` (a GGUF run by llama.cpp's quantized
-            kernels, CPU) or ``"auto"`` (:func:`choose_backend`). ``lm.backend`` and
+        backend: ``"torch"``, ``"llama.cpp"`` (a GGUF run by llama.cpp's quantized kernels,
+            CPU) or ``"auto"`` (:func:`choose_backend`); ``None`` (default): ``LOAD_LM_BACKEND``
+            (``"torch"``; a ``.gguf`` is then de-quantized, with a warning). ``lm.backend`` and
             ``lm.backend_reason`` say which ran and why.
         n_ctx: llama.cpp only: positions per session (default: min(trained context, 8192)).
         n_threads: llama.cpp only: the threads it computes with (default:
@@ -294,10 +313,10 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     cache_config = config_from(passage_cache, exact=exact, recompute_share=recompute_share,
                                memory_mb=passage_cache_memory_mb, disk_mb=passage_cache_disk_mb)
     source = resolve_lm_source(name_or_path.strip())
-    choice = choose_backend(backend, source, device, dtype, cpu_linears)
+    choice = load_lm_choice(backend, source, device, dtype, cpu_linears)
     if choice.backend == "llama.cpp":
         lm = _load_llamacpp(name_or_path, source, choice, trust_remote_code, llama_settings,
-                            pick_format=backend == "auto")
+                            pick_format=(backend or LOAD_LM_BACKEND) == "auto")
         _attach_passage_cache(lm, cache_config)
         return lm
     _refuse_llamacpp_settings(n_ctx=n_ctx, n_threads=n_threads)
