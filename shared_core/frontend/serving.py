@@ -58,12 +58,17 @@ def iterate_in_context(items: Iterator[T]) -> Generator[T, None, None]:
 
 
 def _in_context(items: Iterator[T], context: contextvars.Context) -> Generator[T, None, None]:
-    while True:
-        try:
-            item = context.run(next, items)
-        except StopIteration:
-            return
-        yield item
+    try:
+        while True:
+            try:
+                item = context.run(next, items)
+            except StopIteration:
+                return
+            yield item
+    finally:  # a consumer that stops early closes the stream now, not when it is collected
+        close = getattr(items, "close", None)
+        if close is not None:
+            context.run(close)
 
 
 async def _iterated(items: Iterator[T], context: contextvars.Context) -> AsyncGenerator[T, None]:

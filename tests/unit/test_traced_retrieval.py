@@ -57,3 +57,27 @@ async def test_ralmspec_runnables_retriever_runs_are_its_children(tiny_target, h
         [chunk async for chunk in runnable.astream(QUESTION, config=config)]
     assert len(runs.chains) == 1 and retriever.calls > 0
     assert runs.retrievals == [runs.chains[0]] * retriever.calls
+
+
+def test_a_stream_stepped_in_its_context_is_closed_when_its_consumer_stops() -> None:
+    from contextvars import ContextVar
+
+    from shared_core.frontend.serving import iterate_in_context
+
+    where: ContextVar[str] = ContextVar("where", default="outside")
+    seen: list[str] = []
+
+    def steps():
+        try:
+            for i in range(10):
+                seen.append(where.get())
+                yield i
+        finally:
+            seen.append(f"closed in {where.get()}")
+
+    token = where.set("the call")
+    stream = iterate_in_context(steps())
+    where.reset(token)
+    assert next(stream) == 0 and next(stream) == 1
+    stream.close()
+    assert seen == ["the call", "the call", "closed in the call"]
