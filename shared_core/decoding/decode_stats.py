@@ -23,9 +23,11 @@ from shared_core.util.device import current_threads, thread_policy
 
 
 def plain(value: Any) -> Any:
-    """``value`` as JSON-ready data: dataclasses (e.g. a ``Document``) as dicts, tuples as lists."""
+    """``value`` as JSON-ready data: dataclasses (e.g. a ``Document``) as dicts without their
+    ``transient`` fields (a document's framework object), tuples as lists."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not f.metadata.get("transient")}
     if isinstance(value, (list, tuple)):
         return [plain(v) for v in value]
     if isinstance(value, dict):

@@ -126,7 +126,7 @@ def with_turn_stop(lm: SessionLM, prompt: Prompt, config: GenerationConfig) -> G
     is_chat = isinstance(prompt, ChatTurns) or (
         isinstance(prompt, Sequence) and not isinstance(prompt, str) and bool(prompt)
         and all(isinstance(m, dict) for m in prompt))
-    if not is_chat or getattr(lm, "has_chat_template", True) or FALLBACK_TURN_STOP in config.stop:
+    if not is_chat or lm.has_chat_template or FALLBACK_TURN_STOP in config.stop:
         return config
     return dataclasses.replace(config, stop=(*config.stop, FALLBACK_TURN_STOP))
 

@@ -21,7 +21,8 @@ class Document:
     metadata: dict[str, Any] = field(default_factory=dict)
     # the framework object it came from (a LlamaIndex node, a LangChain Document): an adapter
     # hands that back as it was (relationships, excluded metadata keys), not a rebuilt copy
-    source: Any = field(default=None, compare=False, repr=False)
+    source: Any = field(default=None, compare=False, repr=False,
+                        metadata={"transient": True})  # not data: never reported or compared
 
     def __post_init__(self) -> None:
         check_document_fields(self.id, self.text, self.metadata, "Document")

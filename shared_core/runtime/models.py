@@ -197,15 +197,16 @@ def load_lm_choice(backend: str | None, source: ModelSource, device: str | torch
                    dtype: str | torch.dtype | None, cpu_linears: str) -> BackendChoice:
     """:func:`choose_backend` for ``load_lm(backend=...)``; ``None``: ``LOAD_LM_BACKEND``, whose
     reason then says it was the default, and a ``.gguf`` file it de-quantizes into torch gets
-    one warning (llama.cpp would run the file as it is; an embedded alias, documented to load on
-    torch, gets none)."""
+    one INFO line (llama.cpp would run the file as it is; an embedded alias, documented to load
+    on torch, gets none)."""
     if backend is not None:
         return choose_backend(backend, source, device, dtype, cpu_linears)
     choice = choose_backend(LOAD_LM_BACKEND, source, device, dtype, cpu_linears)
     if choice.reason != "asked for":  # a default of "auto" gives its own reasons
         return choice
     if choice.backend == "torch" and source.gguf is not None and source.entry is None:
-        logger.warning("%s is a GGUF: load_lm's default backend (torch) de-quantizes it; "
+        # INFO, not WARNING: a warm load prints nothing (the cold build says it de-quantizes)
+        logger.info("%s is a GGUF: load_lm's default backend (torch) de-quantizes it; "
                        "backend='llama.cpp' (or 'auto') runs it with llama.cpp's quantized "
                        "kernels, faster on a CPU", source.gguf.name)
     return BackendChoice(choice.backend, f"load_lm's default backend ({choice.backend})")
@@ -260,7 +261,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             decoding and cheaper multi-token verification, slightly different outputs.
         backend: ``"torch"``, ``"llama.cpp"`` (a GGUF run by llama.cpp's quantized kernels,
             CPU) or ``"auto"`` (:func:`choose_backend`); ``None`` (default): ``LOAD_LM_BACKEND``
-            (``"torch"``; a ``.gguf`` is then de-quantized, with a warning). ``lm.backend`` and
+            (``"torch"``; a ``.gguf`` is then de-quantized, said at INFO). ``lm.backend`` and
             ``lm.backend_reason`` say which ran and why.
         n_ctx: llama.cpp only: positions per session (default: min(trained context, 8192)).
         n_threads: llama.cpp only: the threads it computes with (default:

@@ -79,9 +79,10 @@ def test_verify_probe_smoke(tiny_model_folder: str, tmp_path: Path) -> None:
     assert "Self CPU" in report["profile"]
 
 
-def test_verify_probe_rejects_positions_outside_the_context(tmp_path: Path) -> None:
-    missing = str(tmp_path / "no-model")  # never loaded: the check comes first
+def test_verify_probe_rejects_positions_outside_the_context(tiny_model_folder: str) -> None:
+    # the model is named (checked to exist) but never loaded: the positions check comes first
     with pytest.raises(ValueError, match="--span-start 10"):
-        bench_main(["probe-verify", "--model", missing, "--head", "50", "--span-start", "10"])
+        bench_main(["probe-verify", "--model", tiny_model_folder, "--head", "50",
+                    "--span-start", "10"])
     with pytest.raises(ValueError, match="inside --context 64"):
-        bench_main(["probe-verify", "--model", missing, "--context", "64"])
+        bench_main(["probe-verify", "--model", tiny_model_folder, "--context", "64"])

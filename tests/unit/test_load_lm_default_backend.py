@@ -23,41 +23,42 @@ def gguf(monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
-def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+def _notes(caplog: pytest.LogCaptureFixture) -> list[str]:
     return [r.getMessage() for r in caplog.records
-            if r.levelno == logging.WARNING and r.name == models.__name__]
+            if r.levelno == logging.INFO and r.name == models.__name__
+            and "is a GGUF" in r.getMessage()]
 
 
 def test_a_gguf_on_the_default_backend_says_so_and_warns(gguf: Path,
                                                          caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         lm = models.load_lm(str(gguf))
     assert lm.backend == "torch"
     assert lm.backend_reason == "load_lm's default backend (torch)"
-    [warning] = _warnings(caplog)
-    assert gguf.name in warning and "backend='llama.cpp'" in warning
+    [note] = _notes(caplog)
+    assert gguf.name in note and "backend='llama.cpp'" in note
 
 
-def test_torch_asked_for_is_reported_so_without_a_warning(gguf: Path,
+def test_torch_asked_for_is_reported_so_without_a_note(gguf: Path,
                                                           caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         lm = models.load_lm(str(gguf), backend="torch")
     assert lm.backend_reason == "asked for"
-    assert _warnings(caplog) == []
+    assert _notes(caplog) == []
 
 
 def test_a_folder_on_the_default_backend_is_not_warned_about(
         tiny_model_folder: str, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         lm = models.load_lm(tiny_model_folder)
     assert lm.backend_reason == "load_lm's default backend (torch)"
-    assert _warnings(caplog) == []
+    assert _notes(caplog) == []
 
 
 def test_an_embedded_alias_on_the_default_backend_is_not_warned_about(
         gguf: Path, caplog: pytest.LogCaptureFixture) -> None:
     """Its torch load is the documented default (de-quantized once, with its own notice)."""
-    with caplog.at_level(logging.WARNING):
+    with caplog.at_level(logging.INFO):
         lm = models.load_lm("smollm2-135m-instruct")
     assert lm.backend_reason == "load_lm's default backend (torch)"
-    assert _warnings(caplog) == []
+    assert _notes(caplog) == []
