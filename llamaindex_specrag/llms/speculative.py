@@ -15,11 +15,13 @@ methods take it for one step at a time and never across a ``yield`` (see
 before the model is loaded: text blocks only (``ImageBlock`` and other media raise
 ``NotImplementedError``), ``content=None`` refused, ``max_new_tokens`` (per call also
 ``max_tokens``) an int >= 1. Each public method checks its call before LlamaIndex's callback
-runs: the callback reads ``metadata``, which without a ``context_window`` loads the model.
+runs: the callback reads ``metadata``, which without a ``context_window`` loads the model (the
+async methods load it on a worker thread first, so the event loop never waits for a load).
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import (
     AsyncGenerator,
     AsyncIterator,
@@ -197,6 +199,12 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
                            model_name=redact(self._lm.name if self._lm is not None else self.model),
                            system_role=MessageRole.SYSTEM)
 
+    async def _resolved(self) -> None:
+        """Load the settings' model now, on a worker thread, if ``metadata`` would load it:
+        LlamaIndex's callback reads ``metadata`` (the model's window) on the event loop."""
+        if self._lm is None and self.context_window is None:
+            await asyncio.to_thread(self._model)
+
     def template_takes_tools(self) -> bool:
         """True if the model's own chat template renders tools (else the format is written in)."""
         return template_takes_tools(self._model()[0])
@@ -310,6 +318,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     async def acomplete(self, prompt: str, formatted: bool = False, **kwargs: Any
                         ) -> CompletionResponse:
         stream = self._completion(prompt, formatted, kwargs)
+        await self._resolved()
 
         async def run() -> CompletionResponse:
             # step by step on a worker thread: a cancelled call stops within one step
@@ -320,6 +329,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     async def astream_complete(self, prompt: str, formatted: bool = False, **kwargs: Any
                                ) -> CompletionResponseAsyncGen:
         stream = self._completion(prompt, formatted, kwargs)
+        await self._resolved()
 
         async def run() -> CompletionResponseAsyncGen:
             return iterate_in_thread(self._stream_complete(stream, now=False))
@@ -337,6 +347,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
 
     async def achat(self, messages: Sequence[ChatMessage], **kwargs: Any) -> ChatResponse:
         stream = self._chat_call(self._turns(messages, kwargs), kwargs)
+        await self._resolved()
 
         async def run() -> ChatResponse:
             return await _last(iterate_in_thread(self._stream_chat(stream, now=False)))
@@ -346,6 +357,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     async def astream_chat(self, messages: Sequence[ChatMessage], **kwargs: Any
                            ) -> ChatResponseAsyncGen:
         stream = self._chat_call(self._turns(messages, kwargs), kwargs)
+        await self._resolved()
 
         async def run() -> ChatResponseAsyncGen:
             return iterate_in_thread(self._stream_chat(stream, now=False))

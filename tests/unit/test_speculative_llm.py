@@ -75,6 +75,35 @@ def test_metadata_and_options(llm, tiny_target):
     assert SpeculativeLLM.class_name() == "SpeculativeLLM"
 
 
+def test_an_async_first_call_loads_the_model_off_the_event_loop(tiny_model_folder, monkeypatch):
+    """LlamaIndex's callback reads ``metadata`` (the model's window) on the event loop; the
+    async methods load the model on a worker thread before it does."""
+    import threading
+
+    from shared_core.runtime import model_cache
+
+    loaded_on: list[str] = []
+    load = model_cache._load
+
+    def recorded(*args, **kwargs):
+        loaded_on.append(threading.current_thread().name)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(model_cache, "_load", recorded)
+    model_cache.release(tiny_model_folder)
+    try:
+        for call in ("acomplete", "achat"):
+            llm = SpeculativeLLM(model=tiny_model_folder, max_new_tokens=2, engine="autoregressive",
+                                 backend="torch")
+            prompt = PROMPT if call == "acomplete" else [
+                ChatMessage(role=MessageRole.USER, content=PROMPT)]
+            asyncio.run(getattr(llm, call)(prompt))
+            model_cache.release(tiny_model_folder)
+        assert len(loaded_on) == 2 and threading.main_thread().name not in loaded_on
+    finally:
+        model_cache.release(tiny_model_folder)
+
+
 def test_the_report_names_the_model_that_answered(llm, tiny_target, tiny_model_folder):
     """A preloaded model's own name; a per-call ``model`` the one it names (not the setting)."""
     assert llm.complete(PROMPT, max_new_tokens=2).raw["model"] == tiny_target.name
