@@ -70,7 +70,8 @@ from shared_core.frontend.serving import FairLock, iterate_in_thread
 from shared_core.util.redact import redact, redacted_dump
 
 # the settings a reply depends on (with the documents and a preloaded model: _identifying_params)
-_REPLY_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
+_REPLY_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "min_p",
+                   "seed",
                    *PENALTY_SETTINGS, "max_tokens", "stop", "device", "dtype",
                    "backend")
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call

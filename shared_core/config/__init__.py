@@ -271,10 +271,11 @@ def check_config_types(config: DataclassInstance) -> None:
 class SamplingConfig:
     """How the next token is chosen; applied identically to draft and target distributions.
 
-    ``temperature == 0`` means greedy decoding (top-k / top-p are then ignored). Otherwise the
-    logits are divided by the temperature first, then filtered by top-k and top-p, in
-    transformers' order (``generate``'s warpers). llama.cpp filters before the temperature, so
-    the same ``top_p`` with a temperature other than 1 keeps another set of tokens there.
+    ``temperature == 0`` means greedy decoding (top-k / top-p / min-p are then ignored).
+    Otherwise the logits are divided by the temperature first, then filtered by top-k, top-p
+    and min-p (tokens less likely than ``min_p`` times the most likely one), in transformers'
+    order (``generate``'s warpers). llama.cpp filters before the temperature, so the same
+    ``top_p`` / ``min_p`` with a temperature other than 1 keeps another set of tokens there.
     """
 
     temperature: float = 0.0
@@ -283,6 +284,7 @@ class SamplingConfig:
     # seeds a generator on the model's device (decoding.verify.make_generator): reproducible on
     # one device type, not across a CPU and a GPU
     seed: int | None = None
+    min_p: float = 0.0  # 0.0 = no min-p filter (last: the fields before it are positional)
 
     def __post_init__(self) -> None:
         temperature = check_real(self.temperature, "temperature")  # finite: no inf / nan
@@ -298,6 +300,8 @@ class SamplingConfig:
             check_int(self.seed, "seed", None)
             _check(0 <= self.seed <= MAX_SEED,
                    f"seed must be an integer in [0, 2**32 - 1] or None, got {self.seed}")
+        min_p = check_real(self.min_p, "min_p")
+        _check(0 <= min_p < 1, f"min_p must be in [0, 1), got {self.min_p}")
 
     @property
     def greedy(self) -> bool:
@@ -340,6 +344,7 @@ class SamplingOptions(TypedDict, total=False):
     temperature: float
     top_k: int
     top_p: float
+    min_p: float
     seed: int | None
 
 
@@ -361,12 +366,13 @@ class GenerationConfig:
     def build(cls, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
               stop: Sequence[str] | str | None = None,
               temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-              top_p: float = SamplingConfig.top_p, seed: int | None = None) -> GenerationConfig:
+              top_p: float = SamplingConfig.top_p, seed: int | None = None,
+              min_p: float = SamplingConfig.min_p) -> GenerationConfig:
         """Validate loose keyword arguments into a config (the engines' public entry point)."""
         if isinstance(stop, str):
             stop = (stop,)
         return cls(max_new_tokens=max_new_tokens, stop=tuple(stop or ()),
-                   sampling=SamplingConfig(temperature, top_k, top_p, seed))
+                   sampling=SamplingConfig(temperature, top_k, top_p, seed, min_p))
 
 
 # Passage (chunk) KV cache (shared_core.runtime.passage_cache; docs/backends.md, *Passage cache*):

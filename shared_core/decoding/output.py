@@ -130,13 +130,15 @@ def generation_config(max_new_tokens: object = DEFAULT_MAX_NEW_TOKENS, *,
                       name: str = "max_new_tokens", stop: object = None,
                       temperature: object = SamplingConfig.temperature,
                       top_k: object = SamplingConfig.top_k, top_p: object = SamplingConfig.top_p,
-                      seed: object = None) -> GenerationConfig:
+                      seed: object = None, min_p: object = SamplingConfig.min_p
+                      ) -> GenerationConfig:
     """:meth:`GenerationConfig.build` after type checks; ``name`` is the caller's word for
     ``max_new_tokens`` (``"max_tokens"`` in LangChain), so the error names what was passed."""
     tokens = check_int(max_new_tokens, name, minimum=1)
     heat = check_real(temperature, "temperature")
     k = check_int(top_k, "top_k", minimum=0)
     p = check_real(top_p, "top_p")
+    floor = check_real(min_p, "min_p")
     seed_value = check_int(seed, "seed", None) if seed is not None else None
     stops: list[str] | str | None = None
     if isinstance(stop, str):
@@ -152,12 +154,13 @@ def generation_config(max_new_tokens: object = DEFAULT_MAX_NEW_TOKENS, *,
             raise TypeError(msg)
         stops = [s for s in items if isinstance(s, str)]
     return GenerationConfig.build(tokens, stop=stops, temperature=heat, top_k=k, top_p=p,
-                                  seed=seed_value)
+                                  seed=seed_value, min_p=floor)
 
 
 def check_generation_field(name: str, value: object) -> None:
     """Check one generation setting given alone (an adapter field): ``max_tokens`` /
-    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p`` or ``seed``; None passes."""
+    ``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``min_p`` or ``seed``; None
+    passes."""
     if value is None:
         return
     if name in ("max_tokens", "max_new_tokens"):

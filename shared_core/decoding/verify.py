@@ -56,7 +56,8 @@ def make_generator(sampling: SamplingConfig, device: torch.device | str = "cpu"
 
 
 def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
-    """Probabilities after temperature, top-k and top-p, in float32 (same rule for p and q).
+    """Probabilities after temperature, top-k, top-p and min-p, in float32 (same rule for p and
+    q).
 
     Args:
         logits: ``[..., V]`` raw logits.
@@ -75,6 +76,10 @@ def warp_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
         drop_sorted = sorted_probs.cumsum(-1) - sorted_probs >= sampling.top_p
         drop = drop_sorted.scatter(-1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    if sampling.min_p > 0.0:  # keeps the most likely token: its probability is the bar's max
+        floor = sampling.min_p * probs.amax(-1, keepdim=True)
+        probs = probs.masked_fill(probs < floor, 0.0)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

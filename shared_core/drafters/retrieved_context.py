@@ -17,6 +17,7 @@ the output exact at η = 0 either way.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Sequence
 
@@ -78,8 +79,7 @@ class RetrievedContextDrafter(ModelDrafter):
                    sampling: SamplingConfig, greedy_probs: bool) -> None:
         self.sampling = sampling
         seed = None if sampling.seed is None else sampling.seed + 1
-        self.generator = make_generator(SamplingConfig(sampling.temperature, sampling.top_k,
-                                                       sampling.top_p, seed), self.lm.device)
+        self.generator = make_generator(dataclasses.replace(sampling, seed=seed), self.lm.device)
         self.draft_prompt = list(draft_prompt)
         self.target_prompt_len = int(target_prompt_len)
         self.greedy_probs = greedy_probs

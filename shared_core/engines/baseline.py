@@ -62,13 +62,14 @@ def stream_autoregressive(lm: SessionLM, prompt: Prompt, max_new_tokens: int = D
 def autoregressive_generate(lm: SessionLM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                             temperature: float = SamplingConfig.temperature,
                             top_k: int = SamplingConfig.top_k, top_p: float = SamplingConfig.top_p,
+                            min_p: float = SamplingConfig.min_p,
                             stop: Sequence[str] | str | None = None, seed: int | None = None,
                             cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None
                             ) -> GenerationResult:
     """Reference decoding: greedy when ``temperature == 0``, else sampling (top-k / top-p);
     ``logits_mask`` constrains every step (see :class:`~shared_core.engines.loop.LogitsMask`)."""
     return stream_autoregressive(lm, prompt, max_new_tokens, cache=cache, logits_mask=logits_mask,
-                                 temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                                 temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop,
                                  seed=seed).run()
 
 
@@ -144,14 +145,15 @@ def speculative_generate(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Pr
                          max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
                          k: int = DEFAULT_DRAFT_TOKENS,
                          temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-                         top_p: float = SamplingConfig.top_p, stop: Sequence[str] | str | None = None,
+                         top_p: float = SamplingConfig.top_p,
+                         min_p: float = SamplingConfig.min_p, stop: Sequence[str] | str | None = None,
                          seed: int | None = None,
                          cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None
                          ) -> GenerationResult:
     """Classic speculative decoding with any drafter; lossless (greedy and sampled)."""
     return stream_speculative(lm, drafter, prompt, max_new_tokens, k=k, cache=cache,
                               logits_mask=logits_mask,
-                              temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                              temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, stop=stop,
                               seed=seed).run()
 
 

@@ -100,7 +100,7 @@ def start_engine(name: str, lm: SessionLM, prompt: Prompt, generation: Generatio
     return start(lm, prompt, generation, documents=documents, engine_state=engine_state, **options)
 
 
-_GENERATION_ARGUMENTS = ("max_new_tokens", "stop", "temperature", "top_k", "top_p", "seed",
+_GENERATION_ARGUMENTS = ("max_new_tokens", "stop", "temperature", "top_k", "top_p", "min_p", "seed",
                          "documents", "engine_state")
 
 
@@ -109,7 +109,8 @@ def stream_engine(name: str, lm: SessionLM, prompt: Prompt, *, max_new_tokens: i
                   engine_state: dict[str, Any] | None = None,
                   stop: Sequence[str] | str | None = None,
                   temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-                  top_p: float = SamplingConfig.top_p, seed: int | None = None, **options: Any
+                  top_p: float = SamplingConfig.top_p,
+                  min_p: float = SamplingConfig.min_p, seed: int | None = None, **options: Any
                   ) -> TokenStream:
     """Start a generation with the named engine from loose arguments, checked here (an option's
     value by the engine's config, before any model work); iterate the stream for text deltas."""
@@ -119,6 +120,6 @@ def stream_engine(name: str, lm: SessionLM, prompt: Prompt, *, max_new_tokens: i
     # the generation arguments are valid names too: the closest to a misspelt one
     check_kwargs(options, fields | set(_GENERATION_ARGUMENTS), f"engine={name!r}")
     generation = generation_config(max_new_tokens, stop=stop, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed)
+                                   top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     return start_engine(name, lm, prompt, generation, documents=documents,
                         engine_state=engine_state, **options)

@@ -219,8 +219,8 @@ def _generation(settings: ChatSettings, kwargs: dict[str, Any]) -> GenerationCon
     limit = next((v for v in (*per_call, settings.token_limit()) if v is not None),
                  DEFAULT_MAX_NEW_TOKENS)
     stop = kwargs.pop("stop", None)
-    sampling = {k: kwargs.pop(k, getattr(settings, k)) for k in ("temperature", "top_k", "top_p",
-                                                                 "seed")}
+    sampling = {k: kwargs.pop(k, getattr(settings, k))
+                for k in ("temperature", "top_k", "top_p", "min_p", "seed")}
     return generation_config(limit, name=name, stop=settings.stop if stop is None else stop,
                              **sampling)
 

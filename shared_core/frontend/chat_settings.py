@@ -51,14 +51,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
-CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "seed",
-                 *PENALTY_SETTINGS, "stop", "documents", "device", "dtype", "backend",
+CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "min_p",
+                 "seed", *PENALTY_SETTINGS, "stop", "documents", "device", "dtype", "backend",
                  "prefix_cache", "n_ctx", "n_threads", "exact", "passage_cache",
                  "recompute_share", "passage_cache_memory_mb", "passage_cache_disk_mb")
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
 CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop", "temperature",
-                "top_k", "top_p", "seed", *PENALTY_SETTINGS, "tools",
+                "top_k", "top_p", "min_p", "seed", *PENALTY_SETTINGS, "tools",
                 "tool_choice", "parallel_tool_calls",
                 "response_format", "model")
 
@@ -94,7 +94,8 @@ class ChatSettings(BaseModel):
         engine: a registered token engine (``"respec"``, ``"autoregressive"``, ``"rapid"``).
         engine_options: passed to the engine unchanged (a per-call ``engine`` other than the
             configured one does not get them).
-        temperature / top_k / top_p / seed: sampling (:class:`~shared_core.config.SamplingConfig`).
+        temperature / top_k / top_p / min_p / seed: sampling
+            (:class:`~shared_core.config.SamplingConfig`).
         repeat_penalty / repeat_last_n / frequency_penalty / presence_penalty: llama.cpp's
             penalties (:class:`~shared_core.config.PenaltyConfig`; default: off), applied by
             every engine to every verified row, so speculative output equals penalised greedy
@@ -132,6 +133,7 @@ class ChatSettings(BaseModel):
     temperature: float = SamplingConfig.temperature
     top_k: int = SamplingConfig.top_k
     top_p: float = SamplingConfig.top_p
+    min_p: float = SamplingConfig.min_p
     seed: int | None = SamplingConfig.seed
     repeat_penalty: float = PenaltyConfig.repeat_penalty
     repeat_last_n: int = PenaltyConfig.repeat_last_n
@@ -193,7 +195,8 @@ class ChatSettings(BaseModel):
         self.passage_cache_config()  # errors name the setting, before any model loads
         return self
 
-    @field_validator(*MAX_TOKEN_NAMES, "temperature", "top_k", "top_p", "seed", mode="before",
+    @field_validator(*MAX_TOKEN_NAMES, "temperature", "top_k", "top_p", "min_p", "seed",
+                     mode="before",
                      check_fields=False)
     @classmethod
     def _generation_field(cls, value: object, info: ValidationInfo) -> object:

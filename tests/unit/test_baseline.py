@@ -88,7 +88,8 @@ def test_seeded_sampling_is_reproducible(tiny_target, tiny_drafter):
     assert len(c.token_ids) == 24
 
 
-def test_sampled_model_drafts_keep_the_targets_distribution(tiny_target):
+@pytest.mark.parametrize("warp", [{"top_k": 3}, {"top_k": 4, "min_p": 0.6}], ids=str)
+def test_sampled_model_drafts_keep_the_targets_distribution(tiny_target, warp):
     """Drafts drawn on the device and accepted there (one readback a round): the first three
     tokens still follow the target's warped law exactly (TV within sampling noise). The
     drafter is the target plus a little noise, so its law differs (TV ~0.5) yet overlaps:
@@ -102,13 +103,16 @@ def test_sampled_model_drafts_keep_the_targets_distribution(tiny_target):
     drafter = perturbed_copy(tiny_target, 0.03)
 
     prompt = "0 1 2 3 0 1 2 3 0 1 2"
-    sampling = SamplingConfig(temperature=1.5, top_k=3)
+    sampling = SamplingConfig(temperature=1.5, **warp)
     exact = sequence_law(tiny_target, prompt, sampling, 3)
+    if "min_p" in warp:  # the bar drops sequences top-k alone keeps
+        assert set(exact) < set(sequence_law(tiny_target, prompt,
+                                             SamplingConfig(temperature=1.5, top_k=4), 3))
     # the first token comes from the prefill; the round after it drafts one token (its budget
     # leaves room for the bonus token): accepted, rejected and resampled from the residual
     n = 1000
     runs = [speculative_generate(tiny_target, drafter, prompt, 3, k=2, seed=s, temperature=1.5,
-                                 top_k=3) for s in range(n)]
+                                 **warp) for s in range(n)]
     assert 0 < sum(r.stats.accepted for r in runs) < sum(r.stats.drafted for r in runs)
     ours = Counter(tuple(r.token_ids) for r in runs)
     assert set(ours) <= set(exact)

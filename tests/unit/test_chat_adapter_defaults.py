@@ -47,7 +47,8 @@ def test_defaults_are_the_config_constants() -> None:
     sampling = SamplingConfig()
     expected = {"model": DEFAULT_LM, "engine": DEFAULT_ENGINE, "engine_options": {},
                 "temperature": sampling.temperature, "top_k": sampling.top_k,
-                "top_p": sampling.top_p, "seed": sampling.seed, "stop": None, "documents": None,
+                "top_p": sampling.top_p, "min_p": sampling.min_p, "seed": sampling.seed,
+                "stop": None, "documents": None,
                 "repeat_penalty": PenaltyConfig.repeat_penalty,
                 "repeat_last_n": PenaltyConfig.repeat_last_n, "exact": None,
                 "frequency_penalty": PenaltyConfig.frequency_penalty,
@@ -135,6 +136,22 @@ def test_same_per_call_options_give_the_same_generation(pair: Any, tiny_target: 
     assert lc.usage_metadata["output_tokens"] == li.raw["completion_tokens"] == len(ref.token_ids)
     assert lc.usage_metadata["input_tokens"] == li.raw["prompt_tokens"]
     assert lc.response_metadata["engine"] == li.raw["engine"] == per_call.get("engine", "respec")
+
+
+def test_min_p_reaches_the_sampler_in_both_adapters(pair: Any, tiny_target: Any) -> None:
+    """``min_p`` (llama.cpp's and llama-cpp-python's setting) per call: both adapters sample
+    what plain sampled decoding with it gives for the same seed, and it changes the sample."""
+    chat, llm = pair
+    options = {"engine": "autoregressive", "temperature": 1.5, "seed": 7, "max_tokens": 8}
+    messages = [{"role": "user", "content": PROMPT}]
+    sampled = {p: autoregressive_generate(tiny_target, messages, 8, temperature=1.5, seed=7,
+                                          min_p=p).text for p in (0.0, 0.6)}
+    assert sampled[0.0] != sampled[0.6]
+    assert chat.invoke([HumanMessage(PROMPT)], **options, min_p=0.6).content == sampled[0.6]
+    assert llm.chat([ChatMessage(role=MessageRole.USER, content=PROMPT)], **options,
+                    min_p=0.6).message.content == sampled[0.6]
+    with pytest.raises(ValueError, match="min_p"):
+        chat.invoke([HumanMessage(PROMPT)], min_p=1.5)
 
 
 def test_streams_report_the_same_stats(pair: Any) -> None:

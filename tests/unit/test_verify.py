@@ -63,6 +63,17 @@ def test_warp_probs_top_k_and_top_p():
     assert hot.tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
+
+def test_warp_probs_min_p_drops_what_is_less_likely_than_a_share_of_the_top():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    floor = warp_probs(logits, SamplingConfig(temperature=1.0, min_p=0.2))  # bar: 0.1
+    assert torch.allclose(floor, torch.tensor([0.5, 0.3, 0.15, 0.0]) / 0.95)
+    both = warp_probs(logits, SamplingConfig(temperature=1.0, top_p=0.9, min_p=0.5))
+    assert torch.allclose(both, torch.tensor([0.625, 0.375, 0.0, 0.0]))  # nucleus, then the bar
+    with pytest.raises(ValueError, match="min_p"):
+        SamplingConfig(min_p=1.0)
+
+
 @pytest.mark.parametrize("seed", [0, 1])
 def test_speculative_sampling_matches_target_with_model_drafts(seed):
     k = 3

@@ -273,11 +273,11 @@ class RaLMSpec:
 
     def generate(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
                  temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-                 top_p: float = SamplingConfig.top_p,
+                 top_p: float = SamplingConfig.top_p, min_p: float = SamplingConfig.min_p,
                  stop: Sequence[str] | str | None = None, seed: int | None = None
                  ) -> GenerationResult:
         return self.stream(question, max_new_tokens, temperature=temperature, top_k=top_k,
-                           top_p=top_p, stop=stop, seed=seed).run()
+                           top_p=top_p, min_p=min_p, stop=stop, seed=seed).run()
 
     def batch(self, questions: Sequence[str], max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS,
               **sampling: Unpack[SamplingOptions]) -> list[GenerationResult]:
@@ -302,11 +302,11 @@ class RaLMSpec:
 
     def generate_baseline(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
                           temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-                          top_p: float = SamplingConfig.top_p,
+                          top_p: float = SamplingConfig.top_p, min_p: float = SamplingConfig.min_p,
                           stop: Sequence[str] | str | None = None, seed: int | None = None
                           ) -> GenerationResult:
         return self.stream_baseline(question, max_new_tokens, temperature=temperature,
-                                    top_k=top_k, top_p=top_p, stop=stop, seed=seed).run()
+                                    top_k=top_k, top_p=top_p, min_p=min_p, stop=stop, seed=seed).run()
 
 
 def ralmseq_generate(lm: SessionLM, retriever: object, question: str,

@@ -175,7 +175,8 @@ class RapidDecoder(RapidContext):
                drafter_kv: str | None = None, adaptive_gamma: bool | None = None,
                stop: Sequence[str] | str | None = None,
                temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-               top_p: float = SamplingConfig.top_p, seed: int | None = None,
+               top_p: float = SamplingConfig.top_p,
+               min_p: float = SamplingConfig.min_p, seed: int | None = None,
                logits_mask: LogitsMask | None = None) -> TokenStream:
         """Answer ``query`` over ``context`` as a stream of text deltas.
 
@@ -190,7 +191,7 @@ class RapidDecoder(RapidContext):
                 method), see :class:`~shared_core.engines.loop.LogitsMask`.
         """
         gen = generation_config(max_new_tokens, stop=stop, temperature=temperature,
-                                top_k=top_k, top_p=top_p, seed=seed)
+                                top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         return self.start(context, query, gen, method=method, eta=eta, gamma=gamma,
                           drafter_kv=drafter_kv, adaptive_gamma=adaptive_gamma,
                           logits_mask=logits_mask)

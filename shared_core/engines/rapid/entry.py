@@ -105,7 +105,7 @@ def _shared_decoder(lm: SessionLM, draft_lm: SessionLM | None, embedder: Encoder
 def stream_rapid(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
                  documents: Sequence[str] | None = None, stop: Sequence[str] | str | None = None,
                  temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-                 top_p: float = SamplingConfig.top_p,
+                 top_p: float = SamplingConfig.top_p, min_p: float = SamplingConfig.min_p,
                  seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
                  draft_lm: SessionLM | None = None, embedder: Encoder | str = DEFAULT_EMBEDDER,
                  engine_state: dict[str, Any] | None = None,
@@ -115,7 +115,7 @@ def stream_rapid(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
     check_kwargs(config_options, {f.name for f in dataclasses.fields(RapidConfig)}
                  | entry_arguments, "the RAPID engine")
     generation = generation_config(max_new_tokens, stop=stop, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed)
+                                   top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     return start_rapid(lm, prompt, generation, documents=documents, method=method,
                        decoder=decoder, draft_lm=draft_lm, embedder=embedder,
                        engine_state=engine_state, logits_mask=logits_mask, **config_options)

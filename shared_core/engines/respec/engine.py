@@ -83,7 +83,8 @@ class ReSpecDecoder:
                documents: Sequence[str | Sequence[int]] | None = None,
                stop: Sequence[str] | str | None = None,
                temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-               top_p: float = SamplingConfig.top_p, seed: int | None = None,
+               top_p: float = SamplingConfig.top_p,
+               min_p: float = SamplingConfig.min_p, seed: int | None = None,
                logits_mask: LogitsMask | None = None) -> TokenStream:
         """Start a generation; iterate the stream for text deltas, then read ``.result``.
 
@@ -92,7 +93,7 @@ class ReSpecDecoder:
         every verification row (branch by branch for draft trees) before acceptance.
         """
         config = generation_config(max_new_tokens, stop=stop, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed)
+                                   top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
         return self.start(prompt, config, documents=documents, logits_mask=logits_mask)
 
     def start(self, prompt: Prompt, config: GenerationConfig, *,
@@ -317,7 +318,7 @@ def stream_respec(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
                   documents: Sequence[str | Sequence[int]] | None = None,
                   stop: Sequence[str] | str | None = None,
                   temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
-                  top_p: float = SamplingConfig.top_p,
+                  top_p: float = SamplingConfig.top_p, min_p: float = SamplingConfig.min_p,
                   seed: int | None = None, draft_lm: SessionLM | None = None,
                   corpus: Sequence[str] | StaticIndex | None = None,
                   engine_state: dict[str, Any] | None = None,
@@ -326,7 +327,7 @@ def stream_respec(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
     (see :func:`start_respec`)."""
     check_kwargs(options, _CONFIG_FIELDS | _ENTRY_ARGUMENTS, "the ReSpec engine")
     generation = generation_config(max_new_tokens, stop=stop, temperature=temperature,
-                                   top_k=top_k, top_p=top_p, seed=seed)
+                                   top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     return start_respec(lm, prompt, generation, documents=documents, draft_lm=draft_lm,
                         corpus=corpus, engine_state=engine_state, logits_mask=logits_mask,
                         **options)

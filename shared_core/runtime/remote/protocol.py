@@ -41,6 +41,8 @@ def _sampling_fields(sampling: SamplingConfig) -> dict[str, Any]:
         fields = {"temperature": sampling.temperature, "top_p": sampling.top_p}
         if sampling.top_k:
             fields["top_k"] = sampling.top_k
+        if sampling.min_p:  # vLLM's and SGLang's OpenAI servers take it beside OpenAI's fields
+            fields["min_p"] = sampling.min_p
     if sampling.seed is not None:
         fields["seed"] = sampling.seed
     return fields
