@@ -178,7 +178,7 @@ class _Request:
     tool_prompt: _ToolPrompt | None
     model: SessionLM | ModelKey
     engine_state: dict[str, Any]
-    load_settings: dict[str, Any]  # prefix_cache, n_ctx, n_threads (ChatSettings.load_settings)
+    load_settings: dict[str, Any]  # prefix_cache, n_ctx, n_threads, exact (ChatSettings.load_settings)
     passage_cache: PassageCacheConfig | None
     model_name: str  # the model that answers, as the report names it (a preloaded one's name)
     penalty: PenaltyConfig

@@ -255,9 +255,9 @@ def _langchain_search(retriever: LangChainRetriever) -> Callable[[list[str], int
 
     def search(queries: list[str], k: int) -> list[list[Hit]]:
         callbacks = _LANGCHAIN_CALLBACKS.get()
-        config = None if callbacks is None else {"callbacks": callbacks}
-        results = check_rows(retriever.batch(queries, config=config), len(queries),
-                             f"{name}.batch")
+        rows = (retriever.batch(queries) if callbacks is None
+                else retriever.batch(queries, config={"callbacks": callbacks}))
+        results = check_rows(rows, len(queries), f"{name}.batch")
         return [_converted_hits(docs, name, "a list of LangChain Documents", i, _from_langchain, k)
                 for i, docs in enumerate(results)]
 
