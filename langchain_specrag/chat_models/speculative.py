@@ -71,9 +71,8 @@ from shared_core.util.redact import redact, redacted_dump
 
 # the settings a reply depends on (with the documents and a preloaded model: _identifying_params)
 _REPLY_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "min_p",
-                   "seed",
-                   *PENALTY_SETTINGS, "max_tokens", "stop", "device", "dtype",
-                   "backend", "exact")
+                   "seed", *PENALTY_SETTINGS, "max_tokens", "stop", "device", "dtype", "backend",
+                   "exact")
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
 _REASONING_PARTS = ("reasoning", "thinking", "redacted_thinking")  # LangChain v1, Anthropic
 # call options LangChain (or code written for ChatOpenAI) passes that change nothing here:
