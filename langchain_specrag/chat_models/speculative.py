@@ -51,7 +51,12 @@ from langchain_core.tools import BaseTool
 from pydantic import AliasChoices, ConfigDict, Field, model_validator
 
 from langchain_specrag.chat_models.structured import structured_output
-from shared_core.config import DEFAULT_LM, DEFAULT_MAX_NEW_TOKENS, PENALTY_SETTINGS
+from shared_core.config import (
+    DEFAULT_LM,
+    DEFAULT_MAX_NEW_TOKENS,
+    PENALTY_SETTINGS,
+    SAMPLING_SETTINGS,
+)
 from shared_core.decoding.constrained import xgrammar_available
 from shared_core.decoding.output import ChatTurns, chat_turns
 from shared_core.decoding.tool_calls import check_tool_choice, check_tools
@@ -70,9 +75,8 @@ from shared_core.frontend.serving import FairLock, iterate_in_thread
 from shared_core.util.redact import redact, redacted_dump
 
 # the settings a reply depends on (with the documents and a preloaded model: _identifying_params)
-_REPLY_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "min_p",
-                   "seed", *PENALTY_SETTINGS, "max_tokens", "stop", "device", "dtype", "backend",
-                   "exact")
+_REPLY_SETTINGS = ("model", "engine", "engine_options", *SAMPLING_SETTINGS, *PENALTY_SETTINGS,
+                   "max_tokens", "stop", "device", "dtype", "backend", "exact")
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
 _REASONING_PARTS = ("reasoning", "thinking", "redacted_thinking")  # LangChain v1, Anthropic
 # call options LangChain (or code written for ChatOpenAI) passes that change nothing here:

@@ -334,6 +334,7 @@ class PenaltyConfig:
                                            != 0.0 or self.presence_penalty != 0.0)
 
 
+SAMPLING_SETTINGS = tuple(f.name for f in dataclasses.fields(SamplingConfig))
 PENALTY_SETTINGS = tuple(f.name for f in dataclasses.fields(PenaltyConfig))
 
 

@@ -24,7 +24,7 @@ import importlib
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from shared_core.config import GenerationConfig, SamplingConfig, check_kwargs
+from shared_core.config import SAMPLING_SETTINGS, GenerationConfig, SamplingConfig, check_kwargs
 from shared_core.config.tokens import RAPID_OPTIONS, RESPEC_OPTIONS, RapidConfig, ReSpecConfig
 
 if TYPE_CHECKING:
@@ -100,8 +100,7 @@ def start_engine(name: str, lm: SessionLM, prompt: Prompt, generation: Generatio
     return start(lm, prompt, generation, documents=documents, engine_state=engine_state, **options)
 
 
-_GENERATION_ARGUMENTS = ("max_new_tokens", "stop", "temperature", "top_k", "top_p", "min_p", "seed",
-                         "documents", "engine_state")
+_GENERATION_ARGUMENTS = ("max_new_tokens", "stop", *SAMPLING_SETTINGS, "documents", "engine_state")
 
 
 def stream_engine(name: str, lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,

@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 from shared_core.config import (
     DEFAULT_MAX_NEW_TOKENS,
     PENALTY_SETTINGS,
+    SAMPLING_SETTINGS,
     GenerationConfig,
     PenaltyConfig,
     check_kwargs,
@@ -219,8 +220,7 @@ def _generation(settings: ChatSettings, kwargs: dict[str, Any]) -> GenerationCon
     limit = next((v for v in (*per_call, settings.token_limit()) if v is not None),
                  DEFAULT_MAX_NEW_TOKENS)
     stop = kwargs.pop("stop", None)
-    sampling = {k: kwargs.pop(k, getattr(settings, k))
-                for k in ("temperature", "top_k", "top_p", "min_p", "seed")}
+    sampling = {k: kwargs.pop(k, getattr(settings, k)) for k in SAMPLING_SETTINGS}
     return generation_config(limit, name=name, stop=settings.stop if stop is None else stop,
                              **sampling)
 

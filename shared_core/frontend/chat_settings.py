@@ -30,6 +30,7 @@ from shared_core.config import (
     DEFAULT_LM,
     DEFAULT_PASSAGE_CACHE,
     PENALTY_SETTINGS,
+    SAMPLING_SETTINGS,
     PassageCacheConfig,
     PenaltyConfig,
     SamplingConfig,
@@ -51,14 +52,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
-CHAT_SETTINGS = ("model", "engine", "engine_options", "temperature", "top_k", "top_p", "min_p",
-                 "seed", *PENALTY_SETTINGS, "stop", "documents", "device", "dtype", "backend",
-                 "prefix_cache", "n_ctx", "n_threads", "exact", "passage_cache",
-                 "recompute_share", "passage_cache_memory_mb", "passage_cache_disk_mb")
+CHAT_SETTINGS = ("model", "engine", "engine_options", *SAMPLING_SETTINGS, *PENALTY_SETTINGS,
+                 "stop", "documents", "device", "dtype", "backend", "prefix_cache", "n_ctx",
+                 "n_threads", "exact", "passage_cache", "recompute_share",
+                 "passage_cache_memory_mb", "passage_cache_disk_mb")
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
-CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop", "temperature",
-                "top_k", "top_p", "min_p", "seed", *PENALTY_SETTINGS, "tools",
+CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop",
+                *SAMPLING_SETTINGS, *PENALTY_SETTINGS, "tools",
                 "tool_choice", "parallel_tool_calls",
                 "response_format", "model")
 
@@ -195,9 +196,7 @@ class ChatSettings(BaseModel):
         self.passage_cache_config()  # errors name the setting, before any model loads
         return self
 
-    @field_validator(*MAX_TOKEN_NAMES, "temperature", "top_k", "top_p", "min_p", "seed",
-                     mode="before",
-                     check_fields=False)
+    @field_validator(*MAX_TOKEN_NAMES, *SAMPLING_SETTINGS, mode="before", check_fields=False)
     @classmethod
     def _generation_field(cls, value: object, info: ValidationInfo) -> object:
         check_generation_field(str(info.field_name), value)  # TypeError / ValueError naming it
