@@ -251,8 +251,7 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     def _get_ls_params(self, stop: list[str] | None = None, **kwargs: Any) -> LangSmithParams:
         params = super()._get_ls_params(stop=stop, **kwargs)
         params["ls_provider"] = "specrag"
-        own = self.lm.name if self.lm is not None else self.model  # as the reply names it
-        params["ls_model_name"] = redact(kwargs.get("model", own))
+        params["ls_model_name"] = redact(kwargs.get("model", self.answering_model(self.lm)))
         params["ls_model_type"] = "chat"
         params["ls_temperature"] = kwargs.get("temperature", self.temperature)
         if self.max_tokens is not None:

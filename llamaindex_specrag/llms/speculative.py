@@ -196,7 +196,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         window = self.context_window or self._model()[0].max_context
         return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
                            is_chat_model=True, is_function_calling_model=True,
-                           model_name=redact(self._lm.name if self._lm is not None else self.model),
+                           model_name=redact(self.answering_model(self._lm)),
                            system_role=MessageRole.SYSTEM)
 
     async def _resolved(self) -> None:

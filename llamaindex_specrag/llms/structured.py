@@ -9,7 +9,7 @@ closing tag does, so nothing partial could be shown either way.
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, AsyncIterator, Generator, Iterator
-from typing import Any
+from typing import Any, cast
 
 from llama_index.core.base.llms.types import ChatResponse
 from llama_index.core.program.utils import process_streaming_objects
@@ -24,32 +24,45 @@ def schema_format(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None
         "type": "json_schema", "schema": output_cls.model_json_schema()}}
 
 
+class _Partials:
+    """The objects a streamed structured reply gives: a partial object per response (fields
+    filled as they complete), then the whole reply validated as ``output_cls``."""
+
+    def __init__(self, output_cls: type[BaseModel]):
+        self._output_cls = output_cls
+        self._current: BaseModel | None = None
+        self._last: ChatResponse | None = None
+
+    def add(self, response: ChatResponse) -> BaseModel:
+        self._last = response
+        cur = None if self._current is None else [self._current]
+        # one object, never a list: parallel calls are not asked for
+        current = cast(BaseModel, process_streaming_objects(response, self._output_cls,
+                                                            cur_objects=cur))
+        self._current = current
+        return current
+
+    def whole(self) -> list[BaseModel]:
+        """The validated object, once a response came (none for an empty stream)."""
+        if self._last is None:
+            return []
+        return [self._output_cls.model_validate_json(self._last.message.content or "")]
+
+
 def partial_objects(responses: Iterator[ChatResponse], output_cls: type[BaseModel]
                     ) -> Generator[BaseModel, None, None]:
-    """A partial object per streamed response (fields filled as they complete), then the whole
-    reply validated as ``output_cls``."""
-    current: Any = None
-    last = None
+    """The objects of a streamed reply (:class:`_Partials`)."""
+    partials = _Partials(output_cls)
     for response in responses:
-        last = response
-        current = process_streaming_objects(response, output_cls, cur_objects=_listed(current))
-        yield current
-    if last is not None:
-        yield output_cls.model_validate_json(last.message.content or "")
+        yield partials.add(response)
+    yield from partials.whole()
 
 
 async def apartial_objects(responses: AsyncIterator[ChatResponse], output_cls: type[BaseModel]
                            ) -> AsyncGenerator[BaseModel, None]:
     """:func:`partial_objects` of an async stream."""
-    current: Any = None
-    last = None
+    partials = _Partials(output_cls)
     async for response in responses:
-        last = response
-        current = process_streaming_objects(response, output_cls, cur_objects=_listed(current))
-        yield current
-    if last is not None:
-        yield output_cls.model_validate_json(last.message.content or "")
-
-
-def _listed(current: Any) -> list[Any] | None:
-    return None if current is None else [current]
+        yield partials.add(response)
+    for whole in partials.whole():
+        yield whole

@@ -91,12 +91,13 @@ def model_error(args: argparse.Namespace) -> str | None:
     """``argument --NAME: why`` for the first model argument naming no model (an unknown alias,
     a missing path, a file that is not a GGUF); None when every one resolves (a hub id is only
     fetched when loaded, a server URL is the benchmark's to connect to)."""
+    from shared_core.runtime.model_cache import is_url
     from shared_core.runtime.weights.lora import SUFFIX
     from shared_core.runtime.weights.sources import resolve_lm_source
 
     for dest in MODEL_ARGUMENTS:
         for name in _model_names(getattr(args, dest, None)):
-            if name.lower().startswith(("http://", "https://")):
+            if is_url(name):
                 continue
             try:
                 resolve_lm_source(name.removesuffix(SUFFIX))

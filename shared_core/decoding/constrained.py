@@ -63,6 +63,14 @@ class Constraint:
             msg = f"constraint suffix must be a string, got {type(self.suffix).__name__}"
             raise TypeError(msg)
 
+    def json_schema(self) -> dict[str, Any]:
+        """The JSON schema of a ``json_schema`` / ``json`` constraint: ``"json"`` is JSON mode
+        (OpenAI's json_object), any object, never a bare array or scalar."""
+        if self.kind == "json":
+            return {"type": "object"}
+        assert self.kind == "json_schema" and self.schema is not None, self.kind
+        return self.schema
+
 
 JSON_TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 _SUBSCHEMA = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
@@ -151,10 +159,9 @@ def compile_constraint(lm: SessionLM, constraint: Constraint) -> Any:
     if constraint.kind == "structural_tag":
         body = xgr.Grammar.from_structural_tag(json.dumps(constraint.schema))
     else:
-        # "json" is JSON mode (OpenAI's json_object): any object, never a bare array or scalar.
-        # Compact separators: a fixed layout leaves a small model no whitespace to loop on.
-        schema = {"type": "object"} if constraint.kind == "json" else constraint.schema
-        body = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False)
+        # compact separators: a fixed layout leaves a small model no whitespace to loop on
+        body = xgr.Grammar.from_json_schema(json.dumps(constraint.json_schema()),
+                                            any_whitespace=False)
     if constraint.suffix:
         body = xgr.Grammar.concat(body, xgr.Grammar.from_ebnf(
             f"root ::= {json.dumps(constraint.suffix)}"))

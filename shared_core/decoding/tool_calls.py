@@ -246,8 +246,7 @@ def auto_calls(tools: Sequence[Mapping[str, Any]]) -> Constraint:
 def call_or_answer(tools: Sequence[Mapping[str, Any]], answer: Constraint) -> Constraint:
     """One call of one of ``tools``, or an answer that is ``answer``'s JSON: the reply a tool
     loop with a response format needs (an agent calls tools, then answers in the format)."""
-    schema = {"type": "object"} if answer.kind == "json" else answer.schema
-    reply = {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": 1}
+    reply = {"type": "json_schema", "json_schema": answer.json_schema(), "max_whitespace_cnt": 1}
     tag = {"type": "structural_tag",
            "format": {"type": "or", "elements": [*_call_tags(tools), reply]}}
     return Constraint("structural_tag", tag)

@@ -235,6 +235,10 @@ class ChatSettings(BaseModel):
         value: int | None = getattr(self, self.TOKEN_LIMIT, None)
         return value
 
+    def answering_model(self, lm: SessionLM | None) -> str:
+        """The model a reply names: a preloaded ``lm``'s own name, else the ``model`` setting."""
+        return lm.name if lm is not None else self.model
+
     def adapter_state(self, lm: SessionLM | None) -> AdapterState:
         """The state a call of this adapter runs with, ``lm`` being its preloaded model."""
         return AdapterState(lm, self._reload_as, self._engine_state)

@@ -207,8 +207,8 @@ def load_lm_choice(backend: str | None, source: ModelSource, device: str | torch
     if choice.backend == "torch" and source.gguf is not None and source.entry is None:
         # INFO, not WARNING: a warm load prints nothing (the cold build says it de-quantizes)
         logger.info("%s is a GGUF: load_lm's default backend (torch) de-quantizes it; "
-                       "backend='llama.cpp' (or 'auto') runs it with llama.cpp's quantized "
-                       "kernels, faster on a CPU", source.gguf.name)
+                    "backend='llama.cpp' (or 'auto') runs it with llama.cpp's quantized "
+                    "kernels, faster on a CPU", source.gguf.name)
     return BackendChoice(choice.backend, f"load_lm's default backend ({choice.backend})")
 
 
