@@ -43,6 +43,7 @@ DEFAULT_SPECRAG_BACKEND = DEFAULT_BACKEND
 # per-position mix), so both are refused where sampling settings are validated (SamplingConfig).
 MIN_TEMPERATURE = 1e-4
 MAX_SEED = 2**32 - 1
+RANDOM_SEED = -1  # llama.cpp's / llama-cpp-python's / Ollama's "no fixed seed"
 
 # "static": fixed-capacity buffers whose one-token step is compiled (CUDA graphs) on CUDA
 # (shared_core.runtime.torch.static; docs/backends.md, "Static cache")
@@ -296,10 +297,13 @@ class SamplingConfig:
         check_int(self.top_k, "top_k", minimum=0)
         top_p = check_real(self.top_p, "top_p")
         _check(0 < top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed == RANDOM_SEED and not isinstance(self.seed, bool):
+            object.__setattr__(self, "seed", None)
         if self.seed is not None:
             check_int(self.seed, "seed", None)
             _check(0 <= self.seed <= MAX_SEED,
-                   f"seed must be an integer in [0, 2**32 - 1] or None, got {self.seed}")
+                   f"seed must be an integer in [0, 2**32 - 1], -1 (unseeded, as llama.cpp's "
+                   f"-1) or None, got {self.seed}")
         min_p = check_real(self.min_p, "min_p")
         _check(0 <= min_p < 1, f"min_p must be in [0, 1), got {self.min_p}")
 

@@ -226,7 +226,7 @@ CASES: list[tuple[str, Callable[[Kit], Any], type[BaseException], str]] = [
         {"title": "T", "type": "object", "properties": {"a": {"type": "text"}}}), ValueError,
      "schema.properties.a"),
     ("lc-seed-2**70", lambda k: k.chat.invoke(Q, temperature=1.0, seed=2**70), ValueError, "seed"),
-    ("lc-seed-negative-field", lambda k: ChatSpeculative(lm=k.lm, seed=-1), ValueError, "seed"),
+    ("lc-seed-negative-field", lambda k: ChatSpeculative(lm=k.lm, seed=-2), ValueError, "seed"),
     ("lc-temperature-1e-38", lambda k: k.chat.invoke(Q, temperature=1e-38), ValueError,
      "temperature=1e-38 is too small.*use temperature=0 for greedy"),
     ("lc-temperature-1e-38-field", lambda k: ChatSpeculative(lm=k.lm, temperature=1e-38),

@@ -66,3 +66,12 @@ def test_unified_check_int_returns_the_int_and_allows_no_minimum() -> None:
     with pytest.raises(TypeError, match="seed must be an integer"):
         config.check_int(1.5, "seed", None)
     assert config.check_real(2, "x") == 2.0
+
+
+def test_seed_minus_one_is_unseeded_as_in_llama_cpp() -> None:
+    assert config.SamplingConfig(temperature=1.0, seed=-1).seed is None
+    assert config.SamplingConfig(temperature=1.0, seed=0).seed == 0
+    with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*32 - 1\], -1"):
+        config.SamplingConfig(temperature=1.0, seed=-2)
+    with pytest.raises(TypeError, match="seed must be an integer"):
+        config.SamplingConfig(temperature=1.0, seed=True)
