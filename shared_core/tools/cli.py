@@ -27,6 +27,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     demo.add_argument("--max-new-tokens", type=int, default=DEMO_MAX_NEW_TOKENS)
     sub.add_parser("bench", help="benchmarks and probes: specrag bench <name> --help")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        demo.error(f"argument --max-new-tokens: must be >= 1, got {args.max_new_tokens}")
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s")
     _write("specrag demo: embedded offline models (SmolLM2-135M-Instruct, MiniLM and, when "
            "specrag[qwen] is installed, the Qwen2.5-Coder pair)")

@@ -31,6 +31,17 @@ def test_console_script_reaches_the_probes(capsys: pytest.CaptureFixture[str]) -
     assert "--span-start" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("value", ["0", "-3"])
+def test_demo_refuses_a_token_limit_below_one_before_any_model_work(
+        value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from shared_core.tools.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["demo", "--max-new-tokens", value])
+    assert exit_info.value.code == 2
+    assert f"argument --max-new-tokens: must be >= 1, got {value}" in capsys.readouterr().err
+
+
 def test_defaults_are_the_recorded_measurements() -> None:
     """The defaults reproduce the settings behind results/system/2026-11-22/dtype.json, contention4m.json and
     rapid/s5_verify_profile.txt."""
