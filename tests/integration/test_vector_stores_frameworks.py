@@ -133,3 +133,29 @@ def test_from_langchain_store(kind, cls, passages, embeddings, tmp_path, request
     out = engine.generate(QUERIES[0], 16)
     assert out.token_ids == ref.token_ids
     assert calls[0] == out.stats.retrieval_calls == 1 + out.stats.rounds
+
+
+def test_from_pgvector_leaves_the_apps_pooled_connections_as_they_were(request) -> None:
+    """The store's autocommit connection is its own: the app's transactions on the same
+    SQLAlchemy engine still roll back after ``from_store``."""
+    langchain_postgres = pytest.importorskip("langchain_postgres")
+    import sqlalchemy as sa
+
+    from fakes import lc_hash_embeddings
+
+    uri = request.getfixturevalue("pg_uri").replace("postgresql://", "postgresql+psycopg://")
+    lc_store = langchain_postgres.PGVector(lc_hash_embeddings(), connection=uri, use_jsonb=True,
+                                           collection_name="pooled")
+    lc_store.add_texts(["the cat sat on the mat"], ids=["x1"])
+    backend = from_store(lc_store)
+    assert [h.document.id for h in backend.search(["cat"], 1)[0]] == ["x1"]
+
+    def rolls_back(table: str) -> bool:
+        with pytest.raises(RuntimeError), lc_store._engine.begin() as connection:
+            connection.execute(sa.text(f"CREATE TABLE {table} (x int)"))
+            raise RuntimeError("the app's failed transaction")
+        with lc_store._engine.connect() as connection:
+            return bool(connection.execute(sa.text(f"SELECT to_regclass('{table}') IS NULL")).scalar())
+
+    assert all(rolls_back(f"app_table_{i}") for i in range(3))
+    assert [h.document.id for h in backend.search(["cat"], 1)[0]] == ["x1"]

@@ -115,7 +115,11 @@ def _postgres(obj: Any, embedder: EmbedderSpec | None) -> StoreBackend:
     if engine is None:
         msg = "from_store: PGVector with an async engine is not supported; use a sync connection"
         raise ValueError(msg)
-    connection = engine.raw_connection().driver_connection
+    # the store's own connection, out of the app's pool: autocommit on a pooled connection would
+    # reach the app's next transaction on it (no rollback)
+    pooled = engine.raw_connection()
+    connection = pooled.driver_connection
+    pooled.detach()
     connection.autocommit = True
     collection = obj.CollectionStore.__tablename__
     where = (f"collection_id = (SELECT uuid FROM {collection} WHERE name = %s)")
