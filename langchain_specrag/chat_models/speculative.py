@@ -61,6 +61,7 @@ from shared_core.decoding.constrained import xgrammar_available
 from shared_core.decoding.output import ChatTurns, chat_turns
 from shared_core.decoding.tool_calls import check_tool_choice, check_tools
 from shared_core.frontend.chat import (
+    LOGPROB_SETTINGS,
     CallReport,
     ChatSettings,
     ChatStream,
@@ -76,7 +77,7 @@ from shared_core.util.redact import redact, redacted_dump
 
 # the settings a reply depends on (with the documents and a preloaded model: _identifying_params)
 _REPLY_SETTINGS = ("model", "engine", "engine_options", *SAMPLING_SETTINGS, *PENALTY_SETTINGS,
-                   "max_tokens", "stop", "device", "dtype", "backend", "exact")
+                   *LOGPROB_SETTINGS, "max_tokens", "stop", "device", "dtype", "backend", "exact")
 _CALL_PARTS = ("tool_use", "tool_call", "function_call")  # provider forms of a tool call
 _REASONING_PARTS = ("reasoning", "thinking", "redacted_thinking")  # LangChain v1, Anthropic
 # call options LangChain (or code written for ChatOpenAI) passes that change nothing here:
@@ -179,6 +180,8 @@ def _report_fields(report: CallReport) -> dict[str, Any]:
                 "engine": report.engine, "speculative_stats": report.speculative_stats}
     if report.passage_cache:  # reused / recomputed / read prompt ids (passage_cache)
         metadata["passage_cache"] = report.passage_cache
+    if report.logprobs is not None:  # as ChatOpenAI's (a stream's last chunk holds them all)
+        metadata["logprobs"] = {"content": report.logprobs, "refusal": None}
     return {"usage_metadata": usage, "response_metadata": metadata}
 
 

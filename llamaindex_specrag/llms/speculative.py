@@ -45,6 +45,7 @@ from llama_index.core.base.llms.types import (
     CompletionResponseAsyncGen,
     CompletionResponseGen,
     LLMMetadata,
+    LogProb,
     MessageRole,
 )
 from llama_index.core.bridge.pydantic import Field, PrivateAttr, field_validator
@@ -119,6 +120,15 @@ def _raw(report: CallReport) -> dict[str, Any]:
     return {**report.as_dict(), "usage": usage}
 
 
+def _logprobs(report: CallReport) -> list[list[LogProb]] | None:
+    """LlamaIndex's ``logprobs``: per reply token, its ``top_logprobs`` most likely tokens (as
+    LlamaIndex's OpenAI LLM reads them), or the token itself when none were asked for."""
+    if report.logprobs is None:
+        return None
+    return [[LogProb(token=t["token"], logprob=t["logprob"], bytes=t["bytes"] or [])
+             for t in (entry["top_logprobs"] or [entry])] for entry in report.logprobs]
+
+
 def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:
     """Each response holds the text so far and its ``delta``; the last one, the report."""
     text = ""
@@ -126,7 +136,8 @@ def _completion_steps(events: Iterator[ChatEvent]) -> CompletionResponseGen:
         if isinstance(event, Finished):
             raw = _raw(event.report)
             yield CompletionResponse(text=event.reply.text, delta=event.rest.text, raw=raw,
-                                     additional_kwargs=dict(raw))
+                                     additional_kwargs=dict(raw),
+                                     logprobs=_logprobs(event.report))
             return
         text += event.text
         yield CompletionResponse(text=text, delta=event.text, raw=None, additional_kwargs={})
@@ -142,7 +153,7 @@ def _chat_steps(stream: ChatStream, events: Iterator[ChatEvent]) -> ChatResponse
             raw = _raw(event.report)
             message = reply_message(event.reply, bool(stream.tools))
             yield ChatResponse(message=message, delta=event.rest.text, raw=raw,
-                               additional_kwargs=dict(raw))
+                               additional_kwargs=dict(raw), logprobs=_logprobs(event.report))
             return
         content, found = content + event.text, [*found, *event.calls]
         message = (tool_message(content, found) if stream.tools
@@ -249,7 +260,8 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     def _complete(stream: ChatStream) -> CompletionResponse:
         done = stream.finish()  # the whole generation under the lock
         raw = _raw(done.report)
-        return CompletionResponse(text=done.reply.text, raw=raw, additional_kwargs=dict(raw))
+        return CompletionResponse(text=done.reply.text, raw=raw, additional_kwargs=dict(raw),
+                                  logprobs=_logprobs(done.report))
 
     @staticmethod
     def _stream_complete(stream: ChatStream, *, now: bool = True) -> CompletionResponseGen:
@@ -262,7 +274,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         done = stream.finish()
         raw = _raw(done.report)
         return ChatResponse(message=reply_message(done.reply, bool(stream.tools)), raw=raw,
-                            additional_kwargs=dict(raw))
+                            additional_kwargs=dict(raw), logprobs=_logprobs(done.report))
 
     @staticmethod
     def _stream_chat(stream: ChatStream, *, now: bool = True) -> ChatResponseGen:

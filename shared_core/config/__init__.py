@@ -43,6 +43,8 @@ DEFAULT_SPECRAG_BACKEND = DEFAULT_BACKEND
 # per-position mix), so both are refused where sampling settings are validated (SamplingConfig).
 MIN_TEMPERATURE = 1e-4
 MAX_SEED = 2**32 - 1
+# OpenAI's limit on top_logprobs (and vLLM's default max_logprobs)
+MAX_TOP_LOGPROBS = 20
 RANDOM_SEED = -1  # llama.cpp's / llama-cpp-python's / Ollama's "no fixed seed"
 
 # "static": fixed-capacity buffers whose one-token step is compiled (CUDA graphs) on CUDA
@@ -360,24 +362,33 @@ class GenerationConfig:
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     stop: tuple[str, ...] = ()
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # None: no log-probabilities; n >= 0: each reply token's log-probability under the model's
+    # own distribution and the n most likely tokens at its position (GenerationResult.logprobs)
+    top_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         check_type(self.max_new_tokens, "max_new_tokens", (int,), "an integer >= 1")
         _check(self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         _check(all(isinstance(s, str) and s for s in self.stop),
                "stop must be a list of non-empty strings")
+        if self.top_logprobs is not None:
+            check_int(self.top_logprobs, "top_logprobs", minimum=0)
+            _check(self.top_logprobs <= MAX_TOP_LOGPROBS,
+                   f"top_logprobs must be at most {MAX_TOP_LOGPROBS}, got {self.top_logprobs}")
 
     @classmethod
     def build(cls, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
               stop: Sequence[str] | str | None = None,
               temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
               top_p: float = SamplingConfig.top_p, seed: int | None = None,
-              min_p: float = SamplingConfig.min_p) -> GenerationConfig:
+              min_p: float = SamplingConfig.min_p, top_logprobs: int | None = None
+              ) -> GenerationConfig:
         """Validate loose keyword arguments into a config (the engines' public entry point)."""
         if isinstance(stop, str):
             stop = (stop,)
         return cls(max_new_tokens=max_new_tokens, stop=tuple(stop or ()),
-                   sampling=SamplingConfig(temperature, top_k, top_p, seed, min_p))
+                   sampling=SamplingConfig(temperature, top_k, top_p, seed, min_p),
+                   top_logprobs=top_logprobs)
 
 
 # Passage (chunk) KV cache (shared_core.runtime.passage_cache; docs/backends.md, *Passage cache*):

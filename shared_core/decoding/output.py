@@ -24,6 +24,7 @@ from shared_core.config import (
     check_unicode,
 )
 from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.decoding.logprobs import TokenLogprob
 from shared_core.runtime.lm import window_text
 from shared_core.runtime.protocol import ModelLM, SessionLM
 
@@ -37,6 +38,8 @@ class GenerationResult:
     text: str
     token_ids: list[int]
     stats: DecodeStats
+    # one per token id when GenerationConfig.top_logprobs is set (decoding/logprobs.py), else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 class OutputTracker:
@@ -54,6 +57,8 @@ class OutputTracker:
         self.text = ""
         self.finish_reason = ""
         self._emitted = 0
+        # filled by the engine as it commits tokens (EOS included): result() keeps the reply's
+        self.logprobs: list[TokenLogprob] | None = [] if config.top_logprobs is not None else None
         self._longest_stop = max((len(s) for s in config.stop), default=0)
 
     @property
@@ -120,7 +125,8 @@ class OutputTracker:
     def result(self, stats: DecodeStats) -> GenerationResult:
         stats.new_tokens = len(self.token_ids)
         stats.finish_reason = self.finish_reason or "length"
-        return GenerationResult(self.text, list(self.token_ids), stats)
+        logprobs = None if self.logprobs is None else self.logprobs[: len(self.token_ids)]
+        return GenerationResult(self.text, list(self.token_ids), stats, logprobs)
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")
@@ -130,8 +136,8 @@ def generation_config(max_new_tokens: object = DEFAULT_MAX_NEW_TOKENS, *,
                       name: str = "max_new_tokens", stop: object = None,
                       temperature: object = SamplingConfig.temperature,
                       top_k: object = SamplingConfig.top_k, top_p: object = SamplingConfig.top_p,
-                      seed: object = None, min_p: object = SamplingConfig.min_p
-                      ) -> GenerationConfig:
+                      seed: object = None, min_p: object = SamplingConfig.min_p,
+                      top_logprobs: object = None) -> GenerationConfig:
     """:meth:`GenerationConfig.build` after type checks; ``name`` is the caller's word for
     ``max_new_tokens`` (``"max_tokens"`` in LangChain), so the error names what was passed."""
     tokens = check_int(max_new_tokens, name, minimum=1)
@@ -140,6 +146,7 @@ def generation_config(max_new_tokens: object = DEFAULT_MAX_NEW_TOKENS, *,
     p = check_real(top_p, "top_p")
     floor = check_real(min_p, "min_p")
     seed_value = check_int(seed, "seed", None) if seed is not None else None
+    top = check_int(top_logprobs, "top_logprobs", minimum=0, optional=True)
     stops: list[str] | str | None = None
     if isinstance(stop, str):
         stops = stop
@@ -154,7 +161,23 @@ def generation_config(max_new_tokens: object = DEFAULT_MAX_NEW_TOKENS, *,
             raise TypeError(msg)
         stops = [s for s in items if isinstance(s, str)]
     return GenerationConfig.build(tokens, stop=stops, temperature=heat, top_k=k, top_p=p,
-                                  seed=seed_value, min_p=floor)
+                                  seed=seed_value, min_p=floor, top_logprobs=top)
+
+
+def logprobs_count(logprobs: object, top_logprobs: object) -> int | None:
+    """:attr:`GenerationConfig.top_logprobs` from OpenAI's two settings: None when neither asks
+    for log-probabilities, else ``top_logprobs`` (0 when not given). ``top_logprobs`` with
+    ``logprobs=False`` is refused, as OpenAI's API refuses it."""
+    if logprobs is not None and not isinstance(logprobs, bool):
+        msg = f"logprobs must be a bool or None, got {type(logprobs).__name__}"
+        raise TypeError(msg)
+    top = check_int(top_logprobs, "top_logprobs", minimum=0, optional=True)
+    if logprobs is False and top is not None:
+        msg = f"top_logprobs={top} needs logprobs=True (or logprobs left unset)"
+        raise ValueError(msg)
+    if top is None:
+        return 0 if logprobs else None
+    return GenerationConfig(top_logprobs=top).top_logprobs
 
 
 def check_generation_field(name: str, value: object) -> None:

@@ -98,14 +98,13 @@ def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Blocks:
         draft = drafter.propose(context, budget) if budget > 0 else EMPTY_DRAFT
         # 2. verify: one target forward over [pending, *draft] (masked when a mask is given);
         #    a greedy model draft is still on the device: nothing waits until step 3's readback
-        logits = run.masked(session.extend(DeviceTokens.chain([pending], draft.tokens)),
-                            draft.tokens)
+        raw = session.extend(DeviceTokens.chain([pending], draft.tokens))
         stats.target_forwards += 1
         # 3. accept
-        verdict = accept_draft(run, draft, logits)
+        verdict = accept_draft(run, draft, run.masked(raw, draft.tokens))
         # 4. commit the accepted prefix, roll back the rejected tail
         session.rollback(len(context) + verdict.n_accepted)
-        block, done = run.commit([*draft.tokens[: verdict.n_accepted], verdict.next_token])
+        block, done = run.commit([*draft.tokens[: verdict.n_accepted], verdict.next_token], raw)
         # 5. adapt
         drafter.observe(verdict.n_accepted)
         stats.record_round(len(draft), verdict.n_accepted)

@@ -41,6 +41,7 @@ import torch
 
 from shared_core.config import CacheKind, GenerationConfig, check_unicode
 from shared_core.decoding.decode_stats import DecodeStats
+from shared_core.decoding.logprobs import token_logprobs
 from shared_core.decoding.output import (
     ChatTurns,
     GenerationResult,
@@ -247,8 +248,9 @@ class Run:
         """The first round: the prompt read and the first token chosen from the read's last row,
         so no forward runs between the prompt and the first token. Yields its block; returns it
         as the next ``pending`` (None when that block ended the generation)."""
-        token = self.choose(self.prefill())
-        block, done = self.commit([token])
+        logits = self.prefill()
+        token = self.choose(logits)
+        block, done = self.commit([token], logits[None])
         yield block
         return None if done else token
 
@@ -291,9 +293,21 @@ class Run:
         """The next token from one ``[V]`` row (masked; greedy or sampled)."""
         return choose_token(self.masked(logits), self.config.sampling, self.generator)
 
-    def commit(self, block: list[int]) -> tuple[list[int], bool]:
+    def commit(self, block: list[int], logits: torch.Tensor, rows: Sequence[int] | None = None
+               ) -> tuple[list[int], bool]:
         """``(block, done)``: the round's tokens advanced through the mask, cut after the token
-        that completes it (then ``done``; the tracker reports finish_reason "stop")."""
+        that completes it (then ``done``; the tracker reports finish_reason "stop").
+        ``logits``: the round's raw target logits; ``block[i]`` was chosen from row ``rows[i]``
+        (default: row ``i``), read for its log-probability when the call asks for them."""
+        block, done = self._through_mask(block)
+        logprobs = self.tracker.logprobs
+        if logprobs is not None:
+            chosen_from = logits if rows is None else logits[list(rows)]
+            logprobs.extend(token_logprobs(chosen_from, block, self.config.top_logprobs or 0,
+                                           len(self.lm.tokenizer)))
+        return block, done
+
+    def _through_mask(self, block: list[int]) -> tuple[list[int], bool]:
         mask = self.logits_mask
         if mask is None:
             return block, False
@@ -313,7 +327,7 @@ def autoregressive_blocks(run: Run) -> Blocks:
         logits = run.session.extend([pending])[-1]
         run.stats.target_forwards += 1
         pending = run.choose(logits)
-        block, done = run.commit([pending])
+        block, done = run.commit([pending], logits[None])
         yield block
         if done:
             return

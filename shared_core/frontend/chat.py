@@ -49,7 +49,7 @@ from shared_core.decoding.constrained import (
     grammar_mask,
     xgrammar_available,
 )
-from shared_core.decoding.output import ChatTurns, chat_turns, generation_config
+from shared_core.decoding.output import ChatTurns, chat_turns, generation_config, logprobs_count
 from shared_core.decoding.penalty import ChainedMasks, RepetitionPenalty
 from shared_core.decoding.tool_calls import (
     ReplyScanner,
@@ -74,6 +74,7 @@ from shared_core.frontend.chat_settings import (
     CALL_OPTIONS,
     CHAT_SETTINGS,
     DEFAULT_ENGINE,
+    LOGPROB_SETTINGS,
     MAX_TOKEN_NAMES,
     AdapterState,
     ChatSettings,
@@ -91,7 +92,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CALL_OPTIONS", "CHAT_SETTINGS", "DEFAULT_ENGINE", "MAX_TOKEN_NAMES", "AdapterState",
+__all__ = ["CALL_OPTIONS", "CHAT_SETTINGS", "DEFAULT_ENGINE", "LOGPROB_SETTINGS", "MAX_TOKEN_NAMES",
+           "AdapterState",
            "CallReport", "ChatEvent", "ChatSettings", "ChatStream", "Finished", "FoundCall",
            "ModelKey", "Reply", "ReplyDelta", "chat", "chat_model", "check_response_format",
            "prompt_length"]
@@ -221,8 +223,9 @@ def _generation(settings: ChatSettings, kwargs: dict[str, Any]) -> GenerationCon
                  DEFAULT_MAX_NEW_TOKENS)
     stop = kwargs.pop("stop", None)
     sampling = {k: kwargs.pop(k, getattr(settings, k)) for k in SAMPLING_SETTINGS}
+    top = logprobs_count(*(kwargs.pop(k, getattr(settings, k)) for k in LOGPROB_SETTINGS))
     return generation_config(limit, name=name, stop=settings.stop if stop is None else stop,
-                             **sampling)
+                             top_logprobs=top, **sampling)
 
 
 def _engine_options(settings: ChatSettings, engine: str, per_call: object) -> dict[str, Any]:
@@ -451,7 +454,7 @@ class ChatStream:
             reply = Reply(result.text, scanner.content, tuple(scanner.calls),
                           tuple(scanner.invalid), result)
         report = CallReport.of(result, self.engine, self._request.model_name,
-                               tool_calls=bool(reply.tool_calls))
+                               tool_calls=bool(reply.tool_calls), lm=self._open().lm)
         if rest is None:
             rest = ReplyDelta(reply.content, tuple(scanner.found) if scanner else ())
         return Finished(reply, report, rest)

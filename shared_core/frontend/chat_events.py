@@ -12,7 +12,11 @@ from typing import TYPE_CHECKING, Any
 from shared_core.decoding.tool_calls import InvalidToolCall, ToolCall
 
 if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from shared_core.decoding.logprobs import TokenLogprob
     from shared_core.decoding.output import GenerationResult
+    from shared_core.runtime.protocol import ModelLM
 
 FoundCall = ToolCall | InvalidToolCall
 
@@ -52,18 +56,35 @@ class CallReport:
     cached_prompt_tokens: int
     passage_cache: dict[str, Any] | None
     speculative_stats: dict[str, Any]
+    logprobs: list[dict[str, Any]] | None = None  # OpenAI's logprobs.content, when asked for
 
     @classmethod
-    def of(cls, result: GenerationResult, engine: str, model: str, *, tool_calls: bool
-           ) -> CallReport:
+    def of(cls, result: GenerationResult, engine: str, model: str, *, tool_calls: bool,
+           lm: ModelLM) -> CallReport:
         stats = result.stats
+        logprobs = None if result.logprobs is None else openai_logprobs(lm, result.logprobs)
         return cls(engine, model, "tool_calls" if tool_calls else stats.finish_reason,
                    stats.prompt_tokens, stats.new_tokens,
                    getattr(stats, "cached_prompt_tokens", 0),
-                   getattr(stats, "extra", {}).get("passage_cache"), stats.as_dict())
+                   getattr(stats, "extra", {}).get("passage_cache"), stats.as_dict(), logprobs)
 
     def as_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def openai_logprobs(lm: ModelLM, entries: Sequence[TokenLogprob]) -> list[dict[str, Any]]:
+    """``entries`` as OpenAI's ``choices[0].logprobs.content``: each token's text as the
+    tokenizer decodes it alone, with its UTF-8 ``bytes`` (None for a token holding part of a
+    character, whose text alone is not valid UTF-8)."""
+    pieces: dict[int, str] = {}
+
+    def entry(token: int, logprob: float) -> dict[str, Any]:
+        text = pieces[token] if token in pieces else pieces.setdefault(token, lm.decode([token]))
+        raw = None if "\ufffd" in text else list(text.encode("utf-8"))
+        return {"token": text, "bytes": raw, "logprob": logprob}
+
+    return [{**entry(e.token_id, e.logprob), "top_logprobs": [entry(t, v) for t, v in e.top]}
+            for e in entries]
 
 
 @dataclass(frozen=True)

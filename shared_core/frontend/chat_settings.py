@@ -40,7 +40,7 @@ from shared_core.config import (
     check_prefix_cache,
     check_settings_keys,
 )
-from shared_core.decoding.output import check_generation_field
+from shared_core.decoding.output import check_generation_field, logprobs_count
 from shared_core.engines.registry import check_engine_name, check_engine_options
 from shared_core.frontend.rag_pickle import portable_options
 from shared_core.runtime.passage_cache import config_from
@@ -52,14 +52,15 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 DEFAULT_ENGINE = "respec"
 MAX_TOKEN_NAMES = ("max_tokens", "max_new_tokens")  # LangChain's word, LlamaIndex's word
+LOGPROB_SETTINGS = ("logprobs", "top_logprobs")  # OpenAI's names (ChatOpenAI's, LlamaIndex's OpenAI)
 CHAT_SETTINGS = ("model", "engine", "engine_options", *SAMPLING_SETTINGS, *PENALTY_SETTINGS,
                  "stop", "documents", "device", "dtype", "backend", "prefix_cache", "n_ctx",
                  "n_threads", "exact", "passage_cache", "recompute_share",
-                 "passage_cache_memory_mb", "passage_cache_disk_mb")
+                 "passage_cache_memory_mb", "passage_cache_disk_mb", *LOGPROB_SETTINGS)
 # + one of MAX_TOKEN_NAMES
 # what one call may set (both frameworks, both token-limit names); anything else is refused
 CALL_OPTIONS = ("engine", "engine_options", "documents", *MAX_TOKEN_NAMES, "stop",
-                *SAMPLING_SETTINGS, *PENALTY_SETTINGS, "tools",
+                *SAMPLING_SETTINGS, *PENALTY_SETTINGS, *LOGPROB_SETTINGS, "tools",
                 "tool_choice", "parallel_tool_calls",
                 "response_format", "model")
 
@@ -101,6 +102,10 @@ class ChatSettings(BaseModel):
             penalties (:class:`~shared_core.config.PenaltyConfig`; default: off), applied by
             every engine to every verified row, so speculative output equals penalised greedy
             decoding.
+        logprobs / top_logprobs: report each reply token's log-probability (``logprobs=True``)
+            and the ``top_logprobs`` (0-20) most likely tokens at its position, as OpenAI's API:
+            the model's own distribution, before temperature, filters, penalties and grammar
+            (:mod:`shared_core.decoding.logprobs`); ``top_logprobs`` alone turns them on.
         stop: stop strings, cut from the returned text.
         documents: texts the engine may draft from (ReSpec) or read as the long context (RAPID).
         device / dtype: where and how the model loads (a dtype is a torch setting).
@@ -140,6 +145,8 @@ class ChatSettings(BaseModel):
     repeat_last_n: int = PenaltyConfig.repeat_last_n
     frequency_penalty: float = PenaltyConfig.frequency_penalty
     presence_penalty: float = PenaltyConfig.presence_penalty
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
     stop: list[str] | None = None
     documents: list[str] | None = None
     device: str | None = None
@@ -201,6 +208,18 @@ class ChatSettings(BaseModel):
     def _generation_field(cls, value: object, info: ValidationInfo) -> object:
         check_generation_field(str(info.field_name), value)  # TypeError / ValueError naming it
         return value
+
+    @field_validator(*LOGPROB_SETTINGS, mode="before")
+    @classmethod
+    def _logprob_field(cls, value: object, info: ValidationInfo) -> object:
+        alone = (value, None) if info.field_name == "logprobs" else (None, value)
+        logprobs_count(*alone)  # TypeError / ValueError naming it (before pydantic's coercion)
+        return value
+
+    @model_validator(mode="after")
+    def _known_logprobs(self) -> ChatSettings:
+        logprobs_count(self.logprobs, self.top_logprobs)  # top_logprobs with logprobs=False
+        return self
 
     @field_validator("n_ctx", "n_threads", mode="before")
     @classmethod

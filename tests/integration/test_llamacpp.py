@@ -415,3 +415,23 @@ def test_both_chat_adapters_load_an_exact_llama_cpp_model_with_their_exact_setti
         model_cache.release(*where)
     with pytest.raises(TypeError, match="exact must be a bool"):
         ChatSpeculative(**{**settings, "exact": "true"})
+
+
+def test_log_probabilities_of_respec_equal_plain_decodings_on_llama_cpp(exact_lm):
+    """On the batch-invariant exact model, ReSpec's verified rows give every token the
+    log-probability (and top alternatives) plain decoding's one-token steps give it, bit for bit."""
+    from langchain_specrag.chat_models.speculative import ChatSpeculative
+
+    def reply(engine: str, **options: object) -> tuple[list[dict], dict]:
+        chat = ChatSpeculative(lm=exact_lm, engine=engine, max_tokens=32, top_logprobs=3,
+                               **options)
+        metadata = chat.invoke(PROMPTS[0]).response_metadata
+        return metadata["logprobs"]["content"], metadata["speculative_stats"]
+
+    (plain, _), (spec, stats) = reply("autoregressive"), reply(
+        "respec", documents=[CONTEXT],
+        engine_options={"use_trigger": False, "measure_cost": False})
+    assert stats["accepted"] > 0 and len(plain) == 32
+    assert spec == plain
+    assert all(e["logprob"] <= 0 and e["top_logprobs"][0]["logprob"] >= e["logprob"]
+               for e in plain)

@@ -57,7 +57,8 @@ def test_defaults_are_the_config_constants() -> None:
                 "passage_cache": DEFAULT_PASSAGE_CACHE,
                 "recompute_share": PassageCacheConfig.recompute_share,
                 "passage_cache_memory_mb": PassageCacheConfig.memory_mb,
-                "passage_cache_disk_mb": PassageCacheConfig.disk_mb}
+                "passage_cache_disk_mb": PassageCacheConfig.disk_mb,
+                "logprobs": None, "top_logprobs": None}
     assert set(expected) == set(CHAT_SETTINGS)
     chat, llm = ChatSpeculative(), SpeculativeLLM()
     for name, value in expected.items():

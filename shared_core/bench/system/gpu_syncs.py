@@ -25,7 +25,7 @@ import functools
 import sys
 import threading
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -184,8 +184,9 @@ def count_host_syncs(*, device_only: bool = False) -> Iterator[SyncCount]:
 
     real_commit = loop.Run.commit
 
-    def commit(self: loop.Run, block: list[int]) -> tuple[list[int], bool]:
-        out = real_commit(self, block)
+    def commit(self: loop.Run, block: list[int], logits: torch.Tensor,
+               rows: Sequence[int] | None = None) -> tuple[list[int], bool]:
+        out = real_commit(self, block, logits, rows)
         if threading.get_ident() == owner:
             count.close_round()
         return out

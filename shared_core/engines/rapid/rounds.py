@@ -157,7 +157,8 @@ def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: Rapid
         verdict = _accept(run, draft, run.masked(logits, draft.tokens), eta, config)
         # 4. commit the accepted prefix, roll back the rejected tail
         session.rollback(len(context) + verdict.n_accepted)
-        block, done = run.commit([*draft.tokens[: verdict.n_accepted], verdict.next_token])
+        block, done = run.commit([*draft.tokens[: verdict.n_accepted], verdict.next_token],
+                                 logits)
         stats.record_round(len(draft), verdict.n_accepted)
         stats.plain_rounds += not draft.tokens
         # 5. adapt: the paper keeps γ constant; adaptive_gamma sizes the next draft by cost

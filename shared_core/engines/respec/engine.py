@@ -204,7 +204,7 @@ def _respec_blocks(run: Run, request: Request) -> Blocks:
         _commit(run, draft, path)
         accepted = tuple(draft.tokens[i] for i in path)
         block = [*accepted, next_token]
-        emitted, done = run.commit(block)
+        emitted, done = run.commit(block, logits, rows=[0, *(i + 1 for i in path)])
         # 5. adapt: EMA scores, draft length, entropy history, automaton, fallback back-off
         _adapt(run, request, draft, path, logits, accepted, block, entropies)
         pending = None if done else next_token
