@@ -48,7 +48,7 @@ from langchain_core.messages.tool import ToolCallChunk
 from langchain_core.outputs import ChatGeneration, ChatGenerationChunk, ChatResult
 from langchain_core.runnables import Runnable
 from langchain_core.tools import BaseTool
-from pydantic import AliasChoices, ConfigDict, Field, model_validator
+from pydantic import AliasChoices, ConfigDict, Field, field_validator, model_validator
 
 from langchain_specrag.chat_models.structured import structured_output
 from shared_core.config import (
@@ -73,6 +73,7 @@ from shared_core.frontend.chat import (
     prompt_length,
 )
 from shared_core.frontend.serving import FairLock, iterate_in_thread
+from shared_core.runtime.protocol import check_session_lm
 from shared_core.util.redact import redact, redacted_dump
 
 # the settings a reply depends on (with the documents and a preloaded model: _identifying_params)
@@ -223,6 +224,13 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     streaming: bool = False
     lm: Any = Field(default=None, exclude=True)  # a preloaded shared_core LM (optional)
     DERIVED: ClassVar[frozenset[str]] = frozenset({"lm", "profile"})  # profile: recomputed
+
+    @field_validator("lm")
+    @classmethod
+    def _preloaded(cls, lm: object) -> object:
+        if lm is not None:
+            check_session_lm(lm)  # a served model or a name: TypeError naming lm, now
+        return lm
 
     @model_validator(mode="before")
     @classmethod

@@ -70,6 +70,7 @@ from shared_core.decoding.tool_calls import template_takes_tools
 from shared_core.frontend.chat import ChatEvent, ChatSettings, ChatStream, Finished, chat, chat_model
 from shared_core.frontend.chat_events import CallReport, FoundCall
 from shared_core.frontend.serving import FairLock, iterate_in_thread
+from shared_core.runtime.protocol import check_session_lm
 from shared_core.util.redact import redact
 
 if TYPE_CHECKING:
@@ -187,6 +188,8 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         return check_int(value, "context_window", optional=True)  # None or an int >= 1
 
     def __init__(self, lm: Any = None, **kwargs: Any) -> None:
+        if lm is not None:
+            check_session_lm(lm)  # a served model or a name: TypeError naming lm, now
         super().__init__(**kwargs)
         self._lm = lm
 

@@ -293,7 +293,9 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
         raise ValueError(msg)
     if name_or_path.strip().lower().startswith(("http://", "https://")):
         msg = (f"name_or_path={redact(name_or_path)!r} is a served model's URL; load_lm loads an "
-               "alias, hub id, folder or .gguf file: connect with shared_core.runtime.remote.RemoteLM(url)")
+               "alias, hub id, folder or .gguf file to run in this process. A served model "
+               "drafts or verifies in Speculative RAG and generates in RaLMSpec: connect with "
+               "shared_core.runtime.remote.RemoteLM(url)")
         raise ValueError(msg)
     if cpu_linears not in CPU_LINEARS:
         msg = f"cpu_linears={cpu_linears!r} must be one of {CPU_LINEARS}"

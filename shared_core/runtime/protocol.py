@@ -222,6 +222,10 @@ def check_session_lm(lm: object, name: str = "lm") -> None:
     string gets the call that loads it as a hint)."""
     if not (callable(getattr(lm, "open_session", None)) and callable(getattr(lm, "prompt_ids", None))):
         hint = f" (load it first: {name}=load_lm({lm!r}))" if isinstance(lm, str) else ""
+        if getattr(lm, "served", False) is True:
+            hint = (": a served model runs no forwards in this process, which the token engines "
+                    "(respec, rapid, autoregressive) need; served models draft or verify in "
+                    "Speculative RAG (drafter= / verifier=) and generate in RaLMSpec (lm=)")
         msg = f"{name} must be a model from load_lm, got {type(lm).__name__}{hint}"
         raise TypeError(msg)
 

@@ -330,3 +330,16 @@ def test_speculative_rag_on_served_models_sends_one_draft_and_one_score_request(
         yes = range(len(row) - n_yes, len(row))
         assert d.log_self_reflect == pytest.approx(sum(_lp(row, t) for t in yes))
     assert result.best == max(range(3), key=lambda i: (result.drafts[i].score, -i))
+
+
+def test_the_chat_adapters_refuse_a_served_model_when_built_saying_where_it_works(tok) -> None:
+    """The token engines run forwards in this process: a RemoteLM as a chat adapter's ``lm`` is
+    refused when the adapter is built (it failed at the first call, on a missing attribute)."""
+    from langchain_specrag import ChatSpeculative
+    from llamaindex_specrag import SpeculativeLLM
+
+    lm, _ = _vllm(tok)
+    for build in (lambda: ChatSpeculative(lm=lm), lambda: SpeculativeLLM(lm)):
+        with pytest.raises(TypeError, match=r"lm must be a model from load_lm, got RemoteLM: a "
+                                            r"served model.*Speculative RAG"):
+            build()
