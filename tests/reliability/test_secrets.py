@@ -97,7 +97,7 @@ def test_server_answers_are_short_sanitised_and_redacted(caplog) -> None:
     # behaviour kept: the URL's user-info is sent as basic auth (it wins over the bearer key)
     assert seen and seen[0] == httpx.BasicAuth("bob", PASSWORD)._auth_header
     assert err.status == 401 and "https://models.internal:8443/v1/models" in str(err)
-    body = str(err).split("HTTP 401: ", 1)[1]
+    body = str(err).split("RemoteLM(api_key) or $SPECRAG_REMOTE_API_KEY): ", 1)[1]
     assert len(body) <= EXCERPT_CHARS and not any(ord(c) < 32 for c in body)
     assert leaks(err, http) == [] and logged(caplog) == []
     assert pickle.loads(pickle.dumps(err)).status == 401

@@ -343,3 +343,83 @@ def test_the_chat_adapters_refuse_a_served_model_when_built_saying_where_it_work
         with pytest.raises(TypeError, match=r"lm must be a model from load_lm, got RemoteLM: a "
                                             r"served model.*Speculative RAG"):
             build()
+
+
+class _Broken(FakeVLLM):
+    """A vLLM whose completions answer ``status`` with ``body`` (a cut-off JSON by default)."""
+
+    def __init__(self, tok: Any, status: int = 200, body: str = '{"choices": [') -> None:
+        super().__init__(tok)
+        self.status, self.body = status, body
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path != "/v1/completions":
+            return super().__call__(request)
+        return httpx.Response(self.status, text=self.body,
+                              headers={"content-type": "application/json"})
+
+
+@pytest.mark.parametrize(("status", "body", "match"), [
+    (200, '{"choices": [', r"POST http://vllm\.test/v1/completions: the answer is not valid JSON"),
+    (401, '{"error": "bad key"}',
+     r"HTTP 401 \(the server's key: RemoteLM\(api_key\) or \$SPECRAG_REMOTE_API_KEY\)"),
+])
+def test_a_broken_answer_is_a_remote_error_naming_the_request_and_the_setting(
+        tok, status: int, body: str, match: str) -> None:
+    """A body a proxy cut short is a RemoteError (was a bare JSONDecodeError, also out of the
+    constructor's probe); a refused key names the setting that sends one."""
+    lm = RemoteLM("http://vllm.test", tokenizer=tok, config=FAST,
+                  transport=httpx.MockTransport(_Broken(tok, status, body)))  # the probe records it
+    with pytest.raises(RemoteError, match=match):
+        lm.generate([[5, 6]], 2)
+
+
+def test_a_timeout_names_the_setting_that_waits_longer(tok) -> None:
+    def slow(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/completions":
+            raise httpx.ReadTimeout("timed out")
+        return FakeVLLM(tok)(request)
+
+    lm = RemoteLM("http://vllm.test", tokenizer=tok, config=FAST, transport=httpx.MockTransport(slow))
+    with pytest.raises(RemoteError, match=r"failed after 3 attempt\(s\) \(a longer wait: "
+                                          r"RemoteConfig\(timeout_s=\.\.\.\)\)"):
+        lm.generate([[5, 6]], 2)
+
+
+def test_async_calls_work_from_one_event_loop_after_another(tok) -> None:
+    """A real pooled HTTP/1.1 server: each ``asyncio.run`` gets its own async client (one client
+    for every loop failed with "Event loop is closed" on the second run)."""
+    import asyncio
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    fake = FakeVLLM(tok)
+
+    class Handler(BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"  # keep-alive: the async client pools the connection
+
+        def _answer(self) -> None:
+            raw = self.rfile.read(int(self.headers.get("content-length") or 0))
+            answer = fake(httpx.Request(self.command, f"http://x{self.path}", content=raw))
+            self.send_response(answer.status_code)
+            self.send_header("content-type", answer.headers.get("content-type", "application/json"))
+            self.send_header("content-length", str(len(answer.content)))
+            self.end_headers()
+            self.wfile.write(answer.content)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        lm = RemoteLM(f"http://127.0.0.1:{server.server_address[1]}", tokenizer=tok,
+                      config=RemoteConfig(max_retries=0))
+        first, *later = [asyncio.run(lm.agenerate([[5, 6]], 3)) for _ in range(3)]
+        assert all(run[0][0].token_ids == first[0][0].token_ids for run in later)
+        lm.close()
+    finally:
+        server.shutdown()
+        server.server_close()

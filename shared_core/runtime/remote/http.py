@@ -19,6 +19,7 @@ import itertools
 import logging
 import os
 import time
+import weakref
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
@@ -72,22 +73,37 @@ def _retryable(exc: Exception | None, response: httpx.Response | None) -> bool:
     return response is not None and response.status_code in RETRY_STATUSES
 
 
+def _hint(exc: Exception | None, status: int | None) -> str:
+    """The setting that changes the outcome, for the errors a user fixes by changing one."""
+    if isinstance(exc, httpx.TimeoutException):
+        return " (a longer wait: RemoteConfig(timeout_s=...))"
+    if status in (401, 403):
+        return f" (the server's key: RemoteLM(api_key) or ${API_KEY_ENV})"
+    return ""
+
+
 def _result(method: str, url: str, response: httpx.Response) -> Any:
-    if response.status_code >= 400:
-        msg = f"{method} {url} -> HTTP {response.status_code}: {excerpt(response.text)}"
-        raise RemoteError(msg, response.status_code)
-    if "json" in response.headers.get("content-type", ""):
+    status = response.status_code
+    if status >= 400:
+        msg = f"{method} {url} -> HTTP {status}{_hint(None, status)}: {excerpt(response.text)}"
+        raise RemoteError(msg, status)
+    if "json" not in response.headers.get("content-type", ""):
+        return response.text
+    try:
         return response.json()
-    return response.text
+    except ValueError as e:  # a body cut short (a proxy's timeout) or not JSON at all
+        msg = f"{method} {url}: the answer is not valid JSON ({e}): {excerpt(response.text)}"
+        raise RemoteError(msg, status) from e
 
 
 def _failure(method: str, url: str, attempts: int, exc: Exception | None,
              response: httpx.Response | None) -> RemoteError:
+    status = None if response is None else response.status_code
     # no exception: there is a response
     why = f"{type(exc).__name__}: {excerpt(exc)}" if exc is not None else \
-        f"HTTP {response.status_code}: {excerpt(response.text)}"  # type: ignore[union-attr]
-    return RemoteError(f"{method} {url} failed after {attempts} attempt(s): {why}",
-                       None if response is None else response.status_code)
+        f"HTTP {status}: {excerpt(response.text)}"  # type: ignore[union-attr]
+    return RemoteError(f"{method} {url} failed after {attempts} attempt(s){_hint(exc, status)}: "
+                       f"{why}", status)
 
 
 class _Retries:
@@ -134,7 +150,10 @@ class Transport:
         self._transport = transport
         # the caller passes the transport that fits the client it uses
         self._client = httpx.Client(**self._kwargs, transport=transport)  # type: ignore[arg-type]
-        self._aclient: httpx.AsyncClient | None = None
+        # an async client's connections belong to the event loop that opened them: one per loop
+        # (a script calling asyncio.run twice, a notebook, a test per loop)
+        self._aclients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = \
+            weakref.WeakKeyDictionary()
 
     def request(self, method: str, path: str, json: object = None, *, retries: int | None = None
                 ) -> Any:
@@ -156,11 +175,13 @@ class Transport:
         return f"{self.base_url}{path}{query}"
 
     def _async_client(self) -> httpx.AsyncClient:
-        if self._aclient is None:
+        loop = asyncio.get_running_loop()
+        client = self._aclients.get(loop)
+        if client is None:
             # the caller passes the transport that fits the client it uses
-            self._aclient = httpx.AsyncClient(
+            client = self._aclients[loop] = httpx.AsyncClient(
                 **self._kwargs, transport=self._transport)  # type: ignore[arg-type]
-        return self._aclient
+        return client
 
     async def arequest(self, method: str, path: str, json: object = None, *,
                        retries: int | None = None) -> Any:
@@ -188,6 +209,7 @@ class Transport:
         self._client.close()
 
     async def aclose(self) -> None:
-        if self._aclient is not None:
-            await self._aclient.aclose()
-            self._aclient = None
+        """Close this event loop's async client (another loop's closes with that loop)."""
+        client = self._aclients.pop(asyncio.get_running_loop(), None)
+        if client is not None:
+            await client.aclose()
