@@ -423,3 +423,29 @@ def test_async_calls_work_from_one_event_loop_after_another(tok) -> None:
     finally:
         server.shutdown()
         server.server_close()
+
+
+class _LlamaServer(FakeVLLM):
+    """An OpenAI-compatible server that is not vLLM: llama.cpp's ``/tokenize`` reads
+    ``content`` (a vLLM body gets no tokens); Ollama has no such route."""
+
+    def __init__(self, tok: Any, route: bool) -> None:
+        super().__init__(tok)
+        self.route = route
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/tokenize":
+            body = json.loads(request.content)
+            if not self.route:
+                return httpx.Response(404, text="404 page not found")
+            return httpx.Response(200, json={"tokens": self.tok.encode(body.get("content", ""))})
+        return super().__call__(request)
+
+
+@pytest.mark.parametrize("route", [True, False])
+def test_an_openai_compatible_server_that_is_not_vllm_is_named_as_such(tok, route: bool) -> None:
+    """It was taken for vLLM, then refused with "tokenizer does not match" (pass tokenizer=),
+    though the tokenizer was the served model's."""
+    with pytest.raises(RemoteError, match=r"tokenizes as no vLLM does .*llama\.cpp's or Ollama's"):
+        RemoteLM("http://llama.test", tokenizer=tok, config=FAST,
+                 transport=httpx.MockTransport(_LlamaServer(tok, route)))

@@ -147,7 +147,19 @@ class RemoteLM(ChatTokenizer):
         local = self.encode(text)
         if self.engine == "vllm":
             body = {"model": self.model, "prompt": text, "add_special_tokens": False}
-            served = P._field(self.http.request("POST", "/tokenize", body), "tokens", "/tokenize")
+            try:
+                served = P._field(self.http.request("POST", "/tokenize", body), "tokens",
+                                  "/tokenize")
+            except RemoteError as e:
+                if e.status != 404:
+                    raise
+                served = []
+            if local and not served:  # llama.cpp's server reads "content"; Ollama has no route
+                msg = (f"{self.url} lists models but tokenizes as no vLLM does (POST /tokenize "
+                       "gave no tokens): RemoteLM speaks vLLM's and SGLang's APIs (token-id "
+                       "prompts, prompt log-probs); an OpenAI-compatible server such as "
+                       "llama.cpp's or Ollama's is not enough")
+                raise RemoteError(msg)
         else:
             body = {"text": text, "sampling_params": {"max_new_tokens": 0},
                     "return_logprob": True, "logprob_start_len": 0}
