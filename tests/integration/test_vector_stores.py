@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from fakes import HashEmbedder
 from tiny import measured
 
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
@@ -188,3 +189,41 @@ def test_ralmspec_equals_ralmseq(store, exact, nq, smollm) -> None:
             defaults = RaLMSpecConfig(max_doc_tokens=CONFIG.max_doc_tokens)
             out = RaLMSpec(smollm, backend, defaults).generate(question, 24)
             assert out.token_ids == ref.token_ids
+
+
+@pytest.mark.parametrize("kind", STORES)
+def test_adding_stored_ids_again_updates_them_as_every_store_does(kind, tmp_path, request) -> None:
+    """``add`` upserts on every backend (pgvector's COPY failed on a stored id and dropped the
+    whole batch); new ids in the same batch are stored too."""
+    client, name, factory = _open(kind, tmp_path, request)
+    rng = np.random.default_rng(0)
+    vectors = rng.standard_normal((3, 8)).astype(np.float32)
+    backend = factory(client, name, HashEmbedder(8))
+    backend.add([Document("a", "first a"), Document("b", "first b")], vectors=vectors[:2])
+    backend.add([Document("a", "second a", {"v": 2}), Document("c", "new c")],
+                vectors=vectors[[2, 1]])
+    hits = {h.document.id: h.document for h in backend.search([vectors[2]], 3)[0]}
+    assert set(hits) == {"a", "b", "c"}
+    assert (hits["a"].text, hits["a"].metadata) == ("second a", {"v": 2})
+    assert backend.search([vectors[2]], 1)[0][0].document.id == "a"
+
+
+def test_pgvector_on_a_connection_without_autocommit_survives_a_failed_search(
+        pg_connection, tmp_path) -> None:
+    """Each statement is committed, or rolled back when it fails: a failed search left the
+    transaction aborted and every later search refused; a search before any add names the
+    table."""
+    import psycopg
+
+    connection = psycopg.connect(pg_connection.info.dsn, autocommit=False)
+    try:
+        store = PgVectorStore(connection, f"manual_{tmp_path.name[-8:].lower()}", HashEmbedder(8))
+        with pytest.raises(ValueError, match=r"table .* does not exist: add\(\) documents first"):
+            store.search([np.ones(8, dtype=np.float32)], 1)
+        store.add([Document("a", "alpha")], vectors=np.ones((1, 8), dtype=np.float32))
+        with pytest.raises(psycopg.errors.DataException):
+            store.search([np.ones(4, dtype=np.float32)], 1)  # another dimension
+        assert store.search([np.ones(8, dtype=np.float32)], 1)[0][0].document.id == "a"
+        assert connection.info.transaction_status == psycopg.pq.TransactionStatus.IDLE
+    finally:
+        connection.close()

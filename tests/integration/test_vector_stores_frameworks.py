@@ -140,7 +140,6 @@ def test_from_pgvector_leaves_the_apps_pooled_connections_as_they_were(request) 
     SQLAlchemy engine still roll back after ``from_store``."""
     langchain_postgres = pytest.importorskip("langchain_postgres")
     import sqlalchemy as sa
-
     from fakes import lc_hash_embeddings
 
     uri = request.getfixturevalue("pg_uri").replace("postgresql://", "postgresql+psycopg://")

@@ -20,7 +20,8 @@ import json
 import re
 import struct
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -30,6 +31,7 @@ from shared_core.retrieval.base import Document, EmbedderSpec
 from shared_core.retrieval.stores.base import Embedder, Row, StoreBackend
 
 _IDENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_MISSING = ("42P01", "42704")  # SQLSTATE undefined_table, undefined_object (the vector type)
 
 
 def quote_ident(name: str, param: str) -> str:
@@ -122,11 +124,34 @@ class PgVectorStore(StoreBackend):
                 f"{c['embedding_column']} AS emb FROM {self.table} {where} "
                 f"ORDER BY {c['embedding_column']} <=> q.v LIMIT %s) AS h ORDER BY q.n")
 
+    @contextmanager
+    def _cursor(self) -> Iterator[Any]:
+        """A cursor under the store's lock; on a connection without autocommit its work is
+        committed, or rolled back when it fails (an aborted transaction would refuse every
+        later statement)."""
+        with self._db_lock:
+            try:
+                with self.connection.cursor() as cursor:
+                    yield cursor
+            except Exception:
+                if not getattr(self.connection, "autocommit", False):
+                    self.connection.rollback()
+                raise
+            if not getattr(self.connection, "autocommit", False):
+                self.connection.commit()
+
     def _query(self, vectors: np.ndarray, n: int) -> list[list[Row]]:
         params = ([vector_literal(v) for v in vectors], *self.where_params, n)
-        with self._db_lock, self.connection.cursor() as cursor:
-            cursor.execute(self.statement(), params)
-            records = cursor.fetchall()
+        try:
+            with self._cursor() as cursor:
+                cursor.execute(self.statement(), params)
+                records = cursor.fetchall()
+        except Exception as e:
+            if getattr(e, "sqlstate", None) in _MISSING or getattr(e, "pgcode", None) in _MISSING:
+                msg = (f"table {self.table} (or the vector extension) does not exist: add() "
+                       f"documents first ({type(e).__name__}: {e})")
+                raise ValueError(msg) from e
+            raise
         rows: list[list[Row]] = [[] for _ in vectors]
         for n_query, doc_id, text, meta, emb in records:
             doc = Document(str(doc_id), str(text or ""), json.loads(meta) if meta else {})
@@ -137,38 +162,40 @@ class PgVectorStore(StoreBackend):
         """``CREATE EXTENSION vector`` and the table (id, text, metadata, embedding vector(dim))."""
         c = self.columns
         metadata = f", {self.metadata_column} jsonb" if self.metadata_column else ""
-        with self._db_lock, self.connection.cursor() as cursor:
+        with self._cursor() as cursor:
             cursor.execute("CREATE EXTENSION IF NOT EXISTS vector")
             cursor.execute(f"CREATE TABLE IF NOT EXISTS {self.table} ({c['id_column']} text "
                            f"PRIMARY KEY, {c['text_column']} text{metadata}, "
                            f"{c['embedding_column']} vector({int(dim)}))")
-        self._commit()
 
     def _write(self, docs: list[Document], vectors: np.ndarray) -> None:
-        """Binary ``COPY ... FROM STDIN`` with psycopg 3 (fast bulk load), else ``executemany``.
-
-        The binary COPY needs text-typed id / text columns (``text`` or ``varchar``), as the
-        table :meth:`create` makes has."""
+        """Upsert (a stored id gets the new text, vector and metadata, as Qdrant's and Milvus'
+        upserts and LangChain's ``PGVector``): binary ``COPY`` into a temporary table, then one
+        ``INSERT ... ON CONFLICT DO UPDATE``, with psycopg 3 (fast bulk load), else
+        ``executemany`` of the same upsert. Needs a unique id column (:meth:`create`'s primary
+        key) and, for the COPY, text-typed id / text columns."""
         self.create(vectors.shape[1])
         c = self.columns
         names = [c["id_column"], c["text_column"], c["embedding_column"]]
         if self.metadata_column:
             names.append(self.metadata_column)
-        with self._db_lock, self.connection.cursor() as cursor:
+        columns = ", ".join(names)
+        upsert = (f"ON CONFLICT ({c['id_column']}) DO UPDATE SET "
+                  + ", ".join(f"{n} = EXCLUDED.{n}" for n in names[1:]))
+        with self._cursor() as cursor:
             if callable(getattr(cursor, "copy", None)):
-                data = copy_binary(docs, vectors, bool(self.metadata_column))
-                with cursor.copy(f"COPY {self.table} ({', '.join(names)}) FROM STDIN "
-                                 "(FORMAT BINARY)") as copy:
-                    copy.write(data)
+                with self.connection.transaction():  # psycopg 3: the temporary table's lifetime
+                    cursor.execute(f"CREATE TEMP TABLE specrag_upsert ON COMMIT DROP AS "
+                                   f"SELECT {columns} FROM {self.table} WITH NO DATA")
+                    with cursor.copy(f"COPY specrag_upsert ({columns}) FROM STDIN "
+                                     "(FORMAT BINARY)") as copy:
+                        copy.write(copy_binary(docs, vectors, bool(self.metadata_column)))
+                    cursor.execute(f"INSERT INTO {self.table} ({columns}) SELECT {columns} "
+                                   f"FROM specrag_upsert {upsert}")
             else:
                 rows = [(d.id, d.text, vector_literal(v),
                          *([json.dumps(d.metadata)] if self.metadata_column else []))
                         for d, v in zip(docs, vectors, strict=True)]
                 values = ", ".join(["%s", "%s", "%s::vector", "%s::jsonb"][: len(names)])
                 cursor.executemany(
-                    f"INSERT INTO {self.table} ({', '.join(names)}) VALUES ({values})", rows)
-        self._commit()
-
-    def _commit(self) -> None:
-        if not getattr(self.connection, "autocommit", False):
-            self.connection.commit()
+                    f"INSERT INTO {self.table} ({columns}) VALUES ({values}) {upsert}", rows)
