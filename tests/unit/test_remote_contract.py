@@ -449,3 +449,23 @@ def test_an_openai_compatible_server_that_is_not_vllm_is_named_as_such(tok, rout
     with pytest.raises(RemoteError, match=r"tokenizes as no vLLM does .*llama\.cpp's or Ollama's"):
         RemoteLM("http://llama.test", tokenizer=tok, config=FAST,
                  transport=httpx.MockTransport(_LlamaServer(tok, route)))
+
+
+def test_the_tokenizer_comes_from_the_hub_id_a_server_was_started_with(tok, monkeypatch) -> None:
+    """``vllm serve org/name`` lists ``root: org/name``: the tokenizer loads from that id (it was
+    refused as "not on this machine"); a folder of another machine is still refused, saying how
+    to pass one and where an adapter takes the RemoteLM."""
+    import transformers
+
+    from shared_core.runtime.remote.lm import _load_tokenizer
+
+    asked: list[str] = []
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained",
+                        lambda name, **_: asked.append(name) or tok)
+    assert _load_tokenizer(None, "HuggingFaceTB/SmolLM2-135M-Instruct") is tok
+    assert asked == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    for root in ("/models/smollm2", "./smollm2", "a/b/c"):
+        with pytest.raises(ValueError, match=r"not on this machine.*RemoteLM\(url, tokenizer=\.\.\.\)"
+                                             r".*engine=SpeculativeRAG"):
+            _load_tokenizer(None, root)
+    assert asked == ["HuggingFaceTB/SmolLM2-135M-Instruct"]

@@ -356,14 +356,23 @@ def _optional(http: Transport, path: str) -> Any:
         return None
 
 
+def _is_hub_id(name: str) -> bool:
+    """``owner/name`` as the Hugging Face hub writes it (not a path: no leading / or ., one /)."""
+    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and all(name.split("/"))
+
+
 def _load_tokenizer(tokenizer: TokenizerSource, root: str | None) -> PreTrainedTokenizerBase:
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         found: PreTrainedTokenizerBase = getattr(tokenizer, "tokenizer", tokenizer)  # an LM's
         return found
     source = tokenizer if tokenizer is not None else root
-    if source is None or (tokenizer is None and not Path(source).is_dir()):
+    # the server's model: a folder here, or the hub id it was started with (vllm serve org/name)
+    found_here = source is not None and (Path(source).is_dir() or _is_hub_id(str(source)))
+    if source is None or (tokenizer is None and not found_here):
         msg = (f"the server's model folder {root!r} is not on this machine: pass tokenizer= "
-               "(a tokenizer, an LM, or the served model's folder / Hugging Face id)")
+               "(a tokenizer, an LM, or the served model's folder / Hugging Face id), as "
+               "RemoteLM(url, tokenizer=...); an adapter takes that RemoteLM inside its engine, "
+               "engine=SpeculativeRAG(drafter, verifier)")
         raise ValueError(msg)
     from transformers import AutoTokenizer
 
