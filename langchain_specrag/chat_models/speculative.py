@@ -203,9 +203,10 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     Settings: :class:`~shared_core.frontend.chat_settings.ChatSettings` (the same as
     ``SpeculativeLLM``'s) plus ``max_tokens`` (LangChain's name for the token limit; ``None`` =
     the default), ``streaming`` and a preloaded ``lm``. LangChain's standard ``timeout``,
-    ``max_retries``, ``api_key`` and ``base_url`` are accepted and ignored (a local model makes
-    no requests), and so is ``stream_usage`` (a bool: usage is always reported on the last
-    chunk); any other unknown setting is a ``TypeError`` naming the closest valid one. Per call,
+    ``max_retries`` and ``api_key`` are accepted and ignored (a local model makes no requests),
+    and so is ``stream_usage`` (a bool: usage is always reported on the last chunk); a
+    ``base_url`` other than None is refused (the model answers in this process, not at that
+    server); any other unknown setting is a ``TypeError`` naming the closest valid one. Per call,
     ``timeout``, ``stream_usage`` and ``stream_options`` are accepted and ignored the same way.
 
     Example:
@@ -237,6 +238,12 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
     def _checked_stream_usage(cls, data: object) -> object:
         if isinstance(data, dict):
             _check_usage_options(data)  # checked here: IGNORED_SETTINGS drops it unchecked
+            if data.get("base_url") is not None:
+                msg = (f"base_url={redact(str(data['base_url']))!r}: ChatSpeculative runs its "
+                       "model in this process and sends no requests; a served model (vLLM, "
+                       "SGLang) drafts or verifies in Speculative RAG (SpeculativeRAGRunnable) "
+                       "and generates in RaLMSpec (RaLMSpecRunnable) as RemoteLM(url)")
+                raise ValueError(msg)
         return data
 
     def __reduce__(self) -> tuple[Any, ...]:

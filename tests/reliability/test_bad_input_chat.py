@@ -376,6 +376,11 @@ def test_valid_sampling_and_arguments_still_pass(kit):
     assert ChatSpeculative(lm=kit.lm, model_name="tiny", temperature=0.7, seed=0).model == "tiny"
     # LangChain's standard parameters (langchain-tests passes them to every chat model)
     assert ChatSpeculative(lm=kit.lm, timeout=60, max_retries=2, api_key="x").max_tokens
+    assert ChatSpeculative(lm=kit.lm, base_url=None).max_tokens
+    # a server's URL would change who answers: refused, naming the setting (its key redacted)
+    with pytest.raises(ValueError, match=r"base_url='http://\*\*\*@vllm:8000/v1': "
+                                         r"ChatSpeculative runs its model in this process"):
+        ChatSpeculative(lm=kit.lm, base_url="http://user:secret@vllm:8000/v1")
     assert SpeculativeLLM(lm=kit.lm, context_window=None, top_p=0.5).top_p == 0.5
     assert ChatSpeculative(lm=kit.lm).bind_tools([{"type": "function", "function": {
         "name": "add", "parameters": {"type": "object", "properties": {
