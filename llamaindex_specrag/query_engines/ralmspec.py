@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Generator, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from llama_index.core.base.base_query_engine import BaseQueryEngine
 from llama_index.core.base.response.schema import (
@@ -69,6 +69,9 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
     streaming: bool = False
     callback_manager: CallbackManager = Field(default_factory=global_callback_manager,
                                               exclude=True)
+
+    def __init__(self, retriever: object = None, **settings: Any) -> None:
+        super().__init__(retriever=retriever, **settings)
 
     def _get_prompt_modules(self) -> PromptMixinType:
         return {}

@@ -45,7 +45,7 @@ from shared_core.frontend.rag_streams import (
     finished,
 )
 from shared_core.frontend.serving import iterate_in_context, iterate_in_thread
-from shared_core.retrieval.frameworks import llamaindex_retrieve
+from shared_core.retrieval.frameworks import allamaindex_retrieve, llamaindex_retrieve
 from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
 
 if TYPE_CHECKING:
@@ -125,8 +125,9 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
     async def aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         if not isinstance(self.retriever, BaseRetriever):
             return await asyncio.to_thread(self.retrieve, query_bundle)
-        nodes = await await_with_timeout(self.retriever.aretrieve(query_bundle),
-                                         self.retrieval_timeout_s, self._retriever_name())
+        nodes: list[NodeWithScore] = await await_with_timeout(
+            allamaindex_retrieve(self.retriever, query_bundle), self.retrieval_timeout_s,
+            self._retriever_name())
         return nodes[: self.retrieve_k]
 
     def _query(self, query_bundle: QueryBundle) -> Response | StreamingResponse:

@@ -149,9 +149,20 @@ def llamaindex_retrieve(retriever: Any, query: object) -> Any:
     try:
         return retriever.retrieve(query)
     except (AttributeError, TypeError) as e:
-        msg = (f"retriever {type(retriever).__name__}.retrieve failed on its own result ({e}); "
-               "expected _retrieve to return a list of NodeWithScore")
-        raise TypeError(msg) from e
+        raise _malformed(retriever, "retrieve", e) from e
+
+
+async def allamaindex_retrieve(retriever: Any, query: object) -> Any:
+    """:func:`llamaindex_retrieve` with ``aretrieve`` (the same error for a malformed result)."""
+    try:
+        return await retriever.aretrieve(query)
+    except (AttributeError, TypeError) as e:
+        raise _malformed(retriever, "aretrieve", e) from e
+
+
+def _malformed(retriever: Any, method: str, error: Exception) -> TypeError:
+    return TypeError(f"retriever {type(retriever).__name__}.{method} failed on its own result "
+                     f"({error}); expected _{method} to return a list of NodeWithScore")
 
 
 def _converted(items: Sequence[object], name: str) -> DocumentList:

@@ -393,3 +393,22 @@ def test_specrag_retriever_fault_then_same_answer(specrag, mode: str) -> None:
                                                                           4)])
     assert (again.text, again.best, [d.score for d in again.drafts]) == (
         ref.text, ref.best, [d.score for d in ref.drafts])
+
+
+def test_a_malformed_llamaindex_result_is_named_alike_on_the_sync_and_async_paths() -> None:
+    """``SpeculativeRAGQueryEngine.aretrieve`` wraps the retriever's own failure as ``retrieve``
+    does (it let LlamaIndex's AttributeError through); both query engines take the retriever as
+    their first argument."""
+    from llamaindex_specrag import SpeculativeRAGQueryEngine
+
+    class Nodes(LIBaseRetriever):
+        def _retrieve(self, query_bundle: QueryBundle) -> Any:
+            return [{"text": "not a node"}]
+
+    engine = SpeculativeRAGQueryEngine(Nodes())
+    for name, call in (("retrieve", lambda: engine.retrieve(QueryBundle("q"))),
+                       ("aretrieve", lambda: asyncio.run(engine.aretrieve(QueryBundle("q"))))):
+        with pytest.raises(TypeError, match=rf"Nodes\.{name} failed on its own result .*expected "
+                                            rf"_{name} to return a list of NodeWithScore"):
+            call()
+    assert isinstance(RaLMSpecQueryEngine(Nodes()).retriever, Nodes)
