@@ -166,8 +166,8 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     """LlamaIndex LLM running a speculative engine on a local model (default: ReSpec, SmolLM2).
 
     Settings: :class:`~shared_core.frontend.chat_settings.ChatSettings` (the same as
-    ``ChatSpeculative``'s) plus ``max_new_tokens`` (the token limit; per call ``max_tokens`` is
-    accepted too), ``context_window`` and a preloaded ``lm`` (first positional argument).
+    ``ChatSpeculative``'s) plus ``max_new_tokens`` (the token limit; ``None`` = the default; per
+    call ``max_tokens`` is accepted too), ``context_window`` and a preloaded ``lm`` (first positional argument).
 
     A ``FunctionCallingLLM``: ``chat_with_tools`` / ``predict_and_call`` / ``FunctionAgent`` /
     ``structured_predict`` (a forced, grammar-constrained call of the output class's tool).
@@ -178,7 +178,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     the last equals ``chat_with_tools``' reply.
     """
 
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    max_new_tokens: int | None = DEFAULT_MAX_NEW_TOKENS  # None: the default, as LangChain's max_tokens
     context_window: int | None = Field(default=None, description="None = the model's window")
     _lm: Any = PrivateAttr(default=None)  # a preloaded shared_core LM (else the shared cache)
 
@@ -208,7 +208,8 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     @property
     def metadata(self) -> LLMMetadata:
         window = self.context_window or self._model()[0].max_context
-        return LLMMetadata(context_window=window, num_output=self.max_new_tokens,
+        return LLMMetadata(context_window=window,
+                           num_output=self.token_limit() or DEFAULT_MAX_NEW_TOKENS,
                            is_chat_model=True, is_function_calling_model=True,
                            model_name=redact(self.answering_model(self._lm)),
                            system_role=MessageRole.SYSTEM)

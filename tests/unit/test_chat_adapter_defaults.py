@@ -163,3 +163,15 @@ def test_streams_report_the_same_stats(pair: Any) -> None:
     lc_stats = chunks[-1].response_metadata["speculative_stats"]
     li_stats = parts[-1].raw["speculative_stats"]
     assert lc_stats["new_tokens"] == li_stats["new_tokens"] > 0
+
+
+def test_a_token_limit_of_none_means_the_default_in_both_adapters(tiny_target: Any) -> None:
+    """LangChain's ``max_tokens=None`` and LlamaIndex's ``max_new_tokens=None`` (a
+    ValidationError before) both mean the configured default, which metadata reports."""
+    chat = ChatSpeculative(lm=tiny_target, model="tiny", max_tokens=None, engine="autoregressive")
+    llm = SpeculativeLLM(tiny_target, model="tiny", max_new_tokens=None, engine="autoregressive")
+    assert llm.metadata.num_output == DEFAULT_MAX_NEW_TOKENS
+    lc = chat.invoke([HumanMessage(PROMPT)])
+    li = llm.chat([ChatMessage(role=MessageRole.USER, content=PROMPT)])
+    assert lc.content == li.message.content
+    assert lc.usage_metadata["output_tokens"] == li.raw["completion_tokens"]
