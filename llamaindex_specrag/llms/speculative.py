@@ -167,7 +167,8 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
 
     Settings: :class:`~shared_core.frontend.chat_settings.ChatSettings` (the same as
     ``ChatSpeculative``'s) plus ``max_new_tokens`` (the token limit; ``None`` = the default;
-    per call ``max_tokens`` is accepted too), ``context_window`` and a preloaded ``lm`` (first positional argument).
+    per call ``max_tokens`` is accepted too), ``context_window`` and a preloaded ``lm`` (first
+    positional argument).
 
     A ``FunctionCallingLLM``: ``chat_with_tools`` / ``predict_and_call`` / ``FunctionAgent`` /
     ``structured_predict`` (a forced, grammar-constrained call of the output class's tool).
