@@ -130,12 +130,11 @@ def test_blend_reuses_passages_in_any_order_and_reports_counts(blend_model, tmp_
     tokens, session = greedy(lm, ids)
     report = session.passage_report
     scratch = [b for b in batches if b and b[0][2][0] not in (0, PLACE_SEQ)]
-    gaps, recomputed = scratch[0], scratch[1:]  # one decode for the gaps, one per chunk after
-    assert 1 <= len(recomputed) <= 3 and len(scratch) == 1 + len(recomputed)
-    assert sum(map(len, recomputed)) == report.recomputed
-    assert len({e[2] for e in gaps}) == 2
-    positions = [sorted(e[1] for e in decode) for decode in recomputed]
-    assert all(a[-1] < b[0] for a, b in itertools.pairwise(positions))  # chunk after chunk
+    # in prompt order, each gap after the recomputed runs of the chunk before it: every id's
+    # final KV is computed after the final KV of every id before it (a prefill's order)
+    positions = [sorted(e[1] for e in decode) for decode in scratch]
+    assert all(a[-1] < b[0] for a, b in itertools.pairwise(positions))
+    assert sum(map(len, scratch)) > report.recomputed > 0  # the gaps and the recomputed runs
     assert report.reused > 0 and report.computed_alone == 0
     assert round(0.15 * report.reused) <= report.recomputed <= 3 * round(0.15 * report.reused)
     assert report.probe > 0
@@ -143,6 +142,31 @@ def test_blend_reuses_passages_in_any_order_and_reports_counts(blend_model, tmp_
     assert session.reused_tokens == report.reused
     assert len(tokens) == N_NEW
     assert session._slot.tokens is None  # blended cells never serve as an exact prefix
+
+
+def test_blend_recomputing_everything_reads_in_a_prefills_order(blend_model, tmp_path,
+                                                                   monkeypatch):
+    """At ``recompute_share=1`` every reused id is recomputed, and each id's final KV is computed
+    after every id before it (a gap after the recomputed chunk before it, not before: read
+    first, a gap kept the cached KV of the chunk before it, and 6 of 15 greedy answers differed
+    from a plain prefill's where the exact cache's numerics alone change 3)."""
+    lm = _fresh(blend_model, tmp_path, "blend", recompute_share=1.0)
+    warm_passages(lm, PASSAGES, progress=False)
+    ids = prompt_ids(lm, [1, 2, 0], "Who built the weir?")
+    batches = []
+    original = passage_llamacpp.decode
+    monkeypatch.setattr(passage_llamacpp, "decode",
+                        lambda lm_, slot, entries: batches.append(entries) or original(
+                            lm_, slot, entries))
+    session = lm.open_session()
+    session.prefill(ids)
+    report = session.passage_report
+    placed = [span for span in lm.model.passage_cache.chunks_of(ids[:-1])]
+    assert report.recomputed == sum(len(span) for span in placed) > 0
+    written = [sorted(e[1] for e in decode) for decode in batches
+               if decode and decode[0][2][0] not in (PLACE_SEQ,)]
+    final = [p for decode in written for p in decode if p >= placed[0].start]
+    assert final == sorted(final) and set(range(placed[0].start, len(ids) - 1)) <= set(final)
 
 
 REPORT = " ".join(

@@ -22,12 +22,14 @@ runs the first ``prefill`` of every session on that model:
   context; values carry no rotary phase, so the shift does not enter it): the whole prompt goes
   through layer 0 and layer 1's value projection only (:class:`.llamacpp_probe.Probe`, about
   1.2/L of a full prefill), and is compared with the values the cached chunk holds.
-  A sequence only accepts positions after its last one, so the gaps between chunks, and then
-  the runs of selected tokens, are each decoded in a scratch sequence holding sequence 0's
-  cells before them and swapped in: one ``llama_decode`` for the gaps (one of its own for a
-  gap holding a chunk read in context, below), then one per chunk for its selected runs,
-  chunk after chunk, so each chunk's recomputed tokens attend to the recomputed tokens of the
-  chunks before it (:meth:`LlamaCppPassageCache._decode_runs`).
+  A sequence only accepts positions after its last one, so the gaps between chunks and the
+  runs of selected tokens are each decoded in a scratch sequence holding sequence 0's cells
+  before them and swapped in, in prompt order: per chunk, the gap before it, then its selected
+  runs (one ``llama_decode`` per chunk's runs; gaps with no recomputed chunk between them share
+  one; a gap holding a chunk read in context, below, has one of its own). So each recomputed
+  token attends to the recomputed tokens and the gaps before it, and each gap to the
+  recomputed chunks before it: with every token recomputed this is a prefill's order
+  (:meth:`LlamaCppPassageCache._read_between`, :meth:`LlamaCppPassageCache._decode_runs`).
 - **a miss** (blend): a chunk that is not stored is not placed: it is read in context like a
   gap (in a decode of its own, after the gaps before it; before the first stored chunk, in
   place), so it attends to everything before it and is neither probed nor recomputed, and a
@@ -314,29 +316,52 @@ class LlamaCppPassageCache:
             with report.timed("read"):  # the head, in place: the chunks go after it
                 self._decode_range(lm, slot, seq, ids, pos, stored[0][0].start, report)
             pos = stored[0][0].start
-        gaps, placed = [], []
+        gaps: list[tuple[int, int] | None] = []  # before each placed chunk
+        placed: list[tuple[Span, bytes]] = []
         for span, key, payload in stored:
-            if span.start > pos:
-                gaps.append((pos, span.start))
+            gaps.append((pos, span.start) if span.start > pos else None)
             with report.timed("place"):
                 placed.append((span, self._place(lm, slot, seq, ids[span.start : span.end],
                                                  span.start, report, key, payload)))
             pos = span.end
-        with report.timed("read"):  # between chunks: each gap sees the chunks before it
-            for group in _gap_groups(gaps, [span for span, _ in missing]):
-                report.read += self._decode_runs(lm, slot, seq, ids, group, scratch)
+        runs: list[tuple[int, int]] = []
         if placed and self.config.recompute_share > 0:
             with report.timed("probe"):
                 runs = self._select(lm, ids[:pos], placed, report)
-            with report.timed("recompute"):
-                for chunk_runs in _by_chunk(runs, [span for span, _ in placed]):
-                    report.recomputed += self._decode_runs(lm, slot, seq, ids, chunk_runs,
-                                                           scratch)
+        per_chunk = _per_chunk(runs, [span for span, _ in placed])
+        self._read_between(lm, slot, seq, ids, list(zip(gaps, per_chunk, strict=True)),
+                           [span for span, _ in missing], scratch, report)
         with report.timed("read"):
             self._decode_range(lm, slot, seq, ids, pos, len(ids), report)
         with report.timed("store"):
             self._store_read(slot, seq, missing, report)
         return len(placed)
+
+    def _read_between(self, lm: SessionLM, slot: _Slot, seq: int, ids: list[int],
+                      chunks: Sequence[tuple[tuple[int, int] | None, list[tuple[int, int]]]],
+                      read: Sequence[Span], scratch: Sequence[int], report: PrefillReport
+                      ) -> None:
+        """Per placed chunk, in prompt order: the gap before it, then its selected runs
+        recomputed. So a gap sees the recomputed runs of the chunks before it and a chunk's runs
+        see the gaps before them as read after those (at ``recompute_share=1`` a full prefill's
+        order); gaps with no recomputed chunk between them share decodes (``read``: chunks read
+        in context, each in a decode of its own)."""
+        pending: list[tuple[int, int]] = []
+
+        def read_pending() -> None:
+            with report.timed("read"):
+                for group in _gap_groups(pending, read):
+                    report.read += self._decode_runs(lm, slot, seq, ids, group, scratch)
+            pending.clear()
+
+        for gap, runs in chunks:
+            if gap is not None:
+                pending.append(gap)
+            if runs:
+                read_pending()
+                with report.timed("recompute"):
+                    report.recomputed += self._decode_runs(lm, slot, seq, ids, runs, scratch)
+        read_pending()
 
     def _lookup(self, ids: list[int], spans: Sequence[Span], report: PrefillReport
                 ) -> tuple[list[tuple[Span, str, bytes]], list[tuple[Span, str]]]:
@@ -595,16 +620,15 @@ def _gap_groups(gaps: Sequence[tuple[int, int]], read: Sequence[Span]
     return [group for group in groups if group]
 
 
-def _by_chunk(runs: Sequence[tuple[int, int]], spans: Sequence[Span]
-              ) -> list[list[tuple[int, int]]]:
-    """Sorted runs grouped by the sorted chunk they start in (runs outside every chunk last)."""
-    groups: list[list[tuple[int, int]]] = [[] for _ in range(len(spans) + 1)]
+def _per_chunk(runs: Sequence[tuple[int, int]], spans: Sequence[Span]
+               ) -> list[list[tuple[int, int]]]:
+    """Sorted runs grouped by the sorted chunk they start in, one list per chunk (a run starts
+    inside a placed chunk: only reused positions are selected)."""
+    groups: list[list[tuple[int, int]]] = [[] for _ in spans]
     starts = [span.start for span in spans]
     for run in runs:
-        at = int(np.searchsorted(starts, run[0], side="right")) - 1
-        inside = at >= 0 and run[0] < spans[at].end
-        groups[at if inside else len(spans)].append(run)
-    return [group for group in groups if group]
+        groups[max(int(np.searchsorted(starts, run[0], side="right")) - 1, 0)].append(run)
+    return groups
 
 
 def _runs(positions: Sequence[int]) -> list[tuple[int, int]]:
