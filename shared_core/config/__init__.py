@@ -51,6 +51,7 @@ RANDOM_SEED = -1  # llama.cpp's / llama-cpp-python's / Ollama's "no fixed seed"
 # (shared_core.runtime.torch.static; docs/backends.md, "Static cache")
 CacheKind = Literal["prealloc", "dynamic", "static"]
 CACHE_KINDS: tuple[CacheKind, ...] = ("prealloc", "dynamic", "static")
+DEFAULT_CACHE: CacheKind = "prealloc"
 
 
 def check_backend(backend: object, name: str = "backend") -> str:

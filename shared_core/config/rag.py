@@ -16,6 +16,7 @@ from typing import Literal
 
 from shared_core.config import (
     CACHE_KINDS,
+    DEFAULT_CACHE,
     CacheKind,
     check_choice,
     check_fields,
@@ -181,7 +182,7 @@ class RaLMSpecConfig:
     window: int = 5  # OS³ estimation window w (rounds)
     gamma_max: float = 0.6  # OS³ cap on the estimated speculation accuracy γ̂
     instruction: str = DEFAULT_INSTRUCTION
-    cache: CacheKind = "prealloc"
+    cache: CacheKind = DEFAULT_CACHE
     # Seconds one retriever search may take (None: wait forever). On expiry the call raises
     # TimeoutError and is abandoned: the search thread is left to finish on its own.
     retrieval_timeout_s: float | None = None

@@ -15,6 +15,7 @@ from typing import Literal, get_args
 
 from shared_core.config import (
     CACHE_KINDS,
+    DEFAULT_CACHE,
     CacheKind,
     check_choice,
     check_config_types,
@@ -68,7 +69,7 @@ class RapidConfig:
     truncate: str = "error"  # "error" or "middle" (LongBench-style middle truncation, opt-in)
     drafter_kv: str = "own"  # "own": drafter prefills its RAG prompt (paper); "target": see above
     adaptive_gamma: bool = False  # cost-aware draft length ≤ gamma (see above); paper: constant
-    cache: CacheKind = "prealloc"
+    cache: CacheKind = DEFAULT_CACHE
     context_template: str = "<Context>\n{context}\n</Context>\n\n"
     rag_template: str = "<Retrieved Context>\n{context}\n</Retrieved Context>\n\n"
     query_template: str = "{query}"
@@ -138,7 +139,7 @@ class ReSpecConfig:
     # check costs most of a step per token (CPU llama.cpp: 2 tokens = 1.6 steps), or the scores
     # would never leave ema_init.
     probe_every: int = 16
-    cache: CacheKind = "prealloc"
+    cache: CacheKind = DEFAULT_CACHE
 
     def __post_init__(self) -> None:
         check_config_types(self)

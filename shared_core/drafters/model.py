@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import torch
 
-from shared_core.config import CacheKind, SamplingConfig
+from shared_core.config import DEFAULT_CACHE, CacheKind, SamplingConfig
 from shared_core.decoding.verify import make_generator, sample, warp_probs
 from shared_core.drafters.base import EMPTY_DRAFT, Draft, DrafterBase, check_same_vocabulary
 from shared_core.runtime.host_sync import DeviceTokens
@@ -24,7 +24,7 @@ class ModelDrafter(DrafterBase):
     """
 
     def __init__(self, lm: SessionLM, *, target: SessionLM | None = None,
-                 sampling: SamplingConfig | None = None, cache: CacheKind = "prealloc"):
+                 sampling: SamplingConfig | None = None, cache: CacheKind = DEFAULT_CACHE):
         if target is not None:
             check_same_vocabulary(target, lm)
         require_rollback(lm, "a draft model")
@@ -70,28 +70,40 @@ class ModelDrafter(DrafterBase):
         and the tokens come back as :class:`DeviceTokens`, read in the round's one readback (the
         engine's verification). Other runtimes' sessions (llama.cpp) take host ids.
         """
-        rows: list[torch.Tensor] = []
         if isinstance(self.session, TorchSession):
-            out: torch.Tensor | None = None
-            drafted: DeviceTokens | None = None
-            step: Sequence[int] = [last]
-            for i in range(k):
-                logits = self.session.extend(step)[-1][: self.vocab_size]
-                if out is None:
-                    out = torch.empty(k, dtype=torch.long, device=logits.device)
-                    drafted = DeviceTokens(out)
-                if self.sampling.greedy:
-                    out[i : i + 1] = logits.argmax(-1, keepdim=True)
-                    if greedy_probs:
-                        rows.append(torch.softmax(logits.float(), dim=-1))
-                else:
-                    probs = warp_probs(logits, self.sampling)
-                    rows.append(probs)
-                    out[i : i + 1] = self._draw(probs)
-                assert drafted is not None
-                step = drafted.part(i, i + 1)
+            return self._draft_on_device(last, k, greedy_probs)
+        return self._draft_on_host(last, k, greedy_probs)
+
+    def _draft_on_device(self, last: int, k: int, greedy_probs: bool
+                         ) -> tuple[DeviceTokens, torch.Tensor | None]:
+        """:meth:`draft_steps` on a torch session: each token written into one ``[k]`` device
+        buffer and fed from there to the next step, nothing read back."""
+        rows: list[torch.Tensor] = []
+        out: torch.Tensor | None = None
+        drafted: DeviceTokens | None = None
+        step: Sequence[int] = [last]
+        for i in range(k):
+            logits = self.session.extend(step)[-1][: self.vocab_size]
+            if out is None:
+                out = torch.empty(k, dtype=torch.long, device=logits.device)
+                drafted = DeviceTokens(out)
+            if self.sampling.greedy:
+                out[i : i + 1] = logits.argmax(-1, keepdim=True)
+                if greedy_probs:
+                    rows.append(torch.softmax(logits.float(), dim=-1))
+            else:
+                probs = warp_probs(logits, self.sampling)
+                rows.append(probs)
+                out[i : i + 1] = self._draw(probs)
             assert drafted is not None
-            return drafted, torch.stack(rows) if rows else None
+            step = drafted.part(i, i + 1)
+        assert drafted is not None
+        return drafted, torch.stack(rows) if rows else None
+
+    def _draft_on_host(self, last: int, k: int, greedy_probs: bool
+                       ) -> tuple[tuple[int, ...], torch.Tensor | None]:
+        """:meth:`draft_steps` on another runtime's session: host ids, one token per step."""
+        rows: list[torch.Tensor] = []
         tokens: list[int] = []
         for _ in range(k):
             logits = self.session.extend([last])[-1][: self.vocab_size]

@@ -23,12 +23,11 @@ from collections.abc import Sequence
 
 import torch
 
-from shared_core.config import SamplingConfig
+from shared_core.config import DEFAULT_CACHE, CacheKind, SamplingConfig
 from shared_core.decoding.verify import make_generator
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.model import ModelDrafter
 from shared_core.runtime.protocol import KVSession, SessionLM
-from shared_core.runtime.torch.session import CacheKind
 
 
 class RetrievedContextDrafter(ModelDrafter):
@@ -40,7 +39,7 @@ class RetrievedContextDrafter(ModelDrafter):
     """
 
     def __init__(self, lm: SessionLM, *, target: SessionLM | None = None,
-                 sampling: SamplingConfig | None = None, cache: CacheKind = "prealloc"):
+                 sampling: SamplingConfig | None = None, cache: CacheKind = DEFAULT_CACHE):
         super().__init__(lm, target=target, sampling=sampling, cache=cache)
         self.draft_prompt: list[int] = []
         self.target_prompt_len = 0

@@ -16,6 +16,7 @@ from typing import Any, Unpack
 import torch
 
 from shared_core.config import (
+    DEFAULT_CACHE,
     DEFAULT_MAX_NEW_TOKENS,
     CacheKind,
     GenerationConfig,
@@ -52,7 +53,7 @@ DEFAULT_DRAFT_TOKENS = 8
 
 
 def stream_autoregressive(lm: SessionLM, prompt: Prompt, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-                          cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None,
+                          cache: CacheKind = DEFAULT_CACHE, logits_mask: LogitsMask | None = None,
                           **sampling: Unpack[SamplingOptions]) -> TokenStream:
     """Plain decoding, one token per forward, as a stream of text deltas."""
     config = generation_config(max_new_tokens, **sampling)
@@ -64,7 +65,7 @@ def autoregressive_generate(lm: SessionLM, prompt: Prompt, max_new_tokens: int =
                             top_k: int = SamplingConfig.top_k, top_p: float = SamplingConfig.top_p,
                             min_p: float = SamplingConfig.min_p,
                             stop: Sequence[str] | str | None = None, seed: int | None = None,
-                            cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None
+                            cache: CacheKind = DEFAULT_CACHE, logits_mask: LogitsMask | None = None
                             ) -> GenerationResult:
     """Reference decoding: greedy when ``temperature == 0``, else sampling (top-k / top-p);
     ``logits_mask`` constrains every step (see :class:`~shared_core.engines.loop.LogitsMask`)."""
@@ -114,7 +115,7 @@ def _speculative_blocks(run: Run, drafter: Drafter, k: int) -> Blocks:
 
 def stream_speculative(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Prompt,
                        max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-                       k: int = DEFAULT_DRAFT_TOKENS, cache: CacheKind = "prealloc",
+                       k: int = DEFAULT_DRAFT_TOKENS, cache: CacheKind = DEFAULT_CACHE,
                        logits_mask: LogitsMask | None = None, **sampling: Unpack[SamplingOptions]
                        ) -> TokenStream:
     """Speculative decoding as a stream of text deltas (one per verified block)."""
@@ -147,7 +148,7 @@ def speculative_generate(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Pr
                          top_p: float = SamplingConfig.top_p,
                          min_p: float = SamplingConfig.min_p, stop: Sequence[str] | str | None = None,
                          seed: int | None = None,
-                         cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None
+                         cache: CacheKind = DEFAULT_CACHE, logits_mask: LogitsMask | None = None
                          ) -> GenerationResult:
     """Classic speculative decoding with any drafter; lossless (greedy and sampled)."""
     return stream_speculative(lm, drafter, prompt, max_new_tokens, k=k, cache=cache,
@@ -159,7 +160,7 @@ def speculative_generate(lm: SessionLM, drafter: Drafter | SessionLM, prompt: Pr
 def start_autoregressive(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
                          documents: Sequence[str] | None = None,
                          engine_state: dict[str, Any] | None = None,
-                         cache: CacheKind = "prealloc", logits_mask: LogitsMask | None = None
+                         cache: CacheKind = DEFAULT_CACHE, logits_mask: LogitsMask | None = None
                          ) -> TokenStream:
     """Registry entry (see ``engines/registry.py``): plain decoding with ``generation`` checked
     by the caller; it ignores ``documents``."""

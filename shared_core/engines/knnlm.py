@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from shared_core.config import DEFAULT_MAX_NEW_TOKENS, GenerationConfig, check_config_types
+from shared_core.config.rag import RaLMSpecConfig
 from shared_core.decoding.decode_stats import RUN_SPECIFIC, DecodeStats
 from shared_core.decoding.output import GenerationResult
 from shared_core.engines.loop import Blocks, Prompt, Run, TokenStream, timed
@@ -55,8 +56,8 @@ class KNNLMConfig:
     max_speculation_stride: int = 16
     scheduler: bool = True  # OS³
     next_entries: int = 10  # n: datastore entries after each retrieved one go into the cache
-    window: int = 5
-    gamma_max: float = 0.6
+    window: int = RaLMSpecConfig.window
+    gamma_max: float = RaLMSpecConfig.gamma_max
 
     def __post_init__(self) -> None:
         check_config_types(self)  # a bool, a string or a float where an int goes: TypeError

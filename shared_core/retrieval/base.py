@@ -32,7 +32,7 @@ def check_document_fields(doc_id: object, text: object, metadata: object, where:
     """TypeError/ValueError naming the field (``where.id`` ...) unless the fields are well typed.
 
     Run at construction so that a bad document never reaches an index or an engine (a non-str
-    text used to fail deep inside BM25 tokenization or the embedder).
+    text would otherwise fail deep inside BM25 tokenization or the embedder).
     """
     if not isinstance(doc_id, str):
         msg = f"{where}.id must be a str, got {type(doc_id).__name__} {doc_id!r}"

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar
 
-from shared_core.config import CacheKind
+from shared_core.config import DEFAULT_CACHE, CacheKind
 from shared_core.runtime.protocol import Capabilities, CostCurve, KVSession, ModelLM, Row, Spans, StopRule
 from shared_core.util.device import current_threads
 
@@ -125,7 +125,7 @@ class LM(ChatTokenizer):
                             any_positions=True, hidden_states=True, measured_cost=False,
                             branch_rows_exact=not invariant)
 
-    def open_session(self, *, cache: CacheKind = "prealloc") -> KVSession:
+    def open_session(self, *, cache: CacheKind = DEFAULT_CACHE) -> KVSession:
         from shared_core.runtime.torch.session import KVSession as TorchSession
 
         return TorchSession(self, cache=cache)

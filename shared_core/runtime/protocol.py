@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
 
-from shared_core.config import CacheKind
+from shared_core.config import DEFAULT_CACHE, CacheKind
 
 if TYPE_CHECKING:
     import torch
@@ -189,7 +189,7 @@ class SessionLM(ModelLM, Protocol):
     @property
     def capabilities(self) -> Capabilities: ...
 
-    def open_session(self, *, cache: CacheKind = "prealloc") -> KVSession:
+    def open_session(self, *, cache: CacheKind = DEFAULT_CACHE) -> KVSession:
         """A new, empty session (``cache``: the torch cache layout; other runtimes ignore it)."""
 
     def forward_cost_curve(self) -> CostCurve | None:
@@ -212,7 +212,7 @@ class ServedLM(ModelLM, Protocol):
         """Per prompt, ``n`` continuations, all prompts in one request."""
 
 
-def open_session(lm: SessionLM, *, cache: CacheKind = "prealloc") -> KVSession:
+def open_session(lm: SessionLM, *, cache: CacheKind = DEFAULT_CACHE) -> KVSession:
     """A new KV session on ``lm``, whatever its runtime."""
     return lm.open_session(cache=cache)
 

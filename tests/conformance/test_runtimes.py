@@ -678,8 +678,8 @@ def test_standard_rag_registers_its_documents_and_the_drafter_rows_reuse_them(
     """The engines register the documents they read: standard RAG's second question over them in
     another order, and Speculative RAG's drafter rows, reuse every passage."""
     cells_only(rt, "a passage cache")
-    from shared_core.engines.speculative_rag.engine import standard_rag
     from shared_core.engines.speculative_rag.prompts import draft_prompt
+    from shared_core.engines.speculative_rag.standard import standard_rag
     from shared_core.retrieval.base import Document
 
     lm = rt.blend_lm()

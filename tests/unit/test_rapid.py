@@ -11,13 +11,12 @@ import torch
 from fakes import HashEmbedder
 from tiny import CORPUS, measured
 
-from shared_core.decoding.verify import (
+from shared_core.decoding.verify import verify_greedy, verify_sampled
+from shared_core.decoding.verify_rapid import (
     rapid_residual,
     rapid_target_probs,
-    verify_greedy,
     verify_rapid_greedy,
     verify_rapid_sampled,
-    verify_sampled,
 )
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.engines.rapid import RapidConfig, RapidDecoder, split_prompt

@@ -9,7 +9,7 @@ import torch
 
 from shared_core.config import SamplingConfig
 from shared_core.decoding.draft_length import best_draft_length
-from shared_core.decoding.verify import relaxed_accept_length, verify_tree_relaxed
+from shared_core.decoding.verify_relaxed import relaxed_accept_length, verify_tree_relaxed
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.engines.registry import stream_engine
 from shared_core.engines.respec import (

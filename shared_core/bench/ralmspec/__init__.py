@@ -34,9 +34,9 @@ import numpy as np
 from shared_core.bench.common import MethodResult, data_dir, figure, make_report, read_jsonl
 from shared_core.bench.ralmspec import stores as ralmspec_stores
 from shared_core.config import DEFAULT_EMBEDDER, DEFAULT_LM
+from shared_core.config.rag import RaLMSpecConfig
 
 if TYPE_CHECKING:
-    from shared_core.engines.ralmspec import RaLMSpecConfig
     from shared_core.retrieval import DenseRetriever, Document
     from shared_core.runtime.lm import LM
     from shared_core.runtime.remote import RemoteLM
@@ -75,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gemm-min-batch", type=int, default=2,
                         help="exact index: batches of >= this many queries use one GEMM pass")
     parser.add_argument("--faiss-threads", type=int, default=1)
-    parser.add_argument("--speculation-stride", type=int, default=3)
-    parser.add_argument("--prefetch-k", type=int, default=20)
+    parser.add_argument("--speculation-stride", type=int,
+                        default=RaLMSpecConfig.speculation_stride)
+    parser.add_argument("--prefetch-k", type=int, default=RaLMSpecConfig.prefetch_k)
     parser.add_argument("--knn-k", default="1,16,256,1024")
     parser.add_argument("--knn-datastore-tokens", type=int, default=60_000)
     parser.add_argument("--knn-pad", type=int, default=0)
@@ -306,7 +307,6 @@ def _run_retriever(kind: str, lm: LM | RemoteLM, corpus: list[Any], args: argpar
 
 
 def run_doc(args: argparse.Namespace) -> dict[str, Any]:
-    from shared_core.engines.ralmspec import RaLMSpecConfig
     from shared_core.runtime.model_cache import resolve_lm
 
     _pipelined_methods(args.pipelined)  # bad names fail before any model or corpus work

@@ -599,7 +599,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                "llama_server_cache_reuse", "exact_cold", "exact_warm"]
     settings = {"model": name, "k": args.k, "shares": shares, "max_new_tokens": args.max_new_tokens,
                 "n_ctx": n_ctx}
-    if backend != "llama.cpp":  # llama.cpp rows written before --backend existed stay resumable
+    # llama.cpp (the default) adds no "backend" key: its settings then equal those of every
+    # llama.cpp row on disk, none of which has the key, so those rows resume
+    if backend != "llama.cpp":
         settings["backend"] = backend
     threads, policy = _threads(lm, backend)
     report: dict[str, Any] = {

@@ -46,6 +46,8 @@ from shared_core.runtime.weights.embedded import check_embedder_name
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_METHOD = "rapid"  # one of METHODS: the paper's retrieval-augmented speculation
+
 
 class Slot:
     """One generation's sessions: the target, both drafters, the RAG baseline's."""
@@ -171,7 +173,7 @@ class RapidDecoder(RapidContext):
 
     @suggest_kwargs
     def stream(self, context: str, query: str, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, *,
-               method: str = "rapid", eta: float | None = None, gamma: int | None = None,
+               method: str = DEFAULT_METHOD, eta: float | None = None, gamma: int | None = None,
                drafter_kv: str | None = None, adaptive_gamma: bool | None = None,
                stop: Sequence[str] | str | None = None,
                temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
@@ -196,7 +198,7 @@ class RapidDecoder(RapidContext):
                           drafter_kv=drafter_kv, adaptive_gamma=adaptive_gamma,
                           logits_mask=logits_mask)
 
-    def start(self, context: str, query: str, gen: GenerationConfig, *, method: str = "rapid",
+    def start(self, context: str, query: str, gen: GenerationConfig, *, method: str = DEFAULT_METHOD,
               eta: float | None = None, gamma: int | None = None, drafter_kv: str | None = None,
               adaptive_gamma: bool | None = None, logits_mask: LogitsMask | None = None
               ) -> TokenStream:

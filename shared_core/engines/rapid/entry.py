@@ -18,7 +18,7 @@ from shared_core.config import (
 from shared_core.config.tokens import RapidConfig
 from shared_core.decoding.output import ChatTurns, generation_config, validate_messages
 from shared_core.engines.loop import LogitsMask, Prompt, TokenStream, kept
-from shared_core.engines.rapid.engine import RapidDecoder
+from shared_core.engines.rapid.engine import DEFAULT_METHOD, RapidDecoder
 from shared_core.retrieval.base import Encoder
 from shared_core.runtime.protocol import SessionLM
 
@@ -31,30 +31,46 @@ def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, 
     ``"Question:"`` / ``"Query:"`` in the last user message (LlamaIndex's QA prompt), else the
     other messages' contents.
     """
-    if isinstance(prompt, str):
-        messages = [{"role": "user", "content": prompt}]
-    elif isinstance(prompt, ChatTurns):  # checked at the adapter's edge
-        messages = prompt
-    elif isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
-        messages = validate_messages(prompt)
-    else:
-        msg = ("RAPID needs a text prompt or chat messages as the prompt (not token ids), got "
-               f"{type(prompt).__name__}")
-        raise TypeError(msg)
+    messages = _as_messages(prompt)
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if not users:
         msg = "prompt has no user message to take the query from"
         raise ValueError(msg)
-    last = messages[users[-1]]["content"]
     if documents is not None:
-        if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
-            msg = "documents must be a list of strings (the long context)"
-            raise TypeError(msg)
-        docs = [d for d in documents if d.strip()]
-        if not docs:
-            msg = "documents must contain at least one non-empty text (the long context)"
-            raise ValueError(msg)
-        return "\n\n".join(docs), last
+        return _documents_context(documents), messages[users[-1]]["content"]
+    return _context_in_message(messages, users[-1])
+
+
+def _as_messages(prompt: Prompt) -> list[dict[str, str]]:
+    """The prompt as chat messages: a text is one user message; token ids are a TypeError."""
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if isinstance(prompt, ChatTurns):  # checked at the adapter's edge
+        return prompt
+    if isinstance(prompt, Sequence) and prompt and all(isinstance(m, dict) for m in prompt):
+        return validate_messages(prompt)
+    msg = ("RAPID needs a text prompt or chat messages as the prompt (not token ids), got "
+           f"{type(prompt).__name__}")
+    raise TypeError(msg)
+
+
+def _documents_context(documents: Sequence[str]) -> str:
+    """The long context from ``documents``: the non-blank texts joined by blank lines."""
+    if isinstance(documents, str) or not all(isinstance(d, str) for d in documents):
+        msg = "documents must be a list of strings (the long context)"
+        raise TypeError(msg)
+    docs = [d for d in documents if d.strip()]
+    if not docs:
+        msg = "documents must contain at least one non-empty text (the long context)"
+        raise ValueError(msg)
+    return "\n\n".join(docs)
+
+
+def _context_in_message(messages: list[dict[str, str]], last_user: int) -> tuple[str, str]:
+    """(long context, query) without documents: the text before the last ``"Question:"`` /
+    ``"Query:"`` in the last user message (a leading ``"Context:"`` dropped), else the other
+    messages' contents with the whole last user message as the query."""
+    last = messages[last_user]["content"]
     lowered = last.lower()
     cut = max(lowered.rfind("question:"), lowered.rfind("query:"))
     if cut > 0 and last[:cut].strip():
@@ -63,7 +79,7 @@ def split_prompt(prompt: Prompt, documents: Sequence[str] | None) -> tuple[str, 
             context = context[len("context:"):].strip()
         return context, last[cut:].strip()
     others = "\n\n".join(m["content"] for i, m in enumerate(messages)
-                         if i != users[-1] and m["content"].strip())
+                         if i != last_user and m["content"].strip())
     if not others:
         msg = ("RAPID needs a long context: pass documents=[...] or put the context before "
                "'Question:' in the user message (or in a system message)")
@@ -106,7 +122,7 @@ def stream_rapid(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
                  documents: Sequence[str] | None = None, stop: Sequence[str] | str | None = None,
                  temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
                  top_p: float = SamplingConfig.top_p, min_p: float = SamplingConfig.min_p,
-                 seed: int | None = None, method: str = "rapid", decoder: RapidDecoder | None = None,
+                 seed: int | None = None, method: str = DEFAULT_METHOD, decoder: RapidDecoder | None = None,
                  draft_lm: SessionLM | None = None, embedder: Encoder | str = DEFAULT_EMBEDDER,
                  engine_state: dict[str, Any] | None = None,
                  logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:
@@ -122,7 +138,7 @@ def stream_rapid(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,
 
 
 def start_rapid(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
-                documents: Sequence[str] | None = None, method: str = "rapid",
+                documents: Sequence[str] | None = None, method: str = DEFAULT_METHOD,
                 decoder: RapidDecoder | None = None, draft_lm: SessionLM | None = None,
                 embedder: Encoder | str = DEFAULT_EMBEDDER, engine_state: dict[str, Any] | None = None,
                 logits_mask: LogitsMask | None = None, **config_options: Any) -> TokenStream:

@@ -14,13 +14,8 @@ from shared_core.config import (
 )
 from shared_core.config.tokens import RapidConfig
 from shared_core.decoding.draft_length import CostModel, best_draft_length
-from shared_core.decoding.verify import (
-    Verdict,
-    choose_token,
-    verify_rapid_greedy,
-    verify_rapid_sampled,
-    warp_probs,
-)
+from shared_core.decoding.verify import Verdict, choose_token, warp_probs
+from shared_core.decoding.verify_rapid import verify_rapid_greedy, verify_rapid_sampled
 from shared_core.drafters.base import EMPTY_DRAFT, Draft
 from shared_core.drafters.retrieved_context import RetrievedContextDrafter
 from shared_core.engines.loop import Blocks, LogitsMask, Run

@@ -18,8 +18,9 @@ The paper's three questions, as coded here:
   generation keeps copying from the same place, so its score carries across rounds.
 - *How* to verify: strict (lossless; greedy argmax path or one-hot recursive rejection sampling)
   for everything by default and always for model drafts; ``verification="relaxed"`` accepts,
-  for retrieved drafts only, near-miss tokens (:func:`shared_core.decoding.verify.verify_tree_relaxed`),
-  which CHANGES THE OUTPUT: relaxed outputs are not the target's greedy output.
+  for retrieved drafts only, near-miss tokens
+  (:func:`shared_core.decoding.verify_relaxed.verify_tree_relaxed`), which CHANGES THE OUTPUT:
+  relaxed outputs are not the target's greedy output.
 
 When retrieval is not triggered (or finds nothing), a fallback drafter proposes: a same-vocabulary
 draft model when given, otherwise prompt lookup, with exponential back-off to plain decoding

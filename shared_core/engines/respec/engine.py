@@ -21,7 +21,8 @@ from shared_core.config import (
 from shared_core.config.tokens import ReSpecConfig
 from shared_core.decoding.decode_stats import DecodeStats
 from shared_core.decoding.output import GenerationResult, generation_config
-from shared_core.decoding.verify import accept_greedy, verify_tree, verify_tree_relaxed
+from shared_core.decoding.verify import accept_greedy, verify_tree
+from shared_core.decoding.verify_relaxed import verify_tree_relaxed
 from shared_core.drafters.base import Drafter
 from shared_core.drafters.model import ModelDrafter
 from shared_core.drafters.prompt_lookup import PromptLookupDrafter

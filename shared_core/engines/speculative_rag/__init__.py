@@ -51,7 +51,7 @@ from __future__ import annotations
 from shared_core.config.rag import EMBED_INSTRUCTION, SpeculativeRAGConfig, SubsetStrategy
 
 # One module per step; every public name is re-exported here (the package's API).
-from shared_core.engines.speculative_rag.engine import EventHook, SpeculativeRAG, standard_rag
+from shared_core.engines.speculative_rag.engine import EventHook, SpeculativeRAG
 from shared_core.engines.speculative_rag.events import (
     Answered,
     DocumentsRetrieved,
@@ -61,7 +61,7 @@ from shared_core.engines.speculative_rag.events import (
     StageEvent,
     SubsetsSampled,
 )
-from shared_core.engines.speculative_rag.generation import generate_batch
+from shared_core.engines.speculative_rag.generation import force_answer_lines, generate_batch
 from shared_core.engines.speculative_rag.inputs import check_inputs, check_model_name, drop_blank
 from shared_core.engines.speculative_rag.prompts import (
     DRAFT_INSTRUCTION,
@@ -89,6 +89,7 @@ from shared_core.engines.speculative_rag.scoring import (
     verifier_rows,
     verify_batch,
 )
+from shared_core.engines.speculative_rag.standard import standard_rag
 from shared_core.engines.speculative_rag.subsets import (
     MAX_ENUMERATED_SUBSETS,
     embed_for_question,
@@ -103,7 +104,7 @@ from shared_core.retrieval.frameworks import (
     to_documents,
 )
 
-# the earlier name of AnswerDraft, kept so existing imports work (a token drafter's proposal is
+# a second public name of AnswerDraft, for imports that use it (a token drafter's proposal is
 # shared_core.drafters.base.Draft)
 Draft = AnswerDraft
 
@@ -140,6 +141,7 @@ __all__ = [
     "draft_prompt",
     "drop_blank",
     "embed_for_question",
+    "force_answer_lines",
     "generate_batch",
     "kmeans_labels",
     "normalize_answer",

@@ -1,4 +1,5 @@
-"""The :class:`SpeculativeRAG` engine (the four steps as methods) and the standard-RAG baseline."""
+"""The :class:`SpeculativeRAG` engine (the four steps as methods); the standard-RAG baseline
+itself is :mod:`~shared_core.engines.speculative_rag.standard`."""
 
 from __future__ import annotations
 
@@ -15,7 +16,6 @@ from shared_core.config import (
     DEFAULT_SPECRAG_BACKEND,
     DEFAULT_VERIFIER,
     check_backend,
-    check_int,
 )
 from shared_core.config.rag import PromptMessages, SpeculativeRAGConfig
 from shared_core.engines.speculative_rag.events import (
@@ -27,7 +27,7 @@ from shared_core.engines.speculative_rag.events import (
     StageData,
     SubsetsSampled,
 )
-from shared_core.engines.speculative_rag.generation import generate_batch
+from shared_core.engines.speculative_rag.generation import force_answer_lines, generate_batch
 from shared_core.engines.speculative_rag.inputs import (
     check_model_arg,
     check_model_name,
@@ -42,16 +42,15 @@ from shared_core.engines.speculative_rag.prompts import (
     parse_answer_first,
     parse_draft,
     passage_texts,
-    rag_prompt,
 )
 from shared_core.engines.speculative_rag.results import (
     AnswerDraft,
     SpeculativeRAGResult,
     SpeculativeRAGStats,
     StandardRAGResult,
-    StandardRAGStats,
 )
 from shared_core.engines.speculative_rag.scoring import combined_score, select_best, verify_batch
+from shared_core.engines.speculative_rag.standard import standard_rag
 from shared_core.engines.speculative_rag.subsets import (
     embed_for_question,
     kmeans_labels,
@@ -270,7 +269,8 @@ class SpeculativeRAG:
             texts = [prefill + lm.decode(ids) for ids, _ in rows]
             todo = [i for i, t in enumerate(texts) if not parse(t)[2]]
             if todo and cfg.force_answer_line and not answer_first:
-                rows, texts = self._force_answers(prompts, rows, texts, todo)
+                rows, texts = force_answer_lines(lm, prompts, rows, texts, todo,
+                                                 cfg.max_answer_tokens)
                 stats.answer_continuations = len(todo)
         drafts = []
         for subset, (ids, logps), raw in zip(subsets, rows, texts, strict=True):
@@ -282,26 +282,6 @@ class SpeculativeRAG:
                                 parsed=ok, log_draft=sum(logps), draft_tokens=len(logps)))
         stats.draft_prompt_tokens = sum(len(p) for p in prompts)
         return drafts
-
-    def _force_answers(self, prompts: list[list[int]], rows: list[tuple[list[int], list[float]]],
-                       texts: list[str], todo: list[int]
-                       ) -> tuple[list[tuple[list[int], list[float]]], list[str]]:
-        lm = self.drafter
-        marker = lm.encode("\nAnswer:")
-        rows, texts = list(rows), list(texts)
-        kept = {}
-        for i in todo:
-            ids, logps = rows[i]
-            while ids and ids[-1] in lm.eos_token_ids:  # the drafter stopped: drop its EOS
-                ids, logps = ids[:-1], logps[:-1]
-            kept[i] = (ids, logps)
-        extra = generate_batch(lm, [prompts[i] + kept[i][0] + marker for i in todo],
-                               self.config.max_answer_tokens, prefill="Answer:")
-        for i, (ans_ids, ans_logps) in zip(todo, extra, strict=True):
-            ids, logps = kept[i]
-            rows[i] = (ids + ans_ids, logps + ans_logps)
-            texts[i] = "Rationale:" + lm.decode(ids).rstrip() + "\nAnswer:" + lm.decode(ans_ids)
-        return rows, texts
 
     # -- 3. verification + 4. selection
     def score(self, question: str, drafts: Sequence[AnswerDraft], stats: SpeculativeRAGStats
@@ -400,23 +380,3 @@ class SpeculativeRAG:
         result.stats.total_s = time.perf_counter() - start
         return result
 
-
-def standard_rag(lm: ModelLM, question: str, documents: Sequence[object],
-                 max_new_tokens: int = SpeculativeRAGConfig.max_answer_tokens) -> StandardRAGResult:
-    """Standard RAG with one model: every document in the prompt, answer parsed as drafts are."""
-    question = check_question(question)
-    check_int(max_new_tokens, "max_new_tokens")
-    docs, _ = given_documents(documents)
-    prompt = rag_prompt(lm, question, docs)
-    check_length(lm, prompt, max_new_tokens, "the standard-RAG prompt", question, docs)
-    clock = PhaseClock()
-    register_passages(lm, passage_texts(docs))  # a blend cache reads them from its store
-    [(ids, _)] = generate_batch(lm, [prompt], max_new_tokens, prefill="Answer:", clock=clock)
-    prefill_s, decode_s = clock.split()
-    raw = "Answer:" + lm.decode(ids)
-    _, answer, ok = parse_draft(raw)
-    stats = StandardRAGStats(num_documents=len(docs), prompt_tokens=len(prompt),
-                             new_tokens=len(ids), parse_fallbacks=int(not ok),
-                             generate_s=prefill_s + decode_s, prefill_s=prefill_s,
-                             decode_s=decode_s)
-    return StandardRAGResult(text=answer, raw=raw, documents=tuple(docs), stats=stats)

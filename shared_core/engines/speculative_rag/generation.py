@@ -34,3 +34,30 @@ def generate_batch(lm: ModelLM, prompts: Sequence[Sequence[int]], max_new_tokens
 
     return lm.generate_parallel(prompts, max_new_tokens, stop,
                                 None if clock is None else clock.prefilled)
+
+
+def force_answer_lines(lm: ModelLM, prompts: Sequence[Sequence[int]], rows: Sequence[Row],
+                       texts: Sequence[str], todo: Sequence[int], max_answer_tokens: int
+                       ) -> tuple[list[Row], list[str]]:
+    """Rows ``todo`` (drafts that stopped after their rationale) continued with a forced
+    ``\nAnswer:`` in one more batched generate; the other rows and texts are returned as given.
+
+    A continued row keeps the drafter's own tokens (its EOS dropped) plus the answer's, so its
+    log-probabilities leave out the forced marker; its text is rebuilt as a rationale line and an
+    answer line.
+    """
+    marker = lm.encode("\nAnswer:")
+    rows, texts = list(rows), list(texts)
+    kept = {}
+    for i in todo:
+        ids, logps = rows[i]
+        while ids and ids[-1] in lm.eos_token_ids:  # the drafter stopped: drop its EOS
+            ids, logps = ids[:-1], logps[:-1]
+        kept[i] = (ids, logps)
+    extra = generate_batch(lm, [list(prompts[i]) + kept[i][0] + marker for i in todo],
+                           max_answer_tokens, prefill="Answer:")
+    for i, (ans_ids, ans_logps) in zip(todo, extra, strict=True):
+        ids, logps = kept[i]
+        rows[i] = (ids + ans_ids, logps + ans_logps)
+        texts[i] = "Rationale:" + lm.decode(ids).rstrip() + "\nAnswer:" + lm.decode(ans_ids)
+    return rows, texts

@@ -58,9 +58,9 @@ def given_documents(documents: Sequence[object]) -> tuple[list[Document], int]:
 
 def check_inputs(question: object, documents: Sequence[object] | None,
                  config: SpeculativeRAGConfig | None = None) -> str:
-    """Validate before any model work; return the stripped question. Any number of documents
-    from one up forms subsets (:func:`~.subsets.subset_shape`), so ``config`` sets no minimum
-    (kept for callers that pass it). The engine itself checks the question and converts the
+    """Validate before any model work; return the stripped question. ``config`` is accepted and
+    not read: any number of documents from one up forms subsets (:func:`~.subsets.subset_shape`),
+    so no config sets a minimum. The engine itself checks the question and converts the
     documents once (:func:`check_question`, :func:`given_documents`)."""
     del config
     question = check_question(question)

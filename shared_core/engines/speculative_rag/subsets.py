@@ -9,6 +9,7 @@ import random
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from shared_core.config.rag import SpeculativeRAGConfig
 from shared_core.retrieval.base import Document, TextEncoder
 
 if TYPE_CHECKING:
@@ -35,7 +36,8 @@ def embed_for_question(embedder: TextEncoder, question: str, docs: Sequence[Docu
     return np.ascontiguousarray(vectors, dtype=np.float32)
 
 
-def kmeans_labels(vectors: np.ndarray, k: int, seed: int, iters: int = 25) -> list[int]:
+def kmeans_labels(vectors: np.ndarray, k: int, seed: int,
+                  iters: int = SpeculativeRAGConfig.kmeans_iters) -> list[int]:
     """K-means cluster ids (faiss, seeded; a single cluster needs no clustering). Without faiss
     installed (e.g. a GPU machine with only torch's stack): :func:`numpy_kmeans_labels`."""
     if k == 1:
@@ -52,8 +54,8 @@ def kmeans_labels(vectors: np.ndarray, k: int, seed: int, iters: int = 25) -> li
     return [int(x) for x in labels[:, 0]]
 
 
-def numpy_kmeans_labels(vectors: np.ndarray, k: int, seed: int, iters: int = 25,
-                        redo: int = 3) -> list[int]:
+def numpy_kmeans_labels(vectors: np.ndarray, k: int, seed: int,
+                        iters: int = SpeculativeRAGConfig.kmeans_iters, redo: int = 3) -> list[int]:
     """Spherical K-means in numpy, seeded, best of ``redo`` starts (faiss' settings above; the
     clusters are alike, not bit-identical to faiss')."""
     import numpy as np

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from shared_core.config import CacheKind, check_prefix_cache
+from shared_core.config import DEFAULT_CACHE, CacheKind, check_prefix_cache
 from shared_core.runtime.llamacpp.prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
 from shared_core.runtime.llamacpp.session import EXACT_CHUNK, MAX_TREE_LEAVES, LlamaCppSession
 from shared_core.runtime.llamacpp.threads import choose_threads
@@ -363,7 +363,7 @@ class LlamaCppLM(LM):
                             rollback=not self.model.recurrent,
                             position_shift=self.model.can_shift)
 
-    def open_session(self, *, cache: CacheKind = "prealloc") -> LlamaCppSession:
+    def open_session(self, *, cache: CacheKind = DEFAULT_CACHE) -> LlamaCppSession:
         del cache  # one layout: llama.cpp's own cells
         return LlamaCppSession(self)
 

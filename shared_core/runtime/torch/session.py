@@ -26,7 +26,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
-from shared_core.config import CacheKind
+from shared_core.config import DEFAULT_CACHE, CacheKind
 from shared_core.runtime.host_sync import DeviceTokens, upload
 from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
 from shared_core.runtime.protocol import KVSession as RuntimeSession
@@ -240,7 +240,7 @@ class KVSession:
     session's tokens continues at the source's positions.
     """
 
-    def __init__(self, lm: SessionLM, *, cache: CacheKind = "prealloc",
+    def __init__(self, lm: SessionLM, *, cache: CacheKind = DEFAULT_CACHE,
                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
         if prefill_chunk < 1:
             msg = f"prefill_chunk must be >= 1, got {prefill_chunk}"
@@ -569,7 +569,7 @@ class KVSession:
         return list(ids[common:])
 
 
-def open_session(lm: SessionLM, *, cache: CacheKind = "prealloc") -> RuntimeSession:
+def open_session(lm: SessionLM, *, cache: CacheKind = DEFAULT_CACHE) -> RuntimeSession:
     """A new KV session on ``lm``: a :class:`KVSession` for torch models, the runtime's own
     session (same methods) for a model of another backend (``lm.open_session``)."""
     return lm.open_session(cache=cache)
