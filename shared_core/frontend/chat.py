@@ -82,6 +82,7 @@ from shared_core.frontend.chat_settings import (
 )
 from shared_core.frontend.serving import FairLock, loaded_model, lock_for, step_locked
 from shared_core.retrieval.frameworks import to_documents
+from shared_core.runtime.model_lock import abandoned
 from shared_core.runtime.passage_cache import ensure as ensure_passage_cache
 
 if TYPE_CHECKING:
@@ -403,6 +404,8 @@ class ChatStream:
     def __iter__(self) -> Iterator[ChatEvent]:
         opened = self._open()
         with opened.lock:
+            if abandoned():  # its consumer left while it queued: no prefill for nobody
+                return
             stream = self._start(opened)
         scanner = self._scanner()
         for delta in step_locked(opened.lock, stream):

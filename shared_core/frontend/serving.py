@@ -23,7 +23,13 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from shared_core.config import LOAD_LM_BACKEND
 from shared_core.runtime import model_cache
 from shared_core.runtime.model_cache import _LOADED, cached_lm, loaded_model, release, release_all
-from shared_core.runtime.model_lock import _INSTANCE_LOCKS, FairLock, lock_for, step_locked
+from shared_core.runtime.model_lock import (
+    _INSTANCE_LOCKS,
+    ABANDONED,
+    FairLock,
+    lock_for,
+    step_locked,
+)
 
 if TYPE_CHECKING:
     from shared_core.engines.ralmspec import RaLMSpec
@@ -84,6 +90,7 @@ async def _iterated(items: Iterator[T], context: contextvars.Context) -> AsyncGe
             stopped.set()
 
     def pump() -> None:
+        ABANDONED.set(stopped)  # this worker's context only (a copy per call)
         try:
             while True:
                 demand.acquire()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import contextvars
 import logging
 import threading
 import weakref
@@ -35,6 +36,19 @@ T = TypeVar("T")
 
 
 _RECHECK_S = 0.5  # a queued caller re-checks its place this often: a lost wake-up never strands it
+
+# Set in the worker that drives a stream for an async consumer (frontend.serving); the event is
+# set once that consumer has gone (cancelled, timed out, closed). A request abandoned while it
+# waited for the model's lock gives the lock up on taking it instead of reading its prompt: the
+# requests queued behind it wait for a hand-off, not for a prefill nobody will read.
+ABANDONED: contextvars.ContextVar[threading.Event | None] = contextvars.ContextVar(
+    "specrag_abandoned", default=None)
+
+
+def abandoned() -> bool:
+    """True in a stream's worker whose consumer has gone (see :data:`ABANDONED`)."""
+    event = ABANDONED.get()
+    return event is not None and event.is_set()
 
 
 class _CLock(Protocol):
@@ -221,6 +235,8 @@ def step_locked(lock: FairLock, stream: Iterator[T]) -> Generator[T, None, None]
     try:
         while True:
             with lock:
+                if abandoned():
+                    return
                 try:
                     item = next(stream)
                 except StopIteration:

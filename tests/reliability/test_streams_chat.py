@@ -205,6 +205,41 @@ async def test_cancelled_ainvoke_frees_the_model_within_one_step(tiny_target, mo
     assert len(cancelled) == at_free < full, (at_free, len(cancelled), full)
 
 
+@pytest.mark.parametrize("framework", ["langchain", "llamaindex"])
+async def test_requests_abandoned_while_queued_start_no_work(tiny_target, monkeypatch,
+                                                            framework):
+    """Requests that timed out while waiting for a busy model give the lock up when they get it:
+    none starts an engine (each read its whole prompt before), so the live request behind them
+    waits for hand-offs only. Engine starts are counted, not timed."""
+    import shared_core.frontend.chat as chat_module
+
+    started: list[str] = []
+    real_start = chat_module.start_engine
+    monkeypatch.setattr(chat_module, "start_engine",
+                        lambda *a, **kw: started.append(a[0]) or real_start(*a, **kw))
+    if framework == "langchain":
+        chat = make_chat(tiny_target, "autoregressive", max_tokens=4)
+        lock, ask = chat._model()[1], lambda: chat.ainvoke(Q2)
+    else:
+        llm = make_llm(tiny_target, "autoregressive")
+        lock, ask = llm._model()[1], lambda: llm.acomplete(Q2, max_tokens=4)
+    held, release = threading.Event(), threading.Event()
+
+    def busy() -> None:  # another request's whole generation holds the model
+        with lock:
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=busy, daemon=True).start()
+    assert held.wait(30)
+    for _ in range(3):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ask(), 0.2)
+    release.set()
+    live = await asyncio.wait_for(ask(), 30)
+    assert live is not None and started == ["autoregressive"]
+
+
 # ---------------------------------------------------------------------------- RAPID (row 5)
 
 
