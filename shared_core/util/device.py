@@ -4,10 +4,14 @@ cover queued kernels."""
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from types import ModuleType
+
     import torch
 
 THREADS_ENV = "SPECRAG_NUM_THREADS"
@@ -18,9 +22,29 @@ _DTYPES = {"float32": "float32", "fp32": "float32", "bfloat16": "bfloat16", "bf1
            "float16": "float16", "fp16": "float16"}
 
 
+def import_torch() -> ModuleType:
+    """``import torch`` with Ctrl-C held back until the import is done (on the main thread; the
+    ``KeyboardInterrupt`` then comes right after it). Torch is imported by the first model load,
+    not by importing the adapters; interrupted half-way, it stays half-initialised in
+    ``sys.modules`` and every later call fails with errors that do not name the cause."""
+    loaded = sys.modules.get("torch")
+    if loaded is not None:
+        return loaded
+    if threading.current_thread() is not threading.main_thread():
+        import torch  # a signal handler runs on the main thread only
+
+        return torch
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        import torch
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
+    return torch
+
+
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     """Return the requested device, validated, or the best available one (cuda > mps > cpu)."""
-    import torch
+    torch = import_torch()
 
     if device is None:
         if torch.cuda.is_available():
