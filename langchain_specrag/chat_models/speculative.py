@@ -73,7 +73,7 @@ from shared_core.frontend.chat import (
     prompt_length,
 )
 from shared_core.frontend.serving import FairLock, iterate_in_thread
-from shared_core.runtime.protocol import check_session_lm
+from shared_core.runtime.protocol import SessionLM, check_session_lm
 from shared_core.util.redact import redact, redacted_dump
 
 # the settings a reply depends on (with the documents and a preloaded model: _identifying_params)
@@ -280,6 +280,12 @@ class ChatSpeculative(ChatSettings, BaseChatModel):
 
     def _model(self, override: str | None = None) -> tuple[Any, FairLock]:
         return chat_model(self, self.lm, override)
+
+    def loaded_model(self) -> SessionLM:
+        """The model a call runs on (loaded now if needed): what ``warm_passages(self, ...)``
+        warms (:class:`shared_core.runtime.passage_cache.ModelProvider`)."""
+        model: SessionLM = self._model()[0]
+        return model
 
     def _resolve_model_profile(self) -> ModelProfile | None:
         """What any model here can do (text in and out, tool calls, structured output with the

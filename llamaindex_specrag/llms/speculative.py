@@ -70,7 +70,7 @@ from shared_core.decoding.tool_calls import template_takes_tools
 from shared_core.frontend.chat import ChatEvent, ChatSettings, ChatStream, Finished, chat, chat_model
 from shared_core.frontend.chat_events import CallReport, FoundCall
 from shared_core.frontend.serving import FairLock, iterate_in_thread
-from shared_core.runtime.protocol import check_session_lm
+from shared_core.runtime.protocol import SessionLM, check_session_lm
 from shared_core.util.redact import redact
 
 if TYPE_CHECKING:
@@ -205,6 +205,12 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
         """The preloaded LM, else the shared cache's (looked up per call, so
         ``serving.release`` frees it)."""
         return chat_model(self, self._lm, override)
+
+    def loaded_model(self) -> SessionLM:
+        """The model a call runs on (loaded now if needed): what ``warm_passages(self, ...)``
+        warms (:class:`shared_core.runtime.passage_cache.ModelProvider`)."""
+        model: SessionLM = self._model()[0]
+        return model
 
     @property
     def metadata(self) -> LLMMetadata:

@@ -433,5 +433,10 @@ class PassageCacheConfig:
             check_passage_cache(self.mode)
         share = check_real(self.recompute_share, "recompute_share")
         require(0 <= share <= 1, "recompute_share", "a number in [0, 1]", self.recompute_share)
-        check_int(self.memory_mb, "passage_cache_memory_mb", 0)
-        check_int(self.disk_mb, "passage_cache_disk_mb", 0)
+        memory = check_int(self.memory_mb, "passage_cache_memory_mb", 0)
+        disk = check_int(self.disk_mb, "passage_cache_disk_mb", 0)
+        if memory == 0 and disk == 0:
+            msg = ("passage_cache_memory_mb=0 with passage_cache_disk_mb=0 leaves the passage "
+                   "cache nowhere to keep an entry: give either a budget > 0, or load without "
+                   "passage_cache")
+            raise ValueError(msg)

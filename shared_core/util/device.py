@@ -44,7 +44,8 @@ def import_torch() -> ModuleType:
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
     """Return the requested device, validated, or the best available one (cuda > mps > cpu)."""
-    torch = import_torch()
+    import_torch()  # the first model load's first torch call: whole, even under a Ctrl-C
+    import torch
 
     if device is None:
         if torch.cuda.is_available():

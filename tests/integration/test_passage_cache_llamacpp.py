@@ -119,8 +119,8 @@ def test_blend_reuses_passages_in_any_order_and_reports_counts(blend_model, tmp_
                                                               monkeypatch):
     lm = _fresh(blend_model, tmp_path, "blend", recompute_share=0.15)
     assert warm_passages(lm, PASSAGES, progress=False)["computed"] == 3
-    assert warm_passages(lm, PASSAGES, progress=False) == {"passages": 3, "computed": 0,
-                                                           "skipped": 3}  # resumable
+    assert warm_passages(lm, PASSAGES, progress=False) == {  # resumable
+        "passages": 3, "computed": 0, "skipped": 3, "too_short": 0, "too_long": 0, "not_kept": 0}
     ids = prompt_ids(lm, [2, 0, 1], "How many sluice gates does the weir have?")
     batches = []
     original = passage_llamacpp.decode

@@ -197,4 +197,4 @@ def test_warm_passages_on_a_copied_models_unbound_cache_with_nothing_to_warm():
     clone = copy.deepcopy(lm)
     assert clone.model.passage_cache.store is None
     assert warm_passages(clone, ["too short"], progress=False) == {
-        "passages": 1, "computed": 0, "skipped": 1}
+        "passages": 1, "computed": 0, "skipped": 0, "too_short": 1, "too_long": 0, "not_kept": 0}

@@ -17,12 +17,13 @@ model (:func:`attach`); every session's first prefill then goes through it (:mod
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast, runtime_checkable
 
 from shared_core.config import PassageCacheConfig, check_passage_cache, check_text
-from shared_core.runtime.passage_cache.chunks import PassageIndex, passage_interior
+from shared_core.runtime.passage_cache.chunks import MIN_PASSAGE, PassageIndex, passage_interior
 
 if TYPE_CHECKING:
     from shared_core.runtime.lm import LM
@@ -32,8 +33,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PassageCache", "PassageCacheConfig", "attach", "check_memory", "chunk_head",
-           "clear_passages",
+__all__ = ["ModelProvider", "PassageCache", "PassageCacheConfig", "attach", "check_memory",
+           "chunk_head", "clear_passages",
            "config_from", "ensure", "passage_cache_of", "passage_stats", "register_passage_ids",
            "register_passages", "source_texts", "warm_passages"]
 
@@ -43,6 +44,7 @@ class PassageCache(Protocol):
     (:class:`.torch_cache.TorchPassageCache`, :class:`.llamacpp.LlamaCppPassageCache`)."""
 
     config: PassageCacheConfig
+    head: tuple[int, ...]  # the ids each passage is computed after (:func:`chunk_head`)
     index: PassageIndex  # the passages a prompt may contain (blend)
     last: PrefillReport  # what the latest first prefill did
 
@@ -61,14 +63,47 @@ class PassageCache(Protocol):
     def close(self) -> None: ...
 
 
+@runtime_checkable
+class ModelProvider(Protocol):
+    """Something that runs on a model it loads itself: a chat adapter (LangChain's
+    ``ChatSpeculative``, LlamaIndex's ``SpeculativeLLM``). :func:`warm_passages`,
+    :func:`register_passages`, :func:`clear_passages` and :func:`passage_stats` take one in place
+    of the model, and act on the very model its calls run on."""
+
+    def loaded_model(self) -> SessionLM:
+        """The model a call runs on (loaded now if needed, its passage cache attached)."""
+        ...
+
+
+def _model_of(lm: ModelLM | ModelProvider) -> ModelLM:
+    """``lm`` itself, or the model a :class:`ModelProvider` runs on."""
+    return lm.loaded_model() if isinstance(lm, ModelProvider) else lm
+
+
+# config_from's keywords as load_lm and the chat adapters name them
+_SETTING_NAMES = {"recompute_share": "recompute_share", "memory_mb": "passage_cache_memory_mb",
+                  "disk_mb": "passage_cache_disk_mb"}
+
+
 def config_from(passage_cache: Any, *, exact: bool = False, **settings: Any
                 ) -> PassageCacheConfig | None:
-    """``load_lm``'s passage-cache keywords as a config (None: off); errors name the keyword."""
+    """``load_lm``'s passage-cache keywords as a config (None: off); errors name the keyword.
+    Without ``passage_cache`` the settings are still checked, and one other than its default
+    is refused (it would be ignored: ValueError naming it and ``passage_cache``)."""
     mode = check_passage_cache(passage_cache, exact=exact)
     given = {k: v for k, v in settings.items() if v is not None}
-    if mode is None:
-        return None
-    return PassageCacheConfig(mode=mode, **given)
+    if mode is not None:
+        return PassageCacheConfig(mode=mode, **given)
+    defaults = {f.name: f.default for f in fields(PassageCacheConfig)}
+    for name, value in given.items():
+        PassageCacheConfig(mode="blend", **{name: value})  # TypeError / ValueError naming it
+        if value != defaults[name]:
+            setting = _SETTING_NAMES.get(name, name)
+            needs = "'blend'" if name == "recompute_share" else "'exact' or 'blend'"
+            msg = (f"{setting}={value!r} needs passage_cache={needs}: without passage_cache no "
+                   "passage cache runs and the setting would be ignored")
+            raise ValueError(msg)
+    return None
 
 
 def chunk_head(lm: ModelLM) -> tuple[int, ...]:
@@ -142,7 +177,8 @@ def source_texts(source: Any, name: str = "texts") -> list[str]:
     LangChain vector store keeping its texts (``InMemoryVectorStore.store``, FAISS's
     ``docstore._dict``), a specrag retriever (``.documents``), or a retriever over one of these
     (LangChain's ``.vectorstore``, LlamaIndex's ``._index``, a speculative wrapper's
-    ``.retriever``). Duck-typed: no framework is imported. Errors name ``name``."""
+    ``.retriever``). Duck-typed: no framework is imported. Errors name ``name``; a mapping that
+    is none of these (``{doc_id: text}``) is refused, since it iterates its keys."""
     source = _unwrapped(source)
     source = getattr(source, "docstore", source)
     for attribute, field in (("docs", None), ("_dict", None), ("store", "text")):
@@ -151,6 +187,10 @@ def source_texts(source: Any, name: str = "texts") -> list[str]:
             items = list(table.values())
             source = [item[field] if field and isinstance(item, dict) else item for item in items]
             break
+    if isinstance(source, Mapping):
+        msg = (f"{name} is a {type(source).__name__}, whose keys would be read as the passages; "
+               f"pass {name}.values()")
+        raise TypeError(msg)
     if (isinstance(source, str) or not isinstance(source, Iterable)
             or hasattr(type(source), "model_fields")):  # a pydantic model iterates its fields
         msg = (f"{name} must be a list of strings or documents, or an index / store / retriever "
@@ -182,15 +222,17 @@ def _text_of(item: Any) -> Any:
     return content() if callable(content) else item
 
 
-def register_passages(lm: ModelLM, texts: Iterable[Any]) -> int:
+def register_passages(lm: ModelLM | ModelProvider, texts: Iterable[Any]) -> int:
     """Tell a blend cache which passages a prompt may contain (each tokenized alone, found in
-    prompts by its interior); returns how many were indexed. A no-op without a blend cache."""
-    cache = passage_cache_of(lm)
+    prompts by its interior); returns how many were indexed. A no-op without a blend cache.
+    ``lm``: the model, or a chat adapter (:class:`ModelProvider`: the model its calls run on)."""
+    model = _model_of(lm)
+    cache = passage_cache_of(model)
     if cache is None or cache.mode != "blend":
         return 0
     count = 0
     for text in source_texts(texts):
-        count += bool(cache.index.add_interior(passage_interior(lm.encode, text)))
+        count += bool(cache.index.add_interior(passage_interior(model.encode, text)))
     return count
 
 
@@ -201,56 +243,115 @@ def register_passage_ids(lm: ModelLM, ids: Sequence[int]) -> bool:
     return cache is not None and cache.mode == "blend" and bool(cache.index.add(ids))
 
 
-def warm_passages(lm: ModelLM, texts: Iterable[Any], *, progress: bool = True) -> dict[str, int]:
+def warm_passages(lm: ModelLM | ModelProvider, texts: Iterable[Any], *, progress: bool = True
+                  ) -> dict[str, int]:
     """Compute and store the KV of each passage ahead of time (blend caches; on disk too when
     this returns): resumable, since passages already stored are skipped; a tqdm bar with
-    ``progress``. ``texts``: strings, documents, a LlamaIndex index / docstore or a LangChain
-    vector store (:func:`source_texts`). Returns ``{"passages", "computed", "skipped"}``."""
-    cache = passage_cache_of(lm)
+    ``progress``. ``lm``: the model, or a chat adapter built with ``passage_cache="blend"``
+    (:class:`ModelProvider`: the model its calls run on). ``texts``: strings, documents, a
+    LlamaIndex index / docstore or a LangChain vector store (:func:`source_texts`; a
+    ``{doc_id: text}`` dict is refused: pass its ``.values()``).
+
+    Returns counts of passages: ``passages`` (all), ``computed`` (computed alone and put in the
+    store), ``skipped`` (stored already), ``too_short`` (under ``MIN_PASSAGE`` ids past their
+    first word and last id: never cached, prompts read them in full), ``too_long`` (with the
+    cache's head they do not fit the model's window, so no prompt can hold them: skipped before
+    any model work) and ``not_kept`` (of the computed, those whose KV fits neither the memory
+    nor the disk budget: dropped, a warning says so). Too short and too long ones are logged
+    once per call, naming the first."""
+    provider = lm if isinstance(lm, ModelProvider) else None
+    model = _model_of(lm)
+    cache = passage_cache_of(model)
     if cache is None or cache.mode != "blend":
-        msg = ("warm_passages needs a model loaded with passage_cache='blend' (exact reuse keys "
-               "whole prompt prefixes, which a passage alone does not give)")
+        given = "" if provider is None else f" (got {type(provider).__name__} without one)"
+        msg = ("warm_passages needs a model loaded with passage_cache='blend', or a chat adapter "
+               f"built with it{given} (exact reuse keys whole prompt prefixes, which a passage "
+               "alone does not give)")
         raise ValueError(msg)
     from tqdm.auto import tqdm
 
-    from shared_core.runtime.lm import LM
+    from shared_core.runtime.lm import LM, window_text
 
-    if not isinstance(lm, LM):  # a cache lives on an in-process model's weights
-        msg = f"warm_passages needs an in-process model, got {type(lm).__name__}"
+    if not isinstance(model, LM):  # a cache lives on an in-process model's weights
+        msg = f"warm_passages needs an in-process model, got {type(model).__name__}"
         raise TypeError(msg)
     items = source_texts(texts)
-    computed = skipped = 0
-    for text in tqdm(items, desc="passage KV", disable=not progress, unit="passage"):
-        inner = cache.index.add_interior(passage_interior(lm.encode, text))
+    counts = dict.fromkeys(("computed", "skipped", "too_short", "too_long", "not_kept"), 0)
+    first: dict[str, tuple[int, int]] = {}  # too short / too long: the first one's index, ids
+    for i, text in enumerate(tqdm(items, desc="passage KV", disable=not progress,
+                                  unit="passage")):
+        inner = passage_interior(model.encode, text)
         if not inner:
-            skipped += 1
-            continue
-        if cache.warm(lm, inner):
-            computed += 1
+            why = "too_short"
+        elif len(cache.head) + len(inner) + 1 > model.max_context:  # + a question's id at least
+            why = "too_long"
         else:
-            skipped += 1
+            cache.index.add_interior(inner)
+            before = _not_kept(cache)
+            computed = cache.warm(model, inner)
+            why = "computed" if computed else "skipped"
+            if computed and _not_kept(cache) > before:
+                counts["not_kept"] += 1
+        counts[why] += 1
+        if why in ("too_short", "too_long"):
+            first.setdefault(why, (i, len(inner)))
     if cache.store is not None:  # a copied torch model's cache binds its store on first use
         cache.store.flush()  # warmed ahead of time: on disk when this returns, for other processes
-    logger.info("warm_passages: %d computed, %d already stored or too short", computed, skipped)
-    return {"passages": len(items), "computed": computed, "skipped": skipped}
+    _log_warm(counts, first, len(cache.head), window_text(model), cache.config)
+    return {"passages": len(items), **counts}
 
 
-def clear_passages(lm: ModelLM) -> int:
+def _not_kept(cache: PassageCache) -> int:
+    """The entries the cache's store has dropped for fitting neither budget."""
+    return 0 if cache.store is None else cache.store.stats.not_kept
+
+
+def _log_warm(counts: dict[str, int], first: dict[str, tuple[int, int]], head: int,
+              window: str, config: PassageCacheConfig) -> None:
+    if "too_short" in first:
+        i, _ = first["too_short"]
+        logger.warning("warm_passages: %d passage(s) (the first: texts[%d]) have fewer than "
+                       "MIN_PASSAGE=%d ids past their first word and last id: too short to "
+                       "cache, prompts read them in full", counts["too_short"], i, MIN_PASSAGE)
+    if "too_long" in first:
+        i, length = first["too_long"]
+        logger.warning("warm_passages: %d passage(s) skipped as longer than the window (the "
+                       "first: texts[%d], %d ids after the cache's %d-id head, does not fit %s "
+                       "with a question): no prompt can hold them", counts["too_long"], i,
+                       length, head, window)
+    if counts["not_kept"]:
+        logger.warning("warm_passages: %d of %d passage(s) computed were not kept: their KV fits "
+                       "neither passage_cache_memory_mb=%d nor passage_cache_disk_mb=%d (raise "
+                       "one)", counts["not_kept"], counts["computed"], config.memory_mb,
+                       config.disk_mb)
+    logger.info("warm_passages: %s", counts)
+
+
+def clear_passages(lm: ModelLM | ModelProvider) -> int:
     """Forget every passage KV the model's cache holds, in memory and on disk (its own folder;
-    other models' entries stay): the next prompts read their passages anew. Registered
-    passages stay known. Returns the disk entries deleted (0 without a cache)."""
-    cache = passage_cache_of(lm)
-    store = None if cache is None else cache.store
-    if store is None:  # no cache, or a copied torch model's cache not bound to a store yet
+    other models' entries stay), and the prompt prefixes the model keeps for reuse
+    (:func:`shared_core.runtime.lm.clear_prefix_cache`): the next prompt is read cold, its
+    passages anew. Registered passages stay known. ``lm``: the model, or a chat adapter
+    (:class:`ModelProvider`). Returns the disk entries deleted (0 without a cache)."""
+    model = _model_of(lm)
+    cache = passage_cache_of(model)
+    if cache is None:
+        return 0
+    from shared_core.runtime.lm import clear_prefix_cache
+
+    clear_prefix_cache(model)
+    store = cache.store
+    if store is None:  # a copied torch model's cache not bound to a store yet
         return 0
     removed = int(store.clear())
     logger.info("clear_passages: %d disk entries deleted", removed)
     return removed
 
 
-def passage_stats(lm: ModelLM) -> dict[str, Any]:
-    """The cache's store counters and its last prefill's report ({} without a cache)."""
-    cache = passage_cache_of(lm)
+def passage_stats(lm: ModelLM | ModelProvider) -> dict[str, Any]:
+    """The cache's store counters and its last prefill's report ({} without a cache); ``lm``:
+    the model, or a chat adapter (:class:`ModelProvider`)."""
+    cache = passage_cache_of(_model_of(lm))
     return cache.stats() if cache is not None else {}
 
 

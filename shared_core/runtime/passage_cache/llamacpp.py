@@ -244,8 +244,7 @@ class LlamaCppPassageCache:
             llama.llama_memory_seq_cp(memory, 0, PLACE_SEQ, end - self.block, end)
             payload = _seq_state(llama, slot.ctx, PLACE_SEQ)
             llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
-            self.store.put(key, payload)
-            report.stored += 1
+            report.stored += self.store.put(key, payload)
 
     def restore_shared(self, slot: _Slot, ids: Sequence[int], kept: int) -> int:
         """Several rows (:mod:`shared_core.runtime.llamacpp.batch`): restore the stored blocks
@@ -394,8 +393,7 @@ class LlamaCppPassageCache:
                 payload = _seq_state(llama, slot.ctx, PLACE_SEQ)
             finally:
                 llama.llama_memory_seq_rm(memory, PLACE_SEQ, -1, -1)
-            self.store.put(key, payload)
-            report.stored += 1
+            report.stored += self.store.put(key, payload)
 
     def _decode_range(self, lm: SessionLM, slot: _Slot, seq: int, ids: Sequence[int], begin: int,
                       end: int, report: PrefillReport, *, counted: bool = True) -> None:
@@ -417,9 +415,8 @@ class LlamaCppPassageCache:
         else:
             self.store.discard(key)
             payload = self._compute_alone(lm, slot, chunk)
-            self.store.put(key, payload)
+            report.stored += self.store.put(key, payload)
             report.computed_alone += n
-            report.stored += 1
             at = len(self.head)
         if start != at:
             self.model.llama.llama_memory_seq_add(slot.memory, PLACE_SEQ, at, at + n, start - at)

@@ -23,7 +23,8 @@ class PrefillReport:
     unseen: int = 0  # blend: of the read ids, those of chunks the store did not hold (read in
     #   context and stored from that read)
     probe: int = 0  # blend: ids run through the layer-1 probe
-    stored: int = 0  # entries written
+    stored: int = 0  # entries put and kept (ChunkStore.put; llama.cpp's cache still counts
+    #   every put, kept or not)
     seconds: dict[str, float] = field(default_factory=dict)  # wall time per step (profiling)
 
     def as_dict(self) -> dict[str, int]:

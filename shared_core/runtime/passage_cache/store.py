@@ -17,7 +17,10 @@ Disk entries are written after the prefill that made them, by the process's writ
 (:mod:`.disk_writer`; :meth:`ChunkStore.flush` waits for them), to a temporary sibling renamed
 into place (``os.replace``), so a reader sees a whole entry or none; writes and evictions hold a
 cross-process lock on the folder (:mod:`shared_core.util.file_lock`), so two processes can share
-it. Recency on disk is the file's mtime, refreshed on a read.
+it. Recency on disk is the file's mtime, refreshed on a read. The folder's total entry bytes
+are kept beside them (``.size``, read and written under that lock by every process), so the
+disk budget holds for the folder whichever processes write it; a missing or unreadable
+``.size`` is recounted from the folder, as is every store's on open and on eviction.
 """
 
 from __future__ import annotations
@@ -43,6 +46,7 @@ MIB = 1 << 20
 MAGIC = b"SPKV1\n"  # file format of a disk entry: MAGIC, key (32 bytes), payload digest (32), payload
 _HEADER = len(MAGIC) + 64
 SUFFIX = ".kv"
+SIZE_FILE = ".size"  # the folder's total entry bytes, under the folder's lock
 
 
 def disk_root() -> Path:
@@ -110,9 +114,10 @@ class StoreStats:
     disk_hits: int = 0
     puts: int = 0
     corrupt: int = 0  # disk entries that failed their digest / key check or decoding: deleted
+    not_kept: int = 0  # entries put that fit neither the memory nor the disk budget: dropped
     evictions: int = 0
     memory_bytes: int = 0
-    disk_bytes: int = 0
+    disk_bytes: int = 0  # the folder's total, every process's entries (as of the last write)
 
     def as_dict(self) -> dict[str, int]:
         return asdict(self)
@@ -137,9 +142,11 @@ class ChunkStore(Generic[Entry]):
         self._memory: OrderedDict[str, tuple[Entry, int]] = OrderedDict()
         self._pending: dict[str, Entry] = {}  # put, not yet on disk
         self._lock = threading.Lock()
+        self._warned_not_kept = False
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
-            self.stats.disk_bytes = sum(size for _, size, _ in self._disk_entries())
+            with exclusive(self._lock_path()):
+                self._record_bytes(self._counted_bytes())
 
     # -- keys
 
@@ -231,18 +238,34 @@ class ChunkStore(Generic[Entry]):
 
     # -- writes
 
-    def put(self, key: str, entry: Entry) -> None:
+    def put(self, key: str, entry: Entry) -> bool:
         """Store ``entry`` under ``key`` in memory now and on disk soon after (the writer
         thread; evicting the least recently used); the store keeps ``entry`` itself, which
-        nobody may change afterwards."""
+        nobody may change afterwards. Returns whether it was kept: False when it is larger than
+        the memory budget and than the disk budget (sized as in memory, as a disk entry's header
+        and encoding add little), so it is dropped (counted in ``stats.not_kept``; the first
+        one of a store logs a warning with its size and both budgets)."""
+        size = self.codec.size(entry)
+        to_disk = self.folder is not None and _HEADER + size <= self.disk_budget
+        warn = False
         with self._lock:
             self.stats.puts += 1
-            self._remember(key, entry)
-            if self.folder is not None:
+            kept = self._remember(key, entry, size) or to_disk
+            if to_disk:
                 self._pending[key] = entry
-        if self.folder is not None:
+            if not kept:
+                self.stats.not_kept += 1
+                warn, self._warned_not_kept = not self._warned_not_kept, True
+        if to_disk:
             self.codec.on_put(entry)
             writer().submit(self, key, entry)
+        if warn:
+            logger.warning("passage cache: an entry of %.2f MiB fits neither the memory tier "
+                           "(passage_cache_memory_mb: %.2f MiB) nor the disk tier "
+                           "(passage_cache_disk_mb: %.2f MiB), so it is not kept; raise one "
+                           "(logged once per model)", size / MIB, self.memory_budget / MIB,
+                           self.disk_budget / MIB)
+        return kept
 
     def _write_entry(self, key: str, entry: Entry) -> None:
         """Write a put entry to the disk tier (the writer thread), unless it was discarded or
@@ -267,11 +290,12 @@ class ChunkStore(Generic[Entry]):
         """Wait until every entry put so far is on disk (or its write failed and was logged)."""
         writer().flush()
 
-    def _remember(self, key: str, entry: Entry) -> None:
-        """Into the memory tier (the caller holds ``_lock``)."""
-        size = self.codec.size(entry)
+    def _remember(self, key: str, entry: Entry, size: int | None = None) -> bool:
+        """Into the memory tier (the caller holds ``_lock``) unless ``size`` (the codec's, if
+        None) exceeds its budget; whether it went in."""
+        size = self.codec.size(entry) if size is None else size
         if size > self.memory_budget:
-            return
+            return False
         old = self._memory.pop(key, None)
         if old is not None:
             self.stats.memory_bytes -= old[1]
@@ -281,6 +305,7 @@ class ChunkStore(Generic[Entry]):
             self.stats.evictions += 1
         self._memory[key] = (entry, size)
         self.stats.memory_bytes += size
+        return True
 
     def _write_disk(self, key: str, payload: bytes,
                     wanted: Callable[[], bool] | None = None) -> None:
@@ -291,6 +316,7 @@ class ChunkStore(Generic[Entry]):
             if path.is_file() or (wanted is not None and not wanted()):
                 return
             path.parent.mkdir(parents=True, exist_ok=True)
+            before = self._folder_bytes()
             tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
             try:
                 with tmp.open("wb") as fh:
@@ -299,9 +325,10 @@ class ChunkStore(Generic[Entry]):
             except BaseException:
                 tmp.unlink(missing_ok=True)
                 raise
-            self.stats.disk_bytes += len(data)
-            if self.stats.disk_bytes > self.disk_budget:
+            if before + len(data) > self.disk_budget:
                 self._evict_disk()
+            else:
+                self._record_bytes(before + len(data))
 
     def _evict_disk(self) -> None:
         """Delete the least recently used entries until the tier fits (under the folder lock;
@@ -311,10 +338,39 @@ class ChunkStore(Generic[Entry]):
         for path, size, _ in entries:
             if total <= self.disk_budget:
                 break
-            self._unlink(path)
+            self._unlink(path, counted=False)
             total -= size
             self.stats.evictions += 1
+        self._record_bytes(total)
+
+    def _counted_bytes(self) -> int:
+        """The folder's entry bytes, counted file by file."""
+        return sum(size for _, size, _ in self._disk_entries())
+
+    def _folder_bytes(self) -> int:
+        """The folder's total entry bytes from ``.size`` (recounted if it is missing or
+        unreadable); the caller holds the folder's lock."""
+        assert self.folder is not None
+        try:
+            return max(int((self.folder / SIZE_FILE).read_text()), 0)
+        except (OSError, ValueError):
+            return self._counted_bytes()
+
+    def _record_bytes(self, total: int) -> None:
+        """Keep ``total`` as the folder's entry bytes (``.size``, written whole or not at all;
+        a failed write leaves a recount to the next reader); the caller holds the folder's
+        lock."""
+        assert self.folder is not None
         self.stats.disk_bytes = total
+        path = self.folder / SIZE_FILE
+        tmp = path.with_name(f"{SIZE_FILE}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            tmp.write_text(str(total))
+            os.replace(tmp, path)
+        except OSError as e:
+            logger.warning("passage cache: cannot write %s (%s); it is recounted", path, e)
+            tmp.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
 
     def _disk_entries(self) -> list[tuple[Path, int, int]]:
         assert self.folder is not None
@@ -327,13 +383,16 @@ class ChunkStore(Generic[Entry]):
             out.append((path, stat.st_size, stat.st_mtime_ns))
         return out
 
-    def _unlink(self, path: Path) -> None:
+    def _unlink(self, path: Path, *, counted: bool = True) -> None:
+        """Delete an entry (the caller holds the folder's lock); ``counted``: take its bytes
+        off the folder's total here (else the caller records the total)."""
         try:
             size = path.stat().st_size
             path.unlink()
         except FileNotFoundError:
             return
-        self.stats.disk_bytes = max(self.stats.disk_bytes - size, 0)
+        if counted:
+            self._record_bytes(max(self._folder_bytes() - size, 0))
 
     def _path(self, key: str) -> Path:
         assert self.folder is not None
@@ -360,8 +419,8 @@ class ChunkStore(Generic[Entry]):
         with exclusive(self._lock_path()):
             entries = self._disk_entries()
             for path, _, _ in entries:
-                self._unlink(path)
-            self.stats.disk_bytes = 0
+                self._unlink(path, counted=False)
+            self._record_bytes(0)
         return len(entries)
 
 

@@ -427,8 +427,7 @@ class TorchPassageCache:
                          keys=torch.stack([layer.keys[0, :, end - BLOCK : end] for layer in layers]),
                          values=torch.stack([layer.values[0, :, end - BLOCK : end]
                                              for layer in layers]))
-            store.put(key, kv)
-            report.stored += 1
+            report.stored += store.put(key, kv)  # entries kept
 
     # -- blending
 
@@ -475,9 +474,9 @@ class TorchPassageCache:
         :meth:`LlamaCppPassageCache._store_read`, which says why)."""
         for span, key in first_of_each(missing):
             keys, values = _stack(cache, span.start, span.end)
-            store.put(key, ChunkKV(ids=tuple(ids[span.start : span.end]), head_ids=self.head,
-                                   position=span.start, keys=keys, values=values))
-            report.stored += 1
+            report.stored += store.put(key, ChunkKV(  # entries kept
+                ids=tuple(ids[span.start : span.end]), head_ids=self.head, position=span.start,
+                keys=keys, values=values))
 
     def _plain(self, session: KVSession, ids: list[int], report: PrefillReport) -> torch.Tensor:
         """A prefill with no chunk to place (the model's prefix store as usual)."""
