@@ -8,11 +8,13 @@ and :class:`KVSession`; a served model (:class:`shared_core.runtime.remote.Remot
 facts and Speculative RAG's rows (greedy drafts decoded together, span log-probabilities scored
 together). What differs between runtimes by design is a typed field of :class:`Capabilities`,
 which engines read instead of probing attributes; ``tests/conformance/test_runtimes.py`` is
-the contract every runtime passes.
+the contract every runtime passes. The ``check_*`` functions are the argument checks every
+:class:`KVSession` shares (each runtime adds its own limits after them).
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol, Self, runtime_checkable
@@ -215,6 +217,44 @@ class ServedLM(ModelLM, Protocol):
 def open_session(lm: SessionLM, *, cache: CacheKind = DEFAULT_CACHE) -> KVSession:
     """A new KV session on ``lm``, whatever its runtime."""
     return lm.open_session(cache=cache)
+
+
+def check_extend(ids: Sequence[int]) -> None:
+    """ValueError unless ``extend`` has ids to append."""
+    if not ids:
+        msg = "extend needs at least one token"
+        raise ValueError(msg)
+
+
+def check_tree(ids: Sequence[int], parents: Sequence[int]) -> None:
+    """ValueError unless ``extend_tree`` has one parent per id and at least one id."""
+    if len(ids) != len(parents) or not ids:
+        msg = "extend_tree needs one parent per token and at least one token"
+        raise ValueError(msg)
+
+
+def check_tree_parent(node: int, parent: int) -> None:
+    """ValueError unless tree node ``node``'s ``parent`` precedes it (called per node, in order,
+    by the loop that lays out the tree)."""
+    if parent >= node:
+        msg = "tree parents must precede their children (parents[i] < i)"
+        raise ValueError(msg)
+
+
+def check_copy_source(same_model: bool) -> None:
+    """ValueError unless ``copy_positions``' source session runs on the same model."""
+    if not same_model:
+        msg = "copy_positions needs a source session on the same model"
+        raise ValueError(msg)
+
+
+def check_positions(keep: Sequence[int], n_source: int) -> None:
+    """ValueError unless ``copy_positions``' ``keep`` is ascending and within the source's
+    ``n_source`` tokens (each runtime adds its own limits)."""
+    if keep and (any(b <= a for a, b in itertools.pairwise(keep)) or keep[0] < 0
+                 or keep[-1] >= n_source):
+        msg = f"positions must be ascending and within the source's {n_source} tokens"
+        raise ValueError(msg)
 
 
 def check_session_lm(lm: object, name: str = "lm") -> None:

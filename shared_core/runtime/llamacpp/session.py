@@ -19,13 +19,20 @@ interrupted, it is told nothing, so a released context never serves a half-writt
 from __future__ import annotations
 
 import ctypes
-import itertools
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from shared_core.runtime.llamacpp.prefix import vouched_write as _writes
-from shared_core.runtime.protocol import PassageReport, SessionLM
+from shared_core.runtime.protocol import (
+    PassageReport,
+    SessionLM,
+    check_copy_source,
+    check_extend,
+    check_positions,
+    check_tree,
+    check_tree_parent,
+)
 from shared_core.runtime.torch.prefix import common_prefix_length
 
 if TYPE_CHECKING:
@@ -233,9 +240,7 @@ class LlamaCppSession:
     @_writes
     def extend(self, ids: Sequence[int]) -> torch.Tensor:
         """Append ``ids`` in ONE decode; return ``[len(ids), V]`` logits, one row per new token."""
-        if not ids:
-            msg = "extend needs at least one token"
-            raise ValueError(msg)
+        check_extend(ids)
         if len(ids) > self.slot.n_batch:
             msg = f"extend takes at most n_batch={self.slot.n_batch} tokens, got {len(ids)}"
             raise ValueError(msg)
@@ -250,10 +255,8 @@ class LlamaCppSession:
         Returns ``[n, V]`` logits (row ``i`` follows node ``i``); call :meth:`keep_path` next.
         """
         self._refuse_on_recurrent("extend_tree")
+        check_tree(ids, parents)
         n = len(ids)
-        if len(parents) != n or not ids:
-            msg = "extend_tree needs one parent per token and at least one token"
-            raise ValueError(msg)
         if n > self.slot.n_batch:
             msg = f"extend_tree takes at most n_batch={self.slot.n_batch} tokens, got {n}"
             raise ValueError(msg)
@@ -374,15 +377,10 @@ class LlamaCppSession:
         The cells keep their positions (rotary phases) as on torch. llama.cpp continues a sequence
         only right after its last cell, so ``positions`` must end with the source's last token.
         """
-        if source.lm.model is not self.lm.model:
-            msg = "copy_positions needs a source session on the same model"
-            raise ValueError(msg)
+        check_copy_source(source.lm.model is self.lm.model)
         self._refuse_on_recurrent("copy_positions")
         keep = [int(p) for p in positions]
-        if keep and (any(b <= a for a, b in itertools.pairwise(keep)) or keep[0] < 0
-                     or keep[-1] >= len(source)):
-            msg = f"positions must be ascending and within the source's {len(source)} tokens"
-            raise ValueError(msg)
+        check_positions(keep, len(source))
         if keep and keep[-1] != len(source) - 1:
             msg = ("on llama.cpp, copy_positions must keep the source's last token (a sequence "
                    "continues right after its last cell)")
@@ -410,9 +408,7 @@ def _tree_layout(parents: Sequence[int]) -> tuple[list[int], list[tuple[int, ...
     depth = [0] * n
     children: list[list[int]] = [[] for _ in range(n)]
     for node, parent in enumerate(parents):
-        if parent >= node:
-            msg = "tree parents must precede their children (parents[i] < i)"
-            raise ValueError(msg)
+        check_tree_parent(node, parent)
         if parent >= 0:
             depth[node] = depth[parent] + 1
             children[parent].append(node)

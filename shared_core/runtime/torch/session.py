@@ -28,7 +28,16 @@ from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from shared_core.config import DEFAULT_CACHE, CacheKind
 from shared_core.runtime.host_sync import DeviceTokens, upload
-from shared_core.runtime.protocol import CostCurve, PassageReport, SessionLM
+from shared_core.runtime.protocol import (
+    CostCurve,
+    PassageReport,
+    SessionLM,
+    check_copy_source,
+    check_extend,
+    check_positions,
+    check_tree,
+    check_tree_parent,
+)
 from shared_core.runtime.protocol import KVSession as RuntimeSession
 from shared_core.runtime.torch import exact, static
 from shared_core.runtime.torch.prefix import (
@@ -113,9 +122,7 @@ class GrowingLayer(DynamicLayer):
         return self.length if self.is_initialized else 0
 
     def crop(self, tokens_to_remove: int) -> None:
-        if tokens_to_remove > 0:
-            msg = "crop takes a negative number of tokens to remove (transformers 5.x semantics)"
-            raise ValueError(msg)
+        static.check_crop(tokens_to_remove)
         if self.is_initialized and tokens_to_remove:
             self.length = max(0, self.length + tokens_to_remove)
             self._publish()
@@ -207,9 +214,7 @@ def tree_attention_mask(parents: Sequence[int], prefix_len: int, dtype: torch.dt
     allowed = np.zeros((n, n), dtype=np.bool_)
     depth = np.zeros(n, dtype=np.int64)
     for node, parent in enumerate(parents):
-        if parent >= node:
-            msg = "tree parents must precede their children (parents[i] < i)"
-            raise ValueError(msg)
+        check_tree_parent(node, parent)
         if parent >= 0:
             allowed[node] = allowed[parent]
             depth[node] = depth[parent] + 1
@@ -267,18 +272,14 @@ class KVSession:
         For sparse-context self-drafting: the keys keep their rotary phases, and the next token
         fed gets the position right after ``source``'s last one (``position_offset``).
         """
-        if source.lm is not self.lm:
-            msg = "copy_positions needs a source session on the same model"
-            raise ValueError(msg)
+        check_copy_source(source.lm is self.lm)
         self._prefilled_only = False
         index = torch.tensor(list(positions), dtype=torch.long, device=self.lm.device)
-        if index.numel() and (bool((index[1:] <= index[:-1]).any()) or int(index[0]) < 0
-                              or int(index[-1]) >= len(source)):
-            msg = f"positions must be ascending and within the source's {len(source)} tokens"
-            raise ValueError(msg)
+        keep = index.tolist()
+        check_positions(keep, len(source))
         try:
             self.cache = gather_positions(source.cache, index, self.kind, self._static)
-            self.tokens = [source.tokens[i] for i in index.tolist()]
+            self.tokens = [source.tokens[i] for i in keep]
             self.position_offset = len(source) - len(self.tokens)
         except BaseException:
             self.reset()
@@ -484,9 +485,7 @@ class KVSession:
     @torch.inference_mode()
     def extend(self, ids: Sequence[int]) -> torch.Tensor:
         """Append ``ids`` in ONE forward; return ``[len(ids), V]`` logits, one row per new token."""
-        if not ids:
-            msg = "extend needs at least one token"
-            raise ValueError(msg)
+        check_extend(ids)
         self._prefilled_only = False
         return self._forward(ids, logits_to_keep=len(ids))
 
@@ -497,9 +496,7 @@ class KVSession:
         Returns ``[n, V]`` logits (row ``i`` follows node ``i``). The cache then holds every node;
         call :meth:`keep_path` to keep only the accepted branch.
         """
-        if len(ids) != len(parents) or not ids:
-            msg = "extend_tree needs one parent per token and at least one token"
-            raise ValueError(msg)
+        check_tree(ids, parents)
         prefix = len(self._tokens)
         mask, depth = tree_attention_mask(parents, prefix, self.lm.dtype, self.lm.device)
         positions = (prefix + self.position_offset + depth)[None]

@@ -50,6 +50,14 @@ COMPILE_OPTIONS: dict[str, Any] = {"mode": "reduce-overhead", "fullgraph": True,
 _POOL_PER_MODEL = 4  # idle caches kept per model (a draft pair holds one per model at a time)
 
 
+def check_crop(tokens_to_remove: int) -> None:
+    """ValueError unless a cache's ``crop`` argument follows transformers 5.x (a count <= 0 of
+    tokens to remove); the growing and the static caches both check it."""
+    if tokens_to_remove > 0:
+        msg = "crop takes a negative number of tokens to remove (transformers 5.x semantics)"
+        raise ValueError(msg)
+
+
 class SlotLayer(StaticLayer):
     """A :class:`StaticLayer` that writes at its cache's shared counter and never advances it."""
 
@@ -128,9 +136,7 @@ class StaticKV(Cache):
 
     def crop(self, max_length: int) -> None:
         """transformers 5.x semantics: a negative ``max_length`` removes that many tokens."""
-        if max_length > 0:
-            msg = "crop takes a negative number of tokens to remove (transformers 5.x semantics)"
-            raise ValueError(msg)
+        check_crop(max_length)
         self.move_to(max(0, self.length + max_length))
 
     def reset(self) -> None:
