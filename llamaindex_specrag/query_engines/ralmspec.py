@@ -30,7 +30,7 @@ from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from pydantic import Field
 
-from llamaindex_specrag._query import CheckedQuery, global_callback_manager, query_text, source_nodes
+from llamaindex_specrag._query import CheckedQuery, global_callback_manager, source_nodes
 from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, ralmspec_answer
 from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecStream
 from shared_core.frontend.serving import iterate_in_context, iterate_in_thread
@@ -77,7 +77,7 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
         return {}
 
     def _query(self, query_bundle: QueryBundle) -> Response | StreamingResponse:
-        query_str = query_text(query_bundle)
+        query_str = query_bundle.query_str  # checked by query / aquery
         if not self.streaming:
             return _response(ralmspec(self, query_str).finish())  # settings and model checked here
         stream = ralmspec(self, query_str)
@@ -89,7 +89,7 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
         return response
 
     async def _aquery(self, query_bundle: QueryBundle) -> Response | AsyncStreamingResponse:
-        query_str = query_text(query_bundle)
+        query_str = query_bundle.query_str  # checked by query / aquery
         if not self.streaming:  # on a worker thread, step by step: cancelling stops it
             return _response(await ralmspec_answer(self, query_str))
         stream = await asyncio.to_thread(ralmspec, self, query_str)

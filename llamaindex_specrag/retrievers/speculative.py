@@ -79,7 +79,8 @@ class SpeculativeRetriever(BaseRetriever):
         return await super().aretrieve(str_or_query_bundle)
 
     def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        return [_to_node(h) for h in self.session.retrieve(query_text(query_bundle))]
+        # the query was checked by retrieve / aretrieve, LlamaIndex's only callers of this
+        return [_to_node(h) for h in self.session.retrieve(query_bundle.query_str)]
 
     async def _aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
         return await asyncio.to_thread(self._retrieve, query_bundle)

@@ -518,15 +518,15 @@ def fresh_greedy(lm: SessionLM, ids: list[int], n: int = N_NEW
     return greedy(lm, ids, n)
 
 
-def interrupt_second_put(put: Callable[[str, bytes], None]) -> Callable[[str, bytes], None]:
+def interrupt_second_put(put: Callable[[str, bytes], bool]) -> Callable[[str, bytes], bool]:
     """``put`` that raises KeyboardInterrupt at its second call (the first one goes through)."""
     calls: list[str] = []
 
-    def interrupted(key: str, payload: bytes) -> None:
+    def interrupted(key: str, payload: bytes) -> bool:
         calls.append(key)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        put(key, payload)
+        return put(key, payload)
 
     return interrupted
 

@@ -225,7 +225,7 @@ def test_an_interrupted_assembly_leaves_context_and_store_consistent(
         calls.append(key)
         if len(calls) == 2:
             raise KeyboardInterrupt
-        original(key, payload)
+        return original(key, payload)
 
     monkeypatch.setattr(cache.store, "put", interrupted)
     session = lm.open_session()

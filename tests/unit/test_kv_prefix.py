@@ -214,9 +214,10 @@ def test_concurrent_sessions_share_the_store_safely(lm):
     assert store.nbytes <= store.budget
 
 
-@pytest.mark.parametrize("budget", [-1, 1.5, "big", None])
-def test_a_bad_budget_names_the_setting(budget):
-    with pytest.raises(ValueError, match="prefix cache budget"):
+@pytest.mark.parametrize(("budget", "error"), [(-1, ValueError), (1.5, TypeError),
+                                               ("big", TypeError), (None, TypeError)])
+def test_a_bad_budget_names_the_setting(budget, error):
+    with pytest.raises(error, match="prefix cache budget"):
         PrefixStore(budget)
 
 

@@ -52,9 +52,10 @@ def test_unknown_contents_are_never_matched():
     assert pool.take([1, 2, 3]) == (unknown, 0)
 
 
-@pytest.mark.parametrize("keep", [-1, 1.5, True])
-def test_the_budget_is_checked(keep):
-    with pytest.raises(ValueError, match="idle_contexts"):
+@pytest.mark.parametrize(("keep", "error"), [(-1, ValueError), (1.5, TypeError),
+                                             (True, TypeError)])
+def test_the_budget_is_checked(keep, error):
+    with pytest.raises(error, match="idle_contexts"):
         IdleContexts(keep)
 
 

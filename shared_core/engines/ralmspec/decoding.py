@@ -8,7 +8,7 @@ from typing import Any, cast
 
 import torch
 
-from shared_core.config import CacheKind, GenerationConfig
+from shared_core.config import CacheKind, GenerationConfig, check_text
 from shared_core.config.rag import (
     PromptMessages,
     RaLMSpecConfig,
@@ -39,9 +39,7 @@ class RaLMPrompt:
     """
 
     def __init__(self, lm: ModelLM, question: str, config: RaLMSpecConfig):
-        if not isinstance(question, str) or not question.strip():
-            msg = "question must be a non-empty string"
-            raise ValueError(msg)
+        check_text(question, "question")
         content = f"{config.instruction}\n\nPassage: {_SENTINEL}\n\nQuestion: {question.strip()}"
         messages = ([{"role": "user", "content": content}] if config.prompt is None  # a caller's
                     else format_prompt(cast(PromptMessages, config.prompt),  # checked pairs

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_core.config import DEFAULT_EMBEDDER
+from shared_core.config import DEFAULT_EMBEDDER, check_int
 from shared_core.retrieval.base import EmbedderSpec
 from shared_core.retrieval.stores.base import Embedder, check_client, check_name
 from shared_core.retrieval.stores.elasticsearch import ElasticsearchStore
@@ -53,9 +53,7 @@ class OpenSearchStore(ElasticsearchStore):
                  exact: bool = False, **options: Any):
         check_client(client, ("msearch", "bulk"), "an opensearchpy.OpenSearch")
         check_name(index, "index")
-        if not isinstance(ef_search, int) or isinstance(ef_search, bool) or ef_search < 1:
-            msg = f"ef_search must be a positive int, got {ef_search!r}"
-            raise ValueError(msg)
+        check_int(ef_search, "ef_search")
         super().__init__(client, index, embedder, vector_field=vector_field,
                          text_field=text_field, metadata_field=metadata_field, exact=exact,
                          **options)

@@ -31,7 +31,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from shared_core.config import DEFAULT_CACHE, CacheKind, check_prefix_cache
+from shared_core.config import DEFAULT_CACHE, CacheKind, check_int, check_prefix_cache
 from shared_core.runtime.llamacpp.prefix import DEFAULT_IDLE_CONTEXTS, IdleContexts, keep_prefix, settle
 from shared_core.runtime.llamacpp.session import EXACT_CHUNK, MAX_TREE_LEAVES, LlamaCppSession
 from shared_core.runtime.llamacpp.threads import choose_threads
@@ -110,14 +110,8 @@ class LlamaCppSettings:
 
     def __post_init__(self) -> None:
         for name in ("n_ctx", "n_threads"):
-            value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
-                                      or value < 1):
-                msg = f"{name} must be a positive integer or None, got {value!r}"
-                raise ValueError(msg)
-        if not isinstance(self.n_batch, int) or self.n_batch < 1:
-            msg = f"n_batch must be a positive integer, got {self.n_batch!r}"
-            raise ValueError(msg)
+            check_int(getattr(self, name), name, optional=True)
+        check_int(self.n_batch, "n_batch")
         for name in ("exact", "prefix_cache"):
             if not isinstance(getattr(self, name), bool):
                 msg = f"{name} must be True or False, got {getattr(self, name)!r}"

@@ -28,6 +28,7 @@ import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+from shared_core.config import check_int
 from shared_core.runtime.torch.prefix import common_prefix_length
 
 logger = logging.getLogger(__name__)
@@ -40,10 +41,7 @@ class IdleContexts:
     """The idle contexts of one model, least recently released first (see the module doc)."""
 
     def __init__(self, keep: int):
-        if not isinstance(keep, int) or isinstance(keep, bool) or keep < 0:
-            msg = f"idle_contexts must be an integer >= 0, got {keep!r}"
-            raise ValueError(msg)
-        self.keep = keep
+        self.keep = check_int(keep, "idle_contexts", minimum=0)
         self._slots: list[Slot] = []
 
     def __iter__(self) -> Iterator[Slot]:

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, TypeAlias
 if TYPE_CHECKING:  # torch stays out of a llama.cpp-only import (tests/unit/test_import_light.py)
     import torch
 
-from shared_core.config import check_prefix_cache
+from shared_core.config import check_int, check_prefix_cache
 
 logger = logging.getLogger(__name__)
 
@@ -70,10 +70,7 @@ class PrefixStore:
     """Token prefixes of one model and their keys/values, least recently used first."""
 
     def __init__(self, budget: int, *, exact: bool = False):
-        if not isinstance(budget, int) or isinstance(budget, bool) or budget < 0:
-            msg = f"prefix cache budget must be an integer number of bytes >= 0, got {budget!r}"
-            raise ValueError(msg)
-        self.budget = budget
+        self.budget = check_int(budget, "prefix cache budget (bytes)", minimum=0)
         self.exact = exact
         self.nbytes = 0
         self._entries: OrderedDict[tuple[int, ...], tuple[Layers, int]] = OrderedDict()
