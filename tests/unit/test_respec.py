@@ -141,9 +141,11 @@ def test_relaxed_with_no_budget_equals_strict(tiny_target, references):
 def test_relaxed_accepts_near_misses_and_counts_them(tiny_target, references):
     prompt = PROMPTS[0]
     docs = _documents(tiny_target, prompt, references[prompt], "bad")
+    # measured costs size the drafts by timing: fixed here so the rounds (and the near misses
+    # they meet) do not depend on the machine's load
     result = respec_generate(tiny_target, prompt, N_NEW, documents=docs, verification="relaxed",
                              relaxed_top_k=320, relaxed_tau=50.0, relaxed_lookahead=0,
-                             max_relaxed=3, **NO_TRIGGER)
+                             max_relaxed=3, measure_cost=False, **NO_TRIGGER)
     assert result.stats.relaxed_accepted > 0
     assert result.token_ids != references[prompt]  # lossy by design
     assert len(result.token_ids) == len(references[prompt])
