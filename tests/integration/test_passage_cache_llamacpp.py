@@ -115,6 +115,16 @@ def test_a_corrupt_block_on_disk_is_recomputed_not_used(exact_model, tmp_path):
     assert session.passage_report.stored == len(files)  # written again, whole
 
 
+def _recorded_decodes(monkeypatch) -> list:
+    """Every ``llama_decode`` the passage cache makes from now on, as its entries."""
+    batches: list = []
+    original = passage_llamacpp.decode
+    monkeypatch.setattr(passage_llamacpp, "decode",
+                        lambda lm_, slot, entries: batches.append(entries) or original(
+                            lm_, slot, entries))
+    return batches
+
+
 def test_blend_reuses_passages_in_any_order_and_reports_counts(blend_model, tmp_path,
                                                               monkeypatch):
     lm = _fresh(blend_model, tmp_path, "blend", recompute_share=0.15)
@@ -122,11 +132,7 @@ def test_blend_reuses_passages_in_any_order_and_reports_counts(blend_model, tmp_
     assert warm_passages(lm, PASSAGES, progress=False) == {  # resumable
         "passages": 3, "computed": 0, "skipped": 3, "too_short": 0, "too_long": 0, "not_kept": 0}
     ids = prompt_ids(lm, [2, 0, 1], "How many sluice gates does the weir have?")
-    batches = []
-    original = passage_llamacpp.decode
-    monkeypatch.setattr(passage_llamacpp, "decode",
-                        lambda lm_, slot, entries: batches.append(entries) or original(
-                            lm_, slot, entries))
+    batches = _recorded_decodes(monkeypatch)
     tokens, session = greedy(lm, ids)
     report = session.passage_report
     scratch = [b for b in batches if b and b[0][2][0] not in (0, PLACE_SEQ)]
@@ -153,11 +159,7 @@ def test_blend_recomputing_everything_reads_in_a_prefills_order(blend_model, tmp
     lm = _fresh(blend_model, tmp_path, "blend", recompute_share=1.0)
     warm_passages(lm, PASSAGES, progress=False)
     ids = prompt_ids(lm, [1, 2, 0], "Who built the weir?")
-    batches = []
-    original = passage_llamacpp.decode
-    monkeypatch.setattr(passage_llamacpp, "decode",
-                        lambda lm_, slot, entries: batches.append(entries) or original(
-                            lm_, slot, entries))
+    batches = _recorded_decodes(monkeypatch)
     session = lm.open_session()
     session.prefill(ids)
     report = session.passage_report
