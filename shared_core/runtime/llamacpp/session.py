@@ -23,16 +23,9 @@ import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from shared_core.runtime import protocol
 from shared_core.runtime.llamacpp.prefix import vouched_write as _writes
-from shared_core.runtime.protocol import (
-    PassageReport,
-    SessionLM,
-    check_copy_source,
-    check_extend,
-    check_positions,
-    check_tree,
-    check_tree_parent,
-)
+from shared_core.runtime.protocol import PassageReport, SessionLM
 from shared_core.runtime.torch.prefix import common_prefix_length
 
 if TYPE_CHECKING:
@@ -240,7 +233,7 @@ class LlamaCppSession:
     @_writes
     def extend(self, ids: Sequence[int]) -> torch.Tensor:
         """Append ``ids`` in ONE decode; return ``[len(ids), V]`` logits, one row per new token."""
-        check_extend(ids)
+        protocol.check_extend(ids)
         if len(ids) > self.slot.n_batch:
             msg = f"extend takes at most n_batch={self.slot.n_batch} tokens, got {len(ids)}"
             raise ValueError(msg)
@@ -255,7 +248,7 @@ class LlamaCppSession:
         Returns ``[n, V]`` logits (row ``i`` follows node ``i``); call :meth:`keep_path` next.
         """
         self._refuse_on_recurrent("extend_tree")
-        check_tree(ids, parents)
+        protocol.check_tree(ids, parents)
         n = len(ids)
         if n > self.slot.n_batch:
             msg = f"extend_tree takes at most n_batch={self.slot.n_batch} tokens, got {n}"
@@ -377,10 +370,10 @@ class LlamaCppSession:
         The cells keep their positions (rotary phases) as on torch. llama.cpp continues a sequence
         only right after its last cell, so ``positions`` must end with the source's last token.
         """
-        check_copy_source(source.lm.model is self.lm.model)
+        protocol.check_copy_source(source.lm.model is self.lm.model)
         self._refuse_on_recurrent("copy_positions")
         keep = [int(p) for p in positions]
-        check_positions(keep, len(source))
+        protocol.check_positions(keep, len(source))
         if keep and keep[-1] != len(source) - 1:
             msg = ("on llama.cpp, copy_positions must keep the source's last token (a sequence "
                    "continues right after its last cell)")
@@ -408,7 +401,7 @@ def _tree_layout(parents: Sequence[int]) -> tuple[list[int], list[tuple[int, ...
     depth = [0] * n
     children: list[list[int]] = [[] for _ in range(n)]
     for node, parent in enumerate(parents):
-        check_tree_parent(node, parent)
+        protocol.check_tree_parent(node, parent)
         if parent >= 0:
             depth[node] = depth[parent] + 1
             children[parent].append(node)
