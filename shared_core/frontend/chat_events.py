@@ -79,7 +79,9 @@ def openai_logprobs(lm: ModelLM, entries: Sequence[TokenLogprob]) -> list[dict[s
     pieces: dict[int, str] = {}
 
     def entry(token: int, logprob: float) -> dict[str, Any]:
-        text = pieces[token] if token in pieces else pieces.setdefault(token, lm.decode([token]))
+        if token not in pieces:
+            pieces[token] = lm.decode([token])
+        text = pieces[token]
         raw = None if "\ufffd" in text else list(text.encode("utf-8"))
         return {"token": text, "bytes": raw, "logprob": logprob}
 

@@ -23,6 +23,7 @@ from shared_core.runtime.protocol import Row, Spans, StopRule
 from shared_core.runtime.remote import protocol as P
 from shared_core.runtime.remote.config import ENGINES, Engine, RemoteConfig
 from shared_core.runtime.remote.http import RemoteError, Transport
+from shared_core.runtime.weights.sources import is_hub_id
 from shared_core.util.redact import redact
 
 if TYPE_CHECKING:
@@ -356,18 +357,13 @@ def _optional(http: Transport, path: str) -> Any:
         return None
 
 
-def _is_hub_id(name: str) -> bool:
-    """``owner/name`` as the Hugging Face hub writes it (not a path: no leading / or ., one /)."""
-    return name.count("/") == 1 and not name.startswith((".", "/", "~")) and all(name.split("/"))
-
-
 def _load_tokenizer(tokenizer: TokenizerSource, root: str | None) -> PreTrainedTokenizerBase:
     if tokenizer is not None and not isinstance(tokenizer, (str, Path)):
         found: PreTrainedTokenizerBase = getattr(tokenizer, "tokenizer", tokenizer)  # an LM's
         return found
     source = tokenizer if tokenizer is not None else root
     # the server's model: a folder here, or the hub id it was started with (vllm serve org/name)
-    found_here = source is not None and (Path(source).is_dir() or _is_hub_id(str(source)))
+    found_here = source is not None and (Path(source).is_dir() or is_hub_id(str(source)))
     if source is None or (tokenizer is None and not found_here):
         msg = (f"the server's model folder {root!r} is not on this machine: pass tokenizer= "
                "(a tokenizer, an LM, or the served model's folder / Hugging Face id), as "

@@ -174,6 +174,12 @@ class ModelSource:
     entry: EmbeddedLM | None = None
 
 
+def is_hub_id(name: str) -> bool:
+    """``owner/name`` as the Hugging Face hub writes it (not a path: no leading ``~``, ``.`` or
+    ``/``, one ``/`` between two non-empty parts)."""
+    return name.count("/") == 1 and not name.startswith(("~", ".", "/")) and all(name.split("/"))
+
+
 def resolve_lm_source(name_or_path: str) -> ModelSource:
     """The source of an alias, ``.gguf`` file, local folder or hub id.
 
@@ -219,7 +225,7 @@ def _local_folder(path: Path, name_or_path: str) -> Path:
         msg = (f"model path {name_or_path!r} is not a model folder (no config.json): pass a folder "
                "written by save_pretrained or a .gguf file")
         raise ValueError(msg)
-    if name_or_path.count("/") == 1 and not name_or_path.startswith(("~", ".", "/")):
+    if is_hub_id(name_or_path):
         logger.warning("loading the local folder %s, which shadows the hub id %r", path.resolve(),
                        name_or_path)
     return path
