@@ -51,6 +51,19 @@ def abandoned() -> bool:
     return event is not None and event.is_set()
 
 
+class Abandoned(Exception):
+    """Raised in a worker whose consumer has gone, where it would start model work."""
+
+
+def check_abandoned() -> None:
+    """Raise :class:`Abandoned` in a stream's worker whose consumer has gone. Called first thing
+    under a model's lock by work that is not a :func:`step_locked` step (a Speculative RAG stage,
+    a RaLMSpec read): a request that timed out while it queued hands the lock on unread."""
+    if abandoned():
+        msg = "the caller of this request has gone (cancelled or timed out)"
+        raise Abandoned(msg)
+
+
 class _CLock(Protocol):
     """CPython's C ``RLock`` (``_thread.RLock``), with the two queries it has and the stubs omit."""
 

@@ -25,6 +25,7 @@ from llamaindex_specrag import SpeculativeRetriever as LISpeculativeRetriever
 from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
 from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGConfig
 from shared_core.retrieval import BM25Retriever, Hit
+from shared_core.runtime.model_lock import lock_for
 
 N = 16
 DEADLINE_S = 120.0
@@ -278,3 +279,68 @@ async def test_a_cancelled_async_ralmspec_call_stops_within_one_step(lm, monkeyp
         await task
     assert await asyncio.to_thread(closed.wait, 30)
     assert len(steps) <= 2 < full
+
+
+async def _queued_then_abandoned(lock: Any, ask: Callable[[], Any]) -> Any:
+    """Three calls of ``ask`` that time out while another request holds ``lock``, then a live
+    one after it is released; the live call's result."""
+    held, release = threading.Event(), threading.Event()
+
+    def busy() -> None:  # another request's stage holds the model
+        with lock:
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=busy, daemon=True).start()
+    assert held.wait(30)
+    for _ in range(3):
+        with pytest.raises(TimeoutError):
+            await asyncio.wait_for(ask(), 0.2)
+    release.set()
+    return await asyncio.wait_for(ask(), DEADLINE_S)
+
+
+@pytest.mark.parametrize("adapter", ["SpeculativeRAGRunnable", "SpeculativeRAGQueryEngine"])
+async def test_specrag_calls_abandoned_while_queued_draft_nothing(specrag, monkeypatch,
+                                                                  adapter: str) -> None:
+    """Speculative RAG calls that timed out while the drafter was busy give its lock up when
+    they get it: only the live call behind them drafts (drafting calls counted, not timed)."""
+    from shared_core.engines.speculative_rag import engine as engine_module
+
+    drafted: list[int] = []
+    real = engine_module.generate_batch
+    monkeypatch.setattr(engine_module, "generate_batch",
+                        lambda lm, prompts, *a, **kw: drafted.append(len(prompts))
+                        or real(lm, prompts, *a, **kw))
+    if adapter == "SpeculativeRAGRunnable":
+        runnable = SpeculativeRAGRunnable(retriever=LCRetriever(hashed), engine=specrag)
+        live = await _queued_then_abandoned(lock_for(specrag.drafter),
+                                            lambda: runnable.ainvoke(QUESTIONS[0]))
+    else:
+        qe = SpeculativeRAGQueryEngine(LIRetriever(hashed), engine=specrag)
+        live = await _queued_then_abandoned(lock_for(specrag.drafter),
+                                            lambda: qe.aquery(QUESTIONS[0]))
+    assert live and drafted == [2]
+
+
+@pytest.mark.parametrize("adapter", ["RaLMSpecRunnable", "RaLMSpecQueryEngine"])
+async def test_ralmspec_calls_abandoned_while_queued_read_nothing(lm, monkeypatch,
+                                                                 adapter: str) -> None:
+    """RaLMSpec calls that timed out while the model was busy read no document and decode no
+    token once they get its lock: the live call behind them makes every step (steps counted)."""
+    from shared_core.engines.ralmspec.decoding import RaLMDecoder
+
+    steps: list[int] = []
+    real = RaLMDecoder._next_logits
+    monkeypatch.setattr(RaLMDecoder, "_next_logits",
+                        lambda self: steps.append(1) or real(self))
+    engine = RaLMSpec(lm, LCRetriever(hashed) if adapter == "RaLMSpecRunnable"
+                      else LIRetriever(hashed), RaLMSpecConfig(**SMALL))
+    call = (RaLMSpecRunnable(engine=engine, max_new_tokens=TOKENS).ainvoke
+            if adapter == "RaLMSpecRunnable"
+            else RaLMSpecQueryEngine(engine=engine, max_new_tokens=TOKENS).aquery)
+    await call(QUESTIONS[0])
+    alone = len(steps)
+    steps.clear()
+    live = await _queued_then_abandoned(lock_for(lm), lambda: call(QUESTIONS[0]))
+    assert live and len(steps) == alone > 0

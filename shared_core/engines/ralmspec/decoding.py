@@ -25,6 +25,7 @@ from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document, Hit, doc_key
 from shared_core.runtime.lm import runtime_threads
+from shared_core.runtime.model_lock import check_abandoned
 from shared_core.runtime.passage_cache import register_passage_ids
 from shared_core.runtime.protocol import ModelLM, ServedLM, SessionLM, open_session
 
@@ -91,6 +92,7 @@ class RaLMDecoder(RaLMDecoderState):
         The read ends with the prompt's (or output's) last id, so the next token comes from its
         last row: no one-token step between a swap and the token after it."""
         with self.lock, timed(self.stats, "generation_s"):
+            check_abandoned()
             del self.generated[length:]
             ids = self.prompt.ids(doc, self.generated)
             self.doc, self.ready = None, None  # a failed read leaves a swap still to do
@@ -122,6 +124,7 @@ class RaLMDecoder(RaLMDecoderState):
             self.reset_to(doc, len(self.generated))
         n = 0
         with self.lock, timed(self.stats, "generation_s"):
+            check_abandoned()
             while n < self.prompt.config.retrieval_stride and not self.finished:
                 self.generated.append(self._choose(self._next_logits()))
                 n += 1

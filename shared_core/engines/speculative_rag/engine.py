@@ -64,7 +64,7 @@ from shared_core.retrieval.base import Document, TextEncoder
 from shared_core.retrieval.frameworks import check_retriever, retrieve
 from shared_core.retrieval.timeout import call_with_timeout
 from shared_core.runtime.model_cache import cached_embedder
-from shared_core.runtime.model_lock import lock_for
+from shared_core.runtime.model_lock import check_abandoned, lock_for
 from shared_core.runtime.passage_cache import register_passages
 from shared_core.runtime.weights.embedded import check_embedder_name
 
@@ -229,6 +229,7 @@ class SpeculativeRAG:
         else:
             embedder = self.embedder
             with lock_for(embedder):
+                check_abandoned()
                 vectors = embed_for_question(embedder, question, docs, cfg.embed_instruction)
             labels = kmeans_labels(vectors, cfg.docs_per_draft, cfg.seed, cfg.kmeans_iters)
             build = one_per_cluster_subsets if cfg.subset_strategy == "cluster" else same_cluster_subsets
@@ -262,6 +263,7 @@ class SpeculativeRAG:
                          [docs[i] for i in s])
         clock = PhaseClock()
         with lock_for(lm):
+            check_abandoned()
             register_passages(lm, passage_texts(docs))  # a blend cache reads them from its store
             rows = generate_batch(lm, prompts, cfg.max_draft_tokens, prefill=prefill,
                                   answer_first=answer_first, clock=clock)
@@ -292,6 +294,7 @@ class SpeculativeRAG:
             pairs = [(d.rationale, d.answer) for d in drafts]
             verifier = self.verifier
             with lock_for(verifier):
+                check_abandoned()
                 scores, stats.verify_tokens = verify_batch(verifier, question, pairs)
             verified = list(scores)
         out = []
