@@ -201,6 +201,24 @@ def test_blend_finds_unregistered_text_by_content_defined_chunks(blend_model, tm
     assert register_passages(lm, PASSAGES) == 3
 
 
+def test_blend_keeps_chat_turns_without_a_chunk_out_of_the_store(blend_model, tmp_path):
+    """Short prompts with no chunk store nothing, so chat traffic never evicts what
+    ``warm_passages`` prepared (before: each turn stored its ids as 8-id head blocks, and ten
+    turns evicted warmed passages from tiers that held them); a RAG prompt's head is stored."""
+    lm = _fresh(blend_model, tmp_path, "blend", recompute_share=0.0, memory_mb=4, disk_mb=4)
+    assert warm_passages(lm, PASSAGES, progress=False)["computed"] == 3
+    puts = passage_stats(lm)["store"]["puts"]
+    for topic in ("volcanoes", "tea", "bicycles", "octopuses", "printing", "the sky", "glaciers",
+                  "honey bees", "Roman roads", "lighthouses"):
+        ids = _chat(lm, f"Write two friendly sentences about {topic} for a curious child.")
+        _, session = greedy(lm, ids, 1)
+        assert session.passage_report.stored == 0
+    assert passage_stats(lm)["store"]["puts"] == puts
+    assert warm_passages(lm, PASSAGES, progress=False)["skipped"] == 3
+    _, session = greedy(lm, prompt_ids(lm, [0, 1], "Who built the weir?"), 1)
+    assert session.passage_report.reused > 0 and session.passage_report.stored > 0
+
+
 def _entries_whole(tmp_path):
     for path in (tmp_path / "passage_kv").rglob(f"*{SUFFIX}"):
         assert _checked_payload(path.read_bytes(), path.name.removesuffix(SUFFIX)) is not None

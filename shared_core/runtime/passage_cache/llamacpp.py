@@ -10,10 +10,11 @@ runs the first ``prefill`` of every session on that model:
   shifted. The rest is decoded as a cold prefill decodes it; with ``load_lm(exact=True)`` the
   output equals a cold prefill's token for token.
 - **blend**: the prompt's head up to its first chunk (a RAG template's fixed instructions) is
-  reused as exact prefix blocks of ``HEAD_BLOCK`` ids. The cached chunks found in the prompt
-  (:mod:`.chunks`) are placed where they occur:
-  a chunk's KV, computed alone after the fixed head :attr:`head` (empty: the chunk starts at
-  position 0, for any prompt format), is restored into a scratch sequence, moved to its place
+  reused as exact prefix blocks of ``HEAD_BLOCK`` ids (stored only from prompts holding a chunk:
+  a short chat turn has none, and its blocks would evict warmed passages). The cached chunks
+  found in the prompt (:mod:`.chunks`) are placed where they occur: a chunk's KV, computed
+  alone after the fixed head :attr:`head` (empty: the chunk starts at position 0, for any
+  prompt format), is restored into a scratch sequence, moved to its place
   with ``llama_memory_seq_add`` (the K-shift re-rotates the keys at the next decode) and copied
   into sequence 0 with ``llama_memory_seq_cp``; the ids between chunks are decoded after them.
   Then a share of the reused tokens is recomputed with full attention (CacheBlend, Yao et al.
@@ -283,12 +284,14 @@ class LlamaCppPassageCache:
         with report.timed("head"):
             session._borrow(ids[: first + 1])
             report.kept = len(session.tokens)
-            keys = self.store.prefix_keys(ids, self.block, first)
+            keys = self.store.prefix_keys(ids, self.block, first) if spans else []
             restored = self._restore_prefix(session, ids, keys, report)
         placed = self.fill(session.lm, session.slot, 0, ids[:-1], len(session.tokens), report,
                            scratch=range(1, PLACE_SEQ))
-        with report.timed("head"):  # the head's cells are untouched by placing and recomputing
-            self._store_blocks(session.slot, keys, restored, first, report)
+        if spans:  # a prompt with no chunk has no head: its 8-id blocks would evict warmed
+            # passages from the store (its reuse is the prefix cache's)
+            with report.timed("head"):  # untouched by placing and recomputing
+                self._store_blocks(session.slot, keys, restored, first, report)
         session.tokens = ids[:-1]
         session.blended = placed > 0
         report.read += 1
