@@ -344,3 +344,38 @@ async def test_ralmspec_calls_abandoned_while_queued_read_nothing(lm, monkeypatc
     steps.clear()
     live = await _queued_then_abandoned(lock_for(lm), lambda: call(QUESTIONS[0]))
     assert live and len(steps) == alone > 0
+
+
+async def test_a_cancelled_ralmspec_abatch_stops_at_its_next_step(lm, monkeypatch) -> None:
+    """``RaLMSpec.abatch`` cancelled while it waits for a busy model decodes nothing once it
+    gets the lock (before: its worker ran the whole batch); steps counted, not timed."""
+    from shared_core.engines.ralmspec.decoding import RaLMDecoder
+
+    steps: list[int] = []
+    real = RaLMDecoder._next_logits
+    monkeypatch.setattr(RaLMDecoder, "_next_logits", lambda self: steps.append(1) or real(self))
+    engine = RaLMSpec(lm, hash_search(), RaLMSpecConfig(**SMALL))
+    alone = [r.token_ids for r in await engine.abatch(QUESTIONS[:1], TOKENS)]
+    per_question = len(steps)
+    steps.clear()
+    lock, held, release = lock_for(lm), threading.Event(), threading.Event()
+
+    def busy() -> None:
+        with lock:
+            held.set()
+            release.wait(30)
+
+    threading.Thread(target=busy, daemon=True).start()
+    assert held.wait(30)
+    task = asyncio.ensure_future(engine.abatch(QUESTIONS[:4], TOKENS))
+    for _ in range(3000):  # until its worker queues for the lock (a guard, not a measure)
+        if lock.waiters():
+            break
+        await asyncio.sleep(0.01)
+    assert lock.waiters() == 1
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    assert [r.token_ids for r in await engine.abatch(QUESTIONS[:1], TOKENS)] == alone
+    assert len(steps) == per_question > 0

@@ -3,7 +3,6 @@ public API."""
 
 from __future__ import annotations
 
-import asyncio
 import math
 import time
 from collections.abc import Sequence
@@ -28,6 +27,7 @@ from shared_core.engines.ralmspec.retrievers import as_backend, await_search, st
 from shared_core.engines.timing import timed
 from shared_core.retrieval._common import check_int
 from shared_core.retrieval.base import Document, Hit, doc_key
+from shared_core.runtime.model_lock import to_thread_abandonable
 from shared_core.runtime.models import LM
 from shared_core.runtime.protocol import ServedLM, SessionLM
 
@@ -297,8 +297,9 @@ class RaLMSpec:
     async def abatch(self, questions: Sequence[str],
                      max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, **sampling: Unpack[SamplingOptions]
                      ) -> list[GenerationResult]:
-        """:meth:`batch` on a worker thread (the event loop stays free)."""
-        return await asyncio.to_thread(self.batch, questions, max_new_tokens, **sampling)
+        """:meth:`batch` on a worker thread (the event loop stays free); cancelled, it stops
+        within one step."""
+        return await to_thread_abandonable(self.batch, questions, max_new_tokens, **sampling)
 
     def generate_baseline(self, question: str, max_new_tokens: int = RALMSPEC_MAX_NEW_TOKENS, *,
                           temperature: float = SamplingConfig.temperature, top_k: int = SamplingConfig.top_k,
