@@ -31,9 +31,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from shared_core.config import (
     DEFAULT_MAX_NEW_TOKENS,
@@ -42,6 +42,7 @@ from shared_core.config import (
     GenerationConfig,
     PenaltyConfig,
     check_kwargs,
+    check_text,
 )
 from shared_core.decoding.constrained import (
     Constraint,
@@ -82,6 +83,7 @@ from shared_core.frontend.chat_settings import (
 )
 from shared_core.frontend.serving import FairLock, loaded_model, lock_for, step_locked
 from shared_core.retrieval.frameworks import to_documents
+from shared_core.runtime.model_cache import check_model_name
 from shared_core.runtime.model_lock import abandoned
 from shared_core.runtime.passage_cache import ensure as ensure_passage_cache
 
@@ -199,7 +201,7 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
     documents = settings.documents if documents is None else documents
     generation = _generation(settings, kwargs)
     tools = check_tools(kwargs.pop("tools", None) or ())
-    choice = check_tool_choice(kwargs.pop("tool_choice", None), tools) if tools else "none"
+    choice = _tool_choice(kwargs.pop("tool_choice", None), tools)
     parallel = kwargs.pop("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         msg = f"parallel_tool_calls must be a bool, got {type(parallel).__name__}"
@@ -209,11 +211,30 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
                                for name in PENALTY_SETTINGS})
     texts = None if documents is None else [d.text for d in to_documents(documents)]
     checked = _checked_prompt(prompt)
-    model = _model_of(settings, state, kwargs.pop("model", None))
+    model = _model_of(settings, state, _checked_model(kwargs.pop("model", None)))
     return _Request(engine, chosen or bool(options), checked, generation, texts, options,
                     _tool_prompt(checked, tools, choice, constraint, single_call=not parallel),
                     model, state.engine_state, settings.load_settings(),
                     settings.passage_cache_config(), model.name, penalty)
+
+
+def _tool_choice(choice: object, tools: Sequence[Mapping[str, Any]]) -> str:
+    """The call's tool choice; without tools only ``None`` / ``"auto"`` / ``"none"`` (a forced
+    call needs a tool, as OpenAI's API refuses it)."""
+    if tools:
+        return check_tool_choice(choice, tools)
+    if choice not in (None, "auto", "none", False):
+        msg = f"tool_choice={choice!r} needs tools (bind_tools / tools=); none were given"
+        raise ValueError(msg)
+    return "none"
+
+
+def _checked_model(model: object) -> str | None:
+    """A per-call ``model``: a model's name, checked as the ``model`` setting is."""
+    if model is not None:
+        check_text(model, "model")
+        check_model_name(model, "model")
+    return cast("str | None", model)
 
 
 def _generation(settings: ChatSettings, kwargs: dict[str, Any]) -> GenerationConfig:
