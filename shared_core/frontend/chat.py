@@ -461,7 +461,12 @@ class ChatStream:
             masks.append(RepetitionPenalty(request.penalty, encode_prompt(opened.lm, opened.prompt)))
         if masks:
             options["logits_mask"] = masks[0] if len(masks) == 1 else ChainedMasks(masks)
-        return start_engine(opened.engine, opened.lm, opened.prompt, request.generation,
+        generation = request.generation
+        if request.tool_prompt is not None:  # rendered to ids: the engine sees no messages
+            from shared_core.engines.loop import with_turn_stop
+
+            generation = with_turn_stop(opened.lm, request.tool_prompt.turns, generation)
+        return start_engine(opened.engine, opened.lm, opened.prompt, generation,
                             documents=request.documents,
                             engine_state=request.engine_state, **options)
 
