@@ -6,6 +6,7 @@ from __future__ import annotations
 from operator import itemgetter
 from typing import Any
 
+from langchain_core.exceptions import OutputParserException
 from langchain_core.language_models import BaseChatModel, LanguageModelInput
 from langchain_core.messages import BaseMessage
 from langchain_core.output_parsers import JsonOutputParser, PydanticOutputParser
@@ -13,6 +14,7 @@ from langchain_core.output_parsers.openai_tools import (
     JsonOutputKeyToolsParser,
     PydanticToolsParser,
 )
+from langchain_core.outputs import ChatGeneration, Generation
 from langchain_core.runnables import Runnable, RunnableMap, RunnablePassthrough
 from langchain_core.utils.function_calling import convert_to_json_schema, convert_to_openai_tool
 from langchain_core.utils.pydantic import is_basemodel_subclass
@@ -55,6 +57,39 @@ def _json_schema(schema: Any) -> dict[str, Any]:
     return converted
 
 
+class _Complete:
+    """A parser mixin: a reply the token limit cut off is an ``OutputParserException`` naming
+    ``max_tokens`` (as ChatOpenAI refuses a ``finish_reason="length"`` parse), not a partial
+    object or ``None``; with ``include_raw`` it is the ``parsing_error``. Streamed partial
+    objects are still parsed as they grow."""
+
+    def parse_result(self, result: list[Generation], *, partial: bool = False) -> Any:
+        if not partial and result and isinstance(result[0], ChatGeneration):
+            message = result[0].message
+            if message.response_metadata.get("finish_reason") == "length":
+                used = (getattr(message, "usage_metadata", None) or {}).get("output_tokens")
+                msg = (f"the reply reached max_tokens ({used} tokens) before the structured "
+                       "output was complete; raise max_tokens")
+                raise OutputParserException(msg, llm_output=message.text)
+        return super().parse_result(result, partial=partial)  # type: ignore[misc]
+
+
+class _Pydantic(_Complete, PydanticOutputParser):  # type: ignore[type-arg]
+    pass
+
+
+class _Json(_Complete, JsonOutputParser):
+    pass
+
+
+class _PydanticTools(_Complete, PydanticToolsParser):
+    pass
+
+
+class _JsonKeyTools(_Complete, JsonOutputKeyToolsParser):
+    pass
+
+
 def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any]
            ) -> tuple[Runnable[LanguageModelInput, BaseMessage], Runnable[BaseMessage, Any]]:
     """The model with the format bound, and the parser of its reply."""
@@ -64,8 +99,8 @@ def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any
     if method == "function_calling":
         name = convert_to_openai_tool(schema)["function"]["name"]
         bound = model.bind_tools([schema], tool_choice=name, **trace, **kwargs)
-        tools_parser = (PydanticToolsParser(tools=[schema], first_tool_only=True) if pydantic
-                        else JsonOutputKeyToolsParser(key_name=name, first_tool_only=True))
+        tools_parser = (_PydanticTools(tools=[schema], first_tool_only=True) if pydantic
+                        else _JsonKeyTools(key_name=name, first_tool_only=True))
         return bound, tools_parser
     if method == "json_schema":
         fmt = {"type": "json_schema", "schema": _json_schema(schema)}
@@ -73,7 +108,7 @@ def _bound(model: BaseChatModel, schema: Any, method: str, kwargs: dict[str, Any
     else:
         fmt = {"type": "json_object"}
     bound = model.bind(response_format=fmt, **trace, **kwargs)
-    parser = PydanticOutputParser(pydantic_object=schema) if pydantic else JsonOutputParser()
+    parser = _Pydantic(pydantic_object=schema) if pydantic else _Json()
     return bound, parser
 
 

@@ -13,7 +13,9 @@ from typing import Any, cast
 
 from llama_index.core.base.llms.types import ChatResponse
 from llama_index.core.program.utils import process_streaming_objects
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+
+from llamaindex_specrag.llms.tools import CUT_OFF, cut_off
 
 
 def schema_format(output_cls: type[BaseModel], llm_kwargs: dict[str, Any] | None
@@ -46,7 +48,12 @@ class _Partials:
         """The validated object, once a response came (none for an empty stream)."""
         if self._last is None:
             return []
-        return [self._output_cls.model_validate_json(self._last.message.content or "")]
+        try:
+            return [self._output_cls.model_validate_json(self._last.message.content or "")]
+        except ValidationError as e:
+            if cut_off(self._last):
+                raise ValueError(CUT_OFF.format("JSON object")) from e
+            raise
 
 
 def partial_objects(responses: Iterator[ChatResponse], output_cls: type[BaseModel]

@@ -115,13 +115,23 @@ def prepare_chat_with_tools(tools: Sequence[Any], user_msg: str | ChatMessage | 
             "parallel_tool_calls": parallel, **kwargs}
 
 
+CUT_OFF = "the reply reached max_new_tokens before its {} was complete; raise max_new_tokens"
+
+
+def cut_off(response: ChatResponse) -> bool:
+    """Whether the token limit ended the reply (a call or JSON object may be unfinished)."""
+    return bool((response.raw or {}).get("finish_reason") == "length")
+
+
 def tool_selections(response: ChatResponse, error_on_no_tool_call: bool) -> list[ToolSelection]:
-    """The reply's tool calls as ``ToolSelection``s (ValueError if none and one is required)."""
+    """The reply's tool calls as ``ToolSelection``s (ValueError if none and one is required,
+    naming ``max_new_tokens`` when the limit cut the call off)."""
     calls = response.message.additional_kwargs.get("tool_calls") or []
     if not calls and error_on_no_tool_call:
         invalid = response.message.additional_kwargs.get("invalid_tool_calls")
         detail = f" (invalid: {invalid[0]['error']})" if invalid else ""
-        msg = f"expected at least one tool call in the response, got none{detail}"
+        msg = (CUT_OFF.format("tool call") if invalid and cut_off(response)
+               else "expected at least one tool call in the response, got none") + detail
         raise ValueError(msg)
     return [ToolSelection(tool_id=c["id"], tool_name=c["function"]["name"],
                           tool_kwargs=c["function"]["arguments"]) for c in calls]

@@ -263,6 +263,28 @@ def test_structured_output_from_a_random_model_validates(long_chat, method):
     assert raw["parsing_error"] is None and Verdict.model_validate(raw["parsed"]) is not None
 
 
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_structured_output_cut_off_by_max_tokens_is_an_error_naming_it(long_chat, method):
+    """As ChatOpenAI refuses a ``finish_reason="length"`` parse: not a partial object or None
+    (before: json_schema gave the cut-off object, function_calling None, both without error)."""
+    pytest.importorskip("xgrammar")
+    from langchain_core.exceptions import OutputParserException
+    from pydantic import BaseModel
+
+    short = long_chat.model_copy(update={"max_tokens": 3})
+
+    class Verdict(BaseModel):
+        label: Literal["yes", "no", "unsure"]
+        final: bool
+
+    out = short.with_structured_output(Verdict, method=method, include_raw=True).invoke(MESSAGES)
+    assert out["raw"].response_metadata["finish_reason"] == "length"
+    assert out["parsed"] is None and isinstance(out["parsing_error"], OutputParserException)
+    assert "max_tokens (3 tokens)" in str(out["parsing_error"])
+    with pytest.raises(OutputParserException, match="raise max_tokens"):
+        short.with_structured_output(Verdict, method=method).invoke(MESSAGES)
+
+
 def test_constrained_speculation_equals_constrained_plain_decoding(long_chat):
     pytest.importorskip("xgrammar")
     from pydantic import BaseModel

@@ -183,6 +183,28 @@ def test_structured_predict_and_forced_tool_call():
     assert llm.predict_and_call([tool], PROMPT, tool_required=True).response in ("True", "False")
 
 
+def test_structured_output_cut_off_by_max_new_tokens_is_an_error_naming_it():
+    """A call or JSON object the token limit cut off: a ValueError naming max_new_tokens
+    (before: "expected at least one tool call" / a pydantic EOF error)."""
+    pytest.importorskip("xgrammar")
+    from llama_index.core.prompts import PromptTemplate
+    from pydantic import BaseModel
+    from tiny import tiny_lm
+
+    class Verdict(BaseModel):
+        """A verdict."""
+
+        label: Literal["yes", "no", "unsure"]
+        final: bool
+
+    llm = SpeculativeLLM(lm=tiny_lm(max_positions=2048), model="tiny", max_new_tokens=3)
+    prompt = PromptTemplate("Judge: {x}")
+    with pytest.raises(ValueError, match="reached max_new_tokens before its tool call"):
+        llm.structured_predict(Verdict, prompt, x=PROMPT)
+    with pytest.raises(ValueError, match="reached max_new_tokens before its JSON object"):
+        list(llm.stream_structured_predict(Verdict, prompt, x=PROMPT))
+
+
 def test_streamed_structured_output_grows_into_the_object():
     """``stream_structured_predict`` (sync and async) decodes under the output class's schema:
     partial objects as the JSON grows, the last the whole reply validated (a random model would
