@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -282,13 +283,18 @@ def _one_call(item: object, known: Sequence[str], raw: str) -> ToolCall | Invali
     return ToolCall(name, dict(args), _new_id())
 
 
+_NAMED = re.compile(r'\{\s*"name"\s*:\s*"([^"\\]+)"')  # a call's opening, up to its name
+
+
 def _parse_body(body: str, known: Sequence[str]) -> list[ToolCall | InvalidToolCall]:
     """The calls in one ``<tool_call>`` body (a JSON object, or a list of them)."""
     body = body.strip()
     try:  # the first JSON value; text after it (e.g. a closing tag cut by max tokens) is not
         parsed, _ = json.JSONDecoder().raw_decode(body)  # part of the call
-    except json.JSONDecodeError as e:
-        return [InvalidToolCall(None, body, _new_id(), f"not JSON: {e}")]
+    except json.JSONDecodeError as e:  # e.g. cut by max tokens: named if its name was written
+        named = _NAMED.match(body)
+        name = named.group(1) if named and named.group(1) in known else None
+        return [InvalidToolCall(name, body, _new_id(), f"not JSON: {e}")]
     return [_one_call(item, known, body) for item in (parsed if isinstance(parsed, list)
                                                       else [parsed])]
 

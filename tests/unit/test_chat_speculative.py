@@ -315,7 +315,7 @@ def test_streamed_call_chunks_add_up_to_the_parsed_calls():
               for i, c in enumerate([*calls, *invalid])]
     total = chunks[0] + chunks[1] + chunks[2]
     assert [(c["name"], c["args"]) for c in total.tool_calls] == [("add", {"a": 1})]
-    assert [c["name"] for c in total.invalid_tool_calls] == ["rm", None]
+    assert [c["name"] for c in total.invalid_tool_calls] == ["rm", "add"]
     # the raw text of an invalid call, JSON-quoted so that LangChain does not re-parse it
     assert [json.loads(c["args"]) for c in total.invalid_tool_calls] == [
         c.arguments for c in invalid] == ['{"path": "/"}', '{"name": "add", "arguments": {"a": 3']

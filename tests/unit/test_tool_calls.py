@@ -58,6 +58,9 @@ def test_parse_tagged_bare_multiple_and_invalid_calls():
     _, calls, invalid = parse_tool_calls('<tool_call>\n{"name": "add", "arguments": {"a": 3',
                                          NAMES)
     assert not calls and "not JSON" in invalid[0].error and invalid[0].arguments.endswith('3')
+    assert invalid[0].name == "add"  # cut off after its name: still named (a forced call's)
+    _, _, invalid = parse_tool_calls('<tool_call>\n{"name": "nope", "arguments": {', NAMES)
+    assert invalid[0].name is None  # only a bound tool's name
     _, calls, invalid = parse_tool_calls('<tool_call>{"name": "rm", "arguments": {}}</tool_call>',
                                          NAMES)
     assert not calls and invalid[0].name == "rm" and "unknown tool" in invalid[0].error
