@@ -62,3 +62,25 @@ def test_first_screen_shows_the_cache_the_contract_and_the_compared_answers(monk
     assert rows["Q2"]["cached"].cache["reused"] > 0  # Q1's passages, found in another order
     assert rows["Q2"]["equal"] == (rows["Q2"]["cached"].token_ids == rows["Q2"]["full"].token_ids)
     assert result["ttft_speedup"] > 0
+
+
+def test_on_a_model_blend_refuses_the_section_runs_exact_and_says_why(monkeypatch) -> None:
+    """Gemma-3 (the verifier without the `qwen` extra) has sliding-window layers: loading it
+    with blend is refused naming passage_cache, and the demo shows the exact contract and why
+    blend is skipped (before: a StateFormatError ended the demo)."""
+    from shared_core.runtime.models import load_lm
+    from shared_core.runtime.weights.embedded import is_installed
+
+    if not is_installed("gemma-3-270m"):
+        pytest.skip("the Gemma part packages")
+    with pytest.raises(ValueError, match=r"passage_cache='blend' cannot run.*sliding-window.*"
+                                         r"passage_cache='exact'"):
+        load_lm("gemma-3-270m", backend="llama.cpp", n_ctx=512, passage_cache="blend")
+    monkeypatch.setenv("SPECRAG_NUM_THREADS", "1")
+    lines: list[str] = []
+    result = passage_cache_section(FixedRetriever(), "gemma-3-270m", lines.append,
+                                   max_new_tokens=4)
+    text = "\n".join(lines)
+    assert "contract exact" in text and "contract blend skipped: " in text
+    assert "sliding-window" in text and "Q2:" not in text
+    assert result["exact"]["equal"] and set(result["rows"]) == {"Q1"}

@@ -204,6 +204,7 @@ class LlamaCppModel:
                               or llama.llama_model_is_hybrid(self.ptr))
         self.can_shift = not self.recurrent and int(llama.llama_model_rope_type(self.ptr)) not in (
             llama.LLAMA_ROPE_TYPE_MROPE, llama.LLAMA_ROPE_TYPE_IMROPE)
+        self.n_swa = int(llama.llama_model_n_swa(self.ptr))  # sliding-window layers' width (0: none)
         self.n_ctx = settings.n_ctx or min(self.n_ctx_train or DEFAULT_N_CTX, DEFAULT_N_CTX)
         choice = choose_threads(settings.n_threads or threads_from_env())
         self.threads, self.thread_policy = choice.threads, choice.policy

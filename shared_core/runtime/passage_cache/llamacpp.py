@@ -118,6 +118,14 @@ class LlamaCppPassageCache:
 
     def __init__(self, model: LlamaCppModel, config: PassageCacheConfig, *, head: Sequence[int] = (),
                  disk_dir: Path | None = None):
+        if config.mode == "blend" and model.n_swa:
+            # llama.cpp keeps sliding-window layers in a second KV cache, pruned to the window
+            # as a prompt is read; placing and probing passages reads and moves one cache only
+            msg = (f"passage_cache='blend' cannot run on this model: it has sliding-window "
+                   f"attention layers (a {model.n_swa}-token window, e.g. Gemma-3), which "
+                   "llama.cpp keeps in a second KV cache a blend does not place passages in; "
+                   "use passage_cache='exact'")
+            raise ValueError(msg)
         self.model = model
         self.config = config
         self.head = tuple(int(t) for t in head)
