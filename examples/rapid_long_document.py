@@ -38,7 +38,7 @@ FILLER = ("The chronicle then lists the harvests, the prices of grain and the na
 
 
 def long_document() -> str:
-    """~3k tokens: the facts scattered through pages of filler."""
+    """About 1.7k tokens (SmolLM2's tokenizer): the facts scattered through pages of filler."""
     return "\n\n".join(fact + " " + FILLER * 6 for fact in TOWN)
 
 

@@ -127,10 +127,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    """The index written to ``--out`` when given, else to the results folder's README.md."""
     results = Path(args.results)
     text = build_index(results)
-    (results / "README.md").write_text(text, encoding="utf-8")
-    return {"index": str(results / "README.md"), "rows": text.count("\n| `")}
+    target = Path(args.out) if getattr(args, "out", None) else results / "README.md"
+    target.write_text(text, encoding="utf-8")
+    return {"index": str(target), "rows": text.count("\n| `")}
 
 
 if __name__ == "__main__":

@@ -248,3 +248,13 @@ def test_the_disk_budget_holds_for_stores_sharing_a_folder(tmp_path: Path) -> No
     assert two.clear() == 3 and not list(tmp_path.rglob("*.kv"))
     third = ChunkStore[bytes]("b" * 64, memory_bytes=0, disk_bytes=budget, disk_dir=tmp_path)
     assert third.stats.disk_bytes == 0
+
+
+def test_warm_passages_names_the_cache_a_model_has_when_it_is_not_blend() -> None:
+    """An exact cache is named as such (before: "without one", though the model had one)."""
+    lm = tiny_lm(num_layers=1, seed=27)
+    with pytest.raises(ValueError, match=r"got LM without one"):
+        warm_passages(lm, PASSAGES, progress=False)
+    attach(lm.model, PassageCacheConfig(mode="exact", disk_mb=0))
+    with pytest.raises(ValueError, match=r"got LM with passage_cache='exact'"):
+        warm_passages(lm, PASSAGES, progress=False)

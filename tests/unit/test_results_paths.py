@@ -65,3 +65,13 @@ def test_results_index_is_up_to_date() -> None:
     index = (ROOT / "results" / "README.md").read_text(encoding="utf-8")
     assert index == build_index(ROOT / "results"), \
         "results/README.md is stale: run `python -m shared_core.bench results-index`"
+
+
+def test_results_index_writes_to_out_when_given(tmp_path: Path) -> None:
+    """``results-index --out FILE`` writes the index there, not over results/README.md."""
+    from shared_core.bench.__main__ import main
+
+    before = (ROOT / "results" / "README.md").stat().st_mtime_ns
+    assert main(["results-index", "--out", str(tmp_path / "index.md")]) == 0
+    assert (tmp_path / "index.md").read_text(encoding="utf-8") == build_index(ROOT / "results")
+    assert (ROOT / "results" / "README.md").stat().st_mtime_ns == before

@@ -243,12 +243,13 @@ def register_passage_ids(lm: ModelLM, ids: Sequence[int]) -> bool:
     return cache is not None and cache.mode == "blend" and bool(cache.index.add(ids))
 
 
-def warm_passages(lm: ModelLM | ModelProvider, texts: Iterable[Any], *, progress: bool = True
+def warm_passages(lm: ModelLM | ModelProvider, texts: Iterable[Any], *, progress: bool = False
                   ) -> dict[str, int]:
     """Compute and store the KV of each passage ahead of time (blend caches; on disk too when
     this returns): resumable, since passages already stored are skipped; a tqdm bar with
-    ``progress``. ``lm``: the model, or a chat adapter built with ``passage_cache="blend"``
-    (:class:`ModelProvider`: the model its calls run on). ``texts``: strings, documents, a
+    ``progress=True`` (off by default, as every library call's). ``lm``: the model, or a chat
+    adapter built with ``passage_cache="blend"`` (:class:`ModelProvider`: the model its calls
+    run on). ``texts``: strings, documents, a
     LlamaIndex index / docstore or a LangChain vector store (:func:`source_texts`; a
     ``{doc_id: text}`` dict is refused: pass its ``.values()``).
 
@@ -263,7 +264,8 @@ def warm_passages(lm: ModelLM | ModelProvider, texts: Iterable[Any], *, progress
     model = _model_of(lm)
     cache = passage_cache_of(model)
     if cache is None or cache.mode != "blend":
-        given = "" if provider is None else f" (got {type(provider).__name__} without one)"
+        what = "without one" if cache is None else f"with passage_cache={cache.mode!r}"
+        given = f" (got {type(provider or model).__name__} {what})"
         msg = ("warm_passages needs a model loaded with passage_cache='blend', or a chat adapter "
                f"built with it{given} (exact reuse keys whole prompt prefixes, which a passage "
                "alone does not give)")
