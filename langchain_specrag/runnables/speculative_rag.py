@@ -104,7 +104,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         retriever = self.retriever
         return call.with_documents(self._retrieved(call_with_timeout(
             lambda: retriever.invoke(question, config=config), self.retrieval_timeout_s,
-            self._retriever_name())))
+            self._retriever_name(), retriever)))
 
     async def _arag_call(self, value: RAGInput, config: RunnableConfig) -> SpeculativeRAGStream:
         if not isinstance(self.retriever, BaseRetriever):

@@ -119,7 +119,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
             return _nodes(self._retrieve_any(query_bundle.query_str))
         nodes: list[NodeWithScore] = call_with_timeout(
             lambda: llamaindex_retrieve(self.retriever, query_bundle),
-            self.retrieval_timeout_s, self._retriever_name())
+            self.retrieval_timeout_s, self._retriever_name(), self.retriever)
         return nodes[: self.retrieve_k]
 
     async def aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:

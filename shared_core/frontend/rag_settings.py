@@ -248,7 +248,7 @@ class SpeculativeRAGSettings(RAGSettings):
         """The top ``retrieve_k`` documents of a retriever that is not the framework's own (a
         specrag retriever or the other framework's), time-limited like the framework's."""
         return call_with_timeout(lambda: retrieve(self.retriever, question, self.retrieve_k),
-                                 self.retrieval_timeout_s, self._retriever_name())
+                                 self.retrieval_timeout_s, self._retriever_name(), self.retriever)
 
 
 class RaLMSpecSettings(RAGSettings):

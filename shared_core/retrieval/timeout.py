@@ -1,11 +1,13 @@
-"""Time-limited retriever calls on a bounded set of daemon worker threads.
+"""Time-limited retriever calls on bounded sets of daemon worker threads, one set per retriever.
 
 A retriever that hangs cannot be stopped from Python: a timed-out call is abandoned and its
 thread keeps running until the retriever returns. A new thread per call would leak one thread
 per timed-out call; :class:`BoundedWorkers` keeps at most ``size`` threads (daemon threads, so a
-hung retriever never blocks interpreter exit), started on demand and reused. When all of them are
-stuck, further calls wait in the queue, their wait counts against their own timeout, and a call
-that times out while still queued is cancelled (it never runs).
+hung retriever never blocks interpreter exit), started on demand, reused, and ended after
+``IDLE_EXIT_S`` without work. When all of them are stuck, further calls wait in the queue, their
+wait counts against their own timeout, and a call that times out while still queued is
+cancelled (it never runs). Each retriever object has its own workers (:func:`workers_for`), so
+a hung retriever holds up only its own calls, never another retriever's.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, TypeVar
 
 from shared_core.config import check_timeout
+from shared_core.util.per_object import PerObject
 
 T = TypeVar("T")
 
-RETRIEVAL_WORKERS = 4  # background retriever calls at once (time-limited calls only)
+RETRIEVAL_WORKERS = 4  # background calls at once per retriever (time-limited calls only)
+IDLE_EXIT_S = 30.0  # a worker thread with no call for this long ends (a retriever's set empties)
 
 
 class BoundedWorkers:
@@ -61,7 +65,15 @@ class BoundedWorkers:
 
     def _work(self) -> None:
         while True:
-            future, fn = self._queue.get()
+            try:
+                future, fn = self._queue.get(timeout=IDLE_EXIT_S)
+            except queue.Empty:
+                with self._lock:  # submit queues before it looks at _idle under this lock
+                    if self._queue.empty():
+                        self._idle -= 1
+                        self._threads.remove(threading.current_thread())
+                        return
+                continue
             with self._lock:
                 self._idle -= 1
             if future.set_running_or_notify_cancel():
@@ -75,25 +87,34 @@ class BoundedWorkers:
                 self._idle += 1
 
 
-RETRIEVAL_POOL = BoundedWorkers(RETRIEVAL_WORKERS, "specrag-retrieval")
+_WORKERS: PerObject[BoundedWorkers] = PerObject(
+    lambda: BoundedWorkers(RETRIEVAL_WORKERS, "specrag-retrieval"))
+
+
+def workers_for(retriever: object) -> BoundedWorkers:
+    """The worker threads of ``retriever``'s time-limited calls (made on first use)."""
+    return _WORKERS.get(retriever)
 
 
 def call_with_timeout(fn: Callable[[], T], timeout_s: float | None, what: str,
-                      pool: BoundedWorkers = RETRIEVAL_POOL) -> T:
-    """``fn()`` inline when ``timeout_s`` is None; else on ``pool``, raising TimeoutError naming
-    ``what`` and ``retrieval_timeout_s`` when it has not answered within ``timeout_s`` seconds."""
+                      retriever: object) -> T:
+    """``fn()`` (a call of ``retriever``) inline when ``timeout_s`` is None; else on the
+    retriever's workers, raising TimeoutError naming ``what`` and ``retrieval_timeout_s`` when
+    it has not answered within ``timeout_s`` seconds."""
     check_timeout(timeout_s)
     if timeout_s is None:
         return fn()
     start = time.perf_counter()
-    future = pool.submit(fn)
+    future = workers_for(retriever).submit(fn)
     try:
         return future.result(timeout=timeout_s)
     except FutureTimeout:
         if future.done() and not future.cancelled():  # the retriever's own TimeoutError
             raise
         queued = future.cancel()  # True: it never started (all workers were busy)
-        note = f" ({time.perf_counter() - start:.1f} s{', still queued' if queued else ''})"
+        waited = f"{time.perf_counter() - start:.1f} s"
+        note = f" ({waited}, queued behind its earlier calls, still running)" if queued else (
+            f" ({waited})")
         raise TimeoutError(_timeout_message(what, timeout_s, note)) from None
 
 

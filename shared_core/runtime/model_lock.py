@@ -25,14 +25,13 @@ import _thread
 import asyncio
 import contextlib
 import contextvars
-import logging
 import threading
-import weakref
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from typing import Any, NamedTuple, Protocol, TypeVar, cast
 
-logger = logging.getLogger(__name__)
+from shared_core.util.per_object import PerObject
+
 T = TypeVar("T")
 
 
@@ -221,40 +220,14 @@ def _open(gate: _thread.LockType) -> None:
             gate.release()
 
 
-_LOCKS_LOCK = threading.Lock()
-_INSTANCE_LOCKS: dict[int, tuple[weakref.ref[Any], FairLock]] = {}
-_PINNED: dict[int, tuple[Any, FairLock]] = {}  # objects that cannot be weakly referenced
+_LOCKS: PerObject[FairLock] = PerObject(FairLock)
+_INSTANCE_LOCKS = _LOCKS.entries
 
 
 def lock_for(model: object) -> FairLock:
     """The one lock of ``model`` (any object: a cached model, an LM the caller loaded, a served
     client), created on first use and held weakly: the entry goes away with the model."""
-    key = id(model)
-    with _LOCKS_LOCK:
-        entry = _INSTANCE_LOCKS.get(key)
-        if entry is not None and entry[0]() is model:
-            return entry[1]
-        pinned = _PINNED.get(key)
-        if pinned is not None and pinned[0] is model:
-            return pinned[1]
-        lock = FairLock()
-        try:
-            ref = weakref.ref(model)
-        except TypeError:  # no __weakref__ slot: keep the object with its lock
-            logger.debug("lock_for: %s cannot be weakly referenced; its lock keeps it alive",
-                         type(model).__name__)
-            _PINNED[key] = (model, lock)
-            return lock
-        _INSTANCE_LOCKS[key] = (ref, lock)
-        weakref.finalize(model, _forget_instance, key, ref)
-        return lock
-
-
-def _forget_instance(key: int, ref: weakref.ref[Any]) -> None:
-    with _LOCKS_LOCK:
-        entry = _INSTANCE_LOCKS.get(key)
-        if entry is not None and entry[0] is ref:  # not a newer object that reused the id
-            del _INSTANCE_LOCKS[key]
+    return _LOCKS.get(model)
 
 
 def step_locked(lock: FairLock, stream: Iterator[T]) -> Generator[T, None, None]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
 import pytest
 from fakes import HashEmbedder
@@ -27,7 +28,8 @@ from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGCo
 from shared_core.engines.speculative_rag.subsets import subset_shape
 from shared_core.frontend.rag import RALMSPEC_SETTINGS, SPECRAG_SETTINGS
 from shared_core.retrieval import Document, Hit
-from shared_core.retrieval.timeout import RETRIEVAL_POOL, RETRIEVAL_WORKERS, call_with_timeout
+from shared_core.retrieval import timeout as retrieval_timeout
+from shared_core.retrieval.timeout import RETRIEVAL_WORKERS, call_with_timeout, workers_for
 
 TEXTS = [f"Report {i}: the river number {i} flows north past the mill." for i in range(10)]
 QUESTION = "Which river flows north?"
@@ -173,14 +175,50 @@ def test_timed_out_retrievals_do_not_pile_up_threads(engine):
         for _ in range(3 * RETRIEVAL_WORKERS):
             with pytest.raises(TimeoutError, match=r"retrieval_timeout_s=0\.05"):
                 timed.answer(QUESTION, retriever=slow)
-        assert RETRIEVAL_POOL.live_threads() <= RETRIEVAL_WORKERS
+        assert workers_for(slow).live_threads() <= RETRIEVAL_WORKERS
         assert threading.active_count() - before <= RETRIEVAL_WORKERS
         assert slow.calls <= RETRIEVAL_WORKERS  # calls queued behind stuck workers never ran
     finally:
         slow.release.set()
-    # the workers come back: a quick retrieval on the same pool answers
-    assert call_with_timeout(lambda: 42, WAIT_S, "a quick call") == 42
+    # the workers come back: a quick call of the same retriever answers
+    assert call_with_timeout(lambda: 42, WAIT_S, "a quick call", slow) == 42
     assert timed.answer(QUESTION, TEXTS[:4]).stats.num_documents == 4
+
+
+def test_a_hung_retriever_holds_up_only_its_own_calls(engine):
+    """Every worker of one retriever stuck: another retriever's time-limited calls still answer
+    at once (before: one pool for all, so they timed out, blaming the healthy retriever)."""
+    hung, healthy = BlockingRetriever(), BlockingRetriever()
+    healthy.release.set()
+    timed = engine.with_config(SpeculativeRAGConfig(max_draft_tokens=4, retrieval_timeout_s=0.05))
+    try:
+        for _ in range(100):  # until every worker is stuck in it (a guard, not a measure)
+            if hung.calls >= RETRIEVAL_WORKERS:
+                break
+            with pytest.raises(TimeoutError):
+                timed.answer(QUESTION, retriever=hung)
+        assert hung.calls == workers_for(hung).live_threads() == RETRIEVAL_WORKERS
+        patient = engine.with_config(SpeculativeRAGConfig(max_draft_tokens=4,
+                                                          retrieval_timeout_s=WAIT_S))
+        assert patient.answer(QUESTION, retriever=healthy).stats.num_documents > 0
+        with pytest.raises(TimeoutError, match="queued behind its earlier calls"):
+            call_with_timeout(lambda: 42, 0.05, "retriever BlockingRetriever", hung)
+    finally:
+        hung.release.set()
+
+
+def test_idle_retrieval_workers_end(monkeypatch):
+    """A retriever's worker threads end once idle, so retrievers made per request leave none."""
+    monkeypatch.setattr(retrieval_timeout, "IDLE_EXIT_S", 0.05)
+    owner = BlockingRetriever()
+    assert call_with_timeout(lambda: 42, WAIT_S, "a quick call", owner) == 42
+    workers = workers_for(owner)
+    for _ in range(int(WAIT_S / 0.01)):  # a deadline guard, not a measure
+        if workers.live_threads() == 0:
+            break
+        time.sleep(0.01)
+    assert workers.live_threads() == 0
+    assert call_with_timeout(lambda: 43, WAIT_S, "a quick call", owner) == 43  # starts anew
 
 
 def test_the_adapters_time_limit_their_own_retrieval(engine):

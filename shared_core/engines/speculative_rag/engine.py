@@ -188,7 +188,7 @@ class SpeculativeRAG:
             raise ValueError(msg)
         timeout_s = self.config.retrieval_timeout_s
         documents = call_with_timeout(lambda: retrieve(source, question, k), timeout_s,
-                                      f"retriever {type(source).__name__}")
+                                      f"retriever {type(source).__name__}", source)
         if not documents:
             msg = "documents is empty: the retriever returned no documents"
             raise ValueError(msg)
