@@ -1,2 +1,2 @@
-"""Standard-library helpers (layer 0): lazy attributes, the file lock, credential redaction, device and
-thread resolution."""
+"""Standard-library helpers (layer 0): lazy attributes, the file lock, per-object registries,
+credential redaction, device and thread resolution."""
