@@ -123,7 +123,10 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
         return nodes[: self.retrieve_k]
 
     async def aretrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
-        if not isinstance(self.retriever, BaseRetriever):
+        # LlamaIndex's default _aretrieve calls the blocking _retrieve on the event loop, where
+        # no timeout can interrupt it: such a retriever runs on a worker thread, time-limited
+        if not isinstance(self.retriever, BaseRetriever) or (
+                type(self.retriever)._aretrieve is BaseRetriever._aretrieve):
             return await asyncio.to_thread(self.retrieve, query_bundle)
         nodes: list[NodeWithScore] = await await_with_timeout(
             allamaindex_retrieve(self.retriever, query_bundle), self.retrieval_timeout_s,

@@ -249,6 +249,30 @@ def test_the_adapters_time_limit_their_own_retrieval(engine):
         SpeculativeRAGQueryEngine(_LIRetriever(), retrieval_timeout_s=-1.0)
 
 
+def test_a_sync_only_llamaindex_retriever_is_time_limited_in_aquery(engine):
+    """LlamaIndex runs a retriever without its own ``_aretrieve`` on the event loop, blocking:
+    ``aquery`` / ``aretrieve`` run it on a worker thread, time-limited (before: no timeout, the
+    event loop stalled until the retriever returned)."""
+    from llama_index.core.retrievers import BaseRetriever as LIBaseRetriever
+    from llama_index.core.schema import NodeWithScore, QueryBundle, TextNode
+
+    release = threading.Event()
+
+    class SyncOnly(LIBaseRetriever):
+        def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+            release.wait(WAIT_S)
+            return [NodeWithScore(node=TextNode(text=TEXTS[0]), score=1.0)]
+
+    qe = SpeculativeRAGQueryEngine(SyncOnly(), engine=engine, retrieval_timeout_s=0.05)
+    try:
+        with pytest.raises(TimeoutError, match=r"retriever SyncOnly .*retrieval_timeout_s=0\.05"):
+            asyncio.run(qe.aquery(QUESTION))
+        with pytest.raises(TimeoutError, match=r"retrieval_timeout_s=0\.05"):
+            asyncio.run(qe.aretrieve(QueryBundle(QUESTION)))
+    finally:
+        release.set()
+
+
 def test_ralmspec_timed_out_searches_do_not_pile_up_threads():
     """RaLMSpec's own time-limited searches share the same bounded daemon workers."""
     from shared_core.engines.ralmspec.retrievers import (
