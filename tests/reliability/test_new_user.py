@@ -52,6 +52,37 @@ def test_speculative_retrievers_keep_the_retrievers_scores() -> None:
     assert [d.metadata["score"] for d in docs] == [None, None]
 
 
+class LCEmpty(LCBaseRetriever):
+    """Texts until ``empty`` is set (a store emptied, a filter that now matches nothing)."""
+
+    empty: bool = True
+
+    def _get_relevant_documents(self, query: str, *, run_manager: object) -> list[LCDocument]:
+        return [] if self.empty else [LCDocument(page_content=t, id=f"d{i}")
+                                      for i, t in enumerate(TEXTS)]
+
+
+class LIEmpty(LIBaseRetriever):
+    def _retrieve(self, query_bundle: QueryBundle) -> list[NodeWithScore]:
+        return []
+
+
+def test_speculative_retrievers_pass_an_empty_result_on() -> None:
+    """No document is a normal result (a filter, a score threshold, an empty store): the
+    wrappers return it as the retriever did (before: ValueError "no document for query 0")."""
+    lc = LCSpeculativeRetriever(retriever=LCEmpty(), k=2)
+    assert lc.invoke("capital") == []
+    assert LISpeculativeRetriever(LIEmpty(), similarity_top_k=2).retrieve("capital") == []
+    lc.speculate("capital")
+    assert lc.verify() == []  # answered from what was verified: nothing was queued
+    store = LCEmpty(empty=False)
+    warm = LCSpeculativeRetriever(retriever=store, k=2)
+    assert len(warm.invoke("capital")) == 2
+    store.empty = True  # the store emptied: a queued guess is wrong, not an error
+    assert len(warm.speculate("another capital")) == 1
+    assert warm.verify() == [False]
+
+
 class Records(logging.Handler):
     """A root handler like ``logging.basicConfig``'s: level NOTSET, so it shows what arrives."""
 

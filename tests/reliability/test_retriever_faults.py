@@ -405,9 +405,15 @@ def test_a_malformed_llamaindex_result_is_named_alike_on_the_sync_and_async_path
         def _retrieve(self, query_bundle: QueryBundle) -> Any:
             return [{"text": "not a node"}]
 
-    engine = SpeculativeRAGQueryEngine(Nodes())
+    class AsyncNodes(Nodes):  # its own _aretrieve: awaited on the event loop
+        async def _aretrieve(self, query_bundle: QueryBundle) -> Any:
+            return [{"text": "not a node"}]
+
+    engine, native = SpeculativeRAGQueryEngine(Nodes()), SpeculativeRAGQueryEngine(AsyncNodes())
+    # a retriever without its own _aretrieve runs retrieve on a worker thread: named alike
     for name, call in (("retrieve", lambda: engine.retrieve(QueryBundle("q"))),
-                       ("aretrieve", lambda: asyncio.run(engine.aretrieve(QueryBundle("q"))))):
+                       ("retrieve", lambda: asyncio.run(engine.aretrieve(QueryBundle("q")))),
+                       ("aretrieve", lambda: asyncio.run(native.aretrieve(QueryBundle("q"))))):
         with pytest.raises(TypeError, match=rf"Nodes\.{name} failed on its own result .*expected "
                                             rf"_{name} to return a list of NodeWithScore"):
             call()

@@ -72,7 +72,7 @@ class SpeculativeRetrieval:
     def _search(self, queries: list[str], encoded: list[Any], depth: int | None = None
                 ) -> list[list[Hit]]:
         hits = checked_search(self.backend, encoded, max(self.prefetch_k, depth or 0),
-                              self.retrieval_timeout_s)
+                              self.retrieval_timeout_s, allow_empty=True)
         with self._lock:
             self.calls += 1
             for query, row in zip(queries, hits, strict=True):
@@ -118,7 +118,7 @@ class SpeculativeRetrieval:
             with self._lock:  # keep the queue: the caller may retry verify()
                 self.pending[:0] = pending
             raise
-        return [doc_key(row[0].document) == doc_key(doc)
+        return [bool(row) and doc_key(row[0].document) == doc_key(doc)
                 for row, doc in zip(hits, docs, strict=True)]
 
 

@@ -138,8 +138,11 @@ def retriever_name(backend: object) -> str:
     return type(backend).__name__
 
 
-def check_hits(hits: object, n_queries: int, name: str) -> list[list[Hit]]:
-    """The retriever's answer to ``n_queries`` queries, or an error naming what is wrong.
+def check_hits(hits: object, n_queries: int, name: str, *, allow_empty: bool = False
+               ) -> list[list[Hit]]:
+    """The retriever's answer to ``n_queries`` queries, or an error naming what is wrong (an
+    empty row too, unless ``allow_empty``: RaLMSpec decodes under a document, a retriever
+    wrapper passes an empty result on).
 
     Runs where a result enters an engine, before anything (cache, verified results, decoder)
     is updated, so a malformed answer leaves no partial state.
@@ -150,8 +153,9 @@ def check_hits(hits: object, n_queries: int, name: str) -> list[list[Hit]]:
         if isinstance(row, (str, bytes, dict)) or not isinstance(row, Sequence):
             msg = f"{where} returned {type(row).__name__} as row {i}; expected {EXPECTED_HITS}"
             raise TypeError(msg)
-        if not row:
-            msg = f"{where} returned no document for query {i}; expected at least one Hit per row"
+        if not row and not allow_empty:
+            msg = (f"{where} returned no document for query {i}; RaLMSpec needs one to decode "
+                   "under (at least one Hit per row)")
             raise ValueError(msg)
         checked: list[Hit] = []
         for j, hit in enumerate(row):
@@ -196,8 +200,8 @@ def start_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
 
 
 def await_search(future: Future[tuple[Any, float]], backend: SpeculativeBackend,
-                 n_queries: int, deadline: float | None, timeout_s: float | None
-                 ) -> tuple[list[list[Hit]], float]:
+                 n_queries: int, deadline: float | None, timeout_s: float | None, *,
+                 allow_empty: bool = False) -> tuple[list[list[Hit]], float]:
     """The validated hits of a started search, or TimeoutError at ``deadline`` (perf_counter)."""
     wait = None if deadline is None else max(0.0, deadline - time.perf_counter())
     try:
@@ -211,14 +215,15 @@ def await_search(future: Future[tuple[Any, float]], backend: SpeculativeBackend,
                f"retrieval_timeout_s={timeout_s} s; the call was abandoned (raise "
                "retrieval_timeout_s or fix the retriever)")
         raise TimeoutError(msg) from None
-    return check_hits(hits, n_queries, retriever_name(backend)), seconds
+    return check_hits(hits, n_queries, retriever_name(backend), allow_empty=allow_empty), seconds
 
 
 def checked_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int,
-                   timeout_s: float | None) -> list[list[Hit]]:
+                   timeout_s: float | None, *, allow_empty: bool = False) -> list[list[Hit]]:
     """A checked, optionally time-limited retriever call (inline when there is no limit)."""
     if timeout_s is None:
-        return check_hits(backend.search(encoded, k), len(encoded), retriever_name(backend))
+        return check_hits(backend.search(encoded, k), len(encoded), retriever_name(backend),
+                          allow_empty=allow_empty)
     future = start_search(backend, encoded, k)
     return await_search(future, backend, len(encoded), time.perf_counter() + timeout_s,
-                        timeout_s)[0]
+                        timeout_s, allow_empty=allow_empty)[0]
