@@ -57,3 +57,36 @@ def test_a_foreign_file_and_a_bad_version(tmp_path):
         check_gguf_file(future)
     with pytest.raises(FileNotFoundError, match=r"missing\.gguf"):
         check_gguf_file(tmp_path / "missing.gguf")
+
+
+def test_bad_bytes_in_a_metadata_key_fail_naming_the_path(gguf_path, tmp_path):
+    """Not UTF-8 where the spec says UTF-8: damage, named (before: a bare UnicodeDecodeError
+    from transformers' reader, after our check let it through)."""
+    data = bytearray(gguf_path.read_bytes())
+    data[40:48] = b"\xff" * 8  # inside the first metadata key
+    damaged = tmp_path / "damaged.gguf"
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(GGUFFileError) as info:
+        check_gguf_file(damaged)
+    assert str(damaged) in str(info.value)
+
+
+def test_a_gguf_file_is_known_by_its_magic_and_a_link_by_its_target(gguf_path, tmp_path):
+    """Ollama keeps models as extensionless blobs (``blobs/sha256-...``); ``.GGUF`` counts too;
+    a link's de-quantized cache is its target's (before: a second copy named after the link)."""
+    from shared_core.runtime.weights.dequant_cache import gguf_cache_key
+    from shared_core.runtime.weights.sources import resolve_lm_source
+
+    blob = tmp_path / "sha256-0123abcd"
+    blob.write_bytes(gguf_path.read_bytes())
+    upper = tmp_path / "MODEL.GGUF"
+    upper.write_bytes(gguf_path.read_bytes())
+    for path in (blob, upper):
+        assert resolve_lm_source(str(path)).gguf == path
+    folder = tmp_path / "folder.gguf"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="is a folder, not a file"):
+        resolve_lm_source(str(folder))
+    link = tmp_path / "link"
+    link.symlink_to(gguf_path)
+    assert gguf_cache_key(link) == gguf_cache_key(gguf_path)

@@ -69,7 +69,7 @@ class _Reader:
 
     def string(self) -> str:
         size = int(self.scalar("Q"))
-        return self.take(size).decode("utf-8", "replace")
+        return self.take(size).decode("utf-8")  # the spec's encoding: bad bytes are damage
 
     def skip_value(self, kind: int) -> int | float | bool | None:
         """Read one metadata value; return it when it is a scalar (strings/arrays are skipped)."""

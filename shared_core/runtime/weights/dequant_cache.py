@@ -50,7 +50,7 @@ def gguf_cache_key(gguf: Path, digest: str | None = None) -> str:
         raw = f"{gguf.resolve()}|{stat.st_size}|{int(stat.st_mtime)}|{CACHE_FORMAT}"
     else:
         raw = f"{digest}|{CACHE_FORMAT}"
-    return f"{gguf.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"
+    return f"{gguf.resolve().stem}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"  # a link's target
 
 
 def manifest_files(folder: Path) -> dict[str, dict[str, Any]] | None:

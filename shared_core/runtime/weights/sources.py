@@ -205,10 +205,12 @@ def resolve_lm_source(name_or_path: str) -> ModelSource:
                        entry.title, entry.extra, entry.hub_id)
         return ModelSource(entry.hub_id, entry=entry)
     path = Path(name_or_path).expanduser()
-    explicit_local = name_or_path.startswith(("~", ".", "/")) or path.suffix == ".gguf"
-    if path.suffix == ".gguf":
+    named_gguf = path.suffix.lower() == ".gguf"
+    explicit_local = name_or_path.startswith(("~", ".", "/")) or named_gguf
+    if named_gguf or _starts_as_gguf(path):  # Ollama's blobs have no extension
         if not path.is_file():
-            msg = f"GGUF file {str(path)!r} does not exist"
+            what = "is a folder, not a file" if path.is_dir() else "does not exist"
+            msg = f"GGUF file {str(path)!r} {what}"
             raise FileNotFoundError(msg)
         check_gguf_file(path)  # before a lock file, a cache folder or a runtime touches it
         return ModelSource(path.parent, path)
@@ -220,6 +222,15 @@ def resolve_lm_source(name_or_path: str) -> ModelSource:
                "a Hugging Face id (org/name), a local folder or a .gguf file")
         raise ValueError(msg)
     return ModelSource(name_or_path)
+
+
+def _starts_as_gguf(path: Path) -> bool:
+    """Whether ``path`` is a file beginning with GGUF's magic (whatever its name)."""
+    try:
+        with path.open("rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:  # not a file, unreadable: not taken for one
+        return False
 
 
 def _local_folder(path: Path, name_or_path: str) -> Path:
