@@ -54,6 +54,7 @@ from shared_core.decoding.output import (
 from shared_core.decoding.verify import choose_token, make_generator
 from shared_core.engines.timing import timed
 from shared_core.runtime.lm import runtime_threads
+from shared_core.runtime.model_cache import holds_released
 from shared_core.runtime.protocol import SessionLM, check_session_lm, open_session
 from shared_core.util.device import synchronize
 
@@ -344,6 +345,8 @@ def kept(engine_state: dict[str, Any], name: str, key: Hashable, build: Callable
     lives exactly as long as the caller (see ``engines/registry.py``)."""
     with _STATE_LOCK:
         cache: OrderedDict[Hashable, T] = engine_state.setdefault(name, OrderedDict())
+        for stale in [k for k, v in cache.items() if holds_released(v)]:
+            del cache[stale]  # a model serving.release() dropped: the caller must not pin it
         value = cache.get(key)
         if value is None:
             value = build()

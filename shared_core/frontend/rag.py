@@ -39,7 +39,7 @@ from shared_core.config.rag import (
 )
 from shared_core.retrieval.base import check_retriever_like
 from shared_core.retrieval.frameworks import DocumentList, to_documents
-from shared_core.runtime.model_cache import check_model_name
+from shared_core.runtime.model_cache import check_model_name, holds_released
 
 if TYPE_CHECKING:
     from shared_core.decoding.output import GenerationResult
@@ -180,7 +180,7 @@ class SettingsCache(Generic[T]):
     def get(self, key: tuple[object, ...], build: Callable[[], T]) -> T:
         with self._lock:
             entry = self._entry
-            if entry is None or not _same(entry[0], key):
+            if entry is None or not _same(entry[0], key) or holds_released(entry[1]):
                 entry = self._entry = (key, build())
             return entry[1]
 

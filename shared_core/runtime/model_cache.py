@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, cast
 from shared_core.config import LOAD_LM_BACKEND, check_prefix_cache
 from shared_core.runtime.model_lock import FairLock, lock_for
 from shared_core.runtime.weights.lora import ADAPTERS, SUFFIX
+from shared_core.util.per_object import PerObject
 
 if TYPE_CHECKING:
     from sentence_transformers import SentenceTransformer
@@ -39,6 +40,16 @@ if TYPE_CHECKING:
 Key = tuple[str, str | None, str | None, str]
 PrefixCache = bool | int | None  # load_lm's prefix_cache
 _LOADED: dict[Key, ModelLM] = {}
+# models dropped by release(): objects that keep state for an adapter across calls (its engine
+# decoders) let go of them (engines.loop.kept), so the adapter pins no released model
+RELEASED: PerObject[bool] = PerObject(lambda: True)
+
+
+def holds_released(kept: object) -> bool:
+    """Whether ``kept`` (a decoder, an engine) holds a model :func:`release` dropped, as its
+    ``lm`` or ``draft_lm``: its keeper lets it go (or rebuilds it) instead of pinning the model."""
+    held = [getattr(kept, attribute, None) for attribute in ("lm", "draft_lm")]
+    return any(lm is not None and RELEASED.holds(lm) for lm in held)
 
 
 @dataclass(frozen=True)
@@ -187,13 +198,18 @@ def release(name: str, device: str | None = None, dtype: str | None = None,
                 else [key for key in _LOADED if key[0] == name])
         for key in keys:
             _SETTINGS.pop(key, None)
-        return sum(_LOADED.pop(key, None) is not None for key in keys) > 0
+        dropped = [lm for lm in (_LOADED.pop(key, None) for key in keys) if lm is not None]
+        for lm in dropped:
+            RELEASED.get(lm)
+        return bool(dropped)
 
 
 def release_all() -> int:
     """Drop every cached model; return how many were dropped."""
     with _LOCK:
         n = len(_LOADED)
+        for lm in _LOADED.values():
+            RELEASED.get(lm)
         _LOADED.clear()
         _SETTINGS.clear()
         return n

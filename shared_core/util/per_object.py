@@ -22,30 +22,42 @@ class PerObject(Generic[V]):
 
     def __init__(self, make: Callable[[], V]):
         self._make = make
-        self._lock = threading.Lock()
+        # reentrant: a garbage collection inside get() may finalize an entry's object (_forget)
+        self._lock = threading.RLock()
         self.entries: dict[int, tuple[weakref.ref[Any], V]] = {}
         self.pinned: dict[int, tuple[Any, V]] = {}  # objects that cannot be weakly referenced
 
     def get(self, obj: object) -> V:
-        key = id(obj)
         with self._lock:
-            entry = self.entries.get(key)
-            if entry is not None and entry[0]() is obj:
-                return entry[1]
-            pinned = self.pinned.get(key)
-            if pinned is not None and pinned[0] is obj:
-                return pinned[1]
+            found = self._find(obj)
+            if found is not None:
+                return found[0]
             value = self._make()
             try:
                 ref = weakref.ref(obj)
             except TypeError:  # no __weakref__ slot: keep the object with its value
                 logger.debug("%s cannot be weakly referenced; its entry keeps it alive",
                              type(obj).__name__)
-                self.pinned[key] = (obj, value)
+                self.pinned[id(obj)] = (obj, value)
                 return value
-            self.entries[key] = (ref, value)
-            weakref.finalize(obj, self._forget, key, ref)
+            self.entries[id(obj)] = (ref, value)
+            weakref.finalize(obj, self._forget, id(obj), ref)
             return value
+
+    def holds(self, obj: object) -> bool:
+        """Whether ``obj`` has a value (none is made)."""
+        with self._lock:
+            return self._find(obj) is not None
+
+    def _find(self, obj: object) -> tuple[V] | None:
+        """``(value,)`` of ``obj`` (not of an earlier object that had its id), or None."""
+        entry = self.entries.get(id(obj))
+        if entry is not None and entry[0]() is obj:
+            return (entry[1],)
+        pinned = self.pinned.get(id(obj))
+        if pinned is not None and pinned[0] is obj:
+            return (pinned[1],)
+        return None
 
     def _forget(self, key: int, ref: weakref.ref[Any]) -> None:
         with self._lock:

@@ -230,6 +230,39 @@ def test_models_passed_as_lm_are_freed_after_del(engine):
     assert all(ref() is not None for ref, _ in serving._INSTANCE_LOCKS.values())  # no stale entry
 
 
+@pytest.mark.parametrize("engine", ["respec", "rapid"])
+def test_an_adapter_pins_no_released_model(tiny_model_folder, engine):
+    """``serving.release`` frees a model an adapter named even while the adapter lives: its
+    kept decoders let go of it (before: the ReSpec decoder kept it, and after the next call two
+    copies were alive)."""
+    options = ({"embedder": HashEmbedder(), "chunk_tokens": 32, "min_rag_tokens": 64,
+                "eta": 0.0} if engine == "rapid" else {})
+    chat = ChatSpeculative(model=tiny_model_folder, backend="torch", engine=engine,
+                           max_tokens=4, engine_options=options,
+                           documents=[CONTEXT] if engine == "rapid" else None)
+    chat.invoke("Who wrote the report?")
+    first = weakref.ref(serving.loaded_model(tiny_model_folder, backend="torch")[0])
+    assert serving.release(tiny_model_folder)
+    chat.invoke("Who wrote the report?")  # loads it again, and drops the decoder of the first
+    gc.collect()
+    assert first() is None
+    serving.release(tiny_model_folder)
+
+
+def test_rag_engines_look_a_released_model_up_again(tiny_model_folder):
+    """A Speculative RAG engine (and so its adapters) holds its drafter until
+    ``serving.release`` drops it, then loads it again instead of pinning it."""
+    from shared_core.engines.speculative_rag import SpeculativeRAG
+
+    engine = SpeculativeRAG(tiny_model_folder, tiny_model_folder, embedder=HashEmbedder(),
+                            backend="torch")
+    first = engine.drafter
+    assert engine.drafter is first
+    assert serving.release(tiny_model_folder)
+    assert engine.drafter is not first and engine.verifier is engine.drafter
+    serving.release(tiny_model_folder)
+
+
 def test_lock_for_shares_the_cache_lock_and_release_drops_models(tiny_target, monkeypatch):
     monkeypatch.setitem(serving._LOADED, ("tiny-cached", None, None, "torch"), tiny_target)
     assert serving.lock_for(tiny_target) is serving.loaded_model("tiny-cached")[1]

@@ -63,7 +63,7 @@ from shared_core.engines.timing import PhaseClock, timed
 from shared_core.retrieval.base import Document, TextEncoder
 from shared_core.retrieval.frameworks import check_retriever, retrieve
 from shared_core.retrieval.timeout import call_with_timeout
-from shared_core.runtime.model_cache import cached_embedder
+from shared_core.runtime.model_cache import RELEASED, cached_embedder
 from shared_core.runtime.model_lock import check_abandoned, lock_for
 from shared_core.runtime.passage_cache import register_passages
 from shared_core.runtime.weights.embedded import check_embedder_name
@@ -148,8 +148,8 @@ class SpeculativeRAG:
 
     # -- lazily loaded models
     def _get(self, role: Literal["drafter", "verifier"]) -> ModelLM:
-        with self._load_lock:
-            if role not in self._models:
+        with self._load_lock:  # a model serving.release() dropped is looked up again
+            if role not in self._models or RELEASED.holds(self._models[role]):
                 src = self._drafter_src if role == "drafter" else self._verifier_src
                 if src is None:
                     msg = f"{role} is None but this configuration needs it"
