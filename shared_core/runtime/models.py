@@ -247,7 +247,8 @@ def _warn_if_probe_failed() -> None:
 def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             dtype: str | torch.dtype | None = None, trust_remote_code: bool = False,
             cpu_linears: str = "dtype", backend: str | None = None, n_ctx: int | None = None,
-            n_threads: int | None = None, exact: bool = False, prefix_cache: bool | int | None = None,
+            n_threads: int | None = None, exact: bool = False, flash_attn: bool | None = None,
+            prefix_cache: bool | int | None = None,
             passage_cache: str | None = DEFAULT_PASSAGE_CACHE, recompute_share: float | None = None,
             passage_cache_memory_mb: int | None = None, passage_cache_disk_mb: int | None = None
             ) -> LM:
@@ -278,6 +279,10 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
             cache, :mod:`shared_core.runtime.torch.exact`), so a verification gives the logits of
             one-token steps bit for bit on any device and dtype, and prefix reuse is bit-exact;
             refused for models with sliding-window layers.
+        flash_attn: llama.cpp only: ``None`` (default) llama.cpp's "auto" (on for CPUs),
+            ``True`` / ``False`` on / off. llama-cpp-python's ``Llama`` defaults to off: pass
+            ``False`` for its greedy tokens (attention sums in another order); ``exact=True``
+            needs it on.
         prefix_cache: prompt-prefix reuse across calls (docs/backends.md, *Prefix reuse across
             calls*). ``None`` (default) or ``True``: on; ``False`` or ``0``: off; ``n``: on with
             up to ``n`` idle contexts of ``n_ctx`` positions (llama.cpp) or ``n`` MiB of kept KV
@@ -316,7 +321,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
     from shared_core.runtime.llamacpp.lm import prefix_cache_settings
 
     llama_settings = {"n_ctx": n_ctx, "n_threads": n_threads, "exact": exact,
-                      **prefix_cache_settings(prefix_cache)}
+                      "flash_attn": flash_attn, **prefix_cache_settings(prefix_cache)}
     cache_config = config_from(passage_cache, exact=exact, recompute_share=recompute_share,
                                memory_mb=passage_cache_memory_mb, disk_mb=passage_cache_disk_mb)
     source = resolve_lm_source(name_or_path.strip())
@@ -326,7 +331,7 @@ def load_lm(name_or_path: str, *, device: str | torch.device | None = None,
                             pick_format=(backend or LOAD_LM_BACKEND) == "auto")
         _attach_passage_cache(lm, cache_config)
         return lm
-    _refuse_llamacpp_settings(n_ctx=n_ctx, n_threads=n_threads)
+    _refuse_llamacpp_settings(n_ctx=n_ctx, n_threads=n_threads, flash_attn=flash_attn)
     lm = _load_torch(name_or_path, source, torch_device, torch_dtype, trust_remote_code)
     if cpu_linears == "fp16":
         use_fp16_linears(lm)
@@ -366,7 +371,7 @@ def _load_torch(name: str, source: ModelSource, device: torch.device, dtype: tor
     return wrap_lm(model, tokenizer, name=name)
 
 
-def _refuse_llamacpp_settings(**settings: int | None) -> None:
+def _refuse_llamacpp_settings(**settings: int | bool | None) -> None:
     """ValueError naming a llama.cpp setting given for a model that loads on torch (torch's
     thread count is the process's: ``$SPECRAG_NUM_THREADS`` or ``torch.set_num_threads``)."""
     for name, value in settings.items():

@@ -67,33 +67,48 @@ def test_tokenizer_ids_match_llama_cpp_and_the_torch_backend(lm):
         assert lm.encode_offsets(text) == ChatTokenizer.encode_offsets(lm, text), text
 
 
-def test_greedy_equals_llama_cpp_pythons_own_greedy(lm):
-    """Our one-token loop and llama-cpp-python's own decoding (its ``Llama.eval`` and greedy
-    sampler) on the same file, prompt fed in the same chunks. (Its ``generate`` prefills the
-    whole prompt in one batch; with repacked kernels a row of a batch may differ in its last bits
-    from a one-token step, so ``generate`` can differ at a near-tie: the benchmark counts that.)"""
+def _own_greedy(own, ids: list[int], n: int, eos: set[int]) -> list[int]:
+    """llama-cpp-python's own greedy ``Llama.generate``: the prompt read in one batch (as ours),
+    then one id per step."""
+    own.reset()
+    out: list[int] = []
+    for token in own.generate(ids, top_k=1, temp=0.0, reset=True):
+        if token in eos or len(out) == n:
+            break
+        out.append(token)
+    return out
+
+
+@pytest.mark.parametrize("flash_attn", [True, False])
+def test_greedy_equals_llama_cpp_pythons_own_greedy(lm, flash_attn):
+    """Our one-token loop and llama-cpp-python's own greedy ``generate`` on the same file, with
+    flash attention set alike: ``Llama`` defaults to off, our contexts to llama.cpp's "auto"
+    (on here), so a ``Llama`` user matches their old tokens with ``flash_attn=False``
+    (attention sums in another order: with both defaults, 3 of 6 prompts differed)."""
     from llama_cpp import Llama
 
-    own = Llama(model_path=str(lm.model.path), n_ctx=2048, n_threads=lm.model.threads,
-                flash_attn=True, verbose=False)  # our contexts: flash attention "auto" = on here
-    lm.model.clear_prefix_cache()  # it reads each prompt from scratch: so do we (issue 29)
+    ours_lm = lm if flash_attn else load_lm("smollm2-135m-instruct", backend="llama.cpp",
+                                            n_ctx=2048, flash_attn=False)
+    own = Llama(model_path=str(lm.model.path), n_ctx=2048, n_threads=ours_lm.model.threads,
+                flash_attn=flash_attn, verbose=False)
+    ours_lm.model.clear_prefix_cache()  # it reads each prompt from scratch: so do we (issue 29)
     for prompt in PROMPTS:
-        ids = lm.prompt_ids(prompt)
-        lm.model.prefix_cache = False
+        ids = ours_lm.prompt_ids(prompt)
+        ours_lm.model.prefix_cache = False
         try:
-            ours = list(autoregressive_generate(lm, ids, N_NEW).token_ids)
+            ours = list(autoregressive_generate(ours_lm, ids, N_NEW).token_ids)
         finally:
-            lm.model.prefix_cache = True
-        own.reset()
-        own.eval(ids[:-1])
-        token, theirs = ids[-1], []
-        while len(theirs) < len(ours):
-            own.eval([token])
-            token = own.sample(top_k=1, temp=0.0)
-            if token in lm.eos_token_ids:
-                break
-            theirs.append(token)
-        assert ours == theirs
+            ours_lm.model.prefix_cache = True
+        assert ours == _own_greedy(own, ids, len(ours), set(lm.eos_token_ids))
+
+
+def test_flash_attn_is_checked_before_loading():
+    with pytest.raises(TypeError, match="flash_attn must be True, False or None"):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp", flash_attn="yes")
+    with pytest.raises(ValueError, match="flash_attn=False cannot be exact"):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp", exact=True, flash_attn=False)
+    with pytest.raises(ValueError, match=r"flash_attn is a llama\.cpp setting"):
+        load_lm("smollm2-135m-instruct", backend="torch", flash_attn=False)
 
 
 def test_exact_mode_batches_equal_steps_bit_for_bit(exact_lm):

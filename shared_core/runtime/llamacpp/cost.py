@@ -133,7 +133,7 @@ def curve_path(lm: LlamaCppLM) -> Path:
     cpu, flags = cpu_model_and_flags()
     raw = json.dumps([cpu, sorted(flags), model.threads, str(model.path.resolve()),
                       stat.st_size, int(stat.st_mtime), model.settings.exact,
-                      "bf16 V cache" if model.settings.exact else None,
+                      "bf16 V cache" if model.settings.exact else None, model.settings.flash_attn,
                       getattr(model.llama, "__version__", "?"), COST_CURVE_SIZES])
     return cache_dir() / "cost_curves" / f"{hashlib.sha256(raw.encode()).hexdigest()[:16]}.json"
 

@@ -105,6 +105,7 @@ class LlamaCppSettings:
     n_threads: int | None = None  # None: $SPECRAG_NUM_THREADS, else the usable CPUs not busy (choose_threads)
     n_batch: int = DEFAULT_N_BATCH
     exact: bool = False  # no weight repacking: batch-invariant logits, slower steps
+    flash_attn: bool | None = None  # None: llama.cpp's "auto" (on for CPUs); exact needs it on
     prefix_cache: bool = True  # idle contexts keep their KV for the next prompt with that prefix
     idle_contexts: int = DEFAULT_IDLE_CONTEXTS  # contexts kept between sessions (each n_ctx of KV)
 
@@ -116,6 +117,13 @@ class LlamaCppSettings:
             if not isinstance(getattr(self, name), bool):
                 msg = f"{name} must be True or False, got {getattr(self, name)!r}"
                 raise TypeError(msg)
+        if self.flash_attn is not None and not isinstance(self.flash_attn, bool):
+            msg = f"flash_attn must be True, False or None, got {self.flash_attn!r}"
+            raise TypeError(msg)
+        if self.exact and self.flash_attn is False:
+            msg = ("exact=True runs flash attention (its one-row and k-row paths sum alike); "
+                   "flash_attn=False cannot be exact")
+            raise ValueError(msg)
 
 
 def prefix_cache_settings(prefix_cache: bool | int | None) -> dict[str, Any]:
@@ -131,8 +139,10 @@ def prefix_cache_settings(prefix_cache: bool | int | None) -> dict[str, Any]:
     return {"prefix_cache": False} if prefix_cache == 0 else {"idle_contexts": prefix_cache}
 
 
-def context_params(llama: ModuleType, n_ctx: int, n_batch: int, threads: int, exact: bool) -> Any:
-    """The ``llama_context_params`` of a session's context (``exact``: see the module doc)."""
+def context_params(llama: ModuleType, n_ctx: int, n_batch: int, threads: int, exact: bool,
+                   flash_attn: bool | None = None) -> Any:
+    """The ``llama_context_params`` of a session's context (``exact``: see the module doc;
+    ``flash_attn``: on / off, None llama.cpp's "auto")."""
     params = llama.llama_context_default_params()
     params.n_ctx = n_ctx
     params.n_batch = params.n_ubatch = n_batch
@@ -140,6 +150,9 @@ def context_params(llama: ModuleType, n_ctx: int, n_batch: int, threads: int, ex
     params.kv_unified = True  # a tree node shared by several sequences is one cell
     params.n_threads = params.n_threads_batch = threads
     params.no_perf = True
+    if flash_attn is not None:
+        params.flash_attn_type = (llama.LLAMA_FLASH_ATTN_TYPE_ENABLED if flash_attn
+                                  else llama.LLAMA_FLASH_ATTN_TYPE_DISABLED)
     if exact:
         # ggml-cpu's flash attention splits the cells of a one-row query over the threads and
         # merges the parts (another sum order than a k-row query, whose rows each sum alone) and
@@ -153,8 +166,8 @@ class _Slot:
     """One llama_context with its batch buffer (owned by one session at a time)."""
 
     def __init__(self, llama: ModuleType, model_ptr: Any, n_ctx: int, n_batch: int, threads: int,
-                 exact: bool = False, *, recurrent: bool = False):
-        params = context_params(llama, n_ctx, n_batch, threads, exact)
+                 exact: bool = False, *, recurrent: bool = False, flash_attn: bool | None = None):
+        params = context_params(llama, n_ctx, n_batch, threads, exact, flash_attn)
         self.llama = llama
         self.ctx = llama.llama_init_from_model(model_ptr, params)
         if not self.ctx:
@@ -231,7 +244,8 @@ class LlamaCppModel:
             slot, common = self._idle.take(prefix if prefix and self.prefix_cache else ())
         if slot is None:
             slot = _Slot(self.llama, self.ptr, self.n_ctx, self.settings.n_batch, self.threads,
-                         self.settings.exact, recurrent=self.recurrent)
+                         self.settings.exact, recurrent=self.recurrent,
+                         flash_attn=self.settings.flash_attn)
         else:
             keep_prefix(slot, common)
         if prefix is None:
