@@ -63,6 +63,7 @@ class DecodeStats:
     backend: str = ""  # the runtime that ran the target ("torch", "llama.cpp") and why it was chosen
     backend_reason: str = ""
     threads: int | None = None  # the runtime's own thread count (llama.cpp's is not torch's)
+    thread_policy: str | None = None  # how that count was chosen (None: the process's runtimes)
     accept_hist: Counter[int] = field(default_factory=Counter)
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -113,7 +114,7 @@ class DecodeStats:
         out["tokens_per_target_forward"] = self.tokens_per_target_forward
         out["decode_tokens_per_s"] = self.decode_tokens_per_s
         out["threads"] = self.threads if self.threads is not None else current_threads()
-        out["thread_policy"] = thread_policy()
+        out["thread_policy"] = self.thread_policy or thread_policy()
         return out
 
 

@@ -32,6 +32,16 @@ def runtime_threads(lm: object) -> int | None:
     return current_threads() if getattr(lm, "backend", None) == "torch" else None
 
 
+def runtime_thread_policy(lm: object) -> str | None:
+    """How the model running ``lm`` chose its own thread count (llama.cpp: per model, as each
+    ``Llama`` has its own), or None where the count is the process's (torch) or a server's."""
+    model = getattr(lm, "model", None)
+    policy, threads = getattr(model, "thread_policy", None), getattr(model, "threads", None)
+    if not isinstance(policy, str) or not isinstance(threads, int):
+        return None
+    return f"{getattr(lm, 'backend', '?')}: {threads} thread{'s' * (threads != 1)}, {policy}"
+
+
 class ChatTokenizer:
     """:class:`~shared_core.runtime.protocol.ModelLM`'s tokenizer methods over ``self.tokenizer``
     (a transformers tokenizer), shared by the in-process :class:`LM` and the served model."""

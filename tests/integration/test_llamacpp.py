@@ -450,3 +450,14 @@ def test_log_probabilities_of_respec_equal_plain_decodings_on_llama_cpp(exact_lm
     assert spec == plain
     assert all(e["logprob"] <= 0 and e["top_logprobs"][0]["logprob"] >= e["logprob"]
                for e in plain)
+
+
+def test_each_model_reports_its_own_thread_policy():
+    """Two models loaded with other thread counts: each generation's stats name the threads of
+    the model that ran (before: the policy of the model loaded last, for both)."""
+    one = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=256, n_threads=1)
+    two = load_lm("smollm2-135m-instruct", backend="llama.cpp", n_ctx=256, n_threads=2)
+    for lm, threads in ((one, "1 thread,"), (two, "2 threads,")):
+        stats = autoregressive_generate(lm, "The capital of France is", 2).stats.as_dict()
+        assert stats["thread_policy"].startswith(f"llama.cpp: {threads}")
+        assert stats["threads"] == lm.model.threads

@@ -24,7 +24,7 @@ from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document, Hit, doc_key
-from shared_core.runtime.lm import runtime_threads
+from shared_core.runtime.lm import runtime_thread_policy, runtime_threads
 from shared_core.runtime.model_lock import check_abandoned
 from shared_core.runtime.passage_cache import register_passage_ids
 from shared_core.runtime.protocol import ModelLM, ServedLM, SessionLM, open_session
@@ -149,7 +149,8 @@ class RaLMCall:
                    f"{lm.name}; lower max_doc_tokens or max_new_tokens")
             raise ValueError(msg)
         self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail),
-                                   threads=runtime_threads(lm))
+                                   threads=runtime_threads(lm),
+                                   thread_policy=runtime_thread_policy(lm))
         self.tracker = OutputTracker(lm, generation)
         self.decoder: RaLMDecoder | ServedRaLMDecoder
         if isinstance(lm, ServedLM):
