@@ -321,7 +321,9 @@ class PenaltyConfig:
     llama-cpp-python, Ollama and OpenAI's API), over the last ``repeat_last_n`` ids of the prompt
     and the reply: a token seen ``c > 0`` times there has its logit divided by ``repeat_penalty``
     (multiplied where negative), then ``c * frequency_penalty + presence_penalty`` subtracted,
-    before the next token is chosen. Off by default (1.0, 0.0, 0.0) or with ``repeat_last_n=0``."""
+    before the next token is chosen. Off by default (1.0, 0.0, 0.0) or with ``repeat_last_n=0``.
+    The prompt's ids count, as in llama.cpp's server; llama-cpp-python's ``Llama`` (0.3) counts
+    only the ids it generated."""
 
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
