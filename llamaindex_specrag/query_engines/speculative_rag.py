@@ -74,18 +74,27 @@ def _dispatched(event: SpeculativeRAGStreamEvent) -> SpeculativeRAGAnswer | None
     return None
 
 
+def _used(nodes: list[NodeWithScore], answer: SpeculativeRAGAnswer) -> list[NodeWithScore]:
+    """The nodes the answer was drafted from (blank ones left out, as LangChain's
+    ``documents``), so that a draft's ``doc_indices`` index them."""
+    ids = {document.id for document in answer.documents}
+    return [node for node in nodes if node.node.node_id in ids]
+
+
 def _response(answer: SpeculativeRAGAnswer, nodes: list[NodeWithScore]) -> Response:
-    return Response(response=answer.text, source_nodes=nodes, metadata=answer.details)
+    return Response(response=answer.text, source_nodes=_used(nodes, answer),
+                    metadata=answer.details)
 
 
 def _chunks(call: SpeculativeRAGStream, response: StreamingResponse | AsyncStreamingResponse
             ) -> Iterator[str]:
     """The answer's chunks (stages dispatched as they come); the chosen draft's details go into
-    ``response.metadata``."""
+    ``response.metadata``, the nodes it was drafted from into ``source_nodes``."""
     for event in call:
         answer = _dispatched(event)
         if answer is not None:
             response.metadata = answer.details
+            response.source_nodes = _used(response.source_nodes, answer)
             yield from answer.chunks()
 
 

@@ -141,6 +141,34 @@ def test_speculative_rag_pair_gives_the_same_answer_stats_and_events(specrag, li
     assert lc_events.custom == li_events.stages
 
 
+@pytest.mark.parametrize("streaming", [False, True])
+def test_speculative_rag_pair_leaves_out_blank_and_repeated_documents_alike(specrag, streaming
+                                                                           ) -> None:
+    """A retriever returning a blank passage and a repeated id: both adapters draft from the
+    same passages and return them (before: LlamaIndex's source nodes kept the blank one, so a
+    draft's ``doc_indices`` pointed at it, and LangChain drafted from the repeat, which
+    LlamaIndex's retriever drops: other answers)."""
+    from shared_core.retrieval import Document
+
+    retrieved = [DOCS[0], Document("blank", "   "), DOCS[1], DOCS[0], DOCS[2], DOCS[3]]
+    runnable = SpeculativeRAGRunnable(retriever=LCRetriever(retrieved), engine=specrag,
+                                      with_details=True)
+    query_engine = SpeculativeRAGQueryEngine(LIRetriever(retrieved, score=1.0), engine=specrag,
+                                             streaming=streaming)
+    details = runnable.invoke(QUESTION)
+    response = query_engine.query(QUESTION)
+    answer = "".join(response.response_gen) if streaming else response.response
+    assert details["answer"] == answer
+    assert details["drafts"] == response.metadata["drafts"]
+    ids = [d.id for d in details["documents"]]
+    assert ids == [n.node.node_id for n in response.source_nodes] == [d.id for d in DOCS[:4]]
+    for draft in details["drafts"]:
+        assert [ids[i] for i in draft["doc_indices"]] == list(draft["doc_ids"])
+    # the blank one on both sides; the repeat only where LlamaIndex had not dropped it already
+    assert (details["stats"]["skipped_documents"],
+            response.metadata["stats"]["skipped_documents"]) == (2, 1)
+
+
 def test_speculative_rag_pair_streams_the_same_answer_and_events(specrag, li_events) -> None:
     runnable = SpeculativeRAGRunnable(retriever=LCRetriever(DOCS), engine=specrag)
     query_engine = SpeculativeRAGQueryEngine(LIRetriever(DOCS), engine=specrag, streaming=True)

@@ -2,7 +2,7 @@
 validated / converted once, at the edge, and the engine trusts it.
 
 Before, RAG: ``SpeculativeRAGRunnable.invoke`` converted the documents twice (``to_documents``
-and ``drop_blank`` in ``_check_call`` and again in ``_documents``, so a blank document was warned
+and ``usable_documents`` in ``_check_call`` and again in ``_documents``, so a blank document was warned
 about twice) and rendered the prompt setting twice per request (the engine resolver called back
 into the adapter each time it looked the engine up); then the document list was still checked
 twice (``check_inputs`` and ``to_documents``, three times with documents in the input).
@@ -87,10 +87,10 @@ def test_one_call_converts_documents_once_and_renders_no_prompt(specrag, name) -
     call = _calls(specrag)[name]
     call()  # the first call builds the engine (and renders the prompt setting once)
     files, calls = walk(call)
-    counted = {f: calls[f] for f in ("to_documents", "check_document_list", "drop_blank",
+    counted = {f: calls[f] for f in ("to_documents", "check_document_list", "usable_documents",
                                      "check_question", "prompt_messages", "check_prompt",
                                      "rendered_prompt")}
-    assert counted == {"to_documents": 1, "check_document_list": 1, "drop_blank": 1,
+    assert counted == {"to_documents": 1, "check_document_list": 1, "usable_documents": 1,
                        "check_question": 1, "prompt_messages": 0, "check_prompt": 0,
                        "rendered_prompt": 0}, counted
     assert calls["SpeculativeRAGEngines.get"] == 1  # one engine look-up per call

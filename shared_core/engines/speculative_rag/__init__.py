@@ -62,7 +62,7 @@ from shared_core.engines.speculative_rag.events import (
     SubsetsSampled,
 )
 from shared_core.engines.speculative_rag.generation import force_answer_lines, generate_batch
-from shared_core.engines.speculative_rag.inputs import check_inputs, check_model_name, drop_blank
+from shared_core.engines.speculative_rag.inputs import check_inputs, check_model_name, usable_documents
 from shared_core.engines.speculative_rag.prompts import (
     DRAFT_INSTRUCTION,
     DRAFT_INSTRUCTION_ANSWER_FIRST,
@@ -139,7 +139,6 @@ __all__ = [
     "check_retriever",
     "combined_score",
     "draft_prompt",
-    "drop_blank",
     "embed_for_question",
     "force_answer_lines",
     "generate_batch",
@@ -155,6 +154,7 @@ __all__ = [
     "select_best",
     "standard_rag",
     "to_documents",
+    "usable_documents",
     "verifier_rows",
     "verify_batch",
 ]

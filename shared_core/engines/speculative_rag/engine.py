@@ -32,9 +32,9 @@ from shared_core.engines.speculative_rag.inputs import (
     check_model_arg,
     check_model_name,
     check_question,
-    drop_blank,
     given_documents,
     load_model,
+    usable_documents,
 )
 from shared_core.engines.speculative_rag.prompts import (
     check_length,
@@ -192,7 +192,7 @@ class SpeculativeRAG:
         if not documents:
             msg = "documents is empty: the retriever returned no documents"
             raise ValueError(msg)
-        docs, skipped = drop_blank(documents)  # retrieve() returned ours already
+        docs, skipped = usable_documents(documents)  # retrieve() returned ours already
         return docs, skipped, time.perf_counter() - start
 
     def _check_call(self, question: object, documents: Sequence[object] | None, retriever: object

@@ -19,16 +19,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-def drop_blank(docs: Sequence[Document]) -> tuple[list[Document], int]:
-    """Documents with text (a blank one would let a draft answer from nothing), and how many
-    were left out; ValueError when none has text."""
-    kept = [d for d in docs if d.text.strip()]
-    if docs and not kept:
+def usable_documents(docs: Sequence[Document]) -> tuple[list[Document], int]:
+    """Documents with text (a blank one would let a draft answer from nothing), each id once
+    (LlamaIndex's retrievers drop a repeated node id; a repeat would fill a draft's subset
+    with one passage twice), and how many were left out; ValueError when none has text."""
+    with_text = [d for d in docs if d.text.strip()]
+    if docs and not with_text:
         msg = (f"documents: all {len(docs)} documents have empty text; there is nothing to "
                "answer from")
         raise ValueError(msg)
+    first: dict[str, Document] = {}
+    for d in with_text:
+        first.setdefault(d.id, d)
+    kept = list(first.values())
     if len(kept) < len(docs):
-        logger.warning("left out %d documents with empty text", len(docs) - len(kept))
+        logger.warning("left out %d documents with empty text and %d repeating an id",
+                       len(docs) - len(with_text), len(with_text) - len(kept))
     return kept, len(docs) - len(kept)
 
 
@@ -48,12 +54,12 @@ def check_question(question: object) -> str:
 
 def given_documents(documents: Sequence[object]) -> tuple[list[Document], int]:
     """Documents given with a question, converted and checked once (a :class:`DocumentList`
-    an adapter's edge converted is taken as it is): those with text, and how many blank ones were
-    left out; an empty list or all blank is a ValueError."""
+    an adapter's edge converted is taken as it is): the usable ones (:func:`usable_documents`)
+    and how many were left out; an empty list or all blank is a ValueError."""
     docs = documents if isinstance(documents, DocumentList) else to_documents(documents)
     if not docs:
         raise ValueError(EMPTY_DOCUMENTS)
-    return drop_blank(docs)
+    return usable_documents(docs)
 
 
 def check_inputs(question: object, documents: Sequence[object] | None,

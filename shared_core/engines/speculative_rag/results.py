@@ -32,7 +32,7 @@ class SpeculativeRAGStats(RAGStats):
     # fewer documents than num_drafts * docs_per_draft: what the config asked for, e.g.
     # "5 drafts of 2 documents asked for, 4 documents: 2 drafts of 2" ("" when not adapted)
     adapted_subsets: str = ""
-    skipped_documents: int = 0  # documents without text, left out of every subset
+    skipped_documents: int = 0  # documents without text or repeating an id, left out
     answer_continuations: int = 0  # drafts that needed a forced "Answer:" step
     draft_prompt_tokens: int = 0
     draft_new_tokens: int = 0
