@@ -130,16 +130,17 @@ def ralmspec_engine(model: str, retriever: object, engine: RaLMSpec | None, *,
                     backend: str = LOAD_LM_BACKEND, **knobs: Any) -> RaLMSpec:
     """A :class:`~shared_core.engines.ralmspec.RaLMSpec` with an adapter's knobs.
 
-    Derived from a prebuilt ``engine`` (its model, retrieval backend and other settings) when
-    given, else built over ``retriever`` on the shared model for ``model`` on the runtime
-    ``backend``.
+    Derived from a prebuilt ``engine`` (its model and other settings; its retrieval backend
+    unless ``retriever`` is given, as the Speculative RAG adapters take theirs) when given, else
+    built over ``retriever`` on the shared model for ``model`` on the runtime ``backend``.
     """
     from dataclasses import replace
 
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig
 
     if engine is not None:
-        return RaLMSpec(engine.lm, engine.backend, replace(engine.config, **knobs))
+        return RaLMSpec(engine.lm, engine.backend if retriever is None else retriever,
+                        replace(engine.config, **knobs))
     if retriever is None:
         msg = "retriever is required (or pass a prebuilt engine)"
         raise ValueError(msg)

@@ -214,3 +214,20 @@ async def test_detailed_stream_chunks_add_up_to_invoke(tiny_target) -> None:
     assert _untimed(_added(astreamed)) == _untimed(invoked)
     answer = runnable | itemgetter("answer")
     assert "".join(answer.stream("who wrote the report?")) == invoked["answer"]
+
+
+def test_a_retriever_given_with_a_prebuilt_engine_is_the_one_used(tiny_target) -> None:
+    """``retriever=`` beside ``engine=`` retrieves, as with the Speculative RAG adapters (before:
+    silently ignored for the engine's own)."""
+    from langchain_specrag import RaLMSpecRunnable
+    from llamaindex_specrag import RaLMSpecQueryEngine
+
+    other = [Hit(Document("mine", "The weir was built by Marta Quell in 1874."), 1.0, 0)]
+    engine = RaLMSpec(tiny_target, LCRetriever(_hits), CONFIG)
+    runnable = RaLMSpecRunnable(retriever=LCRetriever(lambda q: other), engine=engine,
+                                max_new_tokens=8, with_details=True)
+    assert [d.id for d in runnable.invoke("who built the weir?")["documents"]] == ["mine"]
+    query_engine = RaLMSpecQueryEngine(LIRetriever(lambda q: other), engine=engine,
+                                       max_new_tokens=8)
+    response = query_engine.query("who built the weir?")
+    assert [n.node.node_id for n in response.source_nodes] == ["mine"]
