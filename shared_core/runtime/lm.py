@@ -3,13 +3,13 @@ need about them, whatever runtime runs it (torch here; llama.cpp in :mod:`shared
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from shared_core.config import DEFAULT_CACHE, CacheKind
 from shared_core.runtime.protocol import Capabilities, CostCurve, KVSession, ModelLM, Row, Spans, StopRule
-from shared_core.util.device import current_threads
+from shared_core.util.device import current_threads, thread_policy
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,24 @@ def runtime_thread_policy(lm: object) -> str | None:
     if not isinstance(policy, str) or not isinstance(threads, int):
         return None
     return f"{getattr(lm, 'backend', '?')}: {threads} thread{'s' * (threads != 1)}, {policy}"
+
+
+def runtime_report(models: Mapping[str, object]) -> dict[str, Any]:
+    """``backend``, ``backend_reason``, ``threads`` and ``thread_policy`` of the models that ran,
+    by role (``{"drafter": lm, "verifier": lm}``): a value the models agree on once, else each
+    named by its role; threads of the first model."""
+
+    def joined(values: dict[str, str]) -> str:
+        if len(set(values.values())) <= 1:
+            return next(iter(values.values()), "")
+        return ", ".join(f"{role}: {value}" for role, value in values.items())
+
+    first = next(iter(models.values()), None)
+    return {"backend": joined({r: str(getattr(m, "backend", "")) for r, m in models.items()}),
+            "backend_reason": joined({r: str(getattr(m, "backend_reason", ""))
+                                      for r, m in models.items()}),
+            "threads": runtime_threads(first),
+            "thread_policy": runtime_thread_policy(first) or thread_policy()}
 
 
 class ChatTokenizer:

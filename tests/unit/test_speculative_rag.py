@@ -175,6 +175,22 @@ def test_answer_returns_every_draft_with_three_scores(drafter, verifier):
     assert not any(isinstance(v, torch.Tensor) for v in stats.values())
 
 
+def test_stats_say_which_runtime_and_threads_ran(drafter, verifier):
+    """As every token engine's stats do (before: none of the four keys)."""
+    drafter.backend_reason = "asked for"
+    verifier.backend_reason = "a torch dtype was given"
+    try:
+        stats = engine(drafter, verifier).answer("capital of France?", DOCS).stats.as_dict()
+        standard = engine(drafter, verifier).standard_rag("capital of France?", DOCS,
+                                                          model="drafter").stats.as_dict()
+    finally:
+        drafter.backend_reason = verifier.backend_reason = "built by the caller"
+    assert stats["backend"] == "torch" == standard["backend"]
+    assert stats["backend_reason"] == ("drafter: asked for, verifier: a torch dtype was given")
+    assert standard["backend_reason"] == "asked for"
+    assert stats["threads"] == torch.get_num_threads() == standard["threads"]
+
+
 def test_stages_yield_typed_events_then_the_answer(drafter, verifier):
     """The round as typed events, in stage order, ending with the result ``answer`` returns;
     ``answer``'s ``on_event`` hook sees each event's name and data."""

@@ -63,6 +63,7 @@ from shared_core.engines.timing import PhaseClock, timed
 from shared_core.retrieval.base import Document, TextEncoder
 from shared_core.retrieval.frameworks import check_retriever, retrieve
 from shared_core.retrieval.timeout import call_with_timeout
+from shared_core.runtime.lm import runtime_report
 from shared_core.runtime.model_cache import RELEASED, cached_embedder
 from shared_core.runtime.model_lock import check_abandoned, lock_for
 from shared_core.runtime.passage_cache import register_passages
@@ -328,10 +329,12 @@ class SpeculativeRAG:
 
         docs, skipped, retrieve_s = self._documents(question, given, retriever, cfg.retrieve_k)
         engine, adapted = self._for_documents(len(docs))
+        models = {"drafter": self.drafter, **({"verifier": self.verifier}
+                                              if cfg.needs_verifier else {})}
         stats = SpeculativeRAGStats(num_documents=len(docs), num_drafts=engine.config.num_drafts,
                                     docs_per_draft=engine.config.docs_per_draft,
                                     retrieve_s=retrieve_s, skipped_documents=skipped,
-                                    adapted_subsets=adapted)
+                                    adapted_subsets=adapted, **runtime_report(models))
         yield from pause(DocumentsRetrieved(len(docs)))
         # each step takes its own model's lock, one at a time (never two held: no lock order)
         with timed(stats, "sample_s"):  # 1. multi-perspective subsets

@@ -16,6 +16,12 @@ class RAGStats:
     parse_fallbacks: int = 0
     retrieve_s: float = 0.0
     total_s: float = 0.0
+    # the runtime of the models that ran and why (``"drafter: ..., verifier: ..."`` when they
+    # differ); the first model's threads and how they were chosen
+    backend: str = ""
+    backend_reason: str = ""
+    threads: int | None = None
+    thread_policy: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -18,6 +18,7 @@ from shared_core.engines.speculative_rag.prompts import (
 )
 from shared_core.engines.speculative_rag.results import StandardRAGResult, StandardRAGStats
 from shared_core.engines.timing import PhaseClock
+from shared_core.runtime.lm import runtime_report
 from shared_core.runtime.passage_cache import register_passages
 
 if TYPE_CHECKING:
@@ -41,5 +42,5 @@ def standard_rag(lm: ModelLM, question: str, documents: Sequence[object],
     stats = StandardRAGStats(num_documents=len(docs), prompt_tokens=len(prompt),
                              new_tokens=len(ids), parse_fallbacks=int(not ok),
                              generate_s=prefill_s + decode_s, prefill_s=prefill_s,
-                             decode_s=decode_s)
+                             decode_s=decode_s, **runtime_report({"model": lm}))
     return StandardRAGResult(text=answer, raw=raw, documents=tuple(docs), stats=stats)
