@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+import functools
+from collections.abc import Callable, Coroutine, Iterable
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.base.llms.types import ChatMessage
-from llama_index.core.callbacks import CallbackManager
+from llama_index.core.callbacks import CallbackManager, CBEventType, EventPayload
 from llama_index.core.prompts.base import BasePromptTemplate, ChatPromptTemplate, PromptTemplate
 from llama_index.core.schema import BaseNode, NodeWithScore, QueryBundle, TextNode
 
@@ -68,6 +69,42 @@ def prompt_messages(prompt: object) -> PromptMessages | None:
             raise ValueError(msg)
         pairs.append((role, message.content or ""))
     return rendered_prompt(pairs)
+
+
+R = TypeVar("R")
+
+
+def query_event(method: Callable[[Any, QueryBundle], R]) -> Callable[[Any, QueryBundle], R]:
+    """A query engine's ``_query`` inside a ``CBEventType.QUERY`` event of its callback manager
+    (query string in, response out), as LlamaIndex's own query engines emit it for the older
+    callback handlers (``LlamaDebugHandler``, token counters)."""
+
+    @functools.wraps(method)
+    def wrapped(self: Any, query_bundle: QueryBundle) -> R:
+        with self.callback_manager.event(
+                CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}
+        ) as event:
+            response = method(self, query_bundle)
+            event.on_end(payload={EventPayload.RESPONSE: response})
+            return response
+
+    return wrapped
+
+
+def aquery_event(method: Callable[[Any, QueryBundle], Coroutine[Any, Any, R]]
+                 ) -> Callable[[Any, QueryBundle], Coroutine[Any, Any, R]]:
+    """:func:`query_event` for ``_aquery``."""
+
+    @functools.wraps(method)
+    async def wrapped(self: Any, query_bundle: QueryBundle) -> R:
+        with self.callback_manager.event(
+                CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}
+        ) as event:
+            response = await method(self, query_bundle)
+            event.on_end(payload={EventPayload.RESPONSE: response})
+            return response
+
+    return wrapped
 
 
 class CheckedQuery:

@@ -30,7 +30,13 @@ from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from pydantic import Field
 
-from llamaindex_specrag._query import CheckedQuery, global_callback_manager, source_nodes
+from llamaindex_specrag._query import (
+    CheckedQuery,
+    aquery_event,
+    global_callback_manager,
+    query_event,
+    source_nodes,
+)
 from shared_core.frontend.rag_settings import RaLMSpecSettings, ralmspec, ralmspec_answer
 from shared_core.frontend.rag_streams import AnswerDelta, RaLMSpecStream
 from shared_core.frontend.serving import iterate_in_context, iterate_in_thread
@@ -76,6 +82,7 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
     def _get_prompt_modules(self) -> PromptMixinType:
         return {}
 
+    @query_event
     def _query(self, query_bundle: QueryBundle) -> Response | StreamingResponse:
         query_str = query_bundle.query_str  # checked by query / aquery
         if not self.streaming:
@@ -88,6 +95,7 @@ class RaLMSpecQueryEngine(CheckedQuery, RaLMSpecSettings, BaseQueryEngine):
         response = StreamingResponse(response_gen=iterate_in_context(deltas()))
         return response
 
+    @aquery_event
     async def _aquery(self, query_bundle: QueryBundle) -> Response | AsyncStreamingResponse:
         query_str = query_bundle.query_str  # checked by query / aquery
         if not self.streaming:  # on a worker thread, step by step: cancelling stops it

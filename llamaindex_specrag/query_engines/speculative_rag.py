@@ -36,7 +36,13 @@ from llama_index.core.prompts.mixin import PromptMixinType
 from llama_index.core.schema import NodeWithScore, QueryBundle
 from pydantic import Field
 
-from llamaindex_specrag._query import CheckedQuery, global_callback_manager, source_nodes
+from llamaindex_specrag._query import (
+    CheckedQuery,
+    aquery_event,
+    global_callback_manager,
+    query_event,
+    source_nodes,
+)
 from shared_core.frontend.rag_settings import SpeculativeRAGSettings, speculative_rag
 from shared_core.frontend.rag_streams import (
     SpeculativeRAGAnswer,
@@ -142,6 +148,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
             self._retriever_name())
         return nodes[: self.retrieve_k]
 
+    @query_event
     def _query(self, query_bundle: QueryBundle) -> Response | StreamingResponse:
         call = speculative_rag(self, query_bundle.query_str)  # checked before retrieval
         nodes = self.retrieve(query_bundle)
@@ -156,6 +163,7 @@ class SpeculativeRAGQueryEngine(CheckedQuery, SpeculativeRAGSettings, BaseQueryE
         response = StreamingResponse(response_gen=iterate_in_context(chunks()), source_nodes=nodes)
         return response
 
+    @aquery_event
     async def _aquery(self, query_bundle: QueryBundle) -> Response | AsyncStreamingResponse:
         call = speculative_rag(self, query_bundle.query_str)
         nodes = await self.aretrieve(query_bundle)

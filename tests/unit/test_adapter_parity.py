@@ -511,3 +511,24 @@ def test_chat_pair_sets_the_prefix_cache_through_the_resolver_the_same_way(
         assert "prefix_cache=False: model" in text and "prefix_cache=2" in text
     finally:
         model_cache.release(*where.values())
+
+
+@pytest.mark.parametrize("streaming", [False, True])
+def test_both_query_engines_emit_the_query_callback_event(specrag, ralmspec, streaming) -> None:
+    """LlamaIndex's older callback handlers (``LlamaDebugHandler``) see a ``query`` event with
+    the query string and the response, sync and async, as from LlamaIndex's own engines."""
+    from llama_index.core.callbacks import CallbackManager, CBEventType, LlamaDebugHandler
+
+    for make in (lambda cm: SpeculativeRAGQueryEngine(LIRetriever(DOCS, score=1.0),
+                                                      engine=specrag, streaming=streaming,
+                                                      callback_manager=cm),
+                 lambda cm: RaLMSpecQueryEngine(engine=ralmspec, max_new_tokens=8,
+                                                streaming=streaming, callback_manager=cm)):
+        debug = LlamaDebugHandler()
+        query_engine = make(CallbackManager([debug]))
+        responses = [query_engine.query(QUESTION), asyncio.run(query_engine.aquery(QUESTION))]
+        pairs = debug.get_event_pairs(CBEventType.QUERY)
+        assert len(pairs) == 2
+        for (start, end), response in zip(pairs, responses, strict=True):
+            assert start.payload["query_str"] == QUESTION
+            assert end.payload["response"] is response
