@@ -66,7 +66,9 @@ class SpeculativeRetriever(BaseRetriever):
 
     @property
     def session(self) -> SpeculativeRetrieval:
-        """The per-wrapper cache and verification state (create a new wrapper per request)."""
+        """The per-wrapper cache and verification state: it answers a verified query from what
+        was verified, so after the store changes, :meth:`reset` it (or make a wrapper per
+        request)."""
         return self._sessions.get(self.retriever, self.similarity_top_k, self.prefetch_k,
                                   self.retrieval_timeout_s)
 
