@@ -73,6 +73,11 @@ def question_input(value: object) -> tuple[str, DocumentList | None]:
         question, docs = value, None
     elif isinstance(value, dict) and "question" in value:
         question, docs = value["question"], value.get("documents")
+        if "context" in value and docs is None:  # LangChain's classic RAG chain's key
+            msg = ("input has a 'context' key, which is not read: pass the retrieved documents "
+                   "as 'documents' ({'question': ..., 'documents': retriever}), or leave them "
+                   "out and give the adapter the retriever")
+            raise ValueError(msg)
     else:
         msg = "input must be a question string or a dict with a 'question' key"
         raise TypeError(msg)

@@ -211,6 +211,9 @@ SPECRAG = [
     case("config(embed_instruction={query})",
          lambda e: SpeculativeRAGConfig(embed_instruction="Q: {query}\n"), V, "embed_instruction"),
     case("SpeculativeRAG(drafter=5)", lambda e: SpeculativeRAG(5), T, "drafter"),
+    case("SpeculativeRAG(dtype, backend='llama.cpp')",  # before: silently ran torch
+         lambda e: SpeculativeRAG("smollm2-135m-instruct", backend="llama.cpp", dtype="bfloat16"),
+         V, "dtype"),
     case("SpeculativeRAG(verifier=list)", lambda e: SpeculativeRAG(e.drafter, ["v"]), T,
          "verifier"),
     case("SpeculativeRAG(embedder=3)", lambda e: SpeculativeRAG(e.drafter, None, embedder=3), T,
@@ -378,6 +381,11 @@ ISSUE28 = [
          "num_draft'; did you mean the setting 'num_drafts"),
     case("runnable.invoke(temprature=0.2)", lambda e: e.runnable.invoke("q", temprature=0.2), T,
          "temprature'; did you mean the setting 'temperature"),
+    # LangChain's classic RAG chain's key: before, silently not read (the adapter retrieved)
+    case("rag_runnable.invoke({'question', 'context'})",
+         lambda e: e.rag_runnable.invoke({"question": "q", "context": DOCS}), V, "context"),
+    case("runnable.invoke({'question', 'context'})",
+         lambda e: e.runnable.invoke({"question": "q", "context": DOCS}), V, "context"),
     case("query_engine.query(max_new_token=8)",
          lambda e: e.query_engine.query("q", max_new_token=8), T,
          "max_new_token'; did you mean the setting 'max_new_tokens"),

@@ -127,6 +127,10 @@ class SpeculativeRAG:
             from shared_core.util.device import resolve_device, resolve_dtype
 
             resolve_dtype(dtype, resolve_device("cpu"))  # a bad dtype fails before any loading
+            if backend == "llama.cpp":
+                msg = (f"dtype={dtype!r} is a torch setting; backend='llama.cpp' runs the GGUF's "
+                       "own weights (leave dtype out, or use backend='torch')")
+                raise ValueError(msg)
         self.dtype = dtype
         self.backend = backend
         self.config = config or SpeculativeRAGConfig()
