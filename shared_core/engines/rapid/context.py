@@ -186,7 +186,8 @@ class RapidContext:
             msg = (f"context of {len(ids)} tokens + query + max_new_tokens={max_new_tokens} exceeds "
                    f"the {self.lm.max_context}-token window of {self.lm.name} (room for {room} "
                    "context tokens); shorten the context, lower max_new_tokens or pass "
-                   "RapidConfig(truncate='middle')")
+                   "RapidConfig(truncate='middle') (a chat adapter: "
+                   "engine_options={'truncate': 'middle'})")
             raise ValueError(msg)
         keep = room - 8  # re-tokenizing the joined halves may add a token or two
         cut = self.lm.decode(ids[: keep // 2]) + self.lm.decode(ids[len(ids) - (keep - keep // 2):])
