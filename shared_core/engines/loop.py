@@ -340,14 +340,15 @@ T = TypeVar("T")
 
 
 def kept(engine_state: dict[str, Any], name: str, key: Hashable, build: Callable[[], T],
-         keep: int = 2) -> T:
+         keep: int = 2, *, in_use: tuple[object, ...] = ()) -> T:
     """The object kept under ``key`` in ``engine_state[name]`` (the ``keep`` most recently
     used), built by ``build`` when missing. The caller's object holds it, never a module, so it
-    lives exactly as long as the caller (see ``engines/registry.py``)."""
+    lives exactly as long as the caller (see ``engines/registry.py``); objects holding a model
+    ``serving.release()`` dropped are let go unless this call runs on it (``in_use``)."""
     with _STATE_LOCK:
         cache: OrderedDict[Hashable, T] = engine_state.setdefault(name, OrderedDict())
-        for stale in [k for k, v in cache.items() if holds_released(v)]:
-            del cache[stale]  # a model serving.release() dropped: the caller must not pin it
+        for stale in [k for k, v in cache.items() if holds_released(v, in_use)]:
+            del cache[stale]
         value = cache.get(key)
         if value is None:
             value = build()

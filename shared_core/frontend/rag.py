@@ -39,7 +39,7 @@ from shared_core.config.rag import (
 )
 from shared_core.retrieval.base import check_retriever_like
 from shared_core.retrieval.frameworks import DocumentList, to_documents
-from shared_core.runtime.model_cache import check_model_name, holds_released
+from shared_core.runtime.model_cache import check_model_name, holds_released, models_of
 
 if TYPE_CHECKING:
     from shared_core.decoding.output import GenerationResult
@@ -185,8 +185,12 @@ class SettingsCache(Generic[T]):
     def get(self, key: tuple[object, ...], build: Callable[[], T]) -> T:
         with self._lock:
             entry = self._entry
-            if entry is None or not _same(entry[0], key) or holds_released(entry[1]):
+            if entry is None or not _same(entry[0], key):
                 entry = self._entry = (key, build())
+            elif holds_released(entry[1]):  # rebuilt on the model loaded again, unless the
+                fresh = build()  # settings name the released object itself (a prebuilt engine)
+                if holds_released(entry[1], in_use=models_of(fresh)):
+                    entry = self._entry = (key, fresh)
             return entry[1]
 
     def clear(self) -> None:

@@ -45,11 +45,17 @@ _LOADED: dict[Key, ModelLM] = {}
 RELEASED: PerObject[bool] = PerObject(lambda: True)
 
 
-def holds_released(kept: object) -> bool:
-    """Whether ``kept`` (a decoder, an engine) holds a model :func:`release` dropped, as its
-    ``lm`` or ``draft_lm``: its keeper lets it go (or rebuilds it) instead of pinning the model."""
-    held = [getattr(kept, attribute, None) for attribute in ("lm", "draft_lm")]
-    return any(lm is not None and RELEASED.holds(lm) for lm in held)
+def models_of(kept: object) -> tuple[object, ...]:
+    """The models a decoder or engine holds (its ``lm`` and ``draft_lm``)."""
+    return tuple(m for m in (getattr(kept, "lm", None), getattr(kept, "draft_lm", None))
+                 if m is not None)
+
+
+def holds_released(kept: object, in_use: tuple[object, ...] = ()) -> bool:
+    """Whether ``kept`` (a decoder, an engine) holds a model :func:`release` dropped that the
+    call at hand does not run on (``in_use``: a caller still running on a released model it
+    holds keeps its state): its keeper lets it go (or rebuilds it) instead of pinning it."""
+    return any(RELEASED.holds(m) and not any(m is u for u in in_use) for m in models_of(kept))
 
 
 @dataclass(frozen=True)

@@ -249,6 +249,19 @@ def test_an_adapter_pins_no_released_model(tiny_model_folder, engine):
     serving.release(tiny_model_folder)
 
 
+def test_an_adapter_running_on_a_released_model_it_was_given_keeps_its_decoder(monkeypatch):
+    """``lm=`` a model the cache has released (its caller kept it): the adapter still runs on
+    it, so its kept decoder stays (dropping it every call would rebuild the decoder each time)."""
+    lm = tiny_lm(num_layers=1, seed=5)
+    monkeypatch.setitem(serving._LOADED, ("tiny-released", None, None, "torch"), lm)
+    assert serving.release("tiny-released")
+    chat = ChatSpeculative(lm=lm, model="tiny", max_tokens=4)
+    chat.invoke("Who wrote the report?")
+    decoders = list(chat._engine_state["respec_decoders"].values())
+    chat.invoke("Who wrote the report?")
+    assert list(chat._engine_state["respec_decoders"].values()) == decoders
+
+
 def test_rag_engines_look_a_released_model_up_again(tiny_model_folder):
     """A Speculative RAG engine (and so its adapters) holds its drafter until
     ``serving.release`` drops it, then loads it again instead of pinning it."""

@@ -115,7 +115,7 @@ def _shared_decoder(lm: SessionLM, draft_lm: SessionLM | None, embedder: Encoder
             _LIVE_DECODERS[key] = decoder
         return decoder
 
-    return kept(engine_state, "rapid_decoders", key, live_or_new)
+    return kept(engine_state, "rapid_decoders", key, live_or_new, in_use=(lm, draft_lm or lm))
 
 
 def stream_rapid(lm: SessionLM, prompt: Prompt, *, max_new_tokens: int,

@@ -353,7 +353,8 @@ def start_respec(lm: SessionLM, prompt: Prompt, generation: GenerationConfig, *,
         decoder = build()
     else:
         key = (id(lm), id(draft_lm), _corpus_key(corpus), config)  # the decoder holds them
-        decoder = kept(engine_state, "respec_decoders", key, build)
+        decoder = kept(engine_state, "respec_decoders", key, build,
+                       in_use=(lm, draft_lm or lm))
     return decoder.start(prompt, generation, documents=documents, logits_mask=logits_mask)
 
 
