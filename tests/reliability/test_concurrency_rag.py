@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 from fakes import RAG_DOCS, BucketEmbedder, HashSearch, LCRetriever, LIRetriever
+from interrupts import queued_then_abandoned
 from tiny import tiny_lm
 
 from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable
@@ -281,25 +282,6 @@ async def test_a_cancelled_async_ralmspec_call_stops_within_one_step(lm, monkeyp
     assert len(steps) <= 2 < full
 
 
-async def _queued_then_abandoned(lock: Any, ask: Callable[[], Any]) -> Any:
-    """Three calls of ``ask`` that time out while another request holds ``lock``, then a live
-    one after it is released; the live call's result."""
-    held, release = threading.Event(), threading.Event()
-
-    def busy() -> None:  # another request's stage holds the model
-        with lock:
-            held.set()
-            release.wait(30)
-
-    threading.Thread(target=busy, daemon=True).start()
-    assert held.wait(30)
-    for _ in range(3):
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(ask(), 0.2)
-    release.set()
-    return await asyncio.wait_for(ask(), DEADLINE_S)
-
-
 @pytest.mark.parametrize("adapter", ["SpeculativeRAGRunnable", "SpeculativeRAGQueryEngine"])
 async def test_specrag_calls_abandoned_while_queued_draft_nothing(specrag, monkeypatch,
                                                                   adapter: str) -> None:
@@ -314,11 +296,11 @@ async def test_specrag_calls_abandoned_while_queued_draft_nothing(specrag, monke
                         or real(lm, prompts, *a, **kw))
     if adapter == "SpeculativeRAGRunnable":
         runnable = SpeculativeRAGRunnable(retriever=LCRetriever(hashed), engine=specrag)
-        live = await _queued_then_abandoned(lock_for(specrag.drafter),
+        live = await queued_then_abandoned(lock_for(specrag.drafter),
                                             lambda: runnable.ainvoke(QUESTIONS[0]))
     else:
         qe = SpeculativeRAGQueryEngine(LIRetriever(hashed), engine=specrag)
-        live = await _queued_then_abandoned(lock_for(specrag.drafter),
+        live = await queued_then_abandoned(lock_for(specrag.drafter),
                                             lambda: qe.aquery(QUESTIONS[0]))
     assert live and drafted == [2]
 
@@ -342,7 +324,7 @@ async def test_ralmspec_calls_abandoned_while_queued_read_nothing(lm, monkeypatc
     await call(QUESTIONS[0])
     alone = len(steps)
     steps.clear()
-    live = await _queued_then_abandoned(lock_for(lm), lambda: call(QUESTIONS[0]))
+    live = await queued_then_abandoned(lock_for(lm), lambda: call(QUESTIONS[0]))
     assert live and len(steps) == alone > 0
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from fakes import HashEmbedder
+from interrupts import queued_then_abandoned
 from llama_index.core.base.llms.types import ChatMessage, MessageRole
 from tiny import CORPUS, record_steps
 
@@ -223,20 +224,7 @@ async def test_requests_abandoned_while_queued_start_no_work(tiny_target, monkey
     else:
         llm = make_llm(tiny_target, "autoregressive")
         lock, ask = llm._model()[1], lambda: llm.acomplete(Q2, max_tokens=4)
-    held, release = threading.Event(), threading.Event()
-
-    def busy() -> None:  # another request's whole generation holds the model
-        with lock:
-            held.set()
-            release.wait(30)
-
-    threading.Thread(target=busy, daemon=True).start()
-    assert held.wait(30)
-    for _ in range(3):
-        with pytest.raises(TimeoutError):
-            await asyncio.wait_for(ask(), 0.2)
-    release.set()
-    live = await asyncio.wait_for(ask(), 30)
+    live = await queued_then_abandoned(lock, ask)
     assert live is not None and started == ["autoregressive"]
 
 
