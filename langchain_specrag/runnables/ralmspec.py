@@ -71,8 +71,8 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
     def _output(self, answer: RaLMSpecAnswer) -> RaLMSpecOutput:
         if not self.with_details:
             return answer.text
-        docs = [LCDocument(page_content=d.text, metadata=dict(d.metadata), id=d.id)
-                for d in answer.documents]
+        docs = [LCDocument(page_content=d.text, metadata={**d.metadata, "score": score}, id=d.id)
+                for d, score in zip(answer.documents, answer.scores, strict=True)]
         return {"answer": answer.text, "documents": docs, **answer.details}
 
     def _run(self, value: RAGInput) -> RaLMSpecOutput:

@@ -46,7 +46,9 @@ if TYPE_CHECKING:
 
 
 def _nodes(answer: RaLMSpecAnswer) -> list[NodeWithScore]:
-    return source_nodes(answer.documents, score=None)
+    """The documents generated under, scored as retrieved at their first use."""
+    scores = {id(d): score for d, score in zip(answer.documents, answer.scores, strict=True)}
+    return source_nodes(answer.documents, score=lambda d: scores[id(d)])
 
 
 def _response(answer: RaLMSpecAnswer) -> Response:

@@ -360,6 +360,12 @@ def ralmspec_documents(result: GenerationResult) -> tuple[Document, ...]:
     return _ralm_stats(result).documents
 
 
+def ralmspec_scores(result: GenerationResult) -> tuple[float | None, ...]:
+    """The retrieval score of each of :func:`ralmspec_documents` at its first use (None: the
+    retriever gave none)."""
+    return _ralm_stats(result).document_scores
+
+
 def _ralm_stats(result: GenerationResult) -> RaLMSpecStats:
     from shared_core.engines.ralmspec.stats import RaLMSpecStats  # imported with the engine
 

@@ -18,7 +18,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Union
 
-from shared_core.frontend.rag import ralmspec_details, ralmspec_documents, specrag_details
+from shared_core.frontend.rag import (
+    ralmspec_details,
+    ralmspec_documents,
+    ralmspec_scores,
+    specrag_details,
+)
 
 if TYPE_CHECKING:
     from shared_core.decoding.output import GenerationResult
@@ -113,15 +118,18 @@ class AnswerDelta:
 @dataclass(frozen=True)
 class RaLMSpecAnswer:
     """The end of a RaLMSpec call: the answer, the documents it was generated under (each once,
-    in first-use order) and the details both adapters report (:func:`ralmspec_details`)."""
+    in first-use order) with their retrieval scores then, and the details both adapters report
+    (:func:`ralmspec_details`)."""
 
     text: str
     documents: tuple[Document, ...]
     details: dict[str, object]
+    scores: tuple[float | None, ...] = ()
 
     @classmethod
     def of(cls, result: GenerationResult) -> RaLMSpecAnswer:
-        return cls(result.text, tuple(ralmspec_documents(result)), ralmspec_details(result))
+        return cls(result.text, tuple(ralmspec_documents(result)), ralmspec_details(result),
+                   tuple(ralmspec_scores(result)))
 
 
 RaLMSpecEvent = AnswerDelta | RaLMSpecAnswer

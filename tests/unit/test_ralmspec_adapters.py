@@ -231,3 +231,26 @@ def test_a_retriever_given_with_a_prebuilt_engine_is_the_one_used(tiny_target) -
                                        max_new_tokens=8)
     response = query_engine.query("who built the weir?")
     assert [n.node.node_id for n in response.source_nodes] == ["mine"]
+
+
+def test_both_adapters_score_the_documents_as_retrieved(tiny_target) -> None:
+    """Each document the answer was generated under carries its retrieval score at its first
+    use: a LlamaIndex node's ``score``, a LangChain document's ``metadata["score"]`` (before:
+    always None on LlamaIndex, absent on LangChain)."""
+    from langchain_specrag import RaLMSpecRunnable
+    from llamaindex_specrag import RaLMSpecQueryEngine
+
+    class Scored:  # a specrag retriever: its hits' scores are 1 / (rank + 1)
+        def search(self, queries: list[str], k: int) -> list[list[Hit]]:
+            return [_hits(query)[:k] for query in queries]
+
+    engine = RaLMSpec(tiny_target, Scored(), CONFIG)
+    details = RaLMSpecRunnable(engine=engine, max_new_tokens=16, with_details=True).invoke(
+        "who wrote the report?")
+    lc = [d.metadata["score"] for d in details["documents"]]
+    response = RaLMSpecQueryEngine(engine=engine, max_new_tokens=16).query("who wrote the report?")
+    li = [n.score for n in response.source_nodes]
+    assert lc == li and lc and all(s in {1.0 / (r + 1) for r in range(len(TEXTS))} for s in lc)
+    unscored = RaLMSpec(tiny_target, LCRetriever(_hits), CONFIG)  # a LangChain retriever: none
+    response = RaLMSpecQueryEngine(engine=unscored, max_new_tokens=16).query("who wrote it?")
+    assert {n.score for n in response.source_nodes} == {None}

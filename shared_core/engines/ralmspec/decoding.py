@@ -3,6 +3,7 @@ RNG draw per output position) and the per-call state."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -159,13 +160,14 @@ class RaLMCall:
         else:
             self.stats.backend, self.stats.backend_reason = lm.backend, lm.backend_reason
             self.decoder = RaLMDecoder(lm, self.prompt, generation, self.stats, config.cache)
-        self.used: dict[tuple[str, str], Document] = {}
+        self.used: dict[tuple[str, str], Hit] = {}
 
-    def use(self, docs: Sequence[Document]) -> None:
-        """Record the documents committed steps were generated under (in step order)."""
-        for doc in docs:
-            self.stats.doc_ids.append(doc.id)
-            self.used.setdefault(doc_key(doc), doc)
+    def use(self, hits: Sequence[Hit]) -> None:
+        """Record the retrieved documents committed steps were generated under (in step order),
+        each with its score when it was first used."""
+        for hit in hits:
+            self.stats.doc_ids.append(hit.document.id)
+            self.used.setdefault(doc_key(hit.document), hit)
 
     def retrieve(self, encoded: Sequence[Any], k: int) -> list[list[Hit]]:
         """A blocking retriever call (checked, time-limited by ``retrieval_timeout_s``), timed."""
@@ -183,6 +185,8 @@ class RaLMCall:
             stats = self.stats
             stats.retrieval_s = round(stats.retrieval_s, 4)
             stats.generation_s = round(stats.generation_s, 4)
-            stats.documents = tuple(self.used.values())
+            stats.documents = tuple(hit.document for hit in self.used.values())
+            stats.document_scores = tuple(None if math.isnan(hit.score) else hit.score
+                                          for hit in self.used.values())  # NaN: no score
 
         return TokenStream(blocks, self.tracker, self.stats, close)

@@ -37,8 +37,9 @@ def _ralmseq_blocks(call: RaLMCall) -> Blocks:
     decoder = call.decoder
     while not decoder.finished:
         query = call.prompt.query(decoder.generated)
-        doc = call.retrieve([call.encode(query)], 1)[0][0].document
-        call.use([doc])
+        hit = call.retrieve([call.encode(query)], 1)[0][0]
+        doc = hit.document
+        call.use([hit])
         start = len(decoder.generated)
         decoder.step(doc)
         yield decoder.generated[start:]
@@ -78,7 +79,7 @@ class _Speculator:
         hits = call.retrieve([call.encode(call.prompt.query(decoder.generated))],
                              call.config.verify_k)[0]
         self._update_cache(hits)
-        call.use([hits[0].document])
+        call.use([hits[0]])
         decoder.step(hits[0].document)
         return self._commit(len(decoder.generated))
 
@@ -122,7 +123,7 @@ class _Speculator:
         n_ok = _accepted_steps(steps, true_hits)
         for hits in true_hits:
             self._update_cache(hits if call.config.prefetch else hits[:1])
-        call.use([h[0].document for h in true_hits[: n_ok + 1]])
+        call.use([h[0] for h in true_hits[: n_ok + 1]])
         call.stats.record_round(len(steps), n_ok)
         return n_ok
 
@@ -155,7 +156,7 @@ class _Speculator:
         with timed(seconds, "b"):
             hits = call.retrieve([encoded], call.config.verify_k)[0]
         self._update_cache(hits if call.config.prefetch else hits[:1])
-        call.use([hits[0].document])
+        call.use([hits[0]])
         with timed(seconds, "a"):
             decoder.step(hits[0].document)
         hit = int(doc_key(guess) == doc_key(hits[0].document))

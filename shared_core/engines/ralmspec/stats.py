@@ -14,7 +14,8 @@ class RaLMSpecStats(DecodeStats):
     the speculation strides (fields reported under ``"extra"`` in :meth:`as_dict`).
 
     ``doc_ids`` lists the document of every committed retrieval step in step order;
-    ``documents`` holds each of them once, in first-use order.
+    ``documents`` holds each of them once, in first-use order, ``document_scores`` their
+    retrieval scores then.
     """
 
     retrieval_s: float = 0.0  # blocking retriever calls (and query encoding), seconds
@@ -22,6 +23,7 @@ class RaLMSpecStats(DecodeStats):
     generation_s: float = 0.0  # time in the LM (steps and document swaps)
     doc_ids: list[str] = field(default_factory=list)
     documents: tuple[Document, ...] = ()
+    document_scores: tuple[float | None, ...] = ()  # retrieval score at first use (None: none)
     # set only by some runs (RUN_SPECIFIC): the in-process LM's tokens prefilled on document
     # swaps; a served LM's requests (one per step); RaLMSpec's speculation (not RaLMSeq's);
     # async verification's overlapped speculation and the worker's search time
