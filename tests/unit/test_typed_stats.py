@@ -19,7 +19,7 @@ from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecConfig, RaLMSpecStats
 from shared_core.engines.rapid import RapidConfig, RapidDecoder, RapidStats
 from shared_core.engines.respec import ReSpecStats, respec_generate
 from shared_core.engines.speculative_rag import RAGStats, SpeculativeRAGStats, StandardRAGStats
-from shared_core.frontend.rag import ralmspec_details, ralmspec_documents
+from shared_core.frontend.rag import ralmspec_details, ralmspec_documents, ralmspec_scores
 from shared_core.retrieval import BM25Retriever, Document
 
 DOCS = [Document(f"d{i}", text, {"n": i}) for i, text in enumerate(CORPUS[:8])]
@@ -87,11 +87,14 @@ def test_documents_reach_both_adapters_as_documents(tiny_target, bm25) -> None:
     assert ralmspec_details(ref)["doc_ids"] == ref.stats.doc_ids
     lc = RaLMSpecRunnable(engine=engine, max_new_tokens=12, with_details=True).invoke(
         "who wrote the report?")
+    scores = ralmspec_scores(ref)  # each document's retrieval score at its first use
     assert [(d.id, d.page_content, d.metadata) for d in lc["documents"]] == [
-        (d.id, d.text, d.metadata) for d in docs]
+        (d.id, d.text, {**d.metadata, "score": score})
+        for d, score in zip(docs, scores, strict=True)]
     li = RaLMSpecQueryEngine(engine=engine, max_new_tokens=12).query("who wrote the report?")
-    assert [(n.node.node_id, n.node.get_content(), n.node.metadata)
-            for n in li.source_nodes] == [(d.id, d.text, d.metadata) for d in docs]
+    assert [(n.node.node_id, n.node.get_content(), n.node.metadata, n.score)
+            for n in li.source_nodes] == [(d.id, d.text, d.metadata, score)
+                                          for d, score in zip(docs, scores, strict=True)]
     with pytest.raises(TypeError, match="not a RaLMSpec result"):
         ralmspec_documents(respec_generate(tiny_target, "Paris is", 2))
 
