@@ -114,7 +114,14 @@ def tool_names(tools: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def check_tool_choice(tool_choice: object, tools: Sequence[Mapping[str, Any]]) -> str:
-    """``"auto"``, ``"none"``, ``"required"`` or a tool's name (ValueError naming tool_choice)."""
+    """``"auto"``, ``"none"``, ``"required"`` or a tool's name (ValueError naming tool_choice);
+    without tools ``"none"``, and only ``None`` / ``"auto"`` / ``"none"`` are taken (a forced
+    call needs a tool, as OpenAI's API refuses it)."""
+    if not tools:
+        if tool_choice not in (None, "auto", "none", False):
+            msg = f"tool_choice={tool_choice!r} needs tools (bind_tools / tools=); none were given"
+            raise ValueError(msg)
+        return "none"
     if isinstance(tool_choice, Mapping):  # {"type": "function", "function": {"name": ...}}
         tool_choice = (tool_choice.get("function") or {}).get("name", tool_choice.get("name"))
     if isinstance(tool_choice, (str, bool)) or tool_choice is None:

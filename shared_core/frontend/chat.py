@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
@@ -201,7 +201,7 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
     documents = settings.documents if documents is None else documents
     generation = _generation(settings, kwargs)
     tools = check_tools(kwargs.pop("tools", None) or ())
-    choice = _tool_choice(kwargs.pop("tool_choice", None), tools)
+    choice = check_tool_choice(kwargs.pop("tool_choice", None), tools)
     parallel = kwargs.pop("parallel_tool_calls", True)
     if not isinstance(parallel, bool):
         msg = f"parallel_tool_calls must be a bool, got {type(parallel).__name__}"
@@ -216,17 +216,6 @@ def _checked_request(settings: ChatSettings, prompt: Prompt, kwargs: dict[str, A
                     _tool_prompt(checked, tools, choice, constraint, single_call=not parallel),
                     model, state.engine_state, settings.load_settings(),
                     settings.passage_cache_config(), model.name, penalty)
-
-
-def _tool_choice(choice: object, tools: Sequence[Mapping[str, Any]]) -> str:
-    """The call's tool choice; without tools only ``None`` / ``"auto"`` / ``"none"`` (a forced
-    call needs a tool, as OpenAI's API refuses it)."""
-    if tools:
-        return check_tool_choice(choice, tools)
-    if choice not in (None, "auto", "none", False):
-        msg = f"tool_choice={choice!r} needs tools (bind_tools / tools=); none were given"
-        raise ValueError(msg)
-    return "none"
 
 
 def _checked_model(model: object) -> str | None:
