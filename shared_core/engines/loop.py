@@ -53,7 +53,7 @@ from shared_core.decoding.output import (
 )
 from shared_core.decoding.verify import choose_token, make_generator
 from shared_core.engines.timing import timed
-from shared_core.runtime.lm import runtime_thread_policy, runtime_threads
+from shared_core.runtime.lm import runtime_report
 from shared_core.runtime.model_cache import holds_released
 from shared_core.runtime.protocol import SessionLM, check_session_lm, open_session
 from shared_core.util.device import synchronize
@@ -221,9 +221,8 @@ class Run:
         self.config = config = with_turn_stop(lm, prompt, config)
         self.session = open_session(lm, cache=cache)
         self.tracker = OutputTracker(lm, config)
-        self.stats = stats_type(prompt_tokens=len(self.prompt_ids), backend=lm.backend,
-                                backend_reason=lm.backend_reason, threads=runtime_threads(lm),
-                                thread_policy=runtime_thread_policy(lm))
+        self.stats = stats_type(prompt_tokens=len(self.prompt_ids),
+                                **runtime_report({"target": lm}))
         # seeded on the model's device: sampled rounds draw there and read back once
         self.generator = make_generator(config.sampling, lm.device)
 
