@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from llama_index.core.base.llms.types import ChatMessage
@@ -74,16 +75,22 @@ def prompt_messages(prompt: object) -> PromptMessages | None:
 R = TypeVar("R")
 
 
+@contextlib.contextmanager
+def _query_event(engine: Any, query_bundle: QueryBundle) -> Iterator[Any]:
+    """A ``CBEventType.QUERY`` event of ``engine``'s callback manager, its query string in."""
+    with engine.callback_manager.event(
+            CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}) as event:
+        yield event
+
+
 def query_event(method: Callable[[Any, QueryBundle], R]) -> Callable[[Any, QueryBundle], R]:
-    """A query engine's ``_query`` inside a ``CBEventType.QUERY`` event of its callback manager
-    (query string in, response out), as LlamaIndex's own query engines emit it for the older
-    callback handlers (``LlamaDebugHandler``, token counters)."""
+    """A query engine's ``_query`` inside a ``CBEventType.QUERY`` event (query string in,
+    response out), as LlamaIndex's own query engines emit it for the older callback handlers
+    (``LlamaDebugHandler``, token counters)."""
 
     @functools.wraps(method)
     def wrapped(self: Any, query_bundle: QueryBundle) -> R:
-        with self.callback_manager.event(
-                CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}
-        ) as event:
+        with _query_event(self, query_bundle) as event:
             response = method(self, query_bundle)
             event.on_end(payload={EventPayload.RESPONSE: response})
             return response
@@ -97,9 +104,7 @@ def aquery_event(method: Callable[[Any, QueryBundle], Coroutine[Any, Any, R]]
 
     @functools.wraps(method)
     async def wrapped(self: Any, query_bundle: QueryBundle) -> R:
-        with self.callback_manager.event(
-                CBEventType.QUERY, payload={EventPayload.QUERY_STR: query_bundle.query_str}
-        ) as event:
+        with _query_event(self, query_bundle) as event:
             response = await method(self, query_bundle)
             event.on_end(payload={EventPayload.RESPONSE: response})
             return response
