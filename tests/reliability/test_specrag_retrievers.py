@@ -274,22 +274,51 @@ def test_a_sync_only_llamaindex_retriever_is_time_limited_in_aquery(engine):
 
 
 def test_ralmspec_timed_out_searches_do_not_pile_up_threads():
-    """RaLMSpec's own time-limited searches share the same bounded daemon workers."""
+    """RaLMSpec's own time-limited searches run on a bounded set of daemon workers, one set
+    per retriever however many backends wrap it."""
     from shared_core.engines.ralmspec.retrievers import (
-        VERIFY_POOL,
         VERIFY_WORKERS,
         as_backend,
         checked_search,
+        verify_workers,
     )
 
     slow = BlockingRetriever()
     backend = as_backend(slow)
+    assert verify_workers(as_backend(slow)) is verify_workers(backend)
     before = threading.active_count()
     try:
         for _ in range(VERIFY_WORKERS + 8):
             with pytest.raises(TimeoutError, match=r"retrieval_timeout_s=0\.02"):
                 checked_search(backend, [QUESTION], 2, 0.02)
-        assert VERIFY_POOL.live_threads() <= VERIFY_WORKERS
+        assert verify_workers(backend).live_threads() <= VERIFY_WORKERS
         assert threading.active_count() - before <= VERIFY_WORKERS
     finally:
         slow.release.set()
+
+
+def test_a_hung_retriever_holds_up_only_its_own_ralmspec_searches():
+    """Every verification worker of one retriever stuck: another retriever's time-limited
+    searches still answer (one process-wide pool made them queue and time out)."""
+    from shared_core.engines.ralmspec.retrievers import (
+        VERIFY_WORKERS,
+        as_backend,
+        checked_search,
+        verify_workers,
+    )
+
+    hung, healthy = BlockingRetriever(), BlockingRetriever()
+    healthy.release.set()
+    stuck = as_backend(hung)
+    try:
+        for _ in range(100):  # until every worker is stuck in it (a guard, not a measure)
+            if hung.calls >= VERIFY_WORKERS:
+                break
+            with pytest.raises(TimeoutError):
+                checked_search(stuck, [QUESTION], 2, 0.02)
+        assert hung.calls == verify_workers(stuck).live_threads() == VERIFY_WORKERS
+        # half the hung searches' wait: queued behind them, this call would time out
+        hits = checked_search(as_backend(healthy), [QUESTION], 2, WAIT_S / 2)
+        assert [h.document.id for h in hits[0]] == ["d0", "d1"]
+    finally:
+        hung.release.set()

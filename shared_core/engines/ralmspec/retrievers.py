@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 from shared_core.retrieval.base import Document, Hit
 from shared_core.retrieval.frameworks import EXPECTED_HITS, check_rows, framework_search
 from shared_core.retrieval.timeout import BoundedWorkers
+from shared_core.util.per_object import PerObject
 
 if TYPE_CHECKING:
     import numpy as np
@@ -36,7 +37,7 @@ class DenseBackend:
     """``DenseRetriever``: the query vector is computed once (speculation) and reused to verify."""
 
     def __init__(self, retriever: DenseRetriever):
-        self.retriever = retriever
+        self.retriever = self.owner = retriever
         self.name = type(retriever).__name__
 
     def encode(self, query: str) -> np.ndarray:
@@ -57,7 +58,7 @@ class BM25Backend:
     """``BM25Retriever``: the cache is ranked with the corpus-wide BM25 statistics."""
 
     def __init__(self, retriever: BM25Retriever):
-        self.retriever = retriever
+        self.retriever = self.owner = retriever
         self.name = type(retriever).__name__
 
     def encode(self, query: str) -> str:
@@ -84,15 +85,18 @@ def lexical_rank(query: str, docs: Sequence[Document]) -> Document:
 
 
 class SearchBackend:
-    """Any object with ``search(queries, k) -> list[list[Hit]]`` (the ``Retriever`` protocol)."""
+    """Any object with ``search(queries, k) -> list[list[Hit]]`` (the ``Retriever`` protocol).
+    ``owner``: the retriever searched (default the bound method's object, else ``search``)."""
 
     def __init__(self, search: Callable[[list[str], int], list[list[Hit]]],
                  rank: Callable[[str, Sequence[Document]], Document] = lexical_rank,
-                 name: str | None = None):
+                 name: str | None = None, owner: object = None):
         self._search = search
         self._rank = rank
-        owner = getattr(search, "__self__", None)
-        self.name: str = name or (type(owner).__name__ if owner is not None else
+        bound_to = getattr(search, "__self__", None)
+        self.owner: object = (owner if owner is not None else
+                              bound_to if bound_to is not None else search)
+        self.name: str = name or (type(bound_to).__name__ if bound_to is not None else
                                   str(getattr(search, "__qualname__", "search")))
 
     def encode(self, query: str) -> str:
@@ -123,9 +127,9 @@ def as_backend(retriever: Any) -> SpeculativeBackend:
     name = type(retriever).__name__
     search = framework_search(retriever)
     if search is not None:
-        return SearchBackend(search, name=name)
+        return SearchBackend(search, name=name, owner=retriever)
     if callable(getattr(retriever, "search", None)):
-        return SearchBackend(retriever.search, name=name)
+        return SearchBackend(retriever.search, name=name, owner=retriever)
     msg = (f"retriever must be a DenseRetriever, BM25Retriever, an object with search(queries, k),"
            f" or a LangChain/LlamaIndex retriever; got {type(retriever).__name__}")
     raise TypeError(msg)
@@ -176,15 +180,23 @@ def check_ranked(doc: object, name: str) -> Document:
 
 
 # RaLMSpec's searches off the caller's thread (asynchronous verification, time-limited calls):
-# at most this many daemon threads, reused; a search stuck in a hung retriever holds one of them,
-# and searches queued behind stuck ones time out (and are cancelled) instead of adding threads.
+# per retriever, at most this many daemon threads, reused; a search stuck in a hung retriever
+# holds one of them, and that retriever's searches queued behind stuck ones time out (and are
+# cancelled) instead of adding threads. Another retriever's searches never wait behind them.
 VERIFY_WORKERS = 16
-VERIFY_POOL = BoundedWorkers(VERIFY_WORKERS, "ralmspec-verify")
+_VERIFY_POOLS: PerObject[BoundedWorkers] = PerObject(
+    lambda: BoundedWorkers(VERIFY_WORKERS, "ralmspec-verify"))
+
+
+def verify_workers(backend: SpeculativeBackend) -> BoundedWorkers:
+    """The worker threads of the retriever behind ``backend`` (its ``owner``: one set per
+    retriever however many backends wrap it; a backend without an owner is its own)."""
+    return _VERIFY_POOLS.get(getattr(backend, "owner", backend))
 
 
 def start_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
                  ) -> Future[tuple[Any, float]]:
-    """Run ``backend.search`` on :data:`VERIFY_POOL`; the future holds (raw hits, seconds).
+    """Run ``backend.search`` on :func:`verify_workers`; the future holds (raw hits, seconds).
 
     Daemon threads (not a ``ThreadPoolExecutor``) so that a retriever that never returns can be
     abandoned: the caller stops waiting, nothing joins the thread, and its late answer only
@@ -196,7 +208,7 @@ def start_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
         hits = backend.search(encoded, k)
         return hits, time.perf_counter() - start
 
-    return VERIFY_POOL.submit(run)
+    return verify_workers(backend).submit(run)
 
 
 def await_search(future: Future[tuple[Any, float]], backend: SpeculativeBackend,
