@@ -181,21 +181,30 @@ class SettingsCache(Generic[T]):
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._entry: tuple[tuple[object, ...], T] | None = None
+        self._names_released = False  # the entry's settings name a released model themselves
 
     def get(self, key: tuple[object, ...], build: Callable[[], T]) -> T:
         with self._lock:
             entry = self._entry
             if entry is None or not _same(entry[0], key):
-                entry = self._entry = (key, build())
-            elif holds_released(entry[1]):  # rebuilt on the model loaded again, unless the
-                fresh = build()  # settings name the released object itself (a prebuilt engine)
+                entry = self._set(key, build())
+            elif not self._names_released and holds_released(entry[1]):
+                # rebuilt on the model loaded again, unless the settings name the released
+                # object itself (a prebuilt engine): then kept, and not rebuilt on later calls
+                fresh = build()
                 if holds_released(entry[1], in_use=models_of(fresh)):
-                    entry = self._entry = (key, fresh)
+                    entry = self._set(key, fresh)
+                else:
+                    self._names_released = True
             return entry[1]
+
+    def _set(self, key: tuple[object, ...], value: T) -> tuple[tuple[object, ...], T]:
+        self._entry, self._names_released = (key, value), False
+        return self._entry
 
     def clear(self) -> None:
         with self._lock:
-            self._entry = None
+            self._entry, self._names_released = None, False
 
     def __reduce__(self) -> tuple[type, tuple[()]]:
         return type(self), ()  # a copy (pickle, deepcopy) starts empty: what is cached is no state

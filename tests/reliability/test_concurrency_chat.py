@@ -15,6 +15,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -260,6 +261,28 @@ def test_an_adapter_running_on_a_released_model_it_was_given_keeps_its_decoder(m
     decoders = list(chat._engine_state["respec_decoders"].values())
     chat.invoke("Who wrote the report?")
     assert list(chat._engine_state["respec_decoders"].values()) == decoders
+
+
+def test_settings_naming_a_released_model_build_their_engine_once_more(monkeypatch):
+    """An adapter's engine built on a model the cache then released is rebuilt once; when the
+    rebuild holds the same released model (the settings name it: a prebuilt engine) the first
+    is kept, and later calls build nothing (before: a fresh engine per call, thrown away)."""
+    from shared_core.frontend.rag import SettingsCache
+
+    lm = tiny_lm(num_layers=1, seed=5)
+    monkeypatch.setitem(serving._LOADED, ("tiny-released", None, None, "torch"), lm)
+    built: list[SimpleNamespace] = []
+
+    def build() -> SimpleNamespace:
+        built.append(SimpleNamespace(lm=lm))
+        return built[-1]
+
+    cache: SettingsCache[SimpleNamespace] = SettingsCache()
+    first = cache.get(("settings",), build)
+    assert serving.release("tiny-released")
+    assert [cache.get(("settings",), build) for _ in range(3)] == [first] * 3
+    assert len(built) == 2
+    assert cache.get(("other settings",), build) is built[-1] and len(built) == 3
 
 
 def test_rag_engines_look_a_released_model_up_again(tiny_model_folder):
