@@ -145,10 +145,13 @@ def retrieved_documents(items: object, name: str, k: int) -> DocumentList:
 def llamaindex_retrieve(retriever: Any, query: object) -> Any:
     """``retriever.retrieve(query)``; LlamaIndex post-processes what ``_retrieve`` returned, so a
     malformed result (None, a string, plain nodes) fails inside it: that error names the
-    retriever and what it should have returned."""
+    retriever and what it should have returned. An error raised inside the retriever's own
+    code passes as it is."""
     try:
         return retriever.retrieve(query)
     except (AttributeError, TypeError) as e:
+        if _raised_in_own_code(retriever, e):
+            raise
         raise _malformed(retriever, "retrieve", e) from e
 
 
@@ -157,12 +160,28 @@ async def allamaindex_retrieve(retriever: Any, query: object) -> Any:
     try:
         return await retriever.aretrieve(query)
     except (AttributeError, TypeError) as e:
+        if _raised_in_own_code(retriever, e):
+            raise
         raise _malformed(retriever, "aretrieve", e) from e
 
 
 def _malformed(retriever: Any, method: str, error: Exception) -> TypeError:
     return TypeError(f"retriever {type(retriever).__name__}.{method} failed on its own result "
                      f"({error}); expected _{method} to return a list of NodeWithScore")
+
+
+def _raised_in_own_code(retriever: Any, error: BaseException) -> bool:
+    """Whether ``error`` came from inside the retriever's own ``_retrieve`` / ``_aretrieve``
+    (not from LlamaIndex's handling of what they returned)."""
+    own = {fn.__code__ for name in ("_retrieve", "_aretrieve")
+           if (fn := getattr(type(retriever), name, None)) is not None
+           and hasattr(fn, "__code__") and not fn.__module__.startswith("llama_index.")}
+    tb = error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code in own:
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _converted(items: Sequence[object], name: str) -> DocumentList:

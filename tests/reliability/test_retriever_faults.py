@@ -418,3 +418,29 @@ def test_a_malformed_llamaindex_result_is_named_alike_on_the_sync_and_async_path
                                             rf"_{name} to return a list of NodeWithScore"):
             call()
     assert isinstance(RaLMSpecQueryEngine(Nodes()).retriever, Nodes)
+
+
+def test_an_error_inside_a_llamaindex_retrievers_own_code_passes_as_it_is(lm) -> None:
+    """A TypeError raised by the retriever's own ``_retrieve`` / ``_aretrieve`` (a bug in it) is
+    not relabelled as a malformed result (before: "failed on its own result ... expected
+    _retrieve to return a list of NodeWithScore" hid the user's own error)."""
+    from llamaindex_specrag import SpeculativeRAGQueryEngine
+
+    def lookup(query: str) -> list[Any]:
+        raise TypeError("unsupported operand in my ranking code")
+
+    class Buggy(LIBaseRetriever):
+        def _retrieve(self, query_bundle: QueryBundle) -> Any:
+            return lookup(query_bundle.query_str)
+
+    class AsyncBuggy(Buggy):
+        async def _aretrieve(self, query_bundle: QueryBundle) -> Any:
+            return lookup(query_bundle.query_str)
+
+    engine, native = SpeculativeRAGQueryEngine(Buggy()), SpeculativeRAGQueryEngine(AsyncBuggy())
+    for call in (lambda: engine.retrieve(QueryBundle("q")),
+                 lambda: asyncio.run(engine.aretrieve(QueryBundle("q"))),
+                 lambda: asyncio.run(native.aretrieve(QueryBundle("q"))),
+                 lambda: RaLMSpec(lm, Buggy(), CONFIGS["sync"]).generate(QUESTION, TOKENS)):
+        with pytest.raises(TypeError, match=r"^unsupported operand in my ranking code$"):
+            call()
