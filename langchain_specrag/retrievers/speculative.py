@@ -49,7 +49,8 @@ class SpeculativeRetriever(BaseRetriever):
     Thread-safe: many threads may ``invoke`` one wrapper (the results are exact either way).
     """
 
-    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True)
+    # hide_input_in_errors: a ValidationError would echo the retriever (a client's credentials)
+    model_config = ConfigDict(arbitrary_types_allowed=True, strict=True, hide_input_in_errors=True)
 
     retriever: Any
     k: int = Field(default=SpeculativeRetrievalConfig.k, ge=1)

@@ -144,25 +144,28 @@ class BM25Retriever:
     # ------------------------------------------------------------------ building
 
     def add(self, docs: Iterable[Document]) -> None:
-        """Add documents and REBUILD the index over all documents (idf is corpus-wide)."""
+        """Add documents and REBUILD the index over all documents (idf is corpus-wide). A
+        failed build leaves the index as it was."""
         docs = _common.check_new_docs(docs, self._position)
         if not docs:
             return
-        for doc in docs:
-            self._position[doc.id] = len(self._docs)
-            self._docs.append(doc)
-        self._build()
+        corpus = [*self._docs, *docs]
+        bm25 = self._index(corpus)
+        self._position.update((doc.id, len(self._docs) + i) for i, doc in enumerate(docs))
+        self._docs, self._bm25 = corpus, bm25
 
-    def _build(self) -> None:
-        bm25s = _bm25s()
-
-        progress = self.show_progress and len(self._docs) > _common.PROGRESS_MIN_TEXTS
-        corpus_tokens = [self.tokenize(d.text) for d in self._docs]
-        bm25 = bm25s.BM25(k1=self.k1, b=self.b, delta=self.delta, method=self.method)
+    def _index(self, corpus: list[Document]) -> Any:
+        corpus_tokens = [self.tokenize(d.text) for d in corpus]
+        if not any(corpus_tokens):
+            msg = (f"docs: none of the {len(corpus)} documents has a word BM25 can index (words "
+                   "of two or more letters or digits that are not stopwords); index text")
+            raise ValueError(msg)
+        bm25 = _bm25s().BM25(k1=self.k1, b=self.b, delta=self.delta, method=self.method)
+        progress = self.show_progress and len(corpus) > _common.PROGRESS_MIN_TEXTS
         bm25.index(corpus_tokens, show_progress=progress)
-        self._bm25 = bm25
-        logger.info("built BM25 index over %d documents (%d terms)", len(self._docs),
+        logger.info("built BM25 index over %d documents (%d terms)", len(corpus),
                     len(bm25.vocab_dict))
+        return bm25
 
     # ------------------------------------------------------------------ scoring
 

@@ -309,3 +309,25 @@ def test_package_import_is_light() -> None:
             "print(sorted(m for m in ('torch', 'faiss', 'bm25s') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_bm25_documents_without_an_indexable_word_are_refused_and_change_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Only stopwords and one-letter tokens: a ValueError naming ``docs`` (before: bm25s' "max()
+    arg is an empty sequence"), and a failed ``add`` leaves the index as it was (before: the
+    documents were kept unindexed, so adding them again was refused as repeated ids)."""
+    bm25 = BM25Retriever()
+    with pytest.raises(ValueError, match=r"docs: none of the 1 documents has a word BM25 can"):
+        bm25.add([Document("x", "a b of the")])
+    assert len(bm25) == 0
+    bm25.add([Document("p", "Paris is the capital of France.")])
+
+    def broken(text: str) -> list[str]:
+        raise RuntimeError("tokenizer down")
+
+    with monkeypatch.context() as patched, pytest.raises(RuntimeError, match="tokenizer down"):
+        patched.setattr(bm25, "tokenize", broken)
+        bm25.add([Document("b", "Berlin is the capital of Germany.")])
+    assert len(bm25) == 1 and bm25.search(["capital of Germany"], 2)[0][0].document.id == "p"
+    bm25.add([Document("b", "Berlin is the capital of Germany.")])
+    assert bm25.search(["capital of Germany"], 1)[0][0].document.id == "b"

@@ -57,7 +57,7 @@ class SpeculativeRetrieval:
 
     def __init__(self, retriever: object, *, k: int = SpeculativeRetrievalConfig.k,
                  prefetch_k: int = SpeculativeRetrievalConfig.prefetch_k,
-                 retrieval_timeout_s: float | None = None):
+                 retrieval_timeout_s: float | None = SpeculativeRetrievalConfig.retrieval_timeout_s):
         SpeculativeRetrievalConfig(k, prefetch_k, retrieval_timeout_s)  # named errors
         self.backend = as_backend(retriever)
         self.k = k
