@@ -25,6 +25,7 @@ DEFAULT_LM = "smollm2-135m-instruct"  # the embedded target / drafter LM
 DEFAULT_VERIFIER = "gemma-3-270m"  # Speculative RAG's embedded verifier
 DEFAULT_EMBEDDER = "all-minilm-l6-v2"  # the embedded sentence embedder
 DEFAULT_MAX_NEW_TOKENS = 256
+DEFAULT_CHUNK_TOKENS = 512  # tokens per chunk (RAPID's long-context chunks, chunk_text)
 # Runtimes (shared_core.runtime.models.load_lm): "auto" picks llama.cpp for a GGUF on a CPU when it is
 # installed (measured 3-12x faster per step than torch there), torch on a GPU. The adapters and
 # the demo default to it; load_lm itself (and the model cache under it) defaults to "torch",

@@ -16,6 +16,7 @@ from typing import Literal, get_args
 from shared_core.config import (
     CACHE_KINDS,
     DEFAULT_CACHE,
+    DEFAULT_CHUNK_TOKENS,
     CacheKind,
     check_choice,
     check_config_types,
@@ -62,7 +63,7 @@ class RapidConfig:
     eta: float = 1.0  # η: retrieval-augmentation strength; 0 = lossless (reference default 1)
     alpha: float = 0.1  # α: tail threshold of p̂ (reference spec_alpha)
     head: str = "p_hat"  # where α applies: "p_hat" (tail rule of the issue) or "q" (reference)
-    chunk_tokens: int = 512  # chunk size in target tokens
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS  # chunk size in target tokens
     similarity_threshold: float = 0.3  # cosine floor for retrieved chunks (the top one is kept)
     min_rag_tokens: int | None = None  # retrieval floor; None = drafter window // 8
     rag_fraction: float = 24.0  # λ: retrieve at least context / λ tokens

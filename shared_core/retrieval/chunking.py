@@ -18,6 +18,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from shared_core.config import DEFAULT_CHUNK_TOKENS
 from shared_core.retrieval._common import check_int
 from shared_core.retrieval.base import Document
 
@@ -86,7 +87,8 @@ def _spans(text: str, tokenizer: PreTrainedTokenizerBase, chunk_tokens: int, ove
             for a, b in _windows(len(ids), chunk_tokens, overlap)]
 
 
-def chunk_text(text: str, tokenizer: PreTrainedTokenizerBase, chunk_tokens: int = 512,
+def chunk_text(text: str, tokenizer: PreTrainedTokenizerBase,
+               chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
                overlap: int = 0) -> list[str]:
     """Split ``text`` into consecutive windows of ``chunk_tokens`` tokens, in document order.
 
@@ -102,8 +104,8 @@ def chunk_text(text: str, tokenizer: PreTrainedTokenizerBase, chunk_tokens: int 
     return [span.text for span in _spans(text, tokenizer, chunk_tokens, overlap)]
 
 
-def chunk_documents(docs: Iterable[Document], tokenizer: PreTrainedTokenizerBase, chunk_tokens: int = 512,
-                    overlap: int = 0) -> list[Document]:
+def chunk_documents(docs: Iterable[Document], tokenizer: PreTrainedTokenizerBase,
+                    chunk_tokens: int = DEFAULT_CHUNK_TOKENS, overlap: int = 0) -> list[Document]:
     """Chunk every document with :func:`chunk_text`, keeping document order and chunk order.
 
     Chunk ids are ``"{doc.id}#{i}"``. Each chunk keeps its parent's metadata plus
