@@ -221,9 +221,6 @@ def release_all() -> int:
         return n
 
 
-forget, forget_all = release, release_all  # the names this module had before the resolver
-
-
 def check_model_name(name: object, param: str) -> None:
     """Reject an unknown alias or LoRA name before loading anything (objects pass)."""
     if not isinstance(name, str) or is_url(name):

@@ -48,10 +48,6 @@ from shared_core.engines.respec.engine import (
     stream_respec,
 )
 
-# the earlier name of CandidateSelection, kept so existing imports work (Speculative RAG's draft
-# selection is shared_core.config.rag.DraftSelection)
-Selection = CandidateSelection
-
 __all__ = [
     "NO_DRAFT",
     "Candidate",
@@ -60,7 +56,6 @@ __all__ = [
     "ReSpecConfig",
     "ReSpecDecoder",
     "ReSpecStats",
-    "Selection",
     "TreeDraft",
     "Verification",
     "build_tree",
