@@ -119,49 +119,94 @@ class GammaSchedule:
 def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: RapidPrompt,
                   eta: float, config: RapidConfig, schedule: GammaSchedule | None
                   ) -> Blocks:
-    """The RAPID round, written as named steps (one committed block per round)."""
+    """RAPID's generation: the opening token, the drafter's prefill, then one committed block
+    per :meth:`RapidRound.next_block`."""
     pending = yield from run.opening()  # the first token leaves before the drafter starts
     if pending is None:
         return
-    session, stats = run.session, run.stats
-    greedy_probs = run.config.sampling.greedy and eta > 0
-    if config.drafter_kv == "target":
-        assert prompt.shared_positions is not None  # prepare() fills it for "target"
-        draft_prefill = drafter.start_shared(session, prompt.shared_positions,
-                                             run.config.sampling, greedy_probs=greedy_probs)
-    else:
-        draft_prefill = drafter.start(prompt.draft_ids, len(run.prompt_ids), run.config.sampling,
-                                      greedy_probs=greedy_probs)
-    stats.prefill_s += draft_prefill
-    stats.draft_prefill_s = round(draft_prefill, 4)
-    stats.plain_rounds = 0
-    clock = RoundClock(run.lm.device if schedule is not None else None)  # events: only if read
+    _start_drafter(run, drafter, prompt, eta, config)
+    rounds = RapidRound(run, drafter, eta, config, schedule)
     while True:
-        context = [*session.tokens, pending]
-        budget = min(schedule.next() if schedule else config.gamma, run.tracker.remaining - 1)
-        # 1. draft γ tokens on [retrieved context; query; generated]
-        clock.mark("start")
-        draft = drafter.propose(context, budget) if budget > 0 else EMPTY_DRAFT
-        clock.mark("drafted")
-        # 2. verify: one target forward over [pending, *draft] on [full context; query; generated]
-        #    (a greedy draft is still on the device: nothing waits until step 3's readback)
-        logits = session.extend(DeviceTokens.chain([pending], draft.tokens))
-        clock.mark("verified")
-        stats.target_forwards += 1
-        # 3. accept against p̂ (min(1, p̂/q); adjusted residual on rejection), masked logits
-        verdict = _accept(run, draft, run.masked(logits, draft.tokens), eta, config)
-        # 4. commit the accepted prefix, roll back the rejected tail
-        session.rollback(len(context) + verdict.n_accepted)
-        block, done = run.commit([*draft.tokens[: verdict.n_accepted], verdict.next_token],
-                                 logits)
-        stats.record_round(len(draft), verdict.n_accepted)
-        stats.plain_rounds += not draft.tokens
-        # 5. adapt: the paper keeps γ constant; adaptive_gamma sizes the next draft by cost
-        if schedule is not None:  # timed without a sync: read after step 3's readback
-            schedule.observe(len(draft), verdict.n_accepted, clock.seconds("start", "drafted"),
-                             clock.seconds("drafted", "verified"))
-        pending = verdict.next_token
+        block, pending, done = rounds.next_block(pending)
         yield block
         if done:
             return
 
+
+def _start_drafter(run: CachedRun, drafter: RetrievedContextDrafter, prompt: RapidPrompt,
+                   eta: float, config: RapidConfig) -> None:
+    """Prefill the drafter on its RAG prompt (or on the target's KV: ``drafter_kv="target"``)."""
+    greedy_probs = run.config.sampling.greedy and eta > 0
+    if config.drafter_kv == "target":
+        assert prompt.shared_positions is not None  # prepare() fills it for "target"
+        seconds = drafter.start_shared(run.session, prompt.shared_positions, run.config.sampling,
+                                       greedy_probs=greedy_probs)
+    else:
+        seconds = drafter.start(prompt.draft_ids, len(run.prompt_ids), run.config.sampling,
+                                greedy_probs=greedy_probs)
+    run.stats.prefill_s += seconds
+    run.stats.draft_prefill_s = round(seconds, 4)
+    run.stats.plain_rounds = 0
+
+
+class RapidRound:
+    """One RAPID round as named steps: draft, verify, accept against p̂, commit, adapt."""
+
+    def __init__(self, run: CachedRun, drafter: RetrievedContextDrafter, eta: float,
+                 config: RapidConfig, schedule: GammaSchedule | None):
+        self.run, self.drafter, self.eta, self.config = run, drafter, eta, config
+        self.schedule = schedule
+        # device timing events only when adapt reads them
+        self.clock = RoundClock(run.lm.device if schedule is not None else None)
+
+    def next_block(self, pending: int) -> tuple[list[int], int, bool]:
+        """The round after ``pending`` (the last chosen token): its committed block, the next
+        pending token, and whether the generation ended."""
+        context = [*self.run.session.tokens, pending]
+        draft = self.draft(context)
+        logits = self.verify(pending, draft)
+        verdict = self.accept(draft, logits)
+        block, done = self.commit(context, draft, verdict, logits)
+        self.adapt(draft, verdict)
+        return block, verdict.next_token, done
+
+    def draft(self, context: list[int]) -> Draft:
+        """γ tokens on [retrieved context; query; generated] (fewer near the token limit)."""
+        gamma = self.schedule.next() if self.schedule else self.config.gamma
+        budget = min(gamma, self.run.tracker.remaining - 1)
+        self.clock.mark("start")
+        draft = self.drafter.propose(context, budget) if budget > 0 else EMPTY_DRAFT
+        self.clock.mark("drafted")
+        return draft
+
+    def verify(self, pending: int, draft: Draft) -> torch.Tensor:
+        """One target forward over [pending, *draft] on [full context; query; generated] (a
+        greedy draft is still on the device: nothing waits until accept's readback)."""
+        logits = self.run.session.extend(DeviceTokens.chain([pending], draft.tokens))
+        self.clock.mark("verified")
+        self.run.stats.target_forwards += 1
+        return logits
+
+    def accept(self, draft: Draft, logits: torch.Tensor) -> Verdict:
+        """min(1, p̂/q) per drafted token, the adjusted residual on rejection, masked logits."""
+        return _accept(self.run, draft, self.run.masked(logits, draft.tokens), self.eta,
+                       self.config)
+
+    def commit(self, context: list[int], draft: Draft, verdict: Verdict, logits: torch.Tensor
+               ) -> tuple[list[int], bool]:
+        """Keep the accepted prefix, roll back the rejected tail."""
+        run = self.run
+        run.session.rollback(len(context) + verdict.n_accepted)
+        block, done = run.commit([*draft.tokens[: verdict.n_accepted], verdict.next_token],
+                                 logits)
+        run.stats.record_round(len(draft), verdict.n_accepted)
+        run.stats.plain_rounds = (run.stats.plain_rounds or 0) + int(not draft.tokens)
+        return block, done
+
+    def adapt(self, draft: Draft, verdict: Verdict) -> None:
+        """The paper keeps γ constant; ``adaptive_gamma`` sizes the next draft by cost (timed
+        without a sync: read after accept's readback)."""
+        if self.schedule is not None:
+            self.schedule.observe(len(draft), verdict.n_accepted,
+                                  self.clock.seconds("start", "drafted"),
+                                  self.clock.seconds("drafted", "verified"))
