@@ -216,7 +216,7 @@ class SpeculativeLLM(ChatSettings, CustomLLM, FunctionCallingLLM):
     def metadata(self) -> LLMMetadata:
         window = self.context_window or self._model()[0].max_context
         return LLMMetadata(context_window=window,
-                           num_output=self.token_limit() or DEFAULT_MAX_NEW_TOKENS,
+                           num_output=self.token_limit(),
                            is_chat_model=True, is_function_calling_model=True,
                            model_name=redact(self.answering_model(self._lm)),
                            system_role=MessageRole.SYSTEM)

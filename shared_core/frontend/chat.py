@@ -36,7 +36,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 from shared_core.config import (
-    DEFAULT_MAX_NEW_TOKENS,
     PENALTY_SETTINGS,
     SAMPLING_SETTINGS,
     GenerationConfig,
@@ -230,8 +229,7 @@ def _generation(settings: ChatSettings, kwargs: dict[str, Any]) -> GenerationCon
     """The call's token limit (either name), stop strings and sampling, checked once."""
     name = next((n for n in MAX_TOKEN_NAMES if n in kwargs), settings.TOKEN_LIMIT)
     per_call = [kwargs.pop(n, None) for n in MAX_TOKEN_NAMES]
-    limit = next((v for v in (*per_call, settings.token_limit()) if v is not None),
-                 DEFAULT_MAX_NEW_TOKENS)
+    limit = next((v for v in per_call if v is not None), settings.token_limit())
     stop = kwargs.pop("stop", None)
     sampling = {k: kwargs.pop(k, getattr(settings, k)) for k in SAMPLING_SETTINGS}
     top = logprobs_count(*(kwargs.pop(k, getattr(settings, k)) for k in LOGPROB_SETTINGS))

@@ -28,6 +28,7 @@ from pydantic import (
 from shared_core.config import (
     DEFAULT_BACKEND,
     DEFAULT_LM,
+    DEFAULT_MAX_NEW_TOKENS,
     DEFAULT_PASSAGE_CACHE,
     PENALTY_SETTINGS,
     SAMPLING_SETTINGS,
@@ -249,10 +250,10 @@ class ChatSettings(BaseModel):
         return {"prefix_cache": self.prefix_cache, "n_ctx": self.n_ctx,
                 "n_threads": self.n_threads, "exact": self.exact}
 
-    def token_limit(self) -> int | None:
-        """The token-limit setting (None: the config's default)."""
+    def token_limit(self) -> int:
+        """The token-limit setting (``DEFAULT_MAX_NEW_TOKENS`` when it is None)."""
         value: int | None = getattr(self, self.TOKEN_LIMIT, None)
-        return value
+        return DEFAULT_MAX_NEW_TOKENS if value is None else value
 
     def answering_model(self, lm: SessionLM | None) -> str:
         """The model a reply names: a preloaded ``lm``'s own name, else the ``model`` setting."""
