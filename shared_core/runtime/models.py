@@ -176,7 +176,7 @@ def choose_backend(backend: str, source: ModelSource, device: str | torch.device
     if backend == "llama.cpp":
         if source.gguf is None and source.entry is not None:
             msg = (f"backend='llama.cpp' runs the GGUF file of {source.entry.title}, whose "
-                   f"packages are not installed: pip install 'specrag[{source.entry.extra}]'")
+                   f"packages are not installed: {source.entry.install_hint}")
             raise ValueError(msg)
         if source.gguf is None:
             msg = (f"backend='llama.cpp' runs GGUF files; {source.path!s} is not one (pass a .gguf "
@@ -461,7 +461,8 @@ def load_embedder(name: str = DEFAULT_EMBEDDER, *, device: str | torch.device | 
             module = importlib.import_module(entry.package)
             name = str(module.get_model_path())
         else:
-            logger.warning("package %s is not installed; trying %s", entry.package, entry.hub_id)
+            logger.warning("%s is not installed (`%s`); trying the hub id %s", entry.title,
+                           entry.install_hint, entry.hub_id)
             name = entry.hub_id
     else:
         check_embedder_name(name, "name")
@@ -473,7 +474,9 @@ def load_embedder(name: str = DEFAULT_EMBEDDER, *, device: str | torch.device | 
     except OSError as e:
         if Path(name).exists():
             raise
-        raise OSError(hub_unreachable_message(name, why, tuple(EMBEDDED_EMBEDDERS),
+        installed = tuple(alias for alias, entry in EMBEDDED_EMBEDDERS.items()
+                          if entry.package and package_dir(entry.package) is not None)
+        raise OSError(hub_unreachable_message(name, why, installed,
                                                "or a sentence-transformers folder")) from e
     # what a pickled DenseRetriever reloads it by (nn.Module's __setattr__ is typed for modules)
     model.specrag_source = source  # type: ignore[assignment]

