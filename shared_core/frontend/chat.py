@@ -285,10 +285,12 @@ def _tool_prompt(prompt: Prompt, tools: list[dict[str, Any]], choice: str,
         if constraint is not None:
             msg = "response_format needs constrained decoding: pip install 'specrag[constrained]'"
             raise ImportError(msg)
-        # a forced call loses its grammar (warn); under "auto" calls are parsed as written
-        logger.log(logging.WARNING if forced else logging.DEBUG, "xgrammar is not installed: "
-                   "tool calls are %s, not constrained ('specrag[constrained]' constrains them)",
-                   "prefilled" if forced else "parsed as written")
+        if forced is not None:  # unconstrained, a small model's forced arguments are rarely JSON
+            msg = (f"tool_choice={choice!r} forces a call decoded under the tool's schema: pip "
+                   "install 'specrag[constrained]' (or tool_choice='auto', parsed as written)")
+            raise ImportError(msg)
+        logger.debug("xgrammar is not installed: tool calls are parsed as written, not "
+                     "constrained ('specrag[constrained]' constrains them)")
         grammar = None
     return _ToolPrompt(list(turns), tools if choice != "none" else [], prefill, grammar,
                        single_call)

@@ -422,3 +422,36 @@ def test_openais_usage_switches_and_a_call_timeout_are_accepted_as_no_ops(chat):
         with_usage.invoke(MESSAGES, stream_usage=1)
     with pytest.raises(TypeError, match="stream_options must be a dict"):
         list(with_usage.stream(MESSAGES, stream_options=True))
+
+
+def test_a_forced_call_without_xgrammar_names_the_extra_before_loading(monkeypatch, tiny_target):
+    """A forced ``tool_choice`` (and ``function_calling`` structured output, which forces one)
+    without xgrammar: ImportError naming ``specrag[constrained]`` before any model loads, as a
+    ``response_format`` is refused (before: a warning, then free decoding, and ``None`` parsed
+    from the invalid call)."""
+    from llama_index.core.prompts import PromptTemplate
+    from pydantic import BaseModel
+
+    from llamaindex_specrag.llms.speculative import SpeculativeLLM
+
+    class Person(BaseModel):
+        name: str
+        age: int
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded")
+
+    monkeypatch.setattr(chat_adapters, "xgrammar_available", lambda: False)
+    monkeypatch.setattr(chat_adapters, "loaded_model", no_load)
+    chat = ChatSpeculative(model="smollm2-135m-instruct", max_tokens=8)
+    pick_unit = _finite_tool()
+    extra = r"pip install 'specrag\[constrained\]'"
+    for call in (lambda: chat.bind_tools([pick_unit], tool_choice="any").invoke(MESSAGES),
+                 lambda: chat.bind_tools([pick_unit], tool_choice="pick_unit").invoke(MESSAGES),
+                 lambda: chat.with_structured_output(Person, method="function_calling")
+                 .invoke("Ana is 31.")):
+        with pytest.raises(ImportError, match=rf"tool_choice=.*forces a call .*{extra}"):
+            call()
+    llm = SpeculativeLLM(lm=tiny_target, model="tiny", max_new_tokens=8)  # metadata reads it
+    with pytest.raises(ImportError, match=extra):
+        llm.structured_predict(Person, PromptTemplate("Ana is 31."))
