@@ -106,7 +106,8 @@ def get_encoding(encoding: str = DEFAULT_ENCODING) -> tiktoken.Encoding:
     except OSError as e:
         msg = (f"could not load the tiktoken encoding {name!r} (encoding={encoding!r}): {e}. "
                f"Offline, set {CACHE_ENV} to a folder holding its BPE file, or use one of "
-               f"{', '.join(BUNDLED_ENCODINGS)} with llama-index-core installed")
+               f"{', '.join(BUNDLED_ENCODINGS)} with llama-index-core installed (it bundles their files: "
+               "pip install 'specrag[llamaindex]')")
         raise OSError(msg) from e
 
 

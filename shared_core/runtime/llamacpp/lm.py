@@ -44,8 +44,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = ("backend='llama.cpp' needs llama-cpp-python: run `scripts/install_llamacpp.sh` "
-                "(builds it for this CPU; `make install` does) or `pip install 'specrag[llamacpp]'`")
+INSTALL_HINT = ("backend='llama.cpp' needs llama-cpp-python: `pip install 'specrag[llamacpp]'` "
+                "(in a checkout of specrag, `scripts/install_llamacpp.sh` builds it for this CPU's "
+                "instruction sets; `make install` runs it)")
 DEFAULT_N_CTX = 8192  # positions per session, unless the model was trained on fewer
 DEFAULT_N_BATCH = 512  # tokens per llama_decode call (prefill chunks)
 EXACT_TYPE_V = 30  # GGML_TYPE_BF16 (llama_cpp names no constant for it): the V cache of exact

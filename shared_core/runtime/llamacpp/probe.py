@@ -100,7 +100,7 @@ def probe_llamacpp(threads: int, gguf: Path | None = None, *,
     in ``lib_dir`` when given)."""
     build = installed_build(lib_dir)
     if build is None:
-        return ProbeVerdict(False, "llama-cpp-python is not installed (scripts/install_llamacpp.sh)")
+        return ProbeVerdict(False, "llama-cpp-python is not installed (pip install 'specrag[llamacpp]')")
     cached = cached_verdict(threads, lib_dir)
     if cached is not None:
         return cached

@@ -36,7 +36,12 @@ def load_tuned_drafter(name: str, dtype: str | None = None) -> LM:
         msg = (f"adapter for {name!r} is missing at {folder}; "
                "train it with python -m shared_core.tools.train_drafter")
         raise ValueError(msg)
-    from peft import PeftModel
+    try:
+        from peft import PeftModel
+    except ImportError as e:
+        msg = (f"drafter={name!r} is a LoRA-tuned drafter, merged with peft: "
+               "pip install 'specrag[train]'")
+        raise ImportError(msg) from e
 
     from shared_core.runtime.models import load_lm, wrap_lm
     from shared_core.util.device import resolve_dtype
