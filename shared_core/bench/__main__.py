@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -12,7 +13,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
-from shared_core.bench.common import plot_report, write_report
+from shared_core.bench.common import NeedsCheckout, plot_report, write_report
 from shared_core.util.device import THREADS_ENV
 
 # name -> (module, add_arguments function, run function)
@@ -87,6 +88,13 @@ def _model_names(value: object) -> Iterator[str]:
         yield from (str(n) for n in value)
 
 
+def _plot_error(args: argparse.Namespace) -> str | None:
+    """``--plot`` without matplotlib, found before the run rather than after it."""
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        return "argument --plot: needs matplotlib: pip install 'specrag[bench]'"
+    return None
+
+
 def model_error(args: argparse.Namespace) -> str | None:
     """``argument --NAME: why`` for the first model argument naming no model (an unknown alias,
     a missing path, a file that is not a GGUF); None when every one resolves (a hub id is only
@@ -112,14 +120,18 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     if getattr(args, "_unavailable", None):
         logging.error("benchmark %s is unavailable: %s", args.benchmark, args._unavailable)
         return 2
-    error = model_error(args)
+    error = model_error(args) or _plot_error(args)
     if error is not None:
         sys.stderr.write(f"{prog or invoked_as()} {args.benchmark}: error: {error}\n")
         return 2
     if args.threads:
         use_threads(args.threads)
     module, _, run = BENCHMARKS[args.benchmark]
-    report = getattr(importlib.import_module(module), run)(args)
+    try:
+        report = getattr(importlib.import_module(module), run)(args)
+    except NeedsCheckout as e:
+        sys.stderr.write(f"{prog or invoked_as()} {args.benchmark}: error: {e}\n")
+        return 2
     # a per-dataset pattern: each report is written by the module, as is a folder of reports
     if args.benchmark not in WRITE_OWN_REPORT and "{dataset}" not in (args.out or ""):
         write_report(report, args.out)

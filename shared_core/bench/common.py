@@ -30,13 +30,21 @@ logger = logging.getLogger(__name__)
 DATA_ENV = "SPECRAG_DATA_DIR"
 
 
+class NeedsCheckout(FileNotFoundError):
+    """A benchmark input that a checkout of specrag has beside its code (the evaluation data,
+    ``results/``, ``examples/``) and an installed package does not; the CLI reports it as an
+    error line, not a traceback."""
+
+
 def data_dir() -> Path:
     """``$SPECRAG_DATA_DIR`` or ``../shared/data`` beside the repository checkout."""
     env = os.environ.get(DATA_ENV)
     path = Path(env) if env else Path(__file__).resolve().parents[3] / "shared" / "data"
     if not path.is_dir():
-        msg = f"evaluation data not found at {path}; set {DATA_ENV} to the shared/data folder"
-        raise FileNotFoundError(msg)
+        where = f"{DATA_ENV}={env}" if env else f"{path} (../shared/data beside a specrag checkout)"
+        msg = (f"evaluation data not found at {where}: the benchmarks' datasets are not part of "
+               f"the package; set {DATA_ENV} to a folder holding them")
+        raise NeedsCheckout(msg)
     return path
 
 

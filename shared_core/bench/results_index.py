@@ -11,6 +11,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from shared_core.bench.common import NeedsCheckout
+
 ROOT = Path(__file__).resolve().parents[2]
 HEADER = """# Benchmark results
 
@@ -129,6 +131,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """The index written to ``--out`` when given, else to the results folder's README.md."""
     results = Path(args.results)
+    if not results.is_dir():
+        msg = (f"argument --results: {results} is not a folder (the results/ of a specrag "
+               "checkout; not part of the package)")
+        raise NeedsCheckout(msg)
     text = build_index(results)
     target = Path(args.out) if getattr(args, "out", None) else results / "README.md"
     target.write_text(text, encoding="utf-8")

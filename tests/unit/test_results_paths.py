@@ -75,3 +75,32 @@ def test_results_index_writes_to_out_when_given(tmp_path: Path) -> None:
     assert main(["results-index", "--out", str(tmp_path / "index.md")]) == 0
     assert (tmp_path / "index.md").read_text(encoding="utf-8") == build_index(ROOT / "results")
     assert (ROOT / "results" / "README.md").stat().st_mtime_ns == before
+
+
+def test_inputs_only_a_checkout_has_are_error_lines_not_tracebacks(monkeypatch, tmp_path, capsys
+                                                                   ) -> None:
+    """An installed package has no evaluation data, results/ or examples/: the CLI says so in
+    one error line (exit 2) naming what is missing and how to point at it; ``--plot`` without
+    matplotlib is refused before the run, not after it."""
+    import importlib.util
+
+    from shared_core.bench import __main__ as bench_cli
+    from shared_core.bench.chat import sources
+
+    def refused(argv: list[str], *words: str) -> None:
+        assert bench_cli.main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback" not in err and all(w in err for w in words), err
+
+    refused(["results-index", "--results", str(tmp_path / "none")], "--results", "checkout")
+    monkeypatch.setenv("SPECRAG_DATA_DIR", str(tmp_path / "no-data"))
+    refused(["retrieval"], "evaluation data not found", "SPECRAG_DATA_DIR")
+    monkeypatch.setattr(sources, "AGENT_EXAMPLE", tmp_path / "agents.py")
+    monkeypatch.setattr("shared_core.bench.chat.AGENT_EXAMPLE", tmp_path / "agents.py")
+    refused(["chat", "--sources", "agent", "--models", "smollm2-135m-instruct"],
+            "--sources agent", "examples/")
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "matplotlib" else find_spec(name, *a))
+    refused(["results-index", "--results", str(tmp_path), "--plot", str(tmp_path / "p.png")],
+            "--plot", "specrag[bench]")

@@ -32,9 +32,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from shared_core.bench.chat.sources import agent_transcript, mt_bench
+from shared_core.bench.chat.sources import AGENT_EXAMPLE, agent_transcript, mt_bench
 from shared_core.bench.chat.turns import conversation_rows, medians, plot_turns, warm_up
-from shared_core.bench.common import data_dir, lm_threads
+from shared_core.bench.common import NeedsCheckout, data_dir, lm_threads
 from shared_core.engines.baseline import autoregressive_generate
 from shared_core.runtime.lm import clear_prefix_cache
 from shared_core.runtime.models import LM, load_lm
@@ -141,6 +141,10 @@ def real_turns(lm: LM, args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    if "agent" in args.sources and not AGENT_EXAMPLE.is_file():
+        msg = (f"--sources agent replays {AGENT_EXAMPLE} (examples/ of a specrag checkout; not "
+               "part of the package): leave 'agent' out of --sources")
+        raise NeedsCheckout(msg)
     rows, turns, models = [], [], {}
     load_before = os.getloadavg()
     for name in args.models:
