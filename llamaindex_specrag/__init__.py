@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shared_core import __version__ as __version__  # one version for the package family
 from shared_core.util._lazy import lazy_dir, lazy_getattr
 
 if TYPE_CHECKING:

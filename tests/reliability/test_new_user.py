@@ -202,3 +202,13 @@ def test_the_tuned_drafter_without_peft_names_its_extra(monkeypatch) -> None:
     monkeypatch.setitem(sys.modules, "peft", None)  # import peft -> ImportError
     with pytest.raises(ImportError, match=r"pip install 'specrag\[train\]'"):
         load_tuned_drafter(next(iter(ADAPTERS)))
+
+
+def test_the_adapter_packages_report_the_family_version() -> None:
+    import importlib.metadata
+
+    import langchain_specrag
+    import llamaindex_specrag
+
+    assert langchain_specrag.__version__ == llamaindex_specrag.__version__ == \
+        importlib.metadata.version("specrag")
