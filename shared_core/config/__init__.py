@@ -160,6 +160,24 @@ def check_text(value: object, name: str) -> str:
     return check_unicode(value, name)
 
 
+def check_str_list(value: object, name: str, *, allow_empty: bool = True) -> list[str]:
+    """A list (or other iterable) of strings as a list; a bare string is refused (it would be
+    read as its characters), and so is an empty one unless ``allow_empty``."""
+    if isinstance(value, (str, bytes)):
+        msg = f"{name} must be a list of strings, not one string; wrap it in a list"
+        raise TypeError(msg)
+    if not isinstance(value, Iterable) or isinstance(value, dict):
+        msg = f"{name} must be a list of strings, got {type(value).__name__}"
+        raise TypeError(msg)
+    items = list(value)
+    _check(allow_empty or bool(items), f"{name} must not be empty")
+    for i, item in enumerate(items):
+        if not isinstance(item, str):
+            msg = f"{name}[{i}] must be a str, got {type(item).__name__} {item!r:.80}"
+            raise TypeError(msg)
+    return items
+
+
 def check_kwargs(given: Iterable[str], valid: Iterable[str], owner: str) -> None:
     """TypeError naming the first unknown keyword argument of ``owner`` and the closest valid
     name (``difflib``), e.g. ``ChatSpeculative got an unexpected keyword argument 'max_token';

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from shared_core.config import check_int
+from shared_core.config import check_int, check_str_list
 from shared_core.retrieval.base import Document, Hit, check_document_fields
 
 FORMAT_VERSION = 1
@@ -41,21 +41,7 @@ def check_k(k: int, name: str = "k") -> None:
 
 def check_queries(queries: Sequence[str]) -> list[str]:
     """A non-empty list of strings (a bare string is refused: it would be read as characters)."""
-    if isinstance(queries, (str, bytes)):
-        msg = "queries must be a sequence of strings, not one string; wrap it in a list"
-        raise TypeError(msg)
-    if not isinstance(queries, Iterable) or isinstance(queries, dict):
-        msg = f"queries must be a list of strings, got {type(queries).__name__}"
-        raise TypeError(msg)
-    queries = list(queries)
-    if not queries:
-        msg = "queries must not be empty"
-        raise ValueError(msg)
-    for i, query in enumerate(queries):
-        if not isinstance(query, str):
-            msg = f"queries[{i}] must be a str, got {type(query).__name__}"
-            raise TypeError(msg)
-    return queries
+    return check_str_list(queries, "queries", allow_empty=False)
 
 
 def check_new_docs(docs: Iterable[Document], known: dict[str, int]) -> list[Document]:

@@ -23,13 +23,13 @@ shapes); a query is always encoded alone.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
 
-from shared_core.config import DEFAULT_EMBEDDER, check_bool
+from shared_core.config import DEFAULT_EMBEDDER, check_bool, check_str_list
 from shared_core.retrieval._common import check_int
 from shared_core.runtime.model_cache import cached_embedder
 from shared_core.runtime.weights.embedded import check_embedder_name
@@ -63,16 +63,7 @@ def check_str(text: object, name: str = "text") -> str:
 
 def check_texts(texts: object, name: str = "texts") -> list[str]:
     """A list (or other sequence) of strings; a bare string is refused, an empty list is fine."""
-    if isinstance(texts, (str, bytes)):
-        msg = f"{name} must be a list of strings, not one string; wrap it in a list"
-        raise TypeError(msg)
-    if not isinstance(texts, Iterable) or isinstance(texts, dict):
-        msg = f"{name} must be a list of strings, got {type(texts).__name__}"
-        raise TypeError(msg)
-    texts = list(texts)
-    for i, text in enumerate(texts):
-        check_str(text, f"{name}[{i}]")
-    return texts
+    return check_str_list(texts, name)
 
 
 @dataclass(frozen=True)
