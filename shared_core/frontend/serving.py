@@ -22,9 +22,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from shared_core.config import LOAD_LM_BACKEND
 from shared_core.runtime import model_cache
-from shared_core.runtime.model_cache import _LOADED, cached_lm, loaded_model, release, release_all
+from shared_core.runtime.model_cache import cached_lm, loaded_model, release, release_all
 from shared_core.runtime.model_lock import (
-    _INSTANCE_LOCKS,
     ABANDONED,
     FairLock,
     lock_for,
@@ -37,7 +36,7 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
-__all__ = ["_INSTANCE_LOCKS", "_LOADED", "FairLock", "cached_lm", "iterate_in_context",
+__all__ = ["FairLock", "cached_lm", "iterate_in_context",
            "iterate_in_thread",
            "loaded_model", "lock_for", "model_cache", "ralmspec_engine", "release",
            "release_all", "step_locked"]

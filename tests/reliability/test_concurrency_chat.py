@@ -29,6 +29,7 @@ from shared_core.engines.baseline import autoregressive_generate, speculative_ge
 from shared_core.engines.rapid import RapidConfig, RapidDecoder
 from shared_core.engines.respec import ReSpecDecoder
 from shared_core.frontend import serving
+from shared_core.runtime import model_cache, model_lock
 
 N = 16
 CONTEXT = " ".join(CORPUS[:8])
@@ -228,7 +229,7 @@ def test_models_passed_as_lm_are_freed_after_del(engine):
         del lm, chat, llm
     gc.collect()
     assert [r() for r in refs] == [None, None, None]
-    assert all(ref() is not None for ref, _ in serving._INSTANCE_LOCKS.values())  # no stale entry
+    assert all(ref() is not None for ref, _ in model_lock._INSTANCE_LOCKS.values())  # no stale entry
 
 
 @pytest.mark.parametrize("engine", ["respec", "rapid"])
@@ -254,7 +255,7 @@ def test_an_adapter_running_on_a_released_model_it_was_given_keeps_its_decoder(m
     """``lm=`` a model the cache has released (its caller kept it): the adapter still runs on
     it, so its kept decoder stays (dropping it every call would rebuild the decoder each time)."""
     lm = tiny_lm(num_layers=1, seed=5)
-    monkeypatch.setitem(serving._LOADED, ("tiny-released", None, None, "torch"), lm)
+    monkeypatch.setitem(model_cache._LOADED, ("tiny-released", None, None, "torch"), lm)
     assert serving.release("tiny-released")
     chat = ChatSpeculative(lm=lm, model="tiny", max_tokens=4)
     chat.invoke("Who wrote the report?")
@@ -270,7 +271,7 @@ def test_settings_naming_a_released_model_build_their_engine_once_more(monkeypat
     from shared_core.frontend.rag import SettingsCache
 
     lm = tiny_lm(num_layers=1, seed=5)
-    monkeypatch.setitem(serving._LOADED, ("tiny-released", None, None, "torch"), lm)
+    monkeypatch.setitem(model_cache._LOADED, ("tiny-released", None, None, "torch"), lm)
     built: list[SimpleNamespace] = []
 
     def build() -> SimpleNamespace:
@@ -300,12 +301,12 @@ def test_rag_engines_look_a_released_model_up_again(tiny_model_folder):
 
 
 def test_lock_for_shares_the_cache_lock_and_release_drops_models(tiny_target, monkeypatch):
-    monkeypatch.setitem(serving._LOADED, ("tiny-cached", None, None, "torch"), tiny_target)
+    monkeypatch.setitem(model_cache._LOADED, ("tiny-cached", None, None, "torch"), tiny_target)
     assert serving.lock_for(tiny_target) is serving.loaded_model("tiny-cached")[1]
     assert serving.release("tiny-cached") is True
     assert serving.release("tiny-cached") is False
     assert serving.lock_for(tiny_target) is serving.lock_for(tiny_target)
-    monkeypatch.setitem(serving._LOADED, ("a", None, None, "torch"), object())
-    monkeypatch.setitem(serving._LOADED, ("b", None, None, "torch"), object())
-    before = len(serving._LOADED)
-    assert serving.release_all() == before and not serving._LOADED
+    monkeypatch.setitem(model_cache._LOADED, ("a", None, None, "torch"), object())
+    monkeypatch.setitem(model_cache._LOADED, ("b", None, None, "torch"), object())
+    before = len(model_cache._LOADED)
+    assert serving.release_all() == before and not model_cache._LOADED
