@@ -18,9 +18,10 @@ from langchain_core.documents import Document as LCDocument
 from langchain_core.retrievers import BaseRetriever
 from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_validator
 
+from langchain_specrag._documents import as_lc_document
 from shared_core.config import check_settings_keys
 from shared_core.config.rag import SpeculativeRetrievalConfig
-from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_metadata, hit_score
+from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_score
 from shared_core.retrieval.frameworks import langchain_callbacks
 
 if TYPE_CHECKING:
@@ -28,8 +29,7 @@ if TYPE_CHECKING:
 
 
 def _to_lc(hit: Any) -> LCDocument:
-    metadata = {**hit_metadata(hit), "score": hit_score(hit)}
-    return LCDocument(page_content=hit.document.text, metadata=metadata, id=hit.document.id)
+    return as_lc_document(hit.document, {"rank": hit.rank, "score": hit_score(hit)})
 
 
 class SpeculativeRetriever(BaseRetriever):

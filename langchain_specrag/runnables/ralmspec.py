@@ -18,13 +18,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Iterator
 from typing import Any, cast
 
-from langchain_core.documents import Document as LCDocument
 from langchain_core.messages import BaseMessage
 from langchain_core.prompt_values import PromptValue
 from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.utils import AddableDict
 from typing_extensions import TypedDict
 
+from langchain_specrag._documents import as_lc_document
 from langchain_specrag.runnables._inputs import LangChainPrompt, RAGInput, as_question_input
 from shared_core.frontend.rag_settings import (
     RaLMSpecSettings,
@@ -71,7 +71,7 @@ class RaLMSpecRunnable(LangChainPrompt, RaLMSpecSettings,
     def _output(self, answer: RaLMSpecAnswer) -> RaLMSpecOutput:
         if not self.with_details:
             return answer.text
-        docs = [LCDocument(page_content=d.text, metadata={**d.metadata, "score": score}, id=d.id)
+        docs = [as_lc_document(d, {"score": score})
                 for d, score in zip(answer.documents, answer.scores, strict=True)]
         return {"answer": answer.text, "documents": docs, **answer.details}
 

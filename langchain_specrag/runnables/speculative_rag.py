@@ -35,6 +35,7 @@ from langchain_core.runnables import RunnableConfig, RunnableSerializable
 from langchain_core.runnables.utils import AddableDict
 from typing_extensions import TypedDict
 
+from langchain_specrag._documents import as_lc_document
 from langchain_specrag.runnables._inputs import LangChainPrompt, RAGInput, as_question_input
 from shared_core.frontend.rag_settings import (
     SpeculativeRAGSettings,
@@ -51,7 +52,7 @@ from shared_core.frontend.serving import iterate_in_thread
 from shared_core.retrieval.timeout import await_with_timeout, call_with_timeout
 
 if TYPE_CHECKING:
-    from shared_core.retrieval.base import Document
+    pass
 
 
 class SpeculativeRAGInput(TypedDict, total=False):
@@ -64,10 +65,6 @@ class SpeculativeRAGInput(TypedDict, total=False):
 SpeculativeRAGOutput = str | dict[str, Any]
 # a question, a dict with one, or a prompt's output (as_question_input)
 SpeculativeRAGIn = str | SpeculativeRAGInput | PromptValue | list[BaseMessage]
-
-
-def _to_lc(doc: Document) -> LCDocument:
-    return LCDocument(page_content=doc.text, metadata=dict(doc.metadata), id=doc.id)
 
 
 class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
@@ -89,7 +86,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         if not self.with_details:
             return answer.text
         return {"answer": answer.text, **answer.details,
-                "documents": [_to_lc(d) for d in answer.documents]}
+                "documents": [as_lc_document(d) for d in answer.documents]}
 
     def _rag_call(self, value: RAGInput, config: RunnableConfig) -> SpeculativeRAGStream:
         """The core call for one input, with its documents: the input and the settings are
@@ -128,7 +125,7 @@ class SpeculativeRAGRunnable(LangChainPrompt, SpeculativeRAGSettings,
         if not self.with_details:
             yield from event.chunks()
             return
-        yield AddableDict({**event.details, "documents": [_to_lc(d) for d in event.documents]})
+        yield AddableDict({**event.details, "documents": [as_lc_document(d) for d in event.documents]})
         for chunk in event.chunks():
             yield AddableDict(answer=chunk)
 

@@ -389,7 +389,3 @@ def hit_score(hit: Hit) -> float | None:
     """The retriever's score; None (a NaN score) for a speculated hit or a retriever's hit
     without a score."""
     return None if math.isnan(hit.score) else hit.score
-
-
-def hit_metadata(hit: Hit) -> dict[str, Any]:
-    return {**hit.document.metadata, "rank": hit.rank}

@@ -254,3 +254,38 @@ def test_both_adapters_score_the_documents_as_retrieved(tiny_target) -> None:
     unscored = RaLMSpec(tiny_target, LCRetriever(_hits), CONFIG)  # a LangChain retriever: none
     response = RaLMSpecQueryEngine(engine=unscored, max_new_tokens=16).query("who wrote it?")
     assert {n.score for n in response.source_nodes} == {None}
+
+
+def test_langchain_adapters_hand_back_the_retrievers_own_documents(tiny_target) -> None:
+    """A LangChain retriever's documents come back as it returned them (id None when it gave
+    none, its own metadata and fields), with rank / score added to a copy, as the LlamaIndex
+    adapters hand back the retriever's nodes (before: rebuilt, with positional or hashed ids)."""
+    from langchain_core.retrievers import BaseRetriever
+    from pydantic import Field
+
+    from langchain_specrag import RaLMSpecRunnable, SpeculativeRAGRunnable, SpeculativeRetriever
+
+    class NoIds(BaseRetriever):
+        returned: list[LCDocument] = Field(default_factory=list)
+
+        def _get_relevant_documents(self, query: str, *, run_manager: Any) -> list[LCDocument]:
+            docs = [LCDocument(page_content=TEXTS[i], metadata={"source": f"s{i}"}) for i in
+                    _ranked(query)]
+            self.returned.extend(docs)
+            return docs
+
+    base = NoIds()
+    for doc in SpeculativeRetriever(retriever=base, k=2).invoke("who wrote the report?"):
+        assert doc.id is None and doc.metadata["source"].startswith("s")
+        assert {"rank", "score"} <= set(doc.metadata)
+    assert all(set(d.metadata) == {"source"} for d in base.returned)  # never written into
+    engine = RaLMSpec(tiny_target, base, CONFIG)
+    details = RaLMSpecRunnable(engine=engine, max_new_tokens=8, with_details=True).invoke(
+        "who wrote the report?")
+    assert details["documents"] and all(d.id is None for d in details["documents"])
+    from shared_core.engines.speculative_rag import SpeculativeRAG
+
+    rag = SpeculativeRAGRunnable(engine=SpeculativeRAG(tiny_target, tiny_target),
+                                 retriever=base, max_new_tokens=8, with_details=True)
+    documents = rag.invoke("who wrote the report?")["documents"]
+    assert documents and all(any(d is r for r in base.returned) for d in documents)
