@@ -16,7 +16,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from shared_core.config import (
+    DEFAULT_CACHE,
     DEFAULT_MAX_NEW_TOKENS,
+    CacheKind,
     GenerationConfig,
     SamplingConfig,
     check_int,
@@ -258,14 +260,21 @@ def validate_prompt_ids(lm: SessionLM, ids: Sequence[int]) -> None:
         raise ValueError(msg)
 
 
-def fit_to_window(lm: SessionLM, prompt_tokens: int, config: GenerationConfig
-                  ) -> GenerationConfig:
+def fit_to_window(lm: SessionLM, prompt_tokens: int, config: GenerationConfig,
+                  cache: CacheKind = DEFAULT_CACHE) -> GenerationConfig:
     """``config`` with a token limit the window has room for after the prompt (a reply that
     reaches it ends with ``finish_reason="length"``), as llama.cpp / llama-cpp-python lower
-    ``max_tokens`` to what fits instead of refusing the call."""
-    room = lm.max_context - prompt_tokens
-    if config.max_new_tokens <= room:
+    ``max_tokens`` to what fits instead of refusing the call. The window is what a session
+    with ``cache`` can fill (a runtime's ``positions_for``: a torch static cache holds fewer
+    positions than the model's window)."""
+    positions_for = getattr(lm, "positions_for", None)
+    positions = positions_for(cache) if callable(positions_for) else lm.max_context
+    room = positions - prompt_tokens
+    if config.max_new_tokens <= room or room < 1:  # no room at all: the prefill says why
         return config
+    where = (window_text(lm) if positions == lm.max_context else
+             f"the {positions} positions a {cache!r} session of {lm.name} holds "
+             "(LM.static_capacity, less exact mode's padding)")
     logger.info("max_new_tokens=%d lowered to %d: the prompt's %d tokens leave that much of %s",
-                config.max_new_tokens, room, prompt_tokens, window_text(lm))
+                config.max_new_tokens, room, prompt_tokens, where)
     return replace(config, max_new_tokens=room)

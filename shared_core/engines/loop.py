@@ -217,7 +217,7 @@ class Run:
         self.logits_mask = check_logits_mask(logits_mask)
         self.prompt_ids = encode_prompt(lm, prompt)
         validate_prompt_ids(lm, self.prompt_ids)
-        config = fit_to_window(lm, len(self.prompt_ids), config)
+        config = fit_to_window(lm, len(self.prompt_ids), config, cache)
         self.config = config = with_turn_stop(lm, prompt, config)
         self.session = open_session(lm, cache=cache)
         self.tracker = OutputTracker(lm, config)

@@ -181,6 +181,16 @@ class LM(ChatTokenizer):
     def describe_window(self) -> str:
         return f"the {self.max_context}-token window of {self.name}"
 
+    def positions_for(self, cache: CacheKind) -> int:
+        """Positions a session with ``cache`` can fill: the window, or on the static cache (every
+        session's in exact mode) its capacity less the padding of exact mode's fixed-width
+        forwards (a feed is rounded up to ``exact_width`` rows)."""
+        if not self.exact_width and cache != "static":
+            return self.max_context
+        from shared_core.runtime.torch.static import capacity_for
+
+        return capacity_for(self) - (self.exact_width - 1 if self.exact_width else 0)
+
 
 def window_text(lm: ModelLM) -> str:
     """``lm``'s context limit in words for an error message: a runtime that has a setting for it

@@ -251,3 +251,24 @@ def test_the_static_step_traces_to_one_graph_across_steps_and_rollbacks(tiny_tar
     finally:
         static.compiled_step.cache_clear()
         torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("mode", ["exact", "static"])
+def test_a_reply_is_cut_to_what_the_static_cache_holds_not_refused_midway(tiny_target, mode):
+    """A prompt plus ``max_new_tokens`` that fits the model's window but not the static cache
+    (exact mode's padded forwards included): the token limit is lowered before the call, and
+    greedy decoding and speculative decoding end together with ``finish_reason="length"``
+    (before: a ValueError naming static_capacity after some tokens had streamed)."""
+    from shared_core.drafters.prompt_lookup import PromptLookupDrafter
+    from shared_core.engines.baseline import autoregressive_generate, speculative_generate
+    from shared_core.runtime.torch.exact import EXACT_WIDTH
+
+    capacity, prompt = 112, list(range(3, 83))  # 80 ids: 32 positions left, fewer if padded
+    lm = replace(tiny_target, static_capacity=capacity,
+                 exact_width=EXACT_WIDTH if mode == "exact" else None)
+    cache = "static" if mode == "static" else "dynamic"
+    fits = capacity - len(prompt) - (EXACT_WIDTH - 1 if mode == "exact" else 0)
+    plain = autoregressive_generate(lm, prompt, 40, cache=cache)
+    spec = speculative_generate(lm, PromptLookupDrafter(), prompt, 40, k=4, cache=cache)
+    assert plain.token_ids == spec.token_ids and len(plain.token_ids) == fits
+    assert plain.stats.finish_reason == spec.stats.finish_reason == "length"

@@ -322,14 +322,6 @@ def test_verify_tree_relaxed_picks_longest_path() -> None:
     assert strict.path == () and strict.next_token == 0
 
 
-def test_selection_is_kept_as_the_earlier_name_of_candidate_selection():
-    from typing import get_args
-
-    from shared_core.engines.respec import CandidateSelection, Selection
-
-    assert Selection is CandidateSelection and get_args(Selection) == ("ema", "first")
-
-
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_exact_mode_trees_equal_exact_greedy_and_cut_at_later_branches(tiny_target, prompt,
                                                                        monkeypatch):

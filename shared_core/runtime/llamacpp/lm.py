@@ -357,6 +357,11 @@ class LlamaCppLM(LM):
         return (f"the llama.cpp context of {self.name} (n_ctx={self.max_context}; load it with a "
                 f"larger n_ctx, up to the {self.model.n_ctx_train} positions it was trained on)")
 
+    def positions_for(self, cache: CacheKind) -> int:
+        """``n_ctx`` whatever ``cache`` (llama.cpp has one layout: its own cells)."""
+        del cache
+        return self.max_context
+
     @property
     def capabilities(self) -> Capabilities:
         """``exact`` (no repacking) makes a batch bit-equal to one-token steps and a reused

@@ -176,9 +176,10 @@ class StaticKV(Cache):
 
     def check_room(self, start: int, count: int) -> None:
         if start + count > self.capacity:
-            msg = (f"sequence of {start + count} tokens exceeds the static cache's "
-                   f"{self.capacity} positions (static_capacity); raise LM.static_capacity "
-                   "(at most the model window) or shorten the prompt or max_new_tokens")
+            msg = (f"a forward writing slots {start}..{start + count - 1} (exact mode pads a "
+                   f"forward to its row width) exceeds the static cache's {self.capacity} "
+                   "positions (static_capacity); raise LM.static_capacity (at most the model "
+                   "window) or shorten the prompt")
             raise ValueError(msg)
 
 
