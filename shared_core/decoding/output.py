@@ -265,10 +265,9 @@ def fit_to_window(lm: SessionLM, prompt_tokens: int, config: GenerationConfig,
     """``config`` with a token limit the window has room for after the prompt (a reply that
     reaches it ends with ``finish_reason="length"``), as llama.cpp / llama-cpp-python lower
     ``max_tokens`` to what fits instead of refusing the call. The window is what a session
-    with ``cache`` can fill (a runtime's ``positions_for``: a torch static cache holds fewer
-    positions than the model's window)."""
-    positions_for = getattr(lm, "positions_for", None)
-    positions = positions_for(cache) if callable(positions_for) else lm.max_context
+    with ``cache`` can fill (``positions_for``: a torch static cache holds fewer positions than
+    the model's window)."""
+    positions = lm.positions_for(cache)
     room = positions - prompt_tokens
     if config.max_new_tokens <= room or room < 1:  # no room at all: the prefill says why
         return config

@@ -200,6 +200,9 @@ class SessionLM(ModelLM, Protocol):
     def describe_window(self) -> str:
         """The context limit in words, naming the setting that sets it."""
 
+    def positions_for(self, cache: CacheKind) -> int:
+        """Positions a session opened with ``cache`` can fill (at most ``max_context``)."""
+
 
 @runtime_checkable
 class ServedLM(ModelLM, Protocol):
