@@ -87,8 +87,11 @@ class OutputTracker:
         return self._delta(final=self.done)
 
     def _apply_stop(self) -> None:
+        # an incomplete character's placeholder is not text yet: matching it would make the
+        # stop depend on where committed blocks end (one token at a time sees every one)
+        end = len(self.text) if self.done else len(self.text.rstrip("\ufffd"))
         start = max(0, self._emitted - self._longest_stop)
-        hits = [i for i in (self.text.find(s, start) for s in self.config.stop) if i >= 0]
+        hits = [i for i in (self.text.find(s, start, end) for s in self.config.stop) if i >= 0]
         if not hits:
             return
         cut = min(hits)

@@ -188,3 +188,29 @@ def test_bad_prompt_and_k(tiny_target):
 def test_mismatched_vocabulary_is_refused(tiny_target, smollm):
     with pytest.raises(ValueError, match="vocabulary"):
         speculative_generate(tiny_target, smollm, PROMPTS[0], 4)
+
+
+def test_a_stop_is_matched_on_whole_characters_whatever_the_block_sizes():
+    """A token that ends inside a multi-byte character decodes to a placeholder U+FFFD until
+    the next one completes it; a stop string is not matched against that placeholder, so one
+    token at a time (greedy) and a block at once (a verified draft) stop alike (before: a stop
+    ending in U+FFFD stopped greedy decoding only)."""
+    from types import SimpleNamespace
+
+    from shared_core.config import GenerationConfig
+    from shared_core.decoding.output import OutputTracker
+
+    lm = SimpleNamespace(eos_token_ids=frozenset(),
+                         decode=lambda ids: bytes(ids).decode("utf-8", errors="replace"))
+    reply = list("ab🐘🐘c".encode())
+    for stop in ("🐘\ufffd", "b🐘", "🐘c"):
+        outcomes = []
+        for block in (1, 3, len(reply)):
+            tracker = OutputTracker(lm, GenerationConfig.build(64, stop=[stop]))
+            text = ""
+            for i in range(0, len(reply), block):
+                text += tracker.push(reply[i:i + block])
+                if tracker.done:
+                    break
+            outcomes.append((text + tracker.finish(), tracker.token_ids, tracker.finish_reason))
+        assert outcomes[0] == outcomes[1] == outcomes[2], (stop, outcomes)
