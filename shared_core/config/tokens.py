@@ -40,6 +40,10 @@ def check_eta(eta: object) -> float:
     return eta
 
 
+# c, the cost of one more verified token in one-token forwards, until a run has measured it
+TOKEN_COST_PRIOR = 0.1
+
+
 @dataclass(frozen=True)
 class RapidConfig:
     """RAPID's knobs (defaults from the paper / reference code, scaled to small windows).
@@ -120,7 +124,7 @@ class ReSpecConfig:
     num_candidates: int = 3  # top candidates verified together as a tree
     max_positions: int = 64  # cap on end positions listed per key
     max_draft_len: int = 60  # SAM-Decoding's retrieval draft length (the cap; trimmed below)
-    token_cost: float = 0.1  # c: extra verified token / 1-token forward (prior; then measured)
+    token_cost: float = TOKEN_COST_PRIOR  # c: extra verified token / 1-token forward (then measured)
     measure_cost: bool = True  # refit c from timed forwards (seeded sampling then depends on
     # timing through the draft lengths: set False for token-exact reruns of a seeded sample)
     max_tree_tokens: int = 64  # draft tokens per verification forward (after prefix merging)

@@ -12,7 +12,7 @@ from shared_core.config import (
     CacheKind,
     GenerationConfig,
 )
-from shared_core.config.tokens import RapidConfig
+from shared_core.config.tokens import TOKEN_COST_PRIOR, RapidConfig
 from shared_core.decoding.draft_length import CostModel, best_draft_length
 from shared_core.decoding.verify import Verdict, choose_token, warp_probs
 from shared_core.decoding.verify_rapid import verify_rapid_greedy, verify_rapid_sampled
@@ -69,6 +69,11 @@ def _accept(run: Run, draft: Draft, logits: torch.Tensor, eta: float, config: Ra
                                 generator=run.generator)
 
 
+# the newest round's share of the drafter's seconds per token (a moving average: a drafter's step
+# time drifts as its context grows, and one round's timing is noisy)
+DRAFT_TIME_WEIGHT = 0.3
+
+
 class GammaSchedule:
     """Cost-aware draft length for ``RapidConfig.adaptive_gamma`` (one per decoder setting,
     kept across calls).
@@ -83,7 +88,7 @@ class GammaSchedule:
     def __init__(self, gamma: int, *, window: int = 16, probe_every: int = 16):
         self.gamma = gamma
         self.probe_every = probe_every
-        self.verify = CostModel(prior=0.1, min_samples=3)
+        self.verify = CostModel(prior=TOKEN_COST_PRIOR, min_samples=3)
         self.rounds: deque[tuple[int, int]] = deque(maxlen=window)  # (drafted, accepted)
         self.draft_s_per_token: float | None = None
         self.plain_rounds = 0
@@ -112,8 +117,9 @@ class GammaSchedule:
         if drafted:
             self.rounds.append((drafted, accepted))
             per_token = draft_s / drafted
-            self.draft_s_per_token = (per_token if self.draft_s_per_token is None
-                                      else 0.7 * self.draft_s_per_token + 0.3 * per_token)
+            self.draft_s_per_token = (per_token if self.draft_s_per_token is None else
+                                      (1 - DRAFT_TIME_WEIGHT) * self.draft_s_per_token
+                                      + DRAFT_TIME_WEIGHT * per_token)
 
 
 def rapid_blocks(run: CachedRun, drafter: RetrievedContextDrafter, prompt: RapidPrompt,
