@@ -43,8 +43,10 @@ class SpeculativeRetriever(BaseRetriever):
         retrieval_timeout_s: seconds one call of the wrapped retriever may take before the call
             fails with ``TimeoutError`` (the cache is left as it was); ``None``: no limit.
 
-    A document's ``metadata`` gets its ``rank`` and ``score`` (the retriever's; ``None`` for a
-    speculated document). The session (cache + verification queue) opens on first use and is
+    A wrapped LangChain retriever's documents come back as it returned them (their ids, ``None``
+    included, and fields kept), in copies whose ``metadata`` adds ``rank`` and ``score`` (the
+    retriever's; ``None`` for a speculated document), as the LlamaIndex wrapper hands back the
+    retriever's nodes. The session (cache + verification queue) opens on first use and is
     reopened when a setting changes or after :meth:`reset`, as in the LlamaIndex wrapper.
     Thread-safe: many threads may ``invoke`` one wrapper (the results are exact either way).
     """
