@@ -249,3 +249,16 @@ def test_every_token_costs_one_forward_swaps_included(tiny_target) -> None:
     swaps = 1 + sum(a != b for a, b in itertools.pairwise(docs))
     assert swaps > 2  # the retriever changes documents between steps
     assert out.stats.target_forwards == len(out.token_ids)
+
+
+def test_a_budget_beyond_the_static_cache_is_refused_before_decoding(tiny_target) -> None:
+    """On ``cache="static"`` the positions RaLMSpec may use are the static cache's, not the
+    model window's: a budget that fits the window but not the cache is refused up front (before:
+    the static cache overflowed mid-generation)."""
+    from dataclasses import replace
+
+    lm = replace(tiny_target, static_capacity=140)  # the budget: up to 115 prompt ids + the reply
+    spec = RaLMSpec(lm, HashRetriever(DOCS), CONFIGS["+PSA,static"])
+    with pytest.raises(ValueError, match=r"exceeds the 140 positions .* on its static cache"):
+        spec.generate(QUESTIONS[0], 40)
+    assert spec.generate(QUESTIONS[0], 4).token_ids  # within it: runs

@@ -25,7 +25,7 @@ from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document, Hit, doc_key
-from shared_core.runtime.lm import runtime_thread_policy, runtime_threads
+from shared_core.runtime.lm import runtime_report
 from shared_core.runtime.model_lock import check_abandoned
 from shared_core.runtime.passage_cache import register_passage_ids
 from shared_core.runtime.protocol import ModelLM, ServedLM, SessionLM, open_session
@@ -143,22 +143,22 @@ class RaLMCall:
         self.config = config
         self.backend = backend
         self.prompt = RaLMPrompt(lm, question, config)
+        window = lm.max_context if isinstance(lm, ServedLM) else lm.positions_for(config.cache)
         budget = len(self.prompt.head) + config.max_doc_tokens + len(self.prompt.tail)
-        if budget + generation.max_new_tokens > lm.max_context:
+        if budget + generation.max_new_tokens > window:
             msg = (f"prompt (up to {budget} tokens with the document) + max_new_tokens="
-                   f"{generation.max_new_tokens} exceeds the {lm.max_context}-token window of "
-                   f"{lm.name}; lower max_doc_tokens or max_new_tokens")
+                   f"{generation.max_new_tokens} exceeds the {window} positions {lm.name} holds"
+                   f"{'' if window == lm.max_context else ' on its static cache'}; lower "
+                   "max_doc_tokens or max_new_tokens")
             raise ValueError(msg)
         self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail),
-                                   threads=runtime_threads(lm),
-                                   thread_policy=runtime_thread_policy(lm))
+                                   **runtime_report({"target": lm}))
         self.tracker = OutputTracker(lm, generation)
         self.decoder: RaLMDecoder | ServedRaLMDecoder
         if isinstance(lm, ServedLM):
             self.stats.backend, self.stats.backend_reason = "served", ""
             self.decoder = ServedRaLMDecoder(lm, self.prompt, generation, self.stats)
         else:
-            self.stats.backend, self.stats.backend_reason = lm.backend, lm.backend_reason
             self.decoder = RaLMDecoder(lm, self.prompt, generation, self.stats, config.cache)
         self.used: dict[tuple[str, str], Hit] = {}
 
