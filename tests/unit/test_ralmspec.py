@@ -259,6 +259,6 @@ def test_a_budget_beyond_the_static_cache_is_refused_before_decoding(tiny_target
 
     lm = replace(tiny_target, static_capacity=140)  # the budget: up to 115 prompt ids + the reply
     spec = RaLMSpec(lm, HashRetriever(DOCS), CONFIGS["+PSA,static"])
-    with pytest.raises(ValueError, match=r"exceeds the 140 positions .* on its static cache"):
+    with pytest.raises(ValueError, match=r"exceeds the 140-token window of .* on its static cache"):
         spec.generate(QUESTIONS[0], 40)
     assert spec.generate(QUESTIONS[0], 4).token_ids  # within it: runs

@@ -344,3 +344,14 @@ def test_eta_zero_on_a_static_cache_is_exact(tiny_target, tiny_drafter, drafter_
         reference = autoregressive_generate(tiny_target, list(prompt.target_ids), 24)
         assert result.token_ids == reference.token_ids
         assert result.stats.draft_forwards > 0
+
+
+def test_a_middle_cut_fits_the_static_cache_not_only_the_window(tiny_target):
+    """``cache="static"``: the context is cut to what the static cache holds after the query
+    and the reply (before: to the model window, and the prefill then overflowed the cache)."""
+    lm = replace(tiny_target, static_capacity=tiny_target.max_context // 2)
+    decoder = RapidDecoder(lm, embedder=HashEmbedder(), config=RapidConfig(
+        chunk_tokens=32, min_rag_tokens=64, truncate="middle", cache="static", eta=0.0))
+    prompt = decoder.prepare(CONTEXT * 3, QUERIES[0], 16)
+    assert prompt.truncated and len(prompt.target_ids) + 16 <= lm.static_capacity
+    assert decoder.speculative(CONTEXT * 3, QUERIES[0], 16).token_ids

@@ -147,7 +147,7 @@ class RaLMCall:
         budget = len(self.prompt.head) + config.max_doc_tokens + len(self.prompt.tail)
         if budget + generation.max_new_tokens > window:
             msg = (f"prompt (up to {budget} tokens with the document) + max_new_tokens="
-                   f"{generation.max_new_tokens} exceeds the {window} positions {lm.name} holds"
+                   f"{generation.max_new_tokens} exceeds the {window}-token window of {lm.name}"
                    f"{'' if window == lm.max_context else ' on its static cache'}; lower "
                    "max_doc_tokens or max_new_tokens")
             raise ValueError(msg)

@@ -175,17 +175,20 @@ class RapidContext:
 
     def _fit_context(self, context: str, query_ids: Sequence[int], max_new_tokens: int
                      ) -> tuple[str, bool]:
-        """The context itself if it fits the target window; else an error or a middle cut."""
+        """The context itself if it fits what the target's session holds (its window, or its
+        static cache's positions); else an error or a middle cut."""
         head, _ = self._target_parts
         overhead = len(self.lm.encode(head + self.config.context_template.format(context="")))
-        room = self.lm.max_context - overhead - len(query_ids) - max_new_tokens
+        positions = self.lm.positions_for(self.config.cache)
+        room = positions - overhead - len(query_ids) - max_new_tokens
         ids = self._encode_context(context).ids
         if len(ids) <= room:
             return context, False
         if self.config.truncate != "middle" or room < 16:
             msg = (f"context of {len(ids)} tokens + query + max_new_tokens={max_new_tokens} exceeds "
-                   f"the {self.lm.max_context}-token window of {self.lm.name} (room for {room} "
-                   "context tokens); shorten the context, lower max_new_tokens or pass "
+                   f"the {positions}-token window of {self.lm.name}"
+                   f"{'' if positions == self.lm.max_context else ' on its static cache'} (room "
+                   f"for {room} context tokens); shorten the context, lower max_new_tokens or pass "
                    "RapidConfig(truncate='middle') (a chat adapter: "
                    "engine_options={'truncate': 'middle'})")
             raise ValueError(msg)
