@@ -262,3 +262,17 @@ def test_a_budget_beyond_the_static_cache_is_refused_before_decoding(tiny_target
     with pytest.raises(ValueError, match=r"exceeds the 140-token window of .* on its static cache"):
         spec.generate(QUESTIONS[0], 40)
     assert spec.generate(QUESTIONS[0], 4).token_ids  # within it: runs
+
+
+def test_a_batchs_questions_share_their_retrievers_verify_workers(tiny_target) -> None:
+    """The per-question views of a pipelined batch search on the retriever's own workers (one
+    set per retriever), not on a new set per question whose threads pile up."""
+    from shared_core.engines.ralmspec import retrievers
+
+    retriever = HashRetriever(DOCS)
+    engine = RaLMSpec(tiny_target, retriever, CONFIGS["+PSA"])
+    before = set(retrievers._VERIFY_POOLS.entries)
+    engine.batch(QUESTIONS, 12)
+    engine.batch(QUESTIONS, 12)
+    made = set(retrievers._VERIFY_POOLS.entries) - before
+    assert made <= {id(retriever)} and retrievers._VERIFY_POOLS.holds(retriever)

@@ -20,7 +20,12 @@ from typing import Any, cast
 from shared_core.decoding.output import GenerationResult
 from shared_core.engines.loop import Blocks
 from shared_core.engines.ralmspec.decoding import RaLMCall
-from shared_core.engines.ralmspec.retrievers import SpeculativeBackend, check_hits, retriever_name
+from shared_core.engines.ralmspec.retrievers import (
+    SpeculativeBackend,
+    check_hits,
+    retriever_name,
+    search_owner,
+)
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.retrieval.base import Document, Hit
 
@@ -47,6 +52,7 @@ class PipelinedBackend:
     def __init__(self, backend: SpeculativeBackend, call: RaLMCall, served: _Ride | None,
                  rider: _Ride | None):
         self.backend = backend
+        self.owner = search_owner(backend)  # the questions' searches share its workers
         self.call = call
         self.served = served
         self.rider = rider

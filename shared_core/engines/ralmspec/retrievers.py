@@ -188,10 +188,15 @@ _VERIFY_POOLS: PerObject[BoundedWorkers] = PerObject(
     lambda: BoundedWorkers(VERIFY_WORKERS, "ralmspec-verify"))
 
 
+def search_owner(backend: object) -> object:
+    """The retriever ``backend`` searches (its ``owner``; a backend without one is its own)."""
+    return getattr(backend, "owner", backend)
+
+
 def verify_workers(backend: SpeculativeBackend) -> BoundedWorkers:
-    """The worker threads of the retriever behind ``backend`` (its ``owner``: one set per
-    retriever however many backends wrap it; a backend without an owner is its own)."""
-    return _VERIFY_POOLS.get(getattr(backend, "owner", backend))
+    """The worker threads of the retriever behind ``backend``: one set per retriever however
+    many backends (and per-question views of them) wrap it."""
+    return _VERIFY_POOLS.get(search_owner(backend))
 
 
 def start_search(backend: SpeculativeBackend, encoded: Sequence[Any], k: int
