@@ -105,22 +105,28 @@ def hits_from(docs: Sequence[Document], scores: Sequence[float] | np.ndarray) ->
 
 @contextmanager
 def atomic_dir(path: str | os.PathLike[str]) -> Iterator[Path]:
-    """Yield a temporary sibling folder; on success it replaces ``path`` in one rename."""
+    """Yield a temporary sibling folder; on success it replaces ``path`` in one rename. An
+    existing ``path`` is moved aside first and moved back if the new one cannot take its place
+    (a failed or interrupted save leaves the old folder where it was)."""
     target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    aside: Path | None = None
     try:
         yield tmp
         if target.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, old / target.name)
-            os.replace(tmp, target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, target)
+            aside = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, aside / target.name)
+        os.replace(tmp, target)
     except BaseException:
+        if aside is not None and (aside / target.name).exists() and not target.exists():
+            os.replace(aside / target.name, target)
         shutil.rmtree(tmp, ignore_errors=True)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
         raise
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def write_config(folder: Path, kind: str, config: dict[str, Any]) -> None:

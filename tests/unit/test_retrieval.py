@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import random
 import subprocess
 import sys
@@ -331,3 +332,35 @@ def test_bm25_documents_without_an_indexable_word_are_refused_and_change_nothing
     assert len(bm25) == 1 and bm25.search(["capital of Germany"], 2)[0][0].document.id == "p"
     bm25.add([Document("b", "Berlin is the capital of Germany.")])
     assert bm25.search(["capital of Germany"], 1)[0][0].document.id == "b"
+
+
+@pytest.mark.parametrize("failing_rename", [1, 2])
+def test_a_failed_save_over_an_index_leaves_the_old_one_loadable(tmp_path, monkeypatch,
+                                                                 failing_rename: int) -> None:
+    """Saving over an existing index moves it aside, then the new one in: when either rename
+    fails, the old index is where it was and loads, and nothing is left beside it (before: a
+    failed second rename lost both, and a failed first one left an empty folder)."""
+    import errno
+
+    from shared_core.retrieval import _common
+
+    queries = ["capital of France", "lazy dog"]
+    for kind, old, new in (("bm25", bm25(DOCS[:3]), bm25(DOCS)),
+                           ("dense", dense("exact", DOCS[:3]), dense("exact", DOCS))):
+        folder = tmp_path / kind
+        old.save(folder)
+        calls, replace = [], os.replace
+
+        def flaky(src, dst, calls=calls, replace=replace):
+            calls.append(src)
+            if len(calls) == failing_rename:
+                raise OSError(errno.EACCES, "denied", str(dst))
+            return replace(src, dst)
+
+        with monkeypatch.context() as patched, pytest.raises(OSError, match="denied"):
+            patched.setattr(_common.os, "replace", flaky)
+            new.save(folder)
+        loaded = (BM25Retriever.load(folder) if kind == "bm25"
+                  else DenseRetriever.load(folder, HashEmbedder()))
+        assert len(loaded) == 3 and loaded.search(queries, k=2) == old.search(queries, k=2)
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
