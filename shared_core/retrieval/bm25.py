@@ -151,8 +151,9 @@ class BM25Retriever:
             return
         corpus = [*self._docs, *docs]
         bm25 = self._index(corpus)
-        self._position.update((doc.id, len(self._docs) + i) for i, doc in enumerate(docs))
-        self._docs, self._bm25 = corpus, bm25
+        position = {**self._position, **{d.id: len(self._docs) + i for i, d in enumerate(docs)}}
+        # one statement: an interrupt cannot land between the three (no call among the stores)
+        self._position, self._docs, self._bm25 = position, corpus, bm25
 
     def _index(self, corpus: list[Document]) -> Any:
         corpus_tokens = [self.tokenize(d.text) for d in corpus]

@@ -237,13 +237,19 @@ class DenseRetriever(DensePersistence):
         return normalise(vectors)
 
     def _append(self, vectors: np.ndarray, slots: np.ndarray) -> None:
+        """Add ``vectors`` to the index with their ``slots``. The slots kept follow what the
+        index took, so an error or an interrupt (Ctrl-C lands as soon as faiss returns) never
+        leaves vectors without slots; callers record their rows the same way."""
         index = self._index
         if index is None:
             index = self._index = new_index(self.index_kind, vectors.shape[1], self.hnsw_m,
                                             self.ef_construction, self.ef_search)
-        with faiss_threads(self.num_threads):
-            index.add(vectors)
-        self._slots = np.concatenate([self._slots, slots])
+        before = int(index.ntotal)
+        try:
+            with faiss_threads(self.num_threads):
+                index.add(vectors)
+        finally:
+            self._slots = np.concatenate([self._slots, slots[: int(index.ntotal) - before]])
 
     # ------------------------------------------------------------------ building
 
@@ -267,10 +273,12 @@ class DenseRetriever(DensePersistence):
         else:
             vectors = self._check_vectors(vectors, len(docs), "vectors")
         first_doc, first_position = len(self._docs), self.ntotal
-        self._append(vectors, np.arange(first_doc, first_doc + len(docs), dtype=np.int64))
-        for offset, doc in enumerate(docs):
-            self._position[doc.id] = first_position + offset
-        self._docs.extend(docs)
+        try:
+            self._append(vectors, np.arange(first_doc, first_doc + len(docs), dtype=np.int64))
+        finally:  # the documents the index took, however the add ended
+            taken = docs[: self.ntotal - first_position]
+            self._position.update((d.id, first_position + i) for i, d in enumerate(taken))
+            self._docs.extend(taken)
         logger.info("indexed %d documents (%s index, %d vectors in total)", len(docs),
                     self.index_kind, self.ntotal)
 
@@ -291,9 +299,13 @@ class DenseRetriever(DensePersistence):
             size = min(_PAD_CHUNK, n - start)
             vectors = normalise(rng.standard_normal((size, self.dim), dtype=np.float32))
             pad_numbers = np.arange(first_pad + start, first_pad + start + size, dtype=np.int64)
-            positions = self.ntotal + np.arange(size, dtype=np.int64)
-            self._append(vectors, -1 - pad_numbers)
-            self._pad_positions = np.concatenate([self._pad_positions, positions])
+            before = self.ntotal
+            positions = before + np.arange(size, dtype=np.int64)
+            try:
+                self._append(vectors, -1 - pad_numbers)
+            finally:
+                taken = positions[: self.ntotal - before]
+                self._pad_positions = np.concatenate([self._pad_positions, taken])
         logger.info("added %d padding vectors (%d vectors in total)", n, self.ntotal)
 
     # ------------------------------------------------------------------ searching

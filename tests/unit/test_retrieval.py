@@ -364,3 +364,32 @@ def test_a_failed_save_over_an_index_leaves_the_old_one_loadable(tmp_path, monke
                   else DenseRetriever.load(folder, HashEmbedder()))
         assert len(loaded) == 3 and loaded.search(queries, k=2) == old.search(queries, k=2)
         assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_an_add_interrupted_around_faiss_leaves_the_dense_index_consistent(monkeypatch, when
+                                                                           ) -> None:
+    """Ctrl-C lands as soon as faiss's add returns (or before it starts): the documents the
+    index took are recorded, the others are not, so searches work and a retry adds what is
+    missing (before: vectors without documents, and every later search an IndexError)."""
+    import contextlib
+
+    from shared_core.retrieval import dense as dense_module
+
+    retriever, fresh = dense("exact", DOCS[:3]), dense("exact", DOCS)
+
+    @contextlib.contextmanager
+    def interrupted(threads: object):
+        if when == "before":
+            raise KeyboardInterrupt
+        yield
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        patched.setattr(dense_module, "faiss_threads", interrupted)
+        retriever.add(DOCS[3:])
+    assert len(retriever) == retriever.ntotal == (3 if when == "before" else len(DOCS))
+    if when == "before":
+        retriever.add(DOCS[3:])
+    queries = ["capital of France", "lazy dog", "report"]
+    assert retriever.search(queries, k=4) == fresh.search(queries, k=4)
