@@ -4,10 +4,10 @@ cover queued kernels."""
 from __future__ import annotations
 
 import os
-import signal
 import sys
-import threading
 from typing import TYPE_CHECKING
+
+from shared_core.util.interrupts import interrupts_held
 
 if TYPE_CHECKING:
     from types import ModuleType
@@ -30,15 +30,8 @@ def import_torch() -> ModuleType:
     loaded = sys.modules.get("torch")
     if loaded is not None:
         return loaded
-    if threading.current_thread() is not threading.main_thread():
-        import torch  # a signal handler runs on the main thread only
-
-        return torch
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
+    with interrupts_held():
         import torch
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)
     return torch
 
 

@@ -38,6 +38,7 @@ from shared_core.runtime.llamacpp.threads import choose_threads
 from shared_core.runtime.lm import LM
 from shared_core.runtime.protocol import Capabilities
 from shared_core.util.device import note_thread_policy, threads_from_env
+from shared_core.util.interrupts import interrupts_held
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -170,12 +171,15 @@ class _Slot:
                  exact: bool = False, *, recurrent: bool = False, flash_attn: bool | None = None):
         params = context_params(llama, n_ctx, n_batch, threads, exact, flash_attn)
         self.llama = llama
-        self.ctx = llama.llama_init_from_model(model_ptr, params)
-        if not self.ctx:
-            msg = f"llama.cpp could not create a context of {n_ctx} positions (out of memory?)"
-            raise MemoryError(msg)
+        with interrupts_held():  # kept with their finalizer, or never made
+            self.ctx = llama.llama_init_from_model(model_ptr, params)
+            if not self.ctx:
+                msg = f"llama.cpp could not create a context of {n_ctx} positions (out of memory?)"
+                raise MemoryError(msg)
+            self.batch = llama.llama_batch_init(n_batch, 0, MAX_TREE_LEAVES + 1)
+            # freed by free() (the pool's eviction, the model's end) or when dropped unpooled
+            self._free = weakref.finalize(self, _free_context, llama, self.ctx, self.batch)
         self.memory = llama.llama_get_memory(self.ctx)
-        self.batch = llama.llama_batch_init(n_batch, 0, MAX_TREE_LEAVES + 1)
         self.n_batch = n_batch
         self.tokens: list[int] | None = []  # ids sequence 0 holds, None: unknown (llamacpp_prefix)
         self.recurrent = recurrent  # one state per sequence, not a cell per position (LlamaCppModel)
@@ -184,10 +188,13 @@ class _Slot:
         self.llama.llama_memory_clear(self.memory, True)
 
     def free(self) -> None:
-        if self.ctx:
-            self.llama.llama_batch_free(self.batch)
-            self.llama.llama_free(self.ctx)
-            self.ctx = None
+        self._free()  # at most once
+        self.ctx = None
+
+
+def _free_context(llama: ModuleType, ctx: Any, batch: Any) -> None:
+    llama.llama_batch_free(batch)
+    llama.llama_free(ctx)
 
 
 class LlamaCppModel:
@@ -204,10 +211,13 @@ class LlamaCppModel:
         params.use_extra_bufts = not settings.exact
         self.llama = llama
         self.path = Path(path)
-        self.ptr = llama.llama_model_load_from_file(str(path).encode(), params)
-        if not self.ptr:
-            msg = f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)"
-            raise ValueError(msg)
+        self._idle = IdleContexts(settings.idle_contexts if keep is None else keep)
+        with interrupts_held():  # kept with its finalizer, or never loaded
+            self.ptr = llama.llama_model_load_from_file(str(path).encode(), params)
+            if not self.ptr:
+                msg = f"llama.cpp could not load {str(path)!r} (not a GGUF model it supports?)"
+                raise ValueError(msg)
+            self._finalizer = weakref.finalize(self, _free_model, llama, self.ptr, self._idle)
         self.vocab = llama.llama_model_get_vocab(self.ptr)
         self.n_vocab = int(llama.llama_vocab_n_tokens(self.vocab))
         self.n_ctx_train = int(llama.llama_model_n_ctx_train(self.ptr))
@@ -227,9 +237,7 @@ class LlamaCppModel:
         self.settings = settings
         self.max_sequences = MAX_TREE_LEAVES  # besides sequence 0: tree leaves, parallel rows
         self._lock = threading.Lock()
-        self._idle = IdleContexts(settings.idle_contexts if keep is None else keep)
         self.prefix_cache = settings.prefix_cache  # may be switched off (or on) at any time
-        self._finalizer = weakref.finalize(self, _free_model, llama, self.ptr, self._idle)
 
     def describe(self) -> str:
         buf = ctypes.create_string_buffer(256)
