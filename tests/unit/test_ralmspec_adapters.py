@@ -289,3 +289,62 @@ def test_langchain_adapters_hand_back_the_retrievers_own_documents(tiny_target) 
                                  retriever=base, max_new_tokens=8, with_details=True)
     documents = rag.invoke("who wrote the report?")["documents"]
     assert documents and all(any(d is r for r in base.returned) for d in documents)
+
+
+@pytest.mark.parametrize("where", ["recording", "verdicts"])
+def test_an_interrupted_verify_keeps_the_queue_and_records_nothing_half(monkeypatch, where
+                                                                        ) -> None:
+    """A Ctrl-C while ``verify`` records the searched rows leaves the cache and the verified
+    results as they were; one while it compares them keeps the queue; the retry gives a fresh
+    wrapper's verdicts (before: rows half recorded, or the queue lost and the retry ``[]``)."""
+    from langchain_specrag import SpeculativeRetriever
+    from shared_core.engines.ralmspec import cache as cache_module
+
+    queries = ["abcd", "abcde", "abcdef"]
+
+    def speculated() -> SpeculativeRetriever:
+        spec = SpeculativeRetriever(retriever=LCRetriever(_hits), k=2, prefetch_k=3)
+        spec.invoke("seed query")
+        for query in queries:
+            spec.speculate(query)
+        return spec
+
+    def state(spec: SpeculativeRetriever) -> tuple[Any, ...]:
+        session = spec.session
+        return ([q for q, _, _ in session.pending], list(session.cache.docs),
+                sorted(session.verified))
+
+    spec, want = speculated(), speculated().verify()
+    before = state(spec)
+    add, doc_key, search = (cache_module.LocalCache.add, cache_module.doc_key,
+                            cache_module.SpeculativeRetrieval._search)
+    trap = {"armed": where == "recording", "calls": 0}
+
+    def recorded(self: Any, rows: Any) -> None:  # the second row recorded: interrupted
+        trap["calls"] += 1
+        if trap["calls"] == 2:
+            raise KeyboardInterrupt
+        add(self, rows)
+
+    def searched(self: Any, *args: Any) -> Any:  # the search done: the next compare interrupted
+        hits = search(self, *args)
+        trap["armed"] = True
+        return hits
+
+    def compared(document: Any) -> Any:
+        if trap["armed"]:
+            raise KeyboardInterrupt
+        return doc_key(document)
+
+    with monkeypatch.context() as patched, pytest.raises(KeyboardInterrupt):
+        if where == "recording":
+            patched.setattr(cache_module.LocalCache, "add", recorded)
+        else:
+            patched.setattr(cache_module.SpeculativeRetrieval, "_search", searched)
+            patched.setattr(cache_module, "doc_key", compared)
+        spec.verify()
+    if where == "recording":
+        assert state(spec) == before
+    else:  # the rows were recorded whole; the queue is kept for the retry
+        assert state(spec)[0] == before[0]
+    assert spec.verify() == want

@@ -35,6 +35,14 @@ class LocalCache:
         for hit in hits:
             self.docs.setdefault(doc_key(hit.document), hit.document)
 
+    def extended(self, rows: Sequence[Sequence[Hit]]) -> LocalCache:
+        """A new cache holding these documents and ``rows``' (this one is left as it is)."""
+        cache = LocalCache()
+        cache.docs = dict(self.docs)
+        for row in rows:
+            cache.add(row)
+        return cache
+
     def top1(self, backend: SpeculativeBackend, encoded: Any) -> Document:
         return check_ranked(backend.rank(encoded, list(self.docs.values())),
                             retriever_name(backend))
@@ -73,11 +81,10 @@ class SpeculativeRetrieval:
                 ) -> list[list[Hit]]:
         hits = checked_search(self.backend, encoded, max(self.prefetch_k, depth or 0),
                               self.retrieval_timeout_s, allow_empty=True)
-        with self._lock:
-            self.calls += 1
-            for query, row in zip(queries, hits, strict=True):
-                self.verified[query] = row
-                self.cache.add(row)
+        with self._lock:  # built aside, then swapped in by one statement: never half-recorded
+            verified = {**self.verified, **dict(zip(queries, hits, strict=True))}
+            cache = self.cache.extended(hits)
+            self.verified, self.cache, self.calls = verified, cache, self.calls + 1
         return hits
 
     def retrieve(self, query: str, k: int | None = None) -> list[Hit]:
@@ -106,20 +113,25 @@ class SpeculativeRetrieval:
         return [Hit(doc, float("nan"), 0)]
 
     def verify(self) -> list[bool]:
-        """One batched call for all queued speculations; True where the top-1 was right."""
-        with self._lock:
-            pending, self.pending = self.pending, []
-        if not pending:
-            return []
-        queries, encoded, docs = zip(*pending, strict=True)
+        """One batched call for all queued speculations; True where the top-1 was right. Until
+        the verdicts exist (a failure or an interrupt anywhere before), the queue is kept: the
+        caller may retry."""
+        pending: list[tuple[str, Any, Document]] = []
+        verdicts: list[bool] | None = None
         try:
+            with self._lock:
+                pending, self.pending = self.pending, []
+            if not pending:
+                return []
+            queries, encoded, docs = zip(*pending, strict=True)
             hits = self._search(list(queries), list(encoded))
-        except BaseException:
-            with self._lock:  # keep the queue: the caller may retry verify()
-                self.pending[:0] = pending
-            raise
-        return [bool(row) and doc_key(row[0].document) == doc_key(doc)
-                for row, doc in zip(hits, docs, strict=True)]
+            verdicts = [bool(row) and doc_key(row[0].document) == doc_key(doc)
+                        for row, doc in zip(hits, docs, strict=True)]
+            return verdicts
+        finally:
+            if verdicts is None and pending:
+                with self._lock:
+                    self.pending[:0] = pending
 
 
 def check_query(query: object, name: str = "query") -> None:
