@@ -114,6 +114,12 @@ def model_error(args: argparse.Namespace) -> str | None:
     return None
 
 
+def _refused(args: argparse.Namespace, prog: str | None, error: str) -> int:
+    """The usage-style error line of a benchmark that cannot run; its exit status."""
+    sys.stderr.write(f"{prog or invoked_as()} {args.benchmark}: error: {error}\n")
+    return 2
+
+
 def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     args = build_parser(prog).parse_args(argv)
@@ -122,16 +128,14 @@ def main(argv: Sequence[str] | None = None, prog: str | None = None) -> int:
         return 2
     error = model_error(args) or _plot_error(args)
     if error is not None:
-        sys.stderr.write(f"{prog or invoked_as()} {args.benchmark}: error: {error}\n")
-        return 2
+        return _refused(args, prog, error)
     if args.threads:
         use_threads(args.threads)
     module, _, run = BENCHMARKS[args.benchmark]
     try:
         report = getattr(importlib.import_module(module), run)(args)
     except NeedsCheckout as e:
-        sys.stderr.write(f"{prog or invoked_as()} {args.benchmark}: error: {e}\n")
-        return 2
+        return _refused(args, prog, str(e))
     # a per-dataset pattern: each report is written by the module, as is a folder of reports
     if args.benchmark not in WRITE_OWN_REPORT and "{dataset}" not in (args.out or ""):
         write_report(report, args.out)
