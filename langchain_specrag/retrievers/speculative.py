@@ -21,7 +21,7 @@ from pydantic import ConfigDict, Field, PrivateAttr, field_validator, model_vali
 from langchain_specrag._documents import as_lc_document
 from shared_core.config import check_settings_keys
 from shared_core.config.rag import SpeculativeRetrievalConfig
-from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_score
+from shared_core.frontend.rag import RetrieverSession, check_retriever
 from shared_core.retrieval.frameworks import langchain_callbacks
 
 if TYPE_CHECKING:
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def _to_lc(hit: Any) -> LCDocument:
-    return as_lc_document(hit.document, {"rank": hit.rank, "score": hit_score(hit)})
+    return as_lc_document(hit.document, {"rank": hit.rank, "score": hit.known_score})
 
 
 class SpeculativeRetriever(BaseRetriever):

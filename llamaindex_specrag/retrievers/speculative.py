@@ -19,14 +19,14 @@ from llama_index.core.schema import NodeWithScore, QueryBundle
 from llamaindex_specrag._query import as_node, query_text
 from shared_core.config import check_int, suggest_kwargs
 from shared_core.config.rag import SpeculativeRetrievalConfig
-from shared_core.frontend.rag import RetrieverSession, check_retriever, hit_score
+from shared_core.frontend.rag import RetrieverSession, check_retriever
 
 if TYPE_CHECKING:
     from shared_core.engines.ralmspec import SpeculativeRetrieval
 
 
 def _to_node(hit: Any) -> NodeWithScore:
-    return NodeWithScore(node=as_node(hit.document, {"rank": hit.rank}), score=hit_score(hit))
+    return NodeWithScore(node=as_node(hit.document, {"rank": hit.rank}), score=hit.known_score)
 
 
 class SpeculativeRetriever(BaseRetriever):

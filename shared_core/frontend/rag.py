@@ -23,7 +23,6 @@ imported only when an engine is built), so the two adapters of one engine behave
 
 from __future__ import annotations
 
-import math
 import threading
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
@@ -46,7 +45,7 @@ if TYPE_CHECKING:
     from shared_core.engines.baseline import TokenStream
     from shared_core.engines.ralmspec import RaLMSpec, RaLMSpecStats, SpeculativeRetrieval
     from shared_core.engines.speculative_rag import SpeculativeRAG, SpeculativeRAGResult
-    from shared_core.retrieval.base import Document, Hit
+    from shared_core.retrieval.base import Document
 
 T = TypeVar("T")
 
@@ -383,9 +382,3 @@ def _ralm_stats(result: GenerationResult) -> RaLMSpecStats:
         msg = f"not a RaLMSpec result: its stats are {type(stats).__name__}"
         raise TypeError(msg)
     return stats
-
-
-def hit_score(hit: Hit) -> float | None:
-    """The retriever's score; None (a NaN score) for a speculated hit or a retriever's hit
-    without a score."""
-    return None if math.isnan(hit.score) else hit.score

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, TypeGuard, TypeVar, runtime_checkable
@@ -72,6 +73,12 @@ class Hit:
         if not isinstance(self.document, Document):
             msg = f"Hit.document must be a Document, got {type(self.document).__name__}"
             raise TypeError(msg)
+
+    @property
+    def known_score(self) -> float | None:
+        """The score, or None where there is none (NaN: a speculated hit, a framework
+        retriever's hit without a score)."""
+        return None if math.isnan(self.score) else self.score
 
 
 @runtime_checkable

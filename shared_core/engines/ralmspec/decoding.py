@@ -3,7 +3,6 @@ RNG draw per output position) and the per-call state."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -186,7 +185,6 @@ class RaLMCall:
             stats.retrieval_s = round(stats.retrieval_s, 4)
             stats.generation_s = round(stats.generation_s, 4)
             stats.documents = tuple(hit.document for hit in self.used.values())
-            stats.document_scores = tuple(None if math.isnan(hit.score) else hit.score
-                                          for hit in self.used.values())  # NaN: no score
+            stats.document_scores = tuple(hit.known_score for hit in self.used.values())
 
         return TokenStream(blocks, self.tracker, self.stats, close)
