@@ -274,9 +274,6 @@ def fit_to_window(lm: SessionLM, prompt_tokens: int, config: GenerationConfig,
     room = positions - prompt_tokens
     if config.max_new_tokens <= room or room < 1:  # no room at all: the prefill says why
         return config
-    where = (window_text(lm) if positions == lm.max_context else
-             f"the {positions} positions a {cache!r} session of {lm.name} holds "
-             "(LM.static_capacity, less exact mode's padding)")
     logger.info("max_new_tokens=%d lowered to %d: the prompt's %d tokens leave that much of %s",
-                config.max_new_tokens, room, prompt_tokens, where)
+                config.max_new_tokens, room, prompt_tokens, window_text(lm, cache))
     return replace(config, max_new_tokens=room)

@@ -192,9 +192,15 @@ class LM(ChatTokenizer):
         return capacity_for(self) - (self.exact_width - 1 if self.exact_width else 0)
 
 
-def window_text(lm: ModelLM) -> str:
+def window_text(lm: ModelLM, cache: CacheKind | None = None) -> str:
     """``lm``'s context limit in words for an error message: a runtime that has a setting for it
-    names the setting (llama.cpp: ``n_ctx``, :meth:`describe_window`)."""
+    names the setting (llama.cpp: ``n_ctx``, :meth:`describe_window`); with ``cache``, the
+    positions a session on it holds where that is less (a torch static cache)."""
+    positions_for = getattr(lm, "positions_for", None)  # in-process models only
+    positions = positions_for(cache) if cache is not None and callable(positions_for) else None
+    if positions is not None and positions < lm.max_context:
+        return (f"the {positions}-token window of {lm.name} on its static cache "
+                "(LM.static_capacity, less exact mode's padding)")
     describe = getattr(lm, "describe_window", None)
     return describe() if callable(describe) else f"the {lm.max_context}-token window of {lm.name}"
 

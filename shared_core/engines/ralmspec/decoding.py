@@ -24,7 +24,7 @@ from shared_core.engines.ralmspec.served import ServedRaLMDecoder
 from shared_core.engines.ralmspec.stats import RaLMSpecStats
 from shared_core.engines.timing import timed
 from shared_core.retrieval.base import Document, Hit, doc_key
-from shared_core.runtime.lm import runtime_report
+from shared_core.runtime.lm import runtime_report, window_text
 from shared_core.runtime.model_lock import check_abandoned
 from shared_core.runtime.passage_cache import register_passage_ids
 from shared_core.runtime.protocol import ModelLM, ServedLM, SessionLM, open_session
@@ -146,9 +146,8 @@ class RaLMCall:
         budget = len(self.prompt.head) + config.max_doc_tokens + len(self.prompt.tail)
         if budget + generation.max_new_tokens > window:
             msg = (f"prompt (up to {budget} tokens with the document) + max_new_tokens="
-                   f"{generation.max_new_tokens} exceeds the {window}-token window of {lm.name}"
-                   f"{'' if window == lm.max_context else ' on its static cache'}; lower "
-                   "max_doc_tokens or max_new_tokens")
+                   f"{generation.max_new_tokens} exceeds {window_text(lm, config.cache)}; "
+                   "lower max_doc_tokens or max_new_tokens")
             raise ValueError(msg)
         self.stats = RaLMSpecStats(prompt_tokens=len(self.prompt.head) + len(self.prompt.tail),
                                    **runtime_report({"target": lm}))

@@ -19,6 +19,7 @@ from shared_core.config.tokens import RapidConfig
 from shared_core.engines.rapid.prompts import EncodedContext, IndexedContext, RapidPrompt, join_chunks
 from shared_core.retrieval import DenseRetriever, Document, chunk_documents
 from shared_core.retrieval.base import Encoder
+from shared_core.runtime.lm import window_text
 from shared_core.runtime.passage_cache import register_passages
 from shared_core.runtime.protocol import SessionLM
 
@@ -179,16 +180,14 @@ class RapidContext:
         static cache's positions); else an error or a middle cut."""
         head, _ = self._target_parts
         overhead = len(self.lm.encode(head + self.config.context_template.format(context="")))
-        positions = self.lm.positions_for(self.config.cache)
-        room = positions - overhead - len(query_ids) - max_new_tokens
+        room = self.lm.positions_for(self.config.cache) - overhead - len(query_ids) - max_new_tokens
         ids = self._encode_context(context).ids
         if len(ids) <= room:
             return context, False
         if self.config.truncate != "middle" or room < 16:
             msg = (f"context of {len(ids)} tokens + query + max_new_tokens={max_new_tokens} exceeds "
-                   f"the {positions}-token window of {self.lm.name}"
-                   f"{'' if positions == self.lm.max_context else ' on its static cache'} (room "
-                   f"for {room} context tokens); shorten the context, lower max_new_tokens or pass "
+                   f"{window_text(self.lm, self.config.cache)} (room for {room} context "
+                   "tokens); shorten the context, lower max_new_tokens or pass "
                    "RapidConfig(truncate='middle') (a chat adapter: "
                    "engine_options={'truncate': 'middle'})")
             raise ValueError(msg)
